@@ -1,0 +1,29 @@
+# Bootstrap an isolated environment and run the project's jobs.
+# The CPU build of torch is pinned so a fresh machine never pulls a multi-GB CUDA build.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test generate bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q
+
+generate: venv
+	$(VENV)/bin/pagedllm generate "def fibonacci(n):"
+
+bench: venv
+	$(VENV)/bin/pagedllm bench throughput --num-prompts 64
+
+clean:
+	rm -rf $(VENV) build *.egg-info

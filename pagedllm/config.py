@@ -1,0 +1,204 @@
+"""Engine configuration: small dataclasses, validated once, with errors that say what to change.
+
+Torch-free on purpose: the core reads ``CacheConfig`` and ``SchedulerConfig``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "fp32": "float32"}
+BUNDLED_MODELS_DIR = Path(__file__).parent / "model_files"
+BUILTIN_CONFIGS_DIR = Path(__file__).parent / "model_configs"
+DEFAULT_MODEL = "pagedllm-demo"
+
+
+def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+    """Map a model argument to a local directory holding config.json.
+
+    ``None`` is the bundled demo model; a name of a bundled model or of a built-in benchmark
+    config (``llama-3.1-8b``, used with ``load_format="dummy"``) resolves inside the
+    package; an existing directory is used as is; anything else is a Hugging Face hub id,
+    fetched through huggingface_hub's cache (``HF_HUB_OFFLINE=1`` is honoured).
+    """
+    name = model or DEFAULT_MODEL
+    for root in (BUNDLED_MODELS_DIR, BUILTIN_CONFIGS_DIR):
+        candidate = root / name
+        if (candidate / "config.json").is_file():
+            return candidate
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"Model directory {path} has no config.json.")
+        return path
+    if path.exists():
+        raise ValueError(f"Model path {path} is a file; pass the directory that holds config.json.")
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(
+            name, revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"],
+        )
+    except Exception as exc:  # network off, repo missing, offline cache empty...
+        bundled = sorted(p.name for p in BUNDLED_MODELS_DIR.glob("*") if p.is_dir())
+        raise ValueError(
+            f"Could not find model {name!r}: it is not a local directory and could not be "
+            f"fetched from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            f"Bundled models: {bundled}."
+        ) from exc
+    return Path(local)
+
+
+def _normalize_dtype(dtype: str) -> str:
+    dtype = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    if dtype.startswith("torch."):
+        dtype = dtype[len("torch."):]
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {dtype!r}.")
+    return dtype
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights, real shape)
+    revision: str | None = None
+    tokenizer: str | None = None
+    # Derived in __post_init__:
+    path: Path = field(init=False)
+    hf_config: dict = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(
+                f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}."
+            )
+        self.dtype = _normalize_dtype(self.dtype)
+        self.path = resolve_model_path(self.model, self.revision)
+        self.hf_config = json.loads((self.path / "config.json").read_text())
+        cfg = self.hf_config
+        if "text_config" in cfg and "num_hidden_layers" not in cfg:
+            cfg = {**cfg, **cfg["text_config"]}
+            self.hf_config = cfg
+        limit = cfg.get("max_position_embeddings")
+        if self.max_model_len is None:
+            self.max_model_len = limit or 2048
+        elif self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        elif limit is not None and self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={limit}: lower --max-model-len."
+            )
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(self.hf_config.get("architectures") or [])
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config["num_hidden_layers"]
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.hf_config["num_attention_heads"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.hf_config.get("num_key_value_heads") or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config["vocab_size"]
+
+    @property
+    def config_dtype(self) -> str:
+        """The dtype the checkpoint declares (``torch_dtype`` or ``dtype``), float32 if none."""
+        declared = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
+        return _normalize_dtype(declared)
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return Path(self.tokenizer) if self.tokenizer else self.path
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float = 2.0  # CPU only: bytes reserved for the KV cache
+    num_kv_blocks: int | None = None  # overrides both sizings when set
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+
+
+@dataclass
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "fcfs" | "priority" (lower value first, then arrival)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else self.max_model_len
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}."
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len}, so a long prompt could never be scheduled "
+                "without chunked prefill: raise --max-num-batched-tokens, lower "
+                "--max-model-len, or enable chunked prefill."
+            )
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: str = "cpu"
+
+    @staticmethod
+    def default_device() -> str:
+        forced = os.environ.get("PAGEDLLM_DEVICE")
+        if forced:
+            return forced
+        try:
+            import torch
+        except ImportError:  # the core alone
+            return "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,89 @@
+"""The plain data that crosses the core's boundary each step. No torch.
+
+One step: ``Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute_model() ->
+ModelRunnerOutput -> Scheduler.update_from_output() -> list[EngineCoreOutput]``.
+
+The model runner keeps its own copy of every running request (token ids, block table,
+sampling state), so a step sends only what changed: new requests in full, running ones
+as newly allocated block ids and their ``num_computed_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+# One position's logprobs: ``(token_ids, logprobs, sampled_rank)``. ``token_ids[0]`` is the
+# token that was sampled (or, for prompt logprobs, the actual prompt token); the rest are the
+# top-k tokens in descending order, whose ranks are 1..k. ``sampled_rank`` is the rank of
+# ``token_ids[0]`` in the full distribution (1 = most likely).
+LogprobsEntry = tuple[list[int], list[float], int]
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (recompute)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hits: K/V already in the cache
+
+
+@dataclass
+class CachedRequestData:
+    """Running requests the runner already holds, in parallel lists."""
+
+    request_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # request id -> tokens to compute this step (> 0 for every scheduled request)
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished, were aborted or preempted since the last step: the runner
+    # forgets them (a preempted one comes back later as a NewRequestData).
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward pass produced, per scheduled request (ordered as ``req_ids``)."""
+
+    req_ids: list[str]
+    # Sampled tokens per request; empty for a prefill chunk that does not reach the end.
+    sampled_token_ids: list[list[int]]
+    # request id -> one entry per sampled token (only for requests that asked for logprobs)
+    logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+    # request id -> one entry per prompt position computed this step (None for position 0)
+    prompt_logprobs: dict[str, list[LogprobsEntry | None]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request, for the front end to detokenize and stream."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsEntry] | None = None
+    new_prompt_logprobs: list[LogprobsEntry | None] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

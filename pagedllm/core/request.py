@@ -1,0 +1,142 @@
+"""The state of one sequence inside the engine core. Pure Python, no torch.
+
+A ``Request`` is one sequence: a prompt and the tokens generated after it. (An API call
+with ``n > 1`` becomes ``n`` requests that share the prompt; the prefix cache makes the
+shared prompt cost one prefill.)
+
+Token accounting, the only thing the scheduler knows about a request::
+
+    all_token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... o(O-1) ]
+                      ^-- prompt (P) --^  ^-- output (O) --^
+    num_tokens          = P + O
+    num_computed_tokens = tokens whose K/V are in the cache (prefix hits included)
+    to compute          = num_tokens - num_computed_tokens
+
+A decode step computes exactly one token (the last sampled one); a prefill chunk computes
+many; a preempted request drops to ``num_computed_tokens == 0`` and recomputes prompt and
+outputs together, so it resumes with the same tokens it had.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this line is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: "RequestStatus") -> str | None:
+        """The OpenAI ``finish_reason`` for a finished status ("stop", "length", "abort")."""
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence the scheduler can run. Mutated only by the scheduler and KV manager."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority",
+        "all_token_ids", "output_token_ids", "num_computed_tokens", "num_cached_tokens",
+        "status", "stop_reason", "max_tokens", "stop_token_ids", "block_hashes",
+        "num_preemptions", "first_scheduled_time", "use_prefix_cache",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_model_len: int,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("The prompt is empty: give at least one token.")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache at the first admission (for metrics).
+        self.num_cached_tokens = -1
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        # The most output tokens this request may have: max_tokens, capped by the context.
+        room = max_model_len - len(prompt_token_ids)
+        wanted = sampling_params.max_tokens
+        self.max_tokens = room if wanted is None else min(wanted, room)
+        self.stop_token_ids = sampling_params.all_stop_token_ids
+        # Hashes of the request's full blocks, in order; extended by the KV cache manager.
+        self.block_hashes: list = []
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        # Prompt logprobs need logits for every prompt token, so such requests skip hits.
+        self.use_prefix_cache = sampling_params.prompt_logprobs is None
+
+    # -- token accounting ---------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return len(self.all_token_ids) - self.num_computed_tokens
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """After appending a token: set a finished status if this request is done."""
+        if self.output_token_ids:
+            last = self.output_token_ids[-1]
+            if last in self.stop_token_ids and len(self.output_token_ids) >= self.sampling_params.min_tokens:
+                self.status = RequestStatus.FINISHED_STOPPED
+                # EOS is not reported as a stop reason; an explicit stop token id is.
+                if last in self.sampling_params.stop_token_ids:
+                    self.stop_reason = last
+                return True
+        if len(self.output_token_ids) >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,103 @@
+"""The attention backend interface and the per-step forward context.
+
+The model keeps the two-argument signature ``model(input_ids, positions)``; everything
+attention needs for the step travels in a ``ForwardContext`` set by the model runner
+around the forward pass (``with set_forward_context(...)``), which keeps the model code free
+of batching details and makes CUDA-graph capture simple.
+
+A step's batch is flat: ``T`` new tokens from ``B`` sequences, sequence ``b`` owning rows
+``query_start_loc[b] : query_start_loc[b + 1]``. Prefill chunks and decodes mix freely.
+
+KV cache layout, one tensor per layer::
+
+    kv_cache[layer]: [2, num_blocks, block_size, num_kv_heads, head_dim]
+                      ^ 0 = keys, 1 = values
+
+    slot = block_id * block_size + offset_in_block
+
+Sequence ``b`` has ``seq_lens[b]`` tokens of context after this step (cached + new); its
+token at absolute position ``p`` lives in block ``block_tables[b, p // block_size]`` at
+offset ``p % block_size``. Its new tokens are the last ``query_len`` of those positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Batch layout for one forward pass. Device tensors plus host copies of small lists.
+
+    Invariants: ``query_start_loc[-1] == num_actual_tokens``; for every sequence
+    ``1 <= query_len <= seq_len``; ``block_tables`` rows cover ``ceil(seq_len / block_size)``
+    blocks (padding beyond that is arbitrary); ``slot_mapping[i]`` is the slot of new token i.
+    """
+
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host copies (lists of ints) so a reference backend never syncs the device.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None
+    kv_caches: list[torch.Tensor]
+
+
+_forward_context: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def set_forward_context(
+    attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor]
+) -> Iterator[None]:
+    global _forward_context
+    previous = _forward_context
+    _forward_context = ForwardContext(attn_metadata, kv_caches)
+    try:
+        yield
+    finally:
+        _forward_context = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _forward_context is None:
+        raise RuntimeError("The model ran outside set_forward_context(): the model runner sets it.")
+    return _forward_context
+
+
+class AttentionBackend(Protocol):
+    """Writes the step's new K/V into the paged cache, then attends over the full context.
+
+    ``query``: [T, num_heads, head_dim]; ``key``/``value``: [T, num_kv_heads, head_dim];
+    returns [T, num_heads, head_dim]. Causal within a sequence; sequences never see each
+    other. ``sliding_window`` (tokens, or None) limits how far back a query looks.
+    """
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor: ...

@@ -1,0 +1,121 @@
+"""Per-request sampling parameters (OpenAI and vLLM knobs), validated once at construction.
+
+Pure Python: the core imports this module, so it must never import torch.
+
+Semantics (vLLM's, which OpenAI clients expect):
+- ``temperature == 0`` means greedy decoding; top_p/top_k/min_p are then irrelevant.
+- ``top_k <= 0`` (or -1) means no top-k filtering; ``top_p == 1`` and ``min_p == 0`` disable theirs.
+- ``repetition_penalty`` (1 = off) divides positive / multiplies negative logits of every
+  token seen in the prompt or the output; ``presence_penalty`` and ``frequency_penalty``
+  (0 = off) subtract from the logits of tokens seen in the output.
+- ``stop`` strings end generation when they appear in the decoded text; the text is cut
+  before the stop string unless ``include_stop_str_in_output``.
+- ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before this many output tokens.
+- ``logprobs = k`` returns, per output token, the sampled token's logprob plus the top k;
+  ``prompt_logprobs = k`` does the same for every prompt token (the first is None).
+- ``seed`` makes a request's samples independent of whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Filled in by the engine from the tokenizer/generation config; not a user knob.
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, value, rule: str) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {value!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "an integer >= 1")
+        if self.temperature < 0.0:
+            raise bad("temperature", self.temperature, "non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int):
+            raise bad("top_k", self.top_k, "an integer (0 or -1 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "greater than 0")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens, got min_tokens={self.min_tokens} "
+                f"and max_tokens={self.max_tokens}."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0 or value > 20):
+                raise bad(name, value, "an integer in [0, 20] or None")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "an integer or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        """Token ids that end generation (EOS unless ignored, plus stop_token_ids)."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids |= self.eos_token_ids
+        return frozenset(ids)
+
+    def clone(self, **changes) -> "SamplingParams":
+        new = copy.copy(self)
+        for key, value in changes.items():
+            setattr(new, key, value)
+        new.stop = list(new.stop)
+        new.stop_token_ids = list(new.stop_token_ids)
+        return new
