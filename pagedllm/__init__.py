@@ -1,0 +1,24 @@
+"""pagedllm: a high-throughput LLM inference and serving engine.
+
+    from pagedllm import LLM, SamplingParams
+    llm = LLM()  # the bundled demo model
+    print(llm.generate(["def fib(n):"], SamplingParams(max_tokens=32))[0].outputs[0].text)
+
+Heavy imports (torch) happen on first use of ``LLM``, so the torch-free core stays light.
+"""
+
+from __future__ import annotations
+
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from pagedllm.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

@@ -87,3 +87,15 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler for metrics and the periodic log line (counters are totals)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use, 0..1
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, total
+    prefix_cache_hits: int  # of those, tokens found, total
+    num_preemptions: int  # total

@@ -58,7 +58,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority",
         "all_token_ids", "output_token_ids", "num_computed_tokens", "num_cached_tokens",
         "status", "stop_reason", "max_tokens", "stop_token_ids", "block_hashes",
-        "num_preemptions", "first_scheduled_time", "use_prefix_cache",
+        "num_preemptions", "first_scheduled_time", "use_prefix_cache", "cache_salt",
     )
 
     def __init__(
@@ -69,6 +69,7 @@ class Request:
         max_model_len: int,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("The prompt is empty: give at least one token.")
@@ -91,6 +92,9 @@ class Request:
         self.stop_token_ids = sampling_params.all_stop_token_ids
         # Hashes of the request's full blocks, in order; extended by the KV cache manager.
         self.block_hashes: list = []
+        # Mixed into the first block's hash: requests with different salts never share
+        # cached blocks (tenant isolation), requests with equal salts share as usual.
+        self.cache_salt = cache_salt
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         # Prompt logprobs need logits for every prompt token, so such requests skip hits.

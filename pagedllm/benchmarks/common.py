@@ -1,0 +1,70 @@
+"""Shared pieces of the benchmark commands: synthetic workloads and result records."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class SyntheticRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def synthetic_requests(
+    num_requests: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+    seed: int = 0,
+) -> list[SyntheticRequest]:
+    """Random-token prompts; lengths uniform in the inclusive ranges, from ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        prompt_len = rng.randint(*input_len)
+        out_len = rng.randint(*output_len)
+        prompt = [rng.randrange(vocab_size) for _ in range(prompt_len)]
+        requests.append(SyntheticRequest(prompt, out_len))
+    return requests
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"100:1024"`` -> (100, 1024); ``"128"`` -> (128, 128)."""
+    lo, _, hi = text.partition(":")
+    low, high = int(lo), int(hi or lo)
+    if not 1 <= low <= high:
+        raise ValueError(f"A length range must be 'LOW:HIGH' with 1 <= LOW <= HIGH, got {text!r}.")
+    return low, high
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=Path(__file__).parent, check=True,
+        ).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def result_record(**fields) -> dict:
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": git_commit(),
+        "command": " ".join(["pagedllm", *sys.argv[1:]]),
+        **fields,
+    }
+
+
+def write_json(path: str | None, records: dict | list) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(records, indent=2) + "\n")
+        print(f"wrote {path}")

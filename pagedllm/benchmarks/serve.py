@@ -1,0 +1,241 @@
+"""``pagedllm bench serve``: load a running server and measure what its users feel.
+
+    pagedllm serve &                                   # or any OpenAI-compatible server
+    pagedllm bench serve --num-prompts 200 --input-len 128 --output-len 128 --request-rate 4
+
+Prompts are random token ids of exactly ``--input-len`` tokens, drawn from the ids the
+server's own tokenizer gives a seeded random text (``POST /tokenize``), sent as token-id
+prompts to ``/v1/completions`` with ``ignore_eos`` so each produces exactly
+``--output-len`` tokens. Requests arrive as a Poisson process at ``--request-rate`` per
+second (``inf``: all at once), at most ``--max-concurrency`` in flight.
+
+Per request, from the streamed response: TTFT (request sent -> first token chunk), ITL
+(gaps between token chunks), TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end
+latency. Reported: request and token throughput, and mean / median / p99 of each latency
+(milliseconds). ``--output-json`` saves the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedllm.benchmarks.common import parse_range, result_record, write_json
+
+_WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at "
+          "which but have an they you were her she there one all we their can has more when will "
+          "would if been what about into other them some these two may then do first any like "
+          "time only new could out also over made such after most years where system engine "
+          "block cache token request model batch memory queue prefix attention kernel server "
+          "def return class import print value list dict self none true false range len").split()
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default=None,
+                        help="Server root, e.g. http://127.0.0.1:8000 (default: from --host/--port).")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default=None, help="Model name (default: the server's first).")
+    parser.add_argument("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY'.")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--input-len", type=parse_range, default=(128, 128),
+                        help="Prompt tokens, 'LOW:HIGH' (uniform) or one number.")
+    parser.add_argument("--output-len", type=parse_range, default=(128, 128),
+                        help="Output tokens, 'LOW:HIGH' (uniform) or one number.")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="Mean requests per second of the Poisson arrivals (default: inf, all at once).")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="Most requests in flight at once (default: no limit).")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="Generate exactly the output length (default on).")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None, help="Write the result record here.")
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}.")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}.")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}.")
+
+
+def _httpx():
+    try:
+        import httpx
+    except ImportError:
+        raise ValueError("pagedllm bench serve needs httpx: pip install 'pagedllm[bench]'.") from None
+    return httpx
+
+
+async def _token_pool(client, base_url: str, model: str, seed: int) -> list[int]:
+    """Distinct token ids the server's tokenizer produces for ordinary text."""
+    rng = random.Random(seed)
+    text = " ".join(rng.choice(_WORDS) for _ in range(2000))
+    response = await client.post(f"{base_url}/tokenize", json={
+        "model": model, "prompt": text, "add_special_tokens": False})
+    response.raise_for_status()
+    pool = sorted(set(response.json()["tokens"]))
+    if not pool:
+        raise ValueError("The server's /tokenize returned no tokens; cannot build prompts.")
+    return pool
+
+
+async def _one_request(client, url: str, payload: dict, prompt_len: int) -> RequestResult:
+    result = RequestResult(ok=False, prompt_len=prompt_len)
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=payload) as response:
+            if response.status_code != 200:
+                body = await response.aread()
+                result.error = f"HTTP {response.status_code}: {body[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    if result.ttft_s == 0.0:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+        result.latency_s = time.perf_counter() - start
+        result.ok = result.ttft_s > 0.0
+        if not result.ok:
+            result.error = "the stream ended without a token"
+    except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _stats(values: list[float], scale: float = 1000.0) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    array = np.asarray(values) * scale
+    return {"mean": round(float(array.mean()), 3), "median": round(float(np.median(array)), 3),
+            "p99": round(float(np.percentile(array, 99)), 3)}
+
+
+async def benchmark(args: argparse.Namespace) -> dict:
+    httpx = _httpx()
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits,
+                                 headers=headers) as client:
+        models = await client.get(f"{base_url}/v1/models")
+        models.raise_for_status()
+        model = args.model or models.json()["data"][0]["id"]
+        pool = await _token_pool(client, base_url, model, args.seed)
+
+        rng = random.Random(args.seed)
+        work = []
+        for _ in range(args.num_prompts):
+            prompt_len = rng.randint(*args.input_len)
+            work.append(([rng.choice(pool) for _ in range(prompt_len)], rng.randint(*args.output_len)))
+        url = f"{base_url}/v1/completions"
+
+        def payload(prompt: list[int], output_len: int) -> dict:
+            return {"model": model, "prompt": prompt, "max_tokens": output_len,
+                    "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+                    "stream": True, "stream_options": {"include_usage": True}}
+
+        warmup = await _one_request(client, url, payload(work[0][0], 4), len(work[0][0]))
+        if not warmup.ok:
+            raise ValueError(f"The warm-up request failed: {warmup.error}")
+
+        semaphore = asyncio.Semaphore(args.max_concurrency or len(work))
+
+        async def limited(prompt: list[int], output_len: int) -> RequestResult:
+            async with semaphore:
+                return await _one_request(client, url, payload(prompt, output_len), len(prompt))
+
+        print(f"Model {model}: {args.num_prompts} requests, request rate {args.request_rate}, "
+              f"max concurrency {args.max_concurrency or 'unlimited'}")
+        arrivals = random.Random(args.seed + 1)
+        tasks = []
+        start = time.perf_counter()
+        for prompt, output_len in work:
+            tasks.append(asyncio.create_task(limited(prompt, output_len)))
+            if math.isfinite(args.request_rate):
+                await asyncio.sleep(arrivals.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(args, model, results, duration)
+
+
+def summarize(args: argparse.Namespace, model: str, results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    tpots = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    failures = [r.error for r in results if not r.ok]
+    return result_record(
+        workload="serve", model=model, num_prompts=args.num_prompts,
+        input_len=list(args.input_len), output_len=list(args.output_len),
+        request_rate=None if math.isinf(args.request_rate) else args.request_rate,
+        max_concurrency=args.max_concurrency, duration_s=round(duration, 3),
+        completed=len(ok), failed=len(failures), first_errors=failures[:3],
+        total_input_tokens=input_tokens, total_output_tokens=output_tokens,
+        request_throughput=round(len(ok) / duration, 3),
+        output_throughput=round(output_tokens / duration, 2),
+        total_token_throughput=round((input_tokens + output_tokens) / duration, 2),
+        ttft_ms=_stats([r.ttft_s for r in ok]), tpot_ms=_stats(tpots),
+        itl_ms=_stats([gap for r in ok for gap in r.itl_s]),
+        e2e_latency_ms=_stats([r.latency_s for r in ok]),
+    )
+
+
+def _print(record: dict) -> None:
+    print(f"{'completed / failed':<28} {record['completed']} / {record['failed']}")
+    for error in record["first_errors"]:
+        print(f"  error: {error}")
+    print(f"{'duration (s)':<28} {record['duration_s']}")
+    print(f"{'request throughput (req/s)':<28} {record['request_throughput']}")
+    print(f"{'output throughput (tok/s)':<28} {record['output_throughput']}")
+    print(f"{'total throughput (tok/s)':<28} {record['total_token_throughput']}")
+    print(f"{'':<28} {'mean':>10} {'median':>10} {'p99':>10}")
+    for key, name in (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"),
+                      ("e2e_latency_ms", "E2E latency (ms)")):
+        s = record[key]
+        cells = ["-" if s[k] is None else f"{s[k]:.2f}" for k in ("mean", "median", "p99")]
+        print(f"{name:<28} {cells[0]:>10} {cells[1]:>10} {cells[2]:>10}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    _check_args(args)
+    record = asyncio.run(benchmark(args))
+    _print(record)
+    write_json(args.output_json, record)
+    return record

@@ -1,0 +1,369 @@
+"""The token-budget scheduler: which requests run this step, and how many tokens each computes.
+
+Pure Python, no torch. There is no prefill or decode phase: a request needs
+``num_tokens - num_computed_tokens`` tokens computed, and one step hands out a single budget
+of ``max_num_batched_tokens`` tokens::
+
+    budget = max_num_batched_tokens
+    1. running requests, in admission order. Each gets what it needs, capped by the budget
+       with chunked prefill (without it, all or nothing). A decode needs 1 token, so
+       decodes are never starved by long prompts, which come later in the order. If the
+       KV blocks run out, the most recently admitted running request is preempted
+       (blocks freed, status PREEMPTED, back to the front of the waiting queue, recomputed
+       later) until the allocation fits, or the request was itself that victim.
+    2. waiting requests, in policy order, unless step 1 preempted someone (memory is
+       short), while ``max_num_seqs`` allows: prefix-cache lookup, then as many tokens as
+       the budget allows. A request that does not fit (the budget without chunked prefill,
+       the blocks in any case) stops admission: nobody skips ahead of it.
+    3. the SchedulerOutput; then each scheduled request's ``num_computed_tokens`` advances
+       by its share, as if the step had already run.
+
+``update_from_output`` then appends the sampled tokens, finishes requests that stop, and
+frees their blocks at once.
+
+For the model runner: ``finished_req_ids`` holds requests finished or aborted since the
+last step and also the requests preempted in this step, which are listed again, alone, in
+``preempted_req_ids``. The runner forgets all of them; a preempted request comes back as a
+``NewRequestData`` with all its tokens (prompt + outputs).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache import KVCacheManager, cdiv
+from pagedllm.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_queue import make_request_queue
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class _StepPlan:
+    """What one ``schedule()`` call has decided so far."""
+
+    __slots__ = ("token_budget", "num_scheduled_tokens", "new_reqs", "cached_reqs",
+                 "preempted_req_ids")
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.new_reqs: list[NewRequestData] = []
+        self.cached_reqs = CachedRequestData()
+        self.preempted_req_ids: set[str] = set()
+
+    def add_new(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+        self.new_reqs.append(NewRequestData(
+            request_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        ))
+        self._add(request, num_tokens)
+
+    def _add(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        request.num_computed_tokens += num_tokens
+        self.token_budget -= num_tokens
+
+
+class Scheduler:
+    """Owns every unfinished request (waiting or running) and the KV cache manager.
+
+    ``num_kv_blocks`` is the size of the KV cache the model runner allocated.
+    """
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_kv_blocks,
+            block_size=cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            max_model_len=scheduler_config.max_model_len,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []  # admission order; preemption takes from the end
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # -- requests in and out ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError if it could never run in this engine."""
+        if request.request_id in self.requests:
+            raise ValueError(
+                f"Request id {request.request_id!r} is already in use: give each request a "
+                "unique id."
+            )
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"The prompt has {request.num_prompt_tokens} tokens but max_model_len is "
+                f"{self.max_model_len}: shorten the prompt or raise --max-model-len."
+            )
+        # The last sampled token is never computed, so it needs no slot.
+        most_tokens = max(request.num_tokens, request.num_prompt_tokens + request.max_tokens - 1)
+        num_pool_tokens = self.kv_cache_manager.num_blocks * self.block_size
+        if cdiv(most_tokens, self.block_size) > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"The KV cache holds {num_pool_tokens} tokens but this request may need "
+                f"{most_tokens} (prompt {request.num_prompt_tokens} + max_tokens "
+                f"{request.max_tokens}): lower max_tokens or --max-model-len, or give the "
+                "KV cache more memory."
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(
+        self,
+        request_ids: str | Iterable[str],
+        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+    ) -> None:
+        """Finish requests now with ``status``, freeing their blocks. Unknown ids are ignored.
+
+        Aborted requests produce no EngineCoreOutput; their ids reach the runner in the next
+        SchedulerOutput's ``finished_req_ids``.
+        """
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status must be a finished status, got {status!r}.")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.pop(req_id, None)
+            if request is None:
+                continue
+            if request.status == _RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self.kv_cache_manager.free(request)
+            self._finished_req_ids.add(req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by running requests, in [0, 1]."""
+        return self.kv_cache_manager.usage
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()
+
+    # -- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_req_ids:
+            self._schedule_waiting(plan)
+        return self._make_output(plan)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        # The hot loop (one pass per running request per step): locals, no helper calls
+        # on the common path.
+        running = self.running
+        allocate = self.kv_cache_manager.allocate_slots
+        chunked = self.enable_chunked_prefill
+        budget = plan.token_budget
+        cached = plan.cached_reqs
+        num_scheduled = plan.num_scheduled_tokens
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            if num_tokens > budget:
+                num_tokens = budget if chunked else 0
+            if num_tokens <= 0:
+                i += 1
+                continue
+            new_block_ids = allocate(request, num_tokens)
+            if new_block_ids is None:
+                new_block_ids = self._preempt_until_allocated(request, num_tokens, plan)
+                if new_block_ids is None:
+                    break  # it preempted itself, so it was the last running request
+            req_id = request.request_id
+            cached.request_ids.append(req_id)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled[req_id] = num_tokens
+            request.num_computed_tokens += num_tokens
+            budget -= num_tokens
+            i += 1
+        plan.token_budget = budget
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        waiting, kv = self.waiting, self.kv_cache_manager
+        while waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = waiting.peek()
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_tokens = self._num_tokens_to_schedule(
+                request.num_tokens - num_hit_tokens, plan.token_budget)
+            if num_tokens == 0:
+                if plan.token_budget == self.max_num_batched_tokens:
+                    raise RuntimeError(
+                        f"Request {request.request_id!r} needs {request.num_tokens} tokens in one "
+                        f"step but max_num_batched_tokens is {self.max_num_batched_tokens}: enable "
+                        "chunked prefill or raise --max-num-batched-tokens."
+                    )
+                return  # its whole prompt does not fit this step; nobody skips ahead of it
+            if kv.allocate_slots(request, num_tokens, hit_blocks, num_hit_tokens) is None:
+                if not self.running:
+                    raise RuntimeError(
+                        f"Request {request.request_id!r} needs more KV blocks than the whole "
+                        f"cache ({kv.num_blocks} blocks) holds; add_request should have refused it."
+                    )
+                return
+            waiting.pop()
+            self._admit(request, num_hit_tokens)
+            plan.add_new(request, num_tokens, kv.get_block_ids(request.request_id))
+
+    def _num_tokens_to_schedule(self, num_needed: int, token_budget: int) -> int:
+        if num_needed <= token_budget:
+            return max(num_needed, 0)
+        return token_budget if self.enable_chunked_prefill else 0
+
+    def _preempt_until_allocated(
+        self, request: Request, num_tokens: int, plan: _StepPlan
+    ) -> list[int] | None:
+        """Preempt from the end of ``running`` until the request's blocks fit; returns its
+        new block ids, or None if the request itself had to be preempted."""
+        while True:
+            victim = self.running.pop()
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens)
+            if new_block_ids is not None:
+                return new_block_ids
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.prepend(request)
+        plan.preempted_req_ids.add(request.request_id)
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        request.status = _RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.running.append(request)
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        finished = self._finished_req_ids
+        self._finished_req_ids = set()
+        finished |= plan.preempted_req_ids
+        return SchedulerOutput(
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=plan.cached_reqs,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - plan.token_budget,
+            finished_req_ids=finished,
+            preempted_req_ids=plan.preempted_req_ids,
+        )
+
+    # -- after the forward pass ---------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, finish and free stopped requests, report per request.
+
+        A request gets an EngineCoreOutput when it has new tokens or prompt logprobs to
+        report. Tokens sampled for a request whose computed tokens do not reach its end (a
+        prefill chunk) are dropped: they came from a non-final position. Requests aborted
+        since ``schedule()`` are skipped.
+        """
+        requests = self.requests
+        all_logprobs = model_runner_output.logprobs
+        all_prompt_logprobs = model_runner_output.prompt_logprobs
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        runner = model_runner_output
+        for req_id, sampled in zip(runner.req_ids, runner.sampled_token_ids):
+            request = requests.get(req_id)
+            if request is None or request.status != _RUNNING:
+                continue
+            if sampled and request.num_computed_tokens < len(request.all_token_ids):
+                sampled = []
+            if len(sampled) == 1:
+                request.append_output_token(sampled[0])
+                request.check_stop()
+                new_token_ids = sampled
+            else:
+                new_token_ids = self._append_tokens(request, sampled)
+            prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
+            if not new_token_ids and prompt_logprobs is None:
+                continue
+            logprobs = all_logprobs.get(req_id) if all_logprobs else None
+            if logprobs is not None and len(logprobs) > len(new_token_ids):
+                logprobs = logprobs[:len(new_token_ids)]
+            status = request.status
+            if status == _RUNNING:
+                outputs.append(EngineCoreOutput(
+                    req_id, new_token_ids, logprobs, prompt_logprobs, None, None,
+                    request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+                ))
+                continue
+            self._free_finished(request)
+            any_finished = True
+            outputs.append(EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_token_ids,
+                new_logprobs=logprobs,
+                new_prompt_logprobs=prompt_logprobs,
+                finish_reason=RequestStatus.finish_reason(status),
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            ))
+        if any_finished:
+            self.running = [request for request in self.running if request.status == _RUNNING]
+        return outputs
+
+    @staticmethod
+    def _append_tokens(request: Request, sampled: list[int]) -> list[int]:
+        """Append until a stop; returns the tokens kept (all, or up to the stopping one)."""
+        for i, token_id in enumerate(sampled):
+            request.append_output_token(token_id)
+            if request.check_stop():
+                return sampled[:i + 1] if i + 1 < len(sampled) else sampled
+        return sampled
+
+    def _free_finished(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.add(request.request_id)

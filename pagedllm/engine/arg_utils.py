@@ -1,0 +1,129 @@
+"""Engine arguments: one definition shared by the offline ``LLM(...)`` and the CLI flags.
+
+Each field is a keyword of ``LLM(...)`` and a ``--kebab-case`` flag of ``pagedllm``. Features
+that other parts of the roadmap bring (quantization, tensor parallelism, speculative
+decoding) are refused with a clear message instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+# Options users of vLLM-class engines pass that this engine does not implement yet:
+# name -> the value that means "off" (accepted), anything else is refused.
+_NOT_YET_SUPPORTED = {
+    "quantization": None,
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "speculative_model": None,
+    "num_speculative_tokens": None,
+    "enable_lora": False,
+    "kv_cache_dtype": "auto",
+    "cpu_offload_gb": 0,
+}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gb: float = 2.0
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    device: str | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        known = {f.name for f in fields(cls)}
+        for name, off in _NOT_YET_SUPPORTED.items():
+            if name in kwargs:
+                value = kwargs.pop(name)
+                if value != off:
+                    raise ValueError(
+                        f"{name}={value!r} is not supported by pagedllm yet; remove it "
+                        f"(or set it to {off!r})."
+                    )
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"Unknown engine argument(s): {', '.join(unknown)}. "
+                f"Known: {', '.join(sorted(known))}."
+            )
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        model_config = ModelConfig(
+            model=self.model, tokenizer=self.tokenizer, revision=self.revision, dtype=self.dtype,
+            load_format=self.load_format, seed=self.seed, max_model_len=self.max_model_len,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_gb=self.kv_cache_memory_gb, num_kv_blocks=self.num_kv_blocks,
+        )
+        scheduler_config = SchedulerConfig(
+            max_model_len=model_config.max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
+        )
+        return EngineConfig(
+            model_config, cache_config, scheduler_config,
+            device=self.device or EngineConfig.default_device(),
+        )
+
+    # -- command line -------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+        group = parser.add_argument_group("engine")
+        if with_model:
+            group.add_argument("--model", default=None,
+                               help="HF model directory or hub id (default: the bundled demo model).")
+        group.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
+        group.add_argument("--revision", default=None)
+        group.add_argument("--dtype", default="auto",
+                           choices=["auto", "float32", "float16", "bfloat16", "half", "float", "bf16"])
+        group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                           help="'dummy' uses random weights at the model's real shape.")
+        group.add_argument("--seed", type=int, default=0)
+        group.add_argument("--max-model-len", type=int, default=None)
+        group.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+        group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        group.add_argument("--kv-cache-memory-gb", type=float, default=2.0,
+                           help="KV cache size on the CPU, in GiB.")
+        group.add_argument("--num-kv-blocks", type=int, default=None,
+                           help="Exact number of KV blocks (overrides the memory-based sizing).")
+        group.add_argument("--max-num-seqs", type=int, default=256)
+        group.add_argument("--max-num-batched-tokens", type=int, default=None)
+        group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        group.add_argument("--device", default=None, choices=["cpu", "cuda"])
+        # Accepted so the refusal message is clear rather than argparse's "unrecognized".
+        group.add_argument("--quantization", "-q", default=None, help=argparse.SUPPRESS)
+        group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help=argparse.SUPPRESS)
+        group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=argparse.SUPPRESS)
+        group.add_argument("--speculative-model", default=None, help=argparse.SUPPRESS)
+        group.add_argument("--num-speculative-tokens", type=int, default=None, help=argparse.SUPPRESS)
+        group.add_argument("--enable-lora", action="store_true", default=False, help=argparse.SUPPRESS)
+        group.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
+        group.add_argument("--cpu-offload-gb", type=float, default=0, help=argparse.SUPPRESS)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)} | set(_NOT_YET_SUPPORTED)
+        return cls.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,57 @@
+"""The step loop: schedule -> execute -> update. Owns the scheduler and the model runner.
+
+Runs in-process for the offline API and tests; the server runs the same object in its own
+process. Data flows one way per step and only plain data crosses the core boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import EngineCoreOutput
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        start = time.perf_counter()
+        self.model_runner = ModelRunner(config)
+        self.num_kv_blocks = self.model_runner.initialize_kv_cache()
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks)
+        logger.info(
+            "Engine ready in %.1f s: model %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens, "
+            "max concurrency at max_model_len=%d: %.1fx",
+            time.perf_counter() - start, config.model_config.path.name,
+            str(self.model_runner.dtype).replace("torch.", ""), config.device,
+            self.num_kv_blocks, config.cache_config.block_size,
+            self.num_kv_tokens, config.model_config.max_model_len,
+            self.num_kv_tokens / config.model_config.max_model_len,
+        )
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.config.cache_config.block_size
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one step; returns what each scheduled request produced."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        if scheduler_output.is_empty:
+            return []
+        return self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -1,0 +1,212 @@
+"""Front-end output processing: core outputs -> detokenized ``RequestOutput``s.
+
+Owns, per user request, the detokenizer of each of its ``n`` sequences. Stop strings are
+found here (they live in text, not tokens): a sequence that hits one is finished here and
+its core request is returned in ``requests_to_abort`` so the core frees its blocks at once.
+
+Output kinds: ``"final"`` (one ``RequestOutput`` when every sequence is done; the offline
+API), ``"delta"`` (new text and tokens since the last output; streaming), ``"cumulative"``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.core.outputs import EngineCoreOutput, LogprobsEntry
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.processor import child_request_id
+from pagedllm.engine.tokenizer import Tokenizer
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+OUTPUT_KINDS = ("final", "delta", "cumulative")
+
+
+@dataclass
+class _SequenceState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_kind: str
+    sequences: list[_SequenceState]
+    arrival_time: float
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_sent_prompt_logprobs: int = 0
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+        self._children: dict[str, tuple[_RequestState, _SequenceState]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_kind: str = "final",
+        arrival_time: float | None = None,
+    ) -> None:
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}.")
+        if request_id in self._requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        sequences = [
+            _SequenceState(
+                index=i,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                ),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            for i in range(params.n)
+        ]
+        state = _RequestState(
+            request_id, prompt, prompt_token_ids, params, output_kind, sequences,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+        )
+        self._requests[request_id] = state
+        for seq in sequences:
+            self._children[child_request_id(request_id, seq.index, params.n)] = (state, seq)
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a user request; returns its core request ids (for the core to abort)."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return []
+        children = [child_request_id(request_id, s.index, state.params.n) for s in state.sequences]
+        for child in children:
+            self._children.pop(child, None)
+        return children
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def process_outputs(
+        self, core_outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to hand to users and the core request ids to abort."""
+        touched: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        now = time.monotonic()
+        for out in core_outputs:
+            entry = self._children.get(out.request_id)
+            if entry is None:  # aborted by the user meanwhile
+                continue
+            state, seq = entry
+            touched[state.request_id] = state
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None and seq.index == 0:
+                state.prompt_logprobs.extend(
+                    None if e is None else self._to_logprob_dict(e) for e in out.new_prompt_logprobs
+                )
+            if out.new_token_ids and state.first_token_time is None:
+                state.first_token_time = now
+            if self._update_sequence(seq, out):
+                to_abort.append(out.request_id)
+            if seq.finish_reason is not None:
+                self._children.pop(out.request_id, None)
+
+        results = []
+        for state in touched.values():
+            output = self._make_output(state)
+            if output is not None:
+                results.append(output)
+            if state.finished:
+                self._requests.pop(state.request_id, None)
+        return results, to_abort
+
+    # -- helpers ------------------------------------------------------------------------
+    def _update_sequence(self, seq: _SequenceState, out: EngineCoreOutput) -> bool:
+        """Apply one core output; True if a stop string ended a sequence the core still runs."""
+        if out.new_token_ids:
+            seq.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs and seq.logprobs is not None:
+                for entry in out.new_logprobs:
+                    seq.logprobs.append(self._to_logprob_dict(entry))
+                    seq.cumulative_logprob += entry[1][0]
+            stop_str = seq.detokenizer.update(out.new_token_ids)
+            if stop_str is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+                return out.finish_reason is None
+        if out.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _to_logprob_dict(self, entry: LogprobsEntry) -> dict[int, Logprob]:
+        token_ids, logprobs, sampled_rank = entry
+        result = {token_ids[0]: Logprob(logprobs[0], sampled_rank, self._decode_one(token_ids[0]))}
+        for rank, (tid, lp) in enumerate(zip(token_ids[1:], logprobs[1:]), start=1):
+            if tid not in result:
+                result[tid] = Logprob(lp, rank, self._decode_one(tid))
+        return result
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _make_output(self, state: _RequestState) -> RequestOutput | None:
+        finished = state.finished
+        kind = state.output_kind
+        if kind == "final" and not finished:
+            return None
+        delta = kind == "delta"
+        completions = []
+        for seq in state.sequences:
+            if delta and len(seq.token_ids) == seq.num_sent_tokens and seq.finish_reason is None:
+                continue
+            done = seq.finish_reason is not None
+            text = seq.detokenizer.get_next_output_text(finished=done, delta=delta)
+            start = seq.num_sent_tokens if delta else 0
+            lp_start = seq.num_sent_logprobs if delta else 0
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=text,
+                token_ids=seq.token_ids[start:],
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=None if seq.logprobs is None else seq.logprobs[lp_start:],
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            ))
+            seq.num_sent_tokens = len(seq.token_ids)
+            if seq.logprobs is not None:
+                seq.num_sent_logprobs = len(seq.logprobs)
+        prompt_logprobs = state.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs[state.num_sent_prompt_logprobs:]
+            state.num_sent_prompt_logprobs = len(state.prompt_logprobs)
+        metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time}
+        return RequestOutput(
+            request_id=state.request_id, prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids, prompt_logprobs=prompt_logprobs,
+            outputs=completions, finished=finished, num_cached_tokens=state.num_cached_tokens,
+            metrics=metrics,
+        )

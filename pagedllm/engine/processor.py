@@ -1,0 +1,91 @@
+"""Front-end input processing: prompt -> validated token ids -> engine-core ``Request``s.
+
+A prompt is a string (tokenized here) or ``{"prompt_token_ids": [...]}`` (optionally with
+``"prompt"`` text). Everything a user can get wrong is checked here, at submission, so the
+step loop never meets a request it cannot finish.
+
+``n > 1`` fans out into ``n`` core requests that share the prompt (the prefix cache makes
+the shared part one prefill). Child ``i`` of request ``R`` is ``"R"`` for ``n == 1`` and
+``"i_R"`` otherwise; seeded children use ``seed + i`` so their samples differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.config import ModelConfig
+from pagedllm.core.request import Request
+from pagedllm.engine.tokenizer import Tokenizer
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.vocab_size
+
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers.")
+                return ProcessedPrompt(prompt.get("prompt"), list(ids))
+            if "prompt" in prompt:
+                return self.process_prompt(prompt["prompt"])
+        raise ValueError(
+            "A prompt must be a string or a dict with 'prompt_token_ids' (or 'prompt'); "
+            f"got {type(prompt).__name__}."
+        )
+
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("The prompt is empty: give at least one token.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"Token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})."
+            )
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt is {len(prompt_token_ids)} tokens long, but the maximum model length "
+                f"is {self.max_model_len} and at least one token must be generated: shorten the "
+                "prompt or raise max_model_len."
+            )
+
+    def make_requests(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> list[Request]:
+        self.validate(prompt_token_ids)
+        params = params.clone(eos_token_ids=self.tokenizer.eos_token_ids)
+        requests = []
+        for index in range(params.n):
+            child = params.clone(n=1)
+            if params.n > 1 and params.seed is not None:
+                child.seed = params.seed + index
+            requests.append(Request(
+                child_request_id(request_id, index, params.n), prompt_token_ids, child,
+                max_model_len=self.max_model_len, arrival_time=arrival_time, priority=priority,
+            ))
+        return requests

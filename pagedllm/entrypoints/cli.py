@@ -1,0 +1,131 @@
+"""The ``pagedllm`` command: ``serve``, ``generate``, ``chat`` and ``bench``.
+
+    pagedllm serve --port 8000        # the OpenAI-compatible server (bundled demo model)
+    pagedllm generate "def fibonacci(n):" --max-tokens 64
+    pagedllm chat "Write a function that reverses a list."
+    pagedllm bench throughput --num-prompts 64 --input-len 64:256 --output-len 64:256
+    pagedllm bench overhead --num-requests 256
+    pagedllm bench serve --num-prompts 64 --request-rate 4   # against a running server
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedllm.engine.arg_utils import EngineArgs
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=128)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default).")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--n", type=int, default=1, help="Completions per prompt.")
+    group.add_argument("--stop", action="append", default=None, help="A stop string (repeatable).")
+    group.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pagedllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, n=args.n, stop=args.stop, seed=args.sampling_seed,
+    )
+
+
+def _make_llm(args: argparse.Namespace):
+    from pagedllm import LLM
+
+    return LLM(**vars(EngineArgs.from_cli_args(args)))
+
+
+def _cmd_generate(args: argparse.Namespace) -> None:
+    params = _sampling_params(args)
+    llm = _make_llm(args)
+    for output in llm.generate(args.prompts, params, use_tqdm=False):
+        for completion in output.outputs:
+            print(output.prompt + completion.text)
+            print(f"--- [{completion.finish_reason}, {len(completion.token_ids)} tokens]")
+
+
+def _cmd_chat(args: argparse.Namespace) -> None:
+    params = _sampling_params(args)
+    llm = _make_llm(args)
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": args.message})
+    output = llm.chat(messages, params, use_tqdm=False)[0]
+    for completion in output.outputs:
+        print(completion.text)
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.openai.api_server import run
+
+    code = run(args)
+    if code:
+        sys.exit(code)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args
+
+    serve = sub.add_parser("serve", help="Run the OpenAI-compatible HTTP server.")
+    add_serve_args(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    gen = sub.add_parser("generate", help="Complete prompts offline and print the text.")
+    gen.add_argument("prompts", nargs="+", help="Prompt text (one or more).")
+    _add_sampling_args(gen)
+    EngineArgs.add_cli_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="Answer one user message with the model's chat template.")
+    chat.add_argument("message")
+    chat.add_argument("--system", default=None, help="An optional system message.")
+    _add_sampling_args(chat)
+    EngineArgs.add_cli_args(chat)
+    chat.set_defaults(func=_cmd_chat)
+
+    bench = sub.add_parser("bench", help="Benchmarks.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from pagedllm.benchmarks import overhead, throughput
+    from pagedllm.benchmarks import serve as serve_bench
+
+    for name, module, text in (
+        ("throughput", throughput, "Offline throughput on a synthetic workload."),
+        ("overhead", overhead, "CPU cost of schedule + input preparation per step."),
+        ("serve", serve_bench, "Latency and throughput of a running server (TTFT, TPOT, ITL)."),
+    ):
+        p = bench_sub.add_parser(name, help=text, description=module.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_cli_args(p)
+        p.set_defaults(func=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

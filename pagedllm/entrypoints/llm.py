@@ -1,0 +1,124 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and ``.chat(...)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.processor import PromptType
+from pagedllm.engine.tokenizer import Tokenizer
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Message = dict
+Conversation = list[Message]
+
+
+class LLM:
+    """An engine for batch generation. ``model=None`` loads the bundled demo model.
+
+    Keyword arguments are the engine arguments (see ``pagedllm.engine.arg_utils.EngineArgs``):
+    dtype, max_model_len, block_size, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, enable_chunked_prefill, num_kv_blocks, gpu_memory_utilization,
+    kv_cache_memory_gb, seed, load_format, tokenizer, revision, device.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(args.create_engine_config())
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of ``prompts``.
+
+        A prompt is a string or ``{"prompt_token_ids": [...]}``. ``sampling_params`` is one
+        for all prompts or a list with one per prompt.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(
+                f"priority has {len(priority)} entries but there are {len(prompts)} prompts."
+            )
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                request_id = engine.next_request_id()
+                engine.add_request(request_id, prompt, params,
+                                   priority=0 if priority is None else priority[i])
+                request_ids.append(request_id)
+        except Exception:
+            engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, using the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **template_kwargs,
+            )
+            # The template already holds any BOS token; do not add special tokens twice.
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # -- helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _params_per_prompt(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise ValueError(
+                f"Got {len(params)} sampling params for {num_prompts} prompts: pass one, or one per prompt."
+            )
+        return params
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([r for r in request_ids if r not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in request_ids]

@@ -1,0 +1,348 @@
+"""The OpenAI-compatible HTTP server: ``pagedllm serve`` (FastAPI on uvicorn).
+
+    pagedllm serve [MODEL] --port 8000
+    python -m pagedllm.entrypoints.openai.api_server --model MODEL
+
+Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
+``GET /version``, ``GET /metrics`` (Prometheus).
+
+Lifecycle: the listening socket is bound first (a taken port fails in a second, not after
+the model loads), then the engine core process starts; its startup errors end the command
+with a non-zero status and their message. SIGTERM (or Ctrl-C) stops accepting connections,
+lets in-flight requests finish for up to ``--shutdown-timeout`` seconds, aborts the rest,
+stops the core and exits 0. If the core dies while serving, the server stops and exits 1.
+
+A client that disconnects aborts its request at once: streaming responses notice through
+the ASGI disconnect event, non-streaming ones race the handler against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import socket
+import sys
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.config import DEFAULT_MODEL
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStartupError
+from pagedllm.entrypoints.openai.cli_args import add_serve_args, validate_serve_args
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest,
+    error_body,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.metrics import ServerMetrics, StatsLogger
+
+logger = logging.getLogger("pagedllm.server")
+
+# Paths that need the API key when one is set; health, version and metrics stay open for
+# load balancers and Prometheus.
+_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
+
+# -- building blocks ----------------------------------------------------------------------
+class APIKeyMiddleware:
+    """Answers 401 unless ``Authorization: Bearer <key>`` matches (constant-time compare)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not scope["path"].startswith(
+            _PROTECTED_PREFIXES
+        ):
+            await self.app(scope, receive, send)
+            return
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+            await self.app(scope, receive, send)
+            return
+        message = ("Missing API key: send the header 'Authorization: Bearer <key>'." if not auth
+                   else "Incorrect API key provided.")
+        response = JSONResponse(error_body(message, code="invalid_api_key"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose generator is always closed, so its requests are aborted
+    whether the stream ends, fails, or the client goes away."""
+
+    def __init__(self, content) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(RuntimeError):
+                await self.body_iterator.aclose()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnected(awaitable, request: Request):
+    """The awaitable's result, or None (and the awaitable cancelled) if the client left first."""
+    handler = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        handler.cancel()
+        watcher.cancel()
+        raise
+    if handler.done():
+        watcher.cancel()
+        return handler.result()
+    handler.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await handler
+    return None
+
+
+def _respond(result):
+    if result is None:  # the client disconnected; nobody reads this
+        return Response(status_code=499)
+    if isinstance(result, BaseModel):
+        return Response(content=result.model_dump_json(), media_type="application/json")
+    return SSEResponse(result)
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return OpenAIError(f"The request body is not valid JSON ({detail}).")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc:
+        return OpenAIError("The request needs a JSON object body.")
+    field = loc[0]
+    path = ".".join(loc)
+    return OpenAIError(f"Invalid value for {field} ({path}): {first.get('msg', 'invalid')}.",
+                       param=field)
+
+
+# -- the app ------------------------------------------------------------------------------
+def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerMetrics | None = None,
+              chat_template: str | None = None, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__,
+                  description="An OpenAI-compatible LLM server.")
+    completions = OpenAIServingCompletion(engine, models)
+    chat = OpenAIServingChat(engine, models, chat_template)
+    tokenization = OpenAIServingTokenization(chat)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(_: Request, exc: RequestValidationError):
+        error = _validation_error(exc)
+        return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return JSONResponse(error_body(message), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError):
+        return JSONResponse(error_body(str(exc), "server_error"), status_code=503)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        logger.exception("Unhandled error")
+        return JSONResponse(error_body(f"Internal server error: {exc!r}", "server_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive:
+            return JSONResponse(error_body(str(engine.dead_error), "server_error"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": pagedllm.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        if metrics is None:
+            raise OpenAIError("Metrics are disabled.", status=404)
+        body, content_type = metrics.render()
+        return Response(content=body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return Response(content=models.list_models().model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        models.resolve(model_id)
+        card = next(c for c in models.list_models().data if c.id == model_id)
+        return Response(content=card.model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        arrival = time.monotonic()
+        return _respond(await run_until_disconnected(
+            completions.create_completion(request, arrival), raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        arrival = time.monotonic()
+        return _respond(await run_until_disconnected(
+            chat.create_chat_completion(request, arrival), raw_request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        return _respond(tokenization.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        return _respond(tokenization.detokenize(request))
+
+    return app
+
+
+# -- running ------------------------------------------------------------------------------
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"Cannot listen on {host}:{port} ({exc.strerror}): pick another --port "
+                         "or stop the process using it.") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the process exit status."""
+    validate_serve_args(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    chat_template = load_chat_template(args.chat_template)
+    config = engine_args.create_engine_config()
+    served_names = args.served_model_name or [args.model or DEFAULT_MODEL]
+    sock = _bind(args.host, args.port)
+
+    metrics = ServerMetrics(served_names[0])
+    log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    try:
+        engine = await AsyncEngine.start(config, metrics, log_level=str(log_level))
+    except EngineStartupError as exc:
+        sock.close()
+        print(f"error: the engine could not start: {exc}", file=sys.stderr)
+        return 1
+    models = OpenAIServingModels(served_names, str(config.model_config.path),
+                                 config.model_config.max_model_len)
+    app = build_app(engine, models, metrics, chat_template, args.api_key)
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,
+    ))
+
+    exit_code = 0
+
+    def on_engine_dead(error: EngineDeadError) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        server.should_exit = True
+
+    engine.on_dead = on_engine_dead
+    info = engine.info
+    logger.info(
+        "pagedllm %s serving %s at http://%s:%d/v1 (model %s, %s on %s); KV cache: %d blocks x %d "
+        "tokens = %d tokens; max concurrency at max_model_len=%d: %.2fx%s",
+        pagedllm.__version__, ", ".join(served_names), args.host, args.port, info.model,
+        info.dtype, info.device, info.num_kv_blocks, info.block_size, info.num_kv_tokens,
+        info.max_model_len, info.max_concurrency, "; API key required" if args.api_key else "",
+    )
+    stats_task = None
+    if not args.disable_log_stats:
+        stats_task = asyncio.get_running_loop().create_task(
+            _log_stats(StatsLogger(metrics), args.log_stats_interval))
+
+    # uvicorn re-raises the signal that stopped it once it is done; these handlers make that
+    # a no-op, so a graceful shutdown ends with status 0 instead of death by signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        if stats_task is not None:
+            stats_task.cancel()
+        await engine.shutdown()
+        sock.close()
+        logger.info("pagedllm server stopped.")
+    return exit_code
+
+
+async def _log_stats(stats_logger: StatsLogger, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        stats_logger.maybe_log()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Synchronous entry point (uses uvloop when installed)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(args))
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(serve(args))
+    uvloop.install()
+    return asyncio.run(serve(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedllm.entrypoints.openai.api_server",
+        description="The pagedllm OpenAI-compatible server (same flags as `pagedllm serve`).")
+    parser.add_argument("--log-level", default="INFO")
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Flags of ``pagedllm serve``: the engine's flags plus the server's own.
+
+Server flags that belong to features not implemented yet are accepted by the parser only to
+be refused with a message that says so (never silently ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pagedllm.engine.arg_utils import EngineArgs
+
+API_KEY_ENV = "PAGEDLLM_API_KEY"
+
+# dest -> why it is refused.
+_REFUSED_SERVER_FLAGS = {
+    "enable_auto_tool_choice": "tool calling is not implemented yet",
+    "tool_call_parser": "tool calling is not implemented yet",
+    "reasoning_parser": "reasoning parsers are not implemented yet",
+    "lora_modules": "LoRA adapters are not implemented yet",
+    "guided_decoding_backend": "structured output (guided decoding) is not implemented yet",
+    "ssl_keyfile": "TLS is not built in: terminate TLS in a reverse proxy or ingress",
+    "ssl_certfile": "TLS is not built in: terminate TLS in a reverse proxy or ingress",
+}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="HF model directory or hub id (default: the bundled demo model); "
+                             "same as --model.")
+    EngineArgs.add_cli_args(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="0.0.0.0",
+                       help="Interface to listen on (default: all; 127.0.0.1 for local only).")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                       help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
+                            f"/detokenize (default: ${API_KEY_ENV}; unset = no key).")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="Names clients use in the 'model' field (default: the model argument).")
+    group.add_argument("--chat-template", default=None,
+                       help="A Jinja chat template: a file path, a template string, or the name "
+                            "of one of the model's templates (default: the model's own).")
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="Do not log every HTTP request.")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="Do not log the periodic throughput / queue / KV cache line.")
+    group.add_argument("--log-stats-interval", type=float, default=5.0,
+                       help="Seconds between stats lines while the server is busy.")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="On SIGTERM, seconds in-flight requests may take to finish before "
+                            "they are aborted.")
+    # Accepted so the refusal message is clear rather than argparse's "unrecognized".
+    group.add_argument("--enable-auto-tool-choice", action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--tool-call-parser", default=None, help=argparse.SUPPRESS)
+    group.add_argument("--reasoning-parser", default=None, help=argparse.SUPPRESS)
+    group.add_argument("--lora-modules", nargs="+", default=None, help=argparse.SUPPRESS)
+    group.add_argument("--guided-decoding-backend", default=None, help=argparse.SUPPRESS)
+    group.add_argument("--ssl-keyfile", default=None, help=argparse.SUPPRESS)
+    group.add_argument("--ssl-certfile", default=None, help=argparse.SUPPRESS)
+
+
+def validate_serve_args(args: argparse.Namespace) -> None:
+    """Resolve the positional model and refuse what is not implemented (ValueError)."""
+    for dest, reason in _REFUSED_SERVER_FLAGS.items():
+        if getattr(args, dest, None):
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"{flag} is not supported: {reason}. Remove {flag}.")
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(
+                f"The model is given twice ({args.model_tag!r} and --model {args.model!r}): "
+                "pass one."
+            )
+        args.model = args.model_tag
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}.")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}.")
+    if args.log_stats_interval <= 0:
+        raise ValueError(f"--log-stats-interval must be > 0, got {args.log_stats_interval}.")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty: give a key, or unset it to serve without one.")

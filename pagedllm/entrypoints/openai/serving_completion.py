@@ -1,0 +1,217 @@
+"""``POST /v1/completions``: prompts as text, lists of text, token ids or lists of token ids.
+
+Choice ``i * n + j`` is completion ``j`` of prompt ``i``. ``echo`` prepends the prompt (and,
+with ``logprobs``, its logprobs, the first one null) to each choice. Usage counts each
+prompt once, whatever ``n``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagedllm.engine.async_engine import RequestStream
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, OpenAIError,
+)
+from pagedllm.entrypoints.openai.serving_engine import (
+    SSE_DONE, OpenAIServing, merge_streams, random_id, sse, sse_error, usage, _finite,
+)
+from pagedllm.outputs import Logprob, RequestOutput
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+    def echo_text(self, tokenizer) -> str:
+        return self.text if self.text is not None else tokenizer.decode(self.token_ids)
+
+
+@dataclass
+class _Choice:
+    """One choice accumulated from deltas (non-streaming responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest, arrival_time: float
+                                ) -> CompletionResponse | AsyncIterator[str]:
+        """A full response, or (``stream``) an iterator of SSE lines ending with ``[DONE]``."""
+        model = self.check_common(request, "completions")
+        if request.suffix:
+            raise OpenAIError("suffix is not supported by this server; remove it.", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError("best_of is not supported (only best_of == n); remove it.",
+                              param="best_of")
+        prompts = self._prompts(request)
+        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        request_id = random_id("cmpl")
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                params = self.sampling_params(request, request.max_tokens, request.logprobs,
+                                              prompt_logprobs)
+                params.max_tokens = self.check_context(len(prompt.token_ids), params.max_tokens,
+                                                       "prompt", "max_tokens")
+                streams.append(self.submit(f"{request_id}-{i}", prompt.text, prompt.token_ids,
+                                           params, arrival_time, request.priority))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        created = int(time.time())
+        if request.stream:
+            return self._stream(request, request_id, created, model, prompts, streams)
+        try:
+            return await self._full(request, request_id, created, model, prompts, streams)
+        finally:
+            for stream in streams:
+                stream.close()
+
+    def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        raw = request.prompt
+        if isinstance(raw, str):
+            items: list = [raw]
+        elif raw and all(isinstance(t, int) for t in raw):
+            items = [list(raw)]
+        else:
+            items = list(raw)
+        if not items:
+            raise OpenAIError("prompt is empty: give a string, a list of strings, a list of "
+                              "token ids or a list of token-id lists.", param="prompt")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                ids = self.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)
+                prompts.append(_Prompt(item, ids))
+            else:
+                prompts.append(_Prompt(None, list(item)))
+        return prompts
+
+    # -- logprobs -----------------------------------------------------------------------
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None],
+                  offset: int, out: CompletionLogprobs) -> int:
+        """Append one run of tokens to ``out``; returns the text offset after them."""
+        for token_id, entry in zip(token_ids, entries):
+            sampled = entry.get(token_id) if entry else None
+            text = self.token_text(token_id, sampled)
+            out.tokens.append(text)
+            out.text_offset.append(offset)
+            offset += len(text)
+            if entry is None:  # the first prompt token: nothing predicts it
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(_finite(sampled.logprob) if sampled is not None else None)
+            top: dict[str, float] = {}
+            for tid, lp in entry.items():  # tokens with the same text share a key: keep the best
+                key = self.token_text(tid, lp)
+                top[key] = max(top.get(key, -float("inf")), _finite(lp.logprob))
+            out.top_logprobs.append(top)
+        return offset
+
+    # -- responses ----------------------------------------------------------------------
+    async def _full(self, request: CompletionRequest, request_id: str, created: int, model: str,
+                    prompts: list[_Prompt], streams: list[RequestStream]) -> CompletionResponse:
+        n = request.n
+        choices = [_Choice() for _ in range(len(prompts) * n)]
+        prompt_logprobs: list[list] = [[] for _ in prompts]
+        cached = [0] * len(prompts)
+        async for i, out in merge_streams(streams):
+            assert isinstance(out, RequestOutput)
+            cached[i] = max(cached[i], out.num_cached_tokens)
+            if out.prompt_logprobs:
+                prompt_logprobs[i].extend(out.prompt_logprobs)
+            for c in out.outputs:
+                choice = choices[i * n + c.index]
+                choice.text += c.text
+                choice.token_ids.extend(c.token_ids)
+                if c.logprobs:
+                    choice.logprobs.extend(c.logprobs)
+                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+
+        result = []
+        for index, choice in enumerate(choices):
+            prompt = prompts[index // n]
+            text = choice.text
+            logprobs = None
+            if request.echo:
+                text = prompt.echo_text(self.tokenizer) + text
+            if request.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                offset = 0
+                if request.echo:
+                    offset = self._logprobs(prompt.token_ids, prompt_logprobs[index // n], 0, logprobs)
+                self._logprobs(choice.token_ids, choice.logprobs, offset, logprobs)
+            result.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                           finish_reason=choice.finish_reason,
+                                           stop_reason=choice.stop_reason))
+        return CompletionResponse(
+            id=request_id, created=created, model=model, choices=result,
+            usage=usage(sum(len(p.token_ids) for p in prompts),
+                        sum(len(c.token_ids) for c in choices), sum(cached)),
+        )
+
+    async def _stream(self, request: CompletionRequest, request_id: str, created: int, model: str,
+                      prompts: list[_Prompt], streams: list[RequestStream]) -> AsyncIterator[str]:
+        n = request.n
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        started = [False] * (len(prompts) * n)
+        offsets = [0] * (len(prompts) * n)
+        prompt_logprobs: list[list] = [[] for _ in prompts]
+        cached = [0] * len(prompts)
+        num_completion_tokens = 0
+        try:
+            async for i, out in merge_streams(streams):
+                assert isinstance(out, RequestOutput)
+                cached[i] = max(cached[i], out.num_cached_tokens)
+                if out.prompt_logprobs:
+                    prompt_logprobs[i].extend(out.prompt_logprobs)
+                for c in out.outputs:
+                    index = i * n + c.index
+                    num_completion_tokens += len(c.token_ids)
+                    text = c.text
+                    logprobs = CompletionLogprobs() if request.logprobs is not None else None
+                    if not started[index]:
+                        started[index] = True
+                        if request.echo:
+                            prompt = prompts[i]
+                            text = prompt.echo_text(self.tokenizer) + text
+                            if logprobs is not None:
+                                offsets[index] = self._logprobs(
+                                    prompt.token_ids, prompt_logprobs[i], 0, logprobs)
+                    if logprobs is not None:
+                        offsets[index] = self._logprobs(c.token_ids, c.logprobs or [],
+                                                        offsets[index], logprobs)
+                    if not text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    chunk = {
+                        "id": request_id, "object": "text_completion", "created": created,
+                        "model": model,
+                        "choices": [{
+                            "index": index, "text": text,
+                            "logprobs": None if logprobs is None else logprobs.model_dump(),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                        }],
+                    }
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield sse(chunk)
+            if include_usage:
+                info = usage(sum(len(p.token_ids) for p in prompts), num_completion_tokens, sum(cached))
+                yield sse({"id": request_id, "object": "text_completion", "created": created,
+                           "model": model, "choices": [], "usage": info.model_dump()})
+        except Exception as exc:  # the status line is sent: report in the stream
+            yield sse_error(exc)
+        finally:
+            for stream in streams:
+                stream.close()
+        yield SSE_DONE

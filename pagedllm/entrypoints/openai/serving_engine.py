@@ -1,0 +1,232 @@
+"""What completions and chat completions share: sampling params from a request, the context
+length check, logprob formatting, request submission, and SSE framing.
+
+Units: token counts are tokens; ``created`` is Unix seconds; arrival times are
+``time.monotonic()`` seconds taken when the HTTP request was parsed (so time to first
+token includes tokenization).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pagedllm.entrypoints.openai.protocol import (
+    ChatTokenLogprob, OpenAIError, TopLogprob, UsageInfo, PromptTokensDetails, error_body,
+    _SamplingFields,
+)
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_PARAM_IN_MESSAGE = re.compile(r"^(\w+) must\b")
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
+                                                               separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error in the middle of a stream (the status line is already sent)."""
+    if isinstance(exc, OpenAIError):
+        return sse(exc.body())
+    return sse(error_body(str(exc), "server_error"))
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers."""
+
+    def __init__(self, engine: AsyncEngine, models: OpenAIServingModels) -> None:
+        self.engine = engine
+        self.models = models
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.priority_scheduling = engine.config.scheduler_config.policy == "priority"
+
+    # -- request checks -----------------------------------------------------------------
+    def check_common(self, request: _SamplingFields, endpoint: str) -> str:
+        """Checks every endpoint shares; returns the model name to answer with."""
+        model = self.models.resolve(request.model)
+        unknown = request.unknown_fields()
+        if unknown:
+            logger.warning("Ignoring unknown fields in a %s request: %s", endpoint, ", ".join(unknown))
+        if request.logit_bias:
+            raise OpenAIError("logit_bias is not supported by this server yet; remove it.",
+                              param="logit_bias")
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true.",
+                              param="stream_options")
+        if request.priority and not self.priority_scheduling:
+            raise OpenAIError(
+                "priority only has an effect when the server runs with --scheduling-policy "
+                "priority; remove it or restart the server with that flag.", param="priority")
+        return model
+
+    def sampling_params(self, request: _SamplingFields, max_tokens: int | None,
+                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """``SamplingParams`` from the request; a ValueError becomes a 400 naming the field."""
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=0 if request.top_k is None else request.top_k,
+                min_p=0.0 if request.min_p is None else request.min_p,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+            )
+        except ValueError as exc:
+            raise bad_request(exc) from None
+
+    def check_context(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
+                      max_tokens_param: str) -> int:
+        """The output budget: ``max_tokens``, or all the room left when it is None.
+
+        Raises a 400 when the prompt leaves no room or prompt + max_tokens exceeds the
+        context (the server refuses rather than silently cap, as OpenAI does).
+        """
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {num_prompt_tokens} tokens and at least one token must be generated: "
+                "shorten the prompt.",
+                param=prompt_param, code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                f"prompt, {max_tokens} for the completion): reduce the prompt or {max_tokens_param}.",
+                param=max_tokens_param, code="context_length_exceeded",
+            )
+        return max_tokens
+
+    # -- submission ---------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_text: str | None, prompt_token_ids: list[int],
+               params: SamplingParams, arrival_time: float, priority: int) -> RequestStream:
+        try:
+            return self.engine.add_request(
+                request_id, {"prompt": prompt_text, "prompt_token_ids": prompt_token_ids},
+                params, arrival_time=arrival_time, priority=priority,
+            )
+        except EngineDeadError as exc:
+            raise OpenAIError(str(exc), status=503) from None
+        except ValueError as exc:
+            raise bad_request(exc, default_param="prompt") from None
+
+    # -- logprobs -----------------------------------------------------------------------
+    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def top_entries(self, entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+        """The ``k`` most likely tokens at one position, most likely first."""
+        ranked = [(tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k]
+        ranked.sort(key=lambda item: item[1].rank)
+        return ranked[:k]
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                      top_k: int) -> list[ChatTokenLogprob]:
+        result = []
+        for token_id, entry in zip(token_ids, logprobs):
+            sampled = entry.get(token_id)
+            text = self.token_text(token_id, sampled)
+            result.append(ChatTokenLogprob(
+                token=text,
+                logprob=_finite(sampled.logprob if sampled is not None else float("-inf")),
+                bytes=list(text.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(token=(t := self.token_text(tid, lp)), logprob=_finite(lp.logprob),
+                               bytes=list(t.encode("utf-8")))
+                    for tid, lp in self.top_entries(entry, top_k)
+                ],
+            ))
+        return result
+
+
+def _finite(value: float) -> float:
+    """JSON has no -inf: clamp to the most negative float, as OpenAI-compatible servers do."""
+    return max(value, -9999.0)
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
+    )
+
+
+def bad_request(exc: Exception, default_param: str | None = None) -> OpenAIError:
+    """A 400 from a user-facing ValueError; ``param`` is the field its message starts with."""
+    message = str(exc)
+    match = _PARAM_IN_MESSAGE.match(message)
+    param = match.group(1) if match else default_param
+    return OpenAIError(message, status=400, param=param)
+
+
+def now_s() -> float:
+    return time.monotonic()
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several streams as ``(stream index, output)`` in arrival order.
+
+    Ends when every stream has ended; an exception from any stream propagates. Streams are
+    not closed here: the caller closes them (which aborts unfinished ones).
+    """
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    pending: dict[asyncio.Task, int] = {
+        asyncio.ensure_future(streams[i].__anext__()): i for i in range(len(streams))
+    }
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[index].__anext__())] = index
+                yield index, item
+    finally:
+        for task in pending:
+            task.cancel()

@@ -1,0 +1,40 @@
+"""Gated activations over a fused ``[gate; up]`` projection.
+
+``gate_up`` has ``2 * d`` features in its last dimension: the first ``d`` are the gate, the
+last ``d`` the up projection; the result ``act(gate) * up`` has ``d``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class GatedActivation(nn.Module):
+    """``act(x[..., :d]) * x[..., d:]`` for ``x`` with ``2 * d`` features."""
+
+    def __init__(self, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act not in _ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act={hidden_act!r} is not supported; supported: {sorted(_ACTIVATIONS)}."
+            )
+        self.hidden_act = hidden_act
+        self._fn = _ACTIVATIONS[hidden_act]
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self._fn(gate) * up
+
+    def extra_repr(self) -> str:
+        return self.hidden_act

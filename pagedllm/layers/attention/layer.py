@@ -1,0 +1,72 @@
+"""The attention layer a model calls: ``Attention(q, k, v) -> out`` over the paged cache.
+
+The layer owns no weights. Per step it reads ``get_forward_context()``: its KV cache is
+``kv_caches[layer_idx]`` and the batch layout is ``attn_metadata`` (see ``backend.py``).
+With no metadata (a profiling pass before the cache exists) the ``T`` tokens are one
+causal sequence at positions ``0..T-1`` and nothing is cached.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.attention.backend import get_forward_context
+from pagedllm.layers.attention.selector import get_attention_backend
+from pagedllm.layers.attention.torch_ref import causal_attention_without_cache
+
+
+class Attention(nn.Module):
+    """Paged attention over ``q: [T, num_heads * head_dim]`` and
+    ``k/v: [T, num_kv_heads * head_dim]``, returning ``[T, num_heads * head_dim]``.
+
+    ``num_heads`` must be a multiple of ``num_kv_heads`` (grouped-query attention; one KV
+    head is multi-query attention). ``sliding_window`` counts tokens: a query at position
+    ``p`` sees keys at positions ``p - sliding_window + 1 .. p``.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        layer_idx: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={num_heads} must be a multiple of "
+                f"num_key_value_heads={num_kv_heads}."
+            )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}.")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.backend = get_attention_backend()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        ctx = get_forward_context()
+        if ctx.attn_metadata is None:
+            out = causal_attention_without_cache(q, k, v, self.scale, self.sliding_window)
+        else:
+            out = self.backend.forward(
+                q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
+                self.scale, self.sliding_window,
+            )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"layer={self.layer_idx}, sliding_window={self.sliding_window}"
+        )

@@ -1,0 +1,197 @@
+"""The torch reference attention backend: paged KV writes, then SDPA over gathered blocks.
+
+Correct for any mix of prefill chunks (with or without cached context) and decodes, on
+any device; the exactness oracle for faster backends and what the CPU runs. Shapes come
+from the metadata's host lists, so it never waits on the device.
+
+One step, ``B`` sequences, vectorised over all of them::
+
+    new K/V [T, Hkv, D] --index_copy at slot_mapping--> kv_cache[0|1] viewed [slots, Hkv, D]
+
+    queries  [T, H, D]        -> padded [B, H, max_q, D]     (row i of seq b at b*max_q + i)
+    context  block_tables[b]  -> gathered [B, Hkv, max_kv, D] (token p at index p)
+    mask[b, i, j] = j <= pos(b, i)  and  j > pos(b, i) - window     pos = seq_len - q_len + i
+    SDPA(q, k, v, mask) -> unpadded [T, H, D]
+
+Cache slots past a sequence's length are never trusted: gathered K/V there are zeroed, so
+stale or uninitialised memory (even NaN) cannot reach the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.attention.backend import AttentionMetadata
+
+
+@dataclass
+class _BatchPlan:
+    """Index tensors derived once per step from the metadata and shared by every layer."""
+
+    num_seqs: int
+    max_query_len: int
+    max_seq_len: int
+    pad_index: torch.Tensor  # [num_actual_tokens] int64: row of each token in [B * max_q]
+    block_ids: torch.Tensor  # [B, ceil(max_kv / block_size)] int64
+    kv_valid: torch.Tensor  # [B, max_kv] bool: key index < seq_len
+    q_valid: torch.Tensor  # [B, max_q] bool: query row holds a real token
+    q_pos: torch.Tensor  # [B, max_q] int64: absolute position of each query row
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``[B, 1, max_q, max_kv]`` bool, True where the query may attend the key."""
+        if sliding_window not in self.masks:
+            device = self.q_pos.device
+            j = torch.arange(self.max_seq_len, device=device)[None, None, :]
+            pos = self.q_pos[:, :, None]
+            allowed = j <= pos
+            if sliding_window is not None:
+                allowed &= j > pos - sliding_window
+            # Padded query rows see key 0 only, so their softmax stays finite (and unused).
+            allowed = torch.where(self.q_valid[:, :, None], allowed, j == 0)
+            self.masks[sliding_window] = allowed[:, None]
+        return self.masks[sliding_window]
+
+
+def _build_plan(metadata: AttentionMetadata) -> _BatchPlan:
+    qsl_cpu = metadata.query_start_loc_cpu
+    seq_lens_cpu = metadata.seq_lens_cpu
+    num_seqs = len(seq_lens_cpu)
+    max_q = max(qsl_cpu[b + 1] - qsl_cpu[b] for b in range(num_seqs))
+    max_kv = max(seq_lens_cpu)
+    num_tokens = qsl_cpu[-1]
+    device = metadata.query_start_loc.device
+
+    qsl = metadata.query_start_loc[: num_seqs + 1].long()
+    seq_lens = metadata.seq_lens[:num_seqs].long()
+    query_lens = qsl[1:] - qsl[:-1]
+    tokens = torch.arange(num_tokens, device=device)
+    seq_of_token = torch.searchsorted(qsl[1:], tokens, right=True)
+    pad_index = seq_of_token * max_q + (tokens - qsl[seq_of_token])
+
+    i = torch.arange(max_q, device=device)[None, :]
+    q_valid = i < query_lens[:, None]
+    q_pos = (seq_lens - query_lens)[:, None] + i
+    kv_valid = torch.arange(max_kv, device=device)[None, :] < seq_lens[:, None]
+    num_blocks = -(-max_kv // metadata.block_size)
+    block_ids = metadata.block_tables[:num_seqs, :num_blocks].long()
+    return _BatchPlan(num_seqs, max_q, max_kv, pad_index, block_ids, kv_valid, q_valid, q_pos)
+
+
+class TorchReferenceBackend:
+    """Implements ``AttentionBackend`` with plain torch ops (see the module docstring).
+
+    The metadata of a step is treated as immutable: the derived index tensors are built on
+    the first layer and reused by the others while the same metadata object is passed.
+    """
+
+    name = "torch_ref"
+
+    def __init__(self) -> None:
+        self._plan_source: tuple[AttentionMetadata, list[int], list[int]] | None = None
+        self._plan: _BatchPlan | None = None
+
+    def _plan_for(self, metadata: AttentionMetadata) -> _BatchPlan:
+        source = self._plan_source
+        if (
+            source is None
+            or source[0] is not metadata
+            or source[1] != metadata.query_start_loc_cpu
+            or source[2] != metadata.seq_lens_cpu
+        ):
+            self._plan = _build_plan(metadata)
+            self._plan_source = (
+                metadata, list(metadata.query_start_loc_cpu), list(metadata.seq_lens_cpu)
+            )
+        assert self._plan is not None
+        return self._plan
+
+    @staticmethod
+    def write_kv(
+        key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store ``key/value: [n, Hkv, D]`` at ``slot_mapping: [n]`` of the paged cache."""
+        _, _, _, num_kv_heads, head_dim = kv_cache.shape
+        slots = slot_mapping.long()
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(kv_cache.dtype))
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slots, value.to(kv_cache.dtype)
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """See ``AttentionBackend.forward``. Rows past ``num_actual_tokens`` (padding) are
+        neither written to the cache nor attended; their output is zero."""
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = key.shape[1]
+        n = metadata.num_actual_tokens
+        self.write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+
+        plan = self._plan_for(metadata)
+        batch, max_q, max_kv = plan.num_seqs, plan.max_query_len, plan.max_seq_len
+
+        q = query.new_zeros(batch * max_q, num_heads, head_dim)
+        q[plan.pad_index] = query[:n]
+        q = q.view(batch, max_q, num_heads, head_dim).transpose(1, 2)
+
+        valid = plan.kv_valid[:, None, :, None]
+        k, v = (
+            kv_cache[c][plan.block_ids]  # [B, blocks, block_size, Hkv, D]
+            .flatten(1, 2)[:, :max_kv]
+            .transpose(1, 2)  # [B, Hkv, max_kv, D]
+            .to(query.dtype)
+            for c in (0, 1)
+        )
+        k = torch.where(valid, k, 0)
+        v = torch.where(valid, v, 0)
+
+        out = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=plan.mask(sliding_window),
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        out = out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)[plan.pad_index]
+        if num_tokens == n:
+            return out
+        padded = query.new_zeros(num_tokens, num_heads, head_dim)
+        padded[:n] = out
+        return padded
+
+
+def causal_attention_without_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """All ``T`` tokens as one sequence at positions ``0..T-1``, no KV cache involved.
+
+    ``query: [T, H, D]``, ``key/value: [T, Hkv, D]`` -> ``[T, H, D]``. Used for runs with no
+    attention metadata (the memory-profiling pass before the KV cache exists).
+    """
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))
+    if sliding_window is None:
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+    else:
+        pos = torch.arange(query.shape[0], device=query.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+    return out[0].transpose(0, 1)

@@ -1,0 +1,97 @@
+"""The Triton attention backend: paged KV writes, varlen prefill and split-K decode kernels.
+
+One step runs at most three launches per layer::
+
+    write_kv_cache           new K/V -> their slots (slot -1 skipped)
+    paged_prefill_attention  sequences with query_len > 1 (skipped when max_query_len == 1)
+    paged_decode_attention   sequences with query_len == 1 (skipped when the step has none)
+
+Both attention kernels take the whole batch and each leaves the other's sequences alone,
+so a mixed step (prefill chunks beside decodes) needs no reordering or index copies. Rows
+past ``num_actual_tokens`` (padding to a captured shape) are zero in the output.
+
+What each launch does depends on host integers only (``num_actual_tokens``,
+``max_query_len``, ``max_seq_len``, the number of sequences and whether any has query
+length 1), never on device values, so a decode step can be captured in a CUDA graph; a
+graph captured with ``max_seq_len`` at its largest value stays correct for shorter contexts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.layers.attention.backend import AttentionMetadata
+from pagedllm.layers.attention.triton_decode import paged_decode_attention
+from pagedllm.layers.attention.triton_kv_write import write_kv_cache
+from pagedllm.layers.attention.triton_prefill import paged_prefill_attention
+
+
+class TritonAttentionBackend:
+    """Implements ``AttentionBackend`` with Triton kernels (see the module docstring).
+
+    Works for fp16, bf16 and fp32 queries; the cache may have another dtype (values are cast
+    on write and on read). The step's routing (does it hold decodes?) is derived once per
+    metadata object and reused by every layer.
+    """
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._routing_source: tuple[AttentionMetadata, list[int]] | None = None
+        self._has_decodes = False
+
+    def _step_has_decodes(self, metadata: AttentionMetadata) -> bool:
+        if metadata.max_query_len == 1:
+            return True
+        source = self._routing_source
+        qsl = metadata.query_start_loc_cpu
+        if source is None or source[0] is not metadata or source[1] != qsl:
+            self._has_decodes = any(
+                qsl[b + 1] - qsl[b] == 1 for b in range(metadata.num_seqs)
+            )
+            self._routing_source = (metadata, list(qsl))
+        return self._has_decodes
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """See ``AttentionBackend.forward``."""
+        num_tokens = query.shape[0]
+        n = metadata.num_actual_tokens
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping[:n])
+
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if num_tokens > n:
+            out[n:].zero_()
+        num_seqs = metadata.num_seqs
+        if n == 0 or num_seqs == 0:
+            return out
+        query_start_loc = metadata.query_start_loc[: num_seqs + 1]
+        seq_lens = metadata.seq_lens[:num_seqs]
+        block_tables = metadata.block_tables[:num_seqs]
+        has_decodes = self._step_has_decodes(metadata)
+        if metadata.max_query_len > 1:
+            paged_prefill_attention(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+                num_tokens=n,
+                max_query_len=metadata.max_query_len,
+                scale=scale,
+                sliding_window=sliding_window,
+                skip_decodes=has_decodes,
+            )
+        if has_decodes:
+            paged_decode_attention(
+                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+                max_seq_len=metadata.max_seq_len,
+                scale=scale,
+                sliding_window=sliding_window,
+            )
+        return out

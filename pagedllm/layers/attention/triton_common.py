@@ -1,0 +1,68 @@
+"""Small pieces shared by the Triton attention kernels and their launchers.
+
+Units used by every kernel: positions and lengths count tokens; ``qk_scale`` is the
+softmax scale times ``log2(e)``, so scores live in base-2 exponent units and the kernels
+use ``exp2``; a running max of ``-inf`` means "no key seen yet".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.0 / math.log(2.0)
+
+
+@triton.jit
+def find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning query tile ``tile`` of a varlen batch.
+
+    Sequence ``b`` owns tiles ``qsl[b] // BLOCK_Q + b`` up to (excluding)
+    ``qsl[b + 1] // BLOCK_Q + b + 1``: at least ``ceil(query_len / BLOCK_Q)`` tiles, the
+    surplus one exits at once. The whole batch needs at most ``T // BLOCK_Q + B`` tiles,
+    a bound known on the host without reading ``query_start_loc``.
+    """
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dimension is contiguous, else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def check_paged_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Raise ValueError unless ``query: [T, H, D]`` fits caches ``[blocks, block_size, Hkv, D]``."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [tokens, heads, head_dim], got shape {tuple(query.shape)}.")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}."
+        )
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"query head_dim {head_dim} differs from the cache's {key_cache.shape[3]}.")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} must be a multiple of the cache's num_kv_heads={num_kv_heads}."
+        )
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("KV cache must be contiguous along head_dim.")
+
+
+def uses_ieee_dot(dtype: torch.dtype) -> bool:
+    """fp32 inputs keep full precision in ``tl.dot`` (no TF32 rounding on tensor cores)."""
+    return dtype == torch.float32

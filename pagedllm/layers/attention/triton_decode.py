@@ -1,0 +1,363 @@
+"""Triton decode attention over the paged KV cache, with a split-K (flash-decoding) path.
+
+A decode is one query per sequence (query length 1) at position ``seq_len - 1``. One
+program owns one sequence, one KV head and one partition of the context, and computes
+the ``G = num_heads // num_kv_heads`` query heads of that KV head together, so each K/V
+tile is read once for all of them (GQA/MQA)::
+
+    grid (B, num_kv_heads, num_splits)
+    partition s covers keys [s * partition_size, min((s + 1) * partition_size, seq_len))
+        (clipped to the sliding window; an empty partition reports m = -inf, l = 0)
+
+With one split the program normalises and writes the output directly. With several, each
+writes its unnormalised partial ``acc`` with its running max ``m`` and sum ``l`` (base-2
+units), and a reduce kernel merges them::
+
+    M = max_s m_s      out = sum_s 2^(m_s - M) * acc_s  /  sum_s 2^(m_s - M) * l_s
+
+Splitting pays when ``B * num_kv_heads`` programs leave the GPU's multiprocessors idle
+(small batches, long contexts); ``plan_decode_splits`` chooses. In a mixed batch the
+programs of sequences whose query length is not 1 exit at once, so the launch can take the
+whole batch. The grid depends only on ``B``, the head counts and ``max_seq_len`` (any upper
+bound of the lengths will do), so a launch can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.layers.attention.triton_common import (
+    LOG2_E,
+    check_paged_inputs,
+    unit_last_stride,
+    uses_ieee_dot,
+)
+
+MIN_PARTITION_TOKENS = 256
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    window,
+    partition_size,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_acc_seq,
+    stride_acc_head,
+    stride_acc_split,
+    stride_ml_seq,
+    stride_ml_head,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_start = split * partition_size
+    kv_end = tl.minimum(kv_start + partition_size, seq_len)
+    if USE_WINDOW:
+        kv_start = tl.maximum(kv_start, seq_len - window)
+
+    g = tl.arange(0, BLOCK_G)
+    g_valid = g < QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + g
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=g_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    # Every tile holds at least one key (start < kv_end), so m stays finite inside the loop.
+    for start in range(kv_start, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_valid = n < kv_end
+        block = tl.load(table + n // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+        in_block = (n % PAGE_SIZE).to(tl.int64)
+        k = tl.load(
+            k_head + (block * stride_kb + in_block * stride_ks)[None, :] + d[:, None],
+            mask=n_valid[None, :] & d_valid[:, None],
+            other=0.0,
+        )
+        if IEEE_DOT:
+            s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
+        else:
+            s = tl.dot(q, k.to(q.dtype))
+        s = tl.where(n_valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_head + (block * stride_vb + in_block * stride_vs)[:, None] + d[None, :],
+            mask=n_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        if IEEE_DOT:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    mask = g_valid[:, None] & d_valid[None, :]
+    if SPLIT:
+        seq64 = seq.to(tl.int64)
+        acc_ptr = part_acc_ptr + seq64 * stride_acc_seq + split * stride_acc_split
+        tl.store(acc_ptr + head[:, None] * stride_acc_head + d[None, :], acc, mask=mask)
+        ml_offset = seq64 * stride_ml_seq + head * stride_ml_head + split
+        tl.store(part_max_ptr + ml_offset, m_i, mask=g_valid)
+        tl.store(part_sum_ptr + ml_offset, l_i, mask=g_valid)
+    else:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    query_start_loc_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_acc_seq,
+    stride_acc_head,
+    stride_acc_split,
+    stride_ml_seq,
+    stride_ml_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+        return
+    s = tl.arange(0, BLOCK_S)
+    s_valid = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    seq64 = seq.to(tl.int64)
+    ml = seq64 * stride_ml_seq + head * stride_ml_head + s
+    m = tl.load(part_max_ptr + ml, mask=s_valid, other=float("-inf"))
+    l = tl.load(part_sum_ptr + ml, mask=s_valid, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    total = tl.sum(w * l, 0)
+    total = tl.where(total == 0.0, 1.0, total)
+    acc = tl.load(
+        part_acc_ptr
+        + seq64 * stride_acc_seq
+        + head * stride_acc_head
+        + s[:, None] * stride_acc_split
+        + d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    out = tl.sum(acc * w[:, None], 0) / total
+    tl.store(
+        out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_valid,
+    )
+
+
+@functools.cache
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_decode_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int
+) -> tuple[int, int]:
+    """``(num_splits, partition_size)`` for a decode launch; partition_size counts tokens
+    and is a multiple of ``block_n``.
+
+    Splits until about four programs per multiprocessor are in flight, keeping each
+    partition at least ``MIN_PARTITION_TOKENS`` long and at most ``MAX_SPLITS`` of them.
+    """
+    programs = num_seqs * num_kv_heads
+    wanted = -(-4 * num_sms // max(programs, 1))
+    splits = max(1, min(wanted, -(-max_seq_len // MIN_PARTITION_TOKENS), MAX_SPLITS))
+    partition = -(-max_seq_len // splits)
+    partition = -(-partition // block_n) * block_n
+    return -(-max_seq_len // partition), partition
+
+
+def decode_tile_config(head_dim: int, device: torch.device) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` for the decode kernel."""
+    if device.type != "cuda":
+        return 16, 4, 1
+    return (64 if head_dim <= 128 else 32), 4, 2
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    """Attention of every query-length-1 sequence of the batch into ``out``.
+
+    Arguments as in ``paged_prefill_attention``; rows of other sequences are left
+    untouched. ``max_seq_len`` bounds every ``seq_lens[b]``. ``num_splits`` forces the
+    number of context partitions (default: ``plan_decode_splits``).
+    """
+    check_paged_inputs(query, key_cache, value_cache)
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0:
+        return
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}.")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}.")
+    query = unit_last_stride(query)
+    if out.stride(-1) != 1:
+        raise ValueError("out must be contiguous along head_dim.")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    queries_per_kv = num_heads // num_kv_heads
+    default_n, num_warps, num_stages = decode_tile_config(head_dim, query.device)
+    block_n = block_n or default_n
+    max_seq_len = max(max_seq_len, 1)
+    if num_splits is None:
+        num_splits, partition = plan_decode_splits(
+            num_seqs, num_kv_heads, max_seq_len, _multiprocessor_count(query.device), block_n
+        )
+    else:
+        partition = -(-max_seq_len // num_splits)
+        partition = -(-partition // block_n) * block_n
+        num_splits = -(-max_seq_len // partition)
+    split = num_splits > 1
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if split:
+        part_acc = torch.empty(
+            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
+        )
+        part_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        part_sum = torch.empty_like(part_max)
+        acc_strides = part_acc.stride()[:3]
+        ml_strides = part_max.stride()[:2]
+    else:
+        part_acc = part_max = part_sum = out  # unused: the kernel writes ``out`` directly
+        acc_strides, ml_strides = (0, 0, 0), (0, 0)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * LOG2_E,
+        sliding_window or 0,
+        partition,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        *acc_strides,
+        *ml_strides,
+        QUERIES_PER_KV=queries_per_kv,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE_SIZE=key_cache.shape[1],
+        BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
+        BLOCK_N=block_n,
+        USE_WINDOW=sliding_window is not None,
+        SPLIT=split,
+        IEEE_DOT=uses_ieee_dot(query.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            query_start_loc,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            *acc_strides,
+            *ml_strides,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )

@@ -1,0 +1,325 @@
+"""Triton varlen attention over paged context: prefill chunks, prefix-cache hits, any query length.
+
+Each sequence's new queries attend causally to all of its context in the paged cache: the
+tokens cached by earlier steps (earlier chunks, prefix-cache hits) and its own new tokens,
+which the KV write has already stored. Flash-attention style: one program owns a tile of
+queries for one KV head and streams the sequence's keys/values through an online softmax,
+``BLOCK_N`` tokens at a time, gathered through the block table::
+
+    program (tile, kv_head):   rows r = 0 .. BLOCK_M-1 of the tile
+        query  q_off + r // G    (G = num_heads // num_kv_heads query heads per KV head)
+        head   kv_head * G + r % G
+    keys  n = kv_start .. kv_end-1 in steps of BLOCK_N
+        slot of n = block_tables[seq, n // block_size] * block_size + n % block_size
+
+Packing the G query heads of a KV head into one tile (GQA/MQA) reads each K/V tile once
+for all of them. Query ``i`` of a sequence sits at absolute position
+``seq_len - query_len + i`` and sees key ``j`` iff ``j <= pos`` and, with a sliding
+window ``w``, ``j > pos - w``. Keys past the last query of the tile, and keys before the
+window of its first query, are never loaded.
+
+The grid is ``(T // BLOCK_Q + B, num_kv_heads)``; a program finds its sequence by a
+binary search over ``query_start_loc`` (see ``find_sequence``), so the launch depends only
+on host integers and is safe to capture in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.layers.attention.triton_common import (
+    LOG2_E,
+    check_paged_inputs,
+    find_sequence,
+    unit_last_stride,
+    uses_ieee_dot,
+)
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_head,
+    v_head,
+    table,
+    lo,
+    hi,
+    kv_end,
+    pos,
+    window,
+    qk_scale,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    d,
+    d_valid,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    """Online-softmax update over key tiles ``[lo, hi)``. Unless ``MASKED``, every key of
+    every tile is visible to every row (the caller proves it), so no mask is computed."""
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            n_valid = n < kv_end
+            block = tl.load(table + n // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+        else:
+            block = tl.load(table + n // PAGE_SIZE).to(tl.int64)
+        in_block = (n % PAGE_SIZE).to(tl.int64)
+        k_ptrs = k_head + (block * stride_kb + in_block * stride_ks)[None, :] + d[:, None]
+        v_ptrs = v_head + (block * stride_vb + in_block * stride_vs)[:, None] + d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
+        if IEEE_DOT:
+            s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
+        else:
+            s = tl.dot(q, k.to(q.dtype))
+        s = s * qk_scale
+        if MASKED:
+            allowed = n_valid[None, :] & (n[None, :] <= pos[:, None])
+            if USE_WINDOW:
+                allowed = allowed & (n[None, :] > pos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_shift = m_new
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE_DOT:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SKIP_DECODES: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_off = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if q_off >= q_len:
+        return
+    if SKIP_DECODES:
+        if q_len == 1:
+            return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    r = tl.arange(0, BLOCK_M)
+    q_idx = q_off + r // QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + r % QUERIES_PER_KV
+    row_valid = (r < BLOCK_Q * QUERIES_PER_KV) & (q_idx < q_len)
+    pos = context_len + q_idx
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    q_rows = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+
+    # Key tiles start at multiples of BLOCK_N. Those wholly inside [full_lo, full_hi) are
+    # visible to every row of the tile (before the first row's position, and inside the
+    # last row's window) and skip the mask; the ragged edges run masked.
+    first_pos = context_len + q_off
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+    full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
+    if USE_WINDOW:
+        kv_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(full_lo, full_hi)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_head, v_head, table, kv_start, full_lo, kv_end, pos, window,
+            qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, d, d_valid,
+            PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT,
+        )
+    else:
+        full_lo = 0
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_head, v_head, table, full_lo, full_hi, kv_end, pos, window,
+        qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, d, d_valid,
+        PAGE_SIZE, BLOCK_N, False, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT,
+    )
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_head, v_head, table, tl.maximum(full_hi, full_lo), kv_end, kv_end,
+        pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, d, d_valid,
+        PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT,
+    )
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & d_valid[None, :],
+    )
+
+
+def prefill_tile_config(
+    max_query_len: int, queries_per_kv: int, head_dim: int, device: torch.device
+) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a launch.
+
+    ``BLOCK_M`` rows hold ``BLOCK_M // queries_per_kv`` queries; short query lengths get
+    small tiles so a decode-sized sequence does not waste a large one.
+    """
+    min_m = max(16, triton.next_power_of_2(queries_per_kv))
+    rows = max_query_len * queries_per_kv
+    if device.type != "cuda":
+        return max(min_m, min(32, triton.next_power_of_2(rows))), 16, 4, 1
+    block_m = max(min_m, min(128 if head_dim <= 128 else 64, triton.next_power_of_2(rows)))
+    block_n = 64 if head_dim <= 128 else 32
+    num_warps = 8 if block_m >= 128 else 4
+    return block_m, block_n, num_warps, 2
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    num_tokens: int,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    skip_decodes: bool = False,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    """Attention of the first ``num_tokens`` rows of ``query: [T, H, D]`` into ``out``.
+
+    ``key_cache/value_cache: [num_blocks, block_size, Hkv, D]`` already hold every
+    sequence's context and new tokens. ``seq_lens: [B]``, ``query_start_loc: [B + 1]``,
+    ``block_tables: [B, max_blocks]`` (int32) describe the batch as in
+    ``AttentionMetadata``; ``max_query_len`` may be any upper bound of the query lengths.
+    With ``skip_decodes`` sequences of query length 1 are left untouched in ``out`` (the
+    decode kernel computes them).
+    """
+    check_paged_inputs(query, key_cache, value_cache)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}.")
+    query = unit_last_stride(query)
+    if out.stride(-1) != 1:
+        raise ValueError("out must be contiguous along head_dim.")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    queries_per_kv = num_heads // num_kv_heads
+    default_m, default_n, num_warps, num_stages = prefill_tile_config(
+        max_query_len, queries_per_kv, head_dim, query.device
+    )
+    block_m = block_m or default_m
+    block_n = block_n or default_n
+    if block_m < queries_per_kv:
+        raise ValueError(
+            f"block_m={block_m} must hold all {queries_per_kv} query heads of a KV head."
+        )
+    block_q = block_m // queries_per_kv
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_seqs,
+        scale * LOG2_E,
+        sliding_window or 0,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        PAGE_SIZE=key_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        USE_WINDOW=sliding_window is not None,
+        SKIP_DECODES=skip_decodes,
+        IEEE_DOT=uses_ieee_dot(query.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

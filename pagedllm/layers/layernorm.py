@@ -1,0 +1,41 @@
+"""RMSNorm, with the residual add fused into the same call.
+
+Numerics follow the reference checkpoints: the mean of squares and the rescale run in
+float32, the result is cast back to the input dtype and only then multiplied by the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``y = weight * x / sqrt(mean(x^2) + eps)`` over the last dimension.
+
+    ``forward(x)`` returns ``y``. ``forward(x, residual)`` first forms ``s = x + residual``
+    (in the input dtype) and returns ``(norm(s), s)``: the pre-norm residual stream of a
+    decoder layer in one call.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

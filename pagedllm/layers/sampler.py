@@ -1,0 +1,368 @@
+"""The batched sampler: one step's logits ``[B, V]`` -> one token per row, plus logprobs.
+
+Order of operations per step (vLLM semantics)::
+
+    raw logits ──> logprobs to return (log_softmax of the RAW logits)
+        │
+        ├─ repetition penalty   (tokens seen in prompt or output: divide positive, multiply negative)
+        ├─ presence / frequency (tokens seen in output: subtract presence * seen, frequency * count)
+        ├─ min_tokens           (EOS and stop_token_ids -> -inf while the output is too short)
+        │
+        ├─ greedy rows:  argmax
+        └─ random rows:  / temperature -> top-k -> top-p -> min-p -> softmax
+                         -> argmax(probs / q),  q ~ Exp(1)   (the "exponential race")
+
+The exponential race samples exactly from ``probs``: ``argmax(p_i / q_i)`` with i.i.d.
+``q_i ~ Exp(1)`` picks ``i`` with probability ``p_i``. A seeded row draws its ``q`` from its
+own ``torch.Generator`` (one draw of ``V`` values per sampled token), so its tokens do not
+depend on the batch it sits in; unseeded rows share the global generator.
+
+Everything per row is a tensor built once per step by ``SamplingMetadata.build``; the
+forward pass is vectorised over rows and never syncs with the host, except for drawing
+``q`` row by row for seeded requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagedllm.core.outputs import LogprobsEntry
+from pagedllm.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling state for one step's batch of ``B`` rows, as device tensors.
+
+    A tensor is ``None`` when no row of the batch needs it, so the common case (all
+    greedy, no penalties, no logprobs) carries nothing and costs nothing. Rows that do not
+    use a feature hold its neutral value (temperature 1, top_k ``V``, top_p 1, min_p 0,
+    penalties 1/0/0).
+    """
+
+    num_rows: int
+    all_greedy: bool
+    all_random: bool
+    # [B] float32; 1.0 on greedy rows. None when every row is greedy.
+    temperature: torch.Tensor | None = None
+    # [B] bool, True on greedy rows. Only set when the batch mixes greedy and random rows.
+    greedy_mask: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None  # [B] int64 in [1, V]
+    top_p: torch.Tensor | None = None  # [B] float32 in (0, 1]
+    min_p: torch.Tensor | None = None  # [B] float32 in [0, 1]
+    # row index -> the request's own generator (random rows of seeded requests only).
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    no_penalties: bool = True
+    repetition_penalties: torch.Tensor | None = None  # [B] float32
+    presence_penalties: torch.Tensor | None = None  # [B] float32
+    frequency_penalties: torch.Tensor | None = None  # [B] float32
+    # [B, V] bool: token appears in the prompt or the output (repetition penalty only).
+    seen_mask: torch.Tensor | None = None
+    # [B, V] float32: how often each token appears in the output so far.
+    output_counts: torch.Tensor | None = None
+    # (rows, token ids) to set to -inf: stop tokens of rows still short of min_tokens.
+    min_tokens_rows: torch.Tensor | None = None
+    min_tokens_token_ids: torch.Tensor | None = None
+    # The largest ``logprobs`` k asked for by any row (0 is valid); None if no row asks.
+    max_num_logprobs: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> "SamplingMetadata":
+        """Gather the batch's per-row knobs into tensors on ``device``.
+
+        Row ``i`` is described by ``params[i]``, its prompt and output token ids so far, and
+        ``generators[i]``, the generator the caller keeps for a seeded request (``None``
+        for unseeded ones). ``vocab_size`` is the width of the logits.
+        """
+        num_rows = len(params)
+        for name, seq in (("prompt_token_ids", prompt_token_ids),
+                          ("output_token_ids", output_token_ids), ("generators", generators)):
+            if len(seq) != num_rows:
+                raise ValueError(f"{name} has {len(seq)} rows but params has {num_rows}.")
+
+        greedy = [p.greedy for p in params]
+        all_greedy = all(greedy)
+        all_random = not any(greedy)
+        meta = cls(num_rows=num_rows, all_greedy=all_greedy, all_random=all_random)
+
+        ks = [p.logprobs for p in params if p.logprobs is not None]
+        meta.max_num_logprobs = max(ks) if ks else None
+
+        if not all_greedy:
+            _build_random(meta, params, greedy, generators, vocab_size, device)
+
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+               for p in params):
+            _build_penalties(meta, params, prompt_token_ids, output_token_ids, vocab_size, device)
+
+        rows: list[int] = []
+        toks: list[int] = []
+        for i, (p, out) in enumerate(zip(params, output_token_ids)):
+            if len(out) < p.min_tokens:
+                for t in p.all_stop_token_ids:
+                    if t < vocab_size:
+                        rows.append(i)
+                        toks.append(t)
+        if rows:
+            meta.min_tokens_rows = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+            meta.min_tokens_token_ids = torch.tensor(toks, dtype=torch.long).to(device, non_blocking=True)
+        return meta
+
+
+def _build_random(
+    meta: SamplingMetadata,
+    params: list[SamplingParams],
+    greedy: list[bool],
+    generators: list[torch.Generator | None],
+    vocab_size: int,
+    device: torch.device | str,
+) -> None:
+    temperature, top_k, top_p, min_p = [], [], [], []
+    for i, (p, is_greedy, gen) in enumerate(zip(params, greedy, generators)):
+        if is_greedy:
+            temperature.append(1.0)
+            top_k.append(vocab_size)
+            top_p.append(1.0)
+            min_p.append(0.0)
+            continue
+        temperature.append(p.temperature)
+        top_k.append(vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size))
+        top_p.append(p.top_p)
+        min_p.append(p.min_p)
+        if gen is not None:
+            meta.generators[i] = gen
+        elif p.seed is not None:
+            raise ValueError(
+                f"Row {i} has seed={p.seed} but no generator: pass the request's "
+                "torch.Generator in generators so its samples stay reproducible."
+            )
+
+    def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    meta.temperature = to_device(temperature, torch.float32)
+    if any(k < vocab_size for k in top_k):
+        meta.top_k = to_device(top_k, torch.long)
+    if any(p < 1.0 for p in top_p):
+        meta.top_p = to_device(top_p, torch.float32)
+    if any(m > 0.0 for m in min_p):
+        meta.min_p = to_device(min_p, torch.float32)
+    if not meta.all_random:
+        meta.greedy_mask = to_device(greedy, torch.bool)
+
+
+def _build_penalties(
+    meta: SamplingMetadata,
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> None:
+    """Penalty factors per row plus the token-occurrence tensors they act on."""
+    num_rows = len(params)
+    meta.no_penalties = False
+    meta.repetition_penalties = torch.tensor(
+        [p.repetition_penalty for p in params], dtype=torch.float32).to(device, non_blocking=True)
+    meta.presence_penalties = torch.tensor(
+        [p.presence_penalty for p in params], dtype=torch.float32).to(device, non_blocking=True)
+    meta.frequency_penalties = torch.tensor(
+        [p.frequency_penalty for p in params], dtype=torch.float32).to(device, non_blocking=True)
+
+    out_rows, out_ids = _flatten(output_token_ids, device)
+    counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+    if out_ids.numel():
+        counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32),
+                          accumulate=True)
+    meta.output_counts = counts
+
+    seen = counts > 0
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        prompts = [prompt_token_ids[i] if params[i].repetition_penalty != 1.0 else []
+                   for i in range(num_rows)]
+        rows, ids = _flatten(prompts, device)
+        if ids.numel():
+            seen[rows, ids] = True
+    meta.seen_mask = seen
+
+
+def _flatten(token_lists: list[list[int]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs of a ragged batch, as two int64 tensors on ``device``."""
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
+    flat = [t for tokens in token_lists for t in tokens]
+    ids = torch.tensor(flat, dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    return rows.to(device, non_blocking=True), ids.to(device, non_blocking=True)
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs for ``B`` rows: the sampled (or target) token first, then the top ``k``.
+
+    ``token_ids`` and ``logprobs`` are ``[B, 1 + k]`` for the batch's largest ``k``;
+    ``ranks`` is ``[B]``, the rank of column 0's token in the full distribution
+    (1 = most likely; 1 + the number of tokens with a strictly greater logprob).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    _host: tuple[list, list, list] | None = field(default=None, repr=False)
+
+    def tolists(self) -> tuple[list[list[int]], list[list[float]], list[int]]:
+        """The three tensors as Python lists (one device-to-host copy, cached)."""
+        if self._host is None:
+            self._host = (self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist())
+        return self._host
+
+    def to_entries(self, row: int, k: int) -> LogprobsEntry:
+        """Row ``row`` cut to its own ``k``, as plain data.
+
+        ``k`` is at most the batch's largest; the top list is shorter only when the
+        vocabulary itself has fewer than ``k`` tokens.
+        """
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}.")
+        token_ids, logprobs, ranks = self.tolists()
+        return token_ids[row][: k + 1], logprobs[row][: k + 1], ranks[row]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # set when any row asked for logprobs
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """The logprob and rank of ``token_ids[b]`` in row ``b`` of ``logprobs [B, V]``, plus the top ``k``."""
+    chosen = logprobs.gather(-1, token_ids.unsqueeze(-1))  # [B, 1]
+    ranks = (logprobs > chosen).sum(-1) + 1
+    k = min(k, logprobs.shape[-1])
+    if k > 0:
+        top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+        ids = torch.cat([token_ids.unsqueeze(-1), top_ids], dim=-1)
+        values = torch.cat([chosen, top_logprobs], dim=-1)
+    else:
+        ids, values = token_ids.unsqueeze(-1), chosen
+    return LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks)
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_token_ids: torch.Tensor, k: int
+) -> list[LogprobsEntry]:
+    """Logprobs of prompt tokens: row ``i`` of ``logits [N, V]`` scores ``target_token_ids[i]``.
+
+    The caller aligns rows and targets (the logits at position ``p`` predict token
+    ``p + 1``). Returns one entry per row: the target first, then the top ``k``.
+    """
+    if logits.shape[0] != target_token_ids.shape[0]:
+        raise ValueError(
+            f"logits has {logits.shape[0]} rows but target_token_ids has {target_token_ids.shape[0]}."
+        )
+    if logits.shape[0] == 0:
+        return []
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    tensors = gather_logprobs(logprobs, target_token_ids.to(logits.device, torch.long), k)
+    token_ids, values, ranks = tensors.tolists()
+    return [(t, v, r) for t, v, r in zip(token_ids, values, ranks)]
+
+
+class Sampler(nn.Module):
+    """Chooses one token per row of ``logits [B, V]`` (float32) as ``SamplingMetadata`` says."""
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
+            raise ValueError(
+                f"logits must be [num_rows={meta.num_rows}, vocab], got {tuple(logits.shape)}."
+            )
+        logits = logits.float()  # no copy when already float32
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+
+        # Out-of-place from here on: the caller's logits are never modified.
+        if not meta.no_penalties:
+            logits = apply_penalties(logits, meta)
+        if meta.min_tokens_rows is not None:
+            logits = logits.index_put(
+                (meta.min_tokens_rows, meta.min_tokens_token_ids),
+                torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device),
+            )
+
+        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        if meta.all_greedy:
+            sampled = greedy
+        else:
+            sampled = self._sample_random(logits, meta)
+            if greedy is not None:
+                sampled = torch.where(meta.greedy_mask, greedy, sampled)
+
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        logits = logits / meta.temperature.unsqueeze(-1)
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        probs = logits.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        if len(meta.generators) < meta.num_rows:
+            q.exponential_()
+        for row, generator in meta.generators.items():
+            q[row].exponential_(generator=generator)
+        return probs.div_(q).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output), then presence and frequency (output) penalties."""
+    rep = meta.repetition_penalties.unsqueeze(-1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(meta.seen_mask, penalized, logits)
+    logits = logits - meta.frequency_penalties.unsqueeze(-1) * meta.output_counts
+    return logits - meta.presence_penalties.unsqueeze(-1) * (meta.output_counts > 0)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask to -inf the tokens outside each row's top ``k`` and outside its top-``p`` nucleus.
+
+    Ties with the k-th largest logit are kept. The nucleus is the smallest set of most
+    likely tokens whose probability sum reaches ``p``; the most likely token always stays.
+    """
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        kth = logits_sort.gather(-1, (logits_sort.shape[-1] - k).unsqueeze(-1))
+        logits_sort = logits_sort.masked_fill(logits_sort < kth, _NEG_INF)
+    if p is not None:
+        cumulative = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+        outside = cumulative <= (1 - p).unsqueeze(-1)
+        outside[:, -1] = False
+        logits_sort = logits_sort.masked_fill(outside, _NEG_INF)
+    return logits_sort.scatter(-1, logits_idx, logits_sort)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf tokens whose probability is below ``min_p`` times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(-1)
+    return logits.masked_fill(probs < threshold, _NEG_INF)

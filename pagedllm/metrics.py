@@ -1,0 +1,206 @@
+"""Prometheus metrics of the server and the periodic stats log line.
+
+Every metric lives in the API process (the core sends a ``SchedulerStats`` snapshot with
+each step), so no multiprocess mode is needed. Names follow vLLM's, with a ``model_name``
+label on all of them::
+
+    pagedllm:num_requests_running            gauge    core requests in the running batch
+    pagedllm:num_requests_waiting            gauge    core requests queued or preempted
+    pagedllm:kv_cache_usage_perc             gauge    fraction (0..1) of KV blocks in use
+    pagedllm:prefix_cache_queries_total      counter  prompt tokens looked up in the prefix cache
+    pagedllm:prefix_cache_hits_total         counter  of those, tokens found
+    pagedllm:num_preemptions_total           counter  preemptions (recompute)
+    pagedllm:prompt_tokens_total             counter  prompt tokens of requests that got a first token
+    pagedllm:generation_tokens_total         counter  tokens generated
+    pagedllm:request_success_total           counter  finished sequences, by finished_reason
+                                                      (stop | length | abort)
+    pagedllm:time_to_first_token_seconds     histogram arrival (HTTP request parsed) -> first token
+    pagedllm:time_per_output_token_seconds   histogram per request: (finish - first token) / (tokens - 1)
+    pagedllm:e2e_request_latency_seconds     histogram arrival -> last token
+    pagedllm:request_queue_time_seconds      histogram per core request: arrival -> first scheduled
+
+Gauges and the core's totals are read from the latest snapshot at scrape time (a custom
+collector), so they can never drift from the scheduler. All times are seconds of
+``time.monotonic()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import (
+    CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from pagedllm.core.outputs import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+FINISHED_REASONS = ("stop", "length", "abort")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _SchedulerCollector:
+    """Exposes the latest ``SchedulerStats`` snapshot at scrape time."""
+
+    def __init__(self, metrics: "ServerMetrics") -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        stats = self.metrics.scheduler_stats
+        labels = ["model_name"]
+        values = [self.metrics.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        yield gauge("pagedllm:num_requests_running", "Requests in the running batch.",
+                    stats.num_running if stats else 0)
+        yield gauge("pagedllm:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).",
+                    stats.num_waiting if stats else 0)
+        yield gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use, 0..1.",
+                    stats.kv_cache_usage if stats else 0.0)
+        yield counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.prefix_cache_queries if stats else 0)
+        yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      stats.prefix_cache_hits if stats else 0)
+        yield counter("pagedllm:num_preemptions", "Requests preempted (to be recomputed).",
+                      stats.num_preemptions if stats else 0)
+
+
+class ServerMetrics:
+    """The server's metrics registry, fed by the async engine."""
+
+    def __init__(self, model_name: str) -> None:
+        # ``*_created`` series only add noise to a single long-lived server process.
+        disable_created_metrics()
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        self.scheduler_stats: SchedulerStats | None = None
+        self.registry.register(_SchedulerCollector(self))
+        # Plain totals too, for the log line's rates.
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+        labels = ["model_name"]
+        self._prompt_tokens = Counter(
+            "pagedllm:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry,
+        ).labels(model_name)
+        self._generation_tokens = Counter(
+            "pagedllm:generation_tokens", "Tokens generated.", labels, registry=self.registry,
+        ).labels(model_name)
+        success = Counter(
+            "pagedllm:request_success", "Finished sequences, by finished_reason.",
+            ["model_name", "finished_reason"], registry=self.registry,
+        )
+        self._success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
+        self._ttft = Histogram(
+            "pagedllm:time_to_first_token_seconds", "Time to first token, seconds.", labels,
+            buckets=_TTFT_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self._tpot = Histogram(
+            "pagedllm:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request, seconds.", labels,
+            buckets=_TPOT_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self._e2e = Histogram(
+            "pagedllm:e2e_request_latency_seconds", "End-to-end request latency, seconds.", labels,
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self._queue = Histogram(
+            "pagedllm:request_queue_time_seconds",
+            "Time from arrival to first scheduling, seconds.", labels,
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+
+    # -- engine hooks -------------------------------------------------------------------
+    def on_step(self, stats: SchedulerStats | None, queue_times: list[float]) -> None:
+        if stats is not None:
+            self.scheduler_stats = stats
+        for seconds in queue_times:
+            self._queue.observe(seconds)
+
+    def on_first_token(self, num_prompt_tokens: int, ttft_s: float) -> None:
+        self.num_prompt_tokens += num_prompt_tokens
+        self._prompt_tokens.inc(num_prompt_tokens)
+        self._ttft.observe(ttft_s)
+
+    def on_new_tokens(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.num_generation_tokens += num_tokens
+            self._generation_tokens.inc(num_tokens)
+
+    def on_sequence_finished(self, finish_reason: str | None) -> None:
+        counter = self._success.get(finish_reason or "abort")
+        if counter is not None:
+            counter.inc()
+
+    def on_request_finished(self, e2e_s: float, tpot_s: float | None) -> None:
+        self._e2e.observe(e2e_s)
+        if tpot_s is not None:
+            self._tpot.observe(tpot_s)
+
+    # -- exposition ---------------------------------------------------------------------
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class StatsLogger:
+    """Builds the periodic stats line; ``maybe_log`` logs it while there is work to report."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self._last_time = time.monotonic()
+        self._last_prompt = 0
+        self._last_generation = 0
+        self._last_queries = 0
+        self._last_hits = 0
+
+    def line(self) -> str | None:
+        """The line for the interval since the last call, or None when nothing happened."""
+        m = self.metrics
+        now = time.monotonic()
+        elapsed = max(now - self._last_time, 1e-6)
+        prompt = m.num_prompt_tokens - self._last_prompt
+        generation = m.num_generation_tokens - self._last_generation
+        stats = m.scheduler_stats
+        queries = stats.prefix_cache_queries if stats else 0
+        hits = stats.prefix_cache_hits if stats else 0
+        running = stats.num_running if stats else 0
+        waiting = stats.num_waiting if stats else 0
+        usage = stats.kv_cache_usage if stats else 0.0
+        self._last_time, self._last_prompt, self._last_generation = now, m.num_prompt_tokens, m.num_generation_tokens
+        interval_queries, interval_hits = queries - self._last_queries, hits - self._last_hits
+        self._last_queries, self._last_hits = queries, hits
+        if not (prompt or generation or running or waiting):
+            return None
+        hit_rate = 100.0 * interval_hits / interval_queries if interval_queries else 0.0
+        return (
+            f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "
+            f"Running: {running} reqs, Waiting: {waiting} reqs, "
+            f"KV cache usage: {100.0 * usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%"
+        )
+
+    def maybe_log(self) -> None:
+        text = self.line()
+        if text is not None:
+            logger.info(text)

@@ -1,0 +1,328 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 and Qwen3 in one decoder definition.
+
+They share one block (pre-norm RMSNorm, rotary attention with grouped KV heads, gated
+MLP) and differ in switches read from the checkpoint's ``config.json``:
+
+==========  ========================  =============================================
+family      projection biases         extras
+==========  ========================  =============================================
+llama       ``attention_bias`` (all   ``mlp_bias``; rope scaling linear/llama3/yarn
+            four), ``mlp_bias``
+mistral     none                      ``sliding_window`` on every layer when set
+qwen2       q, k, v always; o never   sliding window on layers >= ``max_window_layers``
+                                      when ``use_sliding_window`` (or ``layer_types``)
+qwen3       ``attention_bias``        per-head RMSNorm on q and k before rope; explicit
+                                      ``head_dim`` (may differ from hidden / heads)
+==========  ========================  =============================================
+
+Parameter names mirror the checkpoints' (``model.layers.N.self_attn...``) except that
+q/k/v are fused into ``qkv_proj`` and gate/up into ``gate_up_proj``; ``load_weights``
+routes each checkpoint tensor into its rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.layers.activation import GatedActivation
+from pagedllm.layers.attention.layer import Attention
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import Embedding, FusedLinear, Linear
+from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters_from_hf
+
+# (fused module, checkpoint module, shard) — a checkpoint name containing ".{checkpoint
+# module}." is loaded into that shard of the fused module.
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", "gate"),
+    ("gate_up_proj", "up_proj", "up"),
+)
+# Checkpoint tensors that are derived state, not weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@dataclass(frozen=True)
+class LlamaArchConfig:
+    """The architecture switches of one checkpoint, read once from its HF config dict."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int | None
+    rope_parameters: dict[str, Any]
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]  # one per layer, in tokens
+
+    @classmethod
+    def from_hf(cls, hf: dict, family: str) -> LlamaArchConfig:
+        num_heads = hf["num_attention_heads"]
+        num_layers = hf["num_hidden_layers"]
+        attention_bias = bool(hf.get("attention_bias", False))
+        if family == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = attention_bias
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            hidden_act=hf.get("hidden_act", "silu"),
+            max_position_embeddings=hf.get("max_position_embeddings"),
+            rope_parameters=rope_parameters_from_hf(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)) if family == "llama" else False,
+            qk_norm=family == "qwen3",
+            sliding_windows=_sliding_windows(hf, family, num_layers),
+        )
+
+
+def _sliding_windows(hf: dict, family: str, num_layers: int) -> tuple[int | None, ...]:
+    window = hf.get("sliding_window")
+    if family == "mistral":
+        return (window,) * num_layers
+    if family in ("qwen2", "qwen3") and hf.get("use_sliding_window", False) and window:
+        first_sliding = hf.get("max_window_layers", num_layers)
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if i >= first_sliding else "full_attention"
+            for i in range(num_layers)
+        ]
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (None,) * num_layers
+
+
+class LlamaAttentionBlock(nn.Module):
+    """Projections, optional q/k norm and rope around the paged ``Attention`` layer."""
+
+    def __init__(self, cfg: LlamaArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = FusedLinear(
+            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, cfg.qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.attn = Attention(
+            cfg.num_heads, cfg.head_dim, cfg.num_kv_heads,
+            scale=cfg.head_dim**-0.5,
+            layer_idx=layer_idx,
+            sliding_window=cfg.sliding_windows[layer_idx],
+        )
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = RotaryEmbedding.apply(q, cos, sin).flatten(1)
+        k = RotaryEmbedding.apply(k, cos, sin).flatten(1)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaArchConfig) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": size, "up": size}, cfg.mlp_bias)
+        self.down_proj = Linear(size, cfg.hidden_size, cfg.mlp_bias)
+        self.act = GatedActivation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream travels beside the hidden states so each norm
+    also performs the preceding residual add."""
+
+    def __init__(self, cfg: LlamaArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttentionBlock(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """``model(input_ids [T], positions [T]) -> hidden_states [T, hidden]`` over a flat batch.
+
+    Positions are absolute token indices within each token's own sequence; which tokens
+    belong together, and the KV cache, come from the forward context. ``compute_logits``
+    maps selected hidden rows to float32 logits over the vocabulary.
+    """
+
+    family = "llama"
+
+    def __init__(self, hf_config: dict) -> None:
+        super().__init__()
+        self.config = LlamaArchConfig.from_hf(hf_config, self.family)
+        self.model = LlamaModel(self.config)
+        self.lm_head = (
+            None
+            if self.config.tie_word_embeddings
+            else Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden_states, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into this model's parameters.
+
+        q/k/v and gate/up projections land in their rows of the fused layers; rotary
+        buffers are skipped; with tied embeddings a checkpoint ``lm_head.weight`` is
+        ignored. Raises ValueError naming the offending tensors on a name this model has
+        no place for, a shape mismatch, or parameters the checkpoint never filled.
+        """
+        params = dict(self.named_parameters())
+        expected: set[tuple[str, str | None]] = set()
+        for name, _ in params.items():
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(module, FusedLinear):
+                expected.update((name, shard) for shard in module.shard_sizes)
+            else:
+                expected.add((name, None))
+        loaded: set[tuple[str, str | None]] = set()
+        unexpected: list[str] = []
+
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            target, shard = _fused_target(name)
+            if target not in params:
+                unexpected.append(name)
+                continue
+            if shard is None:
+                param = params[target]
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"Checkpoint tensor {name} has shape {tuple(tensor.shape)} but "
+                        f"{type(self).__name__} expects {tuple(param.shape)}: the config.json "
+                        "does not describe these weights."
+                    )
+                param.data.copy_(tensor)
+            else:
+                module_name, param_name = target.rsplit(".", 1)
+                module = self.get_submodule(module_name)
+                try:
+                    module.load_shard(param_name, shard, tensor)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"Checkpoint tensor {name}: {exc} The config.json does not describe "
+                        "these weights."
+                    ) from exc
+            loaded.add((target, shard))
+
+        if unexpected:
+            raise ValueError(
+                f"The checkpoint has {len(unexpected)} tensor(s) {type(self).__name__} has no "
+                f"place for: {_preview(unexpected)}. Check that config.json's architectures "
+                "matches the weights."
+            )
+        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+        if missing:
+            raise ValueError(
+                f"The checkpoint lacks {len(missing)} weight(s) {type(self).__name__} needs: "
+                f"{_preview(missing)}."
+            )
+
+
+def _fused_target(name: str) -> tuple[str, str | None]:
+    """Checkpoint name -> (our parameter name, shard or None)."""
+    for fused, original, shard in STACKED_PARAMS:
+        marker = f".{original}."
+        if marker in name:
+            return name.replace(marker, f".{fused}."), shard
+    return name, None
+
+
+def _preview(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    family = "mistral"
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    family = "qwen2"
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    family = "qwen3"

@@ -1,0 +1,124 @@
+"""Build a model on its device in its dtype and fill its weights.
+
+The model is constructed under ``torch.device(device)`` with the default dtype set, so
+every parameter is allocated once, directly where it will live, and never initialised
+(the layers allocate with ``torch.empty``). Then either:
+
+* ``load_format`` "auto"/"safetensors": stream ``*.safetensors`` tensors (one file, or the
+  shards listed in ``model.safetensors.index.json``) through ``model.load_weights``, one
+  tensor in host memory at a time;
+* ``load_format`` "dummy": random weights at the real shapes, uniform in [-1e-3, 1e-3]
+  with RMSNorm weights 1, drawn on the device from ``model_config.seed`` — for
+  benchmarks of large shapes with no checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from pagedllm.config import ModelConfig
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.models.registry import get_model_class
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+DUMMY_WEIGHT_RANGE = 1e-3
+
+
+def resolve_dtype(model_config: ModelConfig, device: torch.device | str) -> torch.dtype:
+    """The dtype the model runs in.
+
+    An explicit ``dtype`` wins. "auto" is the checkpoint's declared dtype on accelerators;
+    on the CPU a bfloat16/float16 checkpoint runs in float32 (half-precision matmuls are
+    slow there, and the CPU path is the exactness reference).
+    """
+    if model_config.dtype != "auto":
+        return _TORCH_DTYPES[model_config.dtype]
+    declared = _TORCH_DTYPES[model_config.config_dtype]
+    if torch.device(device).type == "cpu" and declared in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return declared
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_config: ModelConfig, device: torch.device | str, dtype: torch.dtype
+) -> nn.Module:
+    """The checkpoint's model on ``device`` in ``dtype``, weights loaded, in eval mode."""
+    model_cls = get_model_class(model_config.architectures)
+    device = torch.device(device)
+    with _default_dtype(dtype), device:
+        model = model_cls(model_config.hf_config)
+    model.eval()
+    model.requires_grad_(False)
+    if model_config.load_format == "dummy":
+        fill_dummy_weights(model, model_config.seed)
+    else:
+        model.load_weights(iter_safetensors(model_config.path))
+    return model
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint files under ``path``: the shards an index names, else every
+    ``*.safetensors``. Raises ValueError when there are none."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} names shards that are not in {path}: {absent}.")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"No *.safetensors weights in {path}. Convert the checkpoint to safetensors, or "
+            "pass load_format='dummy' (--load-format dummy) for random weights."
+        )
+    return files
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of the checkpoint, read lazily file by file."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Uniform [-1e-3, 1e-3] in every parameter, 1 in RMSNorm weights; deterministic in
+    ``seed`` for a given device."""
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    generators: dict[torch.device, torch.Generator] = {}
+    for param in model.parameters():
+        if id(param) in norm_weights:
+            param.fill_(1.0)
+            continue
+        generator = generators.get(param.device)
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+            generators[param.device] = generator
+        param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)

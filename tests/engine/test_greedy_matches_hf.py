@@ -1,0 +1,73 @@
+"""The master test: greedy tokens equal HF transformers' whatever the engine does inside.
+
+Batching, chunked prefill, preemption, prefix-cache hits and block size must never change
+what a user gets back.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from tests.engine.conftest import hf_greedy, random_prompts
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(6, 3, 40, seed=1)
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model, prompts):
+    return [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def scheduler_of(llm: LLM):
+    return llm.llm_engine.engine_core.scheduler
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_batched_greedy_matches_hf_for_mixed_lengths(tiny_model_dir, prompts, expected, block_size):
+    llm = LLM(str(tiny_model_dir), block_size=block_size, max_model_len=128)
+    assert greedy(llm, prompts) == expected
+
+
+def test_chunked_prefill_with_tiny_budget_matches_hf(tiny_model_dir, prompts, expected):
+    llm = LLM(str(tiny_model_dir), max_num_batched_tokens=7, max_model_len=128)
+    assert greedy(llm, prompts) == expected
+
+
+def test_preemption_under_kv_pressure_keeps_tokens(tiny_model_dir, prompts, expected):
+    # 8 blocks of 8 tokens cannot hold six sequences of up to 52 tokens at once.
+    llm = LLM(str(tiny_model_dir), block_size=8, num_kv_blocks=8, max_model_len=64,
+              enable_prefix_caching=False)
+    assert greedy(llm, prompts) == expected
+    assert scheduler_of(llm).num_preemptions_total > 0
+
+
+def test_prefix_cache_hits_keep_tokens(tiny_model_dir, hf_model):
+    shared = random_prompts(1, 40, 40, seed=7)[0]
+    tails = random_prompts(4, 1, 9, seed=8)
+    prompts = [shared + t for t in tails]
+    want = [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+    llm = LLM(str(tiny_model_dir), block_size=8, max_model_len=128)
+    assert greedy(llm, prompts[:1]) == want[:1]  # warm the cache
+    assert greedy(llm, prompts[1:]) == want[1:]
+    stats = scheduler_of(llm).kv_cache_manager.prefix_cache_stats
+    assert stats.hits >= 3 * 40  # each later prompt reused the 40-token shared prefix
+
+
+def test_block_pool_returns_to_full_after_all_requests_finish(tiny_model_dir, prompts):
+    llm = LLM(str(tiny_model_dir), block_size=8, num_kv_blocks=64, max_model_len=128)
+    greedy(llm, prompts)
+    scheduler = scheduler_of(llm)
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv_cache_manager.num_free_blocks == 64

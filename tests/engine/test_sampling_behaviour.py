@@ -1,0 +1,174 @@
+"""What users of the offline API rely on: seeds, stops, limits, n, logprobs, and clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.engine.conftest import random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), block_size=8, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return {"prompt_token_ids": random_prompts(1, 12, 12, seed=3)[0]}
+
+
+def run(llm, prompts, **params):
+    return llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+
+
+def test_seeded_sample_is_the_same_whatever_else_is_in_the_batch(llm, prompt):
+    alone = run(llm, [prompt], temperature=1.0, seed=1234, max_tokens=16)[0]
+    others = [{"prompt_token_ids": p} for p in random_prompts(5, 2, 30, seed=4)]
+    params = [SamplingParams(temperature=1.0, max_tokens=16)] * 2 + [
+        SamplingParams(temperature=1.0, seed=1234, max_tokens=16)] + [
+        SamplingParams(temperature=0.7, seed=9, max_tokens=16)] * 3
+    batched = llm.generate(others[:2] + [prompt] + others[2:], params, use_tqdm=False)[2]
+    assert batched.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert batched.outputs[0].text == alone.outputs[0].text
+
+
+def test_different_seeds_give_different_samples(llm, prompt):
+    a = run(llm, [prompt], temperature=1.0, seed=1, max_tokens=16)[0].outputs[0].token_ids
+    b = run(llm, [prompt], temperature=1.0, seed=2, max_tokens=16)[0].outputs[0].token_ids
+    assert a != b
+
+
+def test_max_tokens_ends_with_length(llm, prompt):
+    out = run(llm, [prompt], temperature=0.0, max_tokens=5, ignore_eos=True)[0].outputs[0]
+    assert len(out.token_ids) == 5
+    assert out.finish_reason == "length"
+
+
+def test_stop_string_cuts_text_and_reports_reason(llm, prompt):
+    full = run(llm, [prompt], temperature=0.0, max_tokens=24, ignore_eos=True)[0].outputs[0].text
+    assert len(full) > 6, "the tiny model's output is too short to pick a stop string"
+    stop = full[3:6]
+    before = full[: full.index(stop)]
+    out = run(llm, [prompt], temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])[0].outputs[0]
+    assert out.text == before
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    kept = run(llm, [prompt], temperature=0.0, max_tokens=24, ignore_eos=True, stop=stop,
+               include_stop_str_in_output=True)[0].outputs[0]
+    assert kept.text == before + stop
+
+
+def test_stop_token_id_ends_generation(llm, prompt):
+    greedy = run(llm, [prompt], temperature=0.0, max_tokens=10, ignore_eos=True)[0].outputs[0].token_ids
+    stop_id = greedy[3]
+    out = run(llm, [prompt], temperature=0.0, max_tokens=10, ignore_eos=True,
+              stop_token_ids=[stop_id])[0].outputs[0]
+    first = greedy.index(stop_id)
+    assert out.token_ids == greedy[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+
+def test_min_tokens_holds_back_stop_tokens(llm, prompt):
+    greedy = run(llm, [prompt], temperature=0.0, max_tokens=10, ignore_eos=True)[0].outputs[0].token_ids
+    stop_id = greedy[0]
+    out = run(llm, [prompt], temperature=0.0, max_tokens=10, ignore_eos=True,
+              stop_token_ids=[stop_id], min_tokens=4)[0].outputs[0]
+    assert len(out.token_ids) >= 4
+    assert stop_id not in out.token_ids[:3]
+
+
+def test_n_returns_n_distinct_completions(llm, prompt):
+    out = run(llm, [prompt], temperature=1.0, n=3, seed=5, max_tokens=8)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+
+
+def test_logprobs_match_hf_and_rank_the_greedy_token_first(llm, prompt, hf_model):
+    out = run(llm, [prompt], temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)[0]
+    completion = out.outputs[0]
+    ids = prompt["prompt_token_ids"] + completion.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    total = 0.0
+    for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        assert len(entry) == 3  # the greedy token is one of the top 3
+        assert entry[token].rank == 1
+        position = len(prompt["prompt_token_ids"]) - 1 + step
+        for tid, lp in entry.items():
+            assert lp.logprob == pytest.approx(ref[position, tid].item(), abs=1e-4)
+        total += entry[token].logprob
+    assert completion.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def test_prompt_logprobs_match_hf(llm, prompt, hf_model):
+    out = run(llm, [prompt], temperature=0.0, max_tokens=1, prompt_logprobs=2)[0]
+    ids = prompt["prompt_token_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        entry = out.prompt_logprobs[i]
+        assert ids[i] in entry
+        assert entry[ids[i]].logprob == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-4)
+        assert math.isfinite(entry[ids[i]].logprob)
+
+
+def test_prompt_logprobs_survive_chunked_prefill(tiny_model_dir, prompt, hf_model):
+    llm = LLM(str(tiny_model_dir), block_size=8, max_model_len=128, max_num_batched_tokens=5)
+    out = run(llm, [prompt], temperature=0.0, max_tokens=1, prompt_logprobs=0)[0]
+    ids = prompt["prompt_token_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    got = [e[ids[i]].logprob for i, e in enumerate(out.prompt_logprobs) if e is not None]
+    want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_text_prompt_round_trips_through_the_tokenizer(llm):
+    out = run(llm, ["hello world"], temperature=0.0, max_tokens=3, ignore_eos=True)[0]
+    assert out.prompt == "hello world"
+    assert out.prompt_token_ids == llm.get_tokenizer().encode("hello world")
+    assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids)
+
+
+def test_prompt_longer_than_max_model_len_fails_at_submission(llm, prompt):
+    with pytest.raises(ValueError, match="maximum model length"):
+        run(llm, [{"prompt_token_ids": [10] * 200}], max_tokens=4)
+    # The engine is unharmed and still serves.
+    assert run(llm, [prompt], temperature=0.0, max_tokens=2)[0].finished
+
+
+def test_out_of_vocabulary_token_id_is_rejected(llm):
+    with pytest.raises(ValueError, match="out of the vocabulary"):
+        run(llm, [{"prompt_token_ids": [1, 10**6]}])
+
+
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0},
+                                 {"logprobs": 50}, {"min_p": 2.0}])
+def test_invalid_sampling_params_name_the_parameter(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+def test_unsupported_engine_features_are_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(tiny_model_dir), tensor_parallel_size=2)
+    with pytest.raises(TypeError, match="Unknown engine argument"):
+        LLM(str(tiny_model_dir), not_an_option=True)
+
+
+def test_kv_cache_smaller_than_one_request_fails_at_start(tiny_model_dir):
+    with pytest.raises(ValueError, match="max-model-len"):
+        LLM(str(tiny_model_dir), block_size=8, num_kv_blocks=4, max_model_len=128)
+
+
+def test_chat_uses_the_template(llm):
+    messages = [{"role": "user", "content": "hi"}]
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0]
+    rendered = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+    assert out.prompt == rendered
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(rendered, add_special_tokens=False)

@@ -1,0 +1,83 @@
+"""The Triton backend end to end: mixed steps, padding, successive steps, dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
+from tests.kernels.paged_batch import HALF_DTYPES, TOLERANCE, make_step, reference_attention
+
+# A fresh prompt, a chunk on top of cached context, decodes at several context lengths.
+MIXED = ((0, 11), (9, 4), (17, 1), (0, 1), (30, 1), (6, 7))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (4, 1)], ids=["gqa", "mqa"])
+def test_mixed_prefill_and_decode_step_matches_reference(num_heads, num_kv_heads, window) -> None:
+    step = make_step(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    expected, expected_cache = reference_attention(step, 0.25, window)
+    out = TritonAttentionBackend().forward(
+        step.query, step.key, step.value, step.kv_cache, step.metadata, 0.25, window
+    )
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+    assert torch.equal(step.kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_precision_mixed_step_matches_fp32_reference(dtype) -> None:
+    step = make_step(MIXED, seed=1, dtype=dtype)
+    expected, _ = reference_attention(step, 0.25, None)
+    out = TritonAttentionBackend().forward(
+        step.query, step.key, step.value, step.kv_cache, step.metadata, 0.25, None
+    )
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
+
+
+def test_padding_rows_past_num_actual_tokens_are_not_cached_or_attended() -> None:
+    """A runner pads a step to a captured shape; padded rows point at a spare slot."""
+    step = make_step(MIXED, seed=2)
+    n = step.query.shape[0]
+    expected, _ = reference_attention(step, 0.25, None)
+    pad = 3
+    md = step.metadata
+    spare_slot = step.spare_block * md.block_size
+    md.slot_mapping = torch.cat(
+        [md.slot_mapping, torch.full((pad,), spare_slot, dtype=torch.int64, device=md.slot_mapping.device)]
+    )
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.randn(pad, *x.shape[1:], device=x.device)])
+
+    out = TritonAttentionBackend().forward(
+        padded(step.query), padded(step.key), padded(step.value), step.kv_cache, md, 0.25, None
+    )
+    torch.testing.assert_close(out[:n], expected, **TOLERANCE[torch.float32])
+    assert torch.count_nonzero(out[n:]) == 0
+    assert step.kv_cache[:, step.spare_block].isnan().all()
+
+
+def test_one_backend_serves_successive_steps_of_different_shapes() -> None:
+    """Routing derived for one step (does it hold decodes?) must not leak into the next."""
+    backend = TritonAttentionBackend()
+    steps = (((0, 5), (2, 3)), MIXED, ((40, 1), (3, 1)), ((4, 6),))
+    for seed, seqs in enumerate(steps):
+        step = make_step(seqs, seed=seed)
+        expected, _ = reference_attention(step, 0.25, 4)
+        out = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, 0.25, 4)
+        torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+def test_output_is_contiguous_for_strided_query_views() -> None:
+    """Queries usually arrive as a column slice of one fused QKV projection."""
+    step = make_step(MIXED, seed=3)
+    num_tokens, num_heads, head_dim = step.query.shape
+    fused = torch.cat([step.query.flatten(1), step.key.flatten(1)], dim=1)
+    query = fused[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    expected, _ = reference_attention(step, 0.25, None)
+    out = TritonAttentionBackend().forward(
+        query, step.key, step.value, step.kv_cache, step.metadata, 0.25, None
+    )
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])

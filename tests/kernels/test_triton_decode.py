@@ -1,0 +1,115 @@
+"""The Triton decode kernel (single pass and split-K) against the torch reference backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.layers.attention.triton_decode import (
+    MAX_SPLITS,
+    paged_decode_attention,
+    plan_decode_splits,
+)
+from pagedllm.layers.attention.triton_kv_write import write_kv_cache
+from tests.kernels.paged_batch import HALF_DTYPES, TOLERANCE, batch_args, make_step, reference_attention
+
+# Decodes at contexts on both sides of block boundaries (block size 4), a first token,
+# and a long one that spans many partitions.
+DECODES = ((0, 1), (3, 1), (4, 1), (7, 1), (15, 1), (70, 1))
+
+
+def _run(step, window=None, *, num_splits=None, block_n=None, scale=0.25):
+    md = step.metadata
+    write_kv_cache(step.key, step.value, step.kv_cache[0], step.kv_cache[1], md.slot_mapping)
+    out = torch.zeros_like(step.query)
+    paged_decode_attention(
+        step.query, step.kv_cache[0], step.kv_cache[1], *batch_args(step), out,
+        max_seq_len=md.max_seq_len,
+        scale=scale,
+        sliding_window=window,
+        num_splits=num_splits,
+        block_n=block_n,
+    )
+    return out
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 5], ids=["one-pass", "split-3", "split-5"])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads", [(4, 2), (8, 1), (6, 2)], ids=["gqa", "mqa", "gqa-group-of-3"]
+)
+def test_decode_matches_reference(num_heads, num_kv_heads, num_splits) -> None:
+    step = make_step(DECODES, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    expected, _ = reference_attention(step, 0.25, None)
+    out = _run(step, num_splits=num_splits)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window", [1, 5, 40])
+def test_decode_respects_sliding_window(window, num_splits) -> None:
+    """With splits, partitions wholly before the window are empty and must drop out."""
+    step = make_step(DECODES, seed=1)
+    expected, _ = reference_attention(step, 0.25, window)
+    out = _run(step, window, num_splits=num_splits)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+def test_more_partitions_than_a_short_sequence_fills() -> None:
+    """Short sequences beside a long one leave most of their partitions empty."""
+    step = make_step(((1, 1), (2, 1), (90, 1)), block_size=8, seed=2)
+    expected, _ = reference_attention(step, 0.25, None)
+    out = _run(step, num_splits=6, block_n=16)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_decode_is_exact_for_any_block_size(block_size) -> None:
+    step = make_step(DECODES, block_size=block_size, seed=3)
+    expected, _ = reference_attention(step, 0.25, None)
+    torch.testing.assert_close(_run(step, num_splits=2), expected, **TOLERANCE[torch.float32])
+
+
+def test_head_dim_that_is_not_a_power_of_two() -> None:
+    step = make_step(DECODES, head_dim=40, seed=4)
+    expected, _ = reference_attention(step, 0.15, None)
+    out = _run(step, num_splits=2, scale=0.15)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_precision_decode_matches_fp32_reference(dtype) -> None:
+    step = make_step(DECODES, seed=5, dtype=dtype)
+    expected, _ = reference_attention(step, 0.25, None)
+    for num_splits in (1, 3):
+        out = _run(step, num_splits=num_splits)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
+
+
+def test_sequences_with_longer_queries_are_left_to_the_prefill_kernel() -> None:
+    step = make_step(((5, 1), (3, 4), (9, 1)), seed=6)
+    expected, _ = reference_attention(step, 0.25, None)
+    out = _run(step, num_splits=2)
+    assert torch.count_nonzero(out[1:5]) == 0
+    torch.testing.assert_close(out[[0, 5]], expected[[0, 5]], **TOLERANCE[torch.float32])
+
+
+def test_a_large_batch_is_not_split() -> None:
+    assert plan_decode_splits(256, 8, 1024, num_sms=132, block_n=64) == (1, 1024)
+
+
+def test_one_long_sequence_is_split_into_partitions_that_cover_it() -> None:
+    num_splits, partition = plan_decode_splits(1, 8, 8000, num_sms=132, block_n=64)
+    assert 16 <= num_splits <= MAX_SPLITS
+    assert partition % 64 == 0 and partition >= 256
+    assert (num_splits - 1) * partition < 8000 <= num_splits * partition
+
+
+def test_short_contexts_are_not_split_below_the_minimum_partition() -> None:
+    assert plan_decode_splits(1, 1, 200, num_sms=132, block_n=64)[0] == 1
+
+
+def test_num_splits_out_of_range_is_rejected() -> None:
+    step = make_step(((3, 1),))
+    with pytest.raises(ValueError, match="num_splits"):
+        _run(step, num_splits=MAX_SPLITS + 1)

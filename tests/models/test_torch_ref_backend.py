@@ -1,0 +1,117 @@
+"""The torch reference backend against a per-sequence, per-head attention written out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
+from tests.utils import make_attention_metadata, make_kv_caches
+
+BLOCK_SIZE = 8
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
+# (cached tokens, new tokens): a fresh prefill, a chunk on top of cached context, decodes.
+SEQS = ((0, 11), (9, 4), (17, 1), (0, 1), (30, 1))
+NUM_BLOCKS = 32
+SPARE_BLOCK = 5  # never given to a sequence
+
+
+def naive_attention(q, k, v, scale, window):
+    """q: [q_len, H, D] at the last positions of k/v: [seq_len, Hkv, D]."""
+    q_len, seq_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for h in range(q.shape[1]):
+        for i in range(q_len):
+            pos = seq_len - q_len + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            keys, values = k[lo:pos + 1, h // group], v[lo:pos + 1, h // group]
+            weights = torch.softmax(keys @ q[i, h] * scale, dim=0)
+            out[i, h] = weights @ values
+    return out
+
+
+def _batch(seed: int = 0, seqs=SEQS):
+    """Random q/k/v for ``seqs`` in shuffled blocks of a NaN-filled cache; the context of
+    each sequence is already written, as earlier steps would have left it."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    order.remove(SPARE_BLOCK)
+    cache = make_kv_caches(1, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)[0]
+    tables, full_k, full_v, queries = [], [], [], []
+    for cached, new in seqs:
+        seq_len = cached + new
+        table = [order.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
+        k = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        v = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        for pos in range(cached):  # context written by earlier steps
+            cache[0, table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = k[pos]
+            cache[1, table[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = v[pos]
+        tables.append(table)
+        full_k.append(k)
+        full_v.append(v)
+        queries.append(torch.randn(new, NUM_HEADS, HEAD_DIM, generator=gen))
+    metadata = make_attention_metadata(
+        tables, [c + n for c, n in seqs], [n for _, n in seqs], BLOCK_SIZE
+    )
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs)])
+    return cache, metadata, torch.cat(queries), new_k, new_v, full_k, full_v, queries
+
+
+@pytest.mark.parametrize("window", [None, 3, 12])
+def test_mixed_prefill_chunk_and_decode_batch_matches_naive_attention(window) -> None:
+    cache, metadata, q, k, v, full_k, full_v, queries = _batch()
+    scale = 1 / math.sqrt(HEAD_DIM)
+    out = TorchReferenceBackend().forward(q, k, v, cache, metadata, scale, window)
+
+    assert out.shape == q.shape
+    expected = torch.cat([
+        naive_attention(qs, ks, vs, scale, window)
+        for qs, ks, vs in zip(queries, full_k, full_v)
+    ])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_new_keys_and_values_land_in_their_slots() -> None:
+    cache, metadata, q, k, v, *_ = _batch()
+    TorchReferenceBackend().forward(q, k, v, cache, metadata, 0.25, None)
+    flat_k = cache[0].view(-1, NUM_KV_HEADS, HEAD_DIM)
+    flat_v = cache[1].view(-1, NUM_KV_HEADS, HEAD_DIM)
+    torch.testing.assert_close(flat_k[metadata.slot_mapping], k, rtol=0, atol=0)
+    torch.testing.assert_close(flat_v[metadata.slot_mapping], v, rtol=0, atol=0)
+
+
+def test_padding_rows_past_num_actual_tokens_are_not_cached_or_attended() -> None:
+    """A runner may pad a step (fixed shapes for graph capture): the tail is inert."""
+    cache, metadata, q, k, v, *_ = _batch()
+    n = q.shape[0]
+    expected = TorchReferenceBackend().forward(q, k, v, cache.clone(), metadata, 0.25, None)
+
+    pad = 3
+    spare_slot = SPARE_BLOCK * BLOCK_SIZE
+    metadata.slot_mapping = torch.cat(
+        [metadata.slot_mapping, torch.full((pad,), spare_slot, dtype=torch.int64)]
+    )
+    q_pad = torch.cat([q, torch.randn(pad, NUM_HEADS, HEAD_DIM)])
+    k_pad = torch.cat([k, torch.randn(pad, NUM_KV_HEADS, HEAD_DIM)])
+    v_pad = torch.cat([v, torch.randn(pad, NUM_KV_HEADS, HEAD_DIM)])
+    out = TorchReferenceBackend().forward(q_pad, k_pad, v_pad, cache, metadata, 0.25, None)
+
+    torch.testing.assert_close(out[:n], expected, rtol=0, atol=0)
+    assert torch.count_nonzero(out[n:]) == 0
+    assert cache[:, SPARE_BLOCK].isnan().all()
+
+
+def test_one_backend_serves_successive_steps_of_different_shapes() -> None:
+    """Index tensors derived for one step must not leak into the next."""
+    backend = TorchReferenceBackend()
+    for seed, seqs in enumerate((SEQS, ((3, 2), (0, 6)), ((40, 1),))):
+        cache, metadata, q, k, v, full_k, full_v, queries = _batch(seed, seqs)
+        out = backend.forward(q, k, v, cache, metadata, 0.25, 4)
+        expected = torch.cat([
+            naive_attention(qs, ks, vs, 0.25, 4) for qs, ks, vs in zip(queries, full_k, full_v)
+        ])
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

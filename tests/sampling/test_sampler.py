@@ -1,0 +1,228 @@
+"""The batched sampler: greedy, random with filters, seeds, penalties and min_tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.layers.sampler import Sampler, SamplingMetadata, apply_penalties
+from pagedllm.sampling_params import SamplingParams
+
+V = 32
+sampler = Sampler()
+
+
+def build(params, prompts=None, outputs=None, generators=None, vocab_size=V):
+    n = len(params)
+    return SamplingMetadata.build(
+        params=params,
+        prompt_token_ids=prompts or [[1, 2, 3]] * n,
+        output_token_ids=outputs or [[] for _ in range(n)],
+        generators=generators or [None] * n,
+        vocab_size=vocab_size,
+        device="cpu",
+    )
+
+
+def sample(logits, params, **kwargs) -> list[int]:
+    return sampler(logits, build(params, **kwargs)).sampled_token_ids.tolist()
+
+
+def random_logits(rows: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_exactly_torch_argmax_including_ties():
+    logits = random_logits(6)
+    logits[1, 5] = logits[1, 9] = logits[1].max() + 1  # tie: torch picks the first
+    logits[2, :] = 0.0
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 6)
+    assert out == logits.argmax(-1).tolist()
+    assert out[1] == 5 and out[2] == 0
+
+
+def test_all_greedy_batch_carries_no_sampling_tensors():
+    meta = build([SamplingParams(temperature=0.0)] * 4)
+    assert meta.all_greedy and meta.no_penalties and meta.max_num_logprobs is None
+    assert meta.temperature is None and meta.top_k is None and meta.top_p is None
+    assert meta.min_p is None and meta.output_counts is None and meta.min_tokens_rows is None
+    assert sampler(random_logits(4), meta).logprobs is None
+
+
+def test_mixed_batch_keeps_greedy_rows_greedy():
+    logits = random_logits(8, seed=3)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.5) for i in range(8)]
+    for _ in range(5):
+        out = sample(logits, params)
+        assert out[1::2] == logits.argmax(-1)[1::2].tolist()
+
+
+def test_caller_logits_are_not_modified():
+    logits = random_logits(3)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.8, min_p=0.1, repetition_penalty=1.3,
+                             presence_penalty=0.5, frequency_penalty=0.5, min_tokens=2, logprobs=3)] * 3
+    sample(logits, [p.clone(eos_token_ids=frozenset({4})) for p in params], outputs=[[1], [2, 2], []])
+    assert torch.equal(logits, before)
+
+
+def test_random_sampling_follows_softmax_with_temperature():
+    torch.manual_seed(0)
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    rows = 40000
+    out = torch.tensor(sample(base.repeat(rows, 1), [SamplingParams(temperature=0.8)] * rows, vocab_size=6))
+    freq = torch.bincount(out, minlength=6).float() / rows
+    expected = torch.softmax(base / 0.8, -1)
+    assert torch.allclose(freq, expected, atol=0.01), (freq, expected)
+
+
+def test_top_k_samples_only_the_k_most_likely():
+    torch.manual_seed(1)
+    logits = random_logits(4, seed=7)
+    rows = 2000
+    batch = logits.repeat_interleave(rows // 4, 0)
+    params = [SamplingParams(temperature=2.0, top_k=k) for k in (1, 3, 5, 0) for _ in range(rows // 4)]
+    out = torch.tensor(sample(batch, params)).view(4, -1)
+    for row, k in enumerate((1, 3, 5)):
+        allowed = set(logits[row].topk(k).indices.tolist())
+        assert set(out[row].tolist()) == allowed  # every one of the k shows up at temperature 2
+    assert len(set(out[3].tolist())) > 5  # top_k=0 disables the filter
+
+
+def test_top_p_samples_only_the_nucleus():
+    torch.manual_seed(2)
+    probs = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04])
+    rows = 5000
+    out = sample(probs.log().repeat(rows, 1), [SamplingParams(top_p=0.85)] * rows, vocab_size=5)
+    # Smallest set reaching 0.85: {0, 1, 2} (0.5 + 0.3 < 0.85 <= 0.9).
+    assert set(out) == {0, 1, 2}
+    freq = torch.bincount(torch.tensor(out), minlength=5).float() / rows
+    assert torch.allclose(freq[:3], torch.tensor([0.5, 0.3, 0.1]) / 0.9, atol=0.03)
+
+
+def test_min_p_drops_tokens_below_fraction_of_top():
+    torch.manual_seed(3)
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    rows = 4000
+    out = sample(probs.log().repeat(rows, 1), [SamplingParams(min_p=0.3)] * rows, vocab_size=5)
+    assert set(out) == {0, 1, 2}  # threshold 0.3 * 0.4 = 0.12
+
+
+def test_seeded_request_samples_same_tokens_whatever_the_batch():
+    params = SamplingParams(temperature=1.0, seed=42, top_p=0.9)
+    steps = [random_logits(1, seed=s)[0] for s in range(6)]
+
+    def run(batch_size: int, row: int) -> list[int]:
+        generator = torch.Generator().manual_seed(42)
+        tokens = []
+        for step, logits_row in enumerate(steps):
+            logits = random_logits(batch_size, seed=100 + step + batch_size)
+            logits[row] = logits_row
+            params_batch = [SamplingParams(temperature=0.5, top_k=3)] * batch_size
+            params_batch[row] = params
+            gens = [None] * batch_size
+            gens[row] = generator
+            tokens.append(sample(logits, params_batch, generators=gens)[row])
+        return tokens
+
+    alone = run(1, 0)
+    assert run(5, 3) == alone
+    assert run(3, 0) == alone
+    assert len(set(alone)) > 1
+
+
+def test_seeded_generator_advances_once_per_sampled_token():
+    def state_after(batch_size: int, row: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(7)
+        params = [SamplingParams(temperature=1.0)] * batch_size
+        params[row] = SamplingParams(temperature=1.0, seed=7)
+        gens = [None] * batch_size
+        gens[row] = generator
+        sample(random_logits(batch_size), params, generators=gens)
+        return generator.get_state()
+
+    reference = torch.Generator().manual_seed(7)
+    torch.empty(V).exponential_(generator=reference)
+    assert torch.equal(state_after(1, 0), reference.get_state())
+    assert torch.equal(state_after(4, 2), reference.get_state())
+
+
+def test_seed_without_generator_is_rejected():
+    with pytest.raises(ValueError, match="generator"):
+        build([SamplingParams(seed=1)])
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0]])
+    params = [SamplingParams(repetition_penalty=2.0)]
+    meta = build(params, prompts=[[0]], outputs=[[1]], vocab_size=5)
+    out = apply_penalties(logits, meta)
+    assert out.tolist() == [[1.0, -4.0, 2.0, -2.0, 1.0]]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.zeros(1, 5)
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)]
+    meta = build(params, prompts=[[4, 4, 4]], outputs=[[1, 2, 2, 2]], vocab_size=5)
+    out = apply_penalties(logits, meta)
+    assert out.tolist() == [[0.0, -0.75, -1.25, 0.0, 0.0]]
+
+
+def test_penalties_are_per_row():
+    logits = torch.ones(3, 4)
+    params = [SamplingParams(repetition_penalty=2.0), SamplingParams(), SamplingParams(frequency_penalty=1.0)]
+    meta = build(params, prompts=[[0], [0], [0]], outputs=[[1], [1], [1, 1]], vocab_size=4)
+    out = apply_penalties(logits, meta)
+    assert out.tolist() == [[0.5, 0.5, 1, 1], [1, 1, 1, 1], [1, -1, 1, 1]]
+
+
+def test_repetition_penalty_steers_greedy_away_from_repeats():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    assert sample(logits, [SamplingParams(temperature=0)], vocab_size=3) == [0]
+    params = [SamplingParams(temperature=0, repetition_penalty=1.2)]
+    assert sample(logits, params, prompts=[[0]], vocab_size=3) == [1]
+
+
+def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]] * 3)
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]).clone(eos_token_ids=frozenset({1}))
+    outputs = [[], [3], [3, 3]]
+    assert sample(logits, [params] * 3, outputs=outputs, vocab_size=4) == [3, 3, 1]
+    # ignore_eos: EOS is not a stop token, so it is not masked.
+    params = params.clone(ignore_eos=True)
+    assert sample(logits[:1], [params], outputs=[[]], vocab_size=4) == [1]
+
+
+def test_metadata_rejects_ragged_inputs():
+    with pytest.raises(ValueError, match="output_token_ids"):
+        SamplingMetadata.build([SamplingParams()], [[1]], [], [None], V, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_forward_never_syncs_with_host_and_seeds_reproduce():
+    device = torch.device("cuda")
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
+                       presence_penalty=0.3, frequency_penalty=0.3, min_tokens=3, seed=5)
+        .clone(eos_token_ids=frozenset({1})),
+        SamplingParams(temperature=1.2, logprobs=0),
+    ]
+
+    def step(seed_row_generator):
+        meta = SamplingMetadata.build(params, [[1, 2, 3]] * 3, [[4], [5, 5], []],
+                                      [None, seed_row_generator, None], V, device)
+        logits = random_logits(3).to(device)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = sampler(logits, meta)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return out
+
+    out_a = step(torch.Generator(device=device).manual_seed(5))
+    out_b = step(torch.Generator(device=device).manual_seed(5))
+    assert out_a.sampled_token_ids[1].item() == out_b.sampled_token_ids[1].item()
+    assert out_a.sampled_token_ids[0].item() == random_logits(3)[0].argmax().item()
+    assert out_a.logprobs.to_entries(0, 2)[0][0] == out_a.sampled_token_ids[0].item()

@@ -1,0 +1,144 @@
+"""``/v1/completions`` through the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import string
+
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME
+
+PROMPT = "The quick brown fox"
+
+
+def greedy(client, prompt=PROMPT, max_tokens=12, **kw):
+    return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
+                                     temperature=0, extra_body={"ignore_eos": True}, **kw)
+
+
+def test_models_endpoint_lists_served_name_with_max_model_len(client, http):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_NAME]
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["max_model_len"] == MAX_MODEL_LEN
+    assert card["object"] == "model"
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+
+
+def test_completion_has_openai_shape_and_exact_usage(client, http):
+    response = greedy(client, max_tokens=7)
+    assert response.object == "text_completion"
+    assert response.id.startswith("cmpl-")
+    assert response.model == MODEL_NAME
+    assert response.created > 0
+    [choice] = response.choices
+    assert choice.index == 0 and choice.finish_reason == "length"
+    num_prompt = http.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
+    assert response.usage.prompt_tokens == num_prompt
+    assert response.usage.completion_tokens == 7
+    assert response.usage.total_tokens == num_prompt + 7
+
+
+def test_greedy_completion_matches_offline_engine(client, server_model_dir):
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(str(server_model_dir), device="cpu", num_kv_blocks=128, max_model_len=MAX_MODEL_LEN)
+    offline = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].text
+    assert greedy(client).choices[0].text == offline
+
+
+def test_prompt_list_and_token_ids_give_one_choice_per_prompt_and_n(client, http):
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    by_text = greedy(client).choices[0].text
+    by_ids = greedy(client, prompt=ids).choices[0].text
+    assert by_ids == by_text
+
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=[PROMPT, "def fibonacci(n):"], n=2, max_tokens=5,
+        temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.choices[0].text == response.choices[1].text == greedy(client, max_tokens=5).choices[0].text
+    assert response.usage.completion_tokens == 4 * 5
+
+
+def test_echo_prepends_prompt_and_its_logprobs(client):
+    plain = greedy(client, max_tokens=4)
+    response = greedy(client, max_tokens=4, echo=True, logprobs=2)
+    choice = response.choices[0]
+    assert choice.text == PROMPT + plain.choices[0].text
+    lp = choice.logprobs
+    num_prompt = response.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_logprobs_give_sampled_and_top_tokens(client):
+    response = greedy(client, max_tokens=6, logprobs=3)
+    lp = response.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for token_logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
+        # The top 3 plus the sampled token when outside them; tokens that decode to the
+        # same text (partial UTF-8 bytes) share one key.
+        assert 1 <= len(top) <= 4
+        # Greedy: the sampled token is the most likely one.
+        assert token_logprob == pytest.approx(max(top.values()), abs=1e-4)
+
+
+def test_stop_string_ends_text_before_it(client):
+    text = greedy(client, max_tokens=40).choices[0].text
+    # A short printable ASCII piece of the greedy text, past its start.
+    candidates = [text[i:i + 2] for i in range(2, len(text) - 2)
+                  if all(ch in string.ascii_letters for ch in text[i:i + 2])]
+    if not candidates:
+        pytest.fail(f"The greedy text has no ASCII letter pair to stop on: {text!r}")
+    stop = candidates[0]
+    response = greedy(client, max_tokens=40, stop=[stop])
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == text[:text.index(stop)]
+    assert choice.model_extra["stop_reason"] == stop
+
+
+def test_seed_makes_sampling_reproducible(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16,
+                                         temperature=1.0, seed=seed).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_vllm_extra_sampling_fields_apply(client):
+    # top_k=1 at temperature 1 is greedy.
+    top1 = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10,
+                                     temperature=1.0, extra_body={"top_k": 1, "ignore_eos": True})
+    assert top1.choices[0].text == greedy(client, max_tokens=10).choices[0].text
+
+
+def test_streaming_completion_matches_full_text_and_reports_usage(client):
+    full = greedy(client, max_tokens=10).choices[0].text
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == full
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in text_chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_raw_sse_lines_end_with_done(http):
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    first = json.loads(lines[0][len("data: "):])
+    assert first["object"] == "text_completion" and first["model"] == MODEL_NAME
+    assert "usage" not in first  # only with stream_options.include_usage
