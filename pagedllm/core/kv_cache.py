@@ -17,16 +17,13 @@ A block's hash therefore names its whole prefix, so a chain of hits can only sta
 first block. A full block is entered in the prefix cache as soon as it is scheduled (its K/V
 are written in that step's forward pass, before any later request of the batch reads them).
 
-Block life cycle::
+Block life cycle (a block is free iff its ``ref_cnt`` is 0, and then it is in the queue)::
 
-    free, uncached --get_new_blocks--> in use (ref_cnt >= 1) --free_blocks--> free
-                                          |   ^                               |
-                      full + scheduled:   |   | touch (a prefix hit)          | keeps its hash:
-                      cached (has a hash) v   |                               v still a hit
-                                        in use, cached    <--- touch ---  free, cached
-                                                                             | popped by
-                                                                             v get_new_blocks
-                                                                          evicted (hash dropped)
+    free                -- get_new_blocks -->  in use  (a cached block is evicted first)
+    in use              -- last free_blocks -> free    (a cached block stays cached)
+    in use, full        -- cache_block ----->  in use, cached   (when its tokens are scheduled)
+    free or in use,     -- touch ----------->  in use, cached   (a prefix hit; ref_cnt + 1)
+      cached
 
 Free queue order: the head is reused first. Freed cached blocks go to the tail, last block
 of a request first, so a chain is evicted from its end and its shared beginning lives
@@ -64,7 +61,8 @@ class BlockHash(NamedTuple):
     ``hash()`` uses the digest only; equality compares every field. So two blocks whose
     digests collide share a dict bucket but never match unless their tokens, extra keys and
     parent digests are equal too: a prefix-cache hit checks the tokens, it does not trust
-    the hash alone.
+    the hash alone. (The parent's tokens were checked one block earlier in the same lookup;
+    a false hit would take two different parents with equal SHA-256 digests.)
     """
 
     value: bytes
@@ -420,8 +418,9 @@ class KVCacheManager:
                 f"max_model_len={self.max_model_len}."
             )
         num_new_blocks = cdiv(num_tokens, self.block_size) - num_held - len(new_computed_blocks)
-        if num_new_blocks > 0 or new_computed_blocks or admitting:
-            if not self._can_allocate(max(num_new_blocks, 0), new_computed_blocks, admitting):
+        num_new_blocks = max(num_new_blocks, 0)
+        if num_new_blocks or new_computed_blocks or admitting:
+            if not self._can_allocate(num_new_blocks, new_computed_blocks, admitting):
                 return None
             if admitting:
                 blocks = self.req_to_blocks[req_id] = []
@@ -429,7 +428,7 @@ class KVCacheManager:
             if new_computed_blocks:
                 self.block_pool.touch(new_computed_blocks)
                 blocks.extend(new_computed_blocks)
-            new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
             blocks.extend(new_blocks)
             new_block_ids = [block.block_id for block in new_blocks]
         else:
@@ -448,9 +447,12 @@ class KVCacheManager:
     def _can_allocate(
         self, num_new_blocks: int, new_computed_blocks: Sequence[KVCacheBlock], admitting: bool
     ) -> bool:
-        # A hit block with ref_cnt 0 is counted as free but stops being free once touched.
-        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         num_free = self.block_pool.num_free_blocks
+        # A hit block with ref_cnt 0 is counted as free but stops being free once touched.
+        num_evictable_hits = 0
+        for block in new_computed_blocks:
+            if block.ref_cnt == 0:
+                num_evictable_hits += 1
         reserve = self._watermark_blocks if admitting and num_free < self.num_blocks else 0
         return num_new_blocks + num_evictable_hits + reserve <= num_free
 

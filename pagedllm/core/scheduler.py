@@ -15,15 +15,16 @@ of ``max_num_batched_tokens`` tokens::
        short), while ``max_num_seqs`` allows: prefix-cache lookup, then as many tokens as
        the budget allows. A request that does not fit (the budget without chunked prefill,
        the blocks in any case) stops admission: nobody skips ahead of it.
-    3. the SchedulerOutput; then each scheduled request's ``num_computed_tokens`` advances
-       by its share, as if the step had already run.
+    3. the SchedulerOutput. Each scheduled request's ``num_computed_tokens`` has already
+       advanced by its share, as if the step had run; the output carries the values from
+       before the step.
 
 ``update_from_output`` then appends the sampled tokens, finishes requests that stop, and
 frees their blocks at once.
 
-For the model runner: ``finished_req_ids`` holds requests finished or aborted since the
-last step and also the requests preempted in this step, which are listed again, alone, in
-``preempted_req_ids``. The runner forgets all of them; a preempted request comes back as a
+For the model runner: ``finished_req_ids`` holds the requests finished or aborted since
+the last step plus those preempted in this step; ``preempted_req_ids`` lists the preempted
+ones alone. The runner forgets all of them; a preempted request comes back later as a
 ``NewRequestData`` with all its tokens (prompt + outputs).
 """
 
@@ -118,16 +119,18 @@ class Scheduler:
                 f"The prompt has {request.num_prompt_tokens} tokens but max_model_len is "
                 f"{self.max_model_len}: shorten the prompt or raise --max-model-len."
             )
+        # A request built for a longer context still stops at this engine's max_model_len.
+        max_tokens = min(request.max_tokens, self.max_model_len - request.num_prompt_tokens)
         # The last sampled token is never computed, so it needs no slot.
-        most_tokens = max(request.num_tokens, request.num_prompt_tokens + request.max_tokens - 1)
-        num_pool_tokens = self.kv_cache_manager.num_blocks * self.block_size
+        most_tokens = max(request.num_tokens, request.num_prompt_tokens + max_tokens - 1)
         if cdiv(most_tokens, self.block_size) > self.kv_cache_manager.num_blocks:
             raise ValueError(
-                f"The KV cache holds {num_pool_tokens} tokens but this request may need "
-                f"{most_tokens} (prompt {request.num_prompt_tokens} + max_tokens "
-                f"{request.max_tokens}): lower max_tokens or --max-model-len, or give the "
-                "KV cache more memory."
+                f"The KV cache holds {self.kv_cache_manager.num_blocks * self.block_size} tokens "
+                f"but this request may need {most_tokens} (prompt {request.num_prompt_tokens} + "
+                f"max_tokens {max_tokens}): lower max_tokens or --max-model-len, or give the KV "
+                "cache more memory."
             )
+        request.max_tokens = max_tokens
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -182,6 +185,7 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch (see the module docstring); never blocks or loops."""
         plan = _StepPlan(self.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
@@ -308,12 +312,12 @@ class Scheduler:
         prefill chunk) are dropped: they came from a non-final position. Requests aborted
         since ``schedule()`` are skipped.
         """
+        runner = model_runner_output
         requests = self.requests
-        all_logprobs = model_runner_output.logprobs
-        all_prompt_logprobs = model_runner_output.prompt_logprobs
+        all_logprobs = runner.logprobs
+        all_prompt_logprobs = runner.prompt_logprobs
         outputs: list[EngineCoreOutput] = []
         any_finished = False
-        runner = model_runner_output
         for req_id, sampled in zip(runner.req_ids, runner.sampled_token_ids):
             request = requests.get(req_id)
             if request is None or request.status != _RUNNING:
@@ -334,21 +338,15 @@ class Scheduler:
                 logprobs = logprobs[:len(new_token_ids)]
             status = request.status
             if status == _RUNNING:
-                outputs.append(EngineCoreOutput(
-                    req_id, new_token_ids, logprobs, prompt_logprobs, None, None,
-                    request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
-                ))
-                continue
-            self._free_finished(request)
-            any_finished = True
-            outputs.append(EngineCoreOutput(
-                request_id=req_id,
-                new_token_ids=new_token_ids,
-                new_logprobs=logprobs,
-                new_prompt_logprobs=prompt_logprobs,
-                finish_reason=RequestStatus.finish_reason(status),
-                stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
+                finish_reason = stop_reason = None
+            else:
+                finish_reason = RequestStatus.finish_reason(status)
+                stop_reason = request.stop_reason
+                self._free_finished(request)
+                any_finished = True
+            outputs.append(EngineCoreOutput(  # positional: once per request per step
+                req_id, new_token_ids, logprobs, prompt_logprobs, finish_reason, stop_reason,
+                request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
             ))
         if any_finished:
             self.running = [request for request in self.running if request.status == _RUNNING]

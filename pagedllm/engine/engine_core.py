@@ -10,7 +10,7 @@ import logging
 import time
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.outputs import EngineCoreOutput
+from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.worker.model_runner import ModelRunner
@@ -47,6 +47,18 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        scheduler = self.scheduler
+        prefix = scheduler.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_cache_usage=scheduler.kv_cache_usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=scheduler.num_preemptions_total,
+        )
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; returns what each scheduled request produced."""

@@ -24,8 +24,10 @@ forward pass is vectorised over rows and never syncs with the host, except for d
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -202,10 +204,11 @@ def _build_penalties(
 
 def _flatten(token_lists: list[list[int]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) pairs of a ragged batch, as two int64 tensors on ``device``."""
-    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
-    flat = [t for tokens in token_lists for t in tokens]
-    ids = torch.tensor(flat, dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    lengths = [len(t) for t in token_lists]
+    # np.fromiter over the chained lists is several times faster than torch.tensor(flat list).
+    ids = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64,
+                                       count=sum(lengths)))
+    rows = torch.from_numpy(np.repeat(np.arange(len(token_lists), dtype=np.int64), lengths))
     return rows.to(device, non_blocking=True), ids.to(device, non_blocking=True)
 
 

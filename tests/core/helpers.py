@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache import BlockPool, KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerOutput
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
 from tests.core.fake_runner import FakeModelRunner
@@ -119,7 +119,3 @@ def check_pool_invariants(kv: KVCacheManager) -> None:
     for block_hash, block in pool.cached_block_hash_to_block.items():
         assert block.block_hash is block_hash
 
-
-def finished_status(reason: str) -> RequestStatus:
-    return {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH_CAPPED,
-            "abort": RequestStatus.FINISHED_ABORTED}[reason]

@@ -14,7 +14,8 @@ from pagedllm.core.kv_cache import (
 from tests.core.helpers import check_pool_invariants, make_request
 
 
-def manager(num_blocks: int = 10, block_size: int = 4, caching: bool = True, **kwargs) -> KVCacheManager:
+def manager(num_blocks: int = 10, block_size: int = 4, caching: bool = True,
+            **kwargs) -> KVCacheManager:
     return KVCacheManager(num_blocks, block_size, caching, max_model_len=128, **kwargs)
 
 
@@ -30,10 +31,6 @@ def compute(kv: KVCacheManager, request, num_tokens: int | None = None) -> list[
     assert new_ids is not None
     request.num_computed_tokens = num_hit + todo
     return new_ids
-
-
-def prompt(*tokens: int) -> list[int]:
-    return list(tokens)
 
 
 # -- free queue -------------------------------------------------------------------------
@@ -213,8 +210,10 @@ def test_shared_hit_blocks_are_reference_counted():
 
 def test_block_hash_names_the_whole_prefix():
     first = hash_block_tokens(None, (1, 2))
-    assert hash_block_tokens(first, (3, 4)) != hash_block_tokens(hash_block_tokens(None, (9, 9)), (3, 4))
-    assert hash_block_tokens(first, (3, 4)) == hash_block_tokens(hash_block_tokens(None, [1, 2]), [3, 4])
+    other_first = hash_block_tokens(None, (9, 9))
+    assert hash_block_tokens(first, (3, 4)) != hash_block_tokens(other_first, (3, 4))
+    same_first = hash_block_tokens(None, [1, 2])
+    assert hash_block_tokens(first, (3, 4)) == hash_block_tokens(same_first, [3, 4])
     assert hash_block_tokens(None, (1, 2), ("salt",)) != first
 
 
@@ -308,4 +307,5 @@ def test_invalid_manager_arguments_name_the_parameter(bad):
     args = dict(num_blocks=4, block_size=4, watermark=0.0) | bad
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
-        KVCacheManager(args["num_blocks"], args["block_size"], True, 16, watermark=args["watermark"])
+        KVCacheManager(args["num_blocks"], args["block_size"], True, 16,
+                       watermark=args["watermark"])

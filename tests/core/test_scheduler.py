@@ -312,6 +312,14 @@ def test_add_request_refuses_what_could_never_run():
         s.add_request(make_request("ok", 4, max_model_len=64))
 
 
+def test_request_built_for_a_longer_context_stops_at_the_engine_max_model_len():
+    s = make_scheduler(max_model_len=32)
+    r = make_request("r", 30, max_tokens=10, max_model_len=4096)
+    s.add_request(r)
+    run = run_to_completion(s, runner_for(s))
+    assert len(run.outputs["r"]) == 2 and run.finish_reasons["r"] == "length"
+
+
 # -- purity -----------------------------------------------------------------------------
 def test_core_imports_no_torch_and_hashes_are_stable_across_processes():
     code = (
