@@ -154,7 +154,9 @@ class OutputProcessor:
                 for entry in out.new_logprobs:
                     seq.logprobs.append(self._to_logprob_dict(entry))
                     seq.cumulative_logprob += entry[1][0]
-            stop_str = seq.detokenizer.update(out.new_token_ids)
+            # A core "stop" is a stop token (EOS or a stop_token_id): its text is not output.
+            stop_str = seq.detokenizer.update(out.new_token_ids,
+                                              stop_terminated=out.finish_reason == "stop")
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_str
                 return out.finish_reason is None

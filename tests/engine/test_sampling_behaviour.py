@@ -69,6 +69,8 @@ def test_stop_token_id_ends_generation(llm, prompt):
     first = greedy.index(stop_id)
     assert out.token_ids == greedy[: first + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    # The stop token ends the text without appearing in it.
+    assert out.text == llm.get_tokenizer().decode(greedy[:first])
 
 
 def test_min_tokens_holds_back_stop_tokens(llm, prompt):
