@@ -89,7 +89,9 @@ def make_step(
     return step.to(dtype)
 
 
-def reference_attention(step: PagedStep, scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_attention(
+    step: PagedStep, scale: float, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, kv_cache after the step) of the torch reference backend, computed in fp32."""
     fp32 = step.to(torch.float32)
     cache = fp32.kv_cache.clone()

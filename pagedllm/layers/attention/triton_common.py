@@ -26,7 +26,7 @@ def find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     a bound known on the host without reading ``query_start_loc``.
     """
     lo: tl.int32 = 0
-    hi = num_seqs
+    hi: tl.int32 = num_seqs  # a tensor even when num_seqs == 1 arrives as a constant
     while lo < hi:
         mid = (lo + hi) // 2
         first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid

@@ -1,0 +1,362 @@
+#!/usr/bin/env python3
+"""Check the Triton attention kernels against the torch reference on a CUDA GPU, and time them.
+
+The comparisons of ``tests/kernels`` at real sizes: Llama-3.1-8B attention (32 query heads,
+8 KV heads, head_dim 128), bf16, block size 16, contexts up to 8k tokens, up to 256 decodes
+in a step. Each case runs the Triton backend and the torch reference in bf16 on the same
+inputs and measures both against the torch reference computed in fp32; the Triton output
+passes when its error is within twice the bf16 reference's own error (or 1e-2) and the KV
+cache both leave behind is bit-identical. Then it times decode attention for a 256 x 1024
+batch and a few other shapes, prints a table, and writes everything as JSON to ``--out``.
+
+    python scripts/check_kernels_gpu.py --out kernels.json [--sweep]
+
+``--sweep`` also times the decode and prefill kernels over a grid of tile sizes, warps and
+pipeline stages (what the defaults in ``triton_decode.py`` / ``triton_prefill.py`` are
+chosen from), for at most ``--sweep-budget-s`` seconds. Exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedllm.layers.attention import triton_decode, triton_prefill  # noqa: E402
+from pagedllm.layers.attention.backend import AttentionMetadata  # noqa: E402
+from pagedllm.layers.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from pagedllm.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from pagedllm.layers.attention.triton_decode import paged_decode_attention  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+SCALE = HEAD_DIM**-0.5
+DTYPE = torch.bfloat16
+DEVICE = torch.device("cuda")
+
+
+@dataclass
+class Step:
+    """One step over ``seqs = ((cached, new), ...)``: context already in shuffled blocks,
+    NaN in every slot no sequence has written."""
+
+    seqs: list[tuple[int, int]]
+    kv_cache: torch.Tensor
+    metadata: AttentionMetadata
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+def make_step(seqs: list[tuple[int, int]], seed: int) -> Step:
+    device = DEVICE
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cached = torch.tensor([c for c, _ in seqs], device=device)
+    new = torch.tensor([n for _, n in seqs], device=device)
+    seq_lens = cached + new
+    blocks = (seq_lens + BLOCK_SIZE - 1) // BLOCK_SIZE
+    num_blocks = int(blocks.sum()) + 1
+    order = torch.randperm(num_blocks, device=device, generator=gen)
+    owned = torch.arange(int(blocks.max()), device=device)
+    first = torch.cumsum(blocks, 0) - blocks
+    tables = torch.where(
+        owned[None, :] < blocks[:, None],
+        order[(first[:, None] + owned[None, :]).clamp(max=num_blocks - 1)],
+        0,
+    ).to(torch.int32)
+
+    def slots(lo: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        seq = torch.repeat_interleave(torch.arange(len(seqs), device=device), count)
+        start = torch.cumsum(count, 0) - count
+        pos = lo[seq] + torch.arange(int(count.sum()), device=device) - start[seq]
+        return tables[seq, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    cache = torch.full(
+        (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), float("nan"), dtype=DTYPE, device=device
+    )
+    context_slots = slots(torch.zeros_like(cached), cached)
+    cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)[:, context_slots] = torch.randn(
+        2, len(context_slots), NUM_KV_HEADS, HEAD_DIM, generator=gen, device=device
+    ).to(DTYPE)
+    slot_mapping = slots(cached, new)
+    num_tokens = int(new.sum())
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device).to(DTYPE)
+
+    qsl = [0]
+    for _, n in seqs:
+        qsl.append(qsl[-1] + n)
+    metadata = AttentionMetadata(
+        num_actual_tokens=num_tokens,
+        slot_mapping=slot_mapping,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=seq_lens.to(torch.int32),
+        block_tables=tables,
+        max_query_len=max(n for _, n in seqs),
+        max_seq_len=max(c + n for c, n in seqs),
+        block_size=BLOCK_SIZE,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=[c + n for c, n in seqs],
+    )
+    return Step(
+        list(seqs), cache, metadata,
+        randn(num_tokens, NUM_HEADS, HEAD_DIM),
+        randn(num_tokens, NUM_KV_HEADS, HEAD_DIM),
+        randn(num_tokens, NUM_KV_HEADS, HEAD_DIM),
+    )
+
+
+def uniform_lengths(count: int, lo: int, hi: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi + 1, (count,), generator=gen).tolist()
+
+
+def check_cases() -> list[tuple[str, list[tuple[int, int]], int | None]]:
+    """(name, seqs, sliding window) of every comparison."""
+    decodes_8k = [(n - 1, 1) for n in uniform_lengths(64, 1, 8192, seed=1)]
+    mixed = [(n - 1, 1) for n in uniform_lengths(200, 100, 2000, seed=2)]
+    mixed += [(1024, 256), (0, 200), (1500, 77)]
+    return [
+        ("prefill 4 x 2048", [(0, 2048)] * 4, None),
+        ("chunked prefill, context to 8k", [(3000, 512), (7680, 512), (0, 700), (15, 1)], None),
+        ("prefill, window 1024", [(2000, 1000), (0, 1500)], 1024),
+        ("decode 256 x 1024", [(1023, 1)] * 256, None),
+        ("decode 64, contexts 1..8k", decodes_8k, None),
+        ("decode 1 x 8192 (split-K)", [(8191, 1)], None),
+        ("decode 64, window 4096", decodes_8k, 4096),
+        ("mixed 200 decodes + 3 chunks", mixed, None),
+    ]
+
+
+def run_check(name: str, seqs: list[tuple[int, int]], window: int | None, seed: int) -> dict[str, Any]:
+    step = make_step(seqs, seed)
+    md = step.metadata
+    ref32_cache = step.kv_cache.float()
+    ref32 = TorchReferenceBackend().forward(
+        step.query.float(), step.key.float(), step.value.float(), ref32_cache, md, SCALE, window
+    )
+    del ref32_cache
+    ref_cache = step.kv_cache.clone()
+    ref = TorchReferenceBackend().forward(
+        step.query, step.key, step.value, ref_cache, md, SCALE, window
+    )
+    tri_cache = step.kv_cache.clone()
+    out = TritonAttentionBackend().forward(
+        step.query, step.key, step.value, tri_cache, md, SCALE, window
+    )
+    torch.cuda.synchronize()
+    triton_err = (out.float() - ref32).abs().max().item()
+    ref_err = (ref.float() - ref32).abs().max().item()
+    cache_exact = torch.equal(ref_cache.view(torch.int16), tri_cache.view(torch.int16))
+    finite = bool(out.isfinite().all())
+    ok = finite and cache_exact and triton_err <= max(2 * ref_err, 1e-2)
+    return dict(
+        case=name, num_seqs=len(seqs), num_tokens=md.num_actual_tokens,
+        max_seq_len=md.max_seq_len, sliding_window=window,
+        triton_max_abs_err=triton_err, torch_bf16_max_abs_err=ref_err,
+        cache_exact=cache_exact, finite=finite, ok=ok,
+    )
+
+
+def bench_ms(fn: Callable[[], Any]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+
+
+def kv_bytes(step: Step) -> int:
+    """Bytes of K and V the step's attention must read (each context token once per KV head)."""
+    tokens = sum(c + n for c, n in step.seqs)
+    return 2 * tokens * NUM_KV_HEADS * HEAD_DIM * step.kv_cache.element_size()
+
+
+def causal_flops(step: Step) -> float:
+    """Matmul FLOPs of the step's attention (QK^T and PV over the causally visible keys)."""
+    pairs = sum(n * c + n * (n + 1) / 2 for c, n in step.seqs)
+    return 4.0 * pairs * NUM_HEADS * HEAD_DIM
+
+
+def decode_only(step: Step, num_splits: int | None = None) -> Callable[[], None]:
+    md = step.metadata
+    out = torch.empty_like(step.query)
+    TritonAttentionBackend().forward(step.query, step.key, step.value, step.kv_cache, md, SCALE, None)
+
+    def launch() -> None:
+        paged_decode_attention(
+            step.query, step.kv_cache[0], step.kv_cache[1], md.block_tables, md.seq_lens,
+            md.query_start_loc, out, max_seq_len=md.max_seq_len, scale=SCALE, num_splits=num_splits,
+        )
+
+    return launch
+
+
+def forward(backend: Any, step: Step) -> Callable[[], None]:
+    def launch() -> None:
+        backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, SCALE, None)
+
+    return launch
+
+
+def timing_rows() -> list[dict[str, Any]]:
+    """One row per (shape, implementation): milliseconds, and K/V bytes read per second for
+    decode-bound shapes or matmul FLOP/s for prefill-bound ones."""
+    triton_backend, torch_backend = TritonAttentionBackend(), TorchReferenceBackend()
+
+    def backend(b: Any) -> Callable[[Step], Callable[[], None]]:
+        return lambda step: forward(b, step)
+
+    def splits(n: int | None) -> Callable[[Step], Callable[[], None]]:
+        return lambda step: decode_only(step, n)
+
+    mixed = [(n - 1, 1) for n in uniform_lengths(240, 100, 2000, seed=15)] + [(1024, 256)]
+    plan: list[tuple[str, list[tuple[int, int]], str, list[tuple[str, Any]]]] = [
+        ("decode 256 x 1024", [(1023, 1)] * 256, "gb_s", [
+            ("triton decode kernel", splits(None)),
+            ("triton backend (write + decode)", backend(triton_backend)),
+            ("torch reference", backend(torch_backend)),
+        ]),
+        ("decode 1 x 8192", [(8191, 1)], "gb_s", [
+            ("triton, split-K (auto)", splits(None)), ("triton, one pass", splits(1)),
+        ]),
+        ("decode 32 x 8192", [(8191, 1)] * 32, "gb_s", [
+            ("triton, split-K (auto)", splits(None)), ("triton, one pass", splits(1)),
+        ]),
+        ("prefill 4 x 2048", [(0, 2048)] * 4, "tflop_s", [
+            ("triton backend", backend(triton_backend)), ("torch reference", backend(torch_backend)),
+        ]),
+        ("chunk 512 on 8k/3k context", [(7680, 512), (3000, 512)], "tflop_s", [
+            ("triton backend", backend(triton_backend)),
+        ]),
+        ("mixed 240 decodes + chunk 256", mixed, "gb_s", [
+            ("triton backend", backend(triton_backend)), ("torch reference", backend(torch_backend)),
+        ]),
+    ]
+    rows: list[dict[str, Any]] = []
+    for seed, (case, seqs, rate, impls) in enumerate(plan, start=10):
+        step = make_step(seqs, seed)
+        for impl, launcher in impls:
+            ms = bench_ms(launcher(step))
+            per_ms = kv_bytes(step) / 1e6 if rate == "gb_s" else causal_flops(step) / 1e9
+            rows.append({"case": case, "impl": impl, "ms": ms, rate: per_ms / ms})
+        del step
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Time the kernels over tile configurations by replacing the config functions; stops
+    starting new configurations after ``budget_s`` seconds."""
+    rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + budget_s
+    decode_config, prefill_config = triton_decode.decode_tile_config, triton_prefill.prefill_tile_config
+    decode_grid = [(n, w, s) for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3)]
+    prefill_grid = [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+    cases: list[tuple[str, list[tuple[int, int]], str]] = [
+        ("decode 256 x 1024", [(1023, 1)] * 256, "decode"),
+        ("prefill 4 x 2048", [(0, 2048)] * 4, "prefill"),
+        ("decode 4 x 8192", [(8191, 1)] * 4, "decode"),
+    ]
+    try:
+        for label, seqs, kind in cases:
+            step = make_step(seqs, seed=20)
+            for knobs in decode_grid if kind == "decode" else prefill_grid:
+                if time.monotonic() > deadline:
+                    return rows
+                if kind == "decode":
+                    triton_decode.decode_tile_config = lambda head_dim, device, split, c=knobs: c
+                    names, launch = ("block_n", "num_warps", "num_stages"), decode_only(step)
+                else:
+                    triton_prefill.prefill_tile_config = lambda q, g, h, d, c=knobs: c
+                    names = ("block_m", "block_n", "num_warps", "num_stages")
+                    launch = forward(TritonAttentionBackend(), step)
+                row: dict[str, Any] = dict(case=label, **dict(zip(names, knobs)))
+                try:
+                    row["ms"] = bench_ms(launch)
+                except Exception as exc:  # e.g. a tile that needs more shared memory than there is
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                else:
+                    if kind == "decode":
+                        row["gb_s"] = kv_bytes(step) / row["ms"] / 1e6
+                    else:
+                        row["tflop_s"] = causal_flops(step) / row["ms"] / 1e9
+                rows.append(row)
+                save(rows)
+            del step
+    finally:
+        triton_decode.decode_tile_config = decode_config
+        triton_prefill.prefill_tile_config = prefill_config
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of tile configurations")
+    parser.add_argument("--sweep-budget-s", type=float, default=150.0,
+                        help="seconds after which the sweep starts no new configuration")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("check_kernels_gpu.py needs a CUDA GPU; on the CPU run `pytest tests/kernels`.")
+        return 2
+    import triton
+
+    results: dict[str, Any] = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d"),
+        config=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                    block_size=BLOCK_SIZE, dtype=str(DTYPE).removeprefix("torch.")),
+    )
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+    print(f"{results['gpu']}  torch {results['torch']}  triton {results['triton']}")
+    print(f"\n{'check':36} {'triton err':>11} {'bf16 ref err':>12} {'cache':>6}  result")
+    results["checks"] = []
+    for seed, (name, seqs, window) in enumerate(check_cases()):
+        row = run_check(name, seqs, window, seed)
+        results["checks"].append(row)
+        save()
+        print(f"{name:36} {row['triton_max_abs_err']:11.2e} {row['torch_bf16_max_abs_err']:12.2e} "
+              f"{'exact' if row['cache_exact'] else 'DIFF':>6}  {'ok' if row['ok'] else 'FAIL'}")
+        torch.cuda.empty_cache()
+
+    print(f"\n{'timing':32} {'impl':34} {'ms':>8} {'rate':>14}")
+    results["timings"] = timing_rows()
+    save()
+    for row in results["timings"]:
+        rate = f"{row['gb_s']:.0f} GB/s" if "gb_s" in row else f"{row['tflop_s']:.0f} TFLOP/s"
+        print(f"{row['case']:32} {row['impl']:34} {row['ms']:8.3f} {rate:>14}")
+
+    if args.sweep:
+        def save_sweep(rows: list[dict[str, Any]]) -> None:
+            results["sweep"] = rows
+            save()
+
+        save_sweep(sweep_rows(args.sweep_budget_s, save_sweep))
+        print("\nsweep (fastest three of each case)")
+        for case in dict.fromkeys(r["case"] for r in results["sweep"]):
+            timed = sorted((r for r in results["sweep"] if r["case"] == case and "ms" in r),
+                           key=lambda r: r["ms"])
+            for r in timed[:3]:
+                knobs = {k: v for k, v in r.items() if k not in ("case", "ms", "gb_s", "tflop_s")}
+                print(f"{case:20} {r['ms']:8.3f} ms  {knobs}")
+
+    failed = [c["case"] for c in results["checks"] if not c["ok"]]
+    print(f"\nwrote {args.out}; " + (f"FAILED: {', '.join(failed)}" if failed else "all checks passed"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
