@@ -23,9 +23,10 @@ of ``max_num_batched_tokens`` tokens::
 frees their blocks at once.
 
 For the model runner: ``finished_req_ids`` holds the requests finished or aborted since
-the last step plus those preempted in this step; ``preempted_req_ids`` lists the preempted
-ones alone. The runner forgets all of them; a preempted request comes back later as a
-``NewRequestData`` with all its tokens (prompt + outputs).
+the last step, ``preempted_req_ids`` those preempted in this step. The runner forgets
+both; a preempted request comes back later as a ``NewRequestData`` with all its tokens
+(prompt + outputs), while per-request state that must survive (a seeded generator) is
+dropped only for finished ones.
 """
 
 from __future__ import annotations
@@ -291,7 +292,6 @@ class Scheduler:
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         finished = self._finished_req_ids
         self._finished_req_ids = set()
-        finished |= plan.preempted_req_ids
         return SchedulerOutput(
             scheduled_new_reqs=plan.new_reqs,
             scheduled_cached_reqs=plan.cached_reqs,

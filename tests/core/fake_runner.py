@@ -97,8 +97,8 @@ class FakeModelRunner:
         return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        assert so.preempted_req_ids <= so.finished_req_ids
-        for req_id in so.finished_req_ids:
+        assert not so.preempted_req_ids & so.finished_req_ids
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.states.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             assert new.request_id not in self.states, "a request was sent twice as new"

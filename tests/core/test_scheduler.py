@@ -104,7 +104,7 @@ def test_preemption_takes_the_most_recently_admitted_request():
     runner, run = runner_for(s), Run()
     step(s, runner, run)  # A, B, C admitted: 2 full blocks each, pool full; D waits
     so = step(s, runner, run)  # A and B each need a third block
-    assert so.preempted_req_ids == {"C"} and "C" in so.finished_req_ids
+    assert so.preempted_req_ids == {"C"} and "C" not in so.finished_req_ids
     assert so.num_scheduled_tokens == {"A": 1, "B": 1}
     c = requests[2]
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0

@@ -174,3 +174,16 @@ def test_chat_uses_the_template(llm):
     rendered = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
     assert out.prompt == rendered
     assert out.prompt_token_ids == llm.get_tokenizer().encode(rendered, add_special_tokens=False)
+
+
+def test_seeded_sampling_is_unchanged_by_preemption(tiny_model_dir):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 3, 40, seed=1)]
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=12, ignore_eos=True)
+              for i in range(len(prompts))]
+    roomy = LLM(str(tiny_model_dir), block_size=8, max_model_len=64)
+    tight = LLM(str(tiny_model_dir), block_size=8, num_kv_blocks=8, max_model_len=64,
+                enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert tight.llm_engine.engine_core.scheduler.num_preemptions_total > 0
