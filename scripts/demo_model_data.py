@@ -25,6 +25,7 @@ import hashlib
 import random
 import re
 import sysconfig
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,7 +170,9 @@ def _function_source(lines: list[str], node: ast.FunctionDef | ast.AsyncFunction
 def _documented_functions(text: str):
     """Yields ``(class name or None, function node)`` for module-level functions and methods."""
     try:
-        tree = ast.parse(text)
+        with warnings.catch_warnings():  # another version's escapes warn; they still parse
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(text)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return
     for node in tree.body:

@@ -2,8 +2,9 @@
 
 Both are Llama-architecture causal LMs (Hugging Face ``LlamaForCausalLM``) with one shared
 byte-level BPE tokenizer, trained from a fixed seed on the running Python's standard
-library source plus chat samples built from its documented functions (see
-``demo_model_data.py``). The script writes, under ``--out``::
+library source (or the one ``--stdlib`` names) plus chat samples built from its documented
+functions (see ``demo_model_data.py``). The shipped weights come from CPython 3.11.7's
+standard library (docs/demo_model.md). The script writes, under ``--out``::
 
     pagedllm-demo/         config.json, generation_config.json, model.safetensors,
     pagedllm-demo-draft/   tokenizer.json, tokenizer_config.json, training_metrics.json
@@ -111,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="use an evenly spread subset of the stdlib files (smoke runs)")
     p.add_argument("--time-limit", type=float, default=None,
                    help="minutes of training per model after which training stops early")
+    p.add_argument("--sample-tokens", type=int, default=96,
+                   help="new tokens per greedy sample written to the metrics")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
@@ -118,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--seq-len must be at most {MAX_POSITION_EMBEDDINGS}, got {args.seq_len}")
     if not 0.0 <= args.chat_fraction < 1.0:
         p.error(f"--chat-fraction must be in [0, 1), got {args.chat_fraction}")
-    for name in ("steps", "draft_steps", "batch_size", "eval_every"):
+    for name in ("steps", "draft_steps", "batch_size", "eval_every", "sample_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -372,7 +375,7 @@ def save_model(model, out_dir: Path, tokenizer, metrics: dict) -> None:
 
 
 @torch.no_grad()
-def sample_outputs(model, tokenizer, device: str, max_new_tokens: int = 96) -> list[dict]:
+def sample_outputs(model, tokenizer, device: str, max_new_tokens: int) -> list[dict]:
     """Greedy continuations of fixed prompts: raw completions and chat replies."""
     model.to(device).eval()
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
@@ -416,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
                "data": data.summary, "models": {}, "samples": {}}
     for spec, steps in ((TARGET, args.steps), (DRAFT, args.draft_steps)):
         model, metrics = train_model(spec, steps, args, data, tokenizer, device)
-        metrics["samples"] = sample_outputs(model, tokenizer, device)
+        metrics["samples"] = sample_outputs(model, tokenizer, device, args.sample_tokens)
         save_model(model, args.out / spec.name, tokenizer, metrics)
         results["models"][spec.name] = metrics
         del model
