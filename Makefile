@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test generate bench clean
+.PHONY: venv test generate serve bench clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,10 @@ test: venv
 
 generate: venv
 	$(VENV)/bin/pagedllm generate "def fibonacci(n):"
+
+# The OpenAI-compatible server with the bundled demo model on port 8000 (Ctrl-C stops it).
+serve: venv
+	$(VENV)/bin/pagedllm serve --port 8000
 
 bench: venv
 	$(VENV)/bin/pagedllm bench throughput --num-prompts 64

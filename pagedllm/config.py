@@ -16,6 +16,13 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp
 BUNDLED_MODELS_DIR = Path(__file__).parent / "model_files"
 BUILTIN_CONFIGS_DIR = Path(__file__).parent / "model_configs"
 DEFAULT_MODEL = "pagedllm-demo"
+# Any of these in a model directory means it ships a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def builtin_model_configs() -> list[str]:
+    """Names of the built-in benchmark configs (``--model NAME --load-format dummy``)."""
+    return sorted(p.name for p in BUILTIN_CONFIGS_DIR.glob("*") if (p / "config.json").is_file())
 
 
 def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
@@ -73,6 +80,12 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights, real shape)
     revision: str | None = None
     tokenizer: str | None = None
+    # Token-id mode: no tokenizer is loaded; prompts are token ids and outputs carry no text.
+    # Turned on automatically for a model directory that ships no tokenizer (the built-in
+    # benchmark configs).
+    skip_tokenizer_init: bool = False
+    # Never capture CUDA graphs; every step runs the model eagerly.
+    enforce_eager: bool = False
     # Derived in __post_init__:
     path: Path = field(init=False)
     hf_config: dict = field(init=False, repr=False)
@@ -99,6 +112,10 @@ class ModelConfig:
                 f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={limit}: lower --max-model-len."
             )
+        if not self.skip_tokenizer_init and self.tokenizer is None and not any(
+            (self.path / name).is_file() for name in TOKENIZER_FILES
+        ):
+            self.skip_tokenizer_init = True
 
     @property
     def architectures(self) -> list[str]:
@@ -133,6 +150,20 @@ class ModelConfig:
     @property
     def tokenizer_path(self) -> Path:
         return Path(self.tokenizer) if self.tokenizer else self.path
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """End-of-sequence ids declared by the checkpoint itself, for token-id mode:
+        generation_config.json's ``eos_token_id`` (an int or a list), else config.json's."""
+        generation_config = self.path / "generation_config.json"
+        eos = None
+        if generation_config.is_file():
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        if eos is None:
+            eos = self.hf_config.get("eos_token_id")
+        if eos is None:
+            return frozenset()
+        return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 @dataclass

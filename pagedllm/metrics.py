@@ -187,7 +187,8 @@ class StatsLogger:
         running = stats.num_running if stats else 0
         waiting = stats.num_waiting if stats else 0
         usage = stats.kv_cache_usage if stats else 0.0
-        self._last_time, self._last_prompt, self._last_generation = now, m.num_prompt_tokens, m.num_generation_tokens
+        self._last_time = now
+        self._last_prompt, self._last_generation = m.num_prompt_tokens, m.num_generation_tokens
         interval_queries, interval_hits = queries - self._last_queries, hits - self._last_hits
         self._last_queries, self._last_hits = queries, hits
         if not (prompt or generation or running or waiting):

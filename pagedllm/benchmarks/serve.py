@@ -4,9 +4,9 @@
     pagedllm bench serve --num-prompts 200 --input-len 128 --output-len 128 --request-rate 4
 
 Prompts are random token ids of exactly ``--input-len`` tokens, drawn from the ids the
-server's own tokenizer gives a seeded random text (``POST /tokenize``), sent as token-id
-prompts to ``/v1/completions`` with ``ignore_eos`` so each produces exactly
-``--output-len`` tokens. Requests arrive as a Poisson process at ``--request-rate`` per
+server's own tokenizer gives a seeded random text (``POST /tokenize``; or uniformly from
+``[0, --vocab-size)`` for a server in token-id mode), sent as token-id prompts to
+``/v1/completions`` with ``ignore_eos`` so each produces exactly ``--output-len`` tokens. Requests arrive as a Poisson process at ``--request-rate`` per
 second (``inf``: all at once), at most ``--max-concurrency`` in flight.
 
 Per request, from the streamed response: TTFT (request sent -> first token chunk), ITL
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import random
 import time
@@ -56,6 +57,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="Generate exactly the output length (default on).")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="Draw prompt ids uniformly from [0, N) instead of asking the server's "
+                             "tokenizer (for a server in token-id mode, which has no /tokenize).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None, help="Write the result record here.")
 
@@ -78,6 +82,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}.")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}.")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise ValueError(f"--vocab-size must be >= 1, got {args.vocab_size}.")
 
 
 def _httpx():
@@ -94,6 +100,9 @@ async def _token_pool(client, base_url: str, model: str, seed: int) -> list[int]
     text = " ".join(rng.choice(_WORDS) for _ in range(2000))
     response = await client.post(f"{base_url}/tokenize", json={
         "model": model, "prompt": text, "add_special_tokens": False})
+    if response.status_code == 400:
+        raise ValueError(f"The server cannot tokenize ({response.json()['error']['message']}): "
+                         "pass --vocab-size N, the model's vocabulary size.")
     response.raise_for_status()
     pool = sorted(set(response.json()["tokens"]))
     if not pool:
@@ -157,7 +166,10 @@ async def benchmark(args: argparse.Namespace) -> dict:
         models = await client.get(f"{base_url}/v1/models")
         models.raise_for_status()
         model = args.model or models.json()["data"][0]["id"]
-        pool = await _token_pool(client, base_url, model, args.seed)
+        if args.vocab_size is not None:
+            pool = list(range(args.vocab_size))
+        else:
+            pool = await _token_pool(client, base_url, model, args.seed)
 
         rng = random.Random(args.seed)
         work = []
@@ -235,6 +247,7 @@ def _print(record: dict) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     _check_args(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     record = asyncio.run(benchmark(args))
     _print(record)
     write_json(args.output_json, record)

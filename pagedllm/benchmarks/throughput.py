@@ -1,19 +1,53 @@
 """``pagedllm bench throughput``: offline generation of a synthetic workload, all submitted at once.
 
 W1 of the project's benchmarks is ``--num-prompts 256 --input-len 100:1024
---output-len 100:1024 --seed 0 --ignore-eos``. Output tokens per wall second include prefill.
+--output-len 100:1024 --seed 0 --ignore-eos``: random-token prompts, temperature 1. Output
+tokens per wall second include prefill.
+
+``--backend`` takes one name or a comma-separated list, run in one process on the same
+requests: ``pagedllm``, ``hf`` (transformers ``generate`` in static batches) and ``hf-cb``
+(transformers continuous batching); see ``hf_backends.py``. The HF peers run first and free
+the GPU before pagedllm starts. Peers are slow, so ``--hf-num-prompts N`` gives them only
+the first N requests; pagedllm then runs that subset too (for ratios measured side by side)
+as well as the full list. The table ends with pagedllm's ratio to each peer on the same
+requests.
+
+    pagedllm bench throughput --model llama-3.1-8b --load-format dummy \\
+        --backend hf,hf-cb,pagedllm --hf-num-prompts 64 --output-json w1.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import logging
 import time
 
-from pagedllm.benchmarks.common import parse_range, result_record, synthetic_requests, write_json
+from pagedllm.benchmarks.common import (
+    SyntheticRequest,
+    parse_range,
+    result_record,
+    synthetic_requests,
+    write_json,
+)
 from pagedllm.engine.arg_utils import EngineArgs
+
+logger = logging.getLogger(__name__)
+BACKENDS = ("pagedllm", "hf", "hf-cb")
+
+
+def parse_backends(text: str) -> list[str]:
+    """``"hf,pagedllm"`` -> ``["hf", "pagedllm"]``; ValueError naming the valid backends."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in BACKENDS]
+    if not names or bad:
+        raise ValueError(f"--backend takes names from {', '.join(BACKENDS)} (comma-separated), got {text!r}.")
+    return list(dict.fromkeys(names))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", type=parse_backends, default=["pagedllm"],
+                        help="pagedllm | hf | hf-cb, or a comma-separated list run side by side.")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=parse_range, default=(100, 1024),
                         help="Prompt length in tokens, 'LOW:HIGH' (uniform) or one number.")
@@ -22,37 +56,170 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="Generate exactly the output length (default on).")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--output-json", default=None, help="Write the result record here.")
+    parser.add_argument("--hf-num-prompts", type=int, default=None,
+                        help="Run the HF peers on the first N requests only (pagedllm runs them too).")
+    parser.add_argument("--hf-batch-size", type=int, default=128,
+                        help="Static batch size of the 'hf' backend.")
+    parser.add_argument("--hf-time-limit-s", type=float, default=600.0,
+                        help="Stop an HF peer after this many seconds and count what it produced.")
+    parser.add_argument("--step-timing", action="store_true",
+                        help="Split pagedllm's step time into host phases and device wait "
+                             "(see step_timing.py) on the full run.")
+    parser.add_argument("--output-json", default=None,
+                        help="Write the result here: one record, or a list when several runs.")
     EngineArgs.add_cli_args(parser)
 
 
-def run(args: argparse.Namespace) -> dict:
-    from pagedllm import LLM, SamplingParams
-
+def run(args: argparse.Namespace) -> list[dict]:
+    """Run every requested backend; returns one record per measured run."""
+    backends = args.backend if isinstance(args.backend, list) else parse_backends(args.backend)
     engine_args = EngineArgs.from_cli_args(args)
-    llm = LLM(**vars(engine_args))
-    model_config = llm.llm_engine.config.model_config
+    config = engine_args.create_engine_config()
+    model_config = config.model_config
     requests = synthetic_requests(
         args.num_prompts, args.input_len, args.output_len, model_config.vocab_size, args.seed
     )
+    peers = [b for b in backends if b != "pagedllm"]
+    hf_count = min(args.hf_num_prompts or len(requests), len(requests))
+    subset = requests[:hf_count]
+    common = dict(model=model_config.path.name, device=config.device,
+                  workload_args=_workload_args(args))
+    records: list[dict] = []
+
+    def keep(record: dict) -> None:
+        record = result_record(workload="throughput", **common, **record)
+        records.append(record)
+        print(_row(record), flush=True)
+        _write(args.output_json, records)
+
+    print(_header(), flush=True)
+    if peers:
+        import torch
+
+        from pagedllm.benchmarks.hf_backends import run_hf_backends
+        from pagedllm.models.loader import resolve_dtype
+
+        device = torch.device(config.device)
+        run_hf_backends(
+            peers, model_config.path, model_config.load_format,
+            resolve_dtype(model_config, device), device, args.seed, subset,
+            args.hf_batch_size, args.hf_time_limit_s, keep,
+        )
+    if "pagedllm" in backends:
+        from pagedllm import LLM
+
+        llm = LLM(**vars(engine_args))
+        _warm_up(llm, model_config.vocab_size)
+        if peers and hf_count < len(requests):
+            keep(_run_pagedllm(llm, subset, args))
+        keep(_run_pagedllm(llm, requests, args, step_timing=args.step_timing))
+        del llm
+        gc.collect()
+    _add_ratios(records)
+    if any("ratio_vs_hf_static" in r or "ratio_vs_hf_cb" in r for r in records):
+        print()
+        for r in records:
+            if r.get("backend") == "pagedllm" and ("ratio_vs_hf_static" in r or "ratio_vs_hf_cb" in r):
+                print(f"pagedllm on {r['num_prompts']} requests: "
+                      f"{r.get('ratio_vs_hf_static', '-')}x HF static, "
+                      f"{r.get('ratio_vs_hf_cb', '-')}x HF continuous batching")
+    _write(args.output_json, records)
+    return records
+
+
+def _write(path: str | None, records: list[dict]) -> None:
+    """One run writes its record; several write the list (rewritten after each run, so a
+    run cut short keeps what was measured)."""
+    write_json(path, records[0] if len(records) == 1 else records)
+
+
+def _workload_args(args: argparse.Namespace) -> dict:
+    return {"num_prompts": args.num_prompts, "input_len": list(args.input_len),
+            "output_len": list(args.output_len), "seed": args.seed,
+            "temperature": args.temperature, "ignore_eos": args.ignore_eos}
+
+
+def _warm_up(llm, vocab_size: int) -> None:
+    """A few short requests so kernel compilation stays out of the timed runs."""
+    from pagedllm import SamplingParams
+
+    warm = synthetic_requests(4, (32, 64), (8, 8), vocab_size, seed=12345)
+    llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in warm],
+                 SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+
+
+def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespace,
+                  step_timing: bool = False) -> dict:
+    from pagedllm import SamplingParams
+    from pagedllm.benchmarks.step_timing import StepTimer, format_summary
+
+    llm.llm_engine.engine_core.scheduler.reset_prefix_cache()  # no hits from an earlier run
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=args.ignore_eos,
                              temperature=args.temperature) for r in requests]
+    timer = StepTimer(llm) if step_timing else None
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if timer is None:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        with timer:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    record = result_record(
-        workload="throughput", backend="pagedllm", model=model_config.path.name,
-        device=llm.llm_engine.config.device, num_prompts=args.num_prompts,
-        prompt_tokens=prompt_tokens, output_tokens=output_tokens, elapsed_s=round(elapsed, 3),
-        requests_per_s=round(args.num_prompts / elapsed, 3),
-        output_tok_s=round(output_tokens / elapsed, 1),
-        total_tok_s=round((prompt_tokens + output_tokens) / elapsed, 1),
-    )
-    print(f"{'requests/s':>14} {'output tok/s':>14} {'total tok/s':>14} {'elapsed s':>10}")
-    print(f"{record['requests_per_s']:>14} {record['output_tok_s']:>14} "
-          f"{record['total_tok_s']:>14} {record['elapsed_s']:>10}")
-    write_json(args.output_json, record)
-    return record
+    extra = {}
+    if timer is not None:
+        extra["step_timing"] = timer.summary()
+        print(format_summary(extra["step_timing"]), flush=True)
+    return {
+        "backend": "pagedllm",
+        "num_prompts": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(len(requests) / elapsed, 3),
+        "output_tok_s": round(output_tokens / elapsed, 1),
+        "total_tok_s": round((prompt_tokens + output_tokens) / elapsed, 1),
+        "truncated": False,
+        **extra,
+    }
+
+
+def _add_ratios(records: list[dict]) -> None:
+    """pagedllm's output tok/s over each peer's, on runs of the same number of requests."""
+    peers = {(r["backend"], r["num_prompts"]): r.get("output_tok_s") for r in records
+             if r.get("backend") in ("hf", "hf-cb")}
+    for r in records:
+        if r.get("backend") != "pagedllm":
+            continue
+        for peer, key in (("hf", "ratio_vs_hf_static"), ("hf-cb", "ratio_vs_hf_cb")):
+            value = peers.get((peer, r["num_prompts"]))
+            if value:
+                r[key] = round(r["output_tok_s"] / value, 2)
+
+
+def _header() -> str:
+    return f"{'backend':>9} {'requests':>9} {'output tok':>11} {'elapsed s':>10} {'output tok/s':>13}  note"
+
+
+def _row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['backend']:>9} {r['num_prompts']:>9} {'-':>11} {'-':>10} {'-':>13}  {r['error']}"
+    note = "stopped at the time limit" if r.get("truncated") else ""
+    return (f"{r['backend']:>9} {r['num_prompts']:>9} {r['output_tokens']:>11} "
+            f"{r['elapsed_s']:>10} {r['output_tok_s']:>13}  {note}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagedllm.benchmarks.throughput``: the same command without the CLI's
+    other subcommands (and their imports)."""
+    parser = argparse.ArgumentParser(prog="pagedllm bench throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cli_args(parser)
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -25,6 +25,8 @@ _NOT_YET_SUPPORTED = {
     "kv_cache_dtype": "auto",
     "cpu_offload_gb": 0,
 }
+# Default token budget of one step on CUDA (chunked prefill on).
+CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 @dataclass
@@ -46,6 +48,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     device: str | None = None
+    skip_tokenizer_init: bool = False
+    enforce_eager: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -70,21 +74,25 @@ class EngineArgs:
         model_config = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, revision=self.revision, dtype=self.dtype,
             load_format=self.load_format, seed=self.seed, max_model_len=self.max_model_len,
+            skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager,
         )
         cache_config = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_gb=self.kv_cache_memory_gb, num_kv_blocks=self.num_kv_blocks,
         )
+        device = self.device or EngineConfig.default_device()
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None and self.enable_chunked_prefill and device == "cuda":
+            # A GPU step of 8k tokens keeps the matrix units busy; the CPU keeps the
+            # scheduler's smaller default.
+            max_num_batched_tokens = max(CUDA_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
         scheduler_config = SchedulerConfig(
             max_model_len=model_config.max_model_len, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
         )
-        return EngineConfig(
-            model_config, cache_config, scheduler_config,
-            device=self.device or EngineConfig.default_device(),
-        )
+        return EngineConfig(model_config, cache_config, scheduler_config, device=device)
 
     # -- command line -------------------------------------------------------------------
     @staticmethod
@@ -113,6 +121,11 @@ class EngineArgs:
         group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
         group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         group.add_argument("--device", default=None, choices=["cpu", "cuda"])
+        group.add_argument("--skip-tokenizer-init", action="store_true", default=False,
+                           help="Load no tokenizer: prompts must be token ids and outputs carry "
+                                "no text (automatic when the model directory has no tokenizer).")
+        group.add_argument("--enforce-eager", action="store_true", default=False,
+                           help="Run every step eagerly (no CUDA graphs for decode steps).")
         # Accepted so the refusal message is clear rather than argparse's "unrecognized".
         group.add_argument("--quantization", "-q", default=None, help=argparse.SUPPRESS)
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help=argparse.SUPPRESS)

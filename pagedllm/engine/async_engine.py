@@ -99,7 +99,7 @@ class RequestStream:
 class AsyncEngine:
     """Use ``await AsyncEngine.start(config)``; ``await shutdown()`` when done."""
 
-    def __init__(self, config: EngineConfig, client: EngineCoreClient, tokenizer: Tokenizer,
+    def __init__(self, config: EngineConfig, client: EngineCoreClient, tokenizer: Tokenizer | None,
                  metrics: ServerMetrics | None = None) -> None:
         self.config = config
         self.model_config = config.model_config
@@ -119,11 +119,14 @@ class AsyncEngine:
                     log_level: str = "INFO") -> "AsyncEngine":
         """Load the tokenizer, start the core process and wait until it is ready.
 
-        Raises ``EngineStartupError`` (or ``ValueError`` for a bad tokenizer) with a message
-        that says what to change.
+        With ``skip_tokenizer_init`` (token-id mode) no tokenizer is loaded: ``tokenizer`` is
+        None, prompts must be token ids and outputs carry empty text. Raises
+        ``EngineStartupError`` (or ``ValueError`` for a bad tokenizer) with a message that
+        says what to change.
         """
-        tokenizer = Tokenizer.from_pretrained(config.model_config.tokenizer_path,
-                                              revision=config.model_config.revision)
+        model_config = config.model_config
+        tokenizer = None if model_config.skip_tokenizer_init else Tokenizer.from_pretrained(
+            model_config.tokenizer_path, revision=model_config.revision)
         client = await EngineCoreClient.start(config, log_level=log_level)
         return cls(config, client, tokenizer, metrics)
 
@@ -138,10 +141,6 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self.dead_error is None
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._streams)
 
     # -- requests -----------------------------------------------------------------------
     def add_request(

@@ -1,7 +1,9 @@
 """The synchronous engine behind the offline ``LLM`` API: inputs -> core steps -> outputs.
 
 ``add_request`` tokenizes and validates (errors surface here, at submission); ``step``
-runs one core step and returns the ``RequestOutput``s that are ready.
+runs one core step and returns the ``RequestOutput``s that are ready. With
+``skip_tokenizer_init`` no tokenizer is loaded: prompts are token ids, outputs carry ids
+and empty text.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from pagedllm.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = Tokenizer.from_pretrained(config.model_config.tokenizer_path)
+        model_config = config.model_config
+        self.tokenizer: Tokenizer | None = (
+            None if model_config.skip_tokenizer_init
+            else Tokenizer.from_pretrained(model_config.tokenizer_path)
+        )
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)

@@ -4,6 +4,9 @@ Owns, per user request, the detokenizer of each of its ``n`` sequences. Stop str
 found here (they live in text, not tokens): a sequence that hits one is finished here and
 its core request is returned in ``requests_to_abort`` so the core frees its blocks at once.
 
+Without a tokenizer (``skip_tokenizer_init``) outputs carry token ids and empty text, and
+logprobs carry no decoded tokens.
+
 Output kinds: ``"final"`` (one ``RequestOutput`` when every sequence is done; the offline
 API), ``"delta"`` (new text and tokens since the last output; streaming), ``"cumulative"``.
 """
@@ -21,6 +24,18 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 OUTPUT_KINDS = ("final", "delta", "cumulative")
+
+
+class _NoTextDetokenizer:
+    """Stands in for ``IncrementalDetokenizer`` in token-id mode: no text, no stop strings."""
+
+    output_text = ""
+
+    def update(self, new_token_ids, stop_terminated: bool = False) -> None:
+        return None
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        return ""
 
 
 @dataclass
@@ -56,7 +71,7 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self._requests: dict[str, _RequestState] = {}
         self._children: dict[str, tuple[_RequestState, _SequenceState]] = {}
@@ -77,7 +92,7 @@ class OutputProcessor:
         sequences = [
             _SequenceState(
                 index=i,
-                detokenizer=IncrementalDetokenizer(
+                detokenizer=_NoTextDetokenizer() if self.tokenizer is None else IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
@@ -172,7 +187,9 @@ class OutputProcessor:
                 result[tid] = Logprob(lp, rank, self._decode_one(tid))
         return result
 
-    def _decode_one(self, token_id: int) -> str:
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _make_output(self, state: _RequestState) -> RequestOutput | None:

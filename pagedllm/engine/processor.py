@@ -7,6 +7,10 @@ step loop never meets a request it cannot finish.
 ``n > 1`` fans out into ``n`` core requests that share the prompt (the prefix cache makes
 the shared part one prefill). Child ``i`` of request ``R`` is ``"R"`` for ``n == 1`` and
 ``"i_R"`` otherwise; seeded children use ``seed + i`` so their samples differ.
+
+Without a tokenizer (``skip_tokenizer_init``) prompts must be token ids, stop strings are
+refused (they are matched in text), and EOS ids come from the checkpoint's
+generation_config.json / config.json.
 """
 
 from __future__ import annotations
@@ -31,15 +35,29 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
+_NO_TOKENIZER = (
+    "the engine runs without a tokenizer (skip_tokenizer_init, automatic for a model "
+    "directory with no tokenizer files)"
+)
+
+
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Tokenizer | None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = (
+            model_config.eos_token_ids if tokenizer is None else tokenizer.eos_token_ids
+        )
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"A text prompt needs a tokenizer, but {_NO_TOKENIZER}: pass the prompt as "
+                    "{'prompt_token_ids': [...]}, or give a tokenizer with --tokenizer."
+                )
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -78,7 +96,12 @@ class InputProcessor:
         priority: int = 0,
     ) -> list[Request]:
         self.validate(prompt_token_ids)
-        params = params.clone(eos_token_ids=self.tokenizer.eos_token_ids)
+        if self.tokenizer is None and params.stop:
+            raise ValueError(
+                f"Stop strings {params.stop} are matched in the decoded text, but "
+                f"{_NO_TOKENIZER}: use stop_token_ids instead, or give a tokenizer."
+            )
+        params = params.clone(eos_token_ids=self.eos_token_ids)
         requests = []
         for index in range(params.n):
             child = params.clone(n=1)

@@ -4,6 +4,7 @@
     pagedllm generate "def fibonacci(n):" --max-tokens 64
     pagedllm chat "Write a function that reverses a list."
     pagedllm bench throughput --num-prompts 64 --input-len 64:256 --output-len 64:256
+    pagedllm bench latency --model llama-3.1-8b --load-format dummy   # L1 and P1
     pagedllm bench overhead --num-requests 256
     pagedllm bench serve --num-prompts 64 --request-rate 4   # against a running server
 """
@@ -100,11 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from pagedllm.benchmarks import overhead, throughput
+    from pagedllm.benchmarks import latency, overhead, throughput
     from pagedllm.benchmarks import serve as serve_bench
 
     for name, module, text in (
         ("throughput", throughput, "Offline throughput on a synthetic workload."),
+        ("latency", latency, "Batch-1 decode latency (L1) and prefill throughput (P1)."),
         ("overhead", overhead, "CPU cost of schedule + input preparation per step."),
         ("serve", serve_bench, "Latency and throughput of a running server (TTFT, TPOT, ITL)."),
     ):

@@ -23,14 +23,19 @@ class LLM:
     Keyword arguments are the engine arguments (see ``pagedllm.engine.arg_utils.EngineArgs``):
     dtype, max_model_len, block_size, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, enable_chunked_prefill, num_kv_blocks, gpu_memory_utilization,
-    kv_cache_memory_gb, seed, load_format, tokenizer, revision, device.
+    kv_cache_memory_gb, seed, load_format, tokenizer, revision, device, skip_tokenizer_init,
+    enforce_eager.
+
+    A model with no tokenizer (the built-in benchmark configs, or ``skip_tokenizer_init=True``)
+    takes prompts as ``{"prompt_token_ids": [...]}`` and returns token ids with empty text.
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine(args.create_engine_config())
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer, or None when the engine runs in token-id mode."""
         return self.llm_engine.tokenizer
 
     def generate(
@@ -78,6 +83,12 @@ class LLM:
         """Generate replies to one conversation or a list of them, using the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError(
+                "chat() renders a chat template and tokenizes it, but this engine runs without a "
+                "tokenizer (skip_tokenizer_init): load a model with a tokenizer, or pass "
+                "--tokenizer, or call generate() with prompt_token_ids."
+            )
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(

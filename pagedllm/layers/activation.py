@@ -1,7 +1,8 @@
 """Gated activations over a fused ``[gate; up]`` projection.
 
 ``gate_up`` has ``2 * d`` features in its last dimension: the first ``d`` are the gate, the
-last ``d`` the up projection; the result ``act(gate) * up`` has ``d``.
+last ``d`` the up projection; the result ``act(gate) * up`` has ``d``. On CUDA, SiLU's
+split, activation and product are one Triton kernel (``triton_ops.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.layers.triton_ops import silu_and_mul, use_fused_ops
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -33,6 +36,8 @@ class GatedActivation(nn.Module):
         self._fn = _ACTIVATIONS[hidden_act]
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._fn is F.silu and gate_up.dim() == 2 and use_fused_ops(gate_up):
+            return silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self._fn(gate) * up
 

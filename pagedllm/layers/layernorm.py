@@ -2,12 +2,15 @@
 
 Numerics follow the reference checkpoints: the mean of squares and the rescale run in
 float32, the result is cast back to the input dtype and only then multiplied by the weight.
+On CUDA the whole chain (with the residual add) is one Triton kernel (``triton_ops.py``).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagedllm.layers.triton_ops import rms_norm, use_fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -32,6 +35,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_fused_ops(x) and self.weight.dtype == x.dtype:
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

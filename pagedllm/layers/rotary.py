@@ -8,7 +8,8 @@ convention of Hugging Face checkpoints, not interleaved pairs)::
     x = [x1 | x2]  ->  [x1 * cos - x2 * sin | x2 * cos + x1 * sin],  angle = pos * inv_freq
 
 Angles and their cos/sin are computed in float32 and cast to the activation dtype, as the
-reference implementation does, so float32 runs match it to rounding.
+reference implementation does, so float32 runs match it to rounding. On CUDA the rotation
+is one Triton kernel per tensor (``triton_ops.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from pagedllm.layers.triton_ops import rotary, use_fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -167,6 +170,8 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x: [T, heads, head_dim]`` by per-token ``cos, sin: [T, head_dim // 2]``."""
+        if use_fused_ops(x) and x.dtype == cos.dtype:
+            return rotary(x, cos, sin)
         x1, x2 = x.chunk(2, dim=-1)
         cos = cos[:, None, :]
         sin = sin[:, None, :]

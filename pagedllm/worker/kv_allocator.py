@@ -3,10 +3,12 @@
 Number of blocks, in order of precedence:
 1. ``num_kv_blocks`` when given;
 2. on CUDA: ``gpu_memory_utilization * total_memory - peak memory of a profile run``
-   (weights + the activations of the largest step), divided by the bytes of one block;
-3. on the CPU: ``kv_cache_memory_gb`` GiB divided by the bytes of one block, but no more
-   than ``max_num_seqs`` requests of ``max_model_len`` tokens can ever use (host memory is
-   zeroed up front, so an unusable surplus would only cost start-up time).
+   (weights + the activations of the largest step) ``- reserved_bytes`` (the CUDA graphs'
+   memory pool, captured after the cache exists), divided by the bytes of one block;
+3. on the CPU: ``kv_cache_memory_gb`` GiB divided by the bytes of one block.
+Either memory-based sizing stops at what ``max_num_seqs`` requests of ``max_model_len``
+tokens can ever use: the cache is zeroed up front, so a surplus would only cost start-up
+time (and, on a GPU, memory other processes could use).
 
 One block holds ``block_size`` tokens of K and V for every layer::
 
@@ -32,11 +34,20 @@ def bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
 
 
 def determine_num_blocks(
-    config: EngineConfig, dtype: torch.dtype, device: torch.device, profile_run: Callable[[], None]
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    profile_run: Callable[[], None],
+    reserved_bytes: int = 0,
 ) -> int:
-    """Blocks for the KV cache; raises if one ``max_model_len`` request would not fit."""
+    """Blocks for the KV cache; raises if one ``max_model_len`` request would not fit.
+
+    ``reserved_bytes`` (CUDA only) is memory that must stay free beside the cache.
+    """
     cache = config.cache_config
     per_block = bytes_per_block(config, dtype)
+    usable = config.scheduler_config.max_num_seqs * math.ceil(
+        config.model_config.max_model_len / cache.block_size)
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
         source = f"num_kv_blocks={num_blocks}"
@@ -47,15 +58,14 @@ def determine_num_blocks(
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         _, total = torch.cuda.mem_get_info(device)
-        available = int(total * cache.gpu_memory_utilization) - peak
-        num_blocks = max(available // per_block, 0)
+        available = int(total * cache.gpu_memory_utilization) - peak - reserved_bytes
+        num_blocks = min(max(available // per_block, 0), usable)
         source = (
             f"gpu_memory_utilization={cache.gpu_memory_utilization} "
-            f"({available / _GIB:.2f} GiB left after weights and activations)"
+            f"({available / _GIB:.2f} GiB left after weights, activations"
+            f"{' and CUDA graphs' if reserved_bytes else ''})"
         )
     else:
-        usable = config.scheduler_config.max_num_seqs * math.ceil(
-            config.model_config.max_model_len / cache.block_size)
         num_blocks = min(int(cache.kv_cache_memory_gb * _GIB) // per_block, usable)
         source = f"kv_cache_memory_gb={cache.kv_cache_memory_gb}"
 

@@ -2,11 +2,17 @@
 
 The step's inputs come from the ``InputBatch`` (host arrays, see input_batch.py); this
 module moves them to the device, sets the attention metadata, runs the model, and samples.
+
+On CUDA a pure-decode step replays a captured CUDA graph (``cuda_graphs.py``); prefill and
+mixed steps run eagerly, their inputs copied through persistent pinned buffers
+(``device_inputs.py``). Either way the step's only host sync is reading the sampled ids.
 Seeded requests keep their ``torch.Generator`` across preemption, so a recomputed request
 draws exactly what it would have drawn.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -14,10 +20,15 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention.backend import AttentionMetadata, set_forward_context
+from pagedllm.layers.attention.selector import attention_backend_name
 from pagedllm.layers.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from pagedllm.models.loader import load_model, resolve_dtype
+from pagedllm.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
+from pagedllm.worker.device_inputs import DeviceInputBuffers
 from pagedllm.worker.input_batch import InputBatch, StepInputs
 from pagedllm.worker.kv_allocator import allocate_kv_caches, determine_num_blocks
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -36,13 +47,74 @@ class ModelRunner:
         )
         # Outlive preemption: dropped only when the request finishes.
         self.generators: dict[str, torch.Generator] = {}
+        self.device_inputs: DeviceInputBuffers | None = None
+        if self.device.type == "cuda":
+            sched = config.scheduler_config
+            self.device_inputs = DeviceInputBuffers(
+                sched.max_num_batched_tokens, sched.max_num_seqs,
+                -(-config.model_config.max_model_len // self.block_size), self.device,
+            )
+        self.graph_runner: DecodeGraphRunner | None = None
+
+    @property
+    def cuda_graphs_enabled(self) -> bool:
+        """Decode steps replay CUDA graphs: on CUDA with the (graph-safe) Triton attention
+        backend, unless ``enforce_eager``."""
+        return (
+            self.device.type == "cuda"
+            and not self.config.model_config.enforce_eager
+            and attention_backend_name(self.device) == "triton"
+        )
 
     # -- KV cache -----------------------------------------------------------------------
     def initialize_kv_cache(self) -> int:
-        """Size and allocate the KV cache; returns the number of blocks."""
-        num_blocks = determine_num_blocks(self.config, self.dtype, self.device, self._profile_run)
+        """Size and allocate the KV cache, then capture the decode CUDA graphs (which need
+        the cache's addresses); returns the number of blocks.
+
+        The graphs' memory pool is reserved in the sizing, so the cache, the activations
+        of the largest eager step and the graphs together stay within
+        ``gpu_memory_utilization``.
+        """
+        use_graphs = self.cuda_graphs_enabled
+        sched = self.config.scheduler_config
+        reserved = self._graph_memory_estimate(capture_sizes(sched.max_num_seqs)[-1]) if use_graphs else 0
+        num_blocks = determine_num_blocks(
+            self.config, self.dtype, self.device, self._profile_run, reserved_bytes=reserved
+        )
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, self.dtype, self.device)
+        if use_graphs:
+            self.graph_runner = DecodeGraphRunner(
+                self.model, self.kv_caches,
+                max_num_seqs=sched.max_num_seqs,
+                max_model_len=self.config.model_config.max_model_len,
+                block_size=self.block_size,
+                device=self.device,
+            )
+            self.graph_runner.capture()
+            if self.graph_runner.pool_bytes > reserved:
+                logger.warning(
+                    "CUDA graphs took %.0f MiB, more than the %.0f MiB reserved for them: "
+                    "lower --gpu-memory-utilization if memory runs short.",
+                    self.graph_runner.pool_bytes / 2**20, reserved / 2**20,
+                )
         return num_blocks
+
+    @torch.inference_mode()
+    def _graph_memory_estimate(self, num_tokens: int) -> int:
+        """Bytes to keep free for the graphs' pool: the activations of one eager forward of
+        ``num_tokens`` tokens (what the largest graph holds), with a 50% + 64 MiB margin
+        for the split-K scratch and the smaller graphs' outputs."""
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with set_forward_context(None, []):
+            hidden = self.model(input_ids, positions)
+        del hidden
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - base
+        return int(activations * 1.5) + (64 << 20)
 
     @torch.inference_mode()
     def _profile_run(self) -> None:
@@ -62,16 +134,15 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
-        with set_forward_context(self._attention_metadata(inputs), self.kv_caches):
-            hidden_states = self.model(self._to_device(inputs.input_ids),
-                                       self._to_device(inputs.positions))
+        hidden_states, logits_indices = self._run_model(inputs)
 
         prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, list[LogprobsEntry]] = {}
         if inputs.sample_req_indices:
             states = [inputs.states[i] for i in inputs.sample_req_indices]
-            logits = self.model.compute_logits(hidden_states[self._to_device(inputs.logits_indices)])
+            rows = hidden_states if logits_indices is None else hidden_states[logits_indices]
+            logits = self.model.compute_logits(rows)
             metadata = SamplingMetadata.build(
                 params=[s.sampling_params for s in states],
                 prompt_token_ids=[s.prompt_token_ids for s in states],
@@ -104,14 +175,48 @@ class ModelRunner:
                 generator.manual_seed(seed)
                 self.generators[new.request_id] = generator
 
-    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+    def _run_model(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward pass: hidden states ``[T, hidden]`` of the step's tokens, and the
+        device indices of the rows whose logits are sampled (None when every row is, in
+        order: a decode step in which every request samples)."""
+        every_row_samples = len(inputs.sample_req_indices) == inputs.num_tokens
+        if self.graph_runner is not None and self.graph_runner.can_run(inputs):
+            hidden_states = self.graph_runner.run(inputs)
+            if every_row_samples:
+                return hidden_states, None
+            return hidden_states, torch.from_numpy(inputs.logits_indices).to(self.device)
+        if self.device_inputs is not None:
+            staged = self.device_inputs.stage(inputs)
+            metadata = self._attention_metadata(
+                inputs, staged.slot_mapping, staged.query_start_loc, staged.seq_lens,
+                staged.block_tables,
+            )
+            with set_forward_context(metadata, self.kv_caches):
+                hidden_states = self.model(staged.input_ids, staged.positions)
+            return hidden_states, None if every_row_samples else staged.logits_indices
         to = self._to_device
+        metadata = self._attention_metadata(
+            inputs, to(inputs.slot_mapping), to(inputs.query_start_loc.astype(np.int32)),
+            to(inputs.seq_lens.astype(np.int32)), to(inputs.block_tables),
+        )
+        with set_forward_context(metadata, self.kv_caches):
+            hidden_states = self.model(to(inputs.input_ids), to(inputs.positions))
+        return hidden_states, None if every_row_samples else to(inputs.logits_indices)
+
+    def _attention_metadata(
+        self,
+        inputs: StepInputs,
+        slot_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> AttentionMetadata:
         return AttentionMetadata(
             num_actual_tokens=inputs.num_tokens,
-            slot_mapping=to(inputs.slot_mapping),
-            query_start_loc=to(inputs.query_start_loc.astype(np.int32)),
-            seq_lens=to(inputs.seq_lens.astype(np.int32)),
-            block_tables=to(inputs.block_tables),
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             max_query_len=inputs.max_query_len,
             max_seq_len=int(inputs.seq_lens.max()),
             block_size=self.block_size,
@@ -120,10 +225,9 @@ class ModelRunner:
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on a device with no staging buffers (the CPU: no copy at all)."""
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden_states: torch.Tensor

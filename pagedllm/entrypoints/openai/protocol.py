@@ -8,6 +8,10 @@ logit_bias, ...) are refused with a 400 that names them when set to anything but
 accepted and have no effect. Unknown fields are ignored (new SDK versions add fields) and
 logged.
 
+``return_token_ids`` (vLLM's) adds the prompt's and each choice's token ids to the
+response; a server in token-id mode (no tokenizer) always adds them, since its text is
+empty.
+
 Errors have OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -56,7 +60,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -82,9 +86,10 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0
+    return_token_ids: bool = False
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -102,7 +107,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -159,12 +164,18 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+def _omitted_when_none() -> Any:
+    return Field(default=None, exclude_if=lambda value: value is None)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = _omitted_when_none()
+    token_ids: list[int] | None = _omitted_when_none()
 
 
 class CompletionResponse(BaseModel):
@@ -205,6 +216,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = _omitted_when_none()
 
 
 class ChatCompletionResponse(BaseModel):
@@ -215,6 +227,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = _omitted_when_none()
 
 
 class ModelCard(BaseModel):

@@ -74,7 +74,8 @@ class OpenAIServingChat(OpenAIServing):
         self._check_supported(request)
         prompt_text = self.render(request.messages, request.add_generation_prompt,
                                   request.continue_final_message, request.chat_template_kwargs)
-        prompt_ids = self.tokenizer.encode(prompt_text, add_special_tokens=request.add_special_tokens)
+        prompt_ids = self.tokenizer.encode(prompt_text,
+                                           add_special_tokens=request.add_special_tokens)
 
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
@@ -92,9 +93,9 @@ class OpenAIServingChat(OpenAIServing):
         stream = self.submit(request_id, prompt_text, prompt_ids, params, arrival_time, request.priority)
         created = int(time.time())
         if request.stream:
-            return self._stream(request, request_id, created, model, len(prompt_ids), stream)
+            return self._stream(request, request_id, created, model, prompt_ids, stream)
         try:
-            return await self._full(request, request_id, created, model, len(prompt_ids), stream)
+            return await self._full(request, request_id, created, model, prompt_ids, stream)
         finally:
             stream.close()
 
@@ -102,6 +103,7 @@ class OpenAIServingChat(OpenAIServing):
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
         """The prompt text for ``messages``; template errors become a 400 on ``messages``."""
+        tokenizer = self.require_tokenizer("A chat (its template)", "messages")
         template_kwargs = dict(template_kwargs or {})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(template_kwargs))
         if reserved:
@@ -109,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
                               "request fields of the same name.", param="chat_template_kwargs")
         conversation = [self._plain_message(i, m) for i, m in enumerate(messages)]
         try:
-            return self.tokenizer.apply_chat_template(
+            return tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=self.chat_template, **template_kwargs,
@@ -162,7 +164,7 @@ class OpenAIServingChat(OpenAIServing):
                                                              request.top_logprobs or 0))
 
     async def _full(self, request: ChatCompletionRequest, request_id: str, created: int, model: str,
-                    num_prompt_tokens: int, stream: RequestStream) -> ChatCompletionResponse:
+                    prompt_ids: list[int], stream: RequestStream) -> ChatCompletionResponse:
         n = request.n
         texts = [""] * n
         token_ids: list[list[int]] = [[] for _ in range(n)]
@@ -177,33 +179,42 @@ class OpenAIServingChat(OpenAIServing):
                 if c.logprobs:
                     logprobs[c.index].extend(c.logprobs)
                 finish[c.index] = (c.finish_reason, c.stop_reason)
+        with_ids = self.wants_token_ids(request)
         choices = [
             ChatCompletionChoice(
                 index=i, message=ChatResponseMessage(content=texts[i]),
                 logprobs=self._choice_logprobs(token_ids[i], logprobs[i], request),
                 finish_reason=finish[i][0], stop_reason=finish[i][1],
+                token_ids=token_ids[i] if with_ids else None,
             )
             for i in range(n)
         ]
         return ChatCompletionResponse(
             id=request_id, created=created, model=model, choices=choices,
-            usage=usage(num_prompt_tokens, sum(len(t) for t in token_ids), cached),
+            usage=usage(len(prompt_ids), sum(len(t) for t in token_ids), cached),
+            prompt_token_ids=prompt_ids if with_ids else None,
         )
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
-                      model: str, num_prompt_tokens: int, stream: RequestStream) -> AsyncIterator[str]:
+                      model: str, prompt_ids: list[int], stream: RequestStream) -> AsyncIterator[str]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        with_ids = self.wants_token_ids(request)
         role_sent = [False] * request.n
         num_completion_tokens = 0
         cached = 0
 
-        def chunk(index: int, delta: dict, logprobs, finish_reason=None, stop_reason=None) -> str:
-            body = {
-                "id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": model,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                             "finish_reason": finish_reason, "stop_reason": stop_reason}],
-            }
+        def chunk(index: int, delta: dict, logprobs, finish_reason=None, stop_reason=None,
+                  token_ids: list[int] | None = None) -> str:
+            """``token_ids`` None: the choice's opening chunk (role, and prompt ids if asked)."""
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish_reason, "stop_reason": stop_reason}
+            body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": model, "choices": [choice]}
+            if with_ids:
+                if token_ids is None:
+                    body["prompt_token_ids"] = prompt_ids
+                else:
+                    choice["token_ids"] = token_ids
             if include_usage:
                 body["usage"] = None
             return sse(body)
@@ -220,11 +231,12 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if request.logprobs and c.token_ids:
                         logprobs = self._choice_logprobs(c.token_ids, c.logprobs, request).model_dump()
-                    if not delta and logprobs is None and c.finish_reason is None:
+                    if not (delta or logprobs or c.finish_reason or (with_ids and c.token_ids)):
                         continue
-                    yield chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason)
+                    yield chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason,
+                                c.token_ids)
             if include_usage:
-                info = usage(num_prompt_tokens, num_completion_tokens, cached)
+                info = usage(len(prompt_ids), num_completion_tokens, cached)
                 yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                            "model": model, "choices": [], "usage": info.model_dump()})
         except Exception as exc:  # the status line is sent: report in the stream

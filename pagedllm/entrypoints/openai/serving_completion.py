@@ -16,7 +16,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, OpenAIError,
 )
 from pagedllm.entrypoints.openai.serving_engine import (
-    SSE_DONE, OpenAIServing, merge_streams, random_id, sse, sse_error, usage, _finite,
+    SSE_DONE, OpenAIServing, merge_streams, random_id, sse, sse_error, usage, finite_logprob,
 )
 from pagedllm.outputs import Logprob, RequestOutput
 
@@ -27,7 +27,10 @@ class _Prompt:
     token_ids: list[int]
 
     def echo_text(self, tokenizer) -> str:
-        return self.text if self.text is not None else tokenizer.decode(self.token_ids)
+        """The prompt as text; empty in token-id mode (no tokenizer) for token-id prompts."""
+        if self.text is not None:
+            return self.text
+        return "" if tokenizer is None else tokenizer.decode(self.token_ids)
 
 
 @dataclass
@@ -90,7 +93,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = []
         for item in items:
             if isinstance(item, str):
-                ids = self.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)
+                tokenizer = self.require_tokenizer("A text prompt", "prompt")
+                ids = tokenizer.encode(item, add_special_tokens=request.add_special_tokens)
                 prompts.append(_Prompt(item, ids))
             else:
                 prompts.append(_Prompt(None, list(item)))
@@ -110,11 +114,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
                 continue
-            out.token_logprobs.append(_finite(sampled.logprob) if sampled is not None else None)
+            out.token_logprobs.append(finite_logprob(sampled.logprob) if sampled is not None else None)
             top: dict[str, float] = {}
             for tid, lp in entry.items():  # tokens with the same text share a key: keep the best
                 key = self.token_text(tid, lp)
-                top[key] = max(top.get(key, -float("inf")), _finite(lp.logprob))
+                top[key] = max(top.get(key, -float("inf")), finite_logprob(lp.logprob))
             out.top_logprobs.append(top)
         return offset
 
@@ -138,6 +142,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice.logprobs.extend(c.logprobs)
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
 
+        with_ids = self.wants_token_ids(request)
         result = []
         for index, choice in enumerate(choices):
             prompt = prompts[index // n]
@@ -151,9 +156,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.echo:
                     offset = self._logprobs(prompt.token_ids, prompt_logprobs[index // n], 0, logprobs)
                 self._logprobs(choice.token_ids, choice.logprobs, offset, logprobs)
-            result.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                           finish_reason=choice.finish_reason,
-                                           stop_reason=choice.stop_reason))
+            result.append(CompletionChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
+                prompt_token_ids=prompt.token_ids if with_ids else None,
+                token_ids=choice.token_ids if with_ids else None,
+            ))
         return CompletionResponse(
             id=request_id, created=created, model=model, choices=result,
             usage=usage(sum(len(p.token_ids) for p in prompts),
@@ -164,6 +172,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       prompts: list[_Prompt], streams: list[RequestStream]) -> AsyncIterator[str]:
         n = request.n
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        with_ids = self.wants_token_ids(request)
         started = [False] * (len(prompts) * n)
         offsets = [0] * (len(prompts) * n)
         prompt_logprobs: list[list] = [[] for _ in prompts]
@@ -180,7 +189,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     num_completion_tokens += len(c.token_ids)
                     text = c.text
                     logprobs = CompletionLogprobs() if request.logprobs is not None else None
-                    if not started[index]:
+                    first = not started[index]
+                    if first:
                         started[index] = True
                         if request.echo:
                             prompt = prompts[i]
@@ -193,15 +203,17 @@ class OpenAIServingCompletion(OpenAIServing):
                                                         offsets[index], logprobs)
                     if not text and not c.token_ids and c.finish_reason is None:
                         continue
-                    chunk = {
-                        "id": request_id, "object": "text_completion", "created": created,
-                        "model": model,
-                        "choices": [{
-                            "index": index, "text": text,
-                            "logprobs": None if logprobs is None else logprobs.model_dump(),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                        }],
+                    choice = {
+                        "index": index, "text": text,
+                        "logprobs": None if logprobs is None else logprobs.model_dump(),
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                     }
+                    if with_ids:
+                        if first:
+                            choice["prompt_token_ids"] = prompts[i].token_ids
+                        choice["token_ids"] = c.token_ids
+                    chunk = {"id": request_id, "object": "text_completion", "created": created,
+                             "model": model, "choices": [choice]}
                     if include_usage:
                         chunk["usage"] = None
                     yield sse(chunk)

@@ -12,14 +12,14 @@ import asyncio
 import json
 import logging
 import re
-import time
 import uuid
 from collections.abc import AsyncIterator
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.entrypoints.openai.protocol import (
-    ChatTokenLogprob, OpenAIError, TopLogprob, UsageInfo, PromptTokensDetails, error_body,
-    _SamplingFields,
+    ChatTokenLogprob, OpenAIError, PromptTokensDetails, SamplingFields, TopLogprob, UsageInfo,
+    error_body,
 )
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.outputs import Logprob
@@ -62,9 +62,24 @@ class OpenAIServing:
         self.priority_scheduling = engine.config.scheduler_config.policy == "priority"
 
     # -- request checks -----------------------------------------------------------------
-    def check_common(self, request: _SamplingFields, endpoint: str) -> str:
+    def require_tokenizer(self, what: str, param: str | None) -> Tokenizer:
+        """The tokenizer; a 400 naming ``what`` when the server runs in token-id mode."""
+        if self.tokenizer is None:
+            raise OpenAIError(
+                f"{what} needs a tokenizer, but this server runs in token-id mode (the model "
+                "ships no tokenizer, or --skip-tokenizer-init): send token-id prompts to "
+                "/v1/completions, or restart the server with --tokenizer DIR.", param=param)
+        return self.tokenizer
+
+    def wants_token_ids(self, request: SamplingFields) -> bool:
+        """Token ids go in the response on request, and always in token-id mode."""
+        return request.return_token_ids or self.tokenizer is None
+
+    def check_common(self, request: SamplingFields, endpoint: str) -> str:
         """Checks every endpoint shares; returns the model name to answer with."""
         model = self.models.resolve(request.model)
+        if request.stop:
+            self.require_tokenizer("stop (matched in the decoded text; use stop_token_ids)", "stop")
         unknown = request.unknown_fields()
         if unknown:
             logger.warning("Ignoring unknown fields in a %s request: %s", endpoint, ", ".join(unknown))
@@ -80,7 +95,7 @@ class OpenAIServing:
                 "priority; remove it or restart the server with that flag.", param="priority")
         return model
 
-    def sampling_params(self, request: _SamplingFields, max_tokens: int | None,
+    def sampling_params(self, request: SamplingFields, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """``SamplingParams`` from the request; a ValueError becomes a 400 naming the field."""
         try:
@@ -149,8 +164,11 @@ class OpenAIServing:
 
     # -- logprobs -----------------------------------------------------------------------
     def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        """A token's text for logprobs; ``token_id:<id>`` in token-id mode."""
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def top_entries(self, entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
@@ -167,10 +185,10 @@ class OpenAIServing:
             text = self.token_text(token_id, sampled)
             result.append(ChatTokenLogprob(
                 token=text,
-                logprob=_finite(sampled.logprob if sampled is not None else float("-inf")),
+                logprob=finite_logprob(sampled.logprob if sampled is not None else float("-inf")),
                 bytes=list(text.encode("utf-8")),
                 top_logprobs=[
-                    TopLogprob(token=(t := self.token_text(tid, lp)), logprob=_finite(lp.logprob),
+                    TopLogprob(token=(t := self.token_text(tid, lp)), logprob=finite_logprob(lp.logprob),
                                bytes=list(t.encode("utf-8")))
                     for tid, lp in self.top_entries(entry, top_k)
                 ],
@@ -178,7 +196,7 @@ class OpenAIServing:
         return result
 
 
-def _finite(value: float) -> float:
+def finite_logprob(value: float) -> float:
     """JSON has no -inf: clamp to the most negative float, as OpenAI-compatible servers do."""
     return max(value, -9999.0)
 
@@ -197,10 +215,6 @@ def bad_request(exc: Exception, default_param: str | None = None) -> OpenAIError
     match = _PARAM_IN_MESSAGE.match(message)
     param = match.group(1) if match else default_param
     return OpenAIError(message, status=400, param=param)
-
-
-def now_s() -> float:
-    return time.monotonic()
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:

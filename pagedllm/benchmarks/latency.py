@@ -1,0 +1,206 @@
+"""``pagedllm bench latency``: batch-1 decode latency (L1) and prefill throughput (P1).
+
+* L1: ``--batch-size`` prompts of ``--input-len`` random tokens generate ``--output-len``
+  tokens each (greedy, EOS ignored). ``ms_per_token`` is the wall time of the whole request
+  over the output length (prefill included); ``tpot_ms`` leaves the first token out
+  (time from first to last token over ``output_len - 1``).
+* P1: ``--prefill-batch`` prompts of ``--prefill-len`` tokens with ``max_tokens=1``:
+  ``prompt_tok_s`` is prompt tokens over wall time.
+
+Each iteration draws fresh prompts (and the prefix cache is reset), so no run is served
+from an earlier one's cache; ``--num-iters-warmup`` untimed runs come first and medians
+are reported over ``--num-iters``.
+
+    pagedllm bench latency --model llama-3.1-8b --load-format dummy --output-json lat.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+
+from pagedllm.benchmarks.common import result_record, synthetic_requests, write_json
+from pagedllm.engine.arg_utils import EngineArgs
+
+WORKLOADS = ("L1", "P1")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    parser.add_argument("--batch-size", type=int, default=1, help="L1: prompts per iteration.")
+    parser.add_argument("--input-len", type=int, default=128, help="L1: prompt tokens.")
+    parser.add_argument("--output-len", type=int, default=256, help="L1: generated tokens.")
+    parser.add_argument("--prefill-batch", type=int, default=4, help="P1: prompts per iteration.")
+    parser.add_argument("--prefill-len", type=int, default=2048, help="P1: tokens per prompt.")
+    parser.add_argument("--num-iters-warmup", type=int, default=2)
+    parser.add_argument("--num-iters", type=int, default=5)
+    parser.add_argument("--torch-profile", action="store_true",
+                        help="Run one more iteration of each workload under torch.profiler and "
+                             "record its top kernels by device time.")
+    parser.add_argument("--step-timing", action="store_true",
+                        help="Split L1's step time into host phases and device wait.")
+    parser.add_argument("--output-json", default=None, help="Write the result records here.")
+    EngineArgs.add_cli_args(parser)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Run the selected workloads on one engine; returns one record per workload."""
+    from pagedllm import LLM
+
+    for name in ("batch_size", "input_len", "output_len", "prefill_batch", "prefill_len", "num_iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    config = llm.llm_engine.config
+    common = dict(model=config.model_config.path.name, device=config.device)
+    records = []
+    if args.workload in ("L1", "all"):
+        record = measure_decode_latency(llm, args)
+        if args.step_timing:
+            record["step_timing"] = _step_timing(llm, args, args.batch_size, args.input_len,
+                                                 args.output_len)
+        if args.torch_profile:
+            record["profile"] = _torch_profile(llm, args, args.batch_size, args.input_len,
+                                               args.output_len)
+        records.append(result_record(workload="L1", **common, **record))
+    if args.workload in ("P1", "all"):
+        record = measure_prefill(llm, args)
+        if args.torch_profile:
+            record["profile"] = _torch_profile(llm, args, args.prefill_batch, args.prefill_len, 1)
+        records.append(result_record(workload="P1", **common, **record))
+    print(f"{'workload':>8} {'shape':>18} {'ms/token':>9} {'TPOT ms':>8} {'prompt tok/s':>13}")
+    for r in records:
+        if r["workload"] == "L1":
+            shape = f"{r['batch_size']} x {r['input_len']}+{r['output_len']}"
+            print(f"{'L1':>8} {shape:>18} {r['ms_per_token']:>9} {r['tpot_ms']:>8} {'-':>13}")
+        else:
+            shape = f"{r['batch_size']} x {r['prompt_len']}"
+            print(f"{'P1':>8} {shape:>18} {'-':>9} {'-':>8} {r['prompt_tok_s']:>13}")
+    write_json(args.output_json, records)
+    return records
+
+
+def _iterations(llm, args: argparse.Namespace, num_prompts: int, prompt_len: int,
+                max_tokens: int, temperature: float) -> list[tuple[float, list]]:
+    """(wall seconds, outputs) of each timed iteration, fresh random prompts each time."""
+    from pagedllm import SamplingParams
+
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
+    results = []
+    for i in range(args.num_iters_warmup + args.num_iters):
+        requests = synthetic_requests(num_prompts, (prompt_len, prompt_len), (1, 1), vocab,
+                                      seed=args.seed + 1000 * (i + 1))
+        llm.llm_engine.engine_core.scheduler.reset_prefix_cache()
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        end = time.monotonic()
+        if i >= args.num_iters_warmup:
+            results.append((elapsed, [(o, end) for o in outputs]))
+    return results
+
+
+def _one_iteration(llm, args: argparse.Namespace, num_prompts: int, prompt_len: int,
+                   max_tokens: int) -> None:
+    from pagedllm import SamplingParams
+
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    requests = synthetic_requests(num_prompts, (prompt_len, prompt_len), (1, 1), vocab,
+                                  seed=args.seed + 7)
+    llm.llm_engine.engine_core.scheduler.reset_prefix_cache()
+    llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+                 SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+                 use_tqdm=False)
+
+
+def _step_timing(llm, args, num_prompts: int, prompt_len: int, max_tokens: int) -> dict:
+    from pagedllm.benchmarks.step_timing import StepTimer, format_summary
+
+    with StepTimer(llm) as timer:
+        _one_iteration(llm, args, num_prompts, prompt_len, max_tokens)
+    summary = timer.summary()
+    print(format_summary(summary), flush=True)
+    return summary
+
+
+def _torch_profile(llm, args, num_prompts: int, prompt_len: int, max_tokens: int) -> str:
+    """The top kernels of one iteration by device time (a text table)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        _one_iteration(llm, args, num_prompts, prompt_len, max_tokens)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+        try:
+            table = averages.table(sort_by=key, row_limit=15, max_name_column_width=60)
+            break
+        except Exception:  # noqa: BLE001 - the sort keys differ across torch versions
+            continue
+    else:
+        table = ""
+    print(table, flush=True)
+    return table
+
+
+def measure_decode_latency(llm, args: argparse.Namespace) -> dict:
+    """L1: see the module docstring."""
+    runs = _iterations(llm, args, args.batch_size, args.input_len, args.output_len, 0.0)
+    latencies = [elapsed for elapsed, _ in runs]
+    tpots = []
+    for _, outputs in runs:
+        for output, end in outputs:
+            first = output.metrics.get("first_token_time") if output.metrics else None
+            if first is not None and args.output_len > 1:
+                tpots.append((end - first) / (args.output_len - 1))
+    median = statistics.median(latencies)
+    return {
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_iters": args.num_iters,
+        "latency_s_median": round(median, 4),
+        "latencies_s": [round(x, 4) for x in latencies],
+        "ms_per_token": round(median / args.output_len * 1e3, 3),
+        "tpot_ms": round(statistics.median(tpots) * 1e3, 3) if tpots else None,
+    }
+
+
+def measure_prefill(llm, args: argparse.Namespace) -> dict:
+    """P1: see the module docstring."""
+    runs = _iterations(llm, args, args.prefill_batch, args.prefill_len, 1, 0.0)
+    latencies = [elapsed for elapsed, _ in runs]
+    median = statistics.median(latencies)
+    tokens = args.prefill_batch * args.prefill_len
+    return {
+        "batch_size": args.prefill_batch,
+        "prompt_len": args.prefill_len,
+        "num_iters": args.num_iters,
+        "latency_s_median": round(median, 4),
+        "latencies_s": [round(x, 4) for x in latencies],
+        "prompt_tok_s": round(tokens / median, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagedllm.benchmarks.latency``: the command without the CLI's other
+    subcommands (and their imports)."""
+    parser = argparse.ArgumentParser(prog="pagedllm bench latency", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cli_args(parser)
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

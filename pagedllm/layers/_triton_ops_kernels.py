@@ -1,0 +1,98 @@
+"""The Triton kernels behind ``triton_ops.py`` (imported only when a CUDA tensor needs them).
+
+Each program owns one row (RMSNorm: one token, or one token's head for per-head norms;
+rotary: one token with all its heads; SiLU-and-mul: one ``BLOCK`` slice of one token), so
+no kernel depends on another program's output and all of them can be captured in a CUDA
+graph. Offsets are computed in int64.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+cdiv = triton.cdiv
+next_power_of_2 = triton.next_power_of_2
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    heads,
+    stride_xt,
+    stride_xh,
+    stride_rt,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    token = row // heads
+    head = row % heads
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + token * stride_xt + head * stride_xh + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + token * stride_rt + cols, mask=mask, other=0.0)
+        s = (x + r.to(tl.float32)).to(dtype)
+        tl.store(residual_out_ptr + row * N + cols, s, mask=mask)
+        x = s.to(tl.float32)
+    mean_square = tl.sum(x * x, axis=0) / N
+    normed = (x * tl.math.rsqrt(mean_square + eps)).to(dtype)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    y = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * N + cols, y.to(dtype), mask=mask)
+
+
+@triton.jit
+def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
+    dtype = gate.dtype
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype)
+    y = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(dtype), mask=mask)
+
+
+@triton.jit
+def rotary_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    stride_ot,
+    stride_oh,
+    heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < HALF
+    mask = (h < heads)[:, None] & d_mask[None, :]
+    c = tl.load(cos_ptr + token * stride_ct + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + token * stride_ct + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    x_row = x_ptr + token * stride_xt + h[:, None] * stride_xh + d[None, :]
+    x1 = tl.load(x_row, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = tl.load(x_row + HALF, mask=mask, other=0.0).to(tl.float32)
+    o_row = out_ptr + token * stride_ot + h[:, None] * stride_oh + d[None, :]
+    tl.store(o_row, (x1 * c - x2 * s).to(dtype), mask=mask)
+    tl.store(o_row + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)

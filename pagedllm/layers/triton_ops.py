@@ -1,0 +1,150 @@
+"""Fused elementwise ops for CUDA, as Triton kernels: RMSNorm (+ residual add), SiLU-and-mul
+and rotary embedding.
+
+In torch each of these is a chain of small kernels (RMSNorm alone: add, cast, square,
+mean, rsqrt, two multiplies, cast), each reading and writing the whole activation; here
+each is one pass over memory. They matter twice: a prefill of 8k tokens moves hundreds of
+megabytes through them per layer, and a decode step (inside a CUDA graph) is otherwise
+hundreds of tiny launches.
+
+Numerics follow the torch layers they replace: arithmetic in float32, with a rounding to
+the activation dtype wherever torch rounds (the residual sum, the normalised value before
+the weight, SiLU before the multiply), so results agree with the torch path to the last
+bit in most elements and to one rounding step in the rest. Rotary rounds once at the end
+(torch rounds each product), which is at least as accurate.
+
+The layers call these only for CUDA tensors (``use_fused_ops``); the CPU keeps the torch
+code, which is the exactness reference. ``PAGEDLLM_FUSED_OPS=0`` turns them off.
+Under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+FUSED_OPS_ENV = "PAGEDLLM_FUSED_OPS"
+
+
+@functools.cache
+def _fused_ops_enabled() -> bool:
+    return (os.environ.get(FUSED_OPS_ENV, "1") != "0"
+            and importlib.util.find_spec("triton") is not None)
+
+
+def use_fused_ops(x: torch.Tensor) -> bool:
+    """True when ``x`` lives on a CUDA device and the fused kernels are enabled."""
+    return x.is_cuda and _fused_ops_enabled()
+
+
+@functools.cache
+def _kernels():
+    """Import the kernels on first use, so CPU-only installs never import triton."""
+    from pagedllm.layers import _triton_ops_kernels
+
+    return _triton_ops_kernels
+
+
+def _norm_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm`` over the last dimension in one kernel; see ``layers/layernorm.py``.
+
+    ``x``: ``[T, N]`` or ``[T, H, N]`` (any strides with a unit last stride, e.g. the q
+    slice of a fused qkv output); ``weight``: ``[N]`` in ``x``'s dtype. With ``residual``
+    (``[T, N]``) returns ``(norm(x + residual), x + residual)``, else ``norm(x)``; outputs
+    are new contiguous tensors.
+    """
+    k = _kernels()
+    n = x.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 2:
+        num_tokens, heads = x.shape[0], 1
+        stride_t, stride_h = x.stride(0), 0
+    elif x.dim() == 3:
+        num_tokens, heads = x.shape[0], x.shape[1]
+        stride_t, stride_h = x.stride(0), x.stride(1)
+    else:
+        raise ValueError(f"rms_norm takes [T, N] or [T, H, N] inputs, got shape {tuple(x.shape)}.")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = num_tokens * heads
+    if residual is not None:
+        if residual.shape != x.shape or x.dim() != 2:
+            raise ValueError(
+                f"residual shape {tuple(residual.shape)} must equal x's {tuple(x.shape)} ([T, N])."
+            )
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+        residual_out = torch.empty_like(out)
+    else:
+        residual_out = out  # unused
+    if rows == 0:
+        return (out, residual_out) if residual is not None else out
+    block = k.next_power_of_2(n)
+    k.rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out, residual_out,
+        heads, stride_t, stride_h,
+        residual.stride(0) if residual is not None else 0,
+        eps,
+        N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        num_warps=_norm_warps(block),
+    )
+    return (out, residual_out) if residual is not None else out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[..., :d]) * gate_up[..., d:]`` for a 2-D ``[T, 2d]`` input -> ``[T, d]``."""
+    k = _kernels()
+    if gate_up.dim() != 2:
+        raise ValueError(f"silu_and_mul takes [T, 2d], got shape {tuple(gate_up.shape)}.")
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    num_tokens, width = gate_up.shape
+    d = width // 2
+    out = torch.empty((num_tokens, d), dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens == 0:
+        return out
+    block = 1024
+    k.silu_and_mul_kernel[(num_tokens, k.cdiv(d, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), d, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope of ``x: [T, H, D]`` by ``cos, sin: [T, D // 2]`` -> new ``[T, H, D]``.
+
+    Same convention as ``RotaryEmbedding.apply``:
+    ``[x1 | x2] -> [x1 * cos - x2 * sin | x2 * cos + x1 * sin]``.
+    """
+    k = _kernels()
+    num_tokens, heads, head_dim = x.shape
+    half = head_dim // 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((num_tokens, heads, head_dim), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    k.rotary_kernel[(num_tokens,)](
+        x, cos, sin, out,
+        x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
+        heads,
+        HALF=half,
+        BLOCK_H=k.next_power_of_2(heads),
+        BLOCK_HALF=k.next_power_of_2(half),
+        num_warps=4,
+    )
+    return out

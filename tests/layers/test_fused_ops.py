@@ -1,0 +1,79 @@
+"""The fused Triton ops compute what the torch layers compute (CPU under the interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.layers import triton_ops
+from pagedllm.layers.activation import GatedActivation
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rand(*shape, dtype=torch.float32, seed=0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+
+def _torch_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
+    """The layer's own torch path, whatever the device."""
+    if residual is None:
+        return norm._norm(x)
+    s = x + residual
+    return norm._norm(s), s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_residual_matches_the_torch_layer(dtype) -> None:
+    norm = RMSNorm(96, eps=1e-5).to(DEVICE, dtype)
+    norm.weight.data = _rand(96, dtype=dtype, seed=3)
+    x, residual = _rand(5, 96, dtype=dtype, seed=1), _rand(5, 96, dtype=dtype, seed=2)
+    out, new_residual = triton_ops.rms_norm(x, norm.weight, norm.eps, residual)
+    want_out, want_residual = _torch_norm(norm, x, residual)
+    # bf16: one rounding step apart at most (the interpreter casts by truncation).
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(new_residual, want_residual, rtol=tol, atol=tol)
+    torch.testing.assert_close(out, want_out, rtol=tol, atol=tol)
+
+
+def test_rms_norm_of_strided_heads_normalises_each_head() -> None:
+    """qk-norm input: the q slice of a fused qkv row, viewed [T, heads, head_dim]."""
+    norm = RMSNorm(16, eps=1e-6).to(DEVICE)
+    norm.weight.data = _rand(16, seed=4)
+    qkv = _rand(3, 4 * 16 + 2 * 16, seed=5)
+    q = qkv[:, : 4 * 16].view(3, 4, 16)
+    out = triton_ops.rms_norm(q, norm.weight, norm.eps)
+    torch.testing.assert_close(out, _torch_norm(norm, q), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_the_torch_activation(dtype) -> None:
+    gate_up = _rand(4, 2 * 1100, dtype=dtype, seed=6)  # d=1100 spans two 1024-wide programs
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = triton_ops.silu_and_mul(gate_up)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_rotary_matches_rotate_half_on_a_strided_view() -> None:
+    rope = RotaryEmbedding(32, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    positions = torch.tensor([0, 5, 17, 900], device=DEVICE)
+    cos, sin = rope(positions, torch.float32)
+    qkv = _rand(4, 3 * 32 + 2 * 32, seed=7)
+    q = qkv[:, : 3 * 32].view(4, 3, 32)
+    x1, x2 = q.chunk(2, dim=-1)
+    want = torch.cat((x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]), -1)
+    torch.testing.assert_close(triton_ops.rotary(q, cos, sin), want, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_use_the_fused_ops_only_on_cuda(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr("pagedllm.layers.activation.silu_and_mul",
+                        lambda x: calls.append("silu") or torch.zeros(1))
+    GatedActivation("silu")(torch.randn(2, 8))  # a CPU tensor: the torch path
+    assert calls == []
+    assert not triton_ops.use_fused_ops(torch.randn(2))

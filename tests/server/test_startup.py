@@ -1,0 +1,67 @@
+"""``pagedllm serve`` fails fast, non-zero and with a message that says what to change."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+
+import pytest
+
+from pagedllm.entrypoints.openai.cli_args import add_serve_args, validate_serve_args
+from pagedllm.entrypoints.openai.serving_chat import load_chat_template
+from tests.server.conftest import REPO_ROOT, free_port, serve_command, server_env
+
+
+def run_serve(model_dir, *extra: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
+    return subprocess.run(serve_command(model_dir, free_port(), *extra), cwd=REPO_ROOT,
+                          env=server_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_kv_cache_too_small_exits_nonzero_with_the_reason(server_model_dir):
+    # serve_command asks for 512 blocks; the last --num-kv-blocks wins: 4 blocks = 64 tokens.
+    result = run_serve(server_model_dir, "--num-kv-blocks", "4")
+    assert result.returncode != 0
+    assert "KV cache holds 64 tokens" in result.stderr
+    assert "--max-model-len" in result.stderr
+
+
+def test_unimplemented_flag_exits_nonzero_naming_it(server_model_dir):
+    result = run_serve(server_model_dir, "--enable-auto-tool-choice", timeout=60)
+    assert result.returncode == 2
+    assert "--enable-auto-tool-choice is not supported" in result.stderr
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--tool-call-parser", "hermes"], "--tool-call-parser is not supported"),
+    (["--reasoning-parser", "r1"], "--reasoning-parser is not supported"),
+    (["--ssl-keyfile", "k.pem"], "reverse proxy"),
+    (["--port", "0"], "--port must be in 1..65535"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["a-model", "--model", "another"], "The model is given twice"),
+])
+def test_serve_flags_are_checked_with_clear_messages(flags, expected):
+    with pytest.raises(ValueError, match=expected):
+        validate_serve_args(parse(*flags))
+
+
+def test_positional_model_and_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_API_KEY", "from-env")
+    args = parse("some/model")
+    validate_serve_args(args)
+    assert args.model == "some/model" and args.api_key == "from-env"
+
+
+def test_chat_template_flag_takes_a_file_a_literal_or_a_name(tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    assert load_chat_template(str(path)) == "{{ messages[0]['content'] }}"
+    assert load_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}").startswith("{%")
+    assert load_chat_template("tool_use") == "tool_use"
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        load_chat_template("no/such/file.jinja")
