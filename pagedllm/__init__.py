@@ -9,6 +9,14 @@ Heavy imports (torch) happen on first use of ``LLM``, so the torch-free core sta
 
 from __future__ import annotations
 
+import os
+
+# OpenMP threads that spin while waiting make CPU inference up to 10x slower as soon as
+# another process (the API server, a tokenizer, a test client) wants a core. Sleeping
+# waits cost a few microseconds per parallel region instead. Takes effect only if torch
+# is imported after pagedllm; an explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
