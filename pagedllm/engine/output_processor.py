@@ -47,6 +47,7 @@ class _SequenceState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    detokenize_at_end: bool = False
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
 
@@ -101,6 +102,8 @@ class OutputProcessor:
                 ),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
+                # Nobody reads the text before the end and no stop string needs it: decode once.
+                detokenize_at_end=output_kind == "final" and not params.stop,
             )
             for i in range(params.n)
         ]
@@ -169,13 +172,16 @@ class OutputProcessor:
                 for entry in out.new_logprobs:
                     seq.logprobs.append(self._to_logprob_dict(entry))
                     seq.cumulative_logprob += entry[1][0]
-            # A core "stop" is a stop token (EOS or a stop_token_id): its text is not output.
-            stop_str = seq.detokenizer.update(out.new_token_ids,
-                                              stop_terminated=out.finish_reason == "stop")
-            if stop_str is not None:
-                seq.finish_reason, seq.stop_reason = "stop", stop_str
-                return out.finish_reason is None
+            if not seq.detokenize_at_end:
+                # A core "stop" is a stop token (EOS or a stop_token_id): its text is not output.
+                stop_str = seq.detokenizer.update(out.new_token_ids,
+                                                  stop_terminated=out.finish_reason == "stop")
+                if stop_str is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", stop_str
+                    return out.finish_reason is None
         if out.finish_reason is not None:
+            if seq.detokenize_at_end:
+                seq.detokenizer.update(seq.token_ids, stop_terminated=out.finish_reason == "stop")
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         return False
 
