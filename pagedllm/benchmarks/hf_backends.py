@@ -126,10 +126,38 @@ def run_hf_static(model, requests: list[SyntheticRequest], batch_size: int,
     return _record("hf", requests, output_tokens, elapsed, truncated, batch_size=batch_size)
 
 
-@torch.no_grad()
+# Attention implementations to try for continuous batching, in order: the model's own (the
+# manager switches to a paged one itself in recent transformers), then the names older
+# releases gave paged SDPA.
+CB_ATTENTION_CANDIDATES = (None, "paged|sdpa", "sdpa_paged", "paged_attention")
+
+
 def run_hf_continuous(model, requests: list[SyntheticRequest], time_limit_s: float) -> dict:
     """Continuous batching through the manager behind ``generate_batch``; see the module
-    docstring. On the time limit, tokens of unfinished requests are counted when the
+    docstring. Tries the attention implementations of ``CB_ATTENTION_CANDIDATES`` until one
+    runs (transformers renamed them across releases)."""
+    errors = []
+    start = time.perf_counter()
+    for attn in CB_ATTENTION_CANDIDATES:
+        if errors and time.perf_counter() - start > time_limit_s:
+            break
+        if attn is not None:
+            try:
+                model.set_attn_implementation(attn)
+            except Exception as exc:  # noqa: BLE001 - unknown name in this release
+                errors.append(f"{attn}: {type(exc).__name__}: {exc}")
+                continue
+        try:
+            return _run_continuous_once(model, requests, time_limit_s)
+        except Exception as exc:  # noqa: BLE001 - try the next implementation
+            logger.warning("continuous batching with attention %s failed: %s", attn, exc)
+            errors.append(f"{attn or 'default'}: {type(exc).__name__}: {exc}")
+    raise RuntimeError("transformers' continuous batching did not run: " + " | ".join(errors))
+
+
+@torch.no_grad()
+def _run_continuous_once(model, requests: list[SyntheticRequest], time_limit_s: float) -> dict:
+    """One run; on the time limit, tokens of unfinished requests are counted when the
     manager exposes them, else only finished requests count (``count`` says which)."""
     from transformers import GenerationConfig
 
@@ -142,15 +170,19 @@ def run_hf_continuous(model, requests: list[SyntheticRequest], time_limit_s: flo
     add_params = inspect.signature(manager.add_request).parameters
     finished: dict[str, int] = {}
     count = "finished requests"
+    in_flight = None
     manager.start()
     try:
         # One short request first: the manager sizes and allocates its paged cache on its
         # first step, start-up cost that stays out of the timing (as pagedllm's does).
         manager.add_request(requests[0].prompt_token_ids[:16], request_id="warm-up",
                             max_new_tokens=2)
+        warm_deadline = time.perf_counter() + 30
         while (result := manager.get_result(timeout=1.0)) is None or not result.is_finished():
-            if result is None and not manager.is_running():
-                raise RuntimeError("transformers' continuous batching loop did not start.")
+            if (result is None and not manager.is_running()) or time.perf_counter() > warm_deadline:
+                raise RuntimeError("the continuous batching loop did not start.")
+        if getattr(result, "error", None):
+            raise RuntimeError(f"the warm-up request failed: {result.error}")
         _sync(device)
         start = time.perf_counter()
         for i, r in enumerate(requests):
@@ -163,23 +195,46 @@ def run_hf_continuous(model, requests: list[SyntheticRequest], time_limit_s: flo
             result = manager.get_result(timeout=0.5)
             if result is None:
                 if not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching loop stopped early.")
+                    raise RuntimeError("the continuous batching loop stopped early.")
                 continue
             if result.is_finished():
                 if getattr(result, "error", None):
-                    raise RuntimeError(f"transformers' continuous batching failed: {result.error}")
+                    raise RuntimeError(f"a request failed: {result.error}")
                 finished[result.request_id] = len(result.generated_tokens)
         elapsed = time.perf_counter() - start
         truncated = len(finished) < len(requests)
-        in_flight = _tokens_in_flight(manager, set(finished)) if truncated else 0
-        if in_flight is not None and truncated:
-            count = "finished requests + tokens of those in flight"
+        if truncated:
+            in_flight = _tokens_in_flight(manager, set(finished))
+            if in_flight is not None:
+                count = "finished requests + tokens of those in flight"
     finally:
-        manager.stop(block=True, timeout=30)
+        stopped = _stop(manager, [f"req_{i}" for i in range(len(requests))], set(finished))
     output_tokens = sum(finished.values()) + (in_flight or 0)
     attn = getattr(model.config, "_attn_implementation", None)
+    extra = {} if stopped else {"warning": "the HF generation thread outlived stop()"}
     return _record("hf-cb", requests, output_tokens, elapsed, truncated,
-                   attn_implementation=attn, count=count)
+                   attn_implementation=attn, count=count, **extra)
+
+
+def _stop(manager, request_ids: list[str], finished: set[str]) -> bool:
+    """Stop the manager without finishing the requests still queued or running (they would
+    keep the GPU busy during the next benchmark); True when its thread has ended."""
+    if hasattr(manager, "cancel_request"):
+        for request_id in request_ids:
+            if request_id not in finished:
+                try:
+                    manager.cancel_request(request_id)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+    kwargs = {"block": True, "timeout": 30}
+    if "hard_stop" in inspect.signature(manager.stop).parameters:
+        kwargs["hard_stop"] = True
+    manager.stop(**kwargs)
+    thread = getattr(manager, "_generation_thread", None)
+    alive = thread is not None and thread.is_alive()
+    if alive:
+        logger.warning("transformers' generation thread is still running after stop().")
+    return not alive
 
 
 def _tokens_in_flight(manager, finished: set[str]) -> int | None:
@@ -197,7 +252,14 @@ def run_hf_backends(backends: list[str], model_path: Path, load_format: str, dty
                     batch_size: int, time_limit_s: float, on_record) -> None:
     """Load the HF model once, run each peer in ``backends`` and hand each record to
     ``on_record``; the model is freed before returning."""
-    model = load_hf_model(model_path, load_format, dtype, device, seed)
+    try:
+        model = load_hf_model(model_path, load_format, dtype, device, seed)
+    except Exception as exc:  # noqa: BLE001 - the pagedllm run must still happen
+        logger.exception("loading the HF model failed")
+        for backend in backends:
+            on_record({"backend": backend, "num_prompts": len(requests),
+                       "error": f"loading the model: {type(exc).__name__}: {exc}"})
+        return
     try:
         for backend in backends:
             logger.info("Running %s on %d requests (time limit %.0f s)", backend,

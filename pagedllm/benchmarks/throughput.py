@@ -21,6 +21,9 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
+import sys
+import threading
 import time
 
 from pagedllm.benchmarks.common import (
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         from pagedllm import LLM
 
         llm = LLM(**vars(engine_args))
-        _warm_up(llm, model_config.vocab_size)
+        _warm_up(llm)
         if peers and hf_count < len(requests):
             keep(_run_pagedllm(llm, subset, args))
         keep(_run_pagedllm(llm, requests, args, step_timing=args.step_timing))
@@ -139,11 +142,17 @@ def _workload_args(args: argparse.Namespace) -> dict:
             "temperature": args.temperature, "ignore_eos": args.ignore_eos}
 
 
-def _warm_up(llm, vocab_size: int) -> None:
-    """A few short requests so kernel compilation stays out of the timed runs."""
+def _warm_up(llm) -> None:
+    """Untimed requests that compile the kernels' variants before the timed runs: a
+    prefill-only step, then a step mixing a prompt chunk with decodes (three prompts
+    sized to overflow one step's token budget), then decode steps."""
     from pagedllm import SamplingParams
 
-    warm = synthetic_requests(4, (32, 64), (8, 8), vocab_size, seed=12345)
+    config = llm.llm_engine.config
+    budget = config.scheduler_config.max_num_batched_tokens
+    prompt_len = max(1, min(config.model_config.max_model_len - 9, budget // 2 + budget // 8))
+    warm = synthetic_requests(3, (prompt_len, prompt_len), (1, 1),
+                              config.model_config.vocab_size, seed=12345)
     llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in warm],
                  SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
 
@@ -218,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     add_cli_args(parser)
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     run(parser.parse_args(argv))
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate()
+           if t is not threading.main_thread()):
+        # A peer's generation thread that ignored its stop must not hold the exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

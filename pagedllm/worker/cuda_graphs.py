@@ -92,7 +92,10 @@ class DecodeGraphRunner:
         self.use_graphs = use_graphs
         self.pool_bytes = 0
         max_size = self.sizes[-1]
-        max_blocks = -(-max_model_len // block_size)
+        # Rows padded to 16 blocks: the same stride class as eager steps' block tables
+        # (device_inputs.py), so both share the attention kernels' compiled variants.
+        blocks_per_seq = -(-max_model_len // block_size)
+        max_blocks = -(-blocks_per_seq // 16) * 16
         # Device inputs: [input_ids; positions; slot_mapping] in one buffer, one copy a step.
         self._tokens = torch.zeros(3, max_size, dtype=torch.int64, device=self.device)
         self._tokens[2].fill_(-1)

@@ -5,15 +5,19 @@ transfer is a buffer allocated once and refilled each step. The step's arrays ar
 so that each dtype travels in ONE contiguous copy::
 
     int64 buffer:  [ input_ids (T) | positions (T) | slot_mapping (T) | logits_indices (S) ]
-    int32 buffer:  [ query_start_loc (B + 1) | seq_lens (B) | block_tables (B * W) ]
+    int32 buffer:  [ query_start_loc (B + 1) | seq_lens (B) | block_tables (B x W16) ]
 
-(``T`` tokens, ``B`` sequences, ``S`` sampling sequences, ``W`` blocks per row.) The device
-tensors handed to the model are views of two device buffers with the same layout; they
-stay valid until the next step's copy, which the stream orders after this step's kernels.
+(``T`` tokens, ``B`` sequences, ``S`` sampling sequences.) Every segment starts on a
+256-byte boundary and block-table rows are padded to ``W16``, a multiple of 16 blocks:
+Triton specialises kernels on pointer alignment and on strides divisible by 16, so
+unaligned segments or a ragged row stride would compile new kernel variants mid-run as
+batch shapes change. Columns past a row's real blocks are stale and never read.
 
-A copy is asynchronous, so the host buffers must not be refilled while one is in flight:
-an event recorded after the copies is waited on before the next refill (normally long
-done, since every step that samples reads its tokens back).
+The device tensors handed to the model are views of two device buffers with the same
+layout; they stay valid until the next step's copy, which the stream orders after this
+step's kernels. A copy is asynchronous, so the host buffers must not be refilled while one
+is in flight: an event recorded after the copies is waited on before the next refill
+(normally long done, since every step that samples reads its tokens back).
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.worker.input_batch import StepInputs
+
+_ALIGN = 32  # elements: 256 bytes of int64, 128 of int32
+
+
+def _up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 @dataclass
@@ -35,7 +45,7 @@ class DeviceStepInputs:
     logits_indices: torch.Tensor  # [S] int64
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
-    block_tables: torch.Tensor  # [B, W] int32
+    block_tables: torch.Tensor  # [B, W16] int32 (columns past a row's blocks are stale)
 
 
 class DeviceInputBuffers:
@@ -49,8 +59,9 @@ class DeviceInputBuffers:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         pin = device.type == "cuda"
-        n64 = 3 * max_num_tokens + max_num_seqs
-        n32 = 2 * max_num_seqs + 1 + max_num_seqs * max_blocks_per_seq
+        n64 = 3 * _up(max_num_tokens, _ALIGN) + max_num_seqs
+        n32 = (_up(max_num_seqs + 1, _ALIGN) + _up(max_num_seqs, _ALIGN)
+               + max_num_seqs * _up(max_blocks_per_seq, 16))
         self._host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
         self._host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
         self._np64 = self._host64.numpy()
@@ -73,14 +84,18 @@ class DeviceInputBuffers:
         if self._copied is not None:
             self._copied.synchronize()
         h64, h32 = self._np64, self._np32
+        ta = _up(t, _ALIGN)
         h64[0:t] = inputs.input_ids
-        h64[t:2 * t] = inputs.positions
-        h64[2 * t:3 * t] = inputs.slot_mapping
-        h64[3 * t:3 * t + s] = inputs.logits_indices
+        h64[ta:ta + t] = inputs.positions
+        h64[2 * ta:2 * ta + t] = inputs.slot_mapping
+        h64[3 * ta:3 * ta + s] = inputs.logits_indices
+        seq_off = _up(b + 1, _ALIGN)
+        table_off = seq_off + _up(b, _ALIGN)
+        width = _up(w, 16)
         h32[0:b + 1] = inputs.query_start_loc
-        h32[b + 1:2 * b + 1] = inputs.seq_lens
-        h32[2 * b + 1:2 * b + 1 + b * w].reshape(b, w)[:] = inputs.block_tables
-        n64, n32 = 3 * t + s, 2 * b + 1 + b * w
+        h32[seq_off:seq_off + b] = inputs.seq_lens
+        h32[table_off:table_off + b * width].reshape(b, width)[:, :w] = inputs.block_tables
+        n64, n32 = 3 * ta + s, table_off + b * width
         self._dev64[:n64].copy_(self._host64[:n64], non_blocking=True)
         self._dev32[:n32].copy_(self._host32[:n32], non_blocking=True)
         if self._copied is not None:
@@ -88,10 +103,10 @@ class DeviceInputBuffers:
         d64, d32 = self._dev64, self._dev32
         return DeviceStepInputs(
             input_ids=d64[0:t],
-            positions=d64[t:2 * t],
-            slot_mapping=d64[2 * t:3 * t],
-            logits_indices=d64[3 * t:3 * t + s],
+            positions=d64[ta:ta + t],
+            slot_mapping=d64[2 * ta:2 * ta + t],
+            logits_indices=d64[3 * ta:3 * ta + s],
             query_start_loc=d32[0:b + 1],
-            seq_lens=d32[b + 1:2 * b + 1],
-            block_tables=d32[2 * b + 1:2 * b + 1 + b * w].view(b, w),
+            seq_lens=d32[seq_off:seq_off + b],
+            block_tables=d32[table_off:table_off + b * width].view(b, width),
         )

@@ -2,12 +2,12 @@
 
 The step's inputs come from the ``InputBatch`` (host arrays, see input_batch.py); this
 module moves them to the device, sets the attention metadata, runs the model, and samples.
+Seeded requests keep their ``torch.Generator`` across preemption, so a recomputed request
+draws exactly what it would have drawn.
 
 On CUDA a pure-decode step replays a captured CUDA graph (``cuda_graphs.py``); prefill and
 mixed steps run eagerly, their inputs copied through persistent pinned buffers
 (``device_inputs.py``). Either way the step's only host sync is reading the sampled ids.
-Seeded requests keep their ``torch.Generator`` across preemption, so a recomputed request
-draws exactly what it would have drawn.
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ class ModelRunner:
         """
         use_graphs = self.cuda_graphs_enabled
         sched = self.config.scheduler_config
-        reserved = self._graph_memory_estimate(capture_sizes(sched.max_num_seqs)[-1]) if use_graphs else 0
+        reserved = 0
+        if use_graphs:
+            reserved = self._graph_memory_estimate(capture_sizes(sched.max_num_seqs)[-1])
         num_blocks = determine_num_blocks(
             self.config, self.dtype, self.device, self._profile_run, reserved_bytes=reserved
         )

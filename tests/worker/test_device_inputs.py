@@ -33,9 +33,22 @@ def test_staged_views_hold_the_step_arrays_in_their_dtypes() -> None:
         for name in ("input_ids", "positions", "slot_mapping", "logits_indices"):
             assert getattr(staged, name).dtype == torch.int64
             assert getattr(staged, name).tolist() == getattr(step, name).tolist(), name
-        for name in ("query_start_loc", "seq_lens", "block_tables"):
+        for name in ("query_start_loc", "seq_lens"):
             assert getattr(staged, name).dtype == torch.int32
             assert getattr(staged, name).tolist() == getattr(step, name).tolist(), name
+        # Rows padded to 16 blocks (one stride class for the kernels); real columns first.
+        assert staged.block_tables.shape == (len(query_lens), 16)
+        assert staged.block_tables[:, :width].tolist() == step.block_tables.tolist()
+
+
+def test_staged_segments_are_aligned_for_the_kernels() -> None:
+    buffers = DeviceInputBuffers(max_num_tokens=64, max_num_seqs=8, max_blocks_per_seq=20,
+                                 device=torch.device("cpu"))
+    staged = buffers.stage(_step([3, 1, 1], 5))
+    for name in ("input_ids", "positions", "slot_mapping", "logits_indices",
+                 "query_start_loc", "seq_lens", "block_tables"):
+        assert getattr(staged, name).data_ptr() % 16 == 0, name
+    assert staged.block_tables.stride(0) % 16 == 0
 
 
 def test_a_step_larger_than_the_buffers_is_refused() -> None:

@@ -115,7 +115,9 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# ``num_seqs`` changes every step; specialising on its value (== 1, divisible by 16) would
+# compile new variants in the middle of a run.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One run on the GPU machine: correctness first, then the benchmark workloads.
+#
+#   PYTHONPATH=. bash scripts/gpu_bench.sh                  # H200; results under $OUT
+#   GPU_BENCH_DRY=1 PYTHONPATH=. bash scripts/gpu_bench.sh  # CPU, tiny sizes: the plumbing
+#
+# Steps (each under its own time limit, so a slow one cannot eat the session; a failed
+# step is recorded and the next one runs):
+#   tests    pytest of the kernels, fused ops, CUDA graphs, models and engine (natively)
+#   kernels  scripts/check_kernels_gpu.py: Triton attention vs the torch reference, timed
+#   w1       W1 on llama-3.1-8b (dummy bf16): pagedllm on all 256 requests, and pagedllm,
+#            HF static batching and HF continuous batching side by side on the first
+#            $HF_PROMPTS (the peers are slow; each stops at $HF_LIMIT_S seconds and is
+#            credited with what it produced)
+#   latency  L1 (batch 1, 128 + 256 tokens) and P1 (4 x 2048 prompt tokens) on llama-3.1-8b
+#   w1-small W1 on qwen3-0.6b (the host-overhead-bound regime)
+#   report   $OUT/<date>-h200.json: one record per workload, and a table printed last
+# GPU_BENCH_STEPS="w1 latency" runs a subset of the steps (default: all).
+# Files under $OUT: log.txt (everything printed), steps.txt, one JSON per step, the report.
+set -u -o pipefail
+
+PY=${PYTHON:-python3}
+OUT=${OUT:-$(mktemp -d)}
+DRY=${GPU_BENCH_DRY:-0}
+DATE=$(date -u +%Y-%m-%d)
+LOG="$OUT/log.txt"
+mkdir -p "$OUT"
+: >"$LOG"
+: >"$OUT/steps.txt"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+if [ "$DRY" = "1" ]; then
+    BIG=pagedllm-demo SMALL=pagedllm-demo
+    TESTS=(tests/worker tests/layers)
+    W1_ARGS=(--num-prompts 8 --input-len 16:64 --output-len 8:32)
+    HF_PROMPTS=4 HF_LIMIT_S=30
+    LAT_ARGS=(--input-len 16 --output-len 8 --prefill-len 64 --num-iters 2 --num-iters-warmup 1)
+    LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120
+else
+    BIG=llama-3.1-8b SMALL=qwen3-0.6b
+    TESTS=(tests/worker tests/layers tests/kernels tests/models tests/engine)
+    W1_ARGS=(--num-prompts 256 --input-len 100:1024 --output-len 100:1024 --seed 0)
+    HF_PROMPTS=${HF_PROMPTS:-64} HF_LIMIT_S=${HF_LIMIT_S:-35}
+    LAT_ARGS=()
+    LIMIT_TESTS=${LIMIT_TESTS:-80} LIMIT_KERNELS=40 LIMIT_W1=${LIMIT_W1:-220} LIMIT_LAT=60 LIMIT_SMALL=50
+fi
+
+STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small}
+
+# step NAME LIMIT_S COMMAND...: run with a time limit, output to the terminal and the log.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    case " $STEPS " in *" $name "*) ;; *) echo "=== $name: not selected" | tee -a "$LOG"; return ;; esac
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+    local start=$SECONDS
+    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    echo "$name $rc $((SECONDS - start))" >>"$OUT/steps.txt"
+    echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$LOG"
+}
+
+{
+    echo "date $DATE, dry=$DRY, python $($PY -c 'import sys; print(sys.version.split()[0])')"
+    $PY -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__); print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")' 2>&1
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
+} | tee -a "$LOG"
+
+step tests "$LIMIT_TESTS" $PY -m pytest -q -x -p no:cacheprovider "${TESTS[@]}"
+
+if [ "$DRY" = "1" ]; then
+    echo "=== kernels: skipped in a dry run (needs CUDA)" | tee -a "$LOG"
+else
+    step kernels "$LIMIT_KERNELS" $PY scripts/check_kernels_gpu.py --out "$OUT/kernels.json"
+fi
+
+step w1 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
+    "${W1_ARGS[@]}" --backend hf,hf-cb,pagedllm --hf-num-prompts "$HF_PROMPTS" \
+    --hf-time-limit-s "$HF_LIMIT_S" --step-timing --output-json "$OUT/w1-$BIG.json"
+
+step latency "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
+    "${LAT_ARGS[@]}" --step-timing --torch-profile --output-json "$OUT/latency-$BIG.json"
+
+step w1-small "$LIMIT_SMALL" $PY -m pagedllm.benchmarks.throughput --model "$SMALL" \
+    --load-format dummy "${W1_ARGS[@]}" --step-timing --output-json "$OUT/w1-small-$SMALL.json"
+
+$PY scripts/gpu_bench_report.py --dir "$OUT" --date "$DATE" --dry "$DRY" \
+    --big "$BIG" --small "$SMALL" --hf-prompts "$HF_PROMPTS" 2>&1 | tee -a "$LOG"

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Collect the JSON files of one ``scripts/gpu_bench.sh`` run into the results file.
+
+Writes ``<dir>/<date>-h200.json`` (``<date>-dry.json`` for a dry run): a list of records
+``{"workload", "model", "gpu", "commit", "date", "command", "output_tok_s",
+"ratio_vs_hf_static", "ratio_vs_hf_cb", "ms_per_token", "prompt_tok_s"}`` plus the
+details each workload has (peers measured side by side, step timing, target met or not),
+and prints a table. A step that failed or produced nothing gives a record with ``error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+# Targets on the H200 (BENCHMARKS.md): (field, direction, value).
+TARGETS = {
+    ("W1", "big"): ("output_tok_s", ">=", 10_700),
+    ("L1", "big"): ("ms_per_token", "<=", 4.4),
+    ("P1", "big"): ("prompt_tok_s", ">=", 40_000),
+    ("W1", "small"): ("output_tok_s", ">=", 20_000),
+}
+RATIO_TARGET = 25.0
+
+
+def _load(path: Path) -> list[dict] | None:
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data if isinstance(data, list) else [data]
+
+
+def _commit() -> str | None:
+    if os.environ.get("PAGEDLLM_COMMIT"):
+        return os.environ["PAGEDLLM_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _gpu() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 - the report must not fail on a broken torch
+        return "unknown"
+
+
+def _command(record: dict, subcommand: str) -> str:
+    """The benchmark's own command line (the module was run as ``python -m``)."""
+    args = record.get("command", "pagedllm").split(" ", 1)
+    return f"pagedllm bench {subcommand} " + (args[1] if len(args) > 1 else "")
+
+
+def _base(workload: str, model: str, meta: dict) -> dict:
+    return {"workload": workload, "model": model, **meta, "command": None,
+            "output_tok_s": None, "ratio_vs_hf_static": None, "ratio_vs_hf_cb": None,
+            "ms_per_token": None, "prompt_tok_s": None}
+
+
+def _judge(record: dict, key: tuple[str, str]) -> None:
+    field, direction, value = TARGETS[key]
+    got = record.get(field)
+    record["target"] = f"{field} {direction} {value}"
+    if got is not None:
+        record["target_met"] = got >= value if direction == ">=" else got <= value
+
+
+def _throughput(rows: list[dict] | None, workload: str, model: str, meta: dict,
+                hf_prompts: int | None) -> dict:
+    record = _base(workload, model, meta)
+    if not rows:
+        record["error"] = "the step produced no result (see log.txt)"
+        return record
+    mine = [r for r in rows if r.get("backend") == "pagedllm" and "output_tok_s" in r]
+    if not mine:
+        record["error"] = "no pagedllm run finished (see log.txt)"
+        return record
+    full = max(mine, key=lambda r: r["num_prompts"])
+    record.update(command=_command(full, "throughput"), output_tok_s=full["output_tok_s"],
+                  num_prompts=full["num_prompts"], output_tokens=full["output_tokens"],
+                  elapsed_s=full["elapsed_s"])
+    if "step_timing" in full:
+        record["step_timing"] = full["step_timing"]
+    peers = {r["backend"]: r for r in rows if r.get("backend") in ("hf", "hf-cb")}
+    if peers:
+        side = [r for r in mine if r["num_prompts"] == hf_prompts] or [full]
+        subset = side[0]
+        record["ratio_vs_hf_static"] = subset.get("ratio_vs_hf_static")
+        record["ratio_vs_hf_cb"] = subset.get("ratio_vs_hf_cb")
+        record["ratio_basis"] = (
+            f"pagedllm, HF generate (static batches of 128) and HF continuous batching run "
+            f"side by side in one process on the first {subset['num_prompts']} requests of the "
+            f"same list; a peer stopped at its time limit is credited with the tokens it produced"
+        )
+        record["side_by_side"] = {
+            "pagedllm": {"output_tok_s": subset["output_tok_s"], "num_prompts": subset["num_prompts"]},
+            **{name: {k: p.get(k) for k in ("output_tok_s", "output_tokens", "elapsed_s",
+                                            "truncated", "attn_implementation", "count", "error")
+                      if p.get(k) is not None}
+               for name, p in peers.items()},
+        }
+    return record
+
+
+def _latency(rows: list[dict] | None, model: str, meta: dict) -> list[dict]:
+    out = []
+    for workload, field in (("L1", "ms_per_token"), ("P1", "prompt_tok_s")):
+        record = _base(workload, model, meta)
+        row = next((r for r in rows or [] if r.get("workload") == workload), None)
+        if row is None:
+            record["error"] = "the step produced no result (see log.txt)"
+        else:
+            record.update(command=_command(row, "latency"), **{field: row[field]})
+            for key in ("tpot_ms", "batch_size", "input_len", "output_len", "prompt_len",
+                        "latencies_s", "step_timing", "profile"):
+                if key in row:
+                    record[key] = row[key]
+        out.append(record)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--date", required=True)
+    parser.add_argument("--dry", default="0")
+    parser.add_argument("--big", default="llama-3.1-8b")
+    parser.add_argument("--small", default="qwen3-0.6b")
+    parser.add_argument("--hf-prompts", type=int, default=None)
+    args = parser.parse_args()
+    dry = args.dry == "1"
+    meta = {"gpu": _gpu() + (" (dry run)" if dry else ""), "commit": _commit(), "date": args.date}
+
+    records = [_throughput(_load(args.dir / f"w1-{args.big}.json"), "W1", args.big, meta,
+                           args.hf_prompts)]
+    records += _latency(_load(args.dir / f"latency-{args.big}.json"), args.big, meta)
+    records.append(_throughput(_load(args.dir / f"w1-small-{args.small}.json"), "W1", args.small,
+                               meta, None))
+    if not dry:
+        for record, key in zip(records, (("W1", "big"), ("L1", "big"), ("P1", "big"), ("W1", "small"))):
+            _judge(record, key)
+        w1 = records[0]
+        if w1.get("ratio_vs_hf_static") is not None:
+            w1["ratio_target_met"] = w1["ratio_vs_hf_static"] >= RATIO_TARGET
+    name = f"{args.date}-{'dry' if dry else 'h200'}.json"
+    (args.dir / name).write_text(json.dumps(records, indent=2) + "\n")
+
+    print(f"\nwrote {args.dir / name}  (gpu: {meta['gpu']}, commit: {meta['commit']})")
+    print(f"{'workload':>8} {'model':>14} {'output tok/s':>13} {'x HF static':>12} "
+          f"{'x HF cb':>8} {'ms/token':>9} {'prompt tok/s':>13}  target")
+    for r in records:
+        def cell(key: str) -> str:
+            return "-" if r.get(key) is None else str(r[key])
+        verdict = r.get("error") or (
+            f"{r['target']}: {'met' if r.get('target_met') else 'NOT met'}" if "target" in r else "")
+        print(f"{r['workload']:>8} {r['model']:>14} {cell('output_tok_s'):>13} "
+              f"{cell('ratio_vs_hf_static'):>12} {cell('ratio_vs_hf_cb'):>8} "
+              f"{cell('ms_per_token'):>9} {cell('prompt_tok_s'):>13}  {verdict}")
+    steps = args.dir / "steps.txt"
+    if steps.is_file():
+        print("steps (name, exit code, seconds): " + "; ".join(steps.read_text().split("\n")).strip("; "))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""The benchmark commands on a tiny checkpoint (CPU): records, peers, ratios, step timing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks import latency, throughput
+from pagedllm.benchmarks.step_timing import StepTimer
+from pagedllm.core.scheduler import Scheduler
+from tests.utils import make_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("bench"), "llama", vocab_size=128,
+                                max_position_embeddings=128)
+
+
+def _args(module, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_cli_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_throughput_runs_the_hf_peers_and_pagedllm_on_the_same_requests(checkpoint, tmp_path) -> None:
+    out = tmp_path / "w1.json"
+    args = _args(throughput, [
+        "--model", str(checkpoint), "--load-format", "dummy", "--backend", "hf,hf-cb,pagedllm",
+        "--num-prompts", "6", "--hf-num-prompts", "3", "--input-len", "4:9",
+        "--output-len", "3:6", "--max-model-len", "32", "--num-kv-blocks", "64",
+        "--block-size", "8", "--output-json", str(out),
+    ])
+    throughput.run(args)
+    records = json.loads(out.read_text())
+    by_run = {(r["backend"], r["num_prompts"]): r for r in records}
+    assert set(by_run) == {("hf", 3), ("hf-cb", 3), ("pagedllm", 3), ("pagedllm", 6)}
+    assert by_run["hf", 3]["output_tokens"] == by_run["pagedllm", 3]["output_tokens"]
+    assert by_run["hf-cb", 3]["output_tokens"] == by_run["pagedllm", 3]["output_tokens"]
+    assert not by_run["hf", 3]["truncated"] and not by_run["hf-cb", 3]["truncated"]
+    subset = by_run["pagedllm", 3]
+    assert subset["ratio_vs_hf_static"] == round(
+        subset["output_tok_s"] / by_run["hf", 3]["output_tok_s"], 2)
+    assert "ratio_vs_hf_cb" in subset and "ratio_vs_hf_static" not in by_run["pagedllm", 6]
+
+
+def test_unknown_backend_is_refused_naming_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="pagedllm, hf, hf-cb"):
+        throughput.parse_backends("hf,vllm")
+    assert throughput.parse_backends("pagedllm, hf,pagedllm") == ["pagedllm", "hf"]
+
+
+def test_latency_reports_ms_per_token_and_prefill_throughput(checkpoint, tmp_path) -> None:
+    out = tmp_path / "latency.json"
+    args = _args(latency, [
+        "--model", str(checkpoint), "--input-len", "8", "--output-len", "5",
+        "--prefill-batch", "2", "--prefill-len", "16", "--num-iters", "2",
+        "--num-iters-warmup", "1", "--max-model-len", "32", "--num-kv-blocks", "32",
+        "--block-size", "8", "--output-json", str(out),
+    ])
+    latency.run(args)
+    l1, p1 = json.loads(out.read_text())
+    assert l1["workload"] == "L1" and l1["output_len"] == 5 and len(l1["latencies_s"]) == 2
+    assert l1["ms_per_token"] == pytest.approx(l1["latency_s_median"] / 5 * 1e3, rel=0.05)
+    assert 0 < l1["tpot_ms"]
+    assert p1["workload"] == "P1" and p1["prompt_tok_s"] == pytest.approx(
+        2 * 16 / p1["latency_s_median"], rel=0.05)
+
+
+def test_step_timer_splits_decode_from_prefill_steps_and_unwraps(checkpoint) -> None:
+    llm = LLM(str(checkpoint), max_model_len=32, num_kv_blocks=32, block_size=8)
+    with StepTimer(llm) as timer:
+        llm.generate({"prompt_token_ids": [5, 6, 7]},
+                     SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    summary = timer.summary()
+    assert summary["prefill_or_mixed"]["steps"] == 1 and summary["decode"]["steps"] == 3
+    assert summary["decode"]["total_ms"] > 0
+    scheduler = llm.llm_engine.engine_core.scheduler
+    assert scheduler.schedule.__func__ is Scheduler.schedule
+
+
+def test_gpu_bench_report_collects_one_record_per_workload(tmp_path) -> None:
+    def record(**fields) -> dict:
+        return {"command": "pagedllm --model m", **fields}
+
+    (tmp_path / "w1-big.json").write_text(json.dumps([
+        record(backend="hf", num_prompts=2, output_tok_s=10.0, truncated=True),
+        record(backend="pagedllm", num_prompts=2, output_tok_s=300.0, output_tokens=9,
+               elapsed_s=0.03, ratio_vs_hf_static=30.0),
+        record(backend="pagedllm", num_prompts=4, output_tok_s=400.0, output_tokens=20,
+               elapsed_s=0.05),
+    ]))
+    (tmp_path / "latency-big.json").write_text(json.dumps([
+        record(workload="L1", ms_per_token=4.0, tpot_ms=3.9), record(workload="P1", prompt_tok_s=41000.0),
+    ]))
+    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_bench_report.py"), "--dir",
+                    str(tmp_path), "--date", "2026-01-02", "--big", "big", "--small", "small",
+                    "--hf-prompts", "2"], check=True, capture_output=True, env={"PAGEDLLM_COMMIT": "abc"})
+    w1, l1, p1, small = json.loads((tmp_path / "2026-01-02-h200.json").read_text())
+    assert (w1["workload"], w1["output_tok_s"], w1["ratio_vs_hf_static"]) == ("W1", 400.0, 30.0)
+    assert w1["commit"] == "abc" and w1["command"] == "pagedllm bench throughput --model m"
+    assert w1["side_by_side"]["hf"]["truncated"] is True and w1["target_met"] is False
+    assert (l1["ms_per_token"], l1["target_met"]) == (4.0, True)
+    assert (p1["prompt_tok_s"], p1["target_met"]) == (41000.0, True)
+    assert small["workload"] == "W1" and "error" in small
