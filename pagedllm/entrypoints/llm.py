@@ -54,10 +54,17 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompts))
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(
-                f"priority has {len(priority)} entries but there are {len(prompts)} prompts."
-            )
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(
+                    f"priority has {len(priority)} entries but there are {len(prompts)} prompts."
+                )
+            policy = self.llm_engine.config.scheduler_config.policy
+            if policy != "priority" and any(priority):
+                raise ValueError(
+                    "priority is given but the scheduling policy is "
+                    f"{policy!r}: create the LLM with scheduling_policy='priority'."
+                )
         engine = self.llm_engine
         request_ids = []
         try:

@@ -187,3 +187,19 @@ def test_seeded_sampling_is_unchanged_by_preemption(tiny_model_dir):
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert tight.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+
+
+def test_priority_needs_the_priority_policy(llm, prompt):
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        llm.generate([prompt, prompt], SamplingParams(max_tokens=2), use_tqdm=False, priority=[1, 0])
+
+
+def test_priority_policy_serves_lower_values_first(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), block_size=8, max_model_len=64, max_num_seqs=1,
+              scheduling_policy="priority")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 4, 8, seed=21)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                           use_tqdm=False, priority=[2, 0, 1])
+    # One request runs at a time, so first-token times follow the priority order.
+    first = [o.metrics["first_token_time"] for o in outputs]
+    assert first[1] < first[2] < first[0]
