@@ -31,7 +31,6 @@ import torch
 from pagedllm.benchmarks.common import SyntheticRequest
 
 logger = logging.getLogger(__name__)
-HF_BACKENDS = ("hf", "hf-cb")
 
 
 def load_hf_model(path: Path, load_format: str, dtype: torch.dtype, device: torch.device, seed: int):

@@ -212,9 +212,6 @@ class BlockPool:
         """Fraction of blocks held by requests, in [0, 1]."""
         return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
-
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take blocks from the head of the free queue, evicting their cached contents."""
         blocks = self.free_block_queue.popleft_n(num_blocks)
@@ -330,7 +327,6 @@ class KVCacheManager:
         # request id -> how many of its leading blocks were handed to the prefix cache
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-        self._stats_delta = PrefixCacheStats()
 
     # -- counts -------------------------------------------------------------------------
     @property
@@ -344,11 +340,6 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
-
-    def take_prefix_cache_stats(self) -> PrefixCacheStats:
-        """The lookups since the previous call (for periodic metrics); resets the delta."""
-        delta, self._stats_delta = self._stats_delta, PrefixCacheStats()
-        return delta
 
     # -- prefix cache -------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -373,9 +364,8 @@ class KVCacheManager:
                 break
             blocks.append(block)
         num_hit_tokens = len(blocks) * self.block_size
-        for stats in (self.prefix_cache_stats, self._stats_delta):
-            stats.queries += request.num_tokens
-            stats.hits += num_hit_tokens
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
         return blocks, num_hit_tokens
 
     def reset_prefix_cache(self) -> None:

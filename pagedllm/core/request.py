@@ -106,16 +106,8 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
-
-    @property
-    def num_tokens_to_compute(self) -> int:
-        return len(self.all_token_ids) - self.num_computed_tokens
 
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED

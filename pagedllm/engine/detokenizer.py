@@ -89,7 +89,6 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._prefix_text = prefix_text
 
-        self.num_output_tokens = 0
         self._text = ""
         self._last_output_offset = 0
         self.stop_reason: str | None = None
@@ -112,7 +111,6 @@ class IncrementalDetokenizer:
         """
         if self.stop_reason is not None or not new_token_ids:
             return None
-        self.num_output_tokens += len(new_token_ids)
         ids = list(new_token_ids)
         if stop_terminated and not self.include_stop_str_in_output:
             ids.pop()
