@@ -71,3 +71,22 @@ def test_block_pool_returns_to_full_after_all_requests_finish(tiny_model_dir, pr
     scheduler = scheduler_of(llm)
     assert not scheduler.has_unfinished_requests()
     assert scheduler.kv_cache_manager.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_everything_at_once_still_matches_hf(tiny_model_dir, hf_model, seed):
+    """Shared prefixes, a tiny token budget and a KV cache small enough to preempt, together."""
+    import random
+
+    rng = random.Random(seed)
+    stems = random_prompts(2, 17, 24, seed=100 + seed)
+    prompts = [rng.choice(stems)[: rng.randint(9, 24)] + random_prompts(1, 1, 6, seed=200 + i)[0]
+               for i in range(7)]
+    want = [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+    llm = LLM(str(tiny_model_dir), block_size=8, num_kv_blocks=8, max_model_len=48,
+              max_num_batched_tokens=rng.choice([5, 9, 16]))
+    assert greedy(llm, prompts) == want
+    scheduler = scheduler_of(llm)
+    assert scheduler.num_preemptions_total > 0
+    assert scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
+    assert scheduler.kv_cache_manager.num_free_blocks == 8
