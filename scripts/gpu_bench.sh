@@ -4,7 +4,7 @@
 #   PYTHONPATH=. bash scripts/gpu_bench.sh                  # H200; results under $OUT
 #   GPU_BENCH_DRY=1 PYTHONPATH=. bash scripts/gpu_bench.sh  # CPU, tiny sizes: the plumbing
 #
-# Steps (each under its own time limit, so a slow one cannot eat the session; a failed
+# Steps (each under its own time limit, so a slow one cannot eat the whole run; a failed
 # step is recorded and the next one runs):
 #   tests    pytest of the kernels, fused ops, CUDA graphs, models and engine (natively)
 #   kernels  scripts/check_kernels_gpu.py: Triton attention vs the torch reference, timed

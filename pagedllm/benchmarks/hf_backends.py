@@ -10,7 +10,7 @@ the same requests.
   once with its own ``max_new_tokens``.
 
 Both sample at temperature 1 (no top-k/top-p), as the pagedllm run does. A peer can be
-slow enough to eat a benchmark session, so each runs under a time limit: when it is hit,
+slow enough to eat a whole benchmark run, so each runs under a time limit: when it is hit,
 the run stops, tokens produced so far are counted and the record says ``truncated``.
 Model weights are random at the checkpoint's shape (``--load-format dummy``: uniform in
 [-1e-3, 1e-3], norms 1, like pagedllm's dummy loader) or the checkpoint's own.
