@@ -27,12 +27,12 @@ def hf_model(tiny_model_dir):
     return model.eval()
 
 
-def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int, **generation) -> list[int]:
     """HF transformers ``generate`` greedy continuation, never stopping early at EOS."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
-                              min_new_tokens=max_new_tokens, pad_token_id=0)
+                              min_new_tokens=max_new_tokens, pad_token_id=0, **generation)
     # No EOS at all (rather than min_new_tokens masking it), like ignore_eos=True.
     config.eos_token_id = None
     saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None

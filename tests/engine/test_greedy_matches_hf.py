@@ -90,3 +90,14 @@ def test_everything_at_once_still_matches_hf(tiny_model_dir, hf_model, seed):
     assert scheduler.num_preemptions_total > 0
     assert scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
     assert scheduler.kv_cache_manager.num_free_blocks == 8
+
+
+def test_repetition_penalty_matches_hf(tiny_model_dir, hf_model, prompts):
+    """HF's repetition penalty covers prompt and generated tokens, as ours does."""
+    want = [hf_greedy(hf_model, p, MAX_NEW, repetition_penalty=1.8) for p in prompts]
+    llm = LLM(str(tiny_model_dir), block_size=8, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.8)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outputs]
+    assert got == want
+    assert got != greedy(llm, prompts)  # the penalty changed something
