@@ -348,7 +348,8 @@ class KVCacheManager:
         Returns ``(blocks, num_computed_tokens)``. The hit never covers the request's last
         token, whose logits are needed to sample the next one: at most
         ``(num_tokens - 1) // block_size`` blocks. Nothing is taken or reserved; pass the
-        blocks to ``allocate_slots``. Every call counts as one lookup in the stats.
+        blocks to ``allocate_slots``, which counts the lookup in ``prefix_cache_stats``
+        once the request is admitted (a request that waits for room is counted once).
         """
         if not self.enable_caching or not request.use_prefix_cache:
             return [], 0
@@ -363,10 +364,7 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_hit_tokens
-        return blocks, num_hit_tokens
+        return blocks, len(blocks) * self.block_size
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()
@@ -415,6 +413,9 @@ class KVCacheManager:
             if admitting:
                 blocks = self.req_to_blocks[req_id] = []
                 self._num_cached_blocks[req_id] = 0
+                if self.enable_caching and request.use_prefix_cache:
+                    self.prefix_cache_stats.queries += request.num_tokens
+                    self.prefix_cache_stats.hits += num_new_computed_tokens
             if new_computed_blocks:
                 self.block_pool.touch(new_computed_blocks)
                 blocks.extend(new_computed_blocks)

@@ -177,6 +177,9 @@ def test_prefix_hit_is_counted_in_tokens():
     b = make_request("b", a.prompt_token_ids[:8] + [1, 2, 3])
     hits, num_hit = kv.get_computed_blocks(b)
     assert [blk.block_id for blk in hits] == [0, 1] and num_hit == 8
+    kv.get_computed_blocks(b)  # a lookup retried while waiting for room is not counted
+    assert (kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits) == before
+    kv.allocate_slots(b, 3, hits, num_hit)  # admitted: counted once
     after = (kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits)
     assert (after[0] - before[0], after[1] - before[1]) == (11, 8)
     assert kv.prefix_cache_stats.queries == 10 + 11
