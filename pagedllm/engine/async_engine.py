@@ -157,11 +157,8 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        processed = self.input_processor.process_prompt(prompt)
-        requests = self.input_processor.make_requests(
-            request_id, processed.prompt_token_ids, params,
-            arrival_time=arrival_time, priority=priority,
-        )
+        processed, requests = self.input_processor.process(
+            request_id, prompt, params, arrival_time=arrival_time, priority=priority)
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, params,
             output_kind="delta", arrival_time=arrival_time,

@@ -44,11 +44,8 @@ class LLMEngine:
         output_kind: str = "final",
         arrival_time: float | None = None,
     ) -> None:
-        processed = self.input_processor.process_prompt(prompt)
-        requests = self.input_processor.make_requests(
-            request_id, processed.prompt_token_ids, params,
-            arrival_time=arrival_time, priority=priority,
-        )
+        processed, requests = self.input_processor.process(
+            request_id, prompt, params, arrival_time=arrival_time, priority=priority)
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, params,
             output_kind=output_kind, arrival_time=requests[0].arrival_time,

@@ -87,6 +87,20 @@ class InputProcessor:
                 "prompt or raise max_model_len."
             )
 
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[ProcessedPrompt, list[Request]]:
+        """Tokenize and validate one prompt; returns it with its core requests."""
+        processed = self.process_prompt(prompt)
+        requests = self.make_requests(request_id, processed.prompt_token_ids, params,
+                                      arrival_time=arrival_time, priority=priority)
+        return processed, requests
+
     def make_requests(
         self,
         request_id: str,
