@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.layers.attention import triton_decode
 from pagedllm.layers.attention.triton_decode import (
     MAX_SPLITS,
+    MIN_PARTITION_TOKENS,
     paged_decode_attention,
     plan_decode_splits,
 )
@@ -18,13 +20,13 @@ from tests.kernels.paged_batch import HALF_DTYPES, TOLERANCE, batch_args, make_s
 DECODES = ((0, 1), (3, 1), (4, 1), (7, 1), (15, 1), (70, 1))
 
 
-def _run(step, window=None, *, num_splits=None, block_n=None, scale=0.25):
+def _run(step, window=None, *, num_splits=None, block_n=None, scale=0.25, max_seq_len=None):
     md = step.metadata
     write_kv_cache(step.key, step.value, step.kv_cache[0], step.kv_cache[1], md.slot_mapping)
     out = torch.zeros_like(step.query)
     paged_decode_attention(
         step.query, step.kv_cache[0], step.kv_cache[1], *batch_args(step), out,
-        max_seq_len=md.max_seq_len,
+        max_seq_len=md.max_seq_len if max_seq_len is None else max_seq_len,
         scale=scale,
         sliding_window=window,
         num_splits=num_splits,
@@ -86,6 +88,41 @@ def test_half_precision_decode_matches_fp32_reference(dtype) -> None:
         torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
 
 
+# Contexts of 1, 17, 33 and 100 tokens (block size 16): the first and a second tile, a
+# page boundary, and several tiles.
+SHORT_DECODES = ((0, 1), (16, 1), (32, 1), (99, 1))
+
+
+@pytest.mark.parametrize("num_splits", [8, 64, None], ids=["split-8", "split-64", "planned"])
+def test_partitions_follow_each_length_under_a_loose_max_seq_len(num_splits, monkeypatch) -> None:
+    """As in a CUDA graph captured for a long ``max_model_len``: the bound (4096) is far
+    above every context, so most partitions of every sequence are empty."""
+    monkeypatch.setattr(triton_decode, "_multiprocessor_count", lambda device: 132)  # an H200
+    step = make_step(SHORT_DECODES, num_heads=8, num_kv_heads=2, block_size=16, seed=7)
+    expected, _ = reference_attention(step, 0.25, None)
+    out = _run(step, num_splits=num_splits, max_seq_len=4096)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+def test_a_short_and_a_long_context_share_the_splits() -> None:
+    """Each sequence cuts its own context into the splits: 700 tokens in four partitions of
+    176, 5 tokens in one tile of the first partition."""
+    step = make_step(((4, 1), (699, 1)), num_heads=4, num_kv_heads=2, block_size=16, seed=8)
+    expected, _ = reference_attention(step, 0.25, None)
+    out = _run(step, num_splits=4, block_n=16)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("window", [3, 100, 300])
+def test_sliding_window_with_partitions_sized_per_sequence(window) -> None:
+    """The window (from ``seq_len - window``) empties the 700-token context's first
+    partitions and clips the one it starts in; a loose ``max_seq_len`` changes nothing."""
+    step = make_step(((4, 1), (699, 1)), block_size=16, seed=9)
+    expected, _ = reference_attention(step, 0.25, window)
+    out = _run(step, window, num_splits=4, block_n=16, max_seq_len=4096)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
 def test_sequences_with_longer_queries_are_left_to_the_prefill_kernel() -> None:
     step = make_step(((5, 1), (3, 4), (9, 1)), seed=6)
     expected, _ = reference_attention(step, 0.25, None)
@@ -95,18 +132,24 @@ def test_sequences_with_longer_queries_are_left_to_the_prefill_kernel() -> None:
 
 
 def test_a_large_batch_is_not_split() -> None:
-    assert plan_decode_splits(256, 8, 1024, num_sms=132, block_n=64) == (1, 1024)
+    assert plan_decode_splits(256, 8, 1024, num_sms=132) == 1
 
 
-def test_one_long_sequence_is_split_into_partitions_that_cover_it() -> None:
-    num_splits, partition = plan_decode_splits(1, 8, 8000, num_sms=132, block_n=64)
+def test_one_long_sequence_is_split_into_partitions_of_the_minimum_length_or_more() -> None:
+    num_splits = plan_decode_splits(1, 8, 8000, num_sms=132)
     assert 16 <= num_splits <= MAX_SPLITS
-    assert partition % 64 == 0 and partition >= 256
-    assert (num_splits - 1) * partition < 8000 <= num_splits * partition
+    assert num_splits <= -(-8000 // MIN_PARTITION_TOKENS)
 
 
 def test_short_contexts_are_not_split_below_the_minimum_partition() -> None:
-    assert plan_decode_splits(1, 1, 200, num_sms=132, block_n=64)[0] == 1
+    assert plan_decode_splits(1, 1, 200, num_sms=132) == 1
+
+
+def test_a_graph_bound_plans_the_most_splits() -> None:
+    """A graph's ``max_seq_len = max_model_len`` plans for the longest context; the kernel
+    then sizes each sequence's partitions from its own length."""
+    assert plan_decode_splits(1, 8, 131072, num_sms=132) == MAX_SPLITS
+    assert plan_decode_splits(0, 8, 0, num_sms=132) == 1
 
 
 def test_num_splits_out_of_range_is_rejected() -> None:

@@ -6,8 +6,14 @@ the ``G = num_heads // num_kv_heads`` query heads of that KV head together, so e
 tile is read once for all of them (GQA/MQA)::
 
     grid (B, num_kv_heads, num_splits)
-    partition s covers keys [s * partition_size, min((s + 1) * partition_size, seq_len))
+    partition_b = cdiv(cdiv(seq_len_b, num_splits), BLOCK_N) * BLOCK_N    (tokens)
+    partition s covers keys [s * partition_b, min((s + 1) * partition_b, seq_len_b))
         (clipped to the sliding window; an empty partition reports m = -inf, l = 0)
+
+Each sequence cuts its own context into ``num_splits`` partitions of whole ``BLOCK_N``
+tiles (at least one tile when ``seq_len_b >= 1``), so a short context beside a long one,
+or under a loose ``max_seq_len``, is still spread over the splits; the partitions past its
+end are empty and cost their programs a few loads and two small stores.
 
 With one split the program normalises and writes the output directly. With several, each
 writes its unnormalised partial ``acc`` with its running max ``m`` and sum ``l`` (base-2
@@ -15,11 +21,15 @@ units), and a reduce kernel merges them::
 
     M = max_s m_s      out = sum_s 2^(m_s - M) * acc_s  /  sum_s 2^(m_s - M) * l_s
 
+``acc_s`` is written, and read, only for partitions with ``l_s > 0`` (the non-empty ones:
+their largest score contributes 2^0 = 1 to ``l``); an empty one adds nothing to either sum.
+
 Splitting pays when ``B * num_kv_heads`` programs leave the GPU's multiprocessors idle
 (small batches, long contexts); ``plan_decode_splits`` chooses. In a mixed batch the
 programs of sequences whose query length is not 1 exit at once, so the launch can take the
 whole batch. The grid depends only on ``B``, the head counts and ``max_seq_len`` (any upper
-bound of the lengths will do), so a launch can be captured in a CUDA graph.
+bound of the lengths will do), so a launch can be captured in a CUDA graph; the partitions
+themselves are sized on the device from each ``seq_len_b``.
 """
 
 from __future__ import annotations
@@ -55,7 +65,6 @@ def _decode_kernel(
     query_start_loc_ptr,
     qk_scale,
     window,
-    partition_size,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -89,8 +98,14 @@ def _decode_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    kv_start = split * partition_size
-    kv_end = tl.minimum(kv_start + partition_size, seq_len)
+    if SPLIT:
+        # The grid's third dimension is num_splits; whole tiles, so only the last is ragged.
+        partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        kv_start = split * partition
+        kv_end = tl.minimum(kv_start + partition, seq_len)
+    else:
+        kv_start = 0
+        kv_end = seq_len
     if USE_WINDOW:
         kv_start = tl.maximum(kv_start, seq_len - window)
 
@@ -147,7 +162,12 @@ def _decode_kernel(
     if SPLIT:
         seq64 = seq.to(tl.int64)
         acc_ptr = part_acc_ptr + seq64 * stride_acc_seq + split * stride_acc_split
-        tl.store(acc_ptr + head[:, None] * stride_acc_head + d[None, :], acc, mask=mask)
+        # An empty partition (l = 0) leaves acc unwritten: the reduce masks it out.
+        tl.store(
+            acc_ptr + head[:, None] * stride_acc_head + d[None, :],
+            acc,
+            mask=mask & (l_i > 0.0)[:, None],
+        )
         ml_offset = seq64 * stride_ml_seq + head * stride_ml_head + split
         tl.store(part_max_ptr + ml_offset, m_i, mask=g_valid)
         tl.store(part_sum_ptr + ml_offset, l_i, mask=g_valid)
@@ -204,7 +224,7 @@ def _decode_reduce_kernel(
         + head * stride_acc_head
         + s[:, None] * stride_acc_split
         + d[None, :],
-        mask=s_valid[:, None] & d_valid[None, :],
+        mask=(s_valid & (l > 0.0))[:, None] & d_valid[None, :],
         other=0.0,
     )
     out = tl.sum(acc * w[:, None], 0) / total
@@ -222,21 +242,17 @@ def _multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan_decode_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int
-) -> tuple[int, int]:
-    """``(num_splits, partition_size)`` for a decode launch; partition_size counts tokens
-    and is a multiple of ``block_n``.
+def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """``num_splits`` of a decode launch: the grid's third dimension.
 
-    Splits until about four programs per multiprocessor are in flight, keeping each
-    partition at least ``MIN_PARTITION_TOKENS`` long and at most ``MAX_SPLITS`` of them.
+    Splits until about four programs per multiprocessor are in flight, with at most one
+    split per ``MIN_PARTITION_TOKENS`` of ``max_seq_len`` and at most ``MAX_SPLITS``. The
+    kernel sizes each sequence's partitions from its own length (at least one ``BLOCK_N``
+    tile each), so under a loose ``max_seq_len`` a short context uses fewer of the splits.
     """
     programs = num_seqs * num_kv_heads
     wanted = -(-4 * num_sms // max(programs, 1))
-    splits = max(1, min(wanted, -(-max_seq_len // MIN_PARTITION_TOKENS), MAX_SPLITS))
-    partition = -(-max_seq_len // splits)
-    partition = -(-partition // block_n) * block_n
-    return -(-max_seq_len // partition), partition
+    return max(1, min(wanted, -(-max_seq_len // MIN_PARTITION_TOKENS), MAX_SPLITS))
 
 
 def decode_tile_config(head_dim: int, device: torch.device, split: bool) -> tuple[int, int, int]:
@@ -271,8 +287,9 @@ def paged_decode_attention(
     """Attention of every query-length-1 sequence of the batch into ``out``.
 
     Arguments as in ``paged_prefill_attention``; rows of other sequences are left
-    untouched. ``max_seq_len`` bounds every ``seq_lens[b]``. ``num_splits`` forces the
-    number of context partitions (default: ``plan_decode_splits``).
+    untouched. ``max_seq_len`` bounds every ``seq_lens[b]`` and serves only to plan the
+    splits. ``num_splits`` forces the number of partitions each context is cut into
+    (default: ``plan_decode_splits``).
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
@@ -288,17 +305,10 @@ def paged_decode_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads
-    max_seq_len = max(max_seq_len, 1)
     if num_splits is None:
-        split_block_n = block_n or decode_tile_config(head_dim, query.device, True)[0]
-        num_splits, partition = plan_decode_splits(
-            num_seqs, num_kv_heads, max_seq_len, _multiprocessor_count(query.device), split_block_n
+        num_splits = plan_decode_splits(
+            num_seqs, num_kv_heads, max_seq_len, _multiprocessor_count(query.device)
         )
-    else:
-        partition_block_n = block_n or decode_tile_config(head_dim, query.device, num_splits > 1)[0]
-        partition = -(-max_seq_len // num_splits)
-        partition = -(-partition // partition_block_n) * partition_block_n
-        num_splits = -(-max_seq_len // partition)
     split = num_splits > 1
     default_n, num_warps, num_stages = decode_tile_config(head_dim, query.device, split)
     block_n = block_n or default_n
@@ -327,7 +337,6 @@ def paged_decode_attention(
         query_start_loc,
         scale * LOG2_E,
         sliding_window or 0,
-        partition,
         query.stride(0),
         query.stride(1),
         out.stride(0),
