@@ -194,6 +194,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" | "priority" (lower value first, then arrival)
+    # Plan and launch step N+1 before reading step N's sampled ids (engine_core.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

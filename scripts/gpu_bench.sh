@@ -8,12 +8,14 @@
 # step is recorded and the next one runs):
 #   tests    pytest of the kernels, fused ops, CUDA graphs, models and engine (natively)
 #   kernels  scripts/check_kernels_gpu.py: Triton attention vs the torch reference, timed
-#   w1       W1 on llama-3.1-8b (dummy bf16): pagedllm on all 256 requests, and pagedllm,
-#            HF static batching and HF continuous batching side by side on the first
-#            $HF_PROMPTS (the peers are slow; each stops at $HF_LIMIT_S seconds and is
-#            credited with what it produced)
+#   w1       W1 on llama-3.1-8b (dummy bf16): pagedllm on all 256 requests, and pagedllm
+#            and the peers $HF_BACKENDS (default: HF static batching and HF continuous
+#            batching) side by side on the first $HF_PROMPTS (the peers are slow; each
+#            stops at $HF_LIMIT_S seconds and is credited with what it produced)
 #   latency  L1 (batch 1, 128 + 256 tokens) and P1 (4 x 2048 prompt tokens) on llama-3.1-8b
 #   w1-small W1 on qwen3-0.6b (the host-overhead-bound regime)
+#   sync     W1 on both models again with --no-async-scheduling: what hiding the host's
+#            work behind the GPU gains, measured in the same run
 #   report   $OUT/<date>-h200.json: one record per workload, and a table printed last
 # GPU_BENCH_STEPS="w1 latency" runs a subset of the steps (default: all).
 # Files under $OUT: log.txt (everything printed), steps.txt, one JSON per step, the report.
@@ -35,17 +37,19 @@ if [ "$DRY" = "1" ]; then
     W1_ARGS=(--num-prompts 8 --input-len 16:64 --output-len 8:32)
     HF_PROMPTS=4 HF_LIMIT_S=30
     LAT_ARGS=(--input-len 16 --output-len 8 --prefill-len 64 --num-iters 2 --num-iters-warmup 1)
-    LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120
+    LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120 LIMIT_SYNC=300
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b
     TESTS=(tests/worker tests/layers tests/kernels tests/models tests/engine)
     W1_ARGS=(--num-prompts 256 --input-len 100:1024 --output-len 100:1024 --seed 0)
     HF_PROMPTS=${HF_PROMPTS:-64} HF_LIMIT_S=${HF_LIMIT_S:-35}
+    LIMIT_SYNC=${LIMIT_SYNC:-60}
     LAT_ARGS=()
     LIMIT_TESTS=${LIMIT_TESTS:-80} LIMIT_KERNELS=40 LIMIT_W1=${LIMIT_W1:-220} LIMIT_LAT=60 LIMIT_SMALL=50
 fi
 
-STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small}
+HF_BACKENDS=${HF_BACKENDS:-hf,hf-cb}
+STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync}
 
 # step NAME LIMIT_S COMMAND...: run with a time limit, output to the terminal and the log.
 step() {
@@ -75,7 +79,7 @@ else
 fi
 
 step w1 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
-    "${W1_ARGS[@]}" --backend hf,hf-cb,pagedllm --hf-num-prompts "$HF_PROMPTS" \
+    "${W1_ARGS[@]}" --backend "$HF_BACKENDS,pagedllm" --hf-num-prompts "$HF_PROMPTS" \
     --hf-time-limit-s "$HF_LIMIT_S" --step-timing --output-json "$OUT/w1-$BIG.json"
 
 step latency "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
@@ -83,6 +87,12 @@ step latency "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --lo
 
 step w1-small "$LIMIT_SMALL" $PY -m pagedllm.benchmarks.throughput --model "$SMALL" \
     --load-format dummy "${W1_ARGS[@]}" --step-timing --output-json "$OUT/w1-small-$SMALL.json"
+
+for model in "$BIG" "$SMALL"; do
+    step sync "$LIMIT_SYNC" $PY -m pagedllm.benchmarks.throughput --model "$model" \
+        --load-format dummy "${W1_ARGS[@]}" --no-async-scheduling \
+        --output-json "$OUT/sync-w1-$model.json"
+done
 
 $PY scripts/gpu_bench_report.py --dir "$OUT" --date "$DATE" --dry "$DRY" \
     --big "$BIG" --small "$SMALL" --hf-prompts "$HF_PROMPTS" 2>&1 | tee -a "$LOG"

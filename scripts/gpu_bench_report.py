@@ -4,7 +4,8 @@
 Writes ``<dir>/<date>-h200.json`` (``<date>-dry.json`` for a dry run): a list of records
 ``{"workload", "model", "gpu", "commit", "date", "command", "output_tok_s",
 "ratio_vs_hf_static", "ratio_vs_hf_cb", "ms_per_token", "prompt_tok_s"}`` plus the
-details each workload has (peers measured side by side, step timing, target met or not),
+details each workload has (peers measured side by side, step timing, W1 with synchronous
+scheduling for comparison, target met or not),
 and prints a table. A step that failed or produced nothing gives a record with ``error``.
 """
 
@@ -143,6 +144,14 @@ def main() -> int:
     records += _latency(_load(args.dir / f"latency-{args.big}.json"), args.big, meta)
     records.append(_throughput(_load(args.dir / f"w1-small-{args.small}.json"), "W1", args.small,
                                meta, None))
+    for record, model in ((records[0], args.big), (records[3], args.small)):
+        sync = _load(args.dir / f"sync-w1-{model}.json")
+        sync = [r for r in sync or [] if r.get("backend") == "pagedllm" and "output_tok_s" in r]
+        if sync and record.get("output_tok_s"):
+            # The same workload with the step loop synchronous, in the same run.
+            record["output_tok_s_sync_scheduling"] = sync[0]["output_tok_s"]
+            record["async_scheduling_speedup"] = round(
+                record["output_tok_s"] / sync[0]["output_tok_s"], 3)
     if not dry:
         for record, key in zip(records, (("W1", "big"), ("L1", "big"), ("P1", "big"), ("W1", "small"))):
             _judge(record, key)
@@ -155,6 +164,10 @@ def main() -> int:
     print(f"\nwrote {args.dir / name}  (gpu: {meta['gpu']}, commit: {meta['commit']})")
     print(f"{'workload':>8} {'model':>14} {'output tok/s':>13} {'x HF static':>12} "
           f"{'x HF cb':>8} {'ms/token':>9} {'prompt tok/s':>13}  target")
+    for r in records:
+        if "async_scheduling_speedup" in r:
+            print(f"  W1 {r['model']}: asynchronous scheduling {r['output_tok_s']} vs synchronous "
+                  f"{r['output_tok_s_sync_scheduling']} output tok/s: x{r['async_scheduling_speedup']}")
     for r in records:
         def cell(key: str) -> str:
             return "-" if r.get(key) is None else str(r[key])

@@ -7,14 +7,15 @@ times each with the host clock (a few ``perf_counter`` calls per step: noise bel
     prepare       InputBatch.update + prepare (flat host arrays)
     forward       ModelRunner._run_model: input copies + kernel launches or graph replay
                   (asynchronous on a GPU: the host returns before the device finishes)
-    sample        logits + sampler launches, then reading the sampled ids back; this
-                  read is where the host waits for the device to finish the step
+    sample        logits + sampler launches (and, on the CPU, the sampling itself)
+    wait          AsyncStepOutput.get: waiting for a step's sampled ids to reach the host
     update        Scheduler.update_from_output
     output        front end: detokenization, stop checks, RequestOutputs
 
-On a GPU, ``sample`` minus its launch cost is the device time the host could not hide;
-when it is near zero the step is bound by host work. Steps are split into pure-decode
-steps (one token per request) and the rest (prefill or mixed).
+On a GPU, ``wait`` is the device time the host could not hide; when it is near zero the
+step is bound by host work. With asynchronous scheduling a step waits for the previous
+step's ids, after launching its own. Steps are split into pure-decode steps (one token per
+request) and the rest (prefill or mixed).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-PHASES = ("schedule", "prepare", "forward", "sample", "update", "output")
+from pagedllm.worker.async_output import AsyncStepOutput
+
+PHASES = ("schedule", "prepare", "forward", "sample", "wait", "update", "output")
 
 
 class StepTimer:
@@ -34,6 +37,7 @@ class StepTimer:
         self.counts: dict[str, int] = defaultdict(int)
         self._restore: list[tuple[object, str]] = []
         self._kind = "other"
+        self._in_execute = False
 
     def __enter__(self) -> "StepTimer":
         core = self.engine.engine_core
@@ -44,13 +48,31 @@ class StepTimer:
         self._wrap(runner, "_run_model", "forward")
         self._wrap(core.scheduler, "update_from_output", "update")
         self._wrap(self.engine.output_processor, "process_outputs", "output")
-        self._wrap(runner, "execute_model", "_execute")
+        self._wrap(runner, "execute_model_async", "_execute")
+        self._wrap_wait()
         return self
 
     def __exit__(self, *exc) -> None:
         for obj, name in reversed(self._restore):
             delattr(obj, name)  # back to the class attribute
         self._restore.clear()
+        AsyncStepOutput.get = self._original_get
+
+    def _wrap_wait(self) -> None:
+        """Time ``AsyncStepOutput.get`` (a class attribute: outputs are new every step)."""
+        original = self._original_get = AsyncStepOutput.get
+        totals = self.totals
+
+        def timed_get(output):
+            start = time.perf_counter()
+            result = original(output)
+            elapsed = time.perf_counter() - start
+            totals[self._kind]["wait"] += elapsed
+            if self._in_execute:  # a forced wait inside the launch: not part of "sample"
+                totals[self._kind]["_wait_in_execute"] += elapsed
+            return result
+
+        AsyncStepOutput.get = timed_get
 
     def _wrap(self, obj: object, name: str, phase: str, classify: bool = False) -> None:
         original = getattr(obj, name)
@@ -58,7 +80,12 @@ class StepTimer:
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
-            result = original(*args, **kwargs)
+            outer = self._in_execute
+            self._in_execute = outer or phase == "_execute"
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                self._in_execute = outer
             elapsed = time.perf_counter() - start
             if classify:
                 self._kind = _step_kind(result)
@@ -77,8 +104,9 @@ class StepTimer:
             if not steps:
                 continue
             ms = {p: phases.get(p, 0.0) / steps * 1e3 for p in PHASES}
-            # The rest of execute_model: logits, sampler launches and the sampled-id read.
-            ms["sample"] = phases.get("_execute", 0.0) / steps * 1e3 - ms["prepare"] - ms["forward"]
+            # The rest of the launch: logits and sampler.
+            ms["sample"] = (phases.get("_execute", 0.0) - phases.get("_wait_in_execute", 0.0)
+                            ) / steps * 1e3 - ms["prepare"] - ms["forward"]
             result[kind] = {"steps": steps, **{f"{p}_ms": round(v, 3) for p, v in ms.items()},
                             "total_ms": round(sum(ms.values()), 3)}
         return result

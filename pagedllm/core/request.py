@@ -10,7 +10,10 @@ Token accounting, the only thing the scheduler knows about a request::
                       ^-- prompt (P) --^  ^-- output (O) --^
     num_tokens          = P + O
     num_computed_tokens = tokens whose K/V are in the cache (prefix hits included)
-    to compute          = num_tokens - num_computed_tokens
+    num_output_placeholders = tokens being sampled by scheduled steps whose outputs have
+                          not been appended yet (the scheduler may plan a step before the
+                          previous one's output is back: asynchronous scheduling)
+    to compute          = num_tokens + num_output_placeholders - num_computed_tokens
 
 A decode step computes exactly one token (the last sampled one); a prefill chunk computes
 many; a preempted request drops to ``num_computed_tokens == 0`` and recomputes prompt and
@@ -59,6 +62,7 @@ class Request:
         "all_token_ids", "output_token_ids", "num_computed_tokens", "num_cached_tokens",
         "status", "stop_reason", "max_tokens", "stop_token_ids", "block_hashes",
         "num_preemptions", "first_scheduled_time", "use_prefix_cache", "cache_salt",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -81,6 +85,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Tokens being sampled by steps already scheduled whose outputs have not come back
+        # (0 or 1 with synchronous steps, up to 2 with asynchronous scheduling).
+        self.num_output_placeholders = 0
         # Prompt tokens found in the prefix cache at the first admission (for metrics).
         self.num_cached_tokens = -1
         self.status = RequestStatus.WAITING

@@ -1,8 +1,8 @@
 """The token-budget scheduler: which requests run this step, and how many tokens each computes.
 
 Pure Python, no torch. There is no prefill or decode phase: a request needs
-``num_tokens - num_computed_tokens`` tokens computed, and one step hands out a single budget
-of ``max_num_batched_tokens`` tokens::
+``num_tokens + num_output_placeholders - num_computed_tokens`` tokens computed, and one
+step hands out a single budget of ``max_num_batched_tokens`` tokens::
 
     budget = max_num_batched_tokens
     1. running requests, in admission order. Each gets what it needs, capped by the budget
@@ -17,10 +17,18 @@ of ``max_num_batched_tokens`` tokens::
        the blocks in any case) stops admission: nobody skips ahead of it.
     3. the SchedulerOutput. Each scheduled request's ``num_computed_tokens`` has already
        advanced by its share, as if the step had run; the output carries the values from
-       before the step.
+       before the step. A request whose share reaches its end samples a token in this step:
+       it gains an output placeholder.
 
-``update_from_output`` then appends the sampled tokens, finishes requests that stop, and
-frees their blocks at once.
+``update_from_output`` then fills the placeholders with the sampled tokens, finishes
+requests that stop, and frees their blocks at once.
+
+Asynchronous scheduling: the engine may call ``schedule()`` for step N+1 before step N's
+output is back. A decoding request then has a placeholder, so it is scheduled one more
+token (the model runner feeds it the id sampled on the device), unless the tokens in flight
+already reach ``max_tokens``. A request that stops on a stop token in step N was also
+scheduled in step N+1; that token is dropped. A request preempted with a token in flight
+keeps it and is re-admitted only once it is back, so a recompute sees every token.
 
 For the model runner: ``finished_req_ids`` holds the requests finished or aborted since
 the last step, ``preempted_req_ids`` those preempted in this step. The runner forgets
@@ -47,6 +55,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import make_request_queue
 
 _RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
 
 
 class _StepPlan:
@@ -76,6 +85,8 @@ class _StepPlan:
     def _add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         request.num_computed_tokens += num_tokens
+        if request.num_computed_tokens >= request.num_tokens:
+            request.num_output_placeholders += 1  # this step samples
         self.token_budget -= num_tokens
 
 
@@ -205,7 +216,12 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            placeholders = request.num_output_placeholders
+            if placeholders and len(request.output_token_ids) + placeholders >= request.max_tokens:
+                i += 1  # the tokens in flight reach max_tokens: nothing more to sample
+                continue
+            end = len(request.all_token_ids) + placeholders
+            num_tokens = end - request.num_computed_tokens
             if num_tokens > budget:
                 num_tokens = budget if chunked else 0
             if num_tokens <= 0:
@@ -222,6 +238,8 @@ class Scheduler:
             cached.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled[req_id] = num_tokens
             request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens >= end:
+                request.num_output_placeholders = placeholders + 1  # this step samples
             budget -= num_tokens
             i += 1
         plan.token_budget = budget
@@ -230,6 +248,8 @@ class Scheduler:
         waiting, kv = self.waiting, self.kv_cache_manager
         while waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = waiting.peek()
+            if request.num_output_placeholders:
+                return  # preempted while a step samples for it: re-admit once that is back
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_tokens = self._num_tokens_to_schedule(
                 request.num_tokens - num_hit_tokens, plan.token_budget)
@@ -308,9 +328,10 @@ class Scheduler:
         """Append sampled tokens, finish and free stopped requests, report per request.
 
         A request gets an EngineCoreOutput when it has new tokens or prompt logprobs to
-        report. Tokens sampled for a request whose computed tokens do not reach its end (a
-        prefill chunk) are dropped: they came from a non-final position. Requests aborted
-        since ``schedule()`` are skipped.
+        report. Each sampled token fills one of the request's output placeholders. Requests
+        finished or aborted since ``schedule()`` are skipped (with asynchronous scheduling a
+        step may have been planned before the previous one's output stopped the request:
+        its extra token is dropped). A request preempted since keeps its token.
         """
         runner = model_runner_output
         requests = self.requests
@@ -320,10 +341,18 @@ class Scheduler:
         any_finished = False
         for req_id, sampled in zip(runner.req_ids, runner.sampled_token_ids):
             request = requests.get(req_id)
-            if request is None or request.status != _RUNNING:
+            if request is None:
+                continue  # finished or aborted since this step was scheduled
+            if sampled:
+                if request.num_output_placeholders == 0:
+                    sampled = []  # not a step that samples for it (cannot happen)
+                else:
+                    request.num_output_placeholders -= 1
+            # A request preempted after this step was scheduled still takes the token the
+            # step sampled for it: the token is valid, and a seeded generator has drawn it.
+            was_running = request.status == _RUNNING
+            if not was_running and not (sampled and request.status == _PREEMPTED):
                 continue
-            if sampled and request.num_computed_tokens < len(request.all_token_ids):
-                sampled = []
             if len(sampled) == 1:
                 request.append_output_token(sampled[0])
                 request.check_stop()
@@ -337,13 +366,16 @@ class Scheduler:
             if logprobs is not None and len(logprobs) > len(new_token_ids):
                 logprobs = logprobs[:len(new_token_ids)]
             status = request.status
-            if status == _RUNNING:
+            if not RequestStatus.is_finished(status):
                 finish_reason = stop_reason = None
             else:
                 finish_reason = RequestStatus.finish_reason(status)
                 stop_reason = request.stop_reason
+                if was_running:
+                    any_finished = True
+                else:
+                    self.waiting.remove(request)
                 self._free_finished(request)
-                any_finished = True
             outputs.append(EngineCoreOutput(  # positional: once per request per step
                 req_id, new_token_ids, logprobs, prompt_logprobs, finish_reason, stop_reason,
                 request.num_cached_tokens if request.num_cached_tokens > 0 else 0,

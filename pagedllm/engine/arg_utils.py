@@ -50,6 +50,9 @@ class EngineArgs:
     device: str | None = None
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
+    # None: on with CUDA (the host prepares a step while the GPU runs the previous one),
+    # off on the CPU, where host and model share the same cores and nothing overlaps.
+    async_scheduling: bool | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -91,6 +94,8 @@ class EngineArgs:
             max_model_len=model_config.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
+            async_scheduling=(device == "cuda" if self.async_scheduling is None
+                              else self.async_scheduling),
         )
         return EngineConfig(model_config, cache_config, scheduler_config, device=device)
 
@@ -127,6 +132,10 @@ class EngineArgs:
         group.add_argument("--enforce-eager", action="store_true", default=False,
                            help="Run every step eagerly (no CUDA graphs for decode steps).")
         # Accepted so the refusal message is clear rather than argparse's "unrecognized".
+        group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                           help="Schedule and launch each step before the previous step's sampled "
+                                "ids are read, hiding host work behind the GPU (default: on with "
+                                "CUDA, off on the CPU).")
         group.add_argument("--quantization", "-q", default=None, help=argparse.SUPPRESS)
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help=argparse.SUPPRESS)
         group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=argparse.SUPPRESS)

@@ -16,9 +16,14 @@ of ``n`` requests replays the smallest captured size ``>= n``, rows ``n..size-1`
 
 The Triton attention backend decides every launch from host integers fixed at capture:
 ``num_actual_tokens = size``, ``max_query_len = 1`` and ``max_seq_len = max_model_len``,
-an upper bound of every context, so one graph serves any context length. The split-K
-scratch buffers it allocates during capture come from the graphs' pool and stay reserved
-for the graph's lifetime, which is what a replay needs.
+an upper bound of every context, so one graph serves any context length. That bound only
+picks the number of split-K partitions (the most, ``MAX_SPLITS``, for a long
+``max_model_len`` and a small batch); each sequence cuts its own context into that many
+partitions of whole tiles, sized on the device from its ``seq_len``, so a short context
+under a graph captured at ``max_model_len`` costs nothing extra beyond the empty programs
+(past its end), which store an empty ``m``/``l`` and exit. The split-K scratch buffers it
+allocates during capture come from the graphs' pool and stay reserved for the graph's
+lifetime, which is what a replay needs.
 
 Only the model's forward is captured. Logits of the real rows and sampling run eagerly
 after the replay, so the sampler keeps its per-step flexibility and the only host sync is
@@ -35,6 +40,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -172,13 +178,23 @@ class DecodeGraphRunner:
 
     # -- one step ---------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states ``[n, hidden]`` of a decode step's ``n`` tokens (see ``can_run``)."""
+    def run(
+        self,
+        inputs: StepInputs,
+        fill_input_ids: Callable[[torch.Tensor, StepInputs], None] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` of a decode step's ``n`` tokens (see ``can_run``).
+
+        ``fill_input_ids(input_ids, inputs)``, if given, may rewrite the staged input ids
+        on the device before the replay (ids known only on the device).
+        """
         n = inputs.num_tokens
         size = padded_size(n, self.sizes)
         if size is None or inputs.max_query_len != 1:
             raise ValueError(f"Not a decode step of at most {self.max_size} requests.")
         self._stage(inputs, size)
+        if fill_input_ids is not None:
+            fill_input_ids(self._tokens[0, :n], inputs)
         if self.use_graphs:
             self._graphs[size].replay()
             return self._outputs[size][:n]

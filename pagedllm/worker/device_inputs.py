@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.worker.input_batch import StepInputs
@@ -69,6 +70,24 @@ class DeviceInputBuffers:
         self._dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
         self._dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
         self._copied = torch.cuda.Event() if pin else None
+        # Pending-token indices (see input_batch.py): [flat positions | sampled-id rows].
+        self._host_pending = torch.zeros(2 * max_num_seqs, dtype=torch.int64, pin_memory=pin)
+        self._dev_pending = torch.zeros(2 * max_num_seqs, dtype=torch.int64, device=device)
+        self._pending_copied = torch.cuda.Event() if pin else None
+
+    def stage_pending(self, token_indices: np.ndarray, sample_rows: np.ndarray) -> torch.Tensor:
+        """Copy a step's pending-token indices (two int64 arrays of one length ``n``, at most
+        ``max_num_seqs``) to the device; returns the device view ``[2, n]``."""
+        n = len(token_indices)
+        if self._pending_copied is not None:
+            self._pending_copied.synchronize()
+        host = self._host_pending.numpy()
+        host[:n] = token_indices
+        host[n:2 * n] = sample_rows
+        self._dev_pending[:2 * n].copy_(self._host_pending[:2 * n], non_blocking=True)
+        if self._pending_copied is not None:
+            self._pending_copied.record()
+        return self._dev_pending[:2 * n].view(2, n)
 
     def stage(self, inputs: StepInputs) -> DeviceStepInputs:
         """Copy ``inputs`` to the device; returns views of the device buffers."""

@@ -15,6 +15,18 @@ A step's batch (``T`` tokens from ``B`` requests, prefill chunks and decodes mix
 
 A request samples when this step computes its last known token; a prefill chunk that
 stops short of the end samples nothing. No torch here: the runner moves the arrays.
+
+Pending tokens (asynchronous scheduling): a token sampled by a launched step whose id has
+not been read back yet is known only on the device. Two more arrays, by row::
+
+    num_pending        [max_num_seqs]  sampled tokens of the row not appended yet
+    pending_sample_row [max_num_seqs]  the row's index in the last launched step's
+                                       sampled ids
+
+A step that computes a pending token takes its id from the previous step's sampled ids on
+the device: ``StepInputs.pending_token_indices`` (flat positions in this step) and
+``pending_sample_rows`` (where to read them). Only the last launched step can have ids in
+flight when a step is prepared, so one source tensor serves them all.
 """
 
 from __future__ import annotations
@@ -61,6 +73,9 @@ class StepInputs:
     max_query_len: int
     sample_req_indices: list[int]  # indices into req_ids of the requests that sample
     logits_indices: np.ndarray  # flat token index whose logits each sampling request uses
+    # Tokens whose ids are on the device only: flat index here, row in the last step's ids.
+    pending_token_indices: np.ndarray
+    pending_sample_rows: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +89,8 @@ class InputBatch:
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        self.num_pending = np.zeros(max_num_seqs, dtype=np.int64)
+        self.pending_sample_row = np.zeros(max_num_seqs, dtype=np.int64)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
 
@@ -102,6 +119,7 @@ class InputBatch:
         tokens = new.token_ids
         self.token_ids[row, :len(tokens)] = tokens
         self.block_table[row, :len(new.block_ids)] = new.block_ids
+        self.num_pending[row] = 0
         self.requests[new.request_id] = CachedRequestState(
             request_id=new.request_id, row=row, sampling_params=new.sampling_params,
             prompt_token_ids=list(tokens[:new.num_prompt_tokens]),
@@ -120,6 +138,21 @@ class InputBatch:
             self.token_ids[state.row, position] = token
         state.output_token_ids.append(token)
 
+    def mark_pending(self, states: list[CachedRequestState]) -> None:
+        """A step was launched that samples one token for each of ``states``, in order."""
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        self.num_pending[rows] += 1
+        self.pending_sample_row[rows] = np.arange(len(states))
+
+    def append_pending_token(self, state: CachedRequestState, token: int) -> None:
+        """The id of ``state``'s oldest pending token has come back from the device."""
+        self.num_pending[state.row] -= 1
+        self.append_token(state, token)
+
+    def is_live(self, state: CachedRequestState) -> bool:
+        """Whether ``state`` still describes a request in the batch (not removed since)."""
+        return self.requests.get(state.request_id) is state
+
     def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
         req_ids = list(num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
@@ -127,7 +160,8 @@ class InputBatch:
         num_sched = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
-        num_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        num_host = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        num_known = num_host + self.num_pending[rows]
 
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_sched, out=query_start_loc[1:])
@@ -139,6 +173,8 @@ class InputBatch:
         slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = num_computed + num_sched
         samples = seq_lens >= num_known
+        pending_tokens = np.flatnonzero(positions >= num_host[token_req])
+        pending_rows = self.pending_sample_row[token_rows[pending_tokens]]
         return StepInputs(
             req_ids=req_ids,
             states=states,
@@ -151,4 +187,6 @@ class InputBatch:
             max_query_len=int(num_sched.max()),
             sample_req_indices=np.flatnonzero(samples).tolist(),
             logits_indices=query_start_loc[1:][samples] - 1,
+            pending_token_indices=pending_tokens,
+            pending_sample_rows=pending_rows,
         )

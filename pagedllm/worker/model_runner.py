@@ -8,11 +8,19 @@ draws exactly what it would have drawn.
 On CUDA a pure-decode step replays a captured CUDA graph (``cuda_graphs.py``); prefill and
 mixed steps run eagerly, their inputs copied through persistent pinned buffers
 (``device_inputs.py``). Either way the step's only host sync is reading the sampled ids.
+
+``execute_model_async`` launches a step and returns before its ids are read
+(``async_output.py``), so the engine can schedule and launch the next step meanwhile. The
+next step's decodes then take their input ids from this step's sampled ids on the device
+(pending tokens, see ``input_batch.py``). Sampling that depends on a request's earlier
+outputs (penalties, ``min_tokens``) reads them on the host, so a step with such a request
+waits for the previous step's ids first.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import numpy as np
 import torch
@@ -21,11 +29,17 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention.backend import AttentionMetadata, set_forward_context
 from pagedllm.layers.attention.selector import attention_backend_name
-from pagedllm.layers.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from pagedllm.layers.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+)
 from pagedllm.models.loader import load_model, resolve_dtype
+from pagedllm.worker.async_output import AsyncStepOutput, SampledIdsReadback
 from pagedllm.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
 from pagedllm.worker.device_inputs import DeviceInputBuffers
-from pagedllm.worker.input_batch import InputBatch, StepInputs
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from pagedllm.worker.kv_allocator import allocate_kv_caches, determine_num_blocks
 
 logger = logging.getLogger(__name__)
@@ -55,6 +69,13 @@ class ModelRunner:
                 -(-config.model_config.max_model_len // self.block_size), self.device,
             )
         self.graph_runner: DecodeGraphRunner | None = None
+        # Launched steps whose ids have not been read, oldest first (at most two).
+        self._unresolved: deque[AsyncStepOutput] = deque()
+        # The last launched step's sampled ids on the device: the pending tokens' source.
+        self._last_sampled: torch.Tensor | None = None
+        self._readback: SampledIdsReadback | None = None
+        if self.device.type == "cuda":
+            self._readback = SampledIdsReadback(config.scheduler_config.max_num_seqs)
 
     @property
     def cuda_graphs_enabled(self) -> bool:
@@ -130,37 +151,95 @@ class ModelRunner:
         self.model.compute_logits(hidden[-sched.max_num_seqs:])
 
     # -- one step ---------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and return its output (launch, then wait for the sampled ids)."""
+        return self.execute_model_async(scheduler_output).get()
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncStepOutput:
+        """Launch one step; its output is read when ``get()`` is called on the result.
+
+        Steps must be launched in the scheduler's order, and the output of a step must be
+        taken before the scheduler plans the step after next: at most one launched step
+        may be unresolved when a step is launched (an older one is resolved here).
+        """
         self._update_states(scheduler_output)
+        while len(self._unresolved) > 1:
+            self._unresolved[0].get()
         if scheduler_output.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return AsyncStepOutput.ready(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+        if self._unresolved and self._needs_host_outputs(scheduler_output):
+            self._unresolved[0].get()
         inputs = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
         hidden_states, logits_indices = self._run_model(inputs)
 
         prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
+        states = [inputs.states[i] for i in inputs.sample_req_indices]
+        if not states:
+            return AsyncStepOutput.ready(ModelRunnerOutput(
+                req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids],
+                prompt_logprobs=prompt_logprobs,
+            ))
+        rows = hidden_states if logits_indices is None else hidden_states[logits_indices]
+        logits = self.model.compute_logits(rows)
+        metadata = SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            generators=[self.generators.get(s.request_id) for s in states],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        out = self.sampler(logits, metadata)
+        sampled = out.sampled_token_ids
+        self.input_batch.mark_pending(states)
+        self._last_sampled = sampled
+
+        def finish(token_ids: list[int] | None) -> ModelRunnerOutput:
+            while self._unresolved[0] is not result:
+                self._unresolved[0].get()  # resolve in launch order
+            self._unresolved.popleft()
+            return self._step_output(inputs, states, token_ids, out.logprobs, prompt_logprobs)
+
+        read = self._readback.start(sampled) if self._readback is not None else sampled.tolist
+        result = AsyncStepOutput(read, finish)
+        self._unresolved.append(result)
+        return result
+
+    def _needs_host_outputs(self, so: SchedulerOutput) -> bool:
+        """Whether a request of this step samples with a rule that reads its earlier output
+        tokens on the host (penalties, ``min_tokens`` not reached yet) while one of them
+        is still pending."""
+        batch = self.input_batch
+        for req_id in so.num_scheduled_tokens:
+            state = batch.requests[req_id]
+            p = state.sampling_params
+            if batch.num_pending[state.row] and (
+                p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0 or len(state.output_token_ids) < p.min_tokens
+            ):
+                return True
+        return False
+
+    def _step_output(
+        self,
+        inputs: StepInputs,
+        states: list[CachedRequestState],
+        token_ids: list[int],
+        logprobs_tensors: LogprobsTensors | None,
+        prompt_logprobs: dict[str, list[LogprobsEntry | None]],
+    ) -> ModelRunnerOutput:
+        """Append the step's sampled ids to the batch and describe them per request."""
+        batch = self.input_batch
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, list[LogprobsEntry]] = {}
-        if inputs.sample_req_indices:
-            states = [inputs.states[i] for i in inputs.sample_req_indices]
-            rows = hidden_states if logits_indices is None else hidden_states[logits_indices]
-            logits = self.model.compute_logits(rows)
-            metadata = SamplingMetadata.build(
-                params=[s.sampling_params for s in states],
-                prompt_token_ids=[s.prompt_token_ids for s in states],
-                output_token_ids=[s.output_token_ids for s in states],
-                generators=[self.generators.get(s.request_id) for s in states],
-                vocab_size=self.vocab_size,
-                device=self.device,
-            )
-            out = self.sampler(logits, metadata)
-            token_ids = out.sampled_token_ids.tolist()
-            for j, (i, state, token) in enumerate(zip(inputs.sample_req_indices, states, token_ids)):
-                self.input_batch.append_token(state, token)
-                sampled[i] = [token]
-                k = state.sampling_params.logprobs
-                if k is not None and out.logprobs is not None:
-                    logprobs[state.request_id] = [out.logprobs.to_entries(j, k)]
+        for j, (i, state, token) in enumerate(zip(inputs.sample_req_indices, states, token_ids)):
+            if batch.is_live(state):
+                batch.append_pending_token(state, token)
+            sampled[i] = [token]
+            k = state.sampling_params.logprobs
+            if k is not None and logprobs_tensors is not None:
+                logprobs[state.request_id] = [logprobs_tensors.to_entries(j, k)]
         return ModelRunnerOutput(
             req_ids=inputs.req_ids, sampled_token_ids=sampled,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -183,7 +262,7 @@ class ModelRunner:
         order: a decode step in which every request samples)."""
         every_row_samples = len(inputs.sample_req_indices) == inputs.num_tokens
         if self.graph_runner is not None and self.graph_runner.can_run(inputs):
-            hidden_states = self.graph_runner.run(inputs)
+            hidden_states = self.graph_runner.run(inputs, self._fill_pending_tokens)
             if every_row_samples:
                 return hidden_states, None
             return hidden_states, torch.from_numpy(inputs.logits_indices).to(self.device)
@@ -193,6 +272,7 @@ class ModelRunner:
                 inputs, staged.slot_mapping, staged.query_start_loc, staged.seq_lens,
                 staged.block_tables,
             )
+            self._fill_pending_tokens(staged.input_ids, inputs)
             with set_forward_context(metadata, self.kv_caches):
                 hidden_states = self.model(staged.input_ids, staged.positions)
             return hidden_states, None if every_row_samples else staged.logits_indices
@@ -201,9 +281,24 @@ class ModelRunner:
             inputs, to(inputs.slot_mapping), to(inputs.query_start_loc.astype(np.int32)),
             to(inputs.seq_lens.astype(np.int32)), to(inputs.block_tables),
         )
+        input_ids = to(inputs.input_ids)
+        self._fill_pending_tokens(input_ids, inputs)
         with set_forward_context(metadata, self.kv_caches):
-            hidden_states = self.model(to(inputs.input_ids), to(inputs.positions))
+            hidden_states = self.model(input_ids, to(inputs.positions))
         return hidden_states, None if every_row_samples else to(inputs.logits_indices)
+
+    def _fill_pending_tokens(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
+        """Write the ids of the step's pending tokens into ``input_ids`` (the step's flat
+        input ids on the device) from the last launched step's sampled ids."""
+        if not len(inputs.pending_token_indices):
+            return
+        if self.device_inputs is not None:
+            indices = self.device_inputs.stage_pending(
+                inputs.pending_token_indices, inputs.pending_sample_rows)
+        else:
+            indices = self._to_device(
+                np.stack([inputs.pending_token_indices, inputs.pending_sample_rows]))
+        input_ids[indices[0]] = self._last_sampled[indices[1]]
 
     def _attention_metadata(
         self,

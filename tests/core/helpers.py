@@ -86,6 +86,27 @@ def step(scheduler: Scheduler, runner: FakeModelRunner, run: Run) -> SchedulerOu
     return so
 
 
+class AsyncStepper:
+    """Drives a scheduler as the engine does with asynchronous scheduling: step N is
+    scheduled and run before step N-1's output reaches the scheduler."""
+
+    def __init__(self, scheduler: Scheduler, runner: FakeModelRunner, run: Run) -> None:
+        self.scheduler, self.runner, self.run = scheduler, runner, run
+        self.in_flight: tuple[SchedulerOutput, object] | None = None
+
+    def step(self) -> SchedulerOutput:
+        so = self.scheduler.schedule()
+        self.run.steps.append(so)
+        output = self.runner.execute_model(so)
+        assert not so.is_empty or self.in_flight is not None, (
+            "a step with nothing in flight scheduled nothing")
+        if self.in_flight is not None:
+            self.run.record(self.scheduler.update_from_output(*self.in_flight))
+        self.in_flight = None if so.is_empty else (so, output)
+        check_pool_invariants(self.scheduler.kv_cache_manager)
+        return so
+
+
 def run_to_completion(scheduler: Scheduler, runner: FakeModelRunner, max_steps: int = 2000) -> Run:
     run = Run()
     while scheduler.has_unfinished_requests():

@@ -1,7 +1,7 @@
 """Randomized workloads under tight budgets and pools: the master test at the core level.
 
-Whatever the chunking, caching, admission policy, preemption or aborts, every request must
-end with exactly the tokens it would produce alone, the fake runner must read correct K/V
+Whatever the chunking, caching, admission policy, preemption, aborts or asynchronous
+scheduling, every request must end with exactly the tokens it would produce alone, the fake runner must read correct K/V
 for every context position at every step, and the pool must be whole at the end.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
 from tests.core.fake_runner import reference_outputs
-from tests.core.helpers import Run, make_scheduler, runner_for, step
+from tests.core.helpers import AsyncStepper, Run, make_scheduler, runner_for, step
 
 MAX_MODEL_LEN = 64
 
@@ -51,10 +51,14 @@ def make_workload(rng: random.Random, num_requests: int = 24) -> list[Request]:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_random_workload_produces_reference_tokens_and_leaves_the_pool_whole(config, seed):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_random_workload_produces_reference_tokens_and_leaves_the_pool_whole(
+    config, seed, asynchronous
+):
     rng = random.Random(seed)
     s = make_scheduler(max_model_len=MAX_MODEL_LEN, max_num_seqs=6, **CONFIGS[config])
     runner, run = runner_for(s), Run()
+    stepper = AsyncStepper(s, runner, run) if asynchronous else None
     pending = make_workload(rng)
     expected = {
         r.request_id: reference_outputs(r.prompt_token_ids, r.sampling_params, MAX_MODEL_LEN)
@@ -69,7 +73,11 @@ def test_random_workload_produces_reference_tokens_and_leaves_the_pool_whole(con
             victim = rng.choice(sorted(s.requests))
             s.abort_requests([victim])
             aborted.add(victim)
-        if s.has_unfinished_requests():
+        if stepper is not None:
+            if s.has_unfinished_requests() or stepper.in_flight is not None:
+                stepper.step()
+            assert s.num_running <= 6
+        elif s.has_unfinished_requests():
             assert not step(s, runner, run).is_empty
             assert s.num_running <= 6
         assert len(run.steps) < 3000

@@ -110,7 +110,7 @@ def test_padded_decode_forward_gives_the_eager_greedy_tokens(triton_llm_factory)
     runner.graph_runner = graph_runner
     steps = []
     original_run = graph_runner.run
-    graph_runner.run = lambda inputs: steps.append(inputs.num_tokens) or original_run(inputs)
+    graph_runner.run = lambda inputs, fill=None: steps.append(inputs.num_tokens) or original_run(inputs, fill)
     got = [o.outputs[0].token_ids for o in padded.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert 5 in steps and 3 in steps  # 5 -> padded to 8, 3 -> padded to 4

@@ -20,17 +20,47 @@ def test_cuda_graph_decode_gives_the_eager_greedy_tokens(tmp_path) -> None:
               for i in range(9)]
     kwargs = dict(dtype="float32", max_model_len=160, max_num_seqs=16, block_size=16,
                   device="cuda")
-    graphed = LLM(str(path), **kwargs)
+    graphed = LLM(str(path), **kwargs)  # asynchronous scheduling: the default on CUDA
+    assert graphed.llm_engine.engine_core.async_scheduling
     runner = graphed.llm_engine.engine_core.model_runner
     assert runner.graph_runner is not None
-    replays = []
+    replays, pending = [], []
     original_run = runner.graph_runner.run
-    runner.graph_runner.run = lambda inputs: replays.append(inputs.num_tokens) or original_run(inputs)
+
+    def counting_run(inputs, fill=None):
+        replays.append(inputs.num_tokens)
+        pending.append(len(inputs.pending_token_indices))
+        return original_run(inputs, fill)
+
+    runner.graph_runner.run = counting_run
     got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
 
-    eager = LLM(str(path), enforce_eager=True, **kwargs)
+    eager = LLM(str(path), enforce_eager=True, async_scheduling=False, **kwargs)
     assert eager.llm_engine.engine_core.model_runner.graph_runner is None
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert set(replays) >= {9, 5, 1}  # padded to 16, 8 and replayed exactly at 1
+    assert sum(pending) > 0  # decodes took their input ids from the device
     assert sorted(runner.graph_runner._graphs) == capture_sizes(16)
+
+
+def test_async_scheduling_on_cuda_matches_sync_for_sampling_and_preemption(tmp_path) -> None:
+    """Seeded sampling, penalties, stop tokens and preemption: the asynchronous engine on
+    the GPU (pinned read-back, device-side input ids, graphs) gives the synchronous one's
+    tokens."""
+    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=256)
+    prompts = [{"prompt_token_ids": [(3 * i + 7 * j) % 240 + 8 for j in range(5 + 6 * i)]}
+               for i in range(8)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True,
+                             repetition_penalty=1.3 if i % 3 == 0 else 1.0,
+                             stop_token_ids=[17] if i % 4 == 1 else None)
+              for i in range(8)]
+    kwargs = dict(dtype="float32", max_model_len=96, max_num_seqs=8, block_size=16,
+                  device="cuda", num_kv_blocks=12, enable_prefix_caching=False)
+    outputs = {}
+    for mode in (True, False):
+        llm = LLM(str(path), async_scheduling=mode, **kwargs)
+        outputs[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                         for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+    assert outputs[True] == outputs[False]

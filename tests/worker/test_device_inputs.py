@@ -21,6 +21,8 @@ def _step(query_lens: list[int], width: int) -> StepInputs:
         seq_lens=rng.integers(1, 50, b), block_tables=rng.integers(0, 30, (b, width)).astype(np.int32),
         max_query_len=max(query_lens), sample_req_indices=[0, b - 1],
         logits_indices=qsl[1:][[0, b - 1]] - 1,
+        pending_token_indices=np.zeros(0, dtype=np.int64),
+        pending_sample_rows=np.zeros(0, dtype=np.int64),
     )
 
 
