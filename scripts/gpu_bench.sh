@@ -17,7 +17,8 @@
 #   sync     W1 on both models again with --no-async-scheduling: what hiding the host's
 #            work behind the GPU gains, measured in the same run
 #   report   $OUT/<date>-h200.json: one record per workload, and a table printed last
-# GPU_BENCH_STEPS="w1 latency" runs a subset of the steps (default: all).
+# GPU_BENCH_STEPS="w1 latency" runs a subset of the steps (default: all); GPU_BENCH_TESTS
+# the test paths of the tests step.
 # Files under $OUT: log.txt (everything printed), steps.txt, one JSON per step, the report.
 set -u -o pipefail
 
@@ -40,7 +41,7 @@ if [ "$DRY" = "1" ]; then
     LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120 LIMIT_SYNC=300
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b
-    TESTS=(tests/worker tests/layers tests/kernels tests/models tests/engine)
+    read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine}"
     W1_ARGS=(--num-prompts 256 --input-len 100:1024 --output-len 100:1024 --seed 0)
     HF_PROMPTS=${HF_PROMPTS:-64} HF_LIMIT_S=${HF_LIMIT_S:-35}
     LIMIT_SYNC=${LIMIT_SYNC:-60}
