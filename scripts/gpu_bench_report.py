@@ -95,10 +95,11 @@ def _throughput(rows: list[dict] | None, workload: str, model: str, meta: dict,
         subset = side[0]
         record["ratio_vs_hf_static"] = subset.get("ratio_vs_hf_static")
         record["ratio_vs_hf_cb"] = subset.get("ratio_vs_hf_cb")
+        names = {"hf": "HF generate (static batches of 128)", "hf-cb": "HF continuous batching"}
         record["ratio_basis"] = (
-            f"pagedllm, HF generate (static batches of 128) and HF continuous batching run "
-            f"side by side in one process on the first {subset['num_prompts']} requests of the "
-            f"same list; a peer stopped at its time limit is credited with the tokens it produced"
+            f"pagedllm and {' and '.join(names[p] for p in sorted(peers))} run side by side in "
+            f"one process on the first {subset['num_prompts']} requests of the same list; a "
+            f"peer stopped at its time limit is credited with the tokens it produced"
         )
         record["side_by_side"] = {
             "pagedllm": {"output_tok_s": subset["output_tok_s"], "num_prompts": subset["num_prompts"]},
