@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 
 @dataclass
@@ -68,3 +69,29 @@ def write_json(path: str | None, records: dict | list) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(records, indent=2) + "\n")
         print(f"wrote {path}")
+
+
+def kernel_table(run: Callable[[], object], row_limit: int = 15) -> str:
+    """Run ``run`` under torch.profiler; returns (and prints) its top ops and kernels by
+    device time as a text table."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+        try:
+            table = averages.table(sort_by=key, row_limit=row_limit, max_name_column_width=60)
+            break
+        except Exception:  # noqa: BLE001 - the sort keys differ across torch versions
+            continue
+    else:
+        table = ""
+    print(table, flush=True)
+    return table

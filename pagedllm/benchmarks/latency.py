@@ -21,7 +21,12 @@ import logging
 import statistics
 import time
 
-from pagedllm.benchmarks.common import result_record, synthetic_requests, write_json
+from pagedllm.benchmarks.common import (
+    kernel_table,
+    result_record,
+    synthetic_requests,
+    write_json,
+)
 from pagedllm.engine.arg_utils import EngineArgs
 
 WORKLOADS = ("L1", "P1")
@@ -130,27 +135,7 @@ def _step_timing(llm, args, num_prompts: int, prompt_len: int, max_tokens: int) 
 
 def _torch_profile(llm, args, num_prompts: int, prompt_len: int, max_tokens: int) -> str:
     """The top kernels of one iteration by device time (a text table)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        _one_iteration(llm, args, num_prompts, prompt_len, max_tokens)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    averages = prof.key_averages()
-    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
-        try:
-            table = averages.table(sort_by=key, row_limit=15, max_name_column_width=60)
-            break
-        except Exception:  # noqa: BLE001 - the sort keys differ across torch versions
-            continue
-    else:
-        table = ""
-    print(table, flush=True)
-    return table
+    return kernel_table(lambda: _one_iteration(llm, args, num_prompts, prompt_len, max_tokens))
 
 
 def measure_decode_latency(llm, args: argparse.Namespace) -> dict:

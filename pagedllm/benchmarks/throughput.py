@@ -28,6 +28,7 @@ import time
 
 from pagedllm.benchmarks.common import (
     SyntheticRequest,
+    kernel_table,
     parse_range,
     result_record,
     synthetic_requests,
@@ -68,6 +69,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-timing", action="store_true",
                         help="Split pagedllm's step time into host phases and device wait "
                              "(see step_timing.py) on the full run.")
+    parser.add_argument("--profile-decode-steps", type=int, default=0,
+                        help="After the measured run, submit the workload again and profile "
+                             "this many decode steps once every prompt is in (torch.profiler; "
+                             "the top kernels are printed and saved as 'decode_profile').")
     parser.add_argument("--output-json", default=None,
                         help="Write the result here: one record, or a list when several runs.")
     EngineArgs.add_cli_args(parser)
@@ -115,7 +120,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         _warm_up(llm)
         if peers and hf_count < len(requests):
             keep(_run_pagedllm(llm, subset, args))
-        keep(_run_pagedllm(llm, requests, args, step_timing=args.step_timing))
+        full = _run_pagedllm(llm, requests, args, step_timing=args.step_timing)
+        if args.profile_decode_steps > 0:
+            full["decode_profile"] = _profile_full_batch_decode(
+                llm, requests, args, args.profile_decode_steps)
+        keep(full)
         del llm
         gc.collect()
     _add_ratios(records)
@@ -159,13 +168,11 @@ def _warm_up(llm) -> None:
 
 def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespace,
                   step_timing: bool = False) -> dict:
-    from pagedllm import SamplingParams
     from pagedllm.benchmarks.step_timing import StepTimer, format_summary
 
     llm.llm_engine.engine_core.scheduler.reset_prefix_cache()  # no hits from an earlier run
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=args.ignore_eos,
-                             temperature=args.temperature) for r in requests]
+    params = [_sampling_params(r, args) for r in requests]
     timer = StepTimer(llm) if step_timing else None
     start = time.perf_counter()
     if timer is None:
@@ -192,6 +199,40 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         "truncated": False,
         **extra,
     }
+
+
+def _profile_full_batch_decode(llm, requests: list[SyntheticRequest],
+                               args: argparse.Namespace, num_steps: int) -> str:
+    """Submit ``requests`` again, step until no prompt is waiting or partly computed, then
+    profile ``num_steps`` steps (pure decode while no request finishes); aborts the rest."""
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.scheduler
+    scheduler.reset_prefix_cache()
+    ids = []
+    for r in requests:
+        ids.append(engine.next_request_id())
+        engine.add_request(ids[-1], {"prompt_token_ids": r.prompt_token_ids},
+                           _sampling_params(r, args))
+
+    def prompts_in() -> bool:
+        return not scheduler.num_waiting and all(
+            q.num_computed_tokens >= q.num_prompt_tokens for q in scheduler.running)
+
+    while engine.has_unfinished_requests() and not prompts_in():
+        engine.step()
+    print(f"decode profile: {num_steps} steps of {scheduler.num_running} requests", flush=True)
+    table = kernel_table(lambda: [engine.step() for _ in range(num_steps)], row_limit=20)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return table
+
+
+def _sampling_params(request: SyntheticRequest, args: argparse.Namespace):
+    from pagedllm import SamplingParams
+
+    return SamplingParams(max_tokens=request.output_len, ignore_eos=args.ignore_eos,
+                          temperature=args.temperature)
 
 
 def _add_ratios(records: list[dict]) -> None:
