@@ -62,7 +62,7 @@ class Request:
         "all_token_ids", "output_token_ids", "num_computed_tokens", "num_cached_tokens",
         "status", "stop_reason", "max_tokens", "stop_token_ids", "block_hashes",
         "num_preemptions", "first_scheduled_time", "use_prefix_cache", "cache_salt",
-        "num_output_placeholders",
+        "num_output_placeholders", "num_prompt_logprobs_reported",
     )
 
     def __init__(
@@ -88,6 +88,9 @@ class Request:
         # Tokens being sampled by steps already scheduled whose outputs have not come back
         # (0 or 1 with synchronous steps, up to 2 with asynchronous scheduling).
         self.num_output_placeholders = 0
+        # Prompt positions whose logprobs were reported (a recompute after preemption
+        # computes them again; they are reported once).
+        self.num_prompt_logprobs_reported = 0
         # Prompt tokens found in the prefix cache at the first admission (for metrics).
         self.num_cached_tokens = -1
         self.status = RequestStatus.WAITING

@@ -360,6 +360,8 @@ class Scheduler:
             else:
                 new_token_ids = self._append_tokens(request, sampled)
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
+            if prompt_logprobs is not None:
+                prompt_logprobs = self._unreported(request, scheduler_output, prompt_logprobs)
             if not new_token_ids and prompt_logprobs is None:
                 continue
             logprobs = all_logprobs.get(req_id) if all_logprobs else None
@@ -385,6 +387,25 @@ class Scheduler:
         return outputs
 
     @staticmethod
+    def _unreported(request: Request, so: SchedulerOutput, entries: list) -> list | None:
+        """The prompt-logprob ``entries`` a step computed for ``request`` minus those
+        already reported: a request preempted after reporting some recomputes them. None
+        when nothing is new.
+
+        A step computing positions [s, e) scores prompt tokens s + 1 .. e (logits at p
+        score token p + 1), and the first chunk adds None for token 0: its entries cover
+        prompt positions from 0 when s == 0, else from s + 1.
+        """
+        step_start = _step_start(so, request.request_id)
+        start = step_start + 1 if step_start else 0
+        end = start + len(entries)
+        reported = request.num_prompt_logprobs_reported
+        if end <= reported:
+            return None
+        request.num_prompt_logprobs_reported = end
+        return entries[reported - start:] if reported > start else entries
+
+    @staticmethod
     def _append_tokens(request: Request, sampled: list[int]) -> list[int]:
         """Append until a stop; returns the tokens kept (all, or up to the stopping one)."""
         for i, token_id in enumerate(sampled):
@@ -397,3 +418,12 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
+
+
+def _step_start(so: SchedulerOutput, request_id: str) -> int:
+    """The request's ``num_computed_tokens`` when ``so`` was scheduled."""
+    for new in so.scheduled_new_reqs:
+        if new.request_id == request_id:
+            return new.num_computed_tokens
+    cached = so.scheduled_cached_reqs
+    return cached.num_computed_tokens[cached.request_ids.index(request_id)]

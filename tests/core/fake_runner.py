@@ -80,9 +80,12 @@ class FakeModelRunner:
             end = start + num_new
             self._check_context(req_id, end)
             if state.params.prompt_logprobs is not None and start < state.num_prompt_tokens:
-                prompt_logprobs[req_id] = [
-                    None if p == 0 else ([state.tokens[p]], [-1.0], 1)
-                    for p in range(start, min(end, state.num_prompt_tokens))
+                # As the real runner: logits at position p score prompt token p + 1, so
+                # the chunk [start, end) scores tokens start + 1 .. min(end, P - 1), and the
+                # first chunk reports None for token 0.
+                last = min(end, state.num_prompt_tokens - 1)
+                prompt_logprobs[req_id] = [None] * (start == 0) + [
+                    ([state.tokens[q]], [-1.0], 1) for q in range(start + 1, last + 1)
                 ]
             state.num_computed_tokens = end
             if end == len(state.tokens):

@@ -64,6 +64,8 @@ def test_random_workload_produces_reference_tokens_and_leaves_the_pool_whole(
         r.request_id: reference_outputs(r.prompt_token_ids, r.sampling_params, MAX_MODEL_LEN)
         for r in pending
     }
+    prompt_logprobs = {r.request_id: r.prompt_token_ids for r in pending
+                       if r.sampling_params.prompt_logprobs is not None}
     aborted: set[str] = set()
     while pending or s.has_unfinished_requests():
         for _ in range(rng.randint(0, 3)):  # requests keep arriving while others run
@@ -89,6 +91,10 @@ def test_random_workload_produces_reference_tokens_and_leaves_the_pool_whole(
         else:
             assert got == tokens, req_id
             assert run.finish_reasons[req_id] in ("stop", "length")
+            if req_id in prompt_logprobs:  # every prompt position once, preempted or not
+                prompt = prompt_logprobs[req_id]
+                want = [None] + [([t], [-1.0], 1) for t in prompt[1:]]
+                assert run.prompt_logprobs[req_id] == want, req_id
     kv = s.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks and kv.req_to_blocks == {}
     if config.endswith("tight"):

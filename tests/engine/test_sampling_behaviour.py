@@ -130,6 +130,26 @@ def test_prompt_logprobs_survive_chunked_prefill(tiny_model_dir, prompt, hf_mode
     assert got == pytest.approx(want, abs=1e-4)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prompt_logprobs_are_reported_once_when_preemption_recomputes_them(
+    tiny_model_dir, hf_model, async_scheduling
+):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, 20, 40, seed=13)]
+    llm = LLM(str(tiny_model_dir), block_size=8, num_kv_blocks=10, max_model_len=64,
+              max_num_batched_tokens=8, enable_prefix_caching=False,
+              async_scheduling=async_scheduling)
+    outs = run(llm, prompts, temperature=0.0, max_tokens=10, ignore_eos=True, prompt_logprobs=0)
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+    for prompt, out in zip(prompts, outs):
+        ids = prompt["prompt_token_ids"]
+        assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        got = [out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+        assert got == pytest.approx([ref[i - 1, ids[i]].item() for i in range(1, len(ids))],
+                                    abs=1e-4)
+
+
 def test_text_prompt_round_trips_through_the_tokenizer(llm):
     out = run(llm, ["hello world"], temperature=0.0, max_tokens=3, ignore_eos=True)[0]
     assert out.prompt == "hello world"
