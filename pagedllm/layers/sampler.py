@@ -82,12 +82,18 @@ class SamplingMetadata:
         generators: list[torch.Generator | None],
         vocab_size: int,
         device: torch.device | str,
+        pending_token_ids: tuple[list[int], torch.Tensor] | None = None,
     ) -> "SamplingMetadata":
         """Gather the batch's per-row knobs into tensors on ``device``.
 
         Row ``i`` is described by ``params[i]``, its prompt and output token ids so far, and
         ``generators[i]``, the generator the caller keeps for a seeded request (``None``
         for unseeded ones). ``vocab_size`` is the width of the logits.
+
+        ``pending_token_ids = (rows, ids)``: one more output token of each of ``rows`` whose
+        id is known only on the device (``ids``, int64 ``[len(rows)]``: sampled by a step
+        whose output has not been read back). Penalties count them, and ``min_tokens``
+        counts them, without a host sync.
         """
         num_rows = len(params)
         for name, seq in (("prompt_token_ids", prompt_token_ids),
@@ -108,12 +114,16 @@ class SamplingMetadata:
 
         if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                for p in params):
-            _build_penalties(meta, params, prompt_token_ids, output_token_ids, vocab_size, device)
+            _build_penalties(meta, params, prompt_token_ids, output_token_ids, vocab_size, device,
+                             pending_token_ids)
 
+        num_pending = [0] * num_rows
+        for row in (pending_token_ids[0] if pending_token_ids is not None else ()):
+            num_pending[row] += 1
         rows: list[int] = []
         toks: list[int] = []
         for i, (p, out) in enumerate(zip(params, output_token_ids)):
-            if len(out) < p.min_tokens:
+            if len(out) + num_pending[i] < p.min_tokens:
                 for t in p.all_stop_token_ids:
                     if t < vocab_size:
                         rows.append(i)
@@ -173,8 +183,10 @@ def _build_penalties(
     output_token_ids: list[list[int]],
     vocab_size: int,
     device: torch.device | str,
+    pending_token_ids: tuple[list[int], torch.Tensor] | None,
 ) -> None:
-    """Penalty factors per row plus the token-occurrence tensors they act on."""
+    """Penalty factors per row plus the token-occurrence tensors they act on (output tokens
+    on the host, and ``pending_token_ids`` on the device, see ``SamplingMetadata.build``)."""
     num_rows = len(params)
     meta.no_penalties = False
     meta.repetition_penalties = torch.tensor(
@@ -189,6 +201,10 @@ def _build_penalties(
     if out_ids.numel():
         counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32),
                           accumulate=True)
+    if pending_token_ids is not None and pending_token_ids[0]:
+        rows = torch.tensor(pending_token_ids[0], dtype=torch.long).to(device, non_blocking=True)
+        ids = pending_token_ids[1]
+        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
     meta.output_counts = counts
 
     seen = counts > 0

@@ -13,8 +13,8 @@ mixed steps run eagerly, their inputs copied through persistent pinned buffers
 (``async_output.py``), so the engine can schedule and launch the next step meanwhile. The
 next step's decodes then take their input ids from this step's sampled ids on the device
 (pending tokens, see ``input_batch.py``). Sampling that depends on a request's earlier
-outputs (penalties, ``min_tokens``) reads them on the host, so a step with such a request
-waits for the previous step's ids first.
+outputs (penalties, ``min_tokens``) takes the host's tokens plus the pending ones on the
+device, so no step waits for the previous one's ids.
 """
 
 from __future__ import annotations
@@ -168,8 +168,6 @@ class ModelRunner:
             self._unresolved[0].get()
         if scheduler_output.is_empty:
             return AsyncStepOutput.ready(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
-        if self._unresolved and self._needs_host_outputs(scheduler_output):
-            self._unresolved[0].get()
         inputs = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
         hidden_states, logits_indices = self._run_model(inputs)
 
@@ -189,6 +187,7 @@ class ModelRunner:
             generators=[self.generators.get(s.request_id) for s in states],
             vocab_size=self.vocab_size,
             device=self.device,
+            pending_token_ids=self._pending_for_sampling(states),
         )
         out = self.sampler(logits, metadata)
         sampled = out.sampled_token_ids
@@ -206,20 +205,25 @@ class ModelRunner:
         self._unresolved.append(result)
         return result
 
-    def _needs_host_outputs(self, so: SchedulerOutput) -> bool:
-        """Whether a request of this step samples with a rule that reads its earlier output
-        tokens on the host (penalties, ``min_tokens`` not reached yet) while one of them
-        is still pending."""
+    def _pending_for_sampling(
+        self, states: list[CachedRequestState]
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The pending tokens of sampling rows whose sampling reads earlier outputs
+        (penalties, ``min_tokens``): their rows and ids on the device, for the sampler."""
         batch = self.input_batch
-        for req_id in so.num_scheduled_tokens:
-            state = batch.requests[req_id]
+        rows, sources = [], []
+        for j, state in enumerate(states):
             p = state.sampling_params
             if batch.num_pending[state.row] and (
                 p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0 or len(state.output_token_ids) < p.min_tokens
+                or p.frequency_penalty != 0.0 or p.min_tokens > 0
             ):
-                return True
-        return False
+                rows.append(j)
+                sources.append(int(batch.pending_sample_row[state.row]))
+        if not rows:
+            return None
+        index = torch.tensor(sources, dtype=torch.long).to(self.device, non_blocking=True)
+        return rows, self._last_sampled[index]
 
     def _step_output(
         self,

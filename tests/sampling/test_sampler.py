@@ -226,3 +226,28 @@ def test_cuda_forward_never_syncs_with_host_and_seeds_reproduce():
     assert out_a.sampled_token_ids[1].item() == out_b.sampled_token_ids[1].item()
     assert out_a.sampled_token_ids[0].item() == random_logits(3)[0].argmax().item()
     assert out_a.logprobs.to_entries(0, 2)[0][0] == out_a.sampled_token_ids[0].item()
+
+
+def test_pending_device_tokens_count_like_host_outputs() -> None:
+    """Penalties and min_tokens treat a token known only on the device (sampled by a step
+    whose ids were not read back) exactly as the same token in the host's outputs."""
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.4,
+                       frequency_penalty=0.7),
+        SamplingParams(temperature=0.0, min_tokens=2).clone(eos_token_ids=frozenset({7})),
+        SamplingParams(temperature=0.0),
+    ]
+    logits = random_logits(3)
+    on_host = SamplingMetadata.build(params, [[1, 2]] * 3, [[4, 9], [5, 6], [3]], [None] * 3,
+                                     V, "cpu")
+    pending = SamplingMetadata.build(params, [[1, 2]] * 3, [[4], [5], [3]], [None] * 3, V, "cpu",
+                                     pending_token_ids=([0, 1], torch.tensor([9, 6])))
+    assert torch.equal(pending.output_counts, on_host.output_counts)
+    assert torch.equal(pending.seen_mask, on_host.seen_mask)
+    assert pending.min_tokens_rows is None and on_host.min_tokens_rows is None  # 1 + 1 >= 2
+    sampler = Sampler()
+    assert torch.equal(sampler(logits, pending).sampled_token_ids,
+                       sampler(logits, on_host).sampled_token_ids)
+    short = SamplingMetadata.build(params, [[1, 2]] * 3, [[4], [], [3]], [None] * 3, V, "cpu",
+                                   pending_token_ids=([1], torch.tensor([6])))
+    assert short.min_tokens_rows.tolist() == [1]  # 0 + 1 < 2: EOS still masked
