@@ -37,12 +37,13 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None
         logger.info(
             "Engine ready in %.1f s: model %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens, "
-            "max concurrency at max_model_len=%d: %.1fx",
+            "max concurrency at max_model_len=%d: %.1fx, asynchronous scheduling %s",
             time.perf_counter() - start, config.model_config.path.name,
             str(self.model_runner.dtype).replace("torch.", ""), config.device,
             self.num_kv_blocks, config.cache_config.block_size,
             self.num_kv_tokens, config.model_config.max_model_len,
             self.num_kv_tokens / config.model_config.max_model_len,
+            "on" if config.scheduler_config.async_scheduling else "off",
         )
 
     @property
