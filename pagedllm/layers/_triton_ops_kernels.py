@@ -96,3 +96,30 @@ def rotary_kernel(
     o_row = out_ptr + token * stride_ot + h[:, None] * stride_oh + d[None, :]
     tl.store(o_row, (x1 * c - x2 * s).to(dtype), mask=mask)
     tl.store(o_row + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
+
+
+@triton.jit
+def gumbel_sample_kernel(
+    logits_ptr, stride_row, temperature_ptr, seeds_ptr, out_ptr, vocab_size,
+    BLOCK: tl.constexpr,
+):
+    """One row: ``argmax_i(logits_i / T + g_i)``, ``g_i = -log(-log(u_i))`` with
+    ``u_i = rand(seed, i)``; the first index wins a tie."""
+    row = tl.program_id(0)
+    inv_temperature = 1.0 / tl.load(temperature_ptr + row)
+    seed = tl.load(seeds_ptr + row)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    best = tl.full([], float("-inf"), tl.float32)
+    best_index = tl.full([], 0, tl.int32)
+    for start in range(0, vocab_size, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        valid = offsets < vocab_size
+        x = tl.load(base + offsets, mask=valid, other=float("-inf")).to(tl.float32)
+        gumbel = -tl.log(-tl.log(tl.rand(seed, offsets)))
+        score = tl.where(valid, x * inv_temperature + gumbel, float("-inf"))
+        block_best = tl.max(score, 0)
+        block_index = tl.argmax(score, 0) + start
+        better = block_best > best
+        best_index = tl.where(better, block_index, best_index)
+        best = tl.where(better, block_best, best)
+    tl.store(out_ptr + row, best_index.to(tl.int64))

@@ -17,6 +17,12 @@ The exponential race samples exactly from ``probs``: ``argmax(p_i / q_i)`` with 
 own ``torch.Generator`` (one draw of ``V`` values per sampled token), so its tokens do not
 depend on the batch it sits in; unseeded rows share the global generator.
 
+On CUDA, when no row filters (top-k, top-p, min-p), the race runs as one Triton kernel
+(``triton_ops.gumbel_sample``): ``argmax(logits / T - log q)`` picks the same token without
+a softmax, in one pass over the logits instead of about eight. Each row's noise then comes
+from one seed drawn from its generator per sampled token, so seeded rows stay independent
+of the batch (the tokens differ from the torch path's for the same seed).
+
 Everything per row is a tensor built once per step by ``SamplingMetadata.build``; the
 forward pass is vectorised over rows and never syncs with the host, except for drawing
 ``q`` row by row for seeded requests.
@@ -32,6 +38,8 @@ import torch
 from torch import nn
 
 from pagedllm.core.outputs import LogprobsEntry
+from pagedllm.layers import triton_ops
+from pagedllm.layers.triton_ops import use_fused_ops
 from pagedllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -337,6 +345,9 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if (use_fused_ops(logits) and meta.top_k is None and meta.top_p is None
+                and meta.min_p is None):
+            return triton_ops.gumbel_sample(logits, meta.temperature, _row_seeds(logits, meta))
         logits = logits / meta.temperature.unsqueeze(-1)
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
@@ -349,6 +360,16 @@ class Sampler(nn.Module):
         for row, generator in meta.generators.items():
             q[row].exponential_(generator=generator)
         return probs.div_(q).argmax(dim=-1)
+
+
+def _row_seeds(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """One noise seed per row for ``gumbel_sample``: from the row's own generator for a
+    seeded request, from the global generator for the others (no host sync)."""
+    seeds = torch.randint(0, 2**31 - 1, (meta.num_rows,), dtype=torch.int64, device=logits.device)
+    for row, generator in meta.generators.items():
+        seeds[row] = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=logits.device,
+                                   generator=generator)[0]
+    return seeds
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

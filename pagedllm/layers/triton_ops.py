@@ -1,5 +1,5 @@
-"""Fused elementwise ops for CUDA, as Triton kernels: RMSNorm (+ residual add), SiLU-and-mul
-and rotary embedding.
+"""Fused elementwise ops for CUDA, as Triton kernels: RMSNorm (+ residual add), SiLU-and-mul,
+rotary embedding, and sampling a token per row of logits (``gumbel_sample``).
 
 In torch each of these is a chain of small kernels (RMSNorm alone: add, cast, square,
 mean, rsqrt, two multiplies, cast), each reading and writing the whole activation; here
@@ -146,5 +146,28 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         BLOCK_H=k.next_power_of_2(heads),
         BLOCK_HALF=k.next_power_of_2(half),
         num_warps=4,
+    )
+    return out
+
+
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits [B, V]``, drawn from ``softmax(logits / temperature)``
+    in one pass over the logits -> int64 ``[B]``.
+
+    The exponential race of the torch sampler, ``argmax(p_i / q_i)`` with ``q_i ~ Exp(1)``,
+    is ``argmax(logits_i / T - log q_i)``: the Gumbel-max trick, which needs no softmax.
+    Row ``b``'s noise comes from ``seeds[b]`` (int64 in [0, 2^31)) and the token index
+    only, so a row's draw does not depend on the batch. ``temperature [B]`` float32 > 0;
+    logits may hold -inf (masked tokens are never drawn).
+    """
+    k = _kernels()
+    num_rows, vocab_size = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out
+    k.gumbel_sample_kernel[(num_rows,)](
+        logits, logits.stride(0), temperature, seeds, out, vocab_size, BLOCK=2048, num_warps=8,
     )
     return out

@@ -1,18 +1,12 @@
-"""The fused-op kernels run natively on a CUDA machine and under Triton's interpreter elsewhere.
-
-``TRITON_INTERPRET`` is read when a kernel is decorated, so it is set here, before any
-test module imports the kernels.
-"""
+"""The fused-op kernels run natively on a CUDA machine and under Triton's interpreter elsewhere."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_interpreter import interpret_without_cuda
 
+interpret_without_cuda()  # before any test module imports the kernels
 torch.set_num_threads(1)
 triton = pytest.importorskip("triton")

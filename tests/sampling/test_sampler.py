@@ -251,3 +251,33 @@ def test_pending_device_tokens_count_like_host_outputs() -> None:
     short = SamplingMetadata.build(params, [[1, 2]] * 3, [[4], [], [3]], [None] * 3, V, "cpu",
                                    pending_token_ids=([1], torch.tensor([6])))
     assert short.min_tokens_rows.tolist() == [1]  # 0 + 1 < 2: EOS still masked
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fused_sampling_is_seeded_per_row_and_follows_the_distribution():
+    """Without top-k/top-p/min-p, CUDA samples with the one-pass Gumbel kernel."""
+    device = torch.device("cuda")
+    rows = 4000
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2, 0.0])).repeat(rows, 1).to(device)
+    meta = SamplingMetadata.build([SamplingParams(temperature=1.0)] * rows, [[1]] * rows,
+                                  [[] for _ in range(rows)], [None] * rows, 4, device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        drawn = sampler(logits, meta).sampled_token_ids
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    freq = torch.bincount(drawn.cpu(), minlength=4).float() / rows
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.04, rtol=0)
+
+    def seeded_row_token(batch_size: int) -> int:
+        params = [SamplingParams(temperature=1.0)] * (batch_size - 1) + [
+            SamplingParams(temperature=1.0, seed=3)]
+        generators = [None] * (batch_size - 1) + [torch.Generator(device=device).manual_seed(3)]
+        logits = random_logits(batch_size, seed=4).to(device)
+        logits[-1] = random_logits(1, seed=5)[0].to(device)
+        meta = SamplingMetadata.build(params, [[1]] * batch_size,
+                                      [[] for _ in range(batch_size)], generators, V, device)
+        return sampler(logits, meta).sampled_token_ids[-1].item()
+
+    assert len({seeded_row_token(n) for n in (1, 2, 7)}) == 1
