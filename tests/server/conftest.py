@@ -6,6 +6,7 @@ One server is shared by the whole session (``server``); tests that need their ow
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -133,19 +134,33 @@ def server_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def started_server(model_dir: Path, tmp_path_factory, name: str, *flags: str):
+    """A ``RemoteServer`` with extra ``flags``, its log in a fresh ``name`` folder; stopped
+    on exit."""
+    remote = RemoteServer(model_dir, tmp_path_factory.mktemp(name) / "server.log", *flags)
+    try:
+        yield remote
+    finally:
+        remote.stop()
+
+
+def openai_client(remote: RemoteServer):
+    """The official client for ``remote`` (a context manager), never retrying."""
+    import openai
+
+    return openai.OpenAI(base_url=remote.api_url, api_key="unused", max_retries=0)
+
+
 @pytest.fixture(scope="session")
 def server(server_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server-log") / "server.log"
-    remote = RemoteServer(server_model_dir, log)
-    yield remote
-    remote.stop()
+    with started_server(server_model_dir, tmp_path_factory, "server-log") as remote:
+        yield remote
 
 
 @pytest.fixture
 def client(server):
-    import openai
-
-    with openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0) as c:
+    with openai_client(server) as c:
         yield c
 
 

@@ -6,24 +6,21 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, RemoteServer, wait_for
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, openai_client, started_server, wait_for
 
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
 def async_server(server_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("async-server-log") / "server.log"
-    remote = RemoteServer(server_model_dir, log, "--async-scheduling")
-    yield remote
-    remote.stop()
+    with started_server(server_model_dir, tmp_path_factory, "async-server",
+                        "--async-scheduling") as remote:
+        yield remote
 
 
 @pytest.fixture
 def async_client(async_server):
-    import openai
-
-    with openai.OpenAI(base_url=async_server.api_url, api_key="unused", max_retries=0) as c:
+    with openai_client(async_server) as c:
         yield c
 
 

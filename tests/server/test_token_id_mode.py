@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from pagedllm.benchmarks import serve as bench_serve
-from tests.server.conftest import MODEL_NAME, RemoteServer
+from tests.server.conftest import MODEL_NAME, started_server
 
 PROMPT_IDS = [0, 60, 71, 72, 80, 90, 100, 120]
 GREEDY = {"model": MODEL_NAME, "max_tokens": 9, "temperature": 0, "ignore_eos": True}
@@ -17,10 +17,9 @@ GREEDY = {"model": MODEL_NAME, "max_tokens": 9, "temperature": 0, "ignore_eos": 
 
 @pytest.fixture(scope="module")
 def ids_server(server_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("ids-server") / "server.log"
-    remote = RemoteServer(server_model_dir, log, "--skip-tokenizer-init")
-    yield remote
-    remote.stop()
+    with started_server(server_model_dir, tmp_path_factory, "ids-server",
+                        "--skip-tokenizer-init") as remote:
+        yield remote
 
 
 def test_return_token_ids_gives_prompt_and_output_ids(http):
