@@ -1,7 +1,7 @@
 """A real ``pagedllm serve`` process on a free loopback port, serving a tiny random Llama.
 
 One server is shared by the whole session (``server``); tests that need their own flags
-(an API key, SIGTERM) start another with ``RemoteServer``.
+start another with ``started_server`` (or ``RemoteServer`` to stop it themselves).
 """
 
 from __future__ import annotations
