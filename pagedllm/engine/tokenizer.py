@@ -223,7 +223,9 @@ class Tokenizer:
 
     # -- text <-> ids ---------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while the Rust tokenizer works and encode does not:
+        # a long prompt tokenized on a worker thread then leaves the server's loop running.
+        ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._template_special:
             if self.add_bos_token and self.bos_token_id is not None:
                 ids = [self.bos_token_id, *ids]

@@ -88,3 +88,34 @@ def test_non_streaming_disconnect_aborts_request(server):
     # Closed before the response: both sequences are aborted, not finished.
     assert wait_for(lambda: running_and_usage(server) == (0.0, 0.0)), running_and_usage(server)
     assert server.metric("pagedllm:request_success_total", finished_reason="abort") == aborted + 2
+
+
+def test_tokenizing_a_huge_prompt_does_not_stall_other_requests(server):
+    """A prompt of megabytes takes over a second to tokenize; meanwhile the server keeps
+    answering (tokenization runs off the event loop)."""
+    import threading
+    import time
+
+    huge = {"model": MODEL_NAME, "prompt": "The quick brown fox jumps over the lazy dog. " * 80000,
+            "max_tokens": 1}
+    result = {}
+
+    def post_huge() -> None:
+        start = time.perf_counter()
+        with httpx.Client(base_url=server.base_url, timeout=120) as c:
+            result["status"] = c.post("/v1/completions", json=huge).status_code
+        result["seconds"] = time.perf_counter() - start
+
+    worker = threading.Thread(target=post_huge)
+    worker.start()
+    time.sleep(0.5)  # the huge prompt is being tokenized
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        probes = []
+        for _ in range(5):
+            start = time.perf_counter()
+            assert c.get("/health").status_code == 200
+            probes.append(time.perf_counter() - start)
+    worker.join()
+    assert result["status"] == 400  # far longer than max_model_len
+    assert result["seconds"] > 1.5  # the probes ran while it was tokenized
+    assert max(probes) < 0.6 * result["seconds"], (probes, result)

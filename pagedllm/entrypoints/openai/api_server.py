@@ -225,7 +225,7 @@ def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerM
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
-        return _respond(tokenization.tokenize(request))
+        return _respond(await asyncio.to_thread(tokenization.tokenize, request))
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest):

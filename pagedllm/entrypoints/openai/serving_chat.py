@@ -11,6 +11,7 @@ its ``finish_reason``.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -72,10 +73,8 @@ class OpenAIServingChat(OpenAIServing):
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         model = self.check_common(request, "chat.completions")
         self._check_supported(request)
-        prompt_text = self.render(request.messages, request.add_generation_prompt,
-                                  request.continue_final_message, request.chat_template_kwargs)
-        prompt_ids = self.tokenizer.encode(prompt_text,
-                                           add_special_tokens=request.add_special_tokens)
+        # Rendering and tokenizing a long conversation would stall every other stream.
+        prompt_text, prompt_ids = await asyncio.to_thread(self._prompt, request)
 
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
@@ -100,6 +99,12 @@ class OpenAIServingChat(OpenAIServing):
             stream.close()
 
     # -- prompt -------------------------------------------------------------------------
+    def _prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The request's prompt text and token ids (no special tokens unless asked)."""
+        text = self.render(request.messages, request.add_generation_prompt,
+                           request.continue_final_message, request.chat_template_kwargs)
+        return text, self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
         """The prompt text for ``messages``; template errors become a 400 on ``messages``."""

@@ -7,6 +7,7 @@ prompt once, whatever ``n``.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -54,7 +55,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (only best_of == n); remove it.",
                               param="best_of")
-        prompts = self._prompts(request)
+        # Tokenizing a long prompt takes long enough to stall every other stream: off the loop.
+        prompts = await asyncio.to_thread(self._prompts, request)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         request_id = random_id("cmpl")
         streams: list[RequestStream] = []
