@@ -214,10 +214,8 @@ class ModelRunner:
         rows, sources = [], []
         for j, state in enumerate(states):
             p = state.sampling_params
-            if batch.num_pending[state.row] and (
-                p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0 or p.min_tokens > 0
-            ):
+            if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                    or p.frequency_penalty != 0.0 or p.min_tokens > 0) and batch.num_pending[state.row]:
                 rows.append(j)
                 sources.append(int(batch.pending_sample_row[state.row]))
         if not rows:
