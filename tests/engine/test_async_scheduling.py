@@ -128,3 +128,49 @@ def test_async_scheduling_defaults_to_the_device(tiny_model_dir):
     assert resolved(device="cuda") is True
     assert resolved(device="cuda", async_scheduling=False) is False
     assert resolved(device="cpu", async_scheduling=True) is True
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_arrivals_and_aborts_leave_every_other_request_exact(tiny_model_dir, seed):
+    """Requests arrive while others run, some are aborted mid-flight, the KV cache is small
+    enough to preempt: every request that finishes has exactly the synchronous engine's
+    tokens (greedy ones and seeded samples alike), and the pool ends whole."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = random_prompts(10, 3, 28, seed=40 + seed)
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 14), ignore_eos=True)
+              if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=rng.randint(2, 14), ignore_eos=True)
+              for i in range(len(prompts))]
+    want = [c[0][0] for c in generate(make_llm(tiny_model_dir, False), prompts, params)]
+
+    llm = make_llm(tiny_model_dir, True, num_kv_blocks=9, max_num_batched_tokens=12,
+                   enable_prefix_caching=False)
+    engine = llm.llm_engine
+    pending = list(range(len(prompts)))
+    aborted, finished = set(), {}
+    for _ in range(500):
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                i = pending.pop(0)
+                engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, params[i])
+        if rng.random() < 0.08:
+            running = [r for r in map(str, range(len(prompts)))
+                       if r not in finished and r not in aborted and int(r) not in pending]
+            if running:
+                victim = rng.choice(running)
+                engine.abort_request([victim])
+                aborted.add(victim)
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        if not pending and not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()
+    for req_id, tokens in finished.items():
+        assert tokens == want[int(req_id)], req_id
+    assert set(finished) | aborted == {str(i) for i in range(len(prompts))}
+    scheduler = engine.engine_core.scheduler
+    assert scheduler.num_preemptions_total > 0
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
