@@ -156,3 +156,21 @@ def test_num_splits_out_of_range_is_rejected() -> None:
     step = make_step(((3, 1),))
     with pytest.raises(ValueError, match="num_splits"):
         _run(step, num_splits=MAX_SPLITS + 1)
+
+
+def test_decode_tiles_can_be_overridden_from_the_environment(monkeypatch) -> None:
+    from pagedllm.layers.attention import triton_decode
+
+    cuda = torch.device("cuda")
+    monkeypatch.setenv(triton_decode.DECODE_TILE_ENV, "32,2,3")
+    monkeypatch.setenv(triton_decode.DECODE_SPLIT_TILE_ENV, "")
+    triton_decode._tile_override.cache_clear()
+    try:
+        assert triton_decode.decode_tile_config(128, cuda, split=False) == (32, 2, 3)
+        assert triton_decode.decode_tile_config(128, cuda, split=True) == (128, 4, 3)
+        monkeypatch.setenv(triton_decode.DECODE_TILE_ENV, "48,2,2")
+        triton_decode._tile_override.cache_clear()
+        with pytest.raises(ValueError, match="PAGEDLLM_DECODE_TILE='48,2,2'"):
+            triton_decode.decode_tile_config(128, cuda, split=False)
+    finally:
+        triton_decode._tile_override.cache_clear()

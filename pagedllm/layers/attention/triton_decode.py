@@ -35,6 +35,7 @@ themselves are sized on the device from each ``seq_len_b``.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -264,12 +265,39 @@ def decode_tile_config(head_dim: int, device: torch.device, split: bool) -> tupl
     with two warps 10% ahead at 256 x 1024 alone, but as the default they made W1 slower
     (9,466 against 9,583-9,718 output tok/s on Llama-3.1-8B; one pass over 1 x 8192 took
     0.46 ms against 0.29): decide tiles on whole workloads, not one shape.
+
+    For such measurements ``PAGEDLLM_DECODE_TILE`` / ``PAGEDLLM_DECODE_SPLIT_TILE``
+    (``"BLOCK_N,num_warps,num_stages"``) override the one-pass / split choice on CUDA.
     """
     if device.type != "cuda":
         return 16, 4, 1
+    override = _tile_override(DECODE_SPLIT_TILE_ENV if split else DECODE_TILE_ENV)
+    if override is not None:
+        return override
     if head_dim > 128:
         return 32, 4, 2
     return (128, 4, 3) if split else (64, 4, 2)
+
+
+DECODE_TILE_ENV = "PAGEDLLM_DECODE_TILE"
+DECODE_SPLIT_TILE_ENV = "PAGEDLLM_DECODE_SPLIT_TILE"
+
+
+@functools.cache
+def _tile_override(name: str) -> tuple[int, int, int] | None:
+    """``(BLOCK_N, num_warps, num_stages)`` from the environment variable ``name``."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        block_n, num_warps, num_stages = (int(v) for v in value.split(","))
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: give three integers, BLOCK_N,num_warps,num_stages "
+                         "(e.g. 64,4,2).") from None
+    if block_n < 16 or block_n & (block_n - 1) or num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
+        raise ValueError(f"{name}={value!r}: BLOCK_N must be a power of two >= 16, num_warps "
+                         "one of 1, 2, 4, 8, 16 and num_stages >= 1.")
+    return block_n, num_warps, num_stages
 
 
 def paged_decode_attention(
