@@ -13,8 +13,8 @@ A step's batch (``T`` tokens from ``B`` requests, prefill chunks and decodes mix
     slot_mapping[i] = block_table[row[b], positions[i] // block_size] * block_size
                       + positions[i] % block_size
 
-A request samples when this step computes its last known token; a prefill chunk that
-stops short of the end samples nothing. No torch here: the runner moves the arrays.
+A request samples when this step computes its last token (known on the host or pending,
+see below); a prefill chunk that stops short of the end samples nothing. No torch here: the runner moves the arrays.
 
 Pending tokens (asynchronous scheduling): a token sampled by a launched step whose id has
 not been read back yet is known only on the device. Two more arrays, by row::
