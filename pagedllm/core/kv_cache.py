@@ -161,19 +161,17 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free_block
-        last.next_free_block = block
-        block.prev_free_block = last
-        block.next_free_block = self._tail
-        self._tail.prev_free_block = block
-        self.num_free_blocks += 1
+        self._link(self._tail.prev_free_block, block, self._tail)
 
     def appendleft(self, block: KVCacheBlock) -> None:
-        first = self._head.next_free_block
-        first.prev_free_block = block
-        block.next_free_block = first
-        block.prev_free_block = self._head
-        self._head.next_free_block = block
+        self._link(self._head, block, self._head.next_free_block)
+
+    def _link(self, before: KVCacheBlock, block: KVCacheBlock, after: KVCacheBlock) -> None:
+        """Insert ``block`` between the adjacent ``before`` and ``after``."""
+        before.next_free_block = block
+        block.prev_free_block = before
+        block.next_free_block = after
+        after.prev_free_block = block
         self.num_free_blocks += 1
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
