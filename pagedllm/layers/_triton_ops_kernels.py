@@ -123,3 +123,58 @@ def gumbel_sample_kernel(
         best_index = tl.where(better, block_index, best_index)
         best = tl.where(better, block_best, best)
     tl.store(out_ptr + row, best_index.to(tl.int64))
+
+
+@triton.jit
+def small_batch_matmul_kernel(
+    x_ptr, weight_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
+    output columns over the whole of ``K`` (no split, so no second pass and no atomics).
+
+    ``USE_DOT``: tensor-core tiles of ``BLOCK_M`` (>= 16) rows; else ``BLOCK_M == 1`` and
+    the products accumulate lane-wise in float32 and are summed once at the end. Rows of
+    ``weight`` past ``N`` read row ``N - 1`` and are never stored.
+    """
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = n < N
+    w_rows = weight_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+    m = tl.arange(0, BLOCK_M)
+    m_valid = m < M
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :])
+            x = tl.load(x_rows + k[None, :], mask=m_valid[:, None], other=0.0)
+        else:
+            k_valid = k < K
+            w = tl.load(w_rows + k[None, :], mask=k_valid[None, :], other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+        if USE_DOT:
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            acc += w.to(tl.float32) * x.to(tl.float32)
+    if USE_DOT:
+        out = acc
+    else:
+        out = tl.sum(acc, 1)[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_valid[:, None] & n_valid[None, :],
+    )

@@ -16,6 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``; small CUDA batches (decode steps of a few sequences) take the
+    Triton matrix-vector kernel (``triton_ops.small_batch_matmul``), the rest BLAS."""
+    if use_small_batch_matmul(x, weight):
+        return small_batch_matmul(x, weight, bias)
+    return F.linear(x, weight, bias)
+
 
 class Linear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight: [output_size, input_size]``."""
@@ -30,7 +40,7 @@ class Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

@@ -1,5 +1,6 @@
 """Fused elementwise ops for CUDA, as Triton kernels: RMSNorm (+ residual add), SiLU-and-mul,
-rotary embedding, and sampling a token per row of logits (``gumbel_sample``).
+rotary embedding, sampling a token per row of logits (``gumbel_sample``), and the
+matrix-vector products of small decode batches (``small_batch_matmul``).
 
 In torch each of these is a chain of small kernels (RMSNorm alone: add, cast, square,
 mean, rsqrt, two multiplies, cast), each reading and writing the whole activation; here
@@ -14,7 +15,8 @@ bit in most elements and to one rounding step in the rest. Rotary rounds once at
 (torch rounds each product), which is at least as accurate.
 
 The layers call these only for CUDA tensors (``use_fused_ops``); the CPU keeps the torch
-code, which is the exactness reference. ``PAGEDLLM_FUSED_OPS=0`` turns them off.
+code, which is the exactness reference. ``PAGEDLLM_FUSED_OPS=0`` turns them off;
+``PAGEDLLM_GEMV_MAX_ROWS=0`` turns off the small-batch matmul alone.
 Under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (tests).
 """
 
@@ -169,5 +171,97 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         return out
     k.gumbel_sample_kernel[(num_rows,)](
         logits, logits.stride(0), temperature, seeds, out, vocab_size, BLOCK=2048, num_warps=8,
+    )
+    return out
+
+
+GEMV_MAX_ROWS_ENV = "PAGEDLLM_GEMV_MAX_ROWS"
+GEMV_TILE_ENV = "PAGEDLLM_GEMV_TILE"
+DEFAULT_GEMV_MAX_ROWS = 8
+
+
+@functools.cache
+def gemv_max_rows() -> int:
+    """Batches of at most this many rows multiply through ``small_batch_matmul`` on CUDA
+    (``PAGEDLLM_GEMV_MAX_ROWS``, default ``DEFAULT_GEMV_MAX_ROWS``; 0 turns it off)."""
+    value = os.environ.get(GEMV_MAX_ROWS_ENV, "").strip()
+    if not value:
+        return DEFAULT_GEMV_MAX_ROWS
+    if not value.isdigit() or int(value) > 16:
+        raise ValueError(f"{GEMV_MAX_ROWS_ENV}={value!r}: give an integer from 0 (off) to 16.")
+    return int(value)
+
+
+def use_small_batch_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when ``x @ weight.T`` should run as ``small_batch_matmul``: a CUDA half-precision
+    ``[M, K]`` input with ``1 <= M <= gemv_max_rows()`` and a row-major weight of its dtype."""
+    return (
+        x.dim() == 2
+        and 1 <= x.shape[0] <= gemv_max_rows()
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+        and use_fused_ops(x)
+    )
+
+
+@functools.cache
+def small_batch_matmul_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, bool]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot)`` of ``small_batch_matmul``.
+
+    ``PAGEDLLM_GEMV_TILE="BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma"`` overrides it
+    (``fma`` only for one row), to measure candidates on whole workloads.
+    """
+    value = os.environ.get(GEMV_TILE_ENV, "").strip()
+    if value:
+        try:
+            *ints, mode = value.split(",")
+            block_n, block_k, num_warps, num_stages = (int(v) for v in ints)
+        except ValueError:
+            raise ValueError(f"{GEMV_TILE_ENV}={value!r}: give BLOCK_N,BLOCK_K,num_warps,"
+                             "num_stages,dot|fma (e.g. 32,256,4,4,dot).") from None
+        if mode not in ("dot", "fma") or min(block_n, block_k) < 16:
+            raise ValueError(f"{GEMV_TILE_ENV}={value!r}: the mode is dot or fma and the "
+                             "blocks are powers of two >= 16.")
+        return block_n, block_k, num_warps, num_stages, mode == "dot" or rows > 1
+    return 32, 256, 4, 4, True
+
+
+def small_batch_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x: [M, K]`` with ``M <= 16``, ``weight: [N, K]`` -> ``[M, N]``.
+
+    A decode step of a few sequences is a matrix-vector product per layer: its time is the
+    time to read the weight once, and BLAS libraries split ``K`` into a second reduction
+    pass for the narrow shapes. Here one program owns ``BLOCK_N`` output columns over the
+    whole of ``K``, accumulating in float32; a row's result does not depend on the other
+    rows of the batch.
+    """
+    k = _kernels()
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    if rows > 16 or weight.shape[1] != in_features:
+        raise ValueError(f"small_batch_matmul takes [M <= 16, K] @ [N, K].T, got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}.")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block_n, block_k, num_warps, num_stages, use_dot = small_batch_matmul_config(
+        rows, out_features, in_features
+    )
+    k.small_batch_matmul_kernel[(k.cdiv(out_features, block_n),)](
+        x, weight, bias if bias is not None else weight, out,
+        rows, out_features, in_features, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=16 if use_dot else 1,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        HAS_BIAS=bias is not None,
+        EVEN_K=in_features % block_k == 0,
+        USE_DOT=use_dot,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

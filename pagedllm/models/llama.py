@@ -31,7 +31,7 @@ from torch import nn
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import Embedding, FusedLinear, Linear
+from pagedllm.layers.linear import Embedding, FusedLinear, Linear, linear
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters_from_hf
 
 # (fused module, checkpoint module, shard) — a checkpoint name containing ".{checkpoint
@@ -237,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden_states, weight).float()
+        return linear(hidden_states, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into this model's parameters.

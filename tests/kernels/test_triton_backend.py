@@ -81,3 +81,32 @@ def test_output_is_contiguous_for_strided_query_views() -> None:
     )
     assert out.is_contiguous()
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+def test_a_large_decode_batch_starts_its_longest_sequences_first(monkeypatch) -> None:
+    from pagedllm.layers.attention import triton_backend, triton_decode
+
+    orders = []
+
+    def spy(*args, order=None, **kwargs):
+        orders.append(order)
+        return triton_decode.paged_decode_attention(*args, order=order, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
+    lengths = torch.randint(0, 40, (triton_decode.LONGEST_FIRST_MIN_SEQS + 6,),
+                            generator=torch.Generator().manual_seed(5)).tolist()
+    step = make_step(tuple((n, 1) for n in lengths) + ((3, 5),), seed=6)
+    expected, _ = reference_attention(step, 0.25, None)
+    backend = TritonAttentionBackend()
+    for _ in range(2):  # two layers of one step share the order
+        out = backend.forward(step.query, step.key, step.value, step.kv_cache.clone(),
+                              step.metadata, 0.25, None)
+        torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+    assert orders[0] is orders[1]
+    started = [step.metadata.seq_lens_cpu[b] for b in orders[0].tolist()]
+    assert started == sorted(step.metadata.seq_lens_cpu, reverse=True)
+
+    monkeypatch.setenv(triton_decode.LONGEST_FIRST_ENV, "0")
+    step = make_step(tuple((n, 1) for n in lengths), seed=7)
+    backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, 0.25, None)
+    assert orders[-1] is None

@@ -20,7 +20,8 @@ from tests.kernels.paged_batch import HALF_DTYPES, TOLERANCE, batch_args, make_s
 DECODES = ((0, 1), (3, 1), (4, 1), (7, 1), (15, 1), (70, 1))
 
 
-def _run(step, window=None, *, num_splits=None, block_n=None, scale=0.25, max_seq_len=None):
+def _run(step, window=None, *, num_splits=None, block_n=None, scale=0.25, max_seq_len=None,
+         order=None):
     md = step.metadata
     write_kv_cache(step.key, step.value, step.kv_cache[0], step.kv_cache[1], md.slot_mapping)
     out = torch.zeros_like(step.query)
@@ -31,6 +32,7 @@ def _run(step, window=None, *, num_splits=None, block_n=None, scale=0.25, max_se
         sliding_window=window,
         num_splits=num_splits,
         block_n=block_n,
+        order=order,
     )
     return out
 
@@ -44,6 +46,21 @@ def test_decode_matches_reference(num_heads, num_kv_heads, num_splits) -> None:
     expected, _ = reference_attention(step, 0.25, None)
     out = _run(step, num_splits=num_splits)
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_in_any_start_order_matches_reference(num_splits) -> None:
+    """The launch order of the sequences (longest first, or any permutation) changes
+    nothing but the schedule."""
+    step = make_step(DECODES + ((33, 1), (2, 1)), seed=4)
+    expected, _ = reference_attention(step, 0.25, None)
+    order = triton_decode.longest_first(step.metadata.seq_lens)
+    assert order.tolist() == sorted(range(8), key=lambda b: -step.metadata.seq_lens_cpu[b])
+    torch.testing.assert_close(_run(step, num_splits=num_splits, order=order), expected,
+                               **TOLERANCE[torch.float32])
+    shuffled = torch.tensor([3, 0, 7, 5, 1, 6, 2, 4], dtype=torch.int32, device=order.device)
+    torch.testing.assert_close(_run(step, num_splits=num_splits, order=shuffled), expected,
+                               **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -103,3 +105,68 @@ def test_gumbel_sample_is_argmax_when_cold_across_blocks_and_fixed_by_its_seed()
     alone = triton_ops.gumbel_sample(logits[1:2], warm[:1], seeds[1:2])
     in_batch = triton_ops.gumbel_sample(logits, warm, seeds)
     assert in_batch[1] == alone[0]  # a row's draw depends on its seed, not on its batch
+
+
+SMALL_BATCH_TILES = {
+    "dot": (32, 64, 4, 2, True),
+    "fma": (32, 64, 4, 2, False),
+}
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# The interpreter multiplies bf16 tiles of tl.dot as raw 16-bit integers.
+DOT_DTYPE = torch.float16 if INTERPRETED else torch.bfloat16
+
+
+@pytest.mark.parametrize("mode, dtype", [
+    ("dot", torch.float16),
+    pytest.param("dot", torch.bfloat16, marks=pytest.mark.skipif(INTERPRETED, reason="interpreter")),
+    ("fma", torch.bfloat16),
+])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_small_batch_matmul_equals_linear(monkeypatch, mode, dtype, rows) -> None:
+    """Uneven N and K (a partial column block and a partial K tile), with and without a bias."""
+    if mode == "fma" and rows > 1:
+        pytest.skip("the lane-wise path serves one row")
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k: SMALL_BATCH_TILES[mode])
+    x = _rand(rows, 200, dtype=dtype, seed=8)
+    weight = _rand(70, 200, dtype=dtype, seed=9)
+    bias = _rand(70, dtype=dtype, seed=10)
+    product = x.float() @ weight.float().T
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    got = triton_ops.small_batch_matmul(x, weight, bias)
+    torch.testing.assert_close(got, (product + bias.float()).to(dtype), rtol=tol, atol=tol)
+    got = triton_ops.small_batch_matmul(x, weight)
+    torch.testing.assert_close(got, product.to(dtype), rtol=tol, atol=tol)
+
+
+def test_small_batch_matmul_row_does_not_depend_on_the_batch(monkeypatch) -> None:
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k: SMALL_BATCH_TILES["dot"])
+    x = _rand(5, 128, dtype=DOT_DTYPE, seed=11)
+    weight = _rand(48, 128, dtype=DOT_DTYPE, seed=12)
+    alone = triton_ops.small_batch_matmul(x[2:3], weight)
+    assert torch.equal(triton_ops.small_batch_matmul(x, weight)[2:3], alone)
+
+
+def test_linear_layers_send_small_batches_to_the_matmul_kernel(monkeypatch) -> None:
+    from pagedllm.layers import linear as linear_module
+    from pagedllm.layers.linear import Linear
+
+    calls = []
+    monkeypatch.setattr(triton_ops, "use_fused_ops", lambda x: True)  # as on a GPU
+    monkeypatch.setattr(linear_module, "small_batch_matmul",
+                        lambda x, w, b: calls.append(x.shape[0]) or triton_ops.small_batch_matmul(x, w, b))
+    layer = Linear(64, 32).to(DEVICE, DOT_DTYPE)
+    layer.weight.data = _rand(32, 64, dtype=DOT_DTYPE, seed=13)
+    small, large = _rand(4, 64, dtype=DOT_DTYPE, seed=14), _rand(40, 64, dtype=DOT_DTYPE, seed=15)
+    for x in (small, large):
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=2e-2, atol=2e-2)
+    assert calls == [4]
+
+    monkeypatch.setenv(triton_ops.GEMV_MAX_ROWS_ENV, "0")
+    triton_ops.gemv_max_rows.cache_clear()
+    try:
+        layer(small)
+        assert calls == [4]
+    finally:
+        triton_ops.gemv_max_rows.cache_clear()

@@ -21,7 +21,11 @@ from __future__ import annotations
 import torch
 
 from pagedllm.layers.attention.backend import AttentionMetadata
-from pagedllm.layers.attention.triton_decode import paged_decode_attention
+from pagedllm.layers.attention.triton_decode import (
+    longest_first,
+    paged_decode_attention,
+    wants_longest_first,
+)
 from pagedllm.layers.attention.triton_kv_write import write_kv_cache
 from pagedllm.layers.attention.triton_prefill import paged_prefill_attention
 
@@ -31,7 +35,8 @@ class TritonAttentionBackend:
 
     Works for fp16, bf16 and fp32 queries; the cache may have another dtype (values are cast
     on write and on read). The step's routing (does it hold decodes?) is derived once per
-    metadata object and reused by every layer.
+    metadata object and reused by every layer, and so is the order in which large decode
+    batches start their sequences (longest first, ``triton_decode.longest_first``).
     """
 
     name = "triton"
@@ -39,6 +44,13 @@ class TritonAttentionBackend:
     def __init__(self) -> None:
         self._routing_source: tuple[AttentionMetadata, list[int]] | None = None
         self._has_decodes = False
+        self._order: tuple[AttentionMetadata, torch.Tensor | None] | None = None
+
+    def _decode_order(self, metadata: AttentionMetadata, seq_lens: torch.Tensor) -> torch.Tensor | None:
+        if self._order is None or self._order[0] is not metadata:
+            order = longest_first(seq_lens) if wants_longest_first(metadata.num_seqs) else None
+            self._order = (metadata, order)
+        return self._order[1]
 
     def _step_has_decodes(self, metadata: AttentionMetadata) -> bool:
         if metadata.max_query_len == 1:
@@ -93,5 +105,6 @@ class TritonAttentionBackend:
                 max_seq_len=metadata.max_seq_len,
                 scale=scale,
                 sliding_window=sliding_window,
+                order=self._decode_order(metadata, seq_lens),
             )
         return out

@@ -5,7 +5,7 @@ program owns one sequence, one KV head and one partition of the context, and com
 the ``G = num_heads // num_kv_heads`` query heads of that KV head together, so each K/V
 tile is read once for all of them (GQA/MQA)::
 
-    grid (B, num_kv_heads, num_splits)
+    grid (num_kv_heads, B, num_splits)      program (h, r, s) serves sequence order[r]
     partition_b = cdiv(cdiv(seq_len_b, num_splits), BLOCK_N) * BLOCK_N    (tokens)
     partition s covers keys [s * partition_b, min((s + 1) * partition_b, seq_len_b))
         (clipped to the sliding window; an empty partition reports m = -inf, l = 0)
@@ -23,6 +23,11 @@ units), and a reduce kernel merges them::
 
 ``acc_s`` is written, and read, only for partitions with ``l_s > 0`` (the non-empty ones:
 their largest score contributes 2^0 = 1 to ``l``); an empty one adds nothing to either sum.
+
+``order`` (optional, a permutation of the batch) sets which sequences the GPU starts
+first: the longest first keeps a large batch of mixed lengths from ending on a few long
+programs that started late (a program's time grows with its context). Without it,
+``order[r] = r``.
 
 Splitting pays when ``B * num_kv_heads`` programs leave the GPU's multiprocessors idle
 (small batches, long contexts); ``plan_decode_splits`` chooses. In a mixed batch the
@@ -64,6 +69,7 @@ def _decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    order_ptr,
     qk_scale,
     window,
     stride_qt,
@@ -90,10 +96,14 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    if HAS_ORDER:
+        seq = tl.load(order_ptr + tl.program_id(1))
+    else:
+        seq = tl.program_id(1)
     split = tl.program_id(2)
     q_row = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
@@ -256,6 +266,23 @@ def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_s
     return max(1, min(wanted, -(-max_seq_len // MIN_PARTITION_TOKENS), MAX_SPLITS))
 
 
+LONGEST_FIRST_ENV = "PAGEDLLM_DECODE_LONGEST_FIRST"
+LONGEST_FIRST_MIN_SEQS = 64
+
+
+def wants_longest_first(num_seqs: int) -> bool:
+    """Whether a decode launch of ``num_seqs`` sequences should start the longest first:
+    batches of at least ``LONGEST_FIRST_MIN_SEQS`` (several waves of programs), unless
+    ``PAGEDLLM_DECODE_LONGEST_FIRST=0``."""
+    return num_seqs >= LONGEST_FIRST_MIN_SEQS and os.environ.get(LONGEST_FIRST_ENV, "1") != "0"
+
+
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """int32 ``[B]``: the sequence indices by decreasing ``seq_lens`` (computed on the device,
+    so a CUDA graph recomputes it on every replay)."""
+    return torch.argsort(seq_lens, descending=True).to(torch.int32)
+
+
 def decode_tile_config(head_dim: int, device: torch.device, split: bool) -> tuple[int, int, int]:
     """``(BLOCK_N, num_warps, num_stages)`` for the decode kernel.
 
@@ -314,13 +341,15 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    order: torch.Tensor | None = None,
 ) -> None:
     """Attention of every query-length-1 sequence of the batch into ``out``.
 
     Arguments as in ``paged_prefill_attention``; rows of other sequences are left
     untouched. ``max_seq_len`` bounds every ``seq_lens[b]`` and serves only to plan the
     splits. ``num_splits`` forces the number of partitions each context is cut into
-    (default: ``plan_decode_splits``).
+    (default: ``plan_decode_splits``). ``order`` (int32 ``[B]``, a permutation of the
+    sequences) is the order their programs start in, e.g. ``longest_first(seq_lens)``.
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
@@ -355,7 +384,7 @@ def paged_decode_attention(
     else:
         part_acc = part_max = part_sum = out  # unused: the kernel writes ``out`` directly
         acc_strides, ml_strides = (0, 0, 0), (0, 0)
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query,
         key_cache,
         value_cache,
@@ -366,6 +395,7 @@ def paged_decode_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        order if order is not None else seq_lens,
         scale * LOG2_E,
         sliding_window or 0,
         query.stride(0),
@@ -389,6 +419,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
         SPLIT=split,
+        HAS_ORDER=order is not None,
         IEEE_DOT=uses_ieee_dot(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
