@@ -13,7 +13,13 @@ batch and a few other shapes, prints a table, and writes everything as JSON to `
 
 ``--sweep`` also times the decode and prefill kernels over a grid of tile sizes, warps and
 pipeline stages (what the defaults in ``triton_decode.py`` / ``triton_prefill.py`` are
-chosen from), for at most ``--sweep-budget-s`` seconds. Exits 1 when a check fails.
+chosen from), for at most ``--sweep-budget-s`` seconds. ``--decode-order-sweep`` times
+decode on W1-like length mixes with and without starting the longest sequences first,
+across splits and tiles. ``--gemv-sweep`` times ``small_batch_matmul`` (the decode
+projections of a few sequences) over its tiles against cuBLAS on Llama-3.1-8B's shapes,
+and writes the single tile fastest over the layer's four projections to ``--gemv-tile-out``
+(the format of ``PAGEDLLM_GEMV_TILE``). ``--skip-checks`` leaves out the checks and the
+standard timings. Exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -186,7 +193,7 @@ def causal_flops(step: Step) -> float:
 
 
 def decode_only(step: Step, num_splits: int | None = None,
-                max_seq_len: int | None = None) -> Callable[[], None]:
+                max_seq_len: int | None = None, order: torch.Tensor | None = None) -> Callable[[], None]:
     """The decode kernel alone; ``max_seq_len`` overrides the step's bound (a CUDA graph
     plans with ``max_model_len``)."""
     md = step.metadata
@@ -198,6 +205,7 @@ def decode_only(step: Step, num_splits: int | None = None,
         paged_decode_attention(
             step.query, step.kv_cache[0], step.kv_cache[1], md.block_tables, md.seq_lens,
             md.query_start_loc, out, max_seq_len=bound, scale=SCALE, num_splits=num_splits,
+            order=order,
         )
 
     return launch
@@ -307,12 +315,154 @@ def sweep_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], None]) ->
     return rows
 
 
+def decode_order_rows(save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Decode on W1-like mixes: (tile, splits) x (launch order as given, longest first)."""
+    rows: list[dict[str, Any]] = []
+    tiles = [(64, 4, 2), (32, 2, 2), (32, 4, 2), (64, 8, 2), (64, 4, 3), (128, 4, 3)]
+    mixes = [
+        ("W1 mix 256 x 100..2048", [(n - 1, 1) for n in uniform_lengths(256, 100, 2048, seed=31)]),
+        ("W1 mix 128 x 300..2048", [(n - 1, 1) for n in uniform_lengths(128, 300, 2048, seed=32)]),
+        ("uniform 256 x 1024", [(1023, 1)] * 256),
+    ]
+    decode_config = triton_decode.decode_tile_config
+    try:
+        for label, seqs in mixes:
+            step = make_step(seqs, seed=30)
+            order = triton_decode.longest_first(step.metadata.seq_lens)
+            rows.append(dict(case=label, impl="argsort (longest_first)",
+                             ms=bench_ms(lambda: triton_decode.longest_first(step.metadata.seq_lens))))
+            for tile in tiles:
+                triton_decode.decode_tile_config = lambda head_dim, device, split, c=tile: c
+                for splits in (1, 2, 4):
+                    for ordered in (False, True):
+                        ms = bench_ms(decode_only(step, splits, order=order if ordered else None))
+                        rows.append(dict(case=label, block_n=tile[0], num_warps=tile[1],
+                                         num_stages=tile[2], num_splits=splits,
+                                         longest_first=ordered, ms=ms,
+                                         gb_s=kv_bytes(step) / ms / 1e6))
+                save(rows)
+            del step
+            torch.cuda.empty_cache()
+    finally:
+        triton_decode.decode_tile_config = decode_config
+    return rows
+
+
+GEMV_SHAPES = [  # (projection, N, K) of Llama-3.1-8B
+    ("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
+    ("down", 4096, 14336), ("lm_head", 128256, 4096),
+]
+LAYER_PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+
+
+def gemv_configs() -> list[tuple[int, int, int, int, bool]]:
+    dot = [(n, k, w, s, True) for n in (16, 32, 64) for k in (128, 256, 512)
+           for w in (4, 8) for s in (3, 5)]
+    # Lane-wise float32 accumulators: at most 64 per thread.
+    fma = [(n, k, w, s, False) for n in (16, 32, 64) for k in (128, 256, 512)
+           for w in (4, 8) for s in (1, 3) if n * k <= 2048 * w]
+    return dot + fma
+
+
+def gemv_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """``small_batch_matmul`` against cuBLAS (``F.linear``): every tile at one row, the five
+    fastest tensor-core tiles of each shape at 4 and 8 rows. L2 is flushed between runs, as a
+    decode step reads each weight once."""
+    from pagedllm.layers import triton_ops
+
+    rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + budget_s
+    configured = triton_ops.small_batch_matmul_config
+    gen = torch.Generator(device=DEVICE).manual_seed(40)
+    try:
+        for name, n, k in GEMV_SHAPES:
+            weight = (torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
+            gb = n * k * weight.element_size() / 1e9
+            for m in (1, 4, 8):
+                x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
+                want = F.linear(x, weight).float()
+                ms = bench_ms(lambda: F.linear(x, weight))
+                rows.append(dict(shape=name, rows=m, impl="cublas", ms=ms, tb_s=gb / ms))
+                if m == 1:
+                    candidates = gemv_configs()
+                else:
+                    timed = sorted((r for r in rows if r["shape"] == name and r["rows"] == 1
+                                    and r.get("use_dot") and "ms" in r), key=lambda r: r["ms"])
+                    candidates = [tuple(r["tile"]) for r in timed[:5]]
+                for tile in candidates:
+                    if time.monotonic() > deadline:
+                        return rows
+                    triton_ops.small_batch_matmul_config = lambda r, nn, kk, c=tile: c
+                    row: dict[str, Any] = dict(shape=name, rows=m, impl="triton", tile=list(tile),
+                                               use_dot=tile[4])
+                    try:
+                        err = (triton_ops.small_batch_matmul(x, weight).float() - want).abs().max().item()
+                        row.update(max_abs_err=err, ms=bench_ms(lambda: triton_ops.small_batch_matmul(x, weight)))
+                        row["tb_s"] = gb / row["ms"]
+                    except Exception as exc:  # e.g. too much shared memory for the stages
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    rows.append(row)
+                save(rows)
+            del weight
+            torch.cuda.empty_cache()
+    finally:
+        triton_ops.small_batch_matmul_config = configured
+    return rows
+
+
+def best_layer_tile(rows: list[dict[str, Any]]) -> tuple[list[int | bool], float] | None:
+    """The one-row tile with the least total time over a layer's four projections."""
+    totals: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r["impl"] == "triton" and r["rows"] == 1 and r["shape"] in LAYER_PROJECTIONS and "ms" in r:
+            totals.setdefault(tuple(r["tile"]), []).append(r["ms"])
+    complete = {t: sum(v) for t, v in totals.items() if len(v) == len(LAYER_PROJECTIONS)}
+    if not complete:
+        return None
+    tile = min(complete, key=complete.__getitem__)
+    return list(tile), complete[tile]
+
+
+def print_gemv(rows: list[dict[str, Any]], tile_out: Path | None) -> None:
+    print(f"\n{'projection':10} {'rows':>4} {'cuBLAS ms':>10} {'TB/s':>6} {'best triton ms':>15} {'TB/s':>6}  tile")
+    for name, _, _ in GEMV_SHAPES:
+        for m in (1, 4, 8):
+            cublas = [r for r in rows if r["shape"] == name and r["rows"] == m and r["impl"] == "cublas"]
+            timed = sorted((r for r in rows if r["shape"] == name and r["rows"] == m
+                            and r["impl"] == "triton" and "ms" in r), key=lambda r: r["ms"])
+            if not cublas or not timed:
+                continue
+            c, t = cublas[0], timed[0]
+            print(f"{name:10} {m:4} {c['ms']:10.4f} {c['tb_s']:6.2f} {t['ms']:15.4f} {t['tb_s']:6.2f}  "
+                  f"{t['tile']} err {t['max_abs_err']:.2e}")
+    best = best_layer_tile(rows)
+    if best is not None:
+        tile, total = best
+        cublas = sum(r["ms"] for r in rows if r["impl"] == "cublas" and r["rows"] == 1
+                     and r["shape"] in LAYER_PROJECTIONS)
+        mode = "dot" if tile[4] else "fma"
+        text = ",".join(str(v) for v in tile[:4]) + f",{mode}"
+        print(f"one tile for a layer's four projections: {text}: {total * 1e3:.1f} us "
+              f"(cuBLAS {cublas * 1e3:.1f} us)")
+        if tile_out is not None:
+            tile_out.write_text(text + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tile configurations")
     parser.add_argument("--sweep-budget-s", type=float, default=150.0,
                         help="seconds after which the sweep starts no new configuration")
+    parser.add_argument("--decode-order-sweep", action="store_true",
+                        help="time decode on W1-like mixes, longest first or not, across splits and tiles")
+    parser.add_argument("--gemv-sweep", action="store_true",
+                        help="time small_batch_matmul's tiles against cuBLAS")
+    parser.add_argument("--gemv-budget-s", type=float, default=200.0)
+    parser.add_argument("--gemv-tile-out", type=Path, default=None,
+                        help="write the best single tile here (PAGEDLLM_GEMV_TILE format)")
+    parser.add_argument("--skip-checks", action="store_true",
+                        help="leave out the correctness checks and the standard timings")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("check_kernels_gpu.py needs a CUDA GPU; on the CPU run `pytest tests/kernels`.")
@@ -332,8 +482,45 @@ def main() -> int:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 
     print(f"{results['gpu']}  torch {results['torch']}  triton {results['triton']}")
-    print(f"\n{'check':36} {'triton err':>11} {'bf16 ref err':>12} {'cache':>6}  result")
     results["checks"] = []
+    if not args.skip_checks:
+        run_checks_and_timings(results, save)
+
+    if args.gemv_sweep:
+        def save_gemv(rows: list[dict[str, Any]]) -> None:
+            results["gemv"] = rows
+            save()
+
+        save_gemv(gemv_rows(args.gemv_budget_s, save_gemv))
+        print_gemv(results["gemv"], args.gemv_tile_out)
+
+    if args.decode_order_sweep:
+        def save_order(rows: list[dict[str, Any]]) -> None:
+            results["decode_order"] = rows
+            save()
+
+        save_order(decode_order_rows(save_order))
+        print("\ndecode order (fastest five of each case; then the defaults)")
+        for case in dict.fromkeys(r["case"] for r in results["decode_order"]):
+            timed = sorted((r for r in results["decode_order"] if r["case"] == case and "gb_s" in r),
+                           key=lambda r: r["ms"])
+            default = [r for r in timed if (r["block_n"], r["num_warps"], r["num_stages"]) == (64, 4, 2)
+                       and r["num_splits"] == 1]
+            for r in timed[:5] + default:
+                print(f"{case:26} {r['ms']:8.3f} ms {r['gb_s']:6.0f} GB/s  tile {r['block_n']},"
+                      f"{r['num_warps']},{r['num_stages']} splits {r['num_splits']} "
+                      f"longest_first {r['longest_first']}")
+
+    if args.sweep:
+        sweep(results, args.sweep_budget_s, save)
+
+    failed = [c["case"] for c in results["checks"] if not c["ok"]]
+    print(f"\nwrote {args.out}; " + (f"FAILED: {', '.join(failed)}" if failed else "all checks passed"))
+    return 1 if failed else 0
+
+
+def run_checks_and_timings(results: dict[str, Any], save: Callable[[], None]) -> None:
+    print(f"\n{'check':36} {'triton err':>11} {'bf16 ref err':>12} {'cache':>6}  result")
     for seed, (name, seqs, window) in enumerate(check_cases()):
         row = run_check(name, seqs, window, seed)
         results["checks"].append(row)
@@ -349,28 +536,26 @@ def main() -> int:
         rate = f"{row['gb_s']:.0f} GB/s" if "gb_s" in row else f"{row['tflop_s']:.0f} TFLOP/s"
         print(f"{row['case']:32} {row['impl']:34} {row['ms']:8.3f} {rate:>14}")
 
-    if args.sweep:
-        def save_sweep(rows: list[dict[str, Any]]) -> None:
-            results["sweep"] = rows
-            save()
 
-        save_sweep(sweep_rows(args.sweep_budget_s, save_sweep))
-        print("\nsweep (fastest three of each case)")
-        for case in dict.fromkeys(r["case"] for r in results["sweep"]):
-            timed = sorted((r for r in results["sweep"] if r["case"] == case and "ms" in r),
-                           key=lambda r: r["ms"])
-            device = torch.device("cuda")
-            defaults = {triton_decode.decode_tile_config(HEAD_DIM, device, split)
-                        for split in (False, True)}
-            for r in timed:
-                knobs = {k: v for k, v in r.items() if k not in ("case", "ms", "gb_s", "tflop_s")}
-                is_default = tuple(knobs.values()) in defaults and case.startswith("decode")
-                if r in timed[:3] or is_default:
-                    print(f"{case:34} {r['ms']:8.3f} ms  {knobs}" + ("  (a default)" if is_default else ""))
+def sweep(results: dict[str, Any], budget_s: float, save: Callable[[], None]) -> None:
+    """The tile sweep (``sweep_rows``), saved as it goes; prints the fastest of each case."""
+    def save_sweep(rows: list[dict[str, Any]]) -> None:
+        results["sweep"] = rows
+        save()
 
-    failed = [c["case"] for c in results["checks"] if not c["ok"]]
-    print(f"\nwrote {args.out}; " + (f"FAILED: {', '.join(failed)}" if failed else "all checks passed"))
-    return 1 if failed else 0
+    save_sweep(sweep_rows(budget_s, save_sweep))
+    print("\nsweep (fastest three of each case)")
+    for case in dict.fromkeys(r["case"] for r in results["sweep"]):
+        timed = sorted((r for r in results["sweep"] if r["case"] == case and "ms" in r),
+                       key=lambda r: r["ms"])
+        device = torch.device("cuda")
+        defaults = {triton_decode.decode_tile_config(HEAD_DIM, device, split)
+                    for split in (False, True)}
+        for r in timed:
+            knobs = {k: v for k, v in r.items() if k not in ("case", "ms", "gb_s", "tflop_s")}
+            is_default = tuple(knobs.values()) in defaults and case.startswith("decode")
+            if r in timed[:3] or is_default:
+                print(f"{case:34} {r['ms']:8.3f} ms  {knobs}" + ("  (a default)" if is_default else ""))
 
 
 if __name__ == "__main__":
