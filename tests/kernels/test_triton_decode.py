@@ -13,7 +13,7 @@ from pagedllm.layers.attention.triton_decode import (
     plan_decode_splits,
 )
 from pagedllm.layers.attention.triton_kv_write import write_kv_cache
-from tests.kernels.paged_batch import HALF_DTYPES, TOLERANCE, batch_args, make_step, reference_attention
+from tests.kernels.paged_batch import DEVICE, HALF_DTYPES, TOLERANCE, batch_args, make_step, reference_attention
 
 # Decodes at contexts on both sides of block boundaries (block size 4), a first token,
 # and a long one that spans many partitions.
@@ -191,3 +191,12 @@ def test_decode_tiles_can_be_overridden_from_the_environment(monkeypatch) -> Non
             triton_decode.decode_tile_config(128, cuda, split=False)
     finally:
         triton_decode._tile_override.cache_clear()
+
+
+@pytest.mark.parametrize("num_seqs", [1, 5, 64, 200])
+def test_longest_first_is_a_stable_descending_sort(num_seqs) -> None:
+    """Many equal lengths (ties keep index order) across several programs of the kernel."""
+    lengths = torch.randint(1, 20, (num_seqs,), generator=torch.Generator().manual_seed(num_seqs))
+    order = triton_decode.longest_first(lengths.to(torch.int32).to(DEVICE))
+    want = sorted(range(num_seqs), key=lambda b: (-int(lengths[b]), b))
+    assert order.dtype == torch.int32 and order.tolist() == want

@@ -277,10 +277,38 @@ def wants_longest_first(num_seqs: int) -> bool:
     return num_seqs >= LONGEST_FIRST_MIN_SEQS and os.environ.get(LONGEST_FIRST_ENV, "1") != "0"
 
 
+@triton.jit
+def _longest_first_kernel(seq_lens_ptr, order_ptr, num_seqs, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """``order[rank_i] = i`` with ``rank_i`` the number of sequences that come before ``i``:
+    longer ones, and equally long ones of smaller index (a stable descending sort)."""
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_valid = i < num_seqs
+    len_i = tl.load(seq_lens_ptr + i, mask=i_valid, other=0)
+    rank = tl.zeros([BLOCK_I], tl.int32)
+    for j0 in range(0, num_seqs, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        len_j = tl.load(seq_lens_ptr + j, mask=j < num_seqs, other=-1)
+        before = (len_j[None, :] > len_i[:, None]) | (
+            (len_j[None, :] == len_i[:, None]) & (j[None, :] < i[:, None])
+        )
+        rank += tl.sum(before.to(tl.int32), 1)
+    tl.store(order_ptr + rank, i, mask=i_valid)
+
+
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
-    """int32 ``[B]``: the sequence indices by decreasing ``seq_lens`` (computed on the device,
-    so a CUDA graph recomputes it on every replay)."""
-    return torch.argsort(seq_lens, descending=True).to(torch.int32)
+    """int32 ``[B]``: the sequence indices by decreasing ``seq_lens`` (ties in index order).
+
+    One small kernel on the device, so a CUDA graph recomputes the order on every replay
+    (torch's sort cannot be captured in a graph); ``B * B`` comparisons, spread over
+    ``B / 64`` programs.
+    """
+    num_seqs = seq_lens.shape[0]
+    order = torch.empty(num_seqs, dtype=torch.int32, device=seq_lens.device)
+    if num_seqs:
+        _longest_first_kernel[(triton.cdiv(num_seqs, 64),)](
+            seq_lens, order, num_seqs, BLOCK_I=64, BLOCK_J=64, num_warps=4
+        )
+    return order
 
 
 def decode_tile_config(head_dim: int, device: torch.device, split: bool) -> tuple[int, int, int]:
