@@ -242,7 +242,7 @@ def small_batch_matmul_config(rows: int, n: int, k: int) -> tuple[int, int, int,
 
 
 def small_batch_matmul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x: [M, K]`` with ``M <= 16``, ``weight: [N, K]`` -> ``[M, N]``.
 
@@ -251,13 +251,19 @@ def small_batch_matmul(
     pass for the narrow shapes. Here one program owns ``BLOCK_N`` output columns over the
     whole of ``K``, accumulating in float32; a row's result does not depend on the other
     rows of the batch.
+
+    ``gated=True``: ``x`` is a ``[M, 2K]`` gate/up projection and the product is
+    ``silu_and_mul(x) @ weight.T`` (an MLP's down projection with its activation folded
+    in, one launch less per layer).
     """
     k = _kernels()
     rows, in_features = x.shape
+    if gated:
+        in_features //= 2
     out_features = weight.shape[0]
-    if rows > 16 or weight.shape[1] != in_features:
-        raise ValueError(f"small_batch_matmul takes [M <= 16, K] @ [N, K].T, got {tuple(x.shape)} "
-                         f"and {tuple(weight.shape)}.")
+    if rows > 16 or weight.shape[1] != in_features or (gated and x.shape[1] != 2 * in_features):
+        raise ValueError(f"small_batch_matmul takes [M <= 16, K] @ [N, K].T ([M, 2K] when gated), "
+                         f"got {tuple(x.shape)} and {tuple(weight.shape)}.")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
@@ -275,6 +281,7 @@ def small_batch_matmul(
         HAS_BIAS=bias is not None,
         EVEN_K=in_features % block_k == 0,
         USE_DOT=use_dot,
+        GATED=gated,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -33,6 +33,7 @@ from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import Embedding, FusedLinear, Linear, linear
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters_from_hf
+from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
 
 # (fused module, checkpoint module, shard) — a checkpoint name containing ".{checkpoint
 # module}." is loaded into that shard of the fused module.
@@ -140,14 +141,20 @@ class LlamaAttentionBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, self.q_size + self.kv_size :]
         if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin).flatten(1)
-        k = RotaryEmbedding.apply(k, cos, sin).flatten(1)
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            q = RotaryEmbedding.apply(q, cos, sin).flatten(1)
+            k = RotaryEmbedding.apply(k, cos, sin).flatten(1)
+        else:
+            # q and k heads are adjacent in the qkv rows: one rotation covers both.
+            heads = self.num_heads + self.num_kv_heads
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
+            qk = RotaryEmbedding.apply(qk, cos, sin)
+            q, k = qk[:, : self.num_heads].flatten(1), qk[:, self.num_heads :].flatten(1)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -160,7 +167,11 @@ class LlamaMLP(nn.Module):
         self.act = GatedActivation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        if self.act.is_silu and use_small_batch_matmul(gate_up, down.weight):
+            return small_batch_matmul(gate_up, down.weight, down.bias, gated=True)
+        return down(self.act(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
