@@ -64,3 +64,32 @@ def test_async_scheduling_on_cuda_matches_sync_for_sampling_and_preemption(tmp_p
                          for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
     assert outputs[True] == outputs[False]
+
+
+def test_graphs_of_large_batches_start_the_longest_sequences_first(tmp_path, monkeypatch) -> None:
+    """Decode batches of 64 sequences or more start their longest contexts first (an order
+    computed inside each graph on every replay); tokens equal the eager engine's in the
+    given order."""
+    from pagedllm.layers.attention import triton_decode
+
+    num = triton_decode.LONGEST_FIRST_MIN_SEQS + 16
+    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=256)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 240 + 8 for j in range(2 + (37 * i) % 90)]}
+               for i in range(num)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + (11 * i) % 23, ignore_eos=True)
+              for i in range(num)]
+    kwargs = dict(dtype="float32", max_model_len=160, max_num_seqs=num, block_size=16, device="cuda")
+    orders = []
+    original = triton_decode.longest_first
+    monkeypatch.setattr(triton_decode, "longest_first",
+                        lambda seq_lens: orders.append(seq_lens.shape[0]) or original(seq_lens))
+    from pagedllm.layers.attention import triton_backend
+    monkeypatch.setattr(triton_backend, "longest_first", triton_decode.longest_first)
+    graphed = LLM(str(path), **kwargs)
+    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
+    assert max(orders) >= triton_decode.LONGEST_FIRST_MIN_SEQS
+
+    monkeypatch.setenv(triton_decode.LONGEST_FIRST_ENV, "0")
+    eager = LLM(str(path), enforce_eager=True, async_scheduling=False, **kwargs)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert got == want

@@ -44,13 +44,18 @@ class TritonAttentionBackend:
     def __init__(self) -> None:
         self._routing_source: tuple[AttentionMetadata, list[int]] | None = None
         self._has_decodes = False
-        self._order: tuple[AttentionMetadata, torch.Tensor | None] | None = None
+        self._order: tuple[AttentionMetadata, bool, torch.Tensor | None] | None = None
 
     def _decode_order(self, metadata: AttentionMetadata, seq_lens: torch.Tensor) -> torch.Tensor | None:
-        if self._order is None or self._order[0] is not metadata:
+        """The step's decode start order, computed by its first layer. A CUDA graph's capture
+        reuses the metadata of its eager warm-up run, so the order is recomputed inside the
+        capture: the graph must hold the kernel that writes it, not a buffer from outside."""
+        capturing = seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()
+        cached = self._order
+        if cached is None or cached[0] is not metadata or cached[1] != capturing:
             order = longest_first(seq_lens) if wants_longest_first(metadata.num_seqs) else None
-            self._order = (metadata, order)
-        return self._order[1]
+            self._order = cached = (metadata, capturing, order)
+        return cached[2]
 
     def _step_has_decodes(self, metadata: AttentionMetadata) -> bool:
         if metadata.max_query_len == 1:
