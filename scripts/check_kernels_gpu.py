@@ -410,6 +410,71 @@ def gemv_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], None]) -> 
     return rows
 
 
+def gemv_graph_rows() -> list[dict[str, Any]]:
+    """Each projection as a decode step runs it: back to back inside a CUDA graph, cycling
+    over enough weight copies that none is in L2 (as with 32 layers). Per launch, one row:
+    cuBLAS, the configured tile, a few fixed tiles, and for the MLP's down projection the
+    activation folded in (``gated``) against ``silu_and_mul`` + the product."""
+    from pagedllm.layers import triton_ops
+
+    rows: list[dict[str, Any]] = []
+    configured = triton_ops.small_batch_matmul_config
+    fixed = [(64, 512, 4, 3, True), (64, 256, 4, 5, True), (32, 512, 4, 3, True),
+             (32, 128, 4, 3, True), (64, 128, 4, 3, True), (64, 128, 8, 1, False)]
+    gen = torch.Generator(device=DEVICE).manual_seed(41)
+    try:
+        for name, n, k in GEMV_SHAPES[:4]:
+            copies = max(2, -(-400_000_000 // (n * k * 2)))
+            weights = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
+                       for _ in range(copies)]
+            x = torch.randn(1, k, generator=gen, device=DEVICE).to(DTYPE)
+            gate_up = torch.randn(1, 2 * k, generator=gen, device=DEVICE).to(DTYPE)
+            variants: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
+                ("cublas", lambda w: F.linear(x, w)),
+                ("triton configured", lambda w: triton_ops.small_batch_matmul(x, w)),
+            ]
+            variants += [(f"triton {t}", lambda w: triton_ops.small_batch_matmul(x, w)) for t in fixed]
+            if name == "down":
+                variants += [
+                    ("silu_and_mul + triton configured",
+                     lambda w: triton_ops.small_batch_matmul(triton_ops.silu_and_mul(gate_up), w)),
+                    ("gated triton configured", lambda w: triton_ops.small_batch_matmul(gate_up, w, gated=True)),
+                    ("silu_and_mul + cublas", lambda w: F.linear(triton_ops.silu_and_mul(gate_up), w)),
+                ]
+            for label, op in variants:
+                tile = next((t for t in fixed if label == f"triton {t}"), None)
+                triton_ops.small_batch_matmul_config = (
+                    configured if tile is None else (lambda r, nn, kk, c=tile: c))
+                try:
+                    for w in weights:
+                        op(w)  # compile outside the capture
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        for w in weights:
+                            op(w)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(20):
+                        graph.replay()
+                    end.record()
+                    torch.cuda.synchronize()
+                    us = start.elapsed_time(end) * 1e3 / (20 * copies)
+                    rows.append(dict(shape=name, impl=label, us=us, tb_s=n * k * 2 / us / 1e6))
+                    del graph
+                except Exception as exc:
+                    rows.append(dict(shape=name, impl=label, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+            del weights
+            torch.cuda.empty_cache()
+    finally:
+        triton_ops.small_batch_matmul_config = configured
+    for r in rows:
+        print(f"{r['shape']:8} {r['impl']:42} " + (f"{r['us']:8.1f} us {r['tb_s']:5.2f} TB/s" if "us" in r else r["error"]))
+    return rows
+
+
 def best_layer_tile(rows: list[dict[str, Any]]) -> tuple[list[int | bool], float] | None:
     """The one-row tile with the least total time over a layer's four projections."""
     totals: dict[tuple, list[float]] = {}
@@ -461,6 +526,8 @@ def main() -> int:
     parser.add_argument("--gemv-budget-s", type=float, default=200.0)
     parser.add_argument("--gemv-tile-out", type=Path, default=None,
                         help="write the best single tile here (PAGEDLLM_GEMV_TILE format)")
+    parser.add_argument("--gemv-graph", action="store_true",
+                        help="time the one-row projections back to back in CUDA graphs")
     parser.add_argument("--skip-checks", action="store_true",
                         help="leave out the correctness checks and the standard timings")
     args = parser.parse_args()
@@ -493,6 +560,11 @@ def main() -> int:
 
         save_gemv(gemv_rows(args.gemv_budget_s, save_gemv))
         print_gemv(results["gemv"], args.gemv_tile_out)
+
+    if args.gemv_graph:
+        print("\none-row projections inside CUDA graphs, per launch")
+        results["gemv_graph"] = gemv_graph_rows()
+        save()
 
     if args.decode_order_sweep:
         def save_order(rows: list[dict[str, Any]]) -> None:
