@@ -413,8 +413,7 @@ def gemv_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], None]) -> 
 def gemv_graph_rows() -> list[dict[str, Any]]:
     """Each projection as a decode step runs it: back to back inside a CUDA graph, cycling
     over enough weight copies that none is in L2 (as with 32 layers). Per launch, one row:
-    cuBLAS, the configured tile, a few fixed tiles, and for the MLP's down projection the
-    activation folded in (``gated``) against ``silu_and_mul`` + the product."""
+    cuBLAS, the configured tile, and a few fixed tiles."""
     from pagedllm.layers import triton_ops
 
     rows: list[dict[str, Any]] = []
@@ -428,19 +427,11 @@ def gemv_graph_rows() -> list[dict[str, Any]]:
             weights = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
                        for _ in range(copies)]
             x = torch.randn(1, k, generator=gen, device=DEVICE).to(DTYPE)
-            gate_up = torch.randn(1, 2 * k, generator=gen, device=DEVICE).to(DTYPE)
             variants: list[tuple[str, Callable[[torch.Tensor], Any]]] = [
                 ("cublas", lambda w: F.linear(x, w)),
                 ("triton configured", lambda w: triton_ops.small_batch_matmul(x, w)),
             ]
             variants += [(f"triton {t}", lambda w: triton_ops.small_batch_matmul(x, w)) for t in fixed]
-            if name == "down":
-                variants += [
-                    ("silu_and_mul + triton configured",
-                     lambda w: triton_ops.small_batch_matmul(triton_ops.silu_and_mul(gate_up), w)),
-                    ("gated triton configured", lambda w: triton_ops.small_batch_matmul(gate_up, w, gated=True)),
-                    ("silu_and_mul + cublas", lambda w: F.linear(triton_ops.silu_and_mul(gate_up), w)),
-                ]
             for label, op in variants:
                 tile = next((t for t in fixed if label == f"triton {t}"), None)
                 triton_ops.small_batch_matmul_config = (

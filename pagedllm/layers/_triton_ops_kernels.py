@@ -135,16 +135,13 @@ def small_batch_matmul_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr,
-    GATED: tl.constexpr,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
     output columns over the whole of ``K`` (no split, so no second pass and no atomics).
 
     ``USE_DOT``: tensor-core tiles of ``BLOCK_M`` (>= 16) rows; else ``BLOCK_M == 1`` and
     the products accumulate lane-wise in float32 and are summed once at the end. Rows of
-    ``weight`` past ``N`` read row ``N - 1`` and are never stored. ``GATED``: the input
-    rows are ``[gate | up]`` (``2K`` wide) and the product takes ``silu(gate) * up``,
-    rounded as ``silu_and_mul_kernel`` rounds it.
+    ``weight`` past ``N`` read row ``N - 1`` and are never stored.
     """
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -167,11 +164,6 @@ def small_batch_matmul_kernel(
             w = tl.load(w_rows + k[None, :], mask=k_valid[None, :], other=0.0)
             x_mask = m_valid[:, None] & k_valid[None, :]
         x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
-        if GATED:
-            up = tl.load(x_rows + K + k[None, :], mask=x_mask, other=0.0)
-            gate = x.to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype)
-            x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w))
         else:

@@ -209,13 +209,12 @@ def use_small_batch_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def small_batch_matmul_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, bool]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot)`` of ``small_batch_matmul``.
 
-    From a sweep on an H200 over Llama-3.1-8B's projections at 1, 4 and 8 rows
-    (``scripts/check_kernels_gpu.py --gemv-sweep``): tensor-core tiles throughout; 512-wide
-    K tiles for the long reduction of the MLP's down projection, narrow 128-wide ones with
-    many programs for the widest outputs (the MLP's gate/up, the LM head), and 64 x 256
-    tiles five stages deep for the attention projections. The best tiles were 3-6% faster
-    than cuBLAS there (timed alone), and L1 went from 4.99 to 4.85 ms per token with one
-    tile for all shapes.
+    From timings on an H200 of Llama-3.1-8B's one-row projections, back to back inside a CUDA
+    graph with the weights out of L2 (``scripts/check_kernels_gpu.py --gemv-graph``), all
+    tensor-core tiles: 32 x 512 for outputs up to 4,096 wide (o_proj 11.5 us against
+    cuBLAS's 12.6, down 30.9 against 31.3), 64 x 512 up to 16k (qkv 15.1 against 15.3),
+    and narrow 128-wide K tiles with many programs above (gate/up 58.1 against 64.9; the
+    LM head). ``--gemv-sweep`` gave the same order at 4 and 8 rows.
 
     ``PAGEDLLM_GEMV_TILE="BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma"`` overrides it
     (``fma`` only for one row), to measure candidates on whole workloads.
@@ -232,17 +231,15 @@ def small_batch_matmul_config(rows: int, n: int, k: int) -> tuple[int, int, int,
             raise ValueError(f"{GEMV_TILE_ENV}={value!r}: the mode is dot or fma and the "
                              "blocks are powers of two >= 16.")
         return block_n, block_k, num_warps, num_stages, mode == "dot" or rows > 1
-    if k >= 8192:
+    if n <= 4096:
         return 32, 512, 4, 3, True
-    if n >= 65536:
-        return 64, 128, 4, 3, True
-    if n >= 16384:
-        return 32, 128, 4, 3, True
-    return 64, 256, 4, 5, True
+    if n < 16384:
+        return 64, 512, 4, 3, True
+    return 64, 128, 4, 3, True
 
 
 def small_batch_matmul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x: [M, K]`` with ``M <= 16``, ``weight: [N, K]`` -> ``[M, N]``.
 
@@ -251,19 +248,13 @@ def small_batch_matmul(
     pass for the narrow shapes. Here one program owns ``BLOCK_N`` output columns over the
     whole of ``K``, accumulating in float32; a row's result does not depend on the other
     rows of the batch.
-
-    ``gated=True``: ``x`` is a ``[M, 2K]`` gate/up projection and the product is
-    ``silu_and_mul(x) @ weight.T`` (an MLP's down projection with its activation folded
-    in, one launch less per layer).
     """
     k = _kernels()
     rows, in_features = x.shape
-    if gated:
-        in_features //= 2
     out_features = weight.shape[0]
-    if rows > 16 or weight.shape[1] != in_features or (gated and x.shape[1] != 2 * in_features):
-        raise ValueError(f"small_batch_matmul takes [M <= 16, K] @ [N, K].T ([M, 2K] when gated), "
-                         f"got {tuple(x.shape)} and {tuple(weight.shape)}.")
+    if rows > 16 or weight.shape[1] != in_features:
+        raise ValueError(f"small_batch_matmul takes [M <= 16, K] @ [N, K].T, got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}.")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
@@ -281,7 +272,6 @@ def small_batch_matmul(
         HAS_BIAS=bias is not None,
         EVEN_K=in_features % block_k == 0,
         USE_DOT=use_dot,
-        GATED=gated,
         num_warps=num_warps,
         num_stages=num_stages,
     )

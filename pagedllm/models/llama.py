@@ -33,7 +33,6 @@ from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import Embedding, FusedLinear, Linear, linear
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters_from_hf
-from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
 
 # (fused module, checkpoint module, shard) — a checkpoint name containing ".{checkpoint
 # module}." is loaded into that shard of the fused module.
@@ -167,11 +166,7 @@ class LlamaMLP(nn.Module):
         self.act = GatedActivation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        down = self.down_proj
-        if self.act.is_silu and use_small_batch_matmul(gate_up, down.weight):
-            return small_batch_matmul(gate_up, down.weight, down.bias, gated=True)
-        return down(self.act(gate_up))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
