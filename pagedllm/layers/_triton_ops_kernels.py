@@ -136,6 +136,7 @@ def small_batch_matmul_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr,
+    SILU_GATED: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
@@ -144,6 +145,10 @@ def small_batch_matmul_kernel(
     ``USE_DOT``: tensor-core tiles of ``BLOCK_M`` (>= 16) rows; else ``BLOCK_M == 1`` and
     the products accumulate lane-wise in float32 and are summed once at the end. Rows of
     ``weight`` past ``N`` read row ``N - 1`` and are never stored.
+
+    ``SILU_GATED``: ``weight`` is ``[gate; up]`` (``2N`` rows) and the program multiplies its
+    columns of both, storing ``silu(gate) * up`` rounded as ``silu_and_mul_kernel`` rounds
+    the two products (an MLP's gate/up projection with its activation, ``N`` wide).
 
     ``PREFETCH``: after its own product, each program asks L2 to fetch its share of the
     ``prefetch_chunks`` 4 KiB chunks at ``prefetch_ptr`` (the next layer weight to be read),
@@ -156,30 +161,49 @@ def small_batch_matmul_kernel(
     m = tl.arange(0, BLOCK_M)
     m_valid = m < M
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    up_rows = w_rows + N * stride_wn
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros_like(acc)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + k[None, :])
+            if SILU_GATED:
+                w_up = tl.load(up_rows + k[None, :])
             x_mask = m_valid[:, None]
         else:
             k_valid = k < K
             w = tl.load(w_rows + k[None, :], mask=k_valid[None, :], other=0.0)
+            if SILU_GATED:
+                w_up = tl.load(up_rows + k[None, :], mask=k_valid[None, :], other=0.0)
             x_mask = m_valid[:, None] & k_valid[None, :]
         x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w))
+            if SILU_GATED:
+                acc_up += tl.dot(x, tl.trans(w_up))
         else:
             acc += w.to(tl.float32) * x.to(tl.float32)
+            if SILU_GATED:
+                acc_up += w_up.to(tl.float32) * x.to(tl.float32)
     if USE_DOT:
         out = acc
+        up = acc_up
     else:
         out = tl.sum(acc, 1)[None, :]
+        up = tl.sum(acc_up, 1)[None, :]
     if HAS_BIAS:
         out += tl.load(bias_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+        if SILU_GATED:
+            up += tl.load(bias_ptr + N + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    if SILU_GATED:
+        dtype = out_ptr.dtype.element_ty
+        gate = out.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        out = act.to(tl.float32) * up.to(dtype).to(tl.float32)
     tl.store(
         out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
         out.to(out_ptr.dtype.element_ty),

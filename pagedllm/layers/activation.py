@@ -35,8 +35,12 @@ class GatedActivation(nn.Module):
         self.hidden_act = hidden_act
         self._fn = _ACTIVATIONS[hidden_act]
 
+    @property
+    def is_silu(self) -> bool:
+        return self._fn is F.silu
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self._fn is F.silu and gate_up.dim() == 2 and use_fused_ops(gate_up):
+        if self.is_silu and gate_up.dim() == 2 and use_fused_ops(gate_up):
             return silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self._fn(gate) * up

@@ -260,6 +260,7 @@ def small_batch_matmul(
     bias: torch.Tensor | None = None,
     *,
     prefetch: torch.Tensor | None = None,
+    silu_gated: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x: [M, K]`` with ``M <= 16``, ``weight: [N, K]`` -> ``[M, N]``.
 
@@ -269,6 +270,10 @@ def small_batch_matmul(
     whole of ``K``, accumulating in float32; a row's result does not depend on the other
     rows of the batch.
 
+    ``silu_gated=True``: ``weight`` stacks ``[gate; up]`` (``2N`` rows) and the result is
+    ``silu_and_mul(x @ weight.T + bias)``, ``[M, N]``: the activation of an MLP rides on its
+    gate/up product, one launch and one round trip of the ``[M, 2N]`` product less.
+
     ``prefetch`` (optional, a CUDA tensor such as the next projection's weight): once done,
     the kernel starts an asynchronous L2 prefetch of its first ``L2_PREFETCH_MAX_BYTES``
     (whole 4 KiB chunks), so that the next product reads that much from L2 instead of HBM
@@ -276,18 +281,20 @@ def small_batch_matmul(
     """
     k = _kernels()
     rows, in_features = x.shape
-    out_features = weight.shape[0]
-    if rows > 16 or weight.shape[1] != in_features:
-        raise ValueError(f"small_batch_matmul takes [M <= 16, K] @ [N, K].T, got {tuple(x.shape)} "
-                         f"and {tuple(weight.shape)}.")
+    out_features = weight.shape[0] // 2 if silu_gated else weight.shape[0]
+    if rows > 16 or weight.shape[1] != in_features or (silu_gated and weight.shape[0] % 2):
+        raise ValueError(f"small_batch_matmul takes [M <= 16, K] @ [N, K].T (N even when "
+                         f"silu_gated), got {tuple(x.shape)} and {tuple(weight.shape)}.")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
     block_n, block_k, num_warps, num_stages, use_dot = small_batch_matmul_config(
-        rows, out_features, in_features
+        rows, weight.shape[0], in_features
     )
+    if silu_gated:  # two weight tiles per program: the same bytes in flight as the plain tile
+        block_n = max(16, block_n // 2)
     prefetch_chunks = 0
     if (prefetch is not None and prefetch.is_cuda and prefetch.is_contiguous()
             and _l2_prefetch_enabled(prefetch.device.index or 0)):
@@ -303,6 +310,7 @@ def small_batch_matmul(
         HAS_BIAS=bias is not None,
         EVEN_K=in_features % block_k == 0,
         USE_DOT=use_dot,
+        SILU_GATED=silu_gated,
         PREFETCH=prefetch_chunks > 0,
         num_warps=num_warps,
         num_stages=num_stages,

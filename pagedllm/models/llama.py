@@ -33,6 +33,7 @@ from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import Embedding, FusedLinear, Linear, linear
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters_from_hf
+from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
 
 # (fused module, checkpoint module, shard) — a checkpoint name containing ".{checkpoint
 # module}." is loaded into that shard of the fused module.
@@ -168,7 +169,12 @@ class LlamaMLP(nn.Module):
         self.act = GatedActivation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if self.act.is_silu and use_small_batch_matmul(x, gate_up.weight):
+            # A decode step of a few sequences: the activation rides on the gate/up product.
+            activated = small_batch_matmul(x, gate_up.weight, gate_up.bias, silu_gated=True)
+            return self.down_proj(activated)
+        return self.down_proj(self.act(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -202,3 +202,23 @@ def test_prefetching_the_next_weight_changes_no_result() -> None:
     got = triton_ops.small_batch_matmul(x, weight, prefetch=following)
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode, rows", [("dot", 1), ("dot", 3), ("fma", 1)])
+def test_silu_gated_small_batch_matmul_is_silu_and_mul_of_the_product(monkeypatch, mode, rows) -> None:
+    """``[gate; up]`` weights with a bias and an uneven K: the same values, and the same
+    roundings, as the product followed by ``silu_and_mul``."""
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k: SMALL_BATCH_TILES[mode])
+    dtype = DOT_DTYPE if mode == "dot" else torch.bfloat16
+    x = _rand(rows, 200, dtype=dtype, seed=24)
+    weight = _rand(2 * 45, 200, dtype=dtype, seed=25) * 0.2
+    bias = _rand(2 * 45, dtype=dtype, seed=26)
+    gate, up = (x.float() @ weight.float().T + bias.float()).to(dtype).float().chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype)
+    got = triton_ops.small_batch_matmul(x, weight, bias, silu_gated=True)
+    assert got.shape == (rows, 45)
+    # bf16: four roundings (the interpreter truncates) may each move a value by one step.
+    tol = 4e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="N even"):
+        triton_ops.small_batch_matmul(x, weight[:89], silu_gated=True)
