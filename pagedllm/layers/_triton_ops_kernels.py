@@ -129,7 +129,6 @@ def gumbel_sample_kernel(
 def small_batch_matmul_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
-    prefetch_ptr, prefetch_chunks,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -137,7 +136,6 @@ def small_batch_matmul_kernel(
     EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     SILU_GATED: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
     output columns over the whole of ``K`` (no split, so no second pass and no atomics).
@@ -149,10 +147,6 @@ def small_batch_matmul_kernel(
     ``SILU_GATED``: ``weight`` is ``[gate; up]`` (``2N`` rows) and the program multiplies its
     columns of both, storing ``silu(gate) * up`` rounded as ``silu_and_mul_kernel`` rounds
     the two products (an MLP's gate/up projection with its activation, ``N`` wide).
-
-    ``PREFETCH``: after its own product, each program asks L2 to fetch its share of the
-    ``prefetch_chunks`` 4 KiB chunks at ``prefetch_ptr`` (the next layer weight to be read),
-    which arrive while the kernels between the two products run.
     """
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -209,24 +203,3 @@ def small_batch_matmul_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=m_valid[:, None] & n_valid[None, :],
     )
-    if PREFETCH:
-        _prefetch_to_l2(prefetch_ptr, prefetch_chunks, pid, tl.num_programs(0))
-
-
-@triton.jit
-def _prefetch_to_l2(base_ptr, num_chunks, part, num_parts, BLOCK: tl.constexpr = 128):
-    """Part ``part`` of ``num_parts`` of an asynchronous L2 prefetch of ``num_chunks`` 4 KiB
-    chunks from ``base_ptr`` (16-byte aligned): one bulk prefetch per chunk (Hopper's
-    ``cp.async.bulk.prefetch.L2``), a hint that neither blocks nor faults the program."""
-    per_part = tl.cdiv(num_chunks, num_parts)
-    base = base_ptr.to(tl.pointer_type(tl.int8))
-    for start in range(0, per_part, BLOCK):
-        chunk = tl.minimum(part * per_part + start + tl.arange(0, BLOCK), num_chunks - 1)
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], 4096;\n\tmov.u32 $0, 0;",
-            "=r,l",
-            [base + chunk.to(tl.int64) * 4096],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )

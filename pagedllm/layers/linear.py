@@ -19,20 +19,11 @@ from torch import nn
 from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
 
 
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    prefetch: torch.Tensor | None = None,
-) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``; small CUDA batches (decode steps of a few sequences) take the
-    Triton matrix-vector kernel (``triton_ops.small_batch_matmul``), the rest BLAS.
-
-    ``prefetch``: a weight the caller multiplies by next, with only small kernels between;
-    the matrix-vector kernel starts pulling it into L2 (large batches ignore it: their
-    products are not bound by reading the weights)."""
+    Triton matrix-vector kernel (``triton_ops.small_batch_matmul``), the rest BLAS."""
     if use_small_batch_matmul(x, weight):
-        return small_batch_matmul(x, weight, bias, prefetch=prefetch)
+        return small_batch_matmul(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -48,8 +39,8 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         )
 
-    def forward(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, prefetch)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

@@ -238,28 +238,11 @@ def small_batch_matmul_config(rows: int, n: int, k: int) -> tuple[int, int, int,
     return 64, 128, 4, 3, True
 
 
-L2_PREFETCH_ENV = "PAGEDLLM_L2_PREFETCH"
-PREFETCH_CHUNK_BYTES = 4096
-# At most this much of a tensor is prefetched: well inside the 50 MB L2 of an H100/H200.
-L2_PREFETCH_MAX_BYTES = 32 << 20
-
-
-@functools.cache
-def _l2_prefetch_enabled(device_index: int) -> bool:
-    """Hopper or newer (bulk L2 prefetch), natively compiled, and not ``PAGEDLLM_L2_PREFETCH=0``."""
-    return (
-        os.environ.get(L2_PREFETCH_ENV, "1") != "0"
-        and os.environ.get("TRITON_INTERPRET") != "1"
-        and torch.cuda.get_device_capability(device_index)[0] >= 9
-    )
-
-
 def small_batch_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    prefetch: torch.Tensor | None = None,
     silu_gated: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x: [M, K]`` with ``M <= 16``, ``weight: [N, K]`` -> ``[M, N]``.
@@ -273,11 +256,6 @@ def small_batch_matmul(
     ``silu_gated=True``: ``weight`` stacks ``[gate; up]`` (``2N`` rows) and the result is
     ``silu_and_mul(x @ weight.T + bias)``, ``[M, N]``: the activation of an MLP rides on its
     gate/up product, one launch and one round trip of the ``[M, 2N]`` product less.
-
-    ``prefetch`` (optional, a CUDA tensor such as the next projection's weight): once done,
-    the kernel starts an asynchronous L2 prefetch of its first ``L2_PREFETCH_MAX_BYTES``
-    (whole 4 KiB chunks), so that the next product reads that much from L2 instead of HBM
-    (Hopper GPUs and newer; ignored elsewhere and under ``PAGEDLLM_L2_PREFETCH=0``).
     """
     k = _kernels()
     rows, in_features = x.shape
@@ -295,15 +273,9 @@ def small_batch_matmul(
     )
     if silu_gated:  # two weight tiles per program: the same bytes in flight as the plain tile
         block_n = max(16, block_n // 2)
-    prefetch_chunks = 0
-    if (prefetch is not None and prefetch.is_cuda and prefetch.is_contiguous()
-            and _l2_prefetch_enabled(prefetch.device.index or 0)):
-        size = min(prefetch.numel() * prefetch.element_size(), L2_PREFETCH_MAX_BYTES)
-        prefetch_chunks = size // PREFETCH_CHUNK_BYTES
     k.small_batch_matmul_kernel[(k.cdiv(out_features, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         rows, out_features, in_features, x.stride(0), weight.stride(0), out.stride(0),
-        prefetch if prefetch_chunks else weight, prefetch_chunks,
         BLOCK_M=16 if use_dot else 1,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -311,7 +283,6 @@ def small_batch_matmul(
         EVEN_K=in_features % block_k == 0,
         USE_DOT=use_dot,
         SILU_GATED=silu_gated,
-        PREFETCH=prefetch_chunks > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -141,9 +141,7 @@ class LlamaAttentionBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        # Only rope and attention run between the two projections: a small batch's qkv
-        # product starts fetching o_proj's weight into L2.
-        qkv = self.qkv_proj(hidden, prefetch=self.o_proj.weight)
+        qkv = self.qkv_proj(hidden)
         v = qkv[:, self.q_size + self.kv_size :]
         if self.qk_norm:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
