@@ -16,6 +16,10 @@
 #   w1-small W1 on qwen3-0.6b (the host-overhead-bound regime)
 #   sync     W1 on both models again with --no-async-scheduling: what hiding the host's
 #            work behind the GPU gains, measured in the same run
+#   ab       for each setting in $GPU_BENCH_AB (space-separated VAR=value, e.g.
+#            "PAGEDLLM_PDL=1 PAGEDLLM_DECODE_TILE=32,2,2"), L1 and W1 on llama-3.1-8b with
+#            the setting, beside the same commands without it, into $OUT/ab.txt
+#            (only when GPU_BENCH_AB is set)
 #   report   $OUT/<date>-h200.json: one record per workload, and a table printed last
 # GPU_BENCH_STEPS="w1 latency" runs a subset of the steps (default: all); GPU_BENCH_TESTS
 # the test paths of the tests step.
@@ -39,6 +43,7 @@ if [ "$DRY" = "1" ]; then
     HF_PROMPTS=4 HF_LIMIT_S=30
     LAT_ARGS=(--input-len 16 --output-len 8 --prefill-len 64 --num-iters 2 --num-iters-warmup 1)
     LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120 LIMIT_SYNC=300
+    LIMIT_AB=300
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b
     read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine}"
@@ -47,10 +52,12 @@ else
     LIMIT_SYNC=${LIMIT_SYNC:-60}
     LAT_ARGS=()
     LIMIT_TESTS=${LIMIT_TESTS:-80} LIMIT_KERNELS=40 LIMIT_W1=${LIMIT_W1:-220} LIMIT_LAT=60 LIMIT_SMALL=50
+    LIMIT_AB=${LIMIT_AB:-200}
 fi
 
 HF_BACKENDS=${HF_BACKENDS:-hf,hf-cb}
-STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync}
+STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync ab}
+read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
 
 # step NAME LIMIT_S COMMAND...: run with a time limit, output to the terminal and the log.
 step() {
@@ -94,6 +101,28 @@ for model in "$BIG" "$SMALL"; do
         --load-format dummy "${W1_ARGS[@]}" --no-async-scheduling \
         --output-json "$OUT/sync-w1-$model.json"
 done
+
+# ab_pair SETTING: L1 and W1 without and with one VAR=value setting, each run under its
+# own time limit.
+ab_pair() {
+    local setting=$1 label start=$SECONDS
+    echo "=== ab: $setting" | tee -a "$LOG"
+    for label in without with; do
+        local env=()
+        [ "$label" = with ] && env=("$setting")
+        echo "--- $setting: $label" | tee -a "$OUT/ab.txt"
+        timeout -k 10 "$LIMIT_AB" env "${env[@]}" $PY -m pagedllm.benchmarks.latency \
+            --model "$BIG" --load-format dummy --workload L1 "${LAT_ARGS[@]}" 2>&1 \
+            | tee -a "$LOG" | grep -A1 "ms/token" | tail -1 | tee -a "$OUT/ab.txt"
+        timeout -k 10 "$LIMIT_AB" env "${env[@]}" $PY -m pagedllm.benchmarks.throughput \
+            --model "$BIG" --load-format dummy "${W1_ARGS[@]}" 2>&1 \
+            | tee -a "$LOG" | grep -E "^ *pagedllm " | tee -a "$OUT/ab.txt"
+    done
+    echo "ab 0 $((SECONDS - start))" >>"$OUT/steps.txt"
+}
+case " $STEPS " in
+    *" ab "*) for setting in "${AB_SETTINGS[@]}"; do ab_pair "$setting"; done ;;
+esac
 
 $PY scripts/gpu_bench_report.py --dir "$OUT" --date "$DATE" --dry "$DRY" \
     --big "$BIG" --small "$SMALL" --hf-prompts "$HF_PROMPTS" 2>&1 | tee -a "$LOG"
