@@ -92,13 +92,21 @@ def rotary_kernel(
     c = tl.load(cos_ptr + token * stride_ct + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + token * stride_ct + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     x_row = x_ptr + token * stride_xt + h[:, None] * stride_xh + d[None, :]
-    x1 = tl.load(x_row, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = tl.load(x_row + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1, y2 = rotate_half(x_row, c, s, mask, HALF)
+    dtype = x_ptr.dtype.element_ty
     o_row = out_ptr + token * stride_ot + h[:, None] * stride_oh + d[None, :]
-    tl.store(o_row, (x1 * c - x2 * s).to(dtype), mask=mask)
-    tl.store(o_row + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
+    tl.store(o_row, y1.to(dtype), mask=mask)
+    tl.store(o_row + HALF, y2.to(dtype), mask=mask)
+
+
+@triton.jit
+def rotate_half(x_row, c, s, mask, HALF: tl.constexpr):
+    """Loads the head rows at ``x_row`` (halves ``HALF`` elements apart) and returns the
+    rotated halves ``(x1 * c - x2 * s, x2 * c + x1 * s)`` in float32 (rounded once by the
+    caller, where it stores them)."""
+    x1 = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1 * c - x2 * s, x2 * c + x1 * s
 
 
 @triton.jit

@@ -142,20 +142,14 @@ class LlamaAttentionBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        q = qkv[:, : self.q_size]
+        k = qkv[:, self.q_size : self.q_size + self.kv_size]
         v = qkv[:, self.q_size + self.kv_size :]
         if self.qk_norm:
-            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
-            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
-            q = RotaryEmbedding.apply(q, cos, sin).flatten(1)
-            k = RotaryEmbedding.apply(k, cos, sin).flatten(1)
-        else:
-            # q and k heads are adjacent in the qkv rows: one rotation covers both.
-            heads = self.num_heads + self.num_kv_heads
-            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)
-            qk = RotaryEmbedding.apply(qk, cos, sin)
-            q, k = qk[:, : self.num_heads].flatten(1), qk[:, self.num_heads :].flatten(1)
-        return self.o_proj(self.attn(q, k, v))
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).flatten(1)
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).flatten(1)
+        # The attention layer applies the rope (on CUDA in the kernel that caches k and v).
+        return self.o_proj(self.attn(q, k, v, rotary=(cos, sin)))
 
 
 class LlamaMLP(nn.Module):

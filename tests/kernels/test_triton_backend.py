@@ -110,3 +110,26 @@ def test_a_large_decode_batch_starts_its_longest_sequences_first(monkeypatch) ->
     step = make_step(tuple((n, 1) for n in lengths), seed=7)
     backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, 0.25, None)
     assert orders[-1] is None
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_rotary_applied_by_the_backend_matches_the_reference(window) -> None:
+    """Unrotated q and k with ``rotary=(cos, sin)``: the Triton backend rotates them in the
+    cache-write kernel; output and cache agree with the reference backend's rope."""
+    from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    step = make_step(MIXED, num_heads=4, num_kv_heads=2, head_dim=16, seed=8)
+    rope = RotaryEmbedding(16, {"rope_type": "default", "rope_theta": 10000.0}).to(step.query.device)
+    positions = torch.arange(step.query.shape[0], device=step.query.device) * 7 % 41
+    rotary = rope(positions, step.query.dtype)
+    want_cache = step.kv_cache.clone()
+    want = TorchReferenceBackend().forward(
+        step.query, step.key, step.value, want_cache, step.metadata, 0.25, window, rotary=rotary
+    )
+    got = TritonAttentionBackend().forward(
+        step.query, step.key, step.value, step.kv_cache, step.metadata, 0.25, window, rotary=rotary
+    )
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+    torch.testing.assert_close(step.kv_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0),
+                               rtol=1e-6, atol=1e-6)

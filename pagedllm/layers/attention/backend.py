@@ -89,6 +89,10 @@ class AttentionBackend(Protocol):
     ``query``: [T, num_heads, head_dim]; ``key``/``value``: [T, num_kv_heads, head_dim];
     returns [T, num_heads, head_dim]. Causal within a sequence; sequences never see each
     other. ``sliding_window`` (tokens, or None) limits how far back a query looks.
+    ``rotary`` (``(cos, sin)``, each [T, head_dim // 2], or None): query and key still need
+    their rotary embedding (``RotaryEmbedding.apply``'s rotate-half), which the backend
+    applies before caching and attending (the Triton backend in the same kernel as the
+    cache write).
     """
 
     def forward(
@@ -100,4 +104,5 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...

@@ -14,6 +14,7 @@ from torch import nn
 from pagedllm.layers.attention.backend import get_forward_context
 from pagedllm.layers.attention.selector import get_attention_backend
 from pagedllm.layers.attention.torch_ref import causal_attention_without_cache
+from pagedllm.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -50,18 +51,28 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.backend = get_attention_backend()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``rotary=(cos, sin)`` (``[T, head_dim // 2]`` each): q and k are rotated first
+        (rotate-half rope), by the backend, which may fuse it with the KV-cache write."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
         if ctx.attn_metadata is None:
+            if rotary is not None:
+                q, k = (RotaryEmbedding.apply(x, *rotary) for x in (q, k))
             out = causal_attention_without_cache(q, k, v, self.scale, self.sliding_window)
         else:
             out = self.backend.forward(
                 q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
-                self.scale, self.sliding_window,
+                self.scale, self.sliding_window, rotary=rotary,
             )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 

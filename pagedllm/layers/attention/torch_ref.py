@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.attention.backend import AttentionMetadata
+from pagedllm.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -130,9 +131,12 @@ class TorchReferenceBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``. Rows past ``num_actual_tokens`` (padding) are
         neither written to the cache nor attended; their output is zero."""
+        if rotary is not None:
+            query, key = (RotaryEmbedding.apply(x, *rotary) for x in (query, key))
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
         n = metadata.num_actual_tokens

@@ -2,7 +2,8 @@
 
 One step runs at most three launches per layer::
 
-    write_kv_cache           new K/V -> their slots (slot -1 skipped)
+    write_kv_cache           new K/V -> their slots (slot -1 skipped); with ``rotary``,
+                             rotate_and_write_kv also applies the rope to q and k
     paged_prefill_attention  sequences with query_len > 1 (skipped when max_query_len == 1)
     paged_decode_attention   sequences with query_len == 1 (skipped when the step has none)
 
@@ -26,7 +27,7 @@ from pagedllm.layers.attention.triton_decode import (
     paged_decode_attention,
     wants_longest_first,
 )
-from pagedllm.layers.attention.triton_kv_write import write_kv_cache
+from pagedllm.layers.attention.triton_kv_write import rotate_and_write_kv, write_kv_cache
 from pagedllm.layers.attention.triton_prefill import paged_prefill_attention
 
 
@@ -78,12 +79,18 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``."""
         num_tokens = query.shape[0]
         n = metadata.num_actual_tokens
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping[:n])
+        if rotary is None:
+            write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping[:n])
+        else:
+            query = rotate_and_write_kv(
+                query, key, value, *rotary, key_cache, value_cache, metadata.slot_mapping, n
+            )
 
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if num_tokens > n:

@@ -9,6 +9,11 @@ cache slot ``slot_mapping[t]``::
 A negative slot (-1) marks a padding token (a step padded to a captured batch size): its
 program writes nothing. Values are cast to the cache's dtype on store. Offsets into the
 cache are computed in int64, so caches past 2**31 elements are addressed correctly.
+
+``rotate_and_write_kv`` does the same for keys that still need their rotary embedding, in
+the same launch: it rotates the step's queries and keys (rotate-half, as
+``triton_ops.rotary``) and writes the rotated keys, one kernel where the model would
+otherwise run two (rotary, then the write).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers._triton_ops_kernels import rotate_half
 from pagedllm.layers.attention.triton_common import unit_last_stride
 
 
@@ -47,27 +53,90 @@ def _write_kv_kernel(
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    block = slot // PAGE_SIZE
-    offset = slot % PAGE_SIZE
-
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-
     k = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    k_dst = key_cache_ptr + block * stride_kc_block + offset * stride_kc_slot
-    v_dst = value_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
-    tl.store(
-        k_dst + h[:, None] * stride_kc_head + d[None, :],
-        k.to(key_cache_ptr.dtype.element_ty),
-        mask=mask,
-    )
-    tl.store(
-        v_dst + h[:, None] * stride_vc_head + d[None, :],
-        v.to(value_cache_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    k_dst = key_cache_ptr + (slot // PAGE_SIZE) * stride_kc_block + (slot % PAGE_SIZE) * stride_kc_slot
+    v_dst = value_cache_ptr + (slot // PAGE_SIZE) * stride_vc_block + (slot % PAGE_SIZE) * stride_vc_slot
+    tl.store(k_dst + h[:, None] * stride_kc_head + d[None, :], k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst + h[:, None] * stride_vc_head + d[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_and_write_kv_kernel(
+    query_ptr,
+    key_ptr,
+    value_ptr,
+    cos_ptr,
+    sin_ptr,
+    query_out_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    num_actual_tokens,
+    stride_qt,
+    stride_qh,
+    stride_qot,
+    stride_qoh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """One token: its query heads rotated into ``query_out`` (every token, padding too, so
+    the attention reads defined values), then, for a real token with a slot, its key heads
+    rotated and its value heads copied into the cache. Rotated values are rounded to the
+    activation dtype before the cast to the cache's, as the rotary kernel followed by the
+    write would."""
+    token = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    d_valid = d < HALF
+    c = tl.load(cos_ptr + token * stride_ct + d, mask=d_valid, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + token * stride_ct + d, mask=d_valid, other=0.0).to(tl.float32)[None, :]
+    dtype = query_out_ptr.dtype.element_ty
+
+    qh = tl.arange(0, BLOCK_QH)
+    q_mask = (qh < NUM_HEADS)[:, None] & d_valid[None, :]
+    q1, q2 = rotate_half(query_ptr + token * stride_qt + qh[:, None] * stride_qh + d[None, :], c, s, q_mask, HALF)
+    q_dst = query_out_ptr + token * stride_qot + qh[:, None] * stride_qoh + d[None, :]
+    tl.store(q_dst, q1.to(dtype), mask=q_mask)
+    tl.store(q_dst + HALF, q2.to(dtype), mask=q_mask)
+
+    if token >= num_actual_tokens:
+        return
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)
+    kv_mask = (h < NUM_KV_HEADS)[:, None] & d_valid[None, :]
+    k1, k2 = rotate_half(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], c, s, kv_mask, HALF)
+    k_dst = (key_cache_ptr + (slot // PAGE_SIZE) * stride_kc_block + (slot % PAGE_SIZE) * stride_kc_slot
+             + h[:, None] * stride_kc_head + d[None, :])
+    cache_dtype = key_cache_ptr.dtype.element_ty
+    tl.store(k_dst, k1.to(dtype).to(cache_dtype), mask=kv_mask)
+    tl.store(k_dst + HALF, k2.to(dtype).to(cache_dtype), mask=kv_mask)
+    v_src = value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :]
+    v_dst = (value_cache_ptr + (slot // PAGE_SIZE) * stride_vc_block + (slot % PAGE_SIZE) * stride_vc_slot
+             + h[:, None] * stride_vc_head + d[None, :])
+    value_dtype = value_cache_ptr.dtype.element_ty
+    tl.store(v_dst, tl.load(v_src, mask=kv_mask).to(value_dtype), mask=kv_mask)
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask).to(value_dtype), mask=kv_mask)
 
 
 def write_kv_cache(
@@ -124,3 +193,61 @@ def write_kv_cache(
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 
+
+
+def rotate_and_write_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_actual_tokens: int,
+) -> torch.Tensor:
+    """Rotate ``query: [T, H, D]`` and ``key: [T, Hkv, D]`` by ``cos, sin: [T, D // 2]``
+    (rotate-half) and store the first ``num_actual_tokens`` rotated keys and their
+    ``value`` rows at ``slot_mapping`` (-1 = skip); returns the rotated queries, a new
+    ``[T, H, D]`` tensor in ``query``'s dtype. Arguments otherwise as ``write_kv_cache``.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if key.shape != value.shape or key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                         f"{tuple(value.shape)} must share tokens and head_dim.")
+    if head_dim % 2 or tuple(cos.shape) != (num_tokens, head_dim // 2) or cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must be [tokens, head_dim // 2] = [{num_tokens}, {head_dim // 2}], "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}.")
+    if slot_mapping.shape[0] < num_actual_tokens:
+        raise ValueError(f"slot_mapping holds {slot_mapping.shape[0]} slots for {num_actual_tokens} tokens.")
+    _, block_size, cache_heads, cache_dim = key_cache.shape
+    if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"KV cache holds [{cache_heads} heads, {cache_dim} dims] per slot but the keys are "
+            f"[{num_kv_heads}, {head_dim}]."
+        )
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("KV cache must be contiguous along head_dim.")
+    query, key, value = unit_last_stride(query), unit_last_stride(key), unit_last_stride(value)
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    _rotate_and_write_kv_kernel[(num_tokens,)](
+        query, key, value, cos, sin, out, key_cache, value_cache, slot_mapping, num_actual_tokens,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=head_dim // 2,
+        BLOCK_QH=triton.next_power_of_2(num_heads),
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        PAGE_SIZE=block_size,
+        num_warps=4,
+    )
+    return out
