@@ -139,6 +139,21 @@ def _rotate_and_write_kv_kernel(
     tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask).to(value_dtype), mask=kv_mask)
 
 
+def _cache_block_size(key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_heads: int,
+                      head_dim: int) -> int:
+    """The caches' block size; raises ValueError unless they hold ``[num_kv_heads, head_dim]``
+    per slot, contiguous along ``head_dim``."""
+    _, block_size, cache_heads, cache_dim = key_cache.shape
+    if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"KV cache holds [{cache_heads} heads, {cache_dim} dims] per slot but the keys are "
+            f"[{num_kv_heads}, {head_dim}]."
+        )
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("KV cache must be contiguous along head_dim.")
+    return block_size
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -161,14 +176,7 @@ def write_kv_cache(
             f"slot_mapping holds {slot_mapping.shape[0]} slots for {num_tokens} tokens."
         )
     key, value = unit_last_stride(key), unit_last_stride(value)
-    _, block_size, cache_heads, cache_dim = key_cache.shape
-    if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"KV cache holds [{cache_heads} heads, {cache_dim} dims] per slot but the keys are "
-            f"[{num_kv_heads}, {head_dim}]."
-        )
-    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("KV cache must be contiguous along head_dim.")
+    block_size = _cache_block_size(key_cache, value_cache, num_kv_heads, head_dim)
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -221,14 +229,7 @@ def rotate_and_write_kv(
                          f"got {tuple(cos.shape)} and {tuple(sin.shape)}.")
     if slot_mapping.shape[0] < num_actual_tokens:
         raise ValueError(f"slot_mapping holds {slot_mapping.shape[0]} slots for {num_actual_tokens} tokens.")
-    _, block_size, cache_heads, cache_dim = key_cache.shape
-    if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"KV cache holds [{cache_heads} heads, {cache_dim} dims] per slot but the keys are "
-            f"[{num_kv_heads}, {head_dim}]."
-        )
-    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("KV cache must be contiguous along head_dim.")
+    block_size = _cache_block_size(key_cache, value_cache, num_kv_heads, head_dim)
     query, key, value = unit_last_stride(query), unit_last_stride(key), unit_last_stride(value)
     if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()
