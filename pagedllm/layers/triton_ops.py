@@ -32,14 +32,15 @@ FUSED_OPS_ENV = "PAGEDLLM_FUSED_OPS"
 
 
 @functools.cache
-def _fused_ops_enabled() -> bool:
+def fused_ops_enabled() -> bool:
+    """``PAGEDLLM_FUSED_OPS`` is not ``0`` and triton is installed (the device aside)."""
     return (os.environ.get(FUSED_OPS_ENV, "1") != "0"
             and importlib.util.find_spec("triton") is not None)
 
 
 def use_fused_ops(x: torch.Tensor) -> bool:
     """True when ``x`` lives on a CUDA device and the fused kernels are enabled."""
-    return x.is_cuda and _fused_ops_enabled()
+    return x.is_cuda and fused_ops_enabled()
 
 
 @functools.cache

@@ -112,12 +112,25 @@ def test_a_large_decode_batch_starts_its_longest_sequences_first(monkeypatch) ->
     assert orders[-1] is None
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["rope-in-kv-write", "fused-ops-off"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_rotary_applied_by_the_backend_matches_the_reference(window) -> None:
+def test_rotary_applied_by_the_backend_matches_the_reference(window, fused, monkeypatch, request) -> None:
     """Unrotated q and k with ``rotary=(cos, sin)``: the Triton backend rotates them in the
-    cache-write kernel; output and cache agree with the reference backend's rope."""
+    cache-write kernel (with PAGEDLLM_FUSED_OPS=0, by the torch rope before the plain write);
+    output and cache agree with the reference backend's rope."""
+    from pagedllm.layers import triton_ops
+    from pagedllm.layers.attention import triton_backend
     from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
     from pagedllm.layers.rotary import RotaryEmbedding
+
+    fused_calls = []
+    original = triton_backend.rotate_and_write_kv
+    monkeypatch.setattr(triton_backend, "rotate_and_write_kv",
+                        lambda *a: fused_calls.append(1) or original(*a))
+    if not fused:
+        monkeypatch.setenv(triton_ops.FUSED_OPS_ENV, "0")
+    triton_ops.fused_ops_enabled.cache_clear()
+    request.addfinalizer(triton_ops.fused_ops_enabled.cache_clear)  # later tests read it afresh
 
     step = make_step(MIXED, num_heads=4, num_kv_heads=2, head_dim=16, seed=8)
     rope = RotaryEmbedding(16, {"rope_type": "default", "rope_theta": 10000.0}).to(step.query.device)
@@ -133,3 +146,4 @@ def test_rotary_applied_by_the_backend_matches_the_reference(window) -> None:
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
     torch.testing.assert_close(step.kv_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0),
                                rtol=1e-6, atol=1e-6)
+    assert len(fused_calls) == (1 if fused else 0)

@@ -29,6 +29,8 @@ from pagedllm.layers.attention.triton_decode import (
 )
 from pagedllm.layers.attention.triton_kv_write import rotate_and_write_kv, write_kv_cache
 from pagedllm.layers.attention.triton_prefill import paged_prefill_attention
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.triton_ops import fused_ops_enabled
 
 
 class TritonAttentionBackend:
@@ -85,6 +87,9 @@ class TritonAttentionBackend:
         num_tokens = query.shape[0]
         n = metadata.num_actual_tokens
         key_cache, value_cache = kv_cache[0], kv_cache[1]
+        if rotary is not None and not fused_ops_enabled():  # PAGEDLLM_FUSED_OPS=0: torch rope
+            query, key = (RotaryEmbedding.apply(x, *rotary) for x in (query, key))
+            rotary = None
         if rotary is None:
             write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping[:n])
         else:
