@@ -30,10 +30,7 @@ def rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:  # the next kernel may start (and wait for this one's results)
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     token = row // heads
     head = row % heads
@@ -147,7 +144,6 @@ def small_batch_matmul_kernel(
     EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     SILU_GATED: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
     output columns over the whole of ``K`` (no split, so no second pass and no atomics).
@@ -159,10 +155,6 @@ def small_batch_matmul_kernel(
     ``SILU_GATED``: ``weight`` is ``[gate; up]`` (``2N`` rows) and the program multiplies its
     columns of both, storing ``silu(gate) * up`` rounded as ``silu_and_mul_kernel`` rounds
     the two products (an MLP's gate/up projection with its activation, ``N`` wide).
-
-    ``PDL`` (launched as a programmatic dependent launch): the program lets the next kernel
-    launch at once, reads its first weight tile (weights are never written) and only then
-    waits for the previous kernel, which writes ``x`` and may still read ``out``'s memory.
     """
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -177,20 +169,28 @@ def small_batch_matmul_kernel(
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros_like(acc)
-    k_first = 0
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        k = tl.arange(0, BLOCK_K)
-        w, w_up = _weight_tiles(w_rows, up_rows, k, K, EVEN_K, SILU_GATED)
-        tl.extra.cuda.gdc_wait()
-        x = _input_tile(x_rows, m_valid, k, K, EVEN_K)
-        acc, acc_up = _accumulate(acc, acc_up, x, w, w_up, USE_DOT, SILU_GATED)
-        k_first = BLOCK_K
-    for k0 in range(k_first, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        w, w_up = _weight_tiles(w_rows, up_rows, k, K, EVEN_K, SILU_GATED)
-        x = _input_tile(x_rows, m_valid, k, K, EVEN_K)
-        acc, acc_up = _accumulate(acc, acc_up, x, w, w_up, USE_DOT, SILU_GATED)
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :])
+            if SILU_GATED:
+                w_up = tl.load(up_rows + k[None, :])
+            x_mask = m_valid[:, None]
+        else:
+            k_valid = k < K
+            w = tl.load(w_rows + k[None, :], mask=k_valid[None, :], other=0.0)
+            if SILU_GATED:
+                w_up = tl.load(up_rows + k[None, :], mask=k_valid[None, :], other=0.0)
+            x_mask = m_valid[:, None] & k_valid[None, :]
+        x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
+        if USE_DOT:
+            acc += tl.dot(x, tl.trans(w))
+            if SILU_GATED:
+                acc_up += tl.dot(x, tl.trans(w_up))
+        else:
+            acc += w.to(tl.float32) * x.to(tl.float32)
+            if SILU_GATED:
+                acc_up += w_up.to(tl.float32) * x.to(tl.float32)
     if USE_DOT:
         out = acc
         up = acc_up
@@ -211,42 +211,3 @@ def small_batch_matmul_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=m_valid[:, None] & n_valid[None, :],
     )
-
-
-@triton.jit
-def _weight_tiles(w_rows, up_rows, k, K, EVEN_K: tl.constexpr, SILU_GATED: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_K]`` weight tile at columns ``k`` (and its up-projection twin
-    when ``SILU_GATED``; else the same tile again)."""
-    if EVEN_K:
-        w = tl.load(w_rows + k[None, :])
-    else:
-        w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-    w_up = w
-    if SILU_GATED:
-        if EVEN_K:
-            w_up = tl.load(up_rows + k[None, :])
-        else:
-            w_up = tl.load(up_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-    return w, w_up
-
-
-@triton.jit
-def _input_tile(x_rows, m_valid, k, K, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        mask = m_valid[:, None]
-    else:
-        mask = m_valid[:, None] & (k < K)[None, :]
-    return tl.load(x_rows + k[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _accumulate(acc, acc_up, x, w, w_up, USE_DOT: tl.constexpr, SILU_GATED: tl.constexpr):
-    if USE_DOT:
-        acc += tl.dot(x, tl.trans(w))
-        if SILU_GATED:
-            acc_up += tl.dot(x, tl.trans(w_up))
-    else:
-        acc += w.to(tl.float32) * x.to(tl.float32)
-        if SILU_GATED:
-            acc_up += w_up.to(tl.float32) * x.to(tl.float32)
-    return acc, acc_up

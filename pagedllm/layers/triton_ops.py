@@ -51,33 +51,6 @@ def _kernels():
     return _triton_ops_kernels
 
 
-PDL_ENV = "PAGEDLLM_PDL"
-
-
-@functools.cache
-def _pdl_supported(device_index: int) -> bool:
-    return (
-        os.environ.get(PDL_ENV) == "1"
-        and os.environ.get("TRITON_INTERPRET") != "1"
-        and torch.cuda.get_device_capability(device_index)[0] >= 9
-    )
-
-
-def uses_pdl(x: torch.Tensor) -> bool:
-    """Whether kernels on ``x``'s device overlap through programmatic dependent launch
-    (``PAGEDLLM_PDL=1``, Hopper or newer; off by default until measured).
-
-    Then the small-batch matmul is launched as a dependent: it starts reading its weights
-    while the kernel before it (RMSNorm, decode attention, another product) finishes, and
-    waits on it (``gdc_wait``) before reading its input or writing anything. Those kernels
-    let dependents launch as soon as they start (``gdc_launch_dependents``). Every other
-    launch keeps the stream's full ordering.
-    """
-    if not x.is_cuda:
-        return False
-    return _pdl_supported(x.device.index if x.device.index is not None else torch.cuda.current_device())
-
-
 def _norm_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
@@ -127,7 +100,7 @@ def rms_norm(
         heads, stride_t, stride_h,
         residual.stride(0) if residual is not None else 0,
         eps,
-        N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, LAUNCH_DEPENDENTS=uses_pdl(x),
+        N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
         num_warps=_norm_warps(block),
     )
     return (out, residual_out) if residual is not None else out
@@ -301,7 +274,6 @@ def small_batch_matmul(
     )
     if silu_gated:  # two weight tiles per program: the same bytes in flight as the plain tile
         block_n = max(16, block_n // 2)
-    pdl = uses_pdl(x)
     k.small_batch_matmul_kernel[(k.cdiv(out_features, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         rows, out_features, in_features, x.stride(0), weight.stride(0), out.stride(0),
@@ -312,9 +284,7 @@ def small_batch_matmul(
         EVEN_K=in_features % block_k == 0,
         USE_DOT=use_dot,
         SILU_GATED=silu_gated,
-        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
-        launch_pdl=pdl,
     )
     return out

@@ -210,38 +210,3 @@ def test_silu_gated_small_batch_matmul_is_silu_and_mul_of_the_product(monkeypatc
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="N even"):
         triton_ops.small_batch_matmul(x, weight[:89], silu_gated=True)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs a Hopper GPU")
-def test_programmatic_dependent_launch_changes_no_result(monkeypatch) -> None:
-    """A norm, then the products launched as dependents that read weights before waiting."""
-    x = _rand(3, 512, dtype=torch.bfloat16, seed=27)
-    residual = _rand(3, 512, dtype=torch.bfloat16, seed=28)
-    norm_weight = _rand(512, dtype=torch.bfloat16, seed=29)
-    weight = _rand(2 * 384, 512, dtype=torch.bfloat16, seed=30) * 0.1
-
-    def chain():
-        normed, _ = triton_ops.rms_norm(x, norm_weight, 1e-6, residual)
-        return (triton_ops.small_batch_matmul(normed, weight),
-                triton_ops.small_batch_matmul(normed, weight, silu_gated=True))
-
-    want = chain()
-    monkeypatch.setenv(triton_ops.PDL_ENV, "1")
-    triton_ops._pdl_supported.cache_clear()
-    try:
-        assert triton_ops.uses_pdl(x)
-        got = chain()
-        torch.cuda.synchronize()
-    finally:
-        monkeypatch.delenv(triton_ops.PDL_ENV)
-        triton_ops._pdl_supported.cache_clear()
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
-
-
-def test_programmatic_dependent_launch_is_off_by_default_and_on_the_cpu(monkeypatch) -> None:
-    triton_ops._pdl_supported.cache_clear()
-    assert not triton_ops.uses_pdl(torch.zeros(1))
-    monkeypatch.setenv(triton_ops.PDL_ENV, "1")
-    assert not triton_ops.uses_pdl(torch.zeros(1))
-    triton_ops._pdl_supported.cache_clear()

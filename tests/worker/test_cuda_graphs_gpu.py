@@ -93,26 +93,3 @@ def test_graphs_of_large_batches_start_the_longest_sequences_first(tmp_path, mon
     eager = LLM(str(path), enforce_eager=True, async_scheduling=False, **kwargs)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert got == want
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs a Hopper GPU")
-def test_programmatic_dependent_launch_in_graphs_gives_the_same_tokens(tmp_path, monkeypatch) -> None:
-    """bf16, so decode steps of a few sequences run the small-batch products; with
-    PAGEDLLM_PDL=1 those launch as dependents inside the graphs, and nothing changes."""
-    from pagedllm.layers import triton_ops
-
-    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=256)
-    prompts = [{"prompt_token_ids": [(3 * i + 5 * j) % 240 + 8 for j in range(3 + 7 * i)]}
-               for i in range(6)]
-    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(6)]
-    kwargs = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=8, block_size=16, device="cuda")
-    want = [o.outputs[0].token_ids for o in LLM(str(path), **kwargs).generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setenv(triton_ops.PDL_ENV, "1")
-    triton_ops._pdl_supported.cache_clear()
-    try:
-        got = [o.outputs[0].token_ids for o in LLM(str(path), **kwargs).generate(prompts, params, use_tqdm=False)]
-    finally:
-        monkeypatch.delenv(triton_ops.PDL_ENV)
-        triton_ops._pdl_supported.cache_clear()
-    assert got == want

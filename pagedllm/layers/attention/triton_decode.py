@@ -52,7 +52,6 @@ from pagedllm.layers.attention.triton_common import (
     unit_last_stride,
     uses_ieee_dot,
 )
-from pagedllm.layers.triton_ops import uses_pdl
 
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
@@ -99,10 +98,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     IEEE_DOT: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:  # the next kernel may start (and wait for this one's results)
-        tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(0)
     if HAS_ORDER:
         seq = tl.load(order_ptr + tl.program_id(1))
@@ -214,10 +210,7 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + seq)
@@ -405,7 +398,6 @@ def paged_decode_attention(
             num_seqs, num_kv_heads, max_seq_len, _multiprocessor_count(query.device)
         )
     split = num_splits > 1
-    pdl = uses_pdl(query)
     default_n, num_warps, num_stages = decode_tile_config(head_dim, query.device, split)
     block_n = block_n or default_n
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -457,7 +449,6 @@ def paged_decode_attention(
         SPLIT=split,
         HAS_ORDER=order is not None,
         IEEE_DOT=uses_ieee_dot(query.dtype),
-        LAUNCH_DEPENDENTS=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -476,6 +467,5 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=triton.next_power_of_2(num_splits),
-            LAUNCH_DEPENDENTS=pdl,
             num_warps=4,
         )
