@@ -17,7 +17,7 @@
 #   sync     W1 on both models again with --no-async-scheduling: what hiding the host's
 #            work behind the GPU gains, measured in the same run
 #   ab       for each setting in $GPU_BENCH_AB (space-separated VAR=value, e.g.
-#            "PAGEDLLM_PDL=1 PAGEDLLM_DECODE_TILE=32,2,2"), L1 and W1 on llama-3.1-8b with
+#            "PAGEDLLM_DECODE_LONGEST_FIRST=0 PAGEDLLM_DECODE_TILE=32,2,2"), L1 and W1 on llama-3.1-8b with
 #            the setting, beside the same commands without it, into $OUT/ab.txt
 #            (only when GPU_BENCH_AB is set)
 #   report   $OUT/<date>-h200.json: one record per workload, and a table printed last

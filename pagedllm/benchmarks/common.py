@@ -71,6 +71,24 @@ def write_json(path: str | None, records: dict | list) -> None:
         print(f"wrote {path}")
 
 
+def host_table(run: Callable[[], object], row_limit: int = 25) -> str:
+    """Run ``run`` under cProfile; returns (and prints) the host functions that took the
+    most time, by own time and by cumulative time (this thread only)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    for key in ("tottime", "cumulative"):
+        stats.sort_stats(key).print_stats(row_limit)
+    table = text.getvalue()
+    print(table, flush=True)
+    return table
+
+
 def kernel_table(run: Callable[[], object], row_limit: int = 15) -> str:
     """Run ``run`` under torch.profiler; returns (and prints) its top ops and kernels by
     device time as a text table."""

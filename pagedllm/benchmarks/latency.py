@@ -22,6 +22,7 @@ import statistics
 import time
 
 from pagedllm.benchmarks.common import (
+    host_table,
     kernel_table,
     result_record,
     synthetic_requests,
@@ -44,6 +45,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torch-profile", action="store_true",
                         help="Run one more iteration of each workload under torch.profiler and "
                              "record its top kernels by device time.")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="Run one more prefill of each workload's shape (one output token) "
+                             "under cProfile and record the host functions that took longest.")
     parser.add_argument("--step-timing", action="store_true",
                         help="Split L1's step time into host phases and device wait.")
     parser.add_argument("--output-json", default=None, help="Write the result records here.")
@@ -76,6 +80,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             # A shorter L1 iteration: 32 decode steps show the per-step kernels well enough.
             profile_shape = (shape[0], shape[1], min(shape[2], 32))
             record["profile"] = _torch_profile(llm, args, *profile_shape)
+        if args.host_profile:
+            record["host_profile"] = host_table(
+                lambda: _one_iteration(llm, args, shape[0], shape[1], 1))
     print(f"{'workload':>8} {'shape':>18} {'ms/token':>9} {'TPOT ms':>8} {'prompt tok/s':>13}")
     for r in records:
         if r["workload"] == "L1":

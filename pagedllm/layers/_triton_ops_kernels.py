@@ -3,7 +3,8 @@
 Each program owns one row (RMSNorm: one token, or one token's head for per-head norms;
 rotary: one token with all its heads; SiLU-and-mul: one ``BLOCK`` slice of one token), so
 no kernel depends on another program's output and all of them can be captured in a CUDA
-graph. Offsets are computed in int64.
+graph; the row argmax is the exception, two launches, the second reading the first's
+per-part winners. Offsets are computed in int64.
 """
 
 from __future__ import annotations
@@ -107,30 +108,56 @@ def rotate_half(x_row, c, s, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def gumbel_sample_kernel(
-    logits_ptr, stride_row, temperature_ptr, seeds_ptr, out_ptr, vocab_size,
+def row_argmax_partial_kernel(
+    logits_ptr, stride_row, temperature_ptr, seeds_ptr, best_ptr, index_ptr,
+    vocab_size, chunk,
+    GUMBEL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One row: ``argmax_i(logits_i / T + g_i)``, ``g_i = -log(-log(u_i))`` with
-    ``u_i = rand(seed, i)``; the first index wins a tie."""
+    """Program ``(row, part)``: the best score in columns ``[part * chunk, (part + 1) * chunk)``
+    of ``row`` and its column, into ``best[row, part]`` and ``index[row, part]``.
+
+    The score is the logit, or with ``GUMBEL`` ``logit / T + g`` with the Gumbel noise
+    ``g = -log(-log(u))``, ``u = rand(seed, column)``: it depends on the row's seed and the
+    column only, so the draw does not depend on the batch or the split. The first column
+    wins a tie; a part with nothing above -inf reports its first column."""
     row = tl.program_id(0)
-    inv_temperature = 1.0 / tl.load(temperature_ptr + row)
-    seed = tl.load(seeds_ptr + row)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
     base = logits_ptr + row.to(tl.int64) * stride_row
+    if GUMBEL:
+        inv_temperature = 1.0 / tl.load(temperature_ptr + row)
+        seed = tl.load(seeds_ptr + row)
+    lo = part * chunk
+    hi = tl.minimum(lo + chunk, vocab_size)
     best = tl.full([], float("-inf"), tl.float32)
-    best_index = tl.full([], 0, tl.int32)
-    for start in range(0, vocab_size, BLOCK):
+    best_index = lo
+    for start in range(lo, hi, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
-        valid = offsets < vocab_size
-        x = tl.load(base + offsets, mask=valid, other=float("-inf")).to(tl.float32)
-        gumbel = -tl.log(-tl.log(tl.rand(seed, offsets)))
-        score = tl.where(valid, x * inv_temperature + gumbel, float("-inf"))
+        valid = offsets < hi
+        score = tl.load(base + offsets, mask=valid, other=float("-inf")).to(tl.float32)
+        if GUMBEL:
+            gumbel = -tl.log(-tl.log(tl.rand(seed, offsets)))
+            score = tl.where(valid, score * inv_temperature + gumbel, float("-inf"))
         block_best = tl.max(score, 0)
-        block_index = tl.argmax(score, 0) + start
+        block_index = tl.argmax(score, 0, tie_break_left=True) + start
         better = block_best > best
         best_index = tl.where(better, block_index, best_index)
         best = tl.where(better, block_best, best)
-    tl.store(out_ptr + row, best_index.to(tl.int64))
+    tl.store(best_ptr + row * parts + part, best)
+    tl.store(index_ptr + row * parts + part, best_index)
+
+
+@triton.jit
+def row_argmax_reduce_kernel(best_ptr, index_ptr, out_ptr, parts, BLOCK_PARTS: tl.constexpr):
+    """Row ``row``'s winner over its parts (the earliest part wins a tie) -> int64."""
+    row = tl.program_id(0)
+    p = tl.arange(0, BLOCK_PARTS)
+    valid = p < parts
+    best = tl.load(best_ptr + row * parts + p, mask=valid, other=float("-inf"))
+    winner = tl.argmax(best, 0, tie_break_left=True)
+    index = tl.load(index_ptr + row * parts + winner)
+    tl.store(out_ptr + row, index.to(tl.int64))
 
 
 @triton.jit

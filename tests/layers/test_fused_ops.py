@@ -107,6 +107,20 @@ def test_gumbel_sample_is_argmax_when_cold_across_blocks_and_fixed_by_its_seed()
     assert in_batch[1] == alone[0]  # a row's draw depends on its seed, not on its batch
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_is_torch_argmax_with_ties_across_parts(dtype) -> None:
+    vocab = 5000  # three 2048-column parts per row
+    logits = (_rand(4, vocab, seed=3) * 3).to(dtype)
+    logits[0, [100, 4500]] = 50.0  # a tie across parts: the first column wins
+    logits[1, [2047, 2048]] = 50.0  # a tie across a part boundary
+    logits[2, [4998, 4999]] = 50.0  # a tie inside the last, partial block
+    logits[3] = float("-inf")  # nothing allowed: column 0, as torch says
+    assert triton_ops.greedy_argmax(logits).tolist() == [100, 2047, 4998, 0]
+    assert triton_ops.greedy_argmax(logits).tolist() == logits.float().argmax(-1).tolist()
+    many = _rand(37, vocab, seed=4)  # more rows than parts: one part per row
+    assert triton_ops.greedy_argmax(many).tolist() == many.argmax(-1).tolist()
+
+
 SMALL_BATCH_TILES = {
     "dot": (32, 64, 4, 2, True),
     "fma": (32, 64, 4, 2, False),
