@@ -35,21 +35,39 @@ def rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     token = row // heads
     head = row % heads
+    _rms_norm_row(
+        x_ptr + token * stride_xt + head * stride_xh, residual_ptr + token * stride_rt,
+        weight_ptr, out_ptr + row * N, residual_out_ptr + row * N, eps,
+        N, BLOCK, HAS_RESIDUAL, "",
+    )
+
+
+@triton.jit
+def _rms_norm_row(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    X_CACHE: tl.constexpr,
+):
+    """One row of ``N`` values: ``out = norm(x (+ residual))``, rounded as ``RMSNorm``
+    rounds, and the sum into ``residual_out``. ``X_CACHE`` is the load cache modifier of
+    ``x`` (``".cg"`` when other programs of the same launch wrote it)."""
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(x_ptr + token * stride_xt + head * stride_xh + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0, cache_modifier=X_CACHE)
     dtype = x.dtype
     x = x.to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + token * stride_rt + cols, mask=mask, other=0.0)
+        r = tl.load(residual_ptr + cols, mask=mask, other=0.0)
         s = (x + r.to(tl.float32)).to(dtype)
-        tl.store(residual_out_ptr + row * N + cols, s, mask=mask)
+        tl.store(residual_out_ptr + cols, s, mask=mask)
         x = s.to(tl.float32)
     mean_square = tl.sum(x * x, axis=0) / N
     normed = (x * tl.math.rsqrt(mean_square + eps)).to(dtype)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     y = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * N + cols, y.to(dtype), mask=mask)
+    tl.store(out_ptr + cols, y.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -164,6 +182,8 @@ def row_argmax_reduce_kernel(best_ptr, index_ptr, out_ptr, parts, BLOCK_PARTS: t
 def small_batch_matmul_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
+    norm_weight_ptr, residual_ptr, normed_ptr, residual_out_ptr, counter_ptr,
+    stride_rm, eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -171,6 +191,7 @@ def small_batch_matmul_kernel(
     EVEN_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     SILU_GATED: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
     output columns over the whole of ``K`` (no split, so no second pass and no atomics).
@@ -182,6 +203,11 @@ def small_batch_matmul_kernel(
     ``SILU_GATED``: ``weight`` is ``[gate; up]`` (``2N`` rows) and the program multiplies its
     columns of both, storing ``silu(gate) * up`` rounded as ``silu_and_mul_kernel`` rounds
     the two products (an MLP's gate/up projection with its activation, ``N`` wide).
+
+    ``NORM_BLOCK > 0``: the RMSNorm with residual that follows the product rides on it. The
+    program that finishes last (an arrival count on ``counter``, reset by that program)
+    normalises the ``M`` rows of ``out + residual`` as ``rms_norm_kernel`` does, into
+    ``normed`` and ``residual_out`` (``[M, N]``, contiguous; ``NORM_BLOCK >= N``).
     """
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -238,3 +264,15 @@ def small_batch_matmul_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=m_valid[:, None] & n_valid[None, :],
     )
+    if NORM_BLOCK > 0:
+        # Every thread's stores are issued before one thread releases them with the count.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            tl.store(counter_ptr, 0)
+            for row in range(0, M):  # M <= 16 rows: the offsets fit in int32
+                _rms_norm_row(
+                    out_ptr + row * stride_om, residual_ptr + row * stride_rm,
+                    norm_weight_ptr, normed_ptr + row * N, residual_out_ptr + row * N, eps,
+                    N, NORM_BLOCK, True, ".cg",
+                )

@@ -2,7 +2,9 @@
 
 Numerics follow the reference checkpoints: the mean of squares and the rescale run in
 float32, the result is cast back to the input dtype and only then multiplied by the weight.
-On CUDA the whole chain (with the residual add) is one Triton kernel (``triton_ops.py``).
+On CUDA the whole chain (with the residual add) is one Triton kernel (``triton_ops.py``),
+and after a projection of a small decode batch it rides on the projection's own launch
+(``linear_and_norm``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.triton_ops import rms_norm, use_fused_ops
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.triton_ops import (
+    rms_norm,
+    small_batch_matmul,
+    use_fused_ops,
+    use_small_batch_matmul,
+)
 
 
 class RMSNorm(nn.Module):
@@ -44,3 +52,15 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def linear_and_norm(
+    x: torch.Tensor, proj: Linear, norm: RMSNorm, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm(proj(x), residual)``: the normalised sum and the sum. For a decode step of a
+    few sequences on CUDA the norm runs at the end of the projection's small-batch product
+    (one launch for both; the same roundings as the two kernels)."""
+    if use_small_batch_matmul(x, proj.weight) and norm.weight.dtype == x.dtype:
+        return small_batch_matmul(x, proj.weight, proj.bias,
+                                  norm=(norm.weight, norm.eps, residual))
+    return norm(proj(x), residual)

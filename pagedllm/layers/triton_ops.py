@@ -51,6 +51,25 @@ def _kernels():
     return _triton_ops_kernels
 
 
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """``count`` int32 counters on ``device``, all zero, for kernels whose last program to
+    finish does the launch's final step (it counts its arrival and resets the counter).
+
+    Invariant: every counter is zero between launches. All launches share the buffer,
+    which is safe because launches on a stream run one after another. The buffer only
+    grows, and a grown one is kept beside the old, which CUDA graphs may have captured.
+    """
+    device = torch.device(device)
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        size = max(4096, 1 << (count - 1).bit_length())
+        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 def _norm_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
@@ -285,7 +304,8 @@ def small_batch_matmul(
     bias: torch.Tensor | None = None,
     *,
     silu_gated: bool = False,
-) -> torch.Tensor:
+    norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T + bias`` for ``x: [M, K]`` with ``M <= 16``, ``weight: [N, K]`` -> ``[M, N]``.
 
     A decode step of a few sequences is a matrix-vector product per layer: its time is the
@@ -297,6 +317,11 @@ def small_batch_matmul(
     ``silu_gated=True``: ``weight`` stacks ``[gate; up]`` (``2N`` rows) and the result is
     ``silu_and_mul(x @ weight.T + bias)``, ``[M, N]``: the activation of an MLP rides on its
     gate/up product, one launch and one round trip of the ``[M, 2N]`` product less.
+
+    ``norm=(norm_weight, eps, residual)``: returns ``rms_norm(product, norm_weight, eps,
+    residual)``, the pair ``(normed, product + residual)``, from the same launch: its last
+    program to finish normalises the rows (the RMSNorm after an attention output or MLP
+    down projection, one launch less).
     """
     k = _kernels()
     rows, in_features = x.shape
@@ -307,8 +332,20 @@ def small_batch_matmul(
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+    if norm is not None:
+        norm_weight, eps, residual = norm
+        if silu_gated or residual.shape != out.shape or norm_weight.shape != (out_features,):
+            raise ValueError(f"norm= needs a plain product and a residual of its shape "
+                             f"{tuple(out.shape)}, got {tuple(residual.shape)}.")
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+        normed, residual_out = torch.empty_like(out), torch.empty_like(out)
+        norm_args = (norm_weight, residual, normed, residual_out,
+                     arrival_counters(x.device, 1), residual.stride(0), eps)
+    else:
+        norm_args = (weight, weight, out, out, out, 0, 0.0)  # unused
     if rows == 0:
-        return out
+        return out if norm is None else (normed, residual_out)
     block_n, block_k, num_warps, num_stages, use_dot = small_batch_matmul_config(
         rows, weight.shape[0], in_features
     )
@@ -317,6 +354,7 @@ def small_batch_matmul(
     k.small_batch_matmul_kernel[(k.cdiv(out_features, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         rows, out_features, in_features, x.stride(0), weight.stride(0), out.stride(0),
+        *norm_args,
         BLOCK_M=16 if use_dot else 1,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -324,7 +362,8 @@ def small_batch_matmul(
         EVEN_K=in_features % block_k == 0,
         USE_DOT=use_dot,
         SILU_GATED=silu_gated,
+        NORM_BLOCK=k.next_power_of_2(out_features) if norm is not None else 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return out
+    return out if norm is None else (normed, residual_out)

@@ -30,7 +30,7 @@ from torch import nn
 
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.attention.layer import Attention
-from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.layernorm import RMSNorm, linear_and_norm
 from pagedllm.layers.linear import Embedding, FusedLinear, Linear, linear
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters_from_hf
 from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
@@ -140,6 +140,8 @@ class LlamaAttentionBlock(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The attention output before ``o_proj`` (the decoder layer applies ``o_proj``
+        together with the norm after it)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q = qkv[:, : self.q_size]
@@ -149,7 +151,7 @@ class LlamaAttentionBlock(nn.Module):
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).flatten(1)
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).flatten(1)
         # The attention layer applies the rope (on CUDA in the kernel that caches k and v).
-        return self.o_proj(self.attn(q, k, v, rotary=(cos, sin)))
+        return self.attn(q, k, v, rotary=(cos, sin))
 
 
 class LlamaMLP(nn.Module):
@@ -161,17 +163,20 @@ class LlamaMLP(nn.Module):
         self.act = GatedActivation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation before ``down_proj`` (the decoder layer applies ``down_proj``
+        together with the norm after it)."""
         gate_up = self.gate_up_proj
         if self.act.is_silu and use_small_batch_matmul(x, gate_up.weight):
             # A decode step of a few sequences: the activation rides on the gate/up product.
-            activated = small_batch_matmul(x, gate_up.weight, gate_up.bias, silu_gated=True)
-            return self.down_proj(activated)
-        return self.down_proj(self.act(gate_up(x)))
+            return small_batch_matmul(x, gate_up.weight, gate_up.bias, silu_gated=True)
+        return self.act(gate_up(x))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream travels beside the hidden states so each norm
-    also performs the preceding residual add."""
+    also performs the preceding residual add. The layer ends with the norm that follows
+    it (the next layer's input norm, or the model's final one), so each projection that
+    feeds the residual stream is applied together with its norm (``linear_and_norm``)."""
 
     def __init__(self, cfg: LlamaArchConfig, layer_idx: int) -> None:
         super().__init__()
@@ -183,18 +188,18 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        residual: torch.Tensor | None,
+        residual: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        next_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        """``hidden``: this layer's input, already through ``input_layernorm``; returns
+        ``next_norm`` of the layer's output plus the residual, and that sum."""
+        attn = self.self_attn(hidden, cos, sin)
+        hidden, residual = linear_and_norm(
+            attn, self.self_attn.o_proj, self.post_attention_layernorm, residual
+        )
+        return linear_and_norm(self.mlp(hidden), self.mlp.down_proj, next_norm, residual)
 
 
 class LlamaModel(nn.Module):
@@ -208,12 +213,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin)
-        hidden, _ = self.norm(hidden, residual)
+        residual = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, residual.dtype)
+        hidden = self.layers[0].input_layernorm(residual)
+        norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, norms_after):
+            hidden, residual = layer(hidden, residual, cos, sin, next_norm)
         return hidden
 
 

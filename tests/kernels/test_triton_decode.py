@@ -73,6 +73,18 @@ def test_decode_respects_sliding_window(window, num_splits) -> None:
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_merge_of_many_partitions_in_chunks_and_counters_reset(window) -> None:
+    """64 partitions of head_dim 128 merge 16 at a time (the chunks' maxima differ), and
+    the arrival counters are zero again after each launch: a second launch is exact too."""
+    step = make_step(((300, 1), (5, 1)), num_heads=8, num_kv_heads=2, head_dim=128, seed=6)
+    expected, _ = reference_attention(step, 0.25, window)
+    for _ in range(2):
+        out = _run(step, window, num_splits=MAX_SPLITS, block_n=16)
+        torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+    assert not triton_decode.arrival_counters(step.query.device, 4).any()
+
+
 def test_more_partitions_than_a_short_sequence_fills() -> None:
     """Short sequences beside a long one leave most of their partitions empty."""
     step = make_step(((1, 1), (2, 1), (90, 1)), block_size=8, seed=2)

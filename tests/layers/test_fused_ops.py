@@ -186,7 +186,8 @@ def test_linear_layers_send_small_batches_to_the_matmul_kernel(monkeypatch) -> N
         triton_ops.gemv_max_rows.cache_clear()
 
 
-def test_llama_mlp_of_a_small_batch_runs_on_the_matmul_kernel(monkeypatch) -> None:
+def test_llama_mlp_of_a_small_batch_runs_on_the_matmul_kernel_with_the_norm_after_it(monkeypatch) -> None:
+    from pagedllm.layers.layernorm import linear_and_norm
     from pagedllm.models.llama import LlamaArchConfig, LlamaMLP
 
     hf = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
@@ -194,16 +195,42 @@ def test_llama_mlp_of_a_small_batch_runs_on_the_matmul_kernel(monkeypatch) -> No
     mlp = LlamaMLP(LlamaArchConfig.from_hf(hf, "llama")).to(DEVICE, DOT_DTYPE)
     mlp.gate_up_proj.weight.data = _rand(192, 64, dtype=DOT_DTYPE, seed=18) * 0.1
     mlp.down_proj.weight.data = _rand(64, 96, dtype=DOT_DTYPE, seed=19) * 0.1
+    norm = RMSNorm(64, eps=1e-5).to(DEVICE, DOT_DTYPE)
+    norm.weight.data = _rand(64, dtype=DOT_DTYPE, seed=21)
     x = _rand(3, 64, dtype=DOT_DTYPE, seed=20)
+    residual = _rand(3, 64, dtype=DOT_DTYPE, seed=22)
     gate, up = torch.nn.functional.linear(x.float(), mlp.gate_up_proj.weight.float()).to(DOT_DTYPE).chunk(2, -1)
     activated = torch.nn.functional.silu(gate.float()).to(DOT_DTYPE).float() * up.float()
-    want = torch.nn.functional.linear(activated.to(DOT_DTYPE).float(), mlp.down_proj.weight.float())
+    down = torch.nn.functional.linear(activated.to(DOT_DTYPE).float(), mlp.down_proj.weight.float())
+    want_sum = (down.to(DOT_DTYPE) + residual).float()
+    want = want_sum * torch.rsqrt(want_sum.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.float()
     kernels = []
     monkeypatch.setattr(triton_ops, "use_fused_ops", lambda t: True)  # as on a GPU
     monkeypatch.setattr(triton_ops, "small_batch_matmul_config",
                         lambda m, n, k: kernels.append((n, k)) or SMALL_BATCH_TILES["dot"])
-    torch.testing.assert_close(mlp(x).float(), want, rtol=5e-3, atol=5e-3)
-    assert kernels == [(192, 64), (64, 96)]  # gate/up, then down
+    monkeypatch.setattr(triton_ops, "rms_norm", lambda *a, **k: pytest.fail("a second launch"))
+    normed, summed = linear_and_norm(mlp(x), mlp.down_proj, norm, residual)
+    torch.testing.assert_close(summed.float(), want_sum, rtol=5e-3, atol=5e-3)
+    torch.testing.assert_close(normed.float(), want, rtol=2e-2, atol=2e-2)
+    assert kernels == [(192, 64), (64, 96)]  # gate/up with SiLU, then down with the norm
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_small_batch_matmul_with_norm_is_the_product_then_rms_norm_to_the_bit(monkeypatch, rows) -> None:
+    """The last program normalises every row; the counter is reset for the next launch."""
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k: SMALL_BATCH_TILES["dot"])
+    x = _rand(rows, 96, dtype=DOT_DTYPE, seed=27)
+    weight = _rand(72, 96, dtype=DOT_DTYPE, seed=28) * 0.2  # three programs of 32 columns
+    norm_weight = _rand(72, dtype=DOT_DTYPE, seed=29)
+    residual = _rand(rows, 72, dtype=DOT_DTYPE, seed=30)
+    product = triton_ops.small_batch_matmul(x, weight)
+    want = triton_ops.rms_norm(product, norm_weight, 1e-6, residual)
+    for _ in range(2):
+        got = triton_ops.small_batch_matmul(x, weight, norm=(norm_weight, 1e-6, residual))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not triton_ops.arrival_counters(x.device, 1).any()
+    with pytest.raises(ValueError, match="residual of its shape"):
+        triton_ops.small_batch_matmul(x, weight, norm=(norm_weight, 1e-6, residual[:, :8]))
 
 
 @pytest.mark.parametrize("mode, rows", [("dot", 1), ("dot", 3), ("fma", 1)])

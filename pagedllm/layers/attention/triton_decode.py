@@ -17,12 +17,16 @@ end are empty and cost their programs a few loads and two small stores.
 
 With one split the program normalises and writes the output directly. With several, each
 writes its unnormalised partial ``acc`` with its running max ``m`` and sum ``l`` (base-2
-units), and a reduce kernel merges them::
+units) and counts itself in on an arrival counter of its (sequence, KV head); the program
+that arrives last merges the partials (no second launch)::
 
     M = max_s m_s      out = sum_s 2^(m_s - M) * acc_s  /  sum_s 2^(m_s - M) * l_s
 
 ``acc_s`` is written, and read, only for partitions with ``l_s > 0`` (the non-empty ones:
 their largest score contributes 2^0 = 1 to ``l``); an empty one adds nothing to either sum.
+The merge reads only the partitions the sequence's context (and window) reaches, a chunk
+of them at a time. The counters (``triton_ops.arrival_counters``) are zero between
+launches: the merging program resets its counter, and launches on a stream do not overlap.
 
 ``order`` (optional, a permutation of the batch) sets which sequences the GPU starts
 first: the longest first keeps a large batch of mixed lengths from ending on a few long
@@ -52,6 +56,7 @@ from pagedllm.layers.attention.triton_common import (
     unit_last_stride,
     uses_ieee_dot,
 )
+from pagedllm.layers.triton_ops import arrival_counters
 
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
@@ -66,6 +71,7 @@ def _decode_kernel(
     part_acc_ptr,
     part_max_ptr,
     part_sum_ptr,
+    counters_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -96,6 +102,8 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
+    MERGE_H: tl.constexpr,
+    MERGE_S: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
@@ -117,8 +125,10 @@ def _decode_kernel(
     else:
         kv_start = 0
         kv_end = seq_len
+    kv_lo = 0  # the first key any partition reads
     if USE_WINDOW:
-        kv_start = tl.maximum(kv_start, seq_len - window)
+        kv_lo = tl.maximum(seq_len - window, 0)
+        kv_start = tl.maximum(kv_start, kv_lo)
 
     g = tl.arange(0, BLOCK_G)
     g_valid = g < QUERIES_PER_KV
@@ -182,6 +192,20 @@ def _decode_kernel(
         ml_offset = seq64 * stride_ml_seq + head * stride_ml_head + split
         tl.store(part_max_ptr + ml_offset, m_i, mask=g_valid)
         tl.store(part_sum_ptr + ml_offset, l_i, mask=g_valid)
+        # Every thread's stores are issued before one thread releases them with the count.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * tl.num_programs(0) + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(2) - 1:
+            tl.store(counter, 0)
+            _merge_partitions(
+                out_ptr + q_row.to(tl.int64) * stride_ot, stride_oh,
+                part_acc_ptr + seq64 * stride_acc_seq, stride_acc_head, stride_acc_split,
+                part_max_ptr + seq64 * stride_ml_seq, part_sum_ptr + seq64 * stride_ml_seq,
+                stride_ml_head, kv_head * QUERIES_PER_KV,
+                kv_lo // partition, tl.cdiv(seq_len, tl.maximum(partition, 1)),
+                QUERIES_PER_KV, MERGE_H, HEAD_DIM, BLOCK_D, MERGE_S,
+            )
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
@@ -193,56 +217,56 @@ def _decode_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(
-    out_ptr,
-    part_acc_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    query_start_loc_ptr,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    stride_acc_seq,
-    stride_acc_head,
-    stride_acc_split,
-    stride_ml_seq,
-    stride_ml_head,
+def _merge_partitions(
+    out_row_ptr, stride_oh,
+    acc_ptr, stride_acc_head, stride_acc_split,
+    max_ptr, sum_ptr, stride_ml_head,
+    first_head, first_part, end_part,
+    HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    MERGE_S: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_row = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
-        return
-    s = tl.arange(0, BLOCK_S)
-    s_valid = s < num_splits
+    """``out[first_head : first_head + HEADS]`` of one sequence from its partials in
+    partitions ``[first_part, end_part)``, ``MERGE_S`` partitions per chunk, merged online
+    (the chunk's max joins the running max). Loads bypass L1: other programs wrote them."""
+    h = tl.arange(0, BLOCK_H)
+    head = first_head + h
+    h_valid = h < HEADS
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
-    seq64 = seq.to(tl.int64)
-    ml = seq64 * stride_ml_seq + head * stride_ml_head + s
-    m = tl.load(part_max_ptr + ml, mask=s_valid, other=float("-inf"))
-    l = tl.load(part_sum_ptr + ml, mask=s_valid, other=0.0)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)
-    total = tl.sum(w * l, 0)
-    total = tl.where(total == 0.0, 1.0, total)
-    acc = tl.load(
-        part_acc_ptr
-        + seq64 * stride_acc_seq
-        + head * stride_acc_head
-        + s[:, None] * stride_acc_split
-        + d[None, :],
-        mask=(s_valid & (l > 0.0))[:, None] & d_valid[None, :],
-        other=0.0,
-    )
-    out = tl.sum(acc * w[:, None], 0) / total
+    s_in_chunk = tl.arange(0, MERGE_S)
+    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_H], tl.float32)
+    acc_run = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s0 in range(first_part, end_part, MERGE_S):
+        s = s0 + s_in_chunk
+        valid = h_valid[:, None] & (s < end_part)[None, :]
+        ml = head[:, None] * stride_ml_head + s[None, :]
+        m = tl.load(max_ptr + ml, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(sum_ptr + ml, mask=valid, other=0.0, cache_modifier=".cg")
+        acc = tl.load(
+            acc_ptr
+            + (head[:, None] * stride_acc_head + s[None, :] * stride_acc_split)[:, :, None]
+            + d[None, None, :],
+            mask=(valid & (l > 0.0))[:, :, None] & d_valid[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
+        alpha = tl.exp2(m_run - m_safe)
+        w = tl.exp2(m - m_safe[:, None])
+        l_run = l_run * alpha + tl.sum(w * l, 1)
+        acc_run = acc_run * alpha[:, None] + tl.sum(acc * w[:, :, None], 1)
+        m_run = m_new
+    l_run = tl.where(l_run == 0.0, 1.0, l_run)
+    out = acc_run / l_run[:, None]
     tl.store(
-        out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d_valid,
+        out_row_ptr + head[:, None] * stride_oh + d[None, :],
+        out.to(out_row_ptr.dtype.element_ty),
+        mask=h_valid[:, None] & d_valid[None, :],
     )
 
 
@@ -407,10 +431,12 @@ def paged_decode_attention(
         )
         part_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
         part_sum = torch.empty_like(part_max)
+        counters = arrival_counters(query.device, num_seqs * num_kv_heads)
         acc_strides = part_acc.stride()[:3]
         ml_strides = part_max.stride()[:2]
     else:
         part_acc = part_max = part_sum = out  # unused: the kernel writes ``out`` directly
+        counters = seq_lens
         acc_strides, ml_strides = (0, 0, 0), (0, 0)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query,
@@ -420,6 +446,7 @@ def paged_decode_attention(
         part_acc,
         part_max,
         part_sum,
+        counters,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -447,25 +474,16 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
         SPLIT=split,
+        MERGE_H=triton.next_power_of_2(queries_per_kv),
+        MERGE_S=_merge_chunk(queries_per_kv, block_d, num_splits),
         HAS_ORDER=order is not None,
         IEEE_DOT=uses_ieee_dot(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if split:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            out,
-            part_acc,
-            part_max,
-            part_sum,
-            query_start_loc,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            *acc_strides,
-            *ml_strides,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )
+
+
+def _merge_chunk(queries_per_kv: int, block_d: int, num_splits: int) -> int:
+    """Partitions merged per chunk: about 8k float32 values of ``acc`` at a time."""
+    heads = triton.next_power_of_2(queries_per_kv)
+    return max(1, min(triton.next_power_of_2(num_splits), 8192 // (heads * block_d)))
