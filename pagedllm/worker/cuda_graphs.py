@@ -1,9 +1,15 @@
-"""CUDA graphs for pure-decode steps: the model's forward captured once per batch size.
+"""CUDA graphs: the model's forward captured once per step shape, replayed with new inputs.
 
-A decode step (every scheduled request computes exactly one token) is shaped by one
-number, its batch size. The forward pass is captured for a set of sizes
-(``capture_sizes``: 1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs``, at most 512) and a step
-of ``n`` requests replays the smallest captured size ``>= n``, rows ``n..size-1`` padding::
+Two kinds of step are captured, each padded up to the smallest captured size:
+
+* decode (every scheduled request computes exactly one token), shaped by its batch size:
+  1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs`` (at most 512), ``capture_sizes``;
+* a single prompt (one request, a prefill or a chunk of one, 2 to 512 tokens), shaped by
+  its token count: 16, 32, 64, 96, 128, 192, 256, 384, 512 up to the step's token
+  budget, ``prompt_capture_sizes``. An eager forward of a short prompt is bound by the
+  host's launches (tens of milliseconds for a 32-layer model); a replay is one launch.
+
+A decode step of ``n`` requests replays size ``>= n``, rows ``n..size-1`` padding::
 
     static buffer      rows 0..n-1                 rows n..size-1 (padding)
     input_ids          the step's tokens           0
@@ -14,18 +20,26 @@ of ``n`` requests replays the smallest captured size ``>= n``, rows ``n..size-1`
     query_start_loc    0, 1, ..., size             (constant)
     block_tables       the step's rows, W columns  stale (never read: seq_len 0)
 
-The Triton attention backend decides every launch from host integers fixed at capture:
-``num_actual_tokens = size``, ``max_query_len = 1`` and ``max_seq_len = max_model_len``,
-an upper bound of every context, so one graph serves any context length. That bound only
-picks the number of split-K partitions (the most, ``MAX_SPLITS``, for a long
-``max_model_len`` and a small batch); each sequence cuts its own context into that many
-partitions of whole tiles, sized on the device from its ``seq_len``, so a short context
-under a graph captured at ``max_model_len`` costs nothing extra beyond the empty programs
-(past its end), which store an empty ``m``/``l`` and exit. The split-K scratch buffers it
-allocates during capture come from the graphs' pool and stay reserved for the graph's
-lifetime, which is what a replay needs.
+A prompt step of ``n`` tokens replays size ``Q >= n`` as one sequence of ``Q`` new tokens
+whose last ``Q - n`` are padding: ``query_start_loc = [0, Q]`` (constant) and ``seq_len =
+context + Q``. Causality keeps the real tokens from seeing the padding (which comes after
+them); the padding rows write no KV (slot -1) and their outputs are never read. They may
+attend to slots that hold stale values, through block-table columns past the real ones
+(stale ids of live blocks, or 0), so a prompt only replays when ``context + Q <=
+max_model_len`` (the table's width).
 
-Only the model's forward is captured. Logits of the real rows and sampling run eagerly
+The Triton attention backend decides every launch from host integers fixed at capture:
+``num_actual_tokens = size``, ``max_query_len`` (1 or ``Q``) and ``max_seq_len =
+max_model_len``, an upper bound of every context, so one graph serves any context length.
+For decodes that bound only picks the number of split-K partitions (the most,
+``MAX_SPLITS``, for a long ``max_model_len`` and a small batch); each sequence cuts its own
+context into that many partitions of whole tiles, sized on the device from its
+``seq_len``, so a short context under a graph captured at ``max_model_len`` costs nothing
+extra beyond the empty programs (past its end). The split-K scratch buffers allocated
+during capture come from the graphs' pool and stay reserved for the graph's lifetime,
+which is what a replay needs.
+
+Only the model's forward is captured. Logits of the sampled rows and sampling run eagerly
 after the replay, so the sampler keeps its per-step flexibility and the only host sync is
 reading the sampled ids. All graphs share one memory pool, captured largest first so the
 smaller ones reuse its blocks; replays run one at a time, so the sharing is safe, and a
@@ -51,10 +65,11 @@ from pagedllm.worker.input_batch import StepInputs
 logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512
+PROMPT_CAPTURE_SIZES = (16, 32, 64, 96, 128, 192, 256, 384, 512)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, then every multiple of 8, up to
+    """Decode batch sizes to capture: 1, 2, 4, then every multiple of 8, up to
     ``min(max_num_seqs, 512)``, which is always included."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}.")
@@ -65,17 +80,29 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def prompt_capture_sizes(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
+    """Single-prompt token counts to capture: ``PROMPT_CAPTURE_SIZES`` that a step can hold
+    (``max_num_batched_tokens``) and a sequence can reach (``max_model_len``)."""
+    cap = min(max_num_batched_tokens, max_model_len)
+    return [s for s in PROMPT_CAPTURE_SIZES if s <= cap]
+
+
 def padded_size(num_tokens: int, sizes: list[int]) -> int | None:
     """The smallest of ``sizes`` (ascending) holding ``num_tokens``; None if none does."""
     i = bisect.bisect_left(sizes, num_tokens)
     return sizes[i] if i < len(sizes) else None
 
 
-class DecodeGraphRunner:
-    """Captures and replays the model's forward for decode batches (see the module docstring).
+DECODE, PROMPT = "decode", "prompt"
+GraphKey = tuple[str, int]  # (DECODE or PROMPT, captured size in tokens)
+
+
+class CudaGraphRunner:
+    """Captures and replays the model's forward for decode batches and single prompts (see
+    the module docstring).
 
     ``kv_caches`` must be the engine's final cache tensors: their addresses are baked into
-    the graphs.
+    the graphs. ``max_num_batched_tokens`` bounds the prompt sizes (0: decodes only).
     """
 
     def __init__(
@@ -87,93 +114,134 @@ class DecodeGraphRunner:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        max_num_batched_tokens: int = 0,
         use_graphs: bool = True,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = {
+            DECODE: capture_sizes(max_num_seqs),
+            PROMPT: prompt_capture_sizes(max_num_batched_tokens, max_model_len),
+        }
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = torch.device(device)
         self.use_graphs = use_graphs
         self.pool_bytes = 0
-        max_size = self.sizes[-1]
+        max_tokens = self.max_tokens
         # Rows padded to 16 blocks: the same stride class as eager steps' block tables
         # (device_inputs.py), so both share the attention kernels' compiled variants.
         blocks_per_seq = -(-max_model_len // block_size)
         max_blocks = -(-blocks_per_seq // 16) * 16
+        max_seqs = self.sizes[DECODE][-1]
         # Device inputs: [input_ids; positions; slot_mapping] in one buffer, one copy a step.
-        self._tokens = torch.zeros(3, max_size, dtype=torch.int64, device=self.device)
+        self._tokens = torch.zeros(3, max_tokens, dtype=torch.int64, device=self.device)
         self._tokens[2].fill_(-1)
-        self._seq_lens = torch.zeros(max_size, dtype=torch.int32, device=self.device)
-        self._query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=self.device)
-        self._block_tables = torch.zeros(max_size, max_blocks, dtype=torch.int32, device=self.device)
+        self._seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)
+        self._decode_query_start_loc = torch.arange(max_seqs + 1, dtype=torch.int32, device=self.device)
+        self._prompt_query_start_loc = {
+            size: torch.tensor([0, size], dtype=torch.int32, device=self.device)
+            for size in self.sizes[PROMPT]
+        }
+        self._block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=self.device)
         pin = self.device.type == "cuda"
-        self._host_tokens = torch.zeros(3, max_size, dtype=torch.int64, pin_memory=pin)
-        self._host_seq_lens = torch.zeros(max_size, dtype=torch.int32, pin_memory=pin)
-        self._host_blocks = torch.zeros(max_size * max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._host_tokens = torch.zeros(3, max_tokens, dtype=torch.int64, pin_memory=pin)
+        self._host_seq_lens = torch.zeros(max_seqs, dtype=torch.int32, pin_memory=pin)
+        self._host_blocks = torch.zeros(max_seqs * max_blocks, dtype=torch.int32, pin_memory=pin)
         self._np_tokens = self._host_tokens.numpy()
         self._np_seq_lens = self._host_seq_lens.numpy()
         self._np_blocks = self._host_blocks.numpy()
         self._copied = torch.cuda.Event() if pin else None
-        self._metadata: dict[int, AttentionMetadata] = {}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._metadata: dict[GraphKey, AttentionMetadata] = {}
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[GraphKey, torch.Tensor] = {}
 
     @property
     def max_size(self) -> int:
-        return self.sizes[-1]
+        """The largest captured decode batch."""
+        return self.sizes[DECODE][-1]
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens any captured step holds."""
+        return max([self.sizes[DECODE][-1], *self.sizes[PROMPT]])
+
+    def graph_for(self, inputs: StepInputs) -> GraphKey | None:
+        """The captured step that serves ``inputs``: a pure-decode step (one token per
+        request) within the largest decode size, or one request's prompt tokens (2 or
+        more) within the largest prompt size whose padded length stays within
+        ``max_model_len``; None otherwise."""
+        n = inputs.num_tokens
+        if inputs.max_query_len == 1:
+            size = padded_size(n, self.sizes[DECODE])
+            return None if size is None else (DECODE, size)
+        if len(inputs.seq_lens) != 1:
+            return None
+        size = padded_size(n, self.sizes[PROMPT])
+        if size is None or int(inputs.seq_lens[0]) - n + size > self.max_model_len:
+            return None
+        return PROMPT, size
 
     def can_run(self, inputs: StepInputs) -> bool:
-        """A pure-decode step (one token per request) that fits the largest captured size."""
-        return inputs.max_query_len == 1 and inputs.num_tokens <= self.max_size
+        return self.graph_for(inputs) is not None
 
     # -- capture ----------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per size, largest first, each after an eager warm-up run
-        (which compiles the Triton kernels outside the capture). Inputs are all padding."""
+        """Capture one graph per shape, the most tokens first, each after an eager warm-up
+        run (which compiles the Triton kernels outside the capture). Inputs are padding."""
         if not self.use_graphs:
             return
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         reserved_before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._forward(size)
+        keys = [(kind, size) for kind in (DECODE, PROMPT) for size in self.sizes[kind]]
+        for key in sorted(keys, key=lambda k: (-k[1], k[0])):
+            # The warm-up reads the buffers: a prompt of Q tokens, or empty decode rows.
+            self._seq_lens[:1].fill_(key[1] if key[0] == PROMPT else 0)
+            self._forward(key)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                output = self._forward(size)
-            self._graphs[size] = graph
-            self._outputs[size] = output
+                output = self._forward(key)
+            self._graphs[key] = graph
+            self._outputs[key] = output
         torch.cuda.synchronize(self.device)
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        prompts = self.sizes[PROMPT]
         logger.info(
-            "Captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s, %.0f MiB",
-            len(self.sizes), self.max_size, time.perf_counter() - start, self.pool_bytes / 2**20,
+            "Captured CUDA graphs for %d decode batch sizes (1..%d) and %d prompt lengths "
+            "(%s) in %.1f s, %.0f MiB",
+            len(self.sizes[DECODE]), self.max_size, len(prompts),
+            f"{prompts[0]}..{prompts[-1]}" if prompts else "none",
+            time.perf_counter() - start, self.pool_bytes / 2**20,
         )
 
-    def _attention_metadata(self, size: int) -> AttentionMetadata:
-        metadata = self._metadata.get(size)
+    def _attention_metadata(self, key: GraphKey) -> AttentionMetadata:
+        metadata = self._metadata.get(key)
         if metadata is None:
+            kind, size = key
+            seqs = size if kind == DECODE else 1
             metadata = AttentionMetadata(
                 num_actual_tokens=size,
                 slot_mapping=self._tokens[2, :size],
-                query_start_loc=self._query_start_loc[: size + 1],
-                seq_lens=self._seq_lens[:size],
-                block_tables=self._block_tables[:size],
-                max_query_len=1,
+                query_start_loc=(self._decode_query_start_loc[: size + 1] if kind == DECODE
+                                 else self._prompt_query_start_loc[size]),
+                seq_lens=self._seq_lens[:seqs],
+                block_tables=self._block_tables[:seqs],
+                max_query_len=1 if kind == DECODE else size,
                 max_seq_len=self.max_model_len,
                 block_size=self.block_size,
-                query_start_loc_cpu=list(range(size + 1)),
-                seq_lens_cpu=[self.max_model_len] * size,
+                query_start_loc_cpu=list(range(size + 1)) if kind == DECODE else [0, size],
+                seq_lens_cpu=[self.max_model_len] * seqs,
             )
-            self._metadata[size] = metadata
+            self._metadata[key] = metadata
         return metadata
 
-    def _forward(self, size: int) -> torch.Tensor:
-        with set_forward_context(self._attention_metadata(size), self.kv_caches):
+    def _forward(self, key: GraphKey) -> torch.Tensor:
+        size = key[1]
+        with set_forward_context(self._attention_metadata(key), self.kv_caches):
             return self.model(self._tokens[0, :size], self._tokens[1, :size])
 
     # -- one step ---------------------------------------------------------------------
@@ -183,27 +251,31 @@ class DecodeGraphRunner:
         inputs: StepInputs,
         fill_input_ids: Callable[[torch.Tensor, StepInputs], None] | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[n, hidden]`` of a decode step's ``n`` tokens (see ``can_run``).
+        """Hidden states ``[n, hidden]`` of the step's ``n`` tokens (see ``graph_for``).
 
         ``fill_input_ids(input_ids, inputs)``, if given, may rewrite the staged input ids
         on the device before the replay (ids known only on the device).
         """
+        key = self.graph_for(inputs)
+        if key is None:
+            raise ValueError(
+                f"No captured graph serves this step: decodes of at most {self.max_size} "
+                f"requests or one prompt of 2..{max(self.sizes[PROMPT], default=0)} tokens."
+            )
         n = inputs.num_tokens
-        size = padded_size(n, self.sizes)
-        if size is None or inputs.max_query_len != 1:
-            raise ValueError(f"Not a decode step of at most {self.max_size} requests.")
-        self._stage(inputs, size)
+        self._stage(inputs, key)
         if fill_input_ids is not None:
             fill_input_ids(self._tokens[0, :n], inputs)
         if self.use_graphs:
-            self._graphs[size].replay()
-            return self._outputs[size][:n]
-        return self._forward(size)[:n]
+            self._graphs[key].replay()
+            return self._outputs[key][:n]
+        return self._forward(key)[:n]
 
-    def _stage(self, inputs: StepInputs, size: int) -> None:
+    def _stage(self, inputs: StepInputs, key: GraphKey) -> None:
         """Fill the host buffers (real rows, then padding) and copy them to the device."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have left the buffers
+        kind, size = key
         n = inputs.num_tokens
         tokens, seq_lens = self._np_tokens, self._np_seq_lens
         tokens[0, :n] = inputs.input_ids
@@ -211,14 +283,18 @@ class DecodeGraphRunner:
         tokens[2, :n] = inputs.slot_mapping
         tokens[0:2, n:size] = 0
         tokens[2, n:size] = -1
-        seq_lens[:n] = inputs.seq_lens
-        seq_lens[n:size] = 0
+        seqs = len(inputs.seq_lens)
+        seq_lens[:seqs] = inputs.seq_lens
+        if kind == DECODE:
+            seq_lens[seqs:size] = 0
+        else:  # the padding tokens extend the prompt
+            seq_lens[0] += size - n
         width = inputs.block_tables.shape[1]
-        self._np_blocks[: n * width].reshape(n, width)[:] = inputs.block_tables
+        self._np_blocks[: seqs * width].reshape(seqs, width)[:] = inputs.block_tables
         self._tokens.copy_(self._host_tokens, non_blocking=True)
         self._seq_lens.copy_(self._host_seq_lens, non_blocking=True)
-        self._block_tables[:n, :width].copy_(
-            self._host_blocks[: n * width].view(n, width), non_blocking=True
+        self._block_tables[:seqs, :width].copy_(
+            self._host_blocks[: seqs * width].view(seqs, width), non_blocking=True
         )
         if self._copied is not None:
             self._copied.record()

@@ -5,9 +5,9 @@ module moves them to the device, sets the attention metadata, runs the model, an
 Seeded requests keep their ``torch.Generator`` across preemption, so a recomputed request
 draws exactly what it would have drawn.
 
-On CUDA a pure-decode step replays a captured CUDA graph (``cuda_graphs.py``); prefill and
-mixed steps run eagerly, their inputs copied through persistent pinned buffers
-(``device_inputs.py``). Either way the step's only host sync is reading the sampled ids.
+On CUDA a pure-decode step, or a step of one request's prompt of up to 512 tokens, replays
+a captured CUDA graph (``cuda_graphs.py``); other prefill and mixed steps run eagerly,
+their inputs copied through persistent pinned buffers (``device_inputs.py``). Either way the step's only host sync is reading the sampled ids.
 
 ``execute_model_async`` launches a step and returns before its ids are read
 (``async_output.py``), so the engine can schedule and launch the next step meanwhile. The
@@ -37,7 +37,7 @@ from pagedllm.layers.sampler import (
 )
 from pagedllm.models.loader import load_model, resolve_dtype
 from pagedllm.worker.async_output import AsyncStepOutput, SampledIdsReadback
-from pagedllm.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
+from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes, prompt_capture_sizes
 from pagedllm.worker.device_inputs import DeviceInputBuffers
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from pagedllm.worker.kv_allocator import allocate_kv_caches, determine_num_blocks
@@ -68,7 +68,7 @@ class ModelRunner:
                 sched.max_num_batched_tokens, sched.max_num_seqs,
                 -(-config.model_config.max_model_len // self.block_size), self.device,
             )
-        self.graph_runner: DecodeGraphRunner | None = None
+        self.graph_runner: CudaGraphRunner | None = None
         # Launched steps whose ids have not been read, oldest first (at most two).
         self._unresolved: deque[AsyncStepOutput] = deque()
         # The last launched step's sampled ids on the device: the pending tokens' source.
@@ -79,8 +79,8 @@ class ModelRunner:
 
     @property
     def cuda_graphs_enabled(self) -> bool:
-        """Decode steps replay CUDA graphs: on CUDA with the (graph-safe) Triton attention
-        backend, unless ``enforce_eager``."""
+        """Decode and single-prompt steps replay CUDA graphs: on CUDA with the (graph-safe)
+        Triton attention backend, unless ``enforce_eager``."""
         return (
             self.device.type == "cuda"
             and not self.config.model_config.enforce_eager
@@ -89,7 +89,7 @@ class ModelRunner:
 
     # -- KV cache -----------------------------------------------------------------------
     def initialize_kv_cache(self) -> int:
-        """Size and allocate the KV cache, then capture the decode CUDA graphs (which need
+        """Size and allocate the KV cache, then capture the CUDA graphs (which need
         the cache's addresses); returns the number of blocks.
 
         The graphs' memory pool is reserved in the sizing, so the cache, the activations
@@ -98,20 +98,24 @@ class ModelRunner:
         """
         use_graphs = self.cuda_graphs_enabled
         sched = self.config.scheduler_config
+        model_config = self.config.model_config
         reserved = 0
         if use_graphs:
-            reserved = self._graph_memory_estimate(capture_sizes(sched.max_num_seqs)[-1])
+            largest = max([capture_sizes(sched.max_num_seqs)[-1], *prompt_capture_sizes(
+                sched.max_num_batched_tokens, model_config.max_model_len)])
+            reserved = self._graph_memory_estimate(largest)
         num_blocks = determine_num_blocks(
             self.config, self.dtype, self.device, self._profile_run, reserved_bytes=reserved
         )
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, self.dtype, self.device)
         if use_graphs:
-            self.graph_runner = DecodeGraphRunner(
+            self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches,
                 max_num_seqs=sched.max_num_seqs,
-                max_model_len=self.config.model_config.max_model_len,
+                max_model_len=model_config.max_model_len,
                 block_size=self.block_size,
                 device=self.device,
+                max_num_batched_tokens=sched.max_num_batched_tokens,
             )
             self.graph_runner.capture()
             if self.graph_runner.pool_bytes > reserved:

@@ -1,7 +1,8 @@
-"""Decode steps padded to a captured batch size compute what the unpadded step computes.
+"""Steps padded to a captured size compute what the unpadded step computes.
 
-A CUDA graph replays a fixed batch size; its padding rows carry slot -1 (no KV write) and
-context length 0 (attention reads nothing and writes zeros). These tests pin that
+A CUDA graph replays a fixed shape. A decode batch's padding rows carry slot -1 (no KV
+write) and context length 0 (attention reads nothing and writes zeros); a single prompt's
+padding tokens follow its real ones, so causality hides them. These tests pin that
 contract on the kernels and on the whole engine, running the padded forward eagerly
 (``use_graphs=False``), which is what a replay computes.
 """
@@ -14,7 +15,12 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
 from pagedllm.layers.attention.triton_decode import paged_decode_attention
-from pagedllm.worker.cuda_graphs import DecodeGraphRunner, capture_sizes, padded_size
+from pagedllm.worker.cuda_graphs import (
+    CudaGraphRunner,
+    capture_sizes,
+    padded_size,
+    prompt_capture_sizes,
+)
 from tests.kernels.paged_batch import DEVICE, TOLERANCE, make_step, reference_attention
 from tests.utils import make_attention_metadata
 
@@ -30,6 +36,8 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs() -> None:
     assert [padded_size(n, sizes) for n in (1, 3, 5, 8, 9, 97, 100, 101)] == [
         1, 4, 8, 8, 16, 100, 100, None
     ]
+    assert prompt_capture_sizes(2048, 131072) == [16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert prompt_capture_sizes(100, 64) == [16, 32, 64]  # a prompt never exceeds the model
 
 
 def _padded_decode_metadata(step, size: int, max_seq_len: int):
@@ -86,9 +94,10 @@ def triton_llm_factory(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
     path = make_tiny_checkpoint(tmp_path, "qwen3", vocab_size=128, max_position_embeddings=128)
 
-    def build() -> LLM:
-        return LLM(str(path), block_size=8, max_model_len=64, max_num_seqs=12, seed=0,
-                   enforce_eager=True)
+    def build(**overrides) -> LLM:
+        kwargs = dict(block_size=8, max_model_len=64, max_num_seqs=12, seed=0,
+                      enforce_eager=True)
+        return LLM(str(path), **{**kwargs, **overrides})
 
     return build
 
@@ -103,7 +112,7 @@ def test_padded_decode_forward_gives_the_eager_greedy_tokens(triton_llm_factory)
 
     padded = triton_llm_factory()
     runner = padded.llm_engine.engine_core.model_runner
-    graph_runner = DecodeGraphRunner(
+    graph_runner = CudaGraphRunner(
         runner.model, runner.kv_caches, max_num_seqs=12, max_model_len=64, block_size=8,
         device=runner.device, use_graphs=False,
     )
@@ -114,3 +123,42 @@ def test_padded_decode_forward_gives_the_eager_greedy_tokens(triton_llm_factory)
     got = [o.outputs[0].token_ids for o in padded.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert 5 in steps and 3 in steps  # 5 -> padded to 8, 3 -> padded to 4
+
+
+@pytest.mark.parametrize("chunk", [None, 16], ids=["whole-prompts", "chunked-prefill"])
+def test_padded_prompt_forward_gives_the_eager_greedy_tokens(triton_llm_factory, chunk) -> None:
+    """One prompt at a time (the latency case): each prefill, or chunk of one, runs padded
+    to a captured prompt length, including a prefix-cache hit (context before the chunk);
+    the tokens equal the eager engine's."""
+    shared = [(5 * j) % 120 + 4 for j in range(24)]  # 3 blocks of 8: cached after the first
+    prompts = [[(7 * j) % 120 + 4 for j in range(3)], shared + [9, 10],
+               shared + [(11 * j) % 120 + 4 for j in range(17)], list(range(4, 44))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    overrides = {} if chunk is None else dict(max_num_batched_tokens=chunk)
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
+                for p in prompts]
+
+    want = run(triton_llm_factory(**overrides))
+    padded = triton_llm_factory(**overrides)
+    runner = padded.llm_engine.engine_core.model_runner
+    budget = padded.llm_engine.config.scheduler_config.max_num_batched_tokens
+    graph_runner = CudaGraphRunner(
+        runner.model, runner.kv_caches, max_num_seqs=12, max_model_len=64, block_size=8,
+        device=runner.device, max_num_batched_tokens=budget, use_graphs=False,
+    )
+    runner.graph_runner = graph_runner
+    served = []
+    original_run = graph_runner.run
+    graph_runner.run = lambda inputs, fill=None: (
+        served.append((graph_runner.graph_for(inputs), int(inputs.seq_lens[0]) - inputs.num_tokens))
+        or original_run(inputs, fill))
+    assert run(padded) == want
+    prompt_steps = [(key, context) for key, context in served if key[0] == "prompt"]
+    assert ("prompt", 16) in [key for key, _ in prompt_steps]  # 3 tokens padded to 16
+    assert any(context > 0 for _, context in prompt_steps)  # after a prefix-cache hit
+    if chunk is None:
+        assert ("prompt", 64) in [key for key, _ in prompt_steps]  # 40 tokens padded to 64
+    else:
+        assert all(key[1] == 16 for key, _ in prompt_steps)  # chunks of at most 16 tokens

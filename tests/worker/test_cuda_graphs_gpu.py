@@ -41,7 +41,33 @@ def test_cuda_graph_decode_gives_the_eager_greedy_tokens(tmp_path) -> None:
     assert got == want
     assert set(replays) >= {9, 5, 1}  # padded to 16, 8 and replayed exactly at 1
     assert sum(pending) > 0  # decodes took their input ids from the device
-    assert sorted(runner.graph_runner._graphs) == capture_sizes(16)
+    decode_sizes = sorted(size for kind, size in runner.graph_runner._graphs if kind == "decode")
+    assert decode_sizes == capture_sizes(16)
+
+
+def test_single_prompts_replay_prompt_graphs_and_give_the_eager_greedy_tokens(tmp_path) -> None:
+    """One request at a time, as a latency-bound user sends them: each prefill replays a
+    prompt graph padded to its captured length (a prefix-cache hit included)."""
+    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=256)
+    shared = [(5 * j) % 240 + 8 for j in range(32)]
+    prompts = [[7, 8, 9], shared + [11, 12], shared + list(range(20, 61)), list(range(8, 108))]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kwargs = dict(dtype="float32", max_model_len=160, max_num_seqs=16, block_size=16,
+                  device="cuda")
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
+                for p in prompts]
+
+    graphed = LLM(str(path), **kwargs)
+    runner = graphed.llm_engine.engine_core.model_runner.graph_runner
+    keys = []
+    original_run = runner.run
+    runner.run = lambda inputs, fill=None: keys.append(runner.graph_for(inputs)) or original_run(inputs, fill)
+    got = run(graphed)
+    want = run(LLM(str(path), enforce_eager=True, **kwargs))
+    assert got == want
+    assert {("prompt", 16), ("prompt", 64), ("prompt", 128)} <= set(keys)
 
 
 def test_async_scheduling_on_cuda_matches_sync_for_sampling_and_preemption(tmp_path) -> None:

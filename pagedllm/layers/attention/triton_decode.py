@@ -203,7 +203,7 @@ def _decode_kernel(
                 part_acc_ptr + seq64 * stride_acc_seq, stride_acc_head, stride_acc_split,
                 part_max_ptr + seq64 * stride_ml_seq, part_sum_ptr + seq64 * stride_ml_seq,
                 stride_ml_head, kv_head * QUERIES_PER_KV,
-                kv_lo // partition, tl.cdiv(seq_len, tl.maximum(partition, 1)),
+                kv_lo // tl.maximum(partition, 1), tl.cdiv(seq_len, tl.maximum(partition, 1)),
                 QUERIES_PER_KV, MERGE_H, HEAD_DIM, BLOCK_D, MERGE_S,
             )
     else:
