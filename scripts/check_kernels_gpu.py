@@ -410,16 +410,27 @@ def gemv_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], None]) -> 
     return rows
 
 
-def gemv_graph_rows() -> list[dict[str, Any]]:
+GEMV_GRAPH_TILES = ((64, 512, 4, 3, True), (64, 256, 4, 5, True), (32, 512, 4, 3, True),
+                    (32, 128, 4, 3, True), (64, 128, 4, 3, True), (64, 128, 8, 1, False))
+
+
+def parse_gemv_tiles(text: str) -> tuple[tuple[int, int, int, int, bool], ...]:
+    """``"32,1024,8,3,dot 16,512,4,3,dot"`` -> tiles (``BLOCK_N,BLOCK_K,warps,stages,dot|fma``)."""
+    tiles = []
+    for item in text.split():
+        *ints, mode = item.split(",")
+        tiles.append((*(int(v) for v in ints), mode == "dot"))
+    return tuple(tiles)
+
+
+def gemv_graph_rows(fixed=GEMV_GRAPH_TILES) -> list[dict[str, Any]]:
     """Each projection as a decode step runs it: back to back inside a CUDA graph, cycling
     over enough weight copies that none is in L2 (as with 32 layers). Per launch, one row:
-    cuBLAS, the configured tile, and a few fixed tiles."""
+    cuBLAS, the configured tile, and the ``fixed`` tiles."""
     from pagedllm.layers import triton_ops
 
     rows: list[dict[str, Any]] = []
     configured = triton_ops.small_batch_matmul_config
-    fixed = [(64, 512, 4, 3, True), (64, 256, 4, 5, True), (32, 512, 4, 3, True),
-             (32, 128, 4, 3, True), (64, 128, 4, 3, True), (64, 128, 8, 1, False)]
     gen = torch.Generator(device=DEVICE).manual_seed(41)
     try:
         for name, n, k in GEMV_SHAPES[:4]:
@@ -519,6 +530,8 @@ def main() -> int:
                         help="write the best single tile here (PAGEDLLM_GEMV_TILE format)")
     parser.add_argument("--gemv-graph", action="store_true",
                         help="time the one-row projections back to back in CUDA graphs")
+    parser.add_argument("--gemv-tiles", type=parse_gemv_tiles, default=GEMV_GRAPH_TILES,
+                        help="--gemv-graph's tiles, e.g. '32,1024,8,3,dot 16,512,4,3,dot'")
     parser.add_argument("--skip-checks", action="store_true",
                         help="leave out the correctness checks and the standard timings")
     args = parser.parse_args()
@@ -554,7 +567,7 @@ def main() -> int:
 
     if args.gemv_graph:
         print("\none-row projections inside CUDA graphs, per launch")
-        results["gemv_graph"] = gemv_graph_rows()
+        results["gemv_graph"] = gemv_graph_rows(args.gemv_tiles)
         save()
 
     if args.decode_order_sweep:
