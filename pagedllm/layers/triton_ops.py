@@ -1,5 +1,5 @@
 """Fused elementwise ops for CUDA, as Triton kernels: RMSNorm (+ residual add), SiLU-and-mul,
-rotary embedding, sampling a token per row of logits (``gumbel_sample``), and the
+rotary embedding, a token per row of logits (``gumbel_sample``, ``greedy_argmax``), and the
 matrix-vector products of small decode batches (``small_batch_matmul``).
 
 In torch each of these is a chain of small kernels (RMSNorm alone: add, cast, square,

@@ -25,8 +25,8 @@ whose last ``Q - n`` are padding: ``query_start_loc = [0, Q]`` (constant) and ``
 context + Q``. Causality keeps the real tokens from seeing the padding (which comes after
 them); the padding rows write no KV (slot -1) and their outputs are never read. They may
 attend to slots that hold stale values, through block-table columns past the real ones
-(stale ids of live blocks, or 0), so a prompt only replays when ``context + Q <=
-max_model_len`` (the table's width).
+(ids left by earlier steps, or 0: always valid block indices), so a prompt only replays
+when ``context + Q <= max_model_len`` (the table's width).
 
 The Triton attention backend decides every launch from host integers fixed at capture:
 ``num_actual_tokens = size``, ``max_query_len`` (1 or ``Q``) and ``max_seq_len =
