@@ -19,7 +19,10 @@
 #   ab       for each setting in $GPU_BENCH_AB (space-separated VAR=value, e.g.
 #            "PAGEDLLM_DECODE_LONGEST_FIRST=0 PAGEDLLM_DECODE_TILE=32,2,2"), L1 and W1 on llama-3.1-8b with
 #            the setting, beside the same commands without it, into $OUT/ab.txt
-#            (only when GPU_BENCH_AB is set)
+#            (only when GPU_BENCH_AB is set); and for each revision in $GPU_BENCH_AB_REVS
+#            (extracted by scripts/ab_prepare.sh into .ab/<rev>, carried to the machine),
+#            L1 and W1 on that revision and on the working tree, in $GPU_BENCH_AB_ROUNDS
+#            (default 2) interleaved rounds
 #   report   $OUT/<date>-h200.json: one record per workload, and a table printed last
 # GPU_BENCH_STEPS="w1 latency" runs a subset of the steps (default: all); GPU_BENCH_TESTS
 # the test paths of the tests step.
@@ -102,26 +105,41 @@ for model in "$BIG" "$SMALL"; do
         --output-json "$OUT/sync-w1-$model.json"
 done
 
-# ab_pair SETTING: L1 and W1 without and with one VAR=value setting, each run under its
-# own time limit.
-ab_pair() {
-    local setting=$1 label start=$SECONDS
-    echo "=== ab: $setting" | tee -a "$LOG"
-    for label in without with; do
-        local env=()
-        [ "$label" = with ] && env=("$setting")
-        echo "--- $setting: $label" | tee -a "$OUT/ab.txt"
-        timeout -k 10 "$LIMIT_AB" env "${env[@]}" $PY -m pagedllm.benchmarks.latency \
-            --model "$BIG" --load-format dummy --workload L1 "${LAT_ARGS[@]}" 2>&1 \
-            | tee -a "$LOG" | grep -A1 "ms/token" | tail -1 | tee -a "$OUT/ab.txt"
-        timeout -k 10 "$LIMIT_AB" env "${env[@]}" $PY -m pagedllm.benchmarks.throughput \
-            --model "$BIG" --load-format dummy "${W1_ARGS[@]}" 2>&1 \
-            | tee -a "$LOG" | grep -E "^ *pagedllm " | tee -a "$OUT/ab.txt"
-    done
-    echo "ab 0 $((SECONDS - start))" >>"$OUT/steps.txt"
+# ab_run LABEL DIR [VAR=value ...]: L1 and W1 of the package in DIR, with the settings,
+# under the ab time limit each, one line each into ab.txt.
+ab_run() {
+    local label=$1 dir=$2
+    shift 2
+    echo "--- $label" | tee -a "$OUT/ab.txt"
+    (cd "$dir" && PYTHONPATH=. timeout -k 10 "$LIMIT_AB" env "$@" $PY -m pagedllm.benchmarks.latency \
+        --model "$BIG" --load-format dummy --workload L1 "${LAT_ARGS[@]}" 2>&1) \
+        | tee -a "$LOG" | grep -A1 "ms/token" | tail -1 | tee -a "$OUT/ab.txt"
+    (cd "$dir" && PYTHONPATH=. timeout -k 10 "$LIMIT_AB" env "$@" $PY -m pagedllm.benchmarks.throughput \
+        --model "$BIG" --load-format dummy "${W1_ARGS[@]}" 2>&1) \
+        | tee -a "$LOG" | grep -E "^ *pagedllm " | tee -a "$OUT/ab.txt"
 }
 case " $STEPS " in
-    *" ab "*) for setting in "${AB_SETTINGS[@]}"; do ab_pair "$setting"; done ;;
+    *" ab "*)
+        start=$SECONDS
+        for setting in "${AB_SETTINGS[@]}"; do
+            echo "=== ab: $setting" | tee -a "$LOG"
+            ab_run "$setting: without" .
+            ab_run "$setting: with" . "$setting"
+        done
+        read -r -a AB_REVS <<<"${GPU_BENCH_AB_REVS:-}"
+        for ((round = 1; round <= ${GPU_BENCH_AB_ROUNDS:-2}; round++)); do
+            [ ${#AB_REVS[@]} -gt 0 ] || break
+            for rev in "${AB_REVS[@]}"; do
+                if [ -d ".ab/$rev/pagedllm" ]; then
+                    ab_run "revision $rev, round $round" ".ab/$rev"
+                else
+                    echo "--- revision $rev: .ab/$rev is missing (run scripts/ab_prepare.sh $rev and carry .ab)" | tee -a "$OUT/ab.txt"
+                fi
+            done
+            ab_run "working tree, round $round" .
+        done
+        echo "ab 0 $((SECONDS - start))" >>"$OUT/steps.txt"
+        ;;
 esac
 
 $PY scripts/gpu_bench_report.py --dir "$OUT" --date "$DATE" --dry "$DRY" \
