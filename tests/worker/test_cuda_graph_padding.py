@@ -92,12 +92,16 @@ def triton_llm_factory(monkeypatch, tmp_path):
     from tests.utils import make_tiny_checkpoint
 
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
-    path = make_tiny_checkpoint(tmp_path, "qwen3", vocab_size=128, max_position_embeddings=128)
+    checkpoints = {}
 
-    def build(**overrides) -> LLM:
+    def build(family: str = "qwen3", **overrides) -> LLM:
+        if family not in checkpoints:
+            extra = dict(sliding_window=12) if family == "mistral" else {}
+            checkpoints[family] = make_tiny_checkpoint(
+                tmp_path, family, vocab_size=128, max_position_embeddings=128, **extra)
         kwargs = dict(block_size=8, max_model_len=64, max_num_seqs=12, seed=0,
                       enforce_eager=True)
-        return LLM(str(path), **{**kwargs, **overrides})
+        return LLM(str(checkpoints[family]), **{**kwargs, **overrides})
 
     return build
 
@@ -125,11 +129,12 @@ def test_padded_decode_forward_gives_the_eager_greedy_tokens(triton_llm_factory)
     assert 5 in steps and 3 in steps  # 5 -> padded to 8, 3 -> padded to 4
 
 
-@pytest.mark.parametrize("chunk", [None, 16], ids=["whole-prompts", "chunked-prefill"])
-def test_padded_prompt_forward_gives_the_eager_greedy_tokens(triton_llm_factory, chunk) -> None:
+@pytest.mark.parametrize("family, chunk", [("qwen3", None), ("qwen3", 16), ("mistral", None)],
+                         ids=["whole-prompts", "chunked-prefill", "sliding-window"])
+def test_padded_prompt_forward_gives_the_eager_greedy_tokens(triton_llm_factory, family, chunk) -> None:
     """One prompt at a time (the latency case): each prefill, or chunk of one, runs padded
-    to a captured prompt length, including a prefix-cache hit (context before the chunk);
-    the tokens equal the eager engine's."""
+    to a captured prompt length, including a prefix-cache hit (context before the chunk)
+    and a sliding window shorter than the prompts; the tokens equal the eager engine's."""
     shared = [(5 * j) % 120 + 4 for j in range(24)]  # 3 blocks of 8: cached after the first
     prompts = [[(7 * j) % 120 + 4 for j in range(3)], shared + [9, 10],
                shared + [(11 * j) % 120 + 4 for j in range(17)], list(range(4, 44))]
@@ -140,8 +145,8 @@ def test_padded_prompt_forward_gives_the_eager_greedy_tokens(triton_llm_factory,
         return [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
                 for p in prompts]
 
-    want = run(triton_llm_factory(**overrides))
-    padded = triton_llm_factory(**overrides)
+    want = run(triton_llm_factory(family, **overrides))
+    padded = triton_llm_factory(family, **overrides)
     runner = padded.llm_engine.engine_core.model_runner
     budget = padded.llm_engine.config.scheduler_config.max_num_batched_tokens
     graph_runner = CudaGraphRunner(
