@@ -211,13 +211,14 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The norm each layer ends with (a plain tuple: the modules are registered above).
+        self._norms_after = (*(layer.input_layernorm for layer in self.layers[1:]), self.norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, residual.dtype)
         hidden = self.layers[0].input_layernorm(residual)
-        norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm in zip(self.layers, norms_after):
+        for layer, next_norm in zip(self.layers, self._norms_after):
             hidden, residual = layer(hidden, residual, cos, sin, next_norm)
         return hidden
 
