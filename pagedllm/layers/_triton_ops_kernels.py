@@ -126,6 +126,18 @@ def rotate_half(x_row, c, s, mask, HALF: tl.constexpr):
 
 
 @triton.jit
+def rotate_half_whole(x_row, d, c, s, mask, HALF: tl.constexpr):
+    """``rotate_half`` as one tile over every column ``d`` of the heads at ``x_row``:
+    ``x[d] * c - x[d + HALF] * s`` in the first half, ``x[d] * c + x[d - HALF] * s`` in the
+    second (the same products as ``rotate_half``), in float32; ``c, s`` hold
+    ``cos, sin[d % HALF]``."""
+    first = d < HALF
+    x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(x_row + tl.where(first, d + HALF, d - HALF), mask=mask, other=0.0).to(tl.float32)
+    return tl.where(first, x * c - partner * s, x * c + partner * s)
+
+
+@triton.jit
 def row_argmax_partial_kernel(
     logits_ptr, stride_row, temperature_ptr, seeds_ptr, best_ptr, index_ptr,
     vocab_size, chunk,

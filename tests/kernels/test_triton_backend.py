@@ -10,6 +10,7 @@ from tests.kernels.paged_batch import HALF_DTYPES, TOLERANCE, make_step, referen
 
 # A fresh prompt, a chunk on top of cached context, decodes at several context lengths.
 MIXED = ((0, 11), (9, 4), (17, 1), (0, 1), (30, 1), (6, 7))
+DECODES_ONLY = ((17, 1), (0, 1), (30, 1), (5, 1))
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -112,12 +113,15 @@ def test_a_large_decode_batch_starts_its_longest_sequences_first(monkeypatch) ->
     assert orders[-1] is None
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["rope-in-kv-write", "fused-ops-off"])
+@pytest.mark.parametrize("seqs", [MIXED, DECODES_ONLY], ids=["mixed", "decodes-only"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "fused-ops-off"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_rotary_applied_by_the_backend_matches_the_reference(window, fused, monkeypatch, request) -> None:
+def test_rotary_applied_by_the_backend_matches_the_reference(window, fused, seqs, monkeypatch,
+                                                              request) -> None:
     """Unrotated q and k with ``rotary=(cos, sin)``: the Triton backend rotates them in the
-    cache-write kernel (with PAGEDLLM_FUSED_OPS=0, by the torch rope before the plain write);
-    output and cache agree with the reference backend's rope."""
+    cache-write kernel, or for a step of decodes alone in the decode kernel (with
+    PAGEDLLM_FUSED_OPS=0, by the torch rope before the plain write); output and cache agree
+    with the reference backend's rope."""
     from pagedllm.layers import triton_ops
     from pagedllm.layers.attention import triton_backend
     from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
@@ -132,7 +136,7 @@ def test_rotary_applied_by_the_backend_matches_the_reference(window, fused, monk
     triton_ops.fused_ops_enabled.cache_clear()
     request.addfinalizer(triton_ops.fused_ops_enabled.cache_clear)  # later tests read it afresh
 
-    step = make_step(MIXED, num_heads=4, num_kv_heads=2, head_dim=16, seed=8)
+    step = make_step(seqs, num_heads=4, num_kv_heads=2, head_dim=16, seed=8)
     rope = RotaryEmbedding(16, {"rope_type": "default", "rope_theta": 10000.0}).to(step.query.device)
     positions = torch.arange(step.query.shape[0], device=step.query.device) * 7 % 41
     rotary = rope(positions, step.query.dtype)
@@ -146,4 +150,4 @@ def test_rotary_applied_by_the_backend_matches_the_reference(window, fused, monk
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
     torch.testing.assert_close(step.kv_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0),
                                rtol=1e-6, atol=1e-6)
-    assert len(fused_calls) == (1 if fused else 0)
+    assert len(fused_calls) == (1 if fused and seqs is MIXED else 0)

@@ -6,13 +6,16 @@ import pytest
 import torch
 
 from pagedllm.layers.attention import triton_decode
+from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
 from pagedllm.layers.attention.triton_decode import (
     MAX_SPLITS,
     MIN_PARTITION_TOKENS,
+    NewKV,
     paged_decode_attention,
     plan_decode_splits,
 )
 from pagedllm.layers.attention.triton_kv_write import write_kv_cache
+from pagedllm.layers.rotary import RotaryEmbedding
 from tests.kernels.paged_batch import DEVICE, HALF_DTYPES, TOLERANCE, batch_args, make_step, reference_attention
 
 # Decodes at contexts on both sides of block boundaries (block size 4), a first token,
@@ -150,6 +153,39 @@ def test_sliding_window_with_partitions_sized_per_sequence(window) -> None:
     expected, _ = reference_attention(step, 0.25, window)
     out = _run(step, window, num_splits=4, block_n=16, max_seq_len=4096)
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF_DTYPES])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("num_splits", [1, 3, 64], ids=["one-pass", "split-3", "split-64"])
+def test_decode_ropes_and_caches_the_new_tokens_itself(num_splits, window, dtype) -> None:
+    """With ``new_kv`` the launch takes unrotated queries and keys: it must give what the
+    torch rope, the cache write and the attention give, output and cache alike. Contexts
+    end inside every partition (64 splits of 16-token tiles over up to 71 tokens), and the
+    last rows are padding past ``num_actual_tokens``: rotated nowhere, cached nowhere."""
+    step = make_step(DECODES + ((9, 1),), seed=10, dtype=dtype)
+    md = step.metadata
+    n = md.num_actual_tokens - 1  # the last sequence's row is padding
+    rope = RotaryEmbedding(16, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    cos, sin = rope(md.seq_lens.long() - 1, dtype)
+
+    fp32 = step.to(torch.float32)
+    want_cache = fp32.kv_cache.clone()
+    query, key = (RotaryEmbedding.apply(x, cos.float(), sin.float()) for x in (fp32.query, fp32.key))
+    want = TorchReferenceBackend().forward(query, key, fp32.value, want_cache, md, 0.25, window)
+    last_slot, block_size = int(md.slot_mapping[n]), step.kv_cache.shape[2]
+    want_cache[:, last_slot // block_size, last_slot % block_size] = float("nan")
+
+    out = torch.zeros_like(step.query)
+    paged_decode_attention(
+        step.query, step.kv_cache[0], step.kv_cache[1], *batch_args(step), out,
+        max_seq_len=md.max_seq_len, scale=0.25, sliding_window=window, num_splits=num_splits,
+        block_n=16, new_kv=NewKV(step.key, step.value, md.slot_mapping, cos, sin, n),
+    )
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out[:n].float(), want[:n], **tolerance)
+    torch.testing.assert_close(step.kv_cache.float().nan_to_num(7.0), want_cache.nan_to_num(7.0),
+                               **tolerance)
 
 
 def test_sequences_with_longer_queries_are_left_to_the_prefill_kernel() -> None:

@@ -7,6 +7,10 @@ One step runs at most three launches per layer::
     paged_prefill_attention  sequences with query_len > 1 (skipped when max_query_len == 1)
     paged_decode_attention   sequences with query_len == 1 (skipped when the step has none)
 
+and a step of decodes alone with ``rotary`` runs one: the decode kernel ropes and caches
+the new tokens itself (``triton_decode.NewKV``), a launch less per layer where a small
+batch is bound by launch latency.
+
 Both attention kernels take the whole batch and each leaves the other's sequences alone,
 so a mixed step (prefill chunks beside decodes) needs no reordering or index copies. Rows
 past ``num_actual_tokens`` (padding to a captured shape) are zero in the output.
@@ -23,6 +27,7 @@ import torch
 
 from pagedllm.layers.attention.backend import AttentionMetadata
 from pagedllm.layers.attention.triton_decode import (
+    NewKV,
     longest_first,
     paged_decode_attention,
     wants_longest_first,
@@ -90,8 +95,11 @@ class TritonAttentionBackend:
         if rotary is not None and not fused_ops_enabled():  # PAGEDLLM_FUSED_OPS=0: torch rope
             query, key = (RotaryEmbedding.apply(x, *rotary) for x in (query, key))
             rotary = None
+        new_kv = None
         if rotary is None:
             write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping[:n])
+        elif metadata.max_query_len == 1:  # decodes alone: their attention ropes and caches
+            new_kv = NewKV(key, value, metadata.slot_mapping, *rotary, n)
         else:
             query = rotate_and_write_kv(
                 query, key, value, *rotary, key_cache, value_cache, metadata.slot_mapping, n
@@ -123,5 +131,6 @@ class TritonAttentionBackend:
                 scale=scale,
                 sliding_window=sliding_window,
                 order=self._decode_order(metadata, seq_lens),
+                new_kv=new_kv,
             )
         return out

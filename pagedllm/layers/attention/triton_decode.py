@@ -22,11 +22,19 @@ that arrives last merges the partials (no second launch)::
 
     M = max_s m_s      out = sum_s 2^(m_s - M) * acc_s  /  sum_s 2^(m_s - M) * l_s
 
-``acc_s`` is written, and read, only for partitions with ``l_s > 0`` (the non-empty ones:
-their largest score contributes 2^0 = 1 to ``l``); an empty one adds nothing to either sum.
-The merge reads only the partitions the sequence's context (and window) reaches, a chunk
-of them at a time. The counters (``triton_ops.arrival_counters``) are zero between
+``acc_s`` is written only for partitions with ``l_s > 0`` (the non-empty ones: their
+largest score contributes 2^0 = 1 to ``l``). The merge reads only the partitions the
+sequence's context (and window) reaches, all of them non-empty, a chunk at a time. The counters (``triton_ops.arrival_counters``) are zero between
 launches: the merging program resets its counter, and launches on a stream do not overlap.
+
+With ``new_kv`` (a decode-only step whose rope and cache write ride on the attention
+launch) the queries and the step's keys arrive unrotated: every program rotates its
+query heads, and the program whose partition holds the sequence's last position (the new
+token's) rotates that token's key and caches it with its value before its loop reads
+them back::
+
+    without new_kv:  rotate_and_write_kv (rope q, k; cache k, v)  ->  decode attention
+    with new_kv:     decode attention (rope q; the last partition ropes and caches k, v)
 
 ``order`` (optional, a permutation of the batch) sets which sequences the GPU starts
 first: the longest first keeps a large batch of mixed lengths from ending on a few long
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -56,6 +65,7 @@ from pagedllm.layers.attention.triton_common import (
     unit_last_stride,
     uses_ieee_dot,
 )
+from pagedllm.layers._triton_ops_kernels import rotate_half_whole
 from pagedllm.layers.triton_ops import arrival_counters
 
 MIN_PARTITION_TOKENS = 256
@@ -76,6 +86,12 @@ def _decode_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     order_ptr,
+    new_key_ptr,
+    new_value_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_mapping_ptr,
+    num_actual_tokens,
     qk_scale,
     window,
     stride_qt,
@@ -89,6 +105,11 @@ def _decode_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    stride_nkt,
+    stride_nkh,
+    stride_nvt,
+    stride_nvh,
+    stride_ct,
     stride_acc_seq,
     stride_acc_head,
     stride_acc_split,
@@ -105,6 +126,8 @@ def _decode_kernel(
     MERGE_H: tl.constexpr,
     MERGE_S: tl.constexpr,
     HAS_ORDER: tl.constexpr,
+    ROPE_AND_CACHE: tl.constexpr,
+    HALF: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
@@ -114,17 +137,19 @@ def _decode_kernel(
         seq = tl.program_id(1)
     split = tl.program_id(2)
     q_row = tl.load(query_start_loc_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)  # issued beside the query range, not after it
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
     if SPLIT:
         # The grid's third dimension is num_splits; whole tiles, so only the last is ragged.
         partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         kv_start = split * partition
         kv_end = tl.minimum(kv_start + partition, seq_len)
+        holds_last_key = (kv_start < seq_len) & (kv_start + partition >= seq_len)
     else:
         kv_start = 0
         kv_end = seq_len
+        holds_last_key = seq_len > 0
     kv_lo = 0  # the first key any partition reads
     if USE_WINDOW:
         kv_lo = tl.maximum(seq_len - window, 0)
@@ -135,11 +160,25 @@ def _decode_kernel(
     head = kv_head * QUERIES_PER_KV + g
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
-    q = tl.load(
-        q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=g_valid[:, None] & d_valid[None, :],
-        other=0.0,
-    )
+    q_heads = q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh
+    q_mask = g_valid[:, None] & d_valid[None, :]
+    if ROPE_AND_CACHE:
+        rope = q_row.to(tl.int64) * stride_ct + d % HALF
+        c = tl.load(cos_ptr + rope, mask=d_valid, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + rope, mask=d_valid, other=0.0).to(tl.float32)
+        q = rotate_half_whole(q_heads, d[None, :], c, sn, q_mask, HALF).to(q_ptr.dtype.element_ty)
+        if holds_last_key & (q_row < num_actual_tokens):
+            _cache_new_token(
+                new_key_ptr + q_row.to(tl.int64) * stride_nkt + kv_head * stride_nkh,
+                new_value_ptr + q_row.to(tl.int64) * stride_nvt + kv_head * stride_nvh,
+                k_cache_ptr + kv_head.to(tl.int64) * stride_kh,
+                v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
+                tl.load(slot_mapping_ptr + q_row).to(tl.int64),
+                stride_kb, stride_ks, stride_vb, stride_vs,
+                d, d_valid, c, sn, HALF, PAGE_SIZE,
+            )
+    else:
+        q = tl.load(q_heads + d[None, :], mask=q_mask, other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -183,7 +222,7 @@ def _decode_kernel(
     if SPLIT:
         seq64 = seq.to(tl.int64)
         acc_ptr = part_acc_ptr + seq64 * stride_acc_seq + split * stride_acc_split
-        # An empty partition (l = 0) leaves acc unwritten: the reduce masks it out.
+        # An empty partition (l = 0) leaves acc unwritten: it lies outside the merge's range.
         tl.store(
             acc_ptr + head[:, None] * stride_acc_head + d[None, :],
             acc,
@@ -217,6 +256,30 @@ def _decode_kernel(
 
 
 @triton.jit
+def _cache_new_token(
+    key_ptr, value_ptr, k_head_cache_ptr, v_head_cache_ptr, slot,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    d, d_valid, c, s,
+    HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """One KV head of a new token into ``slot`` (skipped when negative): its key rotated
+    (rounded to the activation dtype, then cast to the cache's, as ``rotate_and_write_kv``)
+    and its value. The barrier after the stores makes them visible to the whole program,
+    whose last tile reads them back."""
+    if slot >= 0:
+        block = slot // PAGE_SIZE
+        in_block = slot % PAGE_SIZE
+        k = rotate_half_whole(key_ptr, d, c, s, d_valid, HALF).to(key_ptr.dtype.element_ty)
+        tl.store(k_head_cache_ptr + block * stride_kb + in_block * stride_ks + d,
+                 k.to(k_head_cache_ptr.dtype.element_ty), mask=d_valid)
+        v = tl.load(value_ptr + d, mask=d_valid)
+        tl.store(v_head_cache_ptr + block * stride_vb + in_block * stride_vs + d,
+                 v.to(v_head_cache_ptr.dtype.element_ty), mask=d_valid)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _merge_partitions(
     out_row_ptr, stride_oh,
     acc_ptr, stride_acc_head, stride_acc_split,
@@ -230,7 +293,9 @@ def _merge_partitions(
 ):
     """``out[first_head : first_head + HEADS]`` of one sequence from its partials in
     partitions ``[first_part, end_part)``, ``MERGE_S`` partitions per chunk, merged online
-    (the chunk's max joins the running max). Loads bypass L1: other programs wrote them."""
+    (the chunk's max joins the running max). Every partition of that range holds a key,
+    so its ``acc`` was written: it is loaded beside ``m`` and ``l``, not after them. Loads
+    bypass L1: other programs wrote them."""
     h = tl.arange(0, BLOCK_H)
     head = first_head + h
     h_valid = h < HEADS
@@ -250,7 +315,7 @@ def _merge_partitions(
             acc_ptr
             + (head[:, None] * stride_acc_head + s[None, :] * stride_acc_split)[:, :, None]
             + d[None, None, :],
-            mask=(valid & (l > 0.0))[:, :, None] & d_valid[None, None, :],
+            mask=valid[:, :, None] & d_valid[None, None, :],
             other=0.0,
             cache_modifier=".cg",
         )
@@ -379,6 +444,21 @@ def _tile_override(name: str) -> tuple[int, int, int] | None:
     return block_n, num_warps, num_stages
 
 
+class NewKV(NamedTuple):
+    """A decode step's new tokens for ``paged_decode_attention`` to rotate and cache:
+    ``key/value: [T, Hkv, D]`` (keys unrotated), ``slot_mapping: [T]`` (-1 = skip),
+    ``cos/sin: [T, D // 2]`` (rotate-half rope, as ``RotaryEmbedding.apply``) and
+    ``num_actual_tokens`` (rows from there on are padding: neither rotated into the cache
+    nor cached)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    num_actual_tokens: int
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -394,6 +474,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     order: torch.Tensor | None = None,
+    new_kv: NewKV | None = None,
 ) -> None:
     """Attention of every query-length-1 sequence of the batch into ``out``.
 
@@ -402,6 +483,8 @@ def paged_decode_attention(
     splits. ``num_splits`` forces the number of partitions each context is cut into
     (default: ``plan_decode_splits``). ``order`` (int32 ``[B]``, a permutation of the
     sequences) is the order their programs start in, e.g. ``longest_first(seq_lens)``.
+    With ``new_kv``, ``query`` is unrotated and the step's keys and values are cached by
+    this launch (see the module docstring); the step must hold decodes only.
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
@@ -425,6 +508,26 @@ def paged_decode_attention(
     default_n, num_warps, num_stages = decode_tile_config(head_dim, query.device, split)
     block_n = block_n or default_n
     block_d = max(16, triton.next_power_of_2(head_dim))
+    if new_kv is not None:
+        new_key, new_value = unit_last_stride(new_kv.key), unit_last_stride(new_kv.value)
+        cos, sin = new_kv.cos, new_kv.sin
+        if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+            cos, sin = cos.contiguous(), sin.contiguous()
+        if head_dim % 2 or tuple(cos.shape) != (query.shape[0], head_dim // 2) or sin.shape != cos.shape:
+            raise ValueError(f"cos and sin must be [tokens, head_dim // 2] = [{query.shape[0]}, "
+                             f"{head_dim // 2}], got {tuple(cos.shape)} and {tuple(sin.shape)}.")
+        if new_key.shape != (query.shape[0], num_kv_heads, head_dim) or new_value.shape != new_key.shape:
+            raise ValueError(f"new keys {tuple(new_key.shape)} and values {tuple(new_value.shape)} "
+                             f"must be [{query.shape[0]}, {num_kv_heads}, {head_dim}].")
+        if new_kv.slot_mapping.shape[0] < new_kv.num_actual_tokens:
+            raise ValueError(f"slot_mapping holds {new_kv.slot_mapping.shape[0]} slots for "
+                             f"{new_kv.num_actual_tokens} tokens.")
+        rope_args = (new_key, new_value, cos, sin, new_kv.slot_mapping, new_kv.num_actual_tokens)
+        rope_strides = (new_key.stride(0), new_key.stride(1), new_value.stride(0),
+                        new_value.stride(1), cos.stride(0))
+    else:
+        rope_args = (query, query, query, query, seq_lens, 0)  # unused
+        rope_strides = (0, 0, 0, 0, 0)
     if split:
         part_acc = torch.empty(
             num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
@@ -451,6 +554,7 @@ def paged_decode_attention(
         seq_lens,
         query_start_loc,
         order if order is not None else seq_lens,
+        *rope_args,
         scale * LOG2_E,
         sliding_window or 0,
         query.stride(0),
@@ -464,6 +568,7 @@ def paged_decode_attention(
         value_cache.stride(1),
         value_cache.stride(2),
         block_tables.stride(0),
+        *rope_strides,
         *acc_strides,
         *ml_strides,
         QUERIES_PER_KV=queries_per_kv,
@@ -477,6 +582,8 @@ def paged_decode_attention(
         MERGE_H=triton.next_power_of_2(queries_per_kv),
         MERGE_S=_merge_chunk(queries_per_kv, block_d, num_splits),
         HAS_ORDER=order is not None,
+        ROPE_AND_CACHE=new_kv is not None,
+        HALF=head_dim // 2,
         IEEE_DOT=uses_ieee_dot(query.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
