@@ -423,6 +423,52 @@ def parse_gemv_tiles(text: str) -> tuple[tuple[int, int, int, int, bool], ...]:
     return tuple(tiles)
 
 
+def graph_us_per_launch(op: Callable[[torch.Tensor], Any], weights: list[torch.Tensor]) -> float:
+    """Microseconds per ``op(w)`` when one CUDA graph runs it over every weight copy back to
+    back (as a step runs its layers), the graph replayed 20 times."""
+    for w in weights:
+        op(w)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            op(w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (20 * len(weights))
+
+
+GEMM_ROWS = (64, 96, 128, 136, 144, 160, 176, 192, 208, 224, 240, 256)
+
+
+def gemm_rows(batch_rows=GEMM_ROWS) -> list[dict[str, Any]]:
+    """cuBLAS on each layer projection at the decode batch sizes of a large batch (the
+    CUDA graphs' padded sizes), inside graphs over weights that are not in L2: how the
+    time grows with the rows (tile quantisation shows as steps)."""
+    rows: list[dict[str, Any]] = []
+    gen = torch.Generator(device=DEVICE).manual_seed(43)
+    for name, n, k in GEMV_SHAPES[:4]:
+        copies = max(2, -(-400_000_000 // (n * k * 2)))
+        weights = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
+                   for _ in range(copies)]
+        for m in batch_rows:
+            x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
+            us = graph_us_per_launch(lambda w: F.linear(x, w), weights)
+            rows.append(dict(shape=name, rows=m, us=us, tflop_s=2 * m * n * k / us / 1e6,
+                             tb_s=n * k * 2 / us / 1e6))
+            print(f"{name:8} rows {m:4} {us:8.1f} us {rows[-1]['tflop_s']:6.0f} TFLOP/s "
+                  f"{rows[-1]['tb_s']:5.2f} TB/s")
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
 def gemv_graph_rows(fixed=GEMV_GRAPH_TILES) -> list[dict[str, Any]]:
     """Each projection as a decode step runs it: back to back inside a CUDA graph, cycling
     over enough weight copies that none is in L2 (as with 32 layers). Per launch, one row:
@@ -448,24 +494,8 @@ def gemv_graph_rows(fixed=GEMV_GRAPH_TILES) -> list[dict[str, Any]]:
                 triton_ops.small_batch_matmul_config = (
                     configured if tile is None else (lambda r, nn, kk, c=tile: c))
                 try:
-                    for w in weights:
-                        op(w)  # compile outside the capture
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        for w in weights:
-                            op(w)
-                    graph.replay()
-                    torch.cuda.synchronize()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(20):
-                        graph.replay()
-                    end.record()
-                    torch.cuda.synchronize()
-                    us = start.elapsed_time(end) * 1e3 / (20 * copies)
+                    us = graph_us_per_launch(op, weights)
                     rows.append(dict(shape=name, impl=label, us=us, tb_s=n * k * 2 / us / 1e6))
-                    del graph
                 except Exception as exc:
                     rows.append(dict(shape=name, impl=label, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             del weights
@@ -532,6 +562,8 @@ def main() -> int:
                         help="time the one-row projections back to back in CUDA graphs")
     parser.add_argument("--gemv-tiles", type=parse_gemv_tiles, default=GEMV_GRAPH_TILES,
                         help="--gemv-graph's tiles, e.g. '32,1024,8,3,dot 16,512,4,3,dot'")
+    parser.add_argument("--gemm-rows", action="store_true",
+                        help="time cuBLAS on the layer projections at decode batch sizes 64-256")
     parser.add_argument("--skip-checks", action="store_true",
                         help="leave out the correctness checks and the standard timings")
     args = parser.parse_args()
@@ -568,6 +600,11 @@ def main() -> int:
     if args.gemv_graph:
         print("\none-row projections inside CUDA graphs, per launch")
         results["gemv_graph"] = gemv_graph_rows(args.gemv_tiles)
+        save()
+
+    if args.gemm_rows:
+        print("\nlayer projections (cuBLAS) by decode rows, inside CUDA graphs, per launch")
+        results["gemm_rows"] = gemm_rows()
         save()
 
     if args.decode_order_sweep:

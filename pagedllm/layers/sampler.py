@@ -310,23 +310,26 @@ def compute_prompt_logprobs(
 
 
 class Sampler(nn.Module):
-    """Chooses one token per row of ``logits [B, V]`` (float32) as ``SamplingMetadata`` says."""
+    """Chooses one token per row of ``logits [B, V]`` as ``SamplingMetadata`` says.
+
+    Logits may come in any float dtype: penalties, masks, temperature and softmax work on
+    a float32 copy, while greedy and plain temperature sampling on a GPU read them as they
+    are (their kernels widen each value exactly), so the choice is the float32 one."""
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(
                 f"logits must be [num_rows={meta.num_rows}, vocab], got {tuple(logits.shape)}."
             )
-        logits = logits.float()  # no copy when already float32
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
         # Out-of-place from here on: the caller's logits are never modified.
         if not meta.no_penalties:
-            logits = apply_penalties(logits, meta)
+            logits = apply_penalties(logits.float(), meta)
         if meta.min_tokens_rows is not None:
-            logits = logits.index_put(
+            logits = logits.float().index_put(
                 (meta.min_tokens_rows, meta.min_tokens_token_ids),
                 torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device),
             )
@@ -352,7 +355,7 @@ class Sampler(nn.Module):
         if (use_fused_ops(logits) and meta.top_k is None and meta.top_p is None
                 and meta.min_p is None):
             return triton_ops.gumbel_sample(logits, meta.temperature, _row_seeds(logits, meta))
-        logits = logits / meta.temperature.unsqueeze(-1)
+        logits = logits.float() / meta.temperature.unsqueeze(-1)
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         if meta.min_p is not None:

@@ -247,9 +247,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab]`` float32."""
+        """``[N, hidden] -> [N, vocab]`` in the activation dtype (the sampler widens them
+        to float32 where its arithmetic needs it; its argmax kernels read them as they are)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden_states, weight).float()
+        return linear(hidden_states, weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into this model's parameters.

@@ -174,7 +174,7 @@ def test_model_is_built_in_the_requested_dtype_with_float32_rope(tmp_path) -> No
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     logits = _prompt_logits(model)
-    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()  # the sampler widens them
 
 
 def test_half_checkpoint_in_float32_matches_hf_upcast(tmp_path) -> None:

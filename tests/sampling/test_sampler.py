@@ -57,6 +57,31 @@ def test_mixed_batch_keeps_greedy_rows_greedy():
         assert out[1::2] == logits.argmax(-1)[1::2].tolist()
 
 
+def test_half_precision_logits_sample_what_their_float32_values_sample():
+    """A model's logits come in its dtype: every path (greedy, penalties, filters, seeded
+    draws, logprobs) chooses as it would from the same values widened to float32."""
+    logits = random_logits(4, seed=9).to(torch.bfloat16)
+    # Row 1 penalises token 1 to 1.515625 / 1.5 = 1.0104 > 1.0078 (token 0) in float32;
+    # bfloat16 arithmetic would round it to a tie, which token 0 wins.
+    logits[1] = -5.0
+    logits[1, :2] = torch.tensor([1.0078125, 1.515625])
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3, logprobs=2),
+        SamplingParams(temperature=1.2, seed=4, min_tokens=2),
+    ]
+
+    def run(x):
+        gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
+        return sampler(x, build(params, prompts=[[2, 3]] * 4, outputs=[[1, 4]] * 4, generators=gens))
+
+    half, wide = run(logits), run(logits.float())
+    assert half.sampled_token_ids.tolist() == wide.sampled_token_ids.tolist()
+    assert half.sampled_token_ids[1] == 1
+    assert torch.equal(half.logprobs.logprobs, wide.logprobs.logprobs)
+
+
 def test_caller_logits_are_not_modified():
     logits = random_logits(3)
     before = logits.clone()
