@@ -6,26 +6,27 @@ the ``G = num_heads // num_kv_heads`` query heads of that KV head together, so e
 tile is read once for all of them (GQA/MQA)::
 
     grid (num_kv_heads, B, num_splits)      program (h, r, s) serves sequence order[r]
-    partition_b = cdiv(cdiv(seq_len_b, num_splits), BLOCK_N) * BLOCK_N    (tokens)
+    partition_b = max(cdiv(cdiv(seq_len_b, num_splits), BLOCK_N) * BLOCK_N,
+                      min_partition)                                     (tokens)
     partition s covers keys [s * partition_b, min((s + 1) * partition_b, seq_len_b))
-        (clipped to the sliding window; an empty partition reports m = -inf, l = 0)
+        clipped to the sliding window: the partitions that hold keys are
+        first_b = window_start_b // partition_b  up to  cdiv(seq_len_b, partition_b)
 
-Each sequence cuts its own context into ``num_splits`` partitions of whole ``BLOCK_N``
-tiles (at least one tile when ``seq_len_b >= 1``), so a short context beside a long one,
-or under a loose ``max_seq_len``, is still spread over the splits; the partitions past its
-end are empty and cost their programs a few loads and two small stores.
+Each sequence cuts its own context into partitions of whole ``BLOCK_N`` tiles, at most
+``num_splits`` of them and none shorter than ``min_partition`` tokens, so a short context
+beside a long one, or under a loose ``max_seq_len``, is still spread over the splits. The
+programs of partitions that hold no key return at once.
 
-With one split the program normalises and writes the output directly. With several, each
-writes its unnormalised partial ``acc`` with its running max ``m`` and sum ``l`` (base-2
-units) and counts itself in on an arrival counter of its (sequence, KV head); the program
-that arrives last merges the partials (no second launch)::
+With one split, or one partition holding keys, the program normalises and writes the
+output directly (a context of no keys: zeros). Otherwise each writes its unnormalised
+partial ``acc`` with its running max ``m`` and sum ``l`` (base-2 units) and counts itself
+in on an arrival counter of its (sequence, KV head); the program that arrives last merges
+the partials (no second launch)::
 
     M = max_s m_s      out = sum_s 2^(m_s - M) * acc_s  /  sum_s 2^(m_s - M) * l_s
 
-``acc_s`` is written only for partitions with ``l_s > 0`` (the non-empty ones: their
-largest score contributes 2^0 = 1 to ``l``). The merge reads only the partitions the
-sequence's context (and window) reaches, all of them non-empty, a chunk at a time. The counters (``triton_ops.arrival_counters``) are zero between
-launches: the merging program resets its counter, and launches on a stream do not overlap.
+The counters (``triton_ops.arrival_counters``) are zero between launches: the merging
+program resets its counter, and launches on a stream do not overlap.
 
 With ``new_kv`` (a decode-only step whose rope and cache write ride on the attention
 launch) the queries and the step's keys arrive unrotated: every program rotates its
@@ -121,6 +122,7 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_PARTITION: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
     MERGE_H: tl.constexpr,
@@ -140,20 +142,26 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)  # issued beside the query range, not after it
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
-    if SPLIT:
-        # The grid's third dimension is num_splits; whole tiles, so only the last is ragged.
-        partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-        kv_start = split * partition
-        kv_end = tl.minimum(kv_start + partition, seq_len)
-        holds_last_key = (kv_start < seq_len) & (kv_start + partition >= seq_len)
-    else:
-        kv_start = 0
-        kv_end = seq_len
-        holds_last_key = seq_len > 0
     kv_lo = 0  # the first key any partition reads
     if USE_WINDOW:
         kv_lo = tl.maximum(seq_len - window, 0)
-        kv_start = tl.maximum(kv_start, kv_lo)
+    if SPLIT:
+        # The grid's third dimension is num_splits; whole tiles, so only the last is ragged.
+        partition = tl.maximum(
+            tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N, MIN_PARTITION
+        )
+        first_part = kv_lo // partition
+        # The partitions holding keys (one, empty, for a context of none: it writes zeros).
+        num_parts = tl.maximum(tl.cdiv(seq_len, partition) - first_part, 1)
+        if (split < first_part) | (split >= first_part + num_parts):
+            return
+        kv_start = tl.maximum(split * partition, kv_lo)
+        kv_end = tl.minimum(split * partition + partition, seq_len)
+        holds_last_key = (kv_end == seq_len) & (seq_len > 0)
+    else:
+        kv_start = kv_lo
+        kv_end = seq_len
+        holds_last_key = seq_len > 0
 
     g = tl.arange(0, BLOCK_G)
     g_valid = g < QUERIES_PER_KV
@@ -219,15 +227,15 @@ def _decode_kernel(
         m_i = m_new
 
     mask = g_valid[:, None] & d_valid[None, :]
-    if SPLIT:
+    out_heads = out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
+    if not SPLIT:
+        _store_normalised(out_heads, acc, l_i, mask)
+    elif num_parts == 1:
+        _store_normalised(out_heads, acc, l_i, mask)
+    else:
         seq64 = seq.to(tl.int64)
         acc_ptr = part_acc_ptr + seq64 * stride_acc_seq + split * stride_acc_split
-        # An empty partition (l = 0) leaves acc unwritten: it lies outside the merge's range.
-        tl.store(
-            acc_ptr + head[:, None] * stride_acc_head + d[None, :],
-            acc,
-            mask=mask & (l_i > 0.0)[:, None],
-        )
+        tl.store(acc_ptr + head[:, None] * stride_acc_head + d[None, :], acc, mask=mask)
         ml_offset = seq64 * stride_ml_seq + head * stride_ml_head + split
         tl.store(part_max_ptr + ml_offset, m_i, mask=g_valid)
         tl.store(part_sum_ptr + ml_offset, l_i, mask=g_valid)
@@ -235,24 +243,23 @@ def _decode_kernel(
         tl.debug_barrier()
         counter = counters_ptr + seq * tl.num_programs(0) + kv_head
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(2) - 1:
+        if arrived == num_parts - 1:
             tl.store(counter, 0)
             _merge_partitions(
                 out_ptr + q_row.to(tl.int64) * stride_ot, stride_oh,
                 part_acc_ptr + seq64 * stride_acc_seq, stride_acc_head, stride_acc_split,
                 part_max_ptr + seq64 * stride_ml_seq, part_sum_ptr + seq64 * stride_ml_seq,
                 stride_ml_head, kv_head * QUERIES_PER_KV,
-                kv_lo // tl.maximum(partition, 1), tl.cdiv(seq_len, tl.maximum(partition, 1)),
+                first_part, first_part + num_parts,
                 QUERIES_PER_KV, MERGE_H, HEAD_DIM, BLOCK_D, MERGE_S,
             )
-    else:
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_i[:, None]
-        tl.store(
-            out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=mask,
-        )
+
+
+@triton.jit
+def _store_normalised(out_ptrs, acc, l, mask):
+    """``acc / l`` into ``out_ptrs`` (zeros where nothing was seen, ``l = 0``)."""
+    l = tl.where(l == 0.0, 1.0, l)
+    tl.store(out_ptrs, (acc / l[:, None]).to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -347,8 +354,9 @@ def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_s
 
     Splits until about four programs per multiprocessor are in flight, with at most one
     split per ``MIN_PARTITION_TOKENS`` of ``max_seq_len`` and at most ``MAX_SPLITS``. The
-    kernel sizes each sequence's partitions from its own length (at least one ``BLOCK_N``
-    tile each), so under a loose ``max_seq_len`` a short context uses fewer of the splits.
+    kernel sizes each sequence's partitions from its own length (whole tiles of at least
+    ``MIN_PARTITION_TOKENS``), so under a loose ``max_seq_len`` a short context uses fewer
+    of the splits.
     """
     programs = num_seqs * num_kv_heads
     wanted = -(-4 * num_sms // max(programs, 1))
@@ -475,6 +483,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     order: torch.Tensor | None = None,
     new_kv: NewKV | None = None,
+    min_partition: int = MIN_PARTITION_TOKENS,
 ) -> None:
     """Attention of every query-length-1 sequence of the batch into ``out``.
 
@@ -485,6 +494,9 @@ def paged_decode_attention(
     sequences) is the order their programs start in, e.g. ``longest_first(seq_lens)``.
     With ``new_kv``, ``query`` is unrotated and the step's keys and values are cached by
     this launch (see the module docstring); the step must hold decodes only.
+    ``min_partition`` (tokens, rounded up to whole tiles) is the shortest partition a
+    context is split into: shorter contexts take fewer partitions, down to one, which
+    needs no merge.
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
@@ -577,6 +589,7 @@ def paged_decode_attention(
         PAGE_SIZE=key_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=block_n,
+        MIN_PARTITION=triton.cdiv(max(min_partition, 1), block_n) * block_n,
         USE_WINDOW=sliding_window is not None,
         SPLIT=split,
         MERGE_H=triton.next_power_of_2(queries_per_kv),
