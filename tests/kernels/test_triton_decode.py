@@ -24,9 +24,7 @@ DECODES = ((0, 1), (3, 1), (4, 1), (7, 1), (15, 1), (70, 1))
 
 
 def _run(step, window=None, *, num_splits=None, block_n=None, scale=0.25, max_seq_len=None,
-         order=None, min_partition=1):
-    """The decode launch after the step's KV write; contexts here are short, so partitions
-    may be as short as one tile (``min_partition=1``) unless a test says otherwise."""
+         order=None):
     md = step.metadata
     write_kv_cache(step.key, step.value, step.kv_cache[0], step.kv_cache[1], md.slot_mapping)
     out = torch.zeros_like(step.query)
@@ -38,7 +36,6 @@ def _run(step, window=None, *, num_splits=None, block_n=None, scale=0.25, max_se
         num_splits=num_splits,
         block_n=block_n,
         order=order,
-        min_partition=min_partition,
     )
     return out
 
@@ -91,16 +88,15 @@ def test_merge_of_many_partitions_in_chunks_and_counters_reset(window) -> None:
     assert not triton_decode.arrival_counters(step.query.device, 4).any()
 
 
-@pytest.mark.parametrize("window", [None, 300])
-def test_partitions_are_no_shorter_than_the_minimum(window) -> None:
-    """With the default minimum (256 tokens) and 64 splits, 100 keys make one partition,
-    written directly, and 300 and 700 keys two and three, merged; a window that starts in
-    a later partition leaves the earlier ones out. The counters are zero after each launch."""
-    step = make_step(((99, 1), (299, 1), (699, 1)), block_size=16, seed=11)
+@pytest.mark.parametrize("window", [None, 40])
+def test_one_partition_is_written_directly_beside_merged_ones(window) -> None:
+    """64 splits of 16-token tiles: 10 keys fill one partition, whose program writes the
+    output without a merge; 100 and 300 keys merge 7 and 19 partitions (under the window,
+    4 and 3); the counters are zero after each launch."""
+    step = make_step(((9, 1), (99, 1), (299, 1)), block_size=16, seed=11)
     expected, _ = reference_attention(step, 0.25, window)
     for _ in range(2):
-        out = _run(step, window, num_splits=64, block_n=16, max_seq_len=4096,
-                   min_partition=MIN_PARTITION_TOKENS)
+        out = _run(step, window, num_splits=64, block_n=16, max_seq_len=4096)
         torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
     assert not triton_decode.arrival_counters(step.query.device, 6).any()
 
@@ -197,7 +193,7 @@ def test_decode_ropes_and_caches_the_new_tokens_itself(num_splits, window, dtype
     paged_decode_attention(
         step.query, step.kv_cache[0], step.kv_cache[1], *batch_args(step), out,
         max_seq_len=md.max_seq_len, scale=0.25, sliding_window=window, num_splits=num_splits,
-        block_n=16, new_kv=NewKV(step.key, step.value, md.slot_mapping, cos, sin, n), min_partition=1,
+        block_n=16, new_kv=NewKV(step.key, step.value, md.slot_mapping, cos, sin, n),
     )
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out[:n].float(), want[:n], **tolerance)

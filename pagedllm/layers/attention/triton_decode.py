@@ -6,16 +6,15 @@ the ``G = num_heads // num_kv_heads`` query heads of that KV head together, so e
 tile is read once for all of them (GQA/MQA)::
 
     grid (num_kv_heads, B, num_splits)      program (h, r, s) serves sequence order[r]
-    partition_b = max(cdiv(cdiv(seq_len_b, num_splits), BLOCK_N) * BLOCK_N,
-                      min_partition)                                     (tokens)
+    partition_b = max(cdiv(cdiv(seq_len_b, num_splits), BLOCK_N), 1) * BLOCK_N   (tokens)
     partition s covers keys [s * partition_b, min((s + 1) * partition_b, seq_len_b))
         clipped to the sliding window: the partitions that hold keys are
         first_b = window_start_b // partition_b  up to  cdiv(seq_len_b, partition_b)
 
-Each sequence cuts its own context into partitions of whole ``BLOCK_N`` tiles, at most
-``num_splits`` of them and none shorter than ``min_partition`` tokens, so a short context
-beside a long one, or under a loose ``max_seq_len``, is still spread over the splits. The
-programs of partitions that hold no key return at once.
+Each sequence cuts its own context into at most ``num_splits`` partitions of whole
+``BLOCK_N`` tiles, so a short context beside a long one, or under a loose ``max_seq_len``,
+is still spread over the splits. The programs of partitions that hold no key return at
+once.
 
 With one split, or one partition holding keys, the program normalises and writes the
 output directly (a context of no keys: zeros). Otherwise each writes its unnormalised
@@ -122,7 +121,6 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MIN_PARTITION: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
     MERGE_H: tl.constexpr,
@@ -147,9 +145,7 @@ def _decode_kernel(
         kv_lo = tl.maximum(seq_len - window, 0)
     if SPLIT:
         # The grid's third dimension is num_splits; whole tiles, so only the last is ragged.
-        partition = tl.maximum(
-            tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N, MIN_PARTITION
-        )
+        partition = tl.maximum(tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N), 1) * BLOCK_N
         first_part = kv_lo // partition
         # The partitions holding keys (one, empty, for a context of none: it writes zeros).
         num_parts = tl.maximum(tl.cdiv(seq_len, partition) - first_part, 1)
@@ -354,9 +350,8 @@ def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_s
 
     Splits until about four programs per multiprocessor are in flight, with at most one
     split per ``MIN_PARTITION_TOKENS`` of ``max_seq_len`` and at most ``MAX_SPLITS``. The
-    kernel sizes each sequence's partitions from its own length (whole tiles of at least
-    ``MIN_PARTITION_TOKENS``), so under a loose ``max_seq_len`` a short context uses fewer
-    of the splits.
+    kernel sizes each sequence's partitions from its own length (at least one ``BLOCK_N``
+    tile each), so under a loose ``max_seq_len`` a short context uses fewer of the splits.
     """
     programs = num_seqs * num_kv_heads
     wanted = -(-4 * num_sms // max(programs, 1))
@@ -483,7 +478,6 @@ def paged_decode_attention(
     block_n: int | None = None,
     order: torch.Tensor | None = None,
     new_kv: NewKV | None = None,
-    min_partition: int = MIN_PARTITION_TOKENS,
 ) -> None:
     """Attention of every query-length-1 sequence of the batch into ``out``.
 
@@ -494,9 +488,6 @@ def paged_decode_attention(
     sequences) is the order their programs start in, e.g. ``longest_first(seq_lens)``.
     With ``new_kv``, ``query`` is unrotated and the step's keys and values are cached by
     this launch (see the module docstring); the step must hold decodes only.
-    ``min_partition`` (tokens, rounded up to whole tiles) is the shortest partition a
-    context is split into: shorter contexts take fewer partitions, down to one, which
-    needs no merge.
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
@@ -589,7 +580,6 @@ def paged_decode_attention(
         PAGE_SIZE=key_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=block_n,
-        MIN_PARTITION=triton.cdiv(max(min_partition, 1), block_n) * block_n,
         USE_WINDOW=sliding_window is not None,
         SPLIT=split,
         MERGE_H=triton.next_power_of_2(queries_per_kv),
