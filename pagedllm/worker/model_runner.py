@@ -41,6 +41,7 @@ from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes, prompt_c
 from pagedllm.worker.device_inputs import DeviceInputBuffers
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from pagedllm.worker.kv_allocator import allocate_kv_caches, determine_num_blocks
+from pagedllm.worker.warmup import warm_up_kernels, warm_up_layouts
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,9 @@ class ModelRunner:
 
     # -- KV cache -----------------------------------------------------------------------
     def initialize_kv_cache(self) -> int:
-        """Size and allocate the KV cache, then capture the CUDA graphs (which need
-        the cache's addresses); returns the number of blocks.
+        """Size and allocate the KV cache, compile the Triton kernels' variants
+        (``warmup.py``), then capture the CUDA graphs (which need the cache's addresses);
+        returns the number of blocks.
 
         The graphs' memory pool is reserved in the sizing, so the cache, the activations
         of the largest eager step and the graphs together stay within
@@ -108,6 +110,13 @@ class ModelRunner:
             self.config, self.dtype, self.device, self._profile_run, reserved_bytes=reserved
         )
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, self.dtype, self.device)
+        if self.device.type == "cuda" and attention_backend_name(self.device) == "triton":
+            warm_up_kernels(
+                self.model, self.sampler, self.kv_caches,
+                warm_up_layouts(sched.max_num_seqs, sched.max_num_batched_tokens,
+                                model_config.max_model_len),
+                block_size=self.block_size, vocab_size=self.vocab_size, device=self.device,
+            )
         if use_graphs:
             self.graph_runner = CudaGraphRunner(
                 self.model, self.kv_caches,

@@ -7,9 +7,12 @@ One step runs at most three launches per layer::
     paged_prefill_attention  sequences with query_len > 1 (skipped when max_query_len == 1)
     paged_decode_attention   sequences with query_len == 1 (skipped when the step has none)
 
-and a step of decodes alone with ``rotary`` runs one: the decode kernel ropes and caches
-the new tokens itself (``triton_decode.NewKV``), a launch less per layer where a small
-batch is bound by launch latency.
+With ``rotary`` the decode launch ropes and caches its own sequences' new tokens
+(``triton_decode.NewKV``), so a step of decodes alone runs one launch per layer, a launch
+less where a small batch is bound by launch latency. In a step with prompts, the write
+kernel ropes and caches every row first (the decode rows too: the decode launch then
+stores their key and value again), so decodes run the same kernel variant in every step,
+the one the decode CUDA graphs compile.
 
 Both attention kernels take the whole batch and each leaves the other's sequences alone,
 so a mixed step (prefill chunks beside decodes) needs no reordering or index copies. Rows
@@ -96,14 +99,15 @@ class TritonAttentionBackend:
             query, key = (RotaryEmbedding.apply(x, *rotary) for x in (query, key))
             rotary = None
         new_kv = None
+        prefill_query = query
         if rotary is None:
             write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping[:n])
-        elif metadata.max_query_len == 1:  # decodes alone: their attention ropes and caches
-            new_kv = NewKV(key, value, metadata.slot_mapping, *rotary, n)
         else:
-            query = rotate_and_write_kv(
-                query, key, value, *rotary, key_cache, value_cache, metadata.slot_mapping, n
-            )
+            new_kv = NewKV(key, value, metadata.slot_mapping, *rotary, n)
+            if metadata.max_query_len > 1:
+                prefill_query = rotate_and_write_kv(
+                    query, key, value, *rotary, key_cache, value_cache, metadata.slot_mapping, n
+                )
 
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if num_tokens > n:
@@ -117,7 +121,7 @@ class TritonAttentionBackend:
         has_decodes = self._step_has_decodes(metadata)
         if metadata.max_query_len > 1:
             paged_prefill_attention(
-                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+                prefill_query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
                 num_tokens=n,
                 max_query_len=metadata.max_query_len,
                 scale=scale,

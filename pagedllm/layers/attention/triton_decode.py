@@ -72,7 +72,7 @@ MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_actual_tokens"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -369,7 +369,7 @@ def wants_longest_first(num_seqs: int) -> bool:
     return num_seqs >= LONGEST_FIRST_MIN_SEQS and os.environ.get(LONGEST_FIRST_ENV, "1") != "0"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _longest_first_kernel(seq_lens_ptr, order_ptr, num_seqs, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
     """``order[rank_i] = i`` with ``rank_i`` the number of sequences that come before ``i``:
     longer ones, and equally long ones of smaller index (a stable descending sort)."""

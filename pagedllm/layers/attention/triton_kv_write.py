@@ -64,7 +64,7 @@ def _write_kv_kernel(
     tl.store(v_dst + h[:, None] * stride_vc_head + d[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_actual_tokens"])
 def _rotate_and_write_kv_kernel(
     query_ptr,
     key_ptr,

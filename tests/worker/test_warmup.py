@@ -1,0 +1,63 @@
+"""The warm-up steps: they reach every kernel variant a real step can, and change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM
+from pagedllm.layers.attention.triton_decode import LONGEST_FIRST_MIN_SEQS, plan_decode_splits
+from pagedllm.worker.warmup import warm_up_kernels, warm_up_layouts
+
+H200_SMS = 132
+
+
+def _variant(layout, num_kv_heads: int) -> tuple[bool, bool, bool]:
+    """(prompt present, decodes started longest first, decodes split) of a step."""
+    decodes = [c + 1 for c, q in layout if q == 1]
+    splits = plan_decode_splits(len(decodes), num_kv_heads, max(c + q for c, q in layout), H200_SMS)
+    return (any(q > 1 for _, q in layout), len(decodes) >= LONGEST_FIRST_MIN_SEQS, splits > 1)
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
+@pytest.mark.parametrize("max_num_seqs, budget, max_model_len", [
+    (256, 8192, 131072), (512, 16384, 4096), (64, 2048, 32768), (12, 64, 64)])
+def test_layouts_reach_every_decode_variant_a_step_can(max_num_seqs, budget, max_model_len,
+                                                      num_kv_heads) -> None:
+    layouts = warm_up_layouts(max_num_seqs, budget, max_model_len)
+    for layout in layouts:
+        assert len(layout) <= max_num_seqs and sum(q for _, q in layout) <= budget
+        assert max(c + q for c, q in layout) <= max_model_len
+    warmed = {_variant(layout, num_kv_heads) for layout in layouts if any(q == 1 for _, q in layout)}
+    for num_decodes in range(1, max_num_seqs + 1):
+        for longest in (1, 100, 256, 257, 1000, 5000, max_model_len):
+            if longest > max_model_len:
+                continue
+            for with_prompt in (False, True):
+                if num_decodes + with_prompt > max_num_seqs or num_decodes + 5 * with_prompt > budget:
+                    continue
+                step = ((longest - 1, 1),) * num_decodes + ((0, 5),) * with_prompt
+                assert _variant(step, num_kv_heads) in warmed, step
+
+
+def test_warm_up_runs_every_layout_and_caches_nothing(monkeypatch, tmp_path) -> None:
+    """On the Triton kernels (the interpreter here): every step of the warm-up runs, and
+    the KV cache holds afterwards exactly what it held before."""
+    from tests.utils import make_tiny_checkpoint
+
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
+    path = make_tiny_checkpoint(tmp_path, "qwen3", vocab_size=128, max_position_embeddings=128)
+    llm = LLM(str(path), block_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
+              seed=0, enforce_eager=True)
+    runner = llm.llm_engine.engine_core.model_runner
+    for cache in runner.kv_caches:
+        cache.normal_()
+    before = [cache.clone() for cache in runner.kv_caches]
+    layouts = warm_up_layouts(4, 64, 64)
+    forwards = []
+    original = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward", lambda *a: forwards.append(1) or original(*a))
+    warm_up_kernels(runner.model, runner.sampler, runner.kv_caches, layouts,
+                    block_size=8, vocab_size=128, device=runner.device)
+    assert len(forwards) == len(layouts)
+    assert all(torch.equal(a, b) for a, b in zip(runner.kv_caches, before))
