@@ -137,7 +137,7 @@ def rotate_half_whole(x_row, d, c, s, mask, HALF: tl.constexpr):
     return tl.where(first, x * c - partner * s, x * c + partner * s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk"])
 def row_argmax_partial_kernel(
     logits_ptr, stride_row, temperature_ptr, seeds_ptr, best_ptr, index_ptr,
     vocab_size, chunk,
@@ -178,9 +178,10 @@ def row_argmax_partial_kernel(
     tl.store(index_ptr + row * parts + part, best_index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])
 def row_argmax_reduce_kernel(best_ptr, index_ptr, out_ptr, parts, BLOCK_PARTS: tl.constexpr):
-    """Row ``row``'s winner over its parts (the earliest part wins a tie) -> int64."""
+    """Row ``row``'s winner over its ``parts <= BLOCK_PARTS`` parts (the earliest part wins
+    a tie) -> int64."""
     row = tl.program_id(0)
     p = tl.arange(0, BLOCK_PARTS)
     valid = p < parts

@@ -194,6 +194,9 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
 
 
 ARGMAX_BLOCK = 2048
+# Parts a row splits into at most; the reduce kernel's one tile for any batch, so a batch of
+# any size reuses the kernels compiled for the first.
+ARGMAX_MAX_PARTS = 64
 
 
 def _row_argmax(logits: torch.Tensor, temperature: torch.Tensor | None,
@@ -210,7 +213,7 @@ def _row_argmax(logits: torch.Tensor, temperature: torch.Tensor | None,
         return out
     blocks = k.cdiv(vocab_size, ARGMAX_BLOCK)
     target_programs = 2 * _sm_count(logits.device)
-    parts = max(1, min(blocks, 64, k.cdiv(target_programs, num_rows)))
+    parts = max(1, min(blocks, ARGMAX_MAX_PARTS, k.cdiv(target_programs, num_rows)))
     chunk = k.cdiv(blocks, parts) * ARGMAX_BLOCK
     parts = k.cdiv(vocab_size, chunk)
     best = torch.empty(num_rows, parts, dtype=torch.float32, device=logits.device)
@@ -223,7 +226,7 @@ def _row_argmax(logits: torch.Tensor, temperature: torch.Tensor | None,
         GUMBEL=gumbel, BLOCK=ARGMAX_BLOCK, num_warps=8,
     )
     k.row_argmax_reduce_kernel[(num_rows,)](
-        best, index, out, parts, BLOCK_PARTS=max(2, k.next_power_of_2(parts)),
+        best, index, out, parts, BLOCK_PARTS=ARGMAX_MAX_PARTS,
     )
     return out
 

@@ -29,30 +29,42 @@ logger = logging.getLogger(__name__)
 # One step's sequences as (cached context tokens, new tokens): a decode computes 1.
 Layout = tuple[tuple[int, int], ...]
 
-PROMPT_TOKENS = 5  # a prompt of a length no tile divides
+PROMPT_LENGTHS = (2, 3, 5, 9, 17, 33)  # one per doubling: every prefill query tile is met
 SHORT_CONTEXT = 16  # decodes too short to split
 LONG_CONTEXT = 2048  # decodes long enough to split when few
 
 
 def warm_up_layouts(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> list[Layout]:
-    """The warm-up steps: one prompt, two prompts, and decode batches of two and of
-    ``LONGEST_FIRST_MIN_SEQS`` sequences (the fewest started longest first) at a short and
-    a long context, each alone and beside a prompt. Decode attention splits a batch by its
-    size and its longest context only, so these reach every combination a real step can
-    (a larger batch splits no more than the smallest ordered one). Each layout is clipped
-    to the engine's limits: ``max_num_seqs``, the step's token budget and ``max_model_len``.
+    """The warm-up steps, each clipped to the engine's limits (``max_num_seqs``, the step's
+    token budget, ``max_model_len``):
+
+    * a prompt of each of ``PROMPT_LENGTHS`` tokens, alone and beside a decode: the prefill
+      kernel sizes its query tile by the longest prompt (one size per doubling) and
+      specialises for steps with decodes;
+    * two prompts;
+    * decode batches of one sequence and of ``LONGEST_FIRST_MIN_SEQS`` (the fewest started
+      longest first), at a short and a long context, alone and beside a prompt: decode
+      attention splits a batch by its size and its longest context only, so these reach
+      every combination a real step can (a larger batch splits no more than the smallest
+      ordered one).
     """
     # Imported here: importing the kernels' module defines them, which must wait until a
     # Triton kernel is needed (the CPU interpreter is chosen before that).
     from pagedllm.layers.attention.triton_decode import LONGEST_FIRST_MIN_SEQS
 
-    prompt = (0, min(PROMPT_TOKENS, max_num_batched_tokens, max_model_len))
-    layouts: list[Layout] = [(prompt,)]
+    short = min(SHORT_CONTEXT, max_model_len - 1)
+    long = min(LONG_CONTEXT, max_model_len - 1)
+    layouts: list[Layout] = []
+    for length in PROMPT_LENGTHS:
+        if length <= min(max_num_batched_tokens, max_model_len):
+            layouts.append(((0, length),))
+            if max_num_seqs >= 2 and length < max_num_batched_tokens:
+                layouts.append(((0, length), (short, 1)))
+    prompt = (0, min(PROMPT_LENGTHS[2], max_num_batched_tokens, max_model_len))
     if max_num_seqs >= 2 and 2 * prompt[1] <= max_num_batched_tokens:
-        layouts.append((prompt, (0, max(1, prompt[1] - 2))))
-    for count in (2, LONGEST_FIRST_MIN_SEQS):
-        for context in (SHORT_CONTEXT, LONG_CONTEXT):
-            context = min(context, max_model_len - 1)
+        layouts.append((prompt, prompt))
+    for count in (1, LONGEST_FIRST_MIN_SEQS):
+        for context in (short, long):
             decodes = ((context, 1),) * min(count, max_num_seqs, max_num_batched_tokens)
             layouts.append(decodes)
             room = min(max_num_seqs - 1, max_num_batched_tokens - prompt[1])

@@ -7,6 +7,7 @@ import torch
 
 from pagedllm import LLM
 from pagedllm.layers.attention.triton_decode import LONGEST_FIRST_MIN_SEQS, plan_decode_splits
+from pagedllm.layers.attention.triton_prefill import prefill_tile_config
 from pagedllm.worker.warmup import warm_up_kernels, warm_up_layouts
 
 H200_SMS = 132
@@ -38,6 +39,26 @@ def test_layouts_reach_every_decode_variant_a_step_can(max_num_seqs, budget, max
                     continue
                 step = ((longest - 1, 1),) * num_decodes + ((0, 5),) * with_prompt
                 assert _variant(step, num_kv_heads) in warmed, step
+
+
+@pytest.mark.parametrize("queries_per_kv", [1, 2, 4, 8])
+@pytest.mark.parametrize("max_num_seqs, budget, max_model_len", [(256, 8192, 131072), (12, 64, 64)])
+def test_layouts_reach_every_prefill_tile_a_step_can(max_num_seqs, budget, max_model_len,
+                                                     queries_per_kv) -> None:
+    """The prefill kernel's query tile follows the step's longest prompt; a step with
+    decodes beside its prompts is a variant of its own."""
+    cuda = torch.device("cuda")
+
+    def variant(longest_prompt: int, with_decodes: bool) -> tuple[int, bool]:
+        return prefill_tile_config(longest_prompt, queries_per_kv, 128, cuda)[0], with_decodes
+
+    warmed = {variant(max(q for _, q in layout), any(q == 1 for _, q in layout))
+              for layout in warm_up_layouts(max_num_seqs, budget, max_model_len)
+              if any(q > 1 for _, q in layout)}
+    for longest in range(2, min(budget, max_model_len) + 1):
+        assert variant(longest, False) in warmed
+        if longest < budget:
+            assert variant(longest, True) in warmed
 
 
 def test_warm_up_runs_every_layout_and_caches_nothing(monkeypatch, tmp_path) -> None:
