@@ -101,6 +101,12 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether any of the repetition, presence or frequency penalties is on."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 

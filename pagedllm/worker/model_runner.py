@@ -31,8 +31,10 @@ from pagedllm.layers.attention.backend import AttentionMetadata, set_forward_con
 from pagedllm.layers.attention.selector import attention_backend_name
 from pagedllm.layers.sampler import (
     LogprobsTensors,
+    RowCounts,
     Sampler,
     SamplingMetadata,
+    TokenCounts,
     compute_prompt_logprobs,
 )
 from pagedllm.models.loader import load_model, resolve_dtype
@@ -75,6 +77,8 @@ class ModelRunner:
         # The last launched step's sampled ids on the device: the pending tokens' source.
         self._last_sampled: torch.Tensor | None = None
         self._readback: SampledIdsReadback | None = None
+        # Token counts of the penalised requests, by batch row (made on first need).
+        self.token_counts: TokenCounts | None = None
         if self.device.type == "cuda":
             self._readback = SampledIdsReadback(config.scheduler_config.max_num_seqs)
 
@@ -201,9 +205,11 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
             pending_token_ids=self._pending_for_sampling(states),
+            counts=self._token_counts_for(states),
         )
         out = self.sampler(logits, metadata)
         sampled = out.sampled_token_ids
+        metadata.record_sampled(sampled)
         self.input_batch.mark_pending(states)
         self._last_sampled = sampled
 
@@ -218,6 +224,17 @@ class ModelRunner:
         self._unresolved.append(result)
         return result
 
+    def _token_counts_for(self, states: list[CachedRequestState]) -> RowCounts | None:
+        """The sampling rows in the penalties' token-count table (one row per batch row,
+        owned by the request's state: a request added again is counted afresh), when any
+        row has a penalty; the table is made on first need."""
+        if not any(s.sampling_params.has_penalties for s in states):
+            return None
+        if self.token_counts is None:
+            self.token_counts = TokenCounts(
+                self.config.scheduler_config.max_num_seqs, self.vocab_size, self.device)
+        return RowCounts(self.token_counts, [s.row for s in states], states)
+
     def _pending_for_sampling(
         self, states: list[CachedRequestState]
     ) -> tuple[list[int], torch.Tensor] | None:
@@ -227,8 +244,7 @@ class ModelRunner:
         rows, sources = [], []
         for j, state in enumerate(states):
             p = state.sampling_params
-            if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                    or p.frequency_penalty != 0.0 or p.min_tokens > 0) and batch.num_pending[state.row]:
+            if (p.has_penalties or p.min_tokens > 0) and batch.num_pending[state.row]:
                 rows.append(j)
                 sources.append(int(batch.pending_sample_row[state.row]))
         if not rows:

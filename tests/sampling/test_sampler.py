@@ -82,6 +82,48 @@ def test_half_precision_logits_sample_what_their_float32_values_sample():
     assert torch.equal(half.logprobs.logprobs, wide.logprobs.logprobs)
 
 
+def test_token_counts_kept_across_steps_equal_counts_built_afresh():
+    """The runner keeps penalty counts on the device by batch row: filled from the token
+    lists when a row gets a new owner (pending tokens included), then fed each step's
+    sampled ids. Step by step they equal counts built from scratch, through a request
+    leaving, another taking its row, and a request coming back (a new owner object)."""
+    from pagedllm.layers.sampler import RowCounts, TokenCounts
+
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4)
+    table = TokenCounts(4, V, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    requests = {name: ([int(t) for t in torch.randint(0, V, (6,), generator=gen)], [])
+                for name in "abc"}
+    owners = {name: object() for name in "abc"}
+    rows = {"a": 0, "b": 3}
+    pending: dict[str, int] = {}  # a sampled id not yet read back, per request
+    for step in range(8):
+        if step == 3:  # b leaves; c takes its row
+            del rows["b"]
+            rows["c"] = 3
+        if step == 5:  # a comes back in another row as a new entry
+            rows["a"] = 1
+            owners["a"] = object()
+        names = list(rows)
+        pending_rows = [i for i, n in enumerate(names) if n in pending]
+        pending_ids = torch.tensor([pending[names[i]] for i in pending_rows], dtype=torch.long)
+        lists = dict(prompt_token_ids=[requests[n][0] for n in names],
+                     output_token_ids=[list(requests[n][1]) for n in names],
+                     generators=[None] * len(names), vocab_size=V, device="cpu",
+                     pending_token_ids=(pending_rows, pending_ids) if pending_rows else None)
+        kept = SamplingMetadata.build(
+            params=[params] * len(names), **lists,
+            counts=RowCounts(table, [rows[n] for n in names], [owners[n] for n in names]))
+        fresh = SamplingMetadata.build(params=[params] * len(names), **lists)
+        assert torch.equal(kept.output_counts, fresh.output_counts)
+        assert torch.equal(kept.seen_mask, fresh.seen_mask)
+        sampled = torch.randint(0, V, (len(names),), generator=gen)
+        kept.record_sampled(sampled)
+        for n in pending:  # last step's ids come back
+            requests[n][1].append(pending[n])
+        pending = {n: int(t) for n, t in zip(names, sampled)}
+
+
 def test_caller_logits_are_not_modified():
     logits = random_logits(3)
     before = logits.clone()
