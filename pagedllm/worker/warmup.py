@@ -75,14 +75,15 @@ def warm_up_layouts(max_num_seqs: int, max_num_batched_tokens: int, max_model_le
 
 def _metadata(layout: Layout, block_size: int, device: torch.device) -> AttentionMetadata:
     """The layout's batch with every slot -1 (nothing cached) and every block table entry
-    0 (its context reads block 0)."""
+    0 (its context reads block 0). Block-table rows are padded to a multiple of 16 blocks,
+    as ``DeviceInputBuffers`` pads a real step's: Triton specialises on that stride."""
     query_lens = [q for _, q in layout]
     seq_lens = [c + q for c, q in layout]
     query_start_loc = [0]
     for q in query_lens:
         query_start_loc.append(query_start_loc[-1] + q)
     num_tokens = query_start_loc[-1]
-    width = -(-max(seq_lens) // block_size)
+    width = -(-max(seq_lens) // (16 * block_size)) * 16
     return AttentionMetadata(
         num_actual_tokens=num_tokens,
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),

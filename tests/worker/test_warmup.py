@@ -82,3 +82,14 @@ def test_warm_up_runs_every_layout_and_caches_nothing(monkeypatch, tmp_path) -> 
                     block_size=8, vocab_size=128, device=runner.device)
     assert len(forwards) == len(layouts)
     assert all(torch.equal(a, b) for a, b in zip(runner.kv_caches, before))
+
+
+def test_warm_up_block_tables_are_strided_as_a_real_steps() -> None:
+    """Triton specialises on a stride's divisibility by 16: the warm-up must pad its
+    block-table rows as ``DeviceInputBuffers`` pads a real step's, or it compiles variants
+    no step uses."""
+    from pagedllm.worker.warmup import _metadata
+
+    for layout in warm_up_layouts(256, 8192, 131072):
+        table = _metadata(layout, 16, torch.device("cpu")).block_tables
+        assert table.stride(0) % 16 == 0 and table.shape[1] * 16 >= max(c + q for c, q in layout)
