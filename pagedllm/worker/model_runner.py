@@ -227,7 +227,8 @@ class ModelRunner:
     def _token_counts_for(self, states: list[CachedRequestState]) -> RowCounts | None:
         """The sampling rows in the penalties' token-count table (one row per batch row,
         owned by the request's state: a request added again is counted afresh), when any
-        row has a penalty; the table is made on first need."""
+        row has a penalty; the table is made on first need. Rows of requests without
+        penalties may fall behind in steps without any; their counts are never used."""
         if not any(s.sampling_params.has_penalties for s in states):
             return None
         if self.token_counts is None:

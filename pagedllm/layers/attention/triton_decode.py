@@ -27,11 +27,10 @@ the partials (no second launch)::
 The counters (``triton_ops.arrival_counters``) are zero between launches: the merging
 program resets its counter, and launches on a stream do not overlap.
 
-With ``new_kv`` (a decode-only step whose rope and cache write ride on the attention
-launch) the queries and the step's keys arrive unrotated: every program rotates its
-query heads, and the program whose partition holds the sequence's last position (the new
-token's) rotates that token's key and caches it with its value before its loop reads
-them back::
+With ``new_kv`` (the rope and the cache write riding on the attention launch) the
+queries and the step's keys arrive unrotated: every program rotates its query heads, and
+the program whose partition holds the sequence's last position (the new token's) rotates
+that token's key and caches it with its value before its loop reads them back::
 
     without new_kv:  rotate_and_write_kv (rope q, k; cache k, v)  ->  decode attention
     with new_kv:     decode attention (rope q; the last partition ropes and caches k, v)
@@ -448,7 +447,8 @@ def _tile_override(name: str) -> tuple[int, int, int] | None:
 
 
 class NewKV(NamedTuple):
-    """A decode step's new tokens for ``paged_decode_attention`` to rotate and cache:
+    """A step's new tokens for ``paged_decode_attention`` to rotate and cache (those of
+    its query-length-1 sequences; other rows are left alone):
     ``key/value: [T, Hkv, D]`` (keys unrotated), ``slot_mapping: [T]`` (-1 = skip),
     ``cos/sin: [T, D // 2]`` (rotate-half rope, as ``RotaryEmbedding.apply``) and
     ``num_actual_tokens`` (rows from there on are padding: neither rotated into the cache
@@ -487,7 +487,7 @@ def paged_decode_attention(
     (default: ``plan_decode_splits``). ``order`` (int32 ``[B]``, a permutation of the
     sequences) is the order their programs start in, e.g. ``longest_first(seq_lens)``.
     With ``new_kv``, ``query`` is unrotated and the step's keys and values are cached by
-    this launch (see the module docstring); the step must hold decodes only.
+    this launch (see the module docstring).
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
