@@ -42,3 +42,14 @@ def test_bench_overhead_reports_step_cost(tmp_path):
     assert result.returncode == 0, result.stderr
     record = json.loads(out.read_text())
     assert record["num_requests"] == 16 and record["step_total_ms"] > 0
+
+
+def test_bench_overhead_times_penalty_metadata_both_ways(tmp_path):
+    out = tmp_path / "overhead.json"
+    result = pagedllm("bench", "overhead", "--num-requests", "8", "--steps", "3", "--penalties",
+                      "--vocab-size", "256", "--output-json", str(out))
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out.read_text())
+    assert record["vocab_size"] == 256
+    assert record["penalty_metadata_kept_ms"] > 0 and record["penalty_metadata_afresh_ms"] > 0
+    assert "penalty metadata per step" in result.stdout
