@@ -119,3 +119,31 @@ def test_graphs_of_large_batches_start_the_longest_sequences_first(tmp_path, mon
     eager = LLM(str(path), enforce_eager=True, async_scheduling=False, **kwargs)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_no_kernel_compiles_once_the_engine_has_started(tmp_path) -> None:
+    """The warm-up and the graphs compile every Triton kernel variant a step can need, so a
+    workload of every step kind compiles nothing after start-up: prompts of many lengths,
+    alone, several at once and beside decodes (chunked past the token budget), decode
+    batches below and above 64 sequences at short and long contexts, and greedy, random
+    and penalised rows. A compilation mid-run stalls its step for about a second."""
+    import triton
+
+    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=2048)
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=1536, max_num_seqs=96, block_size=16,
+              max_num_batched_tokens=1024, device="cuda")
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
+             SamplingParams(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.3)]
+    prompts = [{"prompt_token_ids": [(3 * i + 7 * j) % 240 + 8 for j in range(2 + (37 * i) % 1200)]}
+               for i in range(80)]
+    params = [kinds[i % 3].clone(max_tokens=1 + (13 * i) % 60, ignore_eos=True) for i in range(80)]
+    compiled: list[str] = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **info: compiled.append(info["repr"])
+    try:
+        llm.generate(prompts[:3], params[:3], use_tqdm=False)  # small batches, one at a time
+        for prompt, p in zip(prompts[3:6], params[3:6]):
+            llm.generate(prompt, p, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)  # everything at once
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []
