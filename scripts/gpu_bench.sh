@@ -10,8 +10,9 @@
 #   kernels  scripts/check_kernels_gpu.py: Triton attention vs the torch reference, timed
 #   w1       W1 on llama-3.1-8b (dummy bf16): pagedllm on all 256 requests, and pagedllm
 #            and the peers $HF_BACKENDS (default: HF static batching and HF continuous
-#            batching) side by side on the first $HF_PROMPTS (the peers are slow; each
-#            stops at $HF_LIMIT_S seconds and is credited with what it produced)
+#            batching; HF_BACKENDS="" for none) side by side on the first $HF_PROMPTS (the
+#            peers are slow; each stops at $HF_LIMIT_S seconds and is credited with what
+#            it produced)
 #   latency  L1 (batch 1, 128 + 256 tokens) and P1 (4 x 2048 prompt tokens) on llama-3.1-8b
 #   w1-small W1 on qwen3-0.6b (the host-overhead-bound regime)
 #   sync     W1 on both models again with --no-async-scheduling: what hiding the host's
@@ -22,7 +23,8 @@
 #            (only when GPU_BENCH_AB is set); and for each revision in $GPU_BENCH_AB_REVS
 #            (extracted by scripts/ab_prepare.sh into .ab/<rev>, carried to the machine),
 #            L1 and W1 on that revision and on the working tree, in $GPU_BENCH_AB_ROUNDS
-#            (default 2) interleaved rounds
+#            (default 2) interleaved rounds; with no revisions and GPU_BENCH_AB_ROUNDS
+#            set, that many rounds of the working tree alone (its run-to-run spread)
 #   report   $OUT/<date>-h200.json: one record per workload, and a table printed last
 # GPU_BENCH_STEPS="w1 latency" runs a subset of the steps (default: all); GPU_BENCH_TESTS
 # the test paths of the tests step.
@@ -58,7 +60,7 @@ else
     LIMIT_AB=${LIMIT_AB:-200}
 fi
 
-HF_BACKENDS=${HF_BACKENDS:-hf,hf-cb}
+HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
 STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync ab}
 read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
 
@@ -128,7 +130,8 @@ case " $STEPS " in
         done
         read -r -a AB_REVS <<<"${GPU_BENCH_AB_REVS:-}"
         for ((round = 1; round <= ${GPU_BENCH_AB_ROUNDS:-2}; round++)); do
-            [ ${#AB_REVS[@]} -gt 0 ] || break
+            # No revisions: rounds of the working tree alone, when asked for (its spread).
+            [ ${#AB_REVS[@]} -gt 0 ] || [ -n "${GPU_BENCH_AB_ROUNDS:-}" ] || break
             for rev in "${AB_REVS[@]}"; do
                 if [ -d ".ab/$rev/pagedllm" ]; then
                     ab_run "revision $rev, round $round" ".ab/$rev"
