@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 Layout = tuple[tuple[int, int], ...]
 
 PROMPT_LENGTHS = (2, 3, 5, 9, 17, 33)  # one per doubling: every prefill query tile is met
+MIXED_PROMPT = 5  # the prompt beside the decode batches, and the two prompts' length
 SHORT_CONTEXT = 16  # decodes too short to split
 LONG_CONTEXT = 2048  # decodes long enough to split when few
 
@@ -60,7 +61,7 @@ def warm_up_layouts(max_num_seqs: int, max_num_batched_tokens: int, max_model_le
             layouts.append(((0, length),))
             if max_num_seqs >= 2 and length < max_num_batched_tokens:
                 layouts.append(((0, length), (short, 1)))
-    prompt = (0, min(PROMPT_LENGTHS[2], max_num_batched_tokens, max_model_len))
+    prompt = (0, min(MIXED_PROMPT, max_num_batched_tokens, max_model_len))
     if max_num_seqs >= 2 and 2 * prompt[1] <= max_num_batched_tokens:
         layouts.append((prompt, prompt))
     for count in (1, LONGEST_FIRST_MIN_SEQS):
