@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from pagedllm.layers.attention.triton_decode import (
 )
 from pagedllm.layers.attention.triton_kv_write import write_kv_cache
 from pagedllm.layers.rotary import RotaryEmbedding
+from tests.kernels.launch_keys import LaunchKeys
 from tests.kernels.paged_batch import DEVICE, HALF_DTYPES, TOLERANCE, batch_args, make_step, reference_attention
 
 # Decodes at contexts on both sides of block boundaries (block size 4), a first token,
@@ -261,3 +264,20 @@ def test_longest_first_is_a_stable_descending_sort(num_seqs) -> None:
     order = triton_decode.longest_first(lengths.to(torch.int32).to(DEVICE))
     want = sorted(range(num_seqs), key=lambda b: (-int(lengths[b]), b))
     assert order.dtype == torch.int32 and order.tolist() == want
+
+
+def test_split_count_and_batch_size_compile_no_new_variant(monkeypatch) -> None:
+    """A step's split count and batch size change the grid only: one compiled variant
+    serves every split count >= 2, another the one-pass launch. A variant per count would
+    compile mid-run, stalling a server's step for about a second."""
+    keys = LaunchKeys(monkeypatch, triton_decode, "_decode_kernel")
+    one_pass, split = set(), set()
+    for decodes in (DECODES, DECODES[:2], ((70, 1),) * 3):
+        step = make_step(decodes, num_heads=8, num_kv_heads=2, head_dim=128, seed=7)
+        tables = step.metadata.block_tables  # padded to 16 blocks, as a real step's
+        step.metadata = dataclasses.replace(step.metadata, block_tables=torch.nn.functional.pad(
+            tables, (0, -tables.shape[1] % 16)))
+        for num_splits in (1, 2, 3, 4, 5, 7, 8, 16, 17, 32, 48, 64):
+            _run(step, num_splits=num_splits, block_n=16, max_seq_len=4096)
+            (one_pass if num_splits == 1 else split).add(keys.keys.pop())
+    assert len(one_pass) == 1 and len(split) == 1 and one_pass != split

@@ -146,4 +146,4 @@ def test_no_kernel_compiles_once_the_engine_has_started(tmp_path) -> None:
         llm.generate(prompts, params, use_tqdm=False)  # everything at once
     finally:
         triton.knobs.runtime.jit_post_compile_hook = None
-    assert compiled == []
+    assert compiled == [], "compiled after start-up:\n" + "\n".join(compiled)

@@ -109,11 +109,6 @@ def _decode_kernel(
     stride_nvt,
     stride_nvh,
     stride_ct,
-    stride_acc_seq,
-    stride_acc_head,
-    stride_acc_split,
-    stride_ml_seq,
-    stride_ml_head,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -228,12 +223,14 @@ def _decode_kernel(
     elif num_parts == 1:
         _store_normalised(out_heads, acc, l_i, mask)
     else:
-        seq64 = seq.to(tl.int64)
-        acc_ptr = part_acc_ptr + seq64 * stride_acc_seq + split * stride_acc_split
-        tl.store(acc_ptr + head[:, None] * stride_acc_head + d[None, :], acc, mask=mask)
-        ml_offset = seq64 * stride_ml_seq + head * stride_ml_head + split
-        tl.store(part_max_ptr + ml_offset, m_i, mask=g_valid)
-        tl.store(part_sum_ptr + ml_offset, l_i, mask=g_valid)
+        # Partials of (sequence, head, partition) rows, contiguous as the grid lays them
+        # out; offsets from the grid, so no per-step size or stride specialises the kernel.
+        num_splits = tl.num_programs(2)
+        seq_rows = seq.to(tl.int64) * (tl.num_programs(0) * QUERIES_PER_KV) * num_splits
+        rows = seq_rows + head * num_splits + split
+        tl.store(part_acc_ptr + rows[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
+        tl.store(part_max_ptr + rows, m_i, mask=g_valid)
+        tl.store(part_sum_ptr + rows, l_i, mask=g_valid)
         # Every thread's stores are issued before one thread releases them with the count.
         tl.debug_barrier()
         counter = counters_ptr + seq * tl.num_programs(0) + kv_head
@@ -242,9 +239,8 @@ def _decode_kernel(
             tl.store(counter, 0)
             _merge_partitions(
                 out_ptr + q_row.to(tl.int64) * stride_ot, stride_oh,
-                part_acc_ptr + seq64 * stride_acc_seq, stride_acc_head, stride_acc_split,
-                part_max_ptr + seq64 * stride_ml_seq, part_sum_ptr + seq64 * stride_ml_seq,
-                stride_ml_head, kv_head * QUERIES_PER_KV,
+                part_acc_ptr + seq_rows * HEAD_DIM, part_max_ptr + seq_rows, part_sum_ptr + seq_rows,
+                num_splits, kv_head * QUERIES_PER_KV,
                 first_part, first_part + num_parts,
                 QUERIES_PER_KV, MERGE_H, HEAD_DIM, BLOCK_D, MERGE_S,
             )
@@ -284,8 +280,7 @@ def _cache_new_token(
 @triton.jit
 def _merge_partitions(
     out_row_ptr, stride_oh,
-    acc_ptr, stride_acc_head, stride_acc_split,
-    max_ptr, sum_ptr, stride_ml_head,
+    acc_ptr, max_ptr, sum_ptr, num_splits,
     first_head, first_part, end_part,
     HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -293,8 +288,9 @@ def _merge_partitions(
     BLOCK_D: tl.constexpr,
     MERGE_S: tl.constexpr,
 ):
-    """``out[first_head : first_head + HEADS]`` of one sequence from its partials in
-    partitions ``[first_part, end_part)``, ``MERGE_S`` partitions per chunk, merged online
+    """``out[first_head : first_head + HEADS]`` of one sequence from its partials (rows
+    ``head * num_splits + partition``) in partitions ``[first_part, end_part)``, ``MERGE_S``
+    partitions per chunk, merged online
     (the chunk's max joins the running max). Every partition of that range holds a key,
     so its ``acc`` was written: it is loaded beside ``m`` and ``l``, not after them. Loads
     bypass L1: other programs wrote them."""
@@ -310,13 +306,11 @@ def _merge_partitions(
     for s0 in range(first_part, end_part, MERGE_S):
         s = s0 + s_in_chunk
         valid = h_valid[:, None] & (s < end_part)[None, :]
-        ml = head[:, None] * stride_ml_head + s[None, :]
+        ml = head[:, None] * num_splits + s[None, :]
         m = tl.load(max_ptr + ml, mask=valid, other=float("-inf"), cache_modifier=".cg")
         l = tl.load(sum_ptr + ml, mask=valid, other=0.0, cache_modifier=".cg")
         acc = tl.load(
-            acc_ptr
-            + (head[:, None] * stride_acc_head + s[None, :] * stride_acc_split)[:, :, None]
-            + d[None, None, :],
+            acc_ptr + (ml * HEAD_DIM)[:, :, None] + d[None, None, :],
             mask=valid[:, :, None] & d_valid[None, None, :],
             other=0.0,
             cache_modifier=".cg",
@@ -538,12 +532,9 @@ def paged_decode_attention(
         part_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
         part_sum = torch.empty_like(part_max)
         counters = arrival_counters(query.device, num_seqs * num_kv_heads)
-        acc_strides = part_acc.stride()[:3]
-        ml_strides = part_max.stride()[:2]
     else:
         part_acc = part_max = part_sum = out  # unused: the kernel writes ``out`` directly
         counters = seq_lens
-        acc_strides, ml_strides = (0, 0, 0), (0, 0)
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query,
         key_cache,
@@ -572,8 +563,6 @@ def paged_decode_attention(
         value_cache.stride(2),
         block_tables.stride(0),
         *rope_strides,
-        *acc_strides,
-        *ml_strides,
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -583,7 +572,7 @@ def paged_decode_attention(
         USE_WINDOW=sliding_window is not None,
         SPLIT=split,
         MERGE_H=triton.next_power_of_2(queries_per_kv),
-        MERGE_S=_merge_chunk(queries_per_kv, block_d, num_splits),
+        MERGE_S=_merge_chunk(queries_per_kv, block_d),
         HAS_ORDER=order is not None,
         ROPE_AND_CACHE=new_kv is not None,
         HALF=head_dim // 2,
@@ -593,7 +582,8 @@ def paged_decode_attention(
     )
 
 
-def _merge_chunk(queries_per_kv: int, block_d: int, num_splits: int) -> int:
-    """Partitions merged per chunk: about 8k float32 values of ``acc`` at a time."""
+def _merge_chunk(queries_per_kv: int, block_d: int) -> int:
+    """Partitions merged per chunk: about 8k float32 values of ``acc`` at a time. It does
+    not follow the step's split count, which would compile a kernel variant per count."""
     heads = triton.next_power_of_2(queries_per_kv)
-    return max(1, min(triton.next_power_of_2(num_splits), 8192 // (heads * block_d)))
+    return max(1, min(MAX_SPLITS, 8192 // (heads * block_d)))
