@@ -289,3 +289,47 @@ def small_batch_matmul_kernel(
                     norm_weight_ptr, normed_ptr + row * N, residual_out_ptr + row * N, eps,
                     N, NORM_BLOCK, True, ".cg",
                 )
+
+
+@triton.jit
+def rows_matmul_kernel(
+    x_ptr, weight_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SWAP: tl.constexpr,
+):
+    """``out[m-block, n-block] = x[m-block] @ weight[n-block].T`` over the whole of ``K``
+    (``K % BLOCK_K == 0``), float32 accumulation. Programs of one ``n``-block are adjacent,
+    so its weight tile is read from memory once and from L2 by the other row blocks.
+
+    ``SWAP``: the product runs as ``weight @ x.T`` (the weight tile is the tensor core's
+    left operand, the few rows its narrow right one), transposed once at the end."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_n = pid // num_m
+    pid_m = pid % num_m
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_rows = x_ptr + tl.minimum(m, M - 1).to(tl.int64)[:, None] * stride_xm
+    w_rows = weight_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+    if SWAP:
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + k[None, :])
+        w = tl.load(w_rows + k[None, :])
+        if SWAP:
+            acc_t += tl.dot(w, tl.trans(x))
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if SWAP:
+        acc = tl.trans(acc_t)
+    tl.store(
+        out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(m < M)[:, None] & (n < N)[None, :],
+    )
