@@ -469,59 +469,6 @@ def gemm_rows(batch_rows=GEMM_ROWS) -> list[dict[str, Any]]:
     return rows
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, swap) of triton_ops.rows_matmul
-ROWS_MATMUL_TILES = (
-    (64, 64, 128, 4, 4, True), (64, 128, 64, 4, 4, True), (64, 128, 128, 8, 3, True),
-    (128, 64, 128, 4, 3, True), (128, 128, 64, 8, 4, True), (128, 128, 128, 8, 3, True),
-    (256, 128, 64, 8, 3, True), (256, 64, 64, 4, 3, True), (128, 64, 64, 4, 4, True),
-    (64, 64, 64, 4, 6, True), (64, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False),
-    (128, 256, 64, 8, 3, False), (64, 256, 64, 8, 4, False), (128, 64, 128, 4, 3, False),
-    (256, 128, 64, 8, 3, False),
-)
-
-
-def gemm_triton_rows(batch_rows=(64, 128, 192, 256), tiles=ROWS_MATMUL_TILES,
-                     budget_s: float = 200.0) -> list[dict[str, Any]]:
-    """``triton_ops.rows_matmul`` against cuBLAS on each layer projection at decode batch
-    sizes, both inside graphs over weights out of L2 (as ``gemm_rows``); each tile checked
-    against cuBLAS's result first."""
-    from pagedllm.layers import triton_ops
-
-    rows: list[dict[str, Any]] = []
-    deadline = time.monotonic() + budget_s
-    gen = torch.Generator(device=DEVICE).manual_seed(47)
-    for name, n, k in GEMV_SHAPES[:4]:
-        copies = max(2, -(-400_000_000 // (n * k * 2)))
-        weights = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
-                   for _ in range(copies)]
-        for m in batch_rows:
-            x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
-            want = F.linear(x, weights[0]).float()
-            us = graph_us_per_launch(lambda w: F.linear(x, w), weights)
-            rows.append(dict(shape=name, rows=m, impl="cublas", us=us, tb_s=n * k * 2 / us / 1e6))
-            best = None
-            for tile in tiles:
-                if time.monotonic() > deadline:
-                    break
-                row: dict[str, Any] = dict(shape=name, rows=m, impl="triton", tile=list(tile))
-                try:
-                    got = triton_ops.rows_matmul(x, weights[0], tile).float()
-                    row["max_abs_err"] = (got - want).abs().max().item()
-                    row["us"] = graph_us_per_launch(lambda w: triton_ops.rows_matmul(x, w, tile), weights)
-                    row["tb_s"] = n * k * 2 / row["us"] / 1e6
-                    if best is None or row["us"] < best["us"]:
-                        best = row
-                except Exception as exc:  # e.g. too much shared memory for the stages
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                rows.append(row)
-            if best is not None:
-                print(f"{name:8} rows {m:4} cublas {us:7.1f} us  triton best {best['us']:7.1f} us "
-                      f"{best['tile']} err {best['max_abs_err']:.3g}")
-        del weights
-        torch.cuda.empty_cache()
-    return rows
-
-
 def gemv_graph_rows(fixed=GEMV_GRAPH_TILES) -> list[dict[str, Any]]:
     """Each projection as a decode step runs it: back to back inside a CUDA graph, cycling
     over enough weight copies that none is in L2 (as with 32 layers). Per launch, one row:
@@ -617,8 +564,6 @@ def main() -> int:
                         help="--gemv-graph's tiles, e.g. '32,1024,8,3,dot 16,512,4,3,dot'")
     parser.add_argument("--gemm-rows", action="store_true",
                         help="time cuBLAS on the layer projections at decode batch sizes 64-256")
-    parser.add_argument("--gemm-triton", action="store_true",
-                        help="time triton_ops.rows_matmul's tiles against cuBLAS at decode batch sizes")
     parser.add_argument("--skip-checks", action="store_true",
                         help="leave out the correctness checks and the standard timings")
     args = parser.parse_args()
@@ -660,11 +605,6 @@ def main() -> int:
     if args.gemm_rows:
         print("\nlayer projections (cuBLAS) by decode rows, inside CUDA graphs, per launch")
         results["gemm_rows"] = gemm_rows()
-        save()
-
-    if args.gemm_triton:
-        print("\nlayer projections, Triton rows_matmul against cuBLAS, inside CUDA graphs")
-        results["gemm_triton"] = gemm_triton_rows()
         save()
 
     if args.decode_order_sweep:

@@ -91,7 +91,8 @@ def host_table(run: Callable[[], object], row_limit: int = 25) -> str:
 
 def kernel_table(run: Callable[[], object], row_limit: int = 15) -> str:
     """Run ``run`` under torch.profiler; returns (and prints) its top ops and kernels by
-    device time as a text table."""
+    device time, then its top host calls by their own host time (a host call that waits
+    for the device, such as a synchronising copy or free, shows there), as text tables."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -103,13 +104,14 @@ def kernel_table(run: Callable[[], object], row_limit: int = 15) -> str:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     averages = prof.key_averages()
-    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
-        try:
-            table = averages.table(sort_by=key, row_limit=row_limit, max_name_column_width=60)
-            break
-        except Exception:  # noqa: BLE001 - the sort keys differ across torch versions
-            continue
-    else:
-        table = ""
+    tables = []
+    for keys in (("self_device_time_total", "self_cuda_time_total"), ("self_cpu_time_total",)):
+        for key in keys:
+            try:
+                tables.append(averages.table(sort_by=key, row_limit=row_limit, max_name_column_width=60))
+                break
+            except Exception:  # noqa: BLE001 - the sort keys differ across torch versions
+                continue
+    table = "\n".join(tables)
     print(table, flush=True)
     return table

@@ -73,6 +73,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="After the measured run, submit the workload again and profile "
                              "this many decode steps once every prompt is in (torch.profiler; "
                              "the top kernels are printed and saved as 'decode_profile').")
+    parser.add_argument("--profile-prefill-steps", type=int, default=0,
+                        help="After the measured run, submit the workload again and profile "
+                             "its first this many steps (the prompts' steps; saved as "
+                             "'prefill_profile').")
     parser.add_argument("--output-json", default=None,
                         help="Write the result here: one record, or a list when several runs.")
     EngineArgs.add_cli_args(parser)
@@ -121,9 +125,12 @@ def run(args: argparse.Namespace) -> list[dict]:
         if peers and hf_count < len(requests):
             keep(_run_pagedllm(llm, subset, args))
         full = _run_pagedllm(llm, requests, args, step_timing=args.step_timing)
+        if args.profile_prefill_steps > 0:
+            full["prefill_profile"] = _profile_steps(
+                llm, requests, args, args.profile_prefill_steps, after_prompts=False)
         if args.profile_decode_steps > 0:
-            full["decode_profile"] = _profile_full_batch_decode(
-                llm, requests, args, args.profile_decode_steps)
+            full["decode_profile"] = _profile_steps(
+                llm, requests, args, args.profile_decode_steps, after_prompts=True)
         keep(full)
         del llm
         gc.collect()
@@ -201,10 +208,11 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
     }
 
 
-def _profile_full_batch_decode(llm, requests: list[SyntheticRequest],
-                               args: argparse.Namespace, num_steps: int) -> str:
-    """Submit ``requests`` again, step until no prompt is waiting or partly computed, then
-    profile ``num_steps`` steps (pure decode while no request finishes); aborts the rest."""
+def _profile_steps(llm, requests: list[SyntheticRequest], args: argparse.Namespace,
+                   num_steps: int, *, after_prompts: bool) -> str:
+    """Submit ``requests`` again and profile ``num_steps`` steps: the first ones (the
+    prompts'), or with ``after_prompts`` those after every prompt is in (pure decode while
+    no request finishes); aborts the rest."""
     engine = llm.llm_engine
     scheduler = engine.engine_core.scheduler
     scheduler.reset_prefix_cache()
@@ -218,9 +226,10 @@ def _profile_full_batch_decode(llm, requests: list[SyntheticRequest],
         return not scheduler.num_waiting and all(
             q.num_computed_tokens >= q.num_prompt_tokens for q in scheduler.running)
 
-    while engine.has_unfinished_requests() and not prompts_in():
+    while after_prompts and engine.has_unfinished_requests() and not prompts_in():
         engine.step()
-    print(f"decode profile: {num_steps} steps of {scheduler.num_running} requests", flush=True)
+    print(f"profile of {num_steps} steps from {'the first decode' if after_prompts else 'the first'} "
+          f"step ({len(requests)} requests)", flush=True)
     table = kernel_table(lambda: [engine.step() for _ in range(num_steps)], row_limit=20)
     engine.abort_request(ids)
     while engine.has_unfinished_requests():

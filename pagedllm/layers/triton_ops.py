@@ -370,24 +370,3 @@ def small_batch_matmul(
         num_stages=num_stages,
     )
     return out if norm is None else (normed, residual_out)
-
-
-def rows_matmul(x: torch.Tensor, weight: torch.Tensor,
-                config: tuple[int, int, int, int, int, bool]) -> torch.Tensor:
-    """``x @ weight.T`` for ``x: [M, K]``, ``weight: [N, K]`` with the tile ``config =
-    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, swap)`` (``K % BLOCK_K == 0``)."""
-    k = _kernels()
-    block_m, block_n, block_k, num_warps, num_stages, swap = config
-    rows, in_features = x.shape
-    out_features = weight.shape[0]
-    if in_features % block_k or weight.shape[1] != in_features:
-        raise ValueError(f"rows_matmul takes [M, K] @ [N, K].T with K % {block_k} == 0, got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)}.")
-    out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
-    grid = (k.cdiv(out_features, block_n) * k.cdiv(rows, block_m),)
-    k.rows_matmul_kernel[grid](
-        x, weight, out, rows, out_features, in_features, x.stride(0), weight.stride(0),
-        out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return out

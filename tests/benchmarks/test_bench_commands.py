@@ -52,7 +52,7 @@ def test_throughput_runs_the_hf_peers_and_pagedllm_on_the_same_requests(checkpoi
     assert "ratio_vs_hf_cb" in subset and "ratio_vs_hf_static" not in by_run["pagedllm", 6]
 
 
-def test_throughput_profiles_full_batch_decode_steps_after_the_measured_run(
+def test_throughput_profiles_prompt_and_decode_steps_after_the_measured_run(
     checkpoint, tmp_path
 ) -> None:
     out = tmp_path / "w1.json"
@@ -60,13 +60,14 @@ def test_throughput_profiles_full_batch_decode_steps_after_the_measured_run(
         "--model", str(checkpoint), "--load-format", "dummy", "--num-prompts", "5",
         "--input-len", "4:9", "--output-len", "6:8", "--max-model-len", "32",
         "--num-kv-blocks", "64", "--block-size", "8", "--profile-decode-steps", "2",
-        "--output-json", str(out),
+        "--profile-prefill-steps", "1", "--output-json", str(out),
     ])
     throughput.run(args)
     record = json.loads(out.read_text())
     assert record["output_tokens"] == sum(r.output_len for r in throughput.synthetic_requests(
         5, (4, 9), (6, 8), 128, 0))  # the profile did not disturb the measured run
     assert "aten::" in record["decode_profile"]  # the profiled steps ran the model
+    assert "aten::" in record["prefill_profile"]
 
 
 def test_unknown_backend_is_refused_naming_the_valid_ones() -> None:
