@@ -38,6 +38,7 @@ from pagedllm.layers.sampler import (
     compute_prompt_logprobs,
 )
 from pagedllm.models.loader import load_model, resolve_dtype
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.async_output import AsyncStepOutput, SampledIdsReadback
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes, prompt_capture_sizes
 from pagedllm.worker.device_inputs import DeviceInputBuffers
@@ -158,14 +159,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_run(self) -> None:
-        """The largest step the scheduler can send, run once so its activations are counted."""
+        """The largest step the scheduler can send, run once so its activations are counted,
+        then its rows sampled with penalties, top-k and top-p (the sampler's largest working
+        set). The penalties' token-count table is made here and kept, so the cache is sized
+        with it in place and the first penalised request allocates nothing."""
         sched = self.config.scheduler_config
         num_tokens = min(sched.max_num_batched_tokens, self.config.model_config.max_model_len)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         with set_forward_context(None, []):
             hidden = self.model(input_ids, positions)
-        self.model.compute_logits(hidden[-sched.max_num_seqs:])
+        logits = self.model.compute_logits(hidden[-sched.max_num_seqs:])
+        self.token_counts = TokenCounts(sched.max_num_seqs, self.vocab_size, self.device)
+        rows = logits.shape[0]
+        params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1,
+                                 frequency_penalty=0.1, presence_penalty=0.1)] * rows
+        self.sampler(logits, SamplingMetadata.build(
+            params=params, prompt_token_ids=[[0]] * rows, output_token_ids=[[0]] * rows,
+            generators=[None] * rows, vocab_size=self.vocab_size, device=self.device,
+            counts=RowCounts(self.token_counts, list(range(rows)), [object() for _ in range(rows)]),
+        ))
 
     # -- one step ---------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
