@@ -92,7 +92,8 @@ def host_table(run: Callable[[], object], row_limit: int = 25) -> str:
 def kernel_table(run: Callable[[], object], row_limit: int = 15) -> str:
     """Run ``run`` under torch.profiler; returns (and prints) its top ops and kernels by
     device time, then its top host calls by their own host time (a host call that waits
-    for the device, such as a synchronising copy or free, shows there), as text tables."""
+    for the device, such as a synchronising copy or free, shows there), as text tables,
+    and on a GPU how much of the profiled span the device sat idle (``device_idle``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -112,6 +113,26 @@ def kernel_table(run: Callable[[], object], row_limit: int = 15) -> str:
                 break
             except Exception:  # noqa: BLE001 - the sort keys differ across torch versions
                 continue
+    device_events = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA]
+    if device_events:
+        tables.append(device_idle(device_events))
     table = "\n".join(tables)
     print(table, flush=True)
     return table
+
+
+def device_idle(intervals: list[tuple[float, float]]) -> str:
+    """One line: the span from the first device event's start to the last one's end, and
+    the time inside it that no event covered (the device idle, waiting for the host).
+    ``intervals`` are (start, end) in microseconds, overlapping or not."""
+    intervals = sorted(intervals)
+    first = covered_until = intervals[0][0]
+    idle = 0.0
+    for start, end in intervals:
+        if start > covered_until:
+            idle += start - covered_until
+        covered_until = max(covered_until, end)
+    span = covered_until - first
+    return (f"device idle {idle / 1e3:.1f} ms of a {span / 1e3:.1f} ms span "
+            f"({100 * idle / span if span else 0.0:.1f}%)")

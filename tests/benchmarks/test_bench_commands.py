@@ -131,3 +131,11 @@ def test_gpu_bench_report_collects_one_record_per_workload(tmp_path) -> None:
     assert (l1["ms_per_token"], l1["target_met"]) == (4.0, True)
     assert (p1["prompt_tok_s"], p1["target_met"]) == (41000.0, True)
     assert small["workload"] == "W1" and "error" in small
+
+
+def test_device_idle_counts_only_time_no_event_covers() -> None:
+    """Overlapping and nested kernels are busy time; the gaps between them are idle."""
+    from pagedllm.benchmarks.common import device_idle
+
+    line = device_idle([(100.0, 1100.0), (0.0, 500.0), (200.0, 300.0), (1600.0, 2000.0)])
+    assert line == "device idle 0.5 ms of a 2.0 ms span (25.0%)"
