@@ -422,14 +422,21 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        if (use_fused_ops(logits) and meta.top_k is None and meta.top_p is None
-                and meta.min_p is None):
+        """One draw per row from its filtered, temperature-scaled distribution.
+
+        On a GPU every batch draws with the Gumbel kernel from one seed per row, the
+        filters (top-k, top-p, min-p, on the scaled logits) only masking tokens of the raw
+        logits: a row's draw, and how far its generator advances, do not depend on which
+        other rows share the batch or what filters they carry."""
+        filtered = meta.top_k is not None or meta.top_p is not None or meta.min_p is not None
+        if use_fused_ops(logits):
+            if filtered:
+                removed = _filter(logits.float() / meta.temperature.unsqueeze(-1), meta) == _NEG_INF
+                logits = logits.float().masked_fill(removed, _NEG_INF)
             return triton_ops.gumbel_sample(logits, meta.temperature, _row_seeds(logits, meta))
         logits = logits.float() / meta.temperature.unsqueeze(-1)
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
+        if filtered:
+            logits = _filter(logits, meta)
         probs = logits.softmax(dim=-1)
         q = torch.empty_like(probs)
         if len(meta.generators) < meta.num_rows:
@@ -437,6 +444,16 @@ class Sampler(nn.Module):
         for row, generator in meta.generators.items():
             q[row].exponential_(generator=generator)
         return probs.div_(q).argmax(dim=-1)
+
+
+def _filter(scaled: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """``scaled`` (temperature-scaled float32 logits) with the tokens that top-k, top-p and
+    min-p remove set to -inf."""
+    if meta.top_k is not None or meta.top_p is not None:
+        scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
+    if meta.min_p is not None:
+        scaled = apply_min_p(scaled, meta.min_p)
+    return scaled
 
 
 def _row_seeds(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

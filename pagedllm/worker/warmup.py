@@ -111,7 +111,8 @@ def warm_up_kernels(
     device: torch.device,
 ) -> None:
     """Run each layout's forward eagerly, then sample its sequences' last rows, greedy and
-    random rows alternating (a single row once each way)."""
+    random rows alternating (a single row once each way), from the logits as they are and
+    widened to float32."""
     start = time.perf_counter()
     greedy, random = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
     for layout in layouts:
@@ -125,11 +126,16 @@ def warm_up_kernels(
         rows = len(layout)
         choices = [[greedy], [random]] if rows == 1 else [
             [greedy if i % 2 else random for i in range(rows)]]
-        for params in choices:
-            sampler(logits, SamplingMetadata.build(
-                params=params, prompt_token_ids=[[0]] * rows, output_token_ids=[[] for _ in params],
-                generators=[None] * rows, vocab_size=vocab_size, device=device,
-            ))
+        # Penalties, min_tokens and the top-k/top-p/min-p filters hand the sampling kernels
+        # float32 logits: a variant of its own when the model's dtype is another.
+        widened = (logits,) if logits.dtype == torch.float32 else (logits, logits.float())
+        for values in widened:
+            for params in choices:
+                sampler(values, SamplingMetadata.build(
+                    params=params, prompt_token_ids=[[0]] * rows,
+                    output_token_ids=[[] for _ in params], generators=[None] * rows,
+                    vocab_size=vocab_size, device=device,
+                ))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     logger.info("Compiled the kernels of %d warm-up step shapes in %.1f s.", len(layouts),

@@ -12,7 +12,7 @@ V = 32
 sampler = Sampler()
 
 
-def build(params, prompts=None, outputs=None, generators=None, vocab_size=V):
+def build(params, prompts=None, outputs=None, generators=None, vocab_size=V, device="cpu"):
     n = len(params)
     return SamplingMetadata.build(
         params=params,
@@ -20,12 +20,16 @@ def build(params, prompts=None, outputs=None, generators=None, vocab_size=V):
         output_token_ids=outputs or [[] for _ in range(n)],
         generators=generators or [None] * n,
         vocab_size=vocab_size,
-        device="cpu",
+        device=device,
     )
 
 
 def sample(logits, params, **kwargs) -> list[int]:
-    return sampler(logits, build(params, **kwargs)).sampled_token_ids.tolist()
+    return sampler(logits, build(params, device=logits.device, **kwargs)).sampled_token_ids.tolist()
+
+
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))]
 
 
 def random_logits(rows: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
@@ -175,12 +179,16 @@ def test_min_p_drops_tokens_below_fraction_of_top():
     assert set(out) == {0, 1, 2}  # threshold 0.3 * 0.4 = 0.12
 
 
-def test_seeded_request_samples_same_tokens_whatever_the_batch():
-    params = SamplingParams(temperature=1.0, seed=42, top_p=0.9)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("own_filter", [True, False], ids=["top-p", "no-filter"])
+def test_seeded_request_samples_same_tokens_whatever_the_batch(device, own_filter):
+    """A seeded row draws the same tokens alone or beside rows with other temperatures and
+    top-k filters (on a GPU the filters of other rows once switched its sampling path)."""
+    params = SamplingParams(temperature=1.0, seed=42, top_p=0.9 if own_filter else 1.0)
     steps = [random_logits(1, seed=s)[0] for s in range(6)]
 
     def run(batch_size: int, row: int) -> list[int]:
-        generator = torch.Generator().manual_seed(42)
+        generator = torch.Generator(device=device).manual_seed(42)
         tokens = []
         for step, logits_row in enumerate(steps):
             logits = random_logits(batch_size, seed=100 + step + batch_size)
@@ -189,7 +197,7 @@ def test_seeded_request_samples_same_tokens_whatever_the_batch():
             params_batch[row] = params
             gens = [None] * batch_size
             gens[row] = generator
-            tokens.append(sample(logits, params_batch, generators=gens)[row])
+            tokens.append(sample(logits.to(device), params_batch, generators=gens)[row])
         return tokens
 
     alone = run(1, 0)
