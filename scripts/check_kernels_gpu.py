@@ -29,7 +29,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -193,20 +193,22 @@ def causal_flops(step: Step) -> float:
 
 
 def decode_only(step: Step, num_splits: int | None = None,
-                max_seq_len: int | None = None, order: torch.Tensor | None = None) -> Callable[[], None]:
-    """The decode kernel alone; ``max_seq_len`` overrides the step's bound (a CUDA graph
-    plans with ``max_model_len``)."""
+                max_seq_len: int | None = None, order: torch.Tensor | None = None
+                ) -> Callable[[], torch.Tensor]:
+    """The decode kernel alone (the launch returns its output); ``max_seq_len`` overrides
+    the step's bound (a CUDA graph plans with ``max_model_len``)."""
     md = step.metadata
     bound = md.max_seq_len if max_seq_len is None else max_seq_len
     out = torch.empty_like(step.query)
     TritonAttentionBackend().forward(step.query, step.key, step.value, step.kv_cache, md, SCALE, None)
 
-    def launch() -> None:
+    def launch() -> torch.Tensor:
         paged_decode_attention(
             step.query, step.kv_cache[0], step.kv_cache[1], md.block_tables, md.seq_lens,
             md.query_start_loc, out, max_seq_len=bound, scale=SCALE, num_splits=num_splits,
             order=order,
         )
+        return out
 
     return launch
 
@@ -342,6 +344,45 @@ def decode_order_rows(save: Callable[[list[dict[str, Any]]], None]) -> list[dict
                                          gb_s=kv_bytes(step) / ms / 1e6))
                 save(rows)
             del step
+            torch.cuda.empty_cache()
+    finally:
+        triton_decode.decode_tile_config = decode_config
+    return rows
+
+
+def kv_layout_rows() -> list[dict[str, Any]]:
+    """Decode attention over the cache as the engine lays it out, ``[blocks, block_size,
+    heads, head_dim]`` (a block's page of one head is 16 rows 2 KB apart), against the same
+    values laid out ``[blocks, heads, block_size, head_dim]`` (one contiguous 4 KB page per
+    head), handed to the kernel as a view of the first's shape: only the strides differ.
+    Outputs must be equal; times per tile, longest first as the engine launches them."""
+    rows: list[dict[str, Any]] = []
+    tiles = [(64, 4, 2), (32, 2, 2), (64, 4, 3), (128, 4, 3)]
+    mixes = [
+        ("W1 mix 256 x 100..2048", [(n - 1, 1) for n in uniform_lengths(256, 100, 2048, seed=31)]),
+        ("W1 mix 128 x 300..2048", [(n - 1, 1) for n in uniform_lengths(128, 300, 2048, seed=32)]),
+        ("uniform 256 x 1024", [(1023, 1)] * 256),
+    ]
+    decode_config = triton_decode.decode_tile_config
+    try:
+        for label, seqs in mixes:
+            step = make_step(seqs, seed=30)
+            heads_major = step.kv_cache.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+            steps = {"block-major (engine)": step, "head-major pages": replace(step, kv_cache=heads_major)}
+            order = triton_decode.longest_first(step.metadata.seq_lens)
+            for tile in tiles:
+                triton_decode.decode_tile_config = lambda head_dim, device, split, c=tile: c
+                outputs = {}
+                for layout, s in steps.items():
+                    launch = decode_only(s, order=order)
+                    outputs[layout] = launch().clone()
+                    ms = bench_ms(launch)
+                    rows.append(dict(case=label, layout=layout, block_n=tile[0], num_warps=tile[1],
+                                     num_stages=tile[2], ms=ms, gb_s=kv_bytes(step) / ms / 1e6))
+                    print(f"{label:24} {layout:22} tile {tile}: {ms * 1e3:7.1f} us "
+                          f"{rows[-1]['gb_s'] / 1e3:5.2f} TB/s", flush=True)
+                rows[-1]["equal_outputs"] = bool(torch.equal(*outputs.values()))
+            del step, steps, heads_major
             torch.cuda.empty_cache()
     finally:
         triton_decode.decode_tile_config = decode_config
@@ -564,6 +605,8 @@ def main() -> int:
                         help="--gemv-graph's tiles, e.g. '32,1024,8,3,dot 16,512,4,3,dot'")
     parser.add_argument("--gemm-rows", action="store_true",
                         help="time cuBLAS on the layer projections at decode batch sizes 64-256")
+    parser.add_argument("--kv-layout", action="store_true",
+                        help="time decode attention over the engine's cache layout and a head-major one")
     parser.add_argument("--skip-checks", action="store_true",
                         help="leave out the correctness checks and the standard timings")
     args = parser.parse_args()
@@ -605,6 +648,11 @@ def main() -> int:
     if args.gemm_rows:
         print("\nlayer projections (cuBLAS) by decode rows, inside CUDA graphs, per launch")
         results["gemm_rows"] = gemm_rows()
+        save()
+
+    if args.kv_layout:
+        print("\ndecode attention by KV cache layout")
+        results["kv_layout"] = kv_layout_rows()
         save()
 
     if args.decode_order_sweep:
