@@ -25,13 +25,14 @@ standard timings. Exits 1 when a check fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -317,24 +318,37 @@ def sweep_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], None]) ->
     return rows
 
 
-def decode_order_rows(save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
-    """Decode on W1-like mixes: (tile, splits) x (launch order as given, longest first)."""
-    rows: list[dict[str, Any]] = []
-    tiles = [(64, 4, 2), (32, 2, 2), (32, 4, 2), (64, 8, 2), (64, 4, 3), (128, 4, 3)]
-    mixes = [
+def w1_decode_mixes() -> list[tuple[str, list[tuple[int, int]]]]:
+    """Decode batches like W1's: (label, ((cached, 1), ...))."""
+    return [
         ("W1 mix 256 x 100..2048", [(n - 1, 1) for n in uniform_lengths(256, 100, 2048, seed=31)]),
         ("W1 mix 128 x 300..2048", [(n - 1, 1) for n in uniform_lengths(128, 300, 2048, seed=32)]),
         ("uniform 256 x 1024", [(1023, 1)] * 256),
     ]
-    decode_config = triton_decode.decode_tile_config
+
+
+@contextlib.contextmanager
+def decode_tile(tile: tuple[int, int, int]) -> Iterator[None]:
+    """Every decode launch inside uses ``tile`` (BLOCK_N, num_warps, num_stages)."""
+    configured = triton_decode.decode_tile_config
+    triton_decode.decode_tile_config = lambda head_dim, device, split: tile
     try:
-        for label, seqs in mixes:
-            step = make_step(seqs, seed=30)
-            order = triton_decode.longest_first(step.metadata.seq_lens)
-            rows.append(dict(case=label, impl="argsort (longest_first)",
-                             ms=bench_ms(lambda: triton_decode.longest_first(step.metadata.seq_lens))))
-            for tile in tiles:
-                triton_decode.decode_tile_config = lambda head_dim, device, split, c=tile: c
+        yield
+    finally:
+        triton_decode.decode_tile_config = configured
+
+
+def decode_order_rows(save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Decode on W1-like mixes: (tile, splits) x (launch order as given, longest first)."""
+    rows: list[dict[str, Any]] = []
+    tiles = [(64, 4, 2), (32, 2, 2), (32, 4, 2), (64, 8, 2), (64, 4, 3), (128, 4, 3)]
+    for label, seqs in w1_decode_mixes():
+        step = make_step(seqs, seed=30)
+        order = triton_decode.longest_first(step.metadata.seq_lens)
+        rows.append(dict(case=label, impl="argsort (longest_first)",
+                         ms=bench_ms(lambda: triton_decode.longest_first(step.metadata.seq_lens))))
+        for tile in tiles:
+            with decode_tile(tile):
                 for splits in (1, 2, 4):
                     for ordered in (False, True):
                         ms = bench_ms(decode_only(step, splits, order=order if ordered else None))
@@ -342,11 +356,9 @@ def decode_order_rows(save: Callable[[list[dict[str, Any]]], None]) -> list[dict
                                          num_stages=tile[2], num_splits=splits,
                                          longest_first=ordered, ms=ms,
                                          gb_s=kv_bytes(step) / ms / 1e6))
-                save(rows)
-            del step
-            torch.cuda.empty_cache()
-    finally:
-        triton_decode.decode_tile_config = decode_config
+            save(rows)
+        del step
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -358,34 +370,25 @@ def kv_layout_rows() -> list[dict[str, Any]]:
     Outputs must be equal; times per tile, longest first as the engine launches them."""
     rows: list[dict[str, Any]] = []
     tiles = [(64, 4, 2), (32, 2, 2), (64, 4, 3), (128, 4, 3)]
-    mixes = [
-        ("W1 mix 256 x 100..2048", [(n - 1, 1) for n in uniform_lengths(256, 100, 2048, seed=31)]),
-        ("W1 mix 128 x 300..2048", [(n - 1, 1) for n in uniform_lengths(128, 300, 2048, seed=32)]),
-        ("uniform 256 x 1024", [(1023, 1)] * 256),
-    ]
-    decode_config = triton_decode.decode_tile_config
-    try:
-        for label, seqs in mixes:
-            step = make_step(seqs, seed=30)
-            heads_major = step.kv_cache.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
-            steps = {"block-major (engine)": step, "head-major pages": replace(step, kv_cache=heads_major)}
-            order = triton_decode.longest_first(step.metadata.seq_lens)
-            for tile in tiles:
-                triton_decode.decode_tile_config = lambda head_dim, device, split, c=tile: c
-                outputs = {}
-                for layout, s in steps.items():
-                    launch = decode_only(s, order=order)
+    for label, seqs in w1_decode_mixes():
+        step = make_step(seqs, seed=30)
+        heads_major = step.kv_cache.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+        steps = {"block-major (engine)": step, "head-major pages": replace(step, kv_cache=heads_major)}
+        order = triton_decode.longest_first(step.metadata.seq_lens)
+        for tile in tiles:
+            outputs = {}
+            with decode_tile(tile):
+                for layout, variant in steps.items():
+                    launch = decode_only(variant, order=order)
                     outputs[layout] = launch().clone()
                     ms = bench_ms(launch)
                     rows.append(dict(case=label, layout=layout, block_n=tile[0], num_warps=tile[1],
                                      num_stages=tile[2], ms=ms, gb_s=kv_bytes(step) / ms / 1e6))
                     print(f"{label:24} {layout:22} tile {tile}: {ms * 1e3:7.1f} us "
                           f"{rows[-1]['gb_s'] / 1e3:5.2f} TB/s", flush=True)
-                rows[-1]["equal_outputs"] = bool(torch.equal(*outputs.values()))
-            del step, steps, heads_major
-            torch.cuda.empty_cache()
-    finally:
-        triton_decode.decode_tile_config = decode_config
+            rows[-1]["equal_outputs"] = bool(torch.equal(*outputs.values()))
+        del step, steps, heads_major
+        torch.cuda.empty_cache()
     return rows
 
 
