@@ -431,8 +431,9 @@ class Sampler(nn.Module):
         filtered = meta.top_k is not None or meta.top_p is not None or meta.min_p is not None
         if use_fused_ops(logits):
             if filtered:
-                removed = _filter(logits.float() / meta.temperature.unsqueeze(-1), meta) == _NEG_INF
-                logits = logits.float().masked_fill(removed, _NEG_INF)
+                logits = logits.float()
+                removed = _filter(logits / meta.temperature.unsqueeze(-1), meta) == _NEG_INF
+                logits = logits.masked_fill(removed, _NEG_INF)
             return triton_ops.gumbel_sample(logits, meta.temperature, _row_seeds(logits, meta))
         logits = logits.float() / meta.temperature.unsqueeze(-1)
         if filtered:

@@ -290,10 +290,9 @@ def _merge_partitions(
 ):
     """``out[first_head : first_head + HEADS]`` of one sequence from its partials (rows
     ``head * num_splits + partition``) in partitions ``[first_part, end_part)``, ``MERGE_S``
-    partitions per chunk, merged online
-    (the chunk's max joins the running max). Every partition of that range holds a key,
-    so its ``acc`` was written: it is loaded beside ``m`` and ``l``, not after them. Loads
-    bypass L1: other programs wrote them."""
+    partitions per chunk, merged online (the chunk's max joins the running max). Every
+    partition of that range holds a key, so its ``acc`` was written: it is loaded beside
+    ``m`` and ``l``, not after them. Loads bypass L1: other programs wrote them."""
     h = tl.arange(0, BLOCK_H)
     head = first_head + h
     h_valid = h < HEADS
