@@ -18,8 +18,10 @@ decode on W1-like length mixes with and without starting the longest sequences f
 across splits and tiles. ``--gemv-sweep`` times ``small_batch_matmul`` (the decode
 projections of a few sequences) over its tiles against cuBLAS on Llama-3.1-8B's shapes,
 and writes the single tile fastest over the layer's four projections to ``--gemv-tile-out``
-(the format of ``PAGEDLLM_GEMV_TILE``). ``--skip-checks`` leaves out the checks and the
-standard timings. Exits 1 when a check fails.
+(the format of ``PAGEDLLM_GEMV_TILE``). ``--decode-splits`` times decode attention by
+batch size (2 to 256 sequences) over split counts and tiles inside CUDA graphs, beside
+the engine's own plan. ``--skip-checks`` leaves out the checks and the standard timings.
+Exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -362,6 +364,58 @@ def decode_order_rows(save: Callable[[list[dict[str, Any]]], None]) -> list[dict
     return rows
 
 
+DECODE_SPLIT_BATCHES = ((2, 1000, 2048), (4, 1000, 2048), (8, 900, 2048), (16, 900, 2048),
+                        (32, 800, 2048), (48, 700, 2000), (64, 600, 1900), (96, 500, 1800),
+                        (128, 400, 1700), (192, 300, 1500), (256, 200, 1200))
+DECODE_SPLIT_TILES = ((64, 4, 2), (128, 4, 3), (64, 4, 3), (32, 4, 2), (128, 8, 3), (64, 8, 3))
+
+
+def decode_split_rows() -> list[dict[str, Any]]:
+    """Decode attention by batch size (contexts like W1's at that batch: longer as it
+    shrinks) over splits x tiles, timed inside CUDA graphs over six caches in turn (as a
+    step's layers run), so the time is the device's alone: ``bench_ms`` times a launch from
+    the host, and below ~100 us it measures the host's launch instead. Rows mark the
+    engine's own plan (``engine``: ``plan_decode_splits`` under a graph's ``max_model_len``
+    bound, and the tile ``decode_tile_config`` gives it).
+
+    A tile that wins here may still lose inside a step, between the products: on an H200
+    (64, 4, 3) beat the engine's one-pass tile by 6-7% here at 96-256 sequences and made
+    W1 on llama-3.1-8b 1.9% slower. Confirm a choice on W1 itself, against the current one
+    in the same run."""
+    device = torch.device("cuda")
+    bound = 131072  # llama-3.1-8b's max_model_len, what a captured decode graph plans with
+    rows: list[dict[str, Any]] = []
+    for batch, lo, hi in DECODE_SPLIT_BATCHES:
+        seqs = [(n - 1, 1) for n in uniform_lengths(batch, lo, hi, seed=batch)]
+        steps = [make_step(seqs, seed=10 * batch + i) for i in range(6)]
+        order = (triton_decode.longest_first(steps[0].metadata.seq_lens)
+                 if triton_decode.wants_longest_first(batch) else None)
+        planned = triton_decode.plan_decode_splits(
+            batch, NUM_KV_HEADS, bound, triton_decode._multiprocessor_count(device))
+        planned_tile = triton_decode.decode_tile_config(HEAD_DIM, device, planned > 1)
+        for tile in DECODE_SPLIT_TILES:
+            for splits in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, planned}):
+                with decode_tile(tile):
+                    launches = [decode_only(step, num_splits=splits, max_seq_len=bound, order=order)
+                                for step in steps]
+                    us = graph_us_per_launch(lambda launch: launch(), launches)
+                rows.append(dict(batch=batch, contexts=f"{lo}..{hi}", block_n=tile[0],
+                                 num_warps=tile[1], num_stages=tile[2], num_splits=splits,
+                                 us=round(us, 2), gb_s=round(kv_bytes(steps[0]) / us / 1e3, 1),
+                                 engine=(tile == planned_tile and splits == planned)))
+        del steps
+        torch.cuda.empty_cache()
+        mine = [r for r in rows if r["batch"] == batch]
+        engine = next(r for r in mine if r["engine"])
+        best = min(mine, key=lambda r: r["us"])
+        print(f"{batch:5d} x {lo}..{hi:<5d} engine {engine['us']:7.1f} us {engine['gb_s']:6.0f} GB/s"
+              f" ({engine['block_n']},{engine['num_warps']},{engine['num_stages']}; "
+              f"{engine['num_splits']} splits)   fastest {best['us']:7.1f} us {best['gb_s']:6.0f} GB/s"
+              f" ({best['block_n']},{best['num_warps']},{best['num_stages']}; {best['num_splits']} splits)",
+              flush=True)
+    return rows
+
+
 def kv_layout_rows() -> list[dict[str, Any]]:
     """Decode attention over the cache as the engine lays it out, ``[blocks, block_size,
     heads, head_dim]`` (a block's page of one head is 16 rows 2 KB apart), against the same
@@ -610,6 +664,8 @@ def main() -> int:
                         help="time cuBLAS on the layer projections at decode batch sizes 64-256")
     parser.add_argument("--kv-layout", action="store_true",
                         help="time decode attention over the engine's cache layout and a head-major one")
+    parser.add_argument("--decode-splits", action="store_true",
+                        help="time decode attention by batch size over splits and tiles in CUDA graphs")
     parser.add_argument("--skip-checks", action="store_true",
                         help="leave out the correctness checks and the standard timings")
     args = parser.parse_args()
@@ -656,6 +712,11 @@ def main() -> int:
     if args.kv_layout:
         print("\ndecode attention by KV cache layout")
         results["kv_layout"] = kv_layout_rows()
+        save()
+
+    if args.decode_splits:
+        print("\ndecode attention by batch, inside CUDA graphs: the engine's plan and the fastest")
+        results["decode_splits"] = decode_split_rows()
         save()
 
     if args.decode_order_sweep:

@@ -34,6 +34,7 @@ from pagedllm.benchmarks.common import (
     synthetic_requests,
     write_json,
 )
+from pagedllm.benchmarks.run_profile import profile_run, prompts_pending
 from pagedllm.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="After the measured run, submit the workload again and profile "
                              "its first this many steps (the prompts' steps; saved as "
                              "'prefill_profile').")
+    parser.add_argument("--profile-run", action="store_true",
+                        help="After the measured run, submit the workload again and profile "
+                             "it to the end: device time by kernel family for the prompt and "
+                             "the decode steps, and decode step time by running batch (see "
+                             "run_profile.py; saved as 'run_profile').")
     parser.add_argument("--output-json", default=None,
                         help="Write the result here: one record, or a list when several runs.")
     EngineArgs.add_cli_args(parser)
@@ -131,6 +137,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         if args.profile_decode_steps > 0:
             full["decode_profile"] = _profile_steps(
                 llm, requests, args, args.profile_decode_steps, after_prompts=True)
+        if args.profile_run:
+            full["run_profile"] = _profile_run(llm, requests, args)
         keep(full)
         del llm
         gc.collect()
@@ -208,6 +216,27 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
     }
 
 
+def _submit_again(llm, requests: list[SyntheticRequest], args: argparse.Namespace) -> list[str]:
+    """Add ``requests`` to the engine (no prefix-cache hits from the measured run); their ids."""
+    engine = llm.llm_engine
+    engine.engine_core.scheduler.reset_prefix_cache()
+    ids = []
+    for r in requests:
+        ids.append(engine.next_request_id())
+        engine.add_request(ids[-1], {"prompt_token_ids": r.prompt_token_ids},
+                           _sampling_params(r, args))
+    return ids
+
+
+def _profile_run(llm, requests: list[SyntheticRequest], args: argparse.Namespace) -> dict:
+    """Submit ``requests`` again and profile every step to the end (``run_profile``)."""
+    _submit_again(llm, requests, args)
+    print(f"whole-run profile ({len(requests)} requests)", flush=True)
+    profiled = profile_run(llm.llm_engine)
+    print(profiled.table(), flush=True)
+    return profiled.as_dict()
+
+
 def _profile_steps(llm, requests: list[SyntheticRequest], args: argparse.Namespace,
                    num_steps: int, *, after_prompts: bool) -> str:
     """Submit ``requests`` again and profile ``num_steps`` steps: the first ones (the
@@ -215,18 +244,8 @@ def _profile_steps(llm, requests: list[SyntheticRequest], args: argparse.Namespa
     no request finishes); aborts the rest."""
     engine = llm.llm_engine
     scheduler = engine.engine_core.scheduler
-    scheduler.reset_prefix_cache()
-    ids = []
-    for r in requests:
-        ids.append(engine.next_request_id())
-        engine.add_request(ids[-1], {"prompt_token_ids": r.prompt_token_ids},
-                           _sampling_params(r, args))
-
-    def prompts_in() -> bool:
-        return not scheduler.num_waiting and all(
-            q.num_computed_tokens >= q.num_prompt_tokens for q in scheduler.running)
-
-    while after_prompts and engine.has_unfinished_requests() and not prompts_in():
+    ids = _submit_again(llm, requests, args)
+    while after_prompts and engine.has_unfinished_requests() and prompts_pending(scheduler):
         engine.step()
     print(f"profile of {num_steps} steps from {'the first decode' if after_prompts else 'the first'} "
           f"step ({len(requests)} requests)", flush=True)

@@ -139,3 +139,47 @@ def test_device_idle_counts_only_time_no_event_covers() -> None:
 
     line = device_idle([(100.0, 1100.0), (0.0, 500.0), (200.0, 300.0), (1600.0, 2000.0)])
     assert line == "device idle 0.5 ms of a 2.0 ms span (25.0%)"
+
+
+def test_throughput_profiles_the_whole_run_by_phase_family_and_batch(checkpoint, tmp_path) -> None:
+    out = tmp_path / "w1.json"
+    args = _args(throughput, [
+        "--model", str(checkpoint), "--load-format", "dummy", "--num-prompts", "5",
+        "--input-len", "4:9", "--output-len", "6:8", "--max-model-len", "32",
+        "--num-kv-blocks", "64", "--block-size", "8", "--max-num-batched-tokens", "16",
+        "--profile-run", "--output-json", str(out),
+    ])
+    throughput.run(args)
+    profile = json.loads(out.read_text())["run_profile"]
+    steps = profile["num_steps"]
+    requests = throughput.synthetic_requests(5, (4, 9), (6, 8), 128, 0)
+    # The prompts do not fit one 16-token step; a request gains at most one token a step,
+    # so the longest one alone takes as many steps as its output length.
+    assert sum(len(r.prompt_token_ids) for r in requests) > 16 and steps["prompt"] >= 2
+    assert steps["decode"] >= 1
+    assert steps["prompt"] + steps["decode"] >= max(r.output_len for r in requests)
+    assert sum(row["steps"] for row in profile["decode_by_batch"]) == steps["decode"]
+    assert all(row["low"] <= 5 for row in profile["decode_by_batch"])  # never over 5 requests
+    # The model's products ran in both phases and were attributed to them.
+    for phase in ("prompt", "decode"):
+        assert profile["family_s"][phase]["products (cuBLAS)"] > 0
+
+
+def test_run_profile_attributes_events_to_the_step_they_start_in() -> None:
+    from pagedllm.benchmarks.run_profile import attribute, batch_buckets, kernel_family
+
+    assert kernel_family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "products (cuBLAS)"
+    assert kernel_family("void cublasLt::splitKreduce_kernel<32, 16, int>") == "products (cuBLAS)"
+    assert kernel_family("_decode_kernel") == "decode attention"
+    assert kernel_family("rms_norm_kernel") == "RMSNorm"
+    assert kernel_family("some_new_kernel") == "other"
+    ranges = [(100.0, 200.0, "decode"), (0.0, 100.0, "prompt")]
+    events = [(10.0, 60.0, "nvjet_a"), (100.0, 130.0, "nvjet_b"), (150.0, 250.0, "_decode_kernel"),
+              (300.0, 310.0, "nvjet_c")]  # the last starts after every step: left out
+    assert attribute(ranges, events) == {
+        "prompt": {"products (cuBLAS)": 50e-6},
+        "decode": {"products (cuBLAS)": 30e-6, "decode attention": 100e-6},
+    }
+    rows = batch_buckets([(1, 0.001), (32, 0.003), (33, 0.010), (256, 0.020)])
+    assert [(r["low"], r["high"], r["steps"], r["mean_ms"]) for r in rows] == [
+        (1, 32, 2, 2.0), (33, 64, 1, 10.0), (225, 256, 1, 20.0)]

@@ -1,0 +1,176 @@
+"""Where a whole workload's time goes: every step under torch.profiler.
+
+``pagedllm bench throughput --profile-run`` submits the workload again after the measured
+run and profiles it to the end. It reports, for the prompt steps (some prompt still has
+tokens to compute) and the decode steps (every prompt is in) apart:
+
+- device time by kernel family (``kernel_family``: the products, decode and prefill
+  attention, norms, SiLU-and-mul, the sampler, ...), in seconds and shares;
+- the device's idle time inside the profiled span (``common.device_idle``);
+- decode steps by running batch, in buckets of 32 requests: how many steps, and their mean
+  host wall time. With the device busy (idle near zero) a step's wall time is its device
+  time, so the buckets show how a step's cost grows with the batch.
+
+Without CUDA the same tables come from the host's op times (each op's own time, so nested
+ops are not counted twice): the plumbing is testable on a CPU, the figures mean little.
+Profiling slows the host side, so the run's own throughput is not reported.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import time
+from dataclasses import dataclass, field
+
+PROMPT, DECODE = "prompt", "decode"
+STEP_MARK = "pagedllm step: "  # record_function name prefix of a profiled step
+BATCH_BUCKET = 32
+
+# (substring of the lower-cased kernel or op name, family); the first match wins.
+FAMILIES = (
+    ("_decode_kernel", "decode attention"),
+    ("_longest_first_kernel", "decode attention"),
+    ("_prefill_kernel", "prefill attention"),
+    ("scaled_dot_product", "prefill attention"),
+    ("write_kv", "rope + KV write"),
+    ("rotary", "rope + KV write"),
+    ("small_batch_matmul", "products (Triton, few rows)"),
+    ("nvjet", "products (cuBLAS)"),
+    ("gemm", "products (cuBLAS)"),
+    ("cutlass", "products (cuBLAS)"),
+    ("splitkreduce", "products (cuBLAS)"),
+    ("aten::mm", "products (cuBLAS)"),
+    ("aten::addmm", "products (cuBLAS)"),
+    ("rms_norm", "RMSNorm"),
+    ("silu", "SiLU-and-mul"),
+    ("row_argmax", "sampler"),
+    ("exponential", "sampler"),
+    ("softmax", "sampler"),
+    ("memcpy", "copies"),
+    ("memset", "copies"),
+    ("copy_", "copies"),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The family of a device kernel (or, without CUDA, a host op) by its name; "other"
+    when no entry of ``FAMILIES`` matches."""
+    lowered = name.lower()
+    for key, family in FAMILIES:
+        if key in lowered:
+            return family
+    return "other"
+
+
+@dataclass
+class RunProfile:
+    """What ``profile_run`` measured. Times in seconds."""
+
+    num_steps: dict[str, int]
+    family_s: dict[str, dict[str, float]]  # phase -> family -> device (or host op) time
+    device_idle: str  # one line, "" without CUDA
+    decode_by_batch: list[dict] = field(default_factory=list)  # bucket rows, see batch_buckets
+
+    def as_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "family_s": self.family_s,
+                "device_idle": self.device_idle, "decode_by_batch": self.decode_by_batch}
+
+    def table(self) -> str:
+        lines = [f"whole-run profile: {self.num_steps[PROMPT]} prompt steps, "
+                 f"{self.num_steps[DECODE]} decode steps; time by kernel family"]
+        totals = {phase: sum(self.family_s[phase].values()) for phase in (PROMPT, DECODE)}
+        families = sorted({f for phase in self.family_s.values() for f in phase},
+                          key=lambda f: -sum(self.family_s[p].get(f, 0.0) for p in (PROMPT, DECODE)))
+        lines.append(f"{'family':30s} {'prompt s':>9s} {'%':>6s} {'decode s':>9s} {'%':>6s}")
+        for family in families + ["total"]:
+            cells = []
+            for phase in (PROMPT, DECODE):
+                value = totals[phase] if family == "total" else self.family_s[phase].get(family, 0.0)
+                share = 100 * value / totals[phase] if totals[phase] else 0.0
+                cells.append(f"{value:9.3f} {share:6.1f}")
+            lines.append(f"{family:30s} {' '.join(cells)}")
+        if self.device_idle:
+            lines.append(self.device_idle)
+        lines.append("decode steps by running batch (host wall time per step):")
+        lines.append(f"{'requests':>12s} {'steps':>6s} {'mean ms':>8s} {'total s':>8s}")
+        for row in self.decode_by_batch:
+            lines.append(f"{row['low']:5d}-{row['high']:<6d} {row['steps']:6d} "
+                         f"{row['mean_ms']:8.2f} {row['total_s']:8.3f}")
+        return "\n".join(lines)
+
+
+def batch_buckets(steps: list[tuple[int, float]], width: int = BATCH_BUCKET) -> list[dict]:
+    """Decode steps ``(running requests, wall seconds)`` grouped by batch: rows of
+    ``{"low", "high", "steps", "mean_ms", "total_s"}`` for batches ``low..high``
+    (``width`` wide: 1-32, 33-64, ...), in increasing order, empty buckets left out."""
+    grouped: dict[int, list[float]] = collections.defaultdict(list)
+    for batch, seconds in steps:
+        grouped[max(batch - 1, 0) // width].append(seconds)
+    return [{"low": k * width + 1, "high": (k + 1) * width, "steps": len(v),
+             "mean_ms": round(1e3 * sum(v) / len(v), 3), "total_s": round(sum(v), 4)}
+            for k, v in sorted(grouped.items())]
+
+
+def attribute(ranges: list[tuple[float, float, str]], events: list[tuple[float, float, str]]
+              ) -> dict[str, dict[str, float]]:
+    """Sum each event's duration into ``phase -> family`` by the step range its start falls
+    in. ``ranges``: ``(start, end, phase)``, not overlapping; ``events``: ``(start, end,
+    name)``; times in microseconds, sums in seconds. Events outside every range are left
+    out (work queued before the first step or after the last)."""
+    ranges = sorted(ranges)
+    starts = [r[0] for r in ranges]
+    sums: dict[str, dict[str, float]] = {PROMPT: collections.Counter(), DECODE: collections.Counter()}
+    for start, end, name in events:
+        i = bisect.bisect_right(starts, start) - 1
+        if i < 0 or start >= ranges[i][1]:
+            continue
+        sums[ranges[i][2]][kernel_family(name)] += (end - start) / 1e6
+    return {phase: dict(families) for phase, families in sums.items()}
+
+
+def prompts_pending(scheduler) -> bool:
+    """Whether a request still waits or has prompt tokens left to compute."""
+    return bool(scheduler.num_waiting) or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running)
+
+
+def profile_run(engine) -> RunProfile:
+    """Step ``engine`` (an ``LLMEngine`` with requests added) until none is unfinished,
+    under torch.profiler; see the module docstring."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagedllm.benchmarks.common import device_idle
+
+    cuda = torch.cuda.is_available()
+    scheduler = engine.engine_core.scheduler
+    decode_steps: list[tuple[int, float]] = []
+    num_steps = {PROMPT: 0, DECODE: 0}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        while engine.has_unfinished_requests():
+            phase = PROMPT if prompts_pending(scheduler) else DECODE
+            batch = len(scheduler.running)
+            start = time.perf_counter()
+            with torch.profiler.record_function(STEP_MARK + phase):
+                engine.step()
+            num_steps[phase] += 1
+            if phase == DECODE:
+                decode_steps.append((batch, time.perf_counter() - start))
+        if cuda:
+            torch.cuda.synchronize()
+    device = DeviceType.CUDA if cuda else DeviceType.CPU
+    ranges, events = [], []
+    for e in prof.events():
+        if e.device_type != device:
+            continue
+        if e.name.startswith(STEP_MARK):
+            ranges.append((e.time_range.start, e.time_range.end, e.name[len(STEP_MARK):]))
+        elif cuda:
+            events.append((e.time_range.start, e.time_range.end, e.name))
+        else:  # a host op: its own time only, nested ops count for themselves
+            events.append((e.time_range.start, e.time_range.start + e.self_cpu_time_total, e.name))
+    idle = device_idle([(s, t) for s, t, _ in events]) if cuda and events else ""
+    return RunProfile(num_steps, attribute(ranges, events), idle, batch_buckets(decode_steps))
