@@ -25,6 +25,13 @@ def checkpoint(tmp_path_factory) -> Path:
                                 max_position_embeddings=128)
 
 
+def _tiny_workload(checkpoint: Path, out: Path) -> list[str]:
+    """Five requests (prompts of 4-9 tokens, 6-8 output tokens) on the tiny checkpoint."""
+    return ["--model", str(checkpoint), "--load-format", "dummy", "--num-prompts", "5",
+            "--input-len", "4:9", "--output-len", "6:8", "--max-model-len", "32",
+            "--num-kv-blocks", "64", "--block-size", "8", "--output-json", str(out)]
+
+
 def _args(module, argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     module.add_cli_args(parser)
@@ -56,12 +63,8 @@ def test_throughput_profiles_prompt_and_decode_steps_after_the_measured_run(
     checkpoint, tmp_path
 ) -> None:
     out = tmp_path / "w1.json"
-    args = _args(throughput, [
-        "--model", str(checkpoint), "--load-format", "dummy", "--num-prompts", "5",
-        "--input-len", "4:9", "--output-len", "6:8", "--max-model-len", "32",
-        "--num-kv-blocks", "64", "--block-size", "8", "--profile-decode-steps", "2",
-        "--profile-prefill-steps", "1", "--output-json", str(out),
-    ])
+    args = _args(throughput, _tiny_workload(checkpoint, out) + [
+        "--profile-decode-steps", "2", "--profile-prefill-steps", "1"])
     throughput.run(args)
     record = json.loads(out.read_text())
     assert record["output_tokens"] == sum(r.output_len for r in throughput.synthetic_requests(
@@ -143,12 +146,8 @@ def test_device_idle_counts_only_time_no_event_covers() -> None:
 
 def test_throughput_profiles_the_whole_run_by_phase_family_and_batch(checkpoint, tmp_path) -> None:
     out = tmp_path / "w1.json"
-    args = _args(throughput, [
-        "--model", str(checkpoint), "--load-format", "dummy", "--num-prompts", "5",
-        "--input-len", "4:9", "--output-len", "6:8", "--max-model-len", "32",
-        "--num-kv-blocks", "64", "--block-size", "8", "--max-num-batched-tokens", "16",
-        "--profile-run", "--output-json", str(out),
-    ])
+    args = _args(throughput, _tiny_workload(checkpoint, out) + [
+        "--max-num-batched-tokens", "16", "--profile-run"])
     throughput.run(args)
     profile = json.loads(out.read_text())["run_profile"]
     steps = profile["num_steps"]
