@@ -699,25 +699,22 @@ def main() -> int:
         save_gemv(gemv_rows(args.gemv_budget_s, save_gemv))
         print_gemv(results["gemv"], args.gemv_tile_out)
 
-    if args.gemv_graph:
-        print("\none-row projections inside CUDA graphs, per launch")
-        results["gemv_graph"] = gemv_graph_rows(args.gemv_tiles)
-        save()
-
-    if args.gemm_rows:
-        print("\nlayer projections (cuBLAS) by decode rows, inside CUDA graphs, per launch")
-        results["gemm_rows"] = gemm_rows()
-        save()
-
-    if args.kv_layout:
-        print("\ndecode attention by KV cache layout")
-        results["kv_layout"] = kv_layout_rows()
-        save()
-
-    if args.decode_splits:
-        print("\ndecode attention by batch, inside CUDA graphs: the engine's plan and the fastest")
-        results["decode_splits"] = decode_split_rows()
-        save()
+    # (asked for, results key, title, rows): the timings that print as they go.
+    timed_tables = (
+        (args.gemv_graph, "gemv_graph", "one-row projections inside CUDA graphs, per launch",
+         lambda: gemv_graph_rows(args.gemv_tiles)),
+        (args.gemm_rows, "gemm_rows",
+         "layer projections (cuBLAS) by decode rows, inside CUDA graphs, per launch", gemm_rows),
+        (args.kv_layout, "kv_layout", "decode attention by KV cache layout", kv_layout_rows),
+        (args.decode_splits, "decode_splits",
+         "decode attention by batch, inside CUDA graphs: the engine's plan and the fastest",
+         decode_split_rows),
+    )
+    for wanted, key, title, rows in timed_tables:
+        if wanted:
+            print(f"\n{title}")
+            results[key] = rows()
+            save()
 
     if args.decode_order_sweep:
         def save_order(rows: list[dict[str, Any]]) -> None:

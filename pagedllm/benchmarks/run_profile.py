@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import collections
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 PROMPT, DECODE = "prompt", "decode"
 STEP_MARK = "pagedllm step: "  # record_function name prefix of a profiled step
@@ -36,12 +36,12 @@ FAMILIES = (
     ("write_kv", "rope + KV write"),
     ("rotary", "rope + KV write"),
     ("small_batch_matmul", "products (Triton, few rows)"),
-    ("nvjet", "products (cuBLAS)"),
-    ("gemm", "products (cuBLAS)"),
-    ("cutlass", "products (cuBLAS)"),
-    ("splitkreduce", "products (cuBLAS)"),
-    ("aten::mm", "products (cuBLAS)"),
-    ("aten::addmm", "products (cuBLAS)"),
+    ("nvjet", "products (BLAS)"),
+    ("gemm", "products (BLAS)"),
+    ("cutlass", "products (BLAS)"),
+    ("splitkreduce", "products (BLAS)"),
+    ("aten::mm", "products (BLAS)"),
+    ("aten::addmm", "products (BLAS)"),
     ("rms_norm", "RMSNorm"),
     ("silu", "SiLU-and-mul"),
     ("row_argmax", "sampler"),
@@ -70,7 +70,7 @@ class RunProfile:
     num_steps: dict[str, int]
     family_s: dict[str, dict[str, float]]  # phase -> family -> device (or host op) time
     device_idle: str  # one line, "" without CUDA
-    decode_by_batch: list[dict] = field(default_factory=list)  # bucket rows, see batch_buckets
+    decode_by_batch: list[dict]  # bucket rows, see batch_buckets
 
     def as_dict(self) -> dict:
         return {"num_steps": self.num_steps, "family_s": self.family_s,
