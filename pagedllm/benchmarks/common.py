@@ -45,6 +45,14 @@ def parse_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def reported_seconds(seconds: float) -> float:
+    """A measured duration as a record reports it: six significant digits, so a run of a
+    millisecond keeps its precision. Figures derived from a duration (tokens per second,
+    milliseconds per token) are computed from this reported value, so the figures of one
+    record agree with each other."""
+    return float(f"{seconds:.6g}")
+
+
 def git_commit() -> str | None:
     try:
         return subprocess.run(

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.benchmarks.common import SyntheticRequest
+from pagedllm.benchmarks.common import SyntheticRequest, reported_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +68,14 @@ def _sync(device: torch.device) -> None:
 
 def _record(backend: str, requests: list[SyntheticRequest], output_tokens: int, elapsed: float,
             truncated: bool, **extra) -> dict:
+    elapsed = reported_seconds(elapsed)
     return {
         "backend": backend,
         "num_prompts": len(requests),
         "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
         "requested_output_tokens": sum(r.output_len for r in requests),
         "output_tokens": output_tokens,
-        "elapsed_s": round(elapsed, 3),
+        "elapsed_s": elapsed,
         "output_tok_s": round(output_tokens / elapsed, 1) if elapsed > 0 else None,
         "truncated": truncated,
         **extra,

@@ -9,7 +9,8 @@
 
 Each iteration draws fresh prompts (and the prefix cache is reset), so no run is served
 from an earlier one's cache; ``--num-iters-warmup`` untimed runs come first and medians
-are reported over ``--num-iters``.
+are reported over ``--num-iters``. ``ms_per_token`` and ``prompt_tok_s`` are derived from
+the reported median latency (``latency_s_median``).
 
     pagedllm bench latency --model llama-3.1-8b --load-format dummy --output-json lat.json
 """
@@ -24,6 +25,7 @@ import time
 from pagedllm.benchmarks.common import (
     host_table,
     kernel_table,
+    reported_seconds,
     result_record,
     synthetic_requests,
     write_json,
@@ -155,14 +157,14 @@ def measure_decode_latency(llm, args: argparse.Namespace) -> dict:
             first = output.metrics.get("first_token_time") if output.metrics else None
             if first is not None and args.output_len > 1:
                 tpots.append((end - first) / (args.output_len - 1))
-    median = statistics.median(latencies)
+    median = reported_seconds(statistics.median(latencies))
     return {
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "num_iters": args.num_iters,
-        "latency_s_median": round(median, 4),
-        "latencies_s": [round(x, 4) for x in latencies],
+        "latency_s_median": median,
+        "latencies_s": [reported_seconds(x) for x in latencies],
         "ms_per_token": round(median / args.output_len * 1e3, 3),
         "tpot_ms": round(statistics.median(tpots) * 1e3, 3) if tpots else None,
     }
@@ -172,14 +174,14 @@ def measure_prefill(llm, args: argparse.Namespace) -> dict:
     """P1: see the module docstring."""
     runs = _iterations(llm, args, args.prefill_batch, args.prefill_len, 1, 0.0)
     latencies = [elapsed for elapsed, _ in runs]
-    median = statistics.median(latencies)
+    median = reported_seconds(statistics.median(latencies))
     tokens = args.prefill_batch * args.prefill_len
     return {
         "batch_size": args.prefill_batch,
         "prompt_len": args.prefill_len,
         "num_iters": args.num_iters,
-        "latency_s_median": round(median, 4),
-        "latencies_s": [round(x, 4) for x in latencies],
+        "latency_s_median": median,
+        "latencies_s": [reported_seconds(x) for x in latencies],
         "prompt_tok_s": round(tokens / median, 1),
     }
 

@@ -23,6 +23,8 @@ import collections
 import time
 from dataclasses import dataclass
 
+from pagedllm.benchmarks.common import reported_seconds
+
 PROMPT, DECODE = "prompt", "decode"
 STEP_MARK = "pagedllm step: "  # record_function name prefix of a profiled step
 BATCH_BUCKET = 32
@@ -107,9 +109,12 @@ def batch_buckets(steps: list[tuple[int, float]], width: int = BATCH_BUCKET) -> 
     grouped: dict[int, list[float]] = collections.defaultdict(list)
     for batch, seconds in steps:
         grouped[max(batch - 1, 0) // width].append(seconds)
-    return [{"low": k * width + 1, "high": (k + 1) * width, "steps": len(v),
-             "mean_ms": round(1e3 * sum(v) / len(v), 3), "total_s": round(sum(v), 4)}
-            for k, v in sorted(grouped.items())]
+    rows = []
+    for k, v in sorted(grouped.items()):
+        total_s = reported_seconds(sum(v))
+        rows.append({"low": k * width + 1, "high": (k + 1) * width, "steps": len(v),
+                     "mean_ms": round(1e3 * total_s / len(v), 3), "total_s": total_s})
+    return rows
 
 
 def attribute(ranges: list[tuple[float, float, str]], events: list[tuple[float, float, str]]

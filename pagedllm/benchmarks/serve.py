@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedllm.benchmarks.common import parse_range, result_record, write_json
+from pagedllm.benchmarks.common import parse_range, reported_seconds, result_record, write_json
 
 _WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at "
           "which but have an they you were her she there one all we their can has more when will "
@@ -213,11 +213,12 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
     output_tokens = sum(r.output_tokens for r in ok)
     tpots = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     failures = [r.error for r in results if not r.ok]
+    duration = reported_seconds(duration)
     return result_record(
         workload="serve", model=model, num_prompts=args.num_prompts,
         input_len=list(args.input_len), output_len=list(args.output_len),
         request_rate=None if math.isinf(args.request_rate) else args.request_rate,
-        max_concurrency=args.max_concurrency, duration_s=round(duration, 3),
+        max_concurrency=args.max_concurrency, duration_s=duration,
         completed=len(ok), failed=len(failures), first_errors=failures[:3],
         total_input_tokens=input_tokens, total_output_tokens=output_tokens,
         request_throughput=round(len(ok) / duration, 3),

@@ -107,7 +107,8 @@ class StepTimer:
             # The rest of the launch: logits and sampler.
             ms["sample"] = (phases.get("_execute", 0.0) - phases.get("_wait_in_execute", 0.0)
                             ) / steps * 1e3 - ms["prepare"] - ms["forward"]
-            result[kind] = {"steps": steps, **{f"{p}_ms": round(v, 3) for p, v in ms.items()},
+            ms = {p: round(v, 3) for p, v in ms.items()}
+            result[kind] = {"steps": steps, **{f"{p}_ms": v for p, v in ms.items()},
                             "total_ms": round(sum(ms.values()), 3)}
         return result
 

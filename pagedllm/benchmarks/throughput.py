@@ -30,6 +30,7 @@ from pagedllm.benchmarks.common import (
     SyntheticRequest,
     kernel_table,
     parse_range,
+    reported_seconds,
     result_record,
     synthetic_requests,
     write_json,
@@ -195,7 +196,7 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
     else:
         with timer:
             outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed = reported_seconds(time.perf_counter() - start)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     extra = {}
@@ -207,7 +208,7 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         "num_prompts": len(requests),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
-        "elapsed_s": round(elapsed, 3),
+        "elapsed_s": elapsed,
         "requests_per_s": round(len(requests) / elapsed, 3),
         "output_tok_s": round(output_tokens / elapsed, 1),
         "total_tok_s": round((prompt_tokens + output_tokens) / elapsed, 1),

@@ -92,10 +92,43 @@ def test_latency_reports_ms_per_token_and_prefill_throughput(checkpoint, tmp_pat
     # The host profile names the engine's own functions (the model runner's step among them).
     assert "execute_model_async" in l1["host_profile"] and "model_runner.py" in p1["host_profile"]
     assert l1["workload"] == "L1" and l1["output_len"] == 5 and len(l1["latencies_s"]) == 2
-    assert l1["ms_per_token"] == pytest.approx(l1["latency_s_median"] / 5 * 1e3, rel=0.05)
+    # Derived figures agree with the reported median up to their own last digit.
+    assert l1["ms_per_token"] == pytest.approx(l1["latency_s_median"] / 5 * 1e3, abs=5e-4)
     assert 0 < l1["tpot_ms"]
     assert p1["workload"] == "P1" and p1["prompt_tok_s"] == pytest.approx(
-        2 * 16 / p1["latency_s_median"], rel=0.05)
+        2 * 16 / p1["latency_s_median"], abs=0.05)
+
+
+def test_derived_figures_agree_with_the_reported_durations_of_short_runs(monkeypatch) -> None:
+    """A run of under a millisecond keeps its digits, and every rate in a record is the
+    reported count over the reported duration (up to the rate's own last digit)."""
+    from pagedllm.benchmarks import hf_backends, serve
+    from pagedllm.benchmarks.run_profile import batch_buckets
+
+    seconds = 0.00084321  # fixed decimals would report 0.0008 s: a 5% gap to any rate
+    monkeypatch.setattr(latency, "_iterations", lambda *a, **k: [(seconds, [])])
+    args = argparse.Namespace(batch_size=1, input_len=8, output_len=4, prefill_batch=2,
+                              prefill_len=16, num_iters=1)
+    p1 = latency.measure_prefill(None, args)
+    assert p1["latency_s_median"] == pytest.approx(seconds, rel=1e-5)
+    assert p1["prompt_tok_s"] == pytest.approx(32 / p1["latency_s_median"], abs=0.05)
+    l1 = latency.measure_decode_latency(None, args)
+    assert l1["ms_per_token"] == pytest.approx(l1["latency_s_median"] / 4 * 1e3, abs=5e-4)
+
+    requests = throughput.synthetic_requests(3, (4, 4), (5, 5), 128)
+    record = hf_backends._record("hf", requests, 15, seconds, truncated=False)
+    assert record["output_tok_s"] == pytest.approx(15 / record["elapsed_s"], abs=0.05)
+
+    results = [serve.RequestResult(ok=True, prompt_len=8, output_tokens=5, ttft_s=1e-4,
+                                   latency_s=5e-4) for _ in range(3)]
+    serve_args = argparse.Namespace(num_prompts=3, input_len=(8, 8), output_len=(5, 5),
+                                    request_rate=float("inf"), max_concurrency=None)
+    summary = serve.summarize(serve_args, "m", results, seconds)
+    assert summary["request_throughput"] == pytest.approx(3 / summary["duration_s"], abs=5e-4)
+    assert summary["output_throughput"] == pytest.approx(15 / summary["duration_s"], abs=5e-3)
+
+    row = batch_buckets([(1, 0.00004)])[0]
+    assert row["mean_ms"] == pytest.approx(row["total_s"] * 1e3, abs=5e-4) and row["total_s"] > 0
 
 
 def test_step_timer_splits_decode_from_prefill_steps_and_unwraps(checkpoint) -> None:
@@ -150,6 +183,9 @@ def test_throughput_profiles_the_whole_run_by_phase_family_and_batch(checkpoint,
         "--max-num-batched-tokens", "16", "--profile-run"])
     throughput.run(args)
     profile = json.loads(out.read_text())["run_profile"]
+    record = json.loads(out.read_text())
+    assert record["output_tok_s"] == pytest.approx(
+        record["output_tokens"] / record["elapsed_s"], abs=0.05)
     steps = profile["num_steps"]
     requests = throughput.synthetic_requests(5, (4, 9), (6, 8), 128, 0)
     # The prompts do not fit one 16-token step; a request gains at most one token a step,
