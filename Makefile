@@ -26,8 +26,9 @@ generate: venv
 serve: venv
 	$(VENV)/bin/pagedllm serve --port 8000
 
+# Offline throughput of the bundled demo model on the CPU: the workload docs/benchmarks.md records.
 bench: venv
-	$(VENV)/bin/pagedllm bench throughput --num-prompts 64
+	$(VENV)/bin/pagedllm bench throughput --num-prompts 64 --input-len 32:256 --output-len 32:256
 
 clean:
 	rm -rf $(VENV) build *.egg-info

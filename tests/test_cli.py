@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def pagedllm(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -33,6 +37,44 @@ def test_bench_throughput_writes_a_json_record(tmp_path):
     record = json.loads(out.read_text())
     assert record["num_prompts"] == 4 and record["output_tok_s"] > 0
     assert 4 * 4 <= record["output_tokens"] <= 4 * 8
+
+
+def makefile_command(target: str) -> list[str]:
+    """The command line of a one-line Makefile recipe, with $(VENV) as this interpreter's."""
+    lines = (REPO / "Makefile").read_text().splitlines()
+    recipe = lines[lines.index(next(line for line in lines if line.startswith(f"{target}:"))) + 1]
+    assert recipe.startswith("\t"), recipe
+    return shlex.split(recipe.strip().replace("$(VENV)", sys.prefix))
+
+
+def test_make_bench_runs_the_demo_model_within_its_context(tmp_path):
+    command = makefile_command("bench")
+    assert command[:3] == [str(Path(sys.prefix) / "bin" / "pagedllm"), "bench", "throughput"]
+    out = tmp_path / "bench.json"
+    result = subprocess.run([*command, "--output-json", str(out)], capture_output=True,
+                            text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out.read_text())
+    assert record["model"] == "pagedllm-demo" and record["output_tokens"] > 0
+
+
+def test_bench_throughput_default_lengths_are_scaled_to_the_context(tmp_path):
+    out = tmp_path / "tp.json"
+    result = pagedllm("--log-level", "WARNING", "bench", "throughput", "--num-prompts", "3",
+                      "--max-model-len", "64", "--output-json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert ("Using --input-len 3:32 and --output-len 3:32: the defaults (100:1024 and 100:1024) "
+            "scaled down to fit the model's 64-token context.") in result.stdout
+    workload = json.loads(out.read_text())["workload_args"]
+    assert workload["input_len"][1] + workload["output_len"][1] <= 64
+
+
+def test_bench_throughput_refuses_lengths_beyond_the_context():
+    result = pagedllm("bench", "throughput", "--num-prompts", "2", "--max-model-len", "64",
+                      "--input-len", "16:48", "--output-len", "32")
+    assert result.returncode == 2
+    assert "--input-len 16:48 with --output-len 32 does not fit the model's 64-token context" in (
+        result.stderr)
 
 
 def test_bench_overhead_reports_step_cost(tmp_path):

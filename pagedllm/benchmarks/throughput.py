@@ -2,7 +2,9 @@
 
 W1 of the project's benchmarks is ``--num-prompts 256 --input-len 100:1024
 --output-len 100:1024 --seed 0 --ignore-eos``: random-token prompts, temperature 1. Output
-tokens per wall second include prefill.
+tokens per wall second include prefill. Those lengths are the defaults; on a model whose
+context is shorter than the longest request (2,048 tokens), the defaulted ranges are scaled
+down together until it fits, and a line says so. Lengths given that do not fit are refused.
 
 ``--backend`` takes one name or a comma-separated list, run in one process on the same
 requests: ``pagedllm``, ``hf`` (transformers ``generate`` in static batches) and ``hf-cb``
@@ -40,6 +42,8 @@ from pagedllm.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("pagedllm", "hf", "hf-cb")
+# W1's prompt and output lengths, the defaults of --input-len and --output-len.
+DEFAULT_INPUT_LEN = DEFAULT_OUTPUT_LEN = (100, 1024)
 
 
 def parse_backends(text: str) -> list[str]:
@@ -52,13 +56,15 @@ def parse_backends(text: str) -> list[str]:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", type=parse_backends, default=["pagedllm"],
+    parser.add_argument("--backend", type=parse_backends, default="pagedllm",
                         help="pagedllm | hf | hf-cb, or a comma-separated list run side by side.")
     parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--input-len", type=parse_range, default=(100, 1024),
-                        help="Prompt length in tokens, 'LOW:HIGH' (uniform) or one number.")
-    parser.add_argument("--output-len", type=parse_range, default=(100, 1024),
-                        help="Output length in tokens, 'LOW:HIGH' (uniform) or one number.")
+    parser.add_argument("--input-len", type=parse_range, default=None,
+                        help="Prompt length in tokens, 'LOW:HIGH' (uniform) or one number "
+                             "(default: 100:1024, scaled down to fit a shorter context).")
+    parser.add_argument("--output-len", type=parse_range, default=None,
+                        help="Output length in tokens, 'LOW:HIGH' (uniform) or one number "
+                             "(default: 100:1024, scaled down to fit a shorter context).")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="Generate exactly the output length (default on).")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -95,6 +101,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()
     model_config = config.model_config
+    args.input_len, args.output_len, note = fit_lengths(
+        args.input_len, args.output_len, model_config.max_model_len)
+    if note:
+        print(note, flush=True)
     requests = synthetic_requests(
         args.num_prompts, args.input_len, args.output_len, model_config.vocab_size, args.seed
     )
@@ -153,6 +163,47 @@ def run(args: argparse.Namespace) -> list[dict]:
                       f"{r.get('ratio_vs_hf_cb', '-')}x HF continuous batching")
     _write(args.output_json, records)
     return records
+
+
+def fit_lengths(input_len: tuple[int, int] | None, output_len: tuple[int, int] | None,
+                max_model_len: int) -> tuple[tuple[int, int], tuple[int, int], str | None]:
+    """The run's prompt and output length ranges, and a line to print when defaults changed.
+
+    ``None`` is the default range (W1's). Every request must fit the context: the longest
+    prompt plus the longest output is at most ``max_model_len``. Defaulted ranges that do
+    not fit are scaled down together (both ends, by one factor) until they do; ranges
+    given that do not fit raise ``ValueError`` naming the flags.
+    """
+    given = {"--input-len": input_len, "--output-len": output_len}
+    defaults = {"--input-len": DEFAULT_INPUT_LEN, "--output-len": DEFAULT_OUTPUT_LEN}
+    defaulted = [flag for flag, lengths in given.items() if lengths is None]
+    room = max_model_len - sum(lengths[1] for lengths in given.values() if lengths is not None)
+    if room < len(defaulted):  # no room left, or not one token for each defaulted range
+        shown = " with ".join(f"{flag} {_range(lengths)}" for flag, lengths in given.items()
+                              if lengths is not None)
+        raise ValueError(
+            f"{shown} does not fit the model's {max_model_len}-token context (max_model_len: "
+            "the longest prompt plus the longest output must fit): lower the lengths, or raise "
+            "--max-model-len if the model allows it."
+        )
+    resolved = {flag: lengths or defaults[flag] for flag, lengths in given.items()}
+    wanted = sum(defaults[flag][1] for flag in defaulted)
+    if wanted <= room:
+        return resolved["--input-len"], resolved["--output-len"], None
+    scale = room / wanted
+    for flag in defaulted:
+        low, high = defaults[flag]
+        resolved[flag] = (max(1, int(low * scale)), max(1, int(high * scale)))
+    note = (f"Using {' and '.join(f'{flag} {_range(resolved[flag])}' for flag in defaulted)}: "
+            f"the default{'s' if len(defaulted) > 1 else ''} "
+            f"({' and '.join(_range(defaults[flag]) for flag in defaulted)}) scaled down to fit "
+            f"the model's {max_model_len}-token context.")
+    return resolved["--input-len"], resolved["--output-len"], note
+
+
+def _range(lengths: tuple[int, int]) -> str:
+    low, high = lengths
+    return str(low) if low == high else f"{low}:{high}"
 
 
 def _write(path: str | None, records: list[dict]) -> None:
