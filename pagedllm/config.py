@@ -1,6 +1,7 @@
 """Engine configuration: small dataclasses, validated once, with errors that say what to change.
 
-Torch-free on purpose: the core reads ``CacheConfig`` and ``SchedulerConfig``.
+Torch-free on purpose: the core reads ``CacheConfig`` and ``SchedulerConfig``. Only a CUDA
+device makes ``EngineConfig`` import torch, to check that this torch can run on it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ BUILTIN_CONFIGS_DIR = Path(__file__).parent / "model_configs"
 DEFAULT_MODEL = "pagedllm-demo"
 # Any of these in a model directory means it ships a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+DEVICES = ("cpu", "cuda")
+DEVICE_ENV = "PAGEDLLM_DEVICE"
 
 
 def builtin_model_configs() -> list[str]:
@@ -218,6 +221,32 @@ class SchedulerConfig:
             )
 
 
+def check_device(device: str) -> None:
+    """ValueError, saying what to install or change, unless this torch can run on ``device``:
+    ``"cpu"``, or ``"cuda"`` with a CUDA build of torch that sees a GPU."""
+    if device not in DEVICES:
+        raise ValueError(
+            f"device must be 'cpu' or 'cuda', got {device!r} (--device, or {DEVICE_ENV} when "
+            "--device is not given)."
+        )
+    if device == "cpu":
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    if torch.version.cuda is None:
+        why = (f"the installed torch {torch.__version__} is a CPU-only build: install a CUDA "
+               "build of torch and triton (https://pytorch.org/get-started/locally/)")
+    else:
+        why = (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU: check the "
+               "NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
+    raise ValueError(
+        f"--device cuda (device='cuda') needs an NVIDIA GPU, but {why}; or run on the CPU "
+        "with --device cpu."
+    )
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -225,9 +254,13 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device: str = "cpu"
 
+    def __post_init__(self) -> None:
+        check_device(self.device)
+
     @staticmethod
     def default_device() -> str:
-        forced = os.environ.get("PAGEDLLM_DEVICE")
+        """``$PAGEDLLM_DEVICE`` if set, else cuda when torch sees a GPU, else cpu."""
+        forced = os.environ.get(DEVICE_ENV)
         if forced:
             return forced
         try:

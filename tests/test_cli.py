@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,7 +29,21 @@ def test_generate_prints_prompt_and_completion_with_the_bundled_model():
 def test_refused_feature_exits_with_a_clear_message():
     result = pagedllm("generate", "x", "--tensor-parallel-size", "2")
     assert result.returncode == 2
-    assert "tensor_parallel_size=2 is not supported" in result.stderr
+    assert result.stderr.strip() == (
+        "error: --tensor-parallel-size 2 (tensor_parallel_size=2) is not supported by pagedllm "
+        "yet: drop --tensor-parallel-size (the tensor_parallel_size keyword in Python).")
+
+
+@pytest.mark.parametrize("command", [["generate", "x"], ["serve", "--host", "127.0.0.1"]])
+def test_cuda_without_a_usable_gpu_is_one_line_that_says_what_to_change(command):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, whatever this torch is
+    result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", *command,
+                             "--device", "cuda"], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: --device cuda (device='cuda') needs an NVIDIA GPU")
+    assert "--device cpu" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_bench_throughput_writes_a_json_record(tmp_path):

@@ -61,9 +61,11 @@ class EngineArgs:
             if name in kwargs:
                 value = kwargs.pop(name)
                 if value != off:
+                    flag = "--" + name.replace("_", "-")
+                    given = flag if isinstance(value, bool) else f"{flag} {value}"
                     raise ValueError(
-                        f"{name}={value!r} is not supported by pagedllm yet; remove it "
-                        f"(or set it to {off!r})."
+                        f"{given} ({name}={value!r}) is not supported by pagedllm yet: drop "
+                        f"{flag} (the {name} keyword in Python)."
                     )
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -59,7 +59,8 @@ def test_builtin_configs_run_in_token_id_mode_with_the_checkpoint_eos() -> None:
     assert ModelConfig(model="llama-3.1-8b").eos_token_ids == frozenset({128001})
 
 
-def test_cuda_engines_default_to_8k_token_steps_and_the_cpu_to_2k() -> None:
+def test_cuda_engines_default_to_8k_token_steps_and_the_cpu_to_2k(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA config on any host
     cuda = EngineArgs(model="qwen3-0.6b", device="cuda").create_engine_config()
     cpu = EngineArgs(model="qwen3-0.6b", device="cpu").create_engine_config()
     explicit = EngineArgs(model="qwen3-0.6b", device="cuda", max_num_batched_tokens=1024)

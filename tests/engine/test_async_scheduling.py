@@ -8,6 +8,7 @@ logprobs and aborts, each compared with the synchronous engine on the same reque
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
@@ -119,7 +120,9 @@ def test_abort_with_a_step_in_flight_leaves_the_others_exact(tiny_model_dir):
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
 
 
-def test_async_scheduling_defaults_to_the_device(tiny_model_dir):
+def test_async_scheduling_defaults_to_the_device(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA config on any host
+
     def resolved(**kwargs) -> bool:
         config = EngineArgs(model=str(tiny_model_dir), **kwargs).create_engine_config()
         return config.scheduler_config.async_scheduling
