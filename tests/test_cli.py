@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from pagedllm.entrypoints.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,6 +47,39 @@ def test_cuda_without_a_usable_gpu_is_one_line_that_says_what_to_change(command)
     assert result.stderr.startswith("error: --device cuda (device='cuda') needs an NVIDIA GPU")
     assert "--device cpu" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def all_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The command's parser and every subcommand's, by command line."""
+    found = {parser.prog: parser}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                found.update(all_parsers(child))
+    return found
+
+
+def test_help_shows_plain_text_and_every_default(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    parsers = all_parsers(build_parser())
+    assert {"pagedllm serve", "pagedllm generate", "pagedllm bench throughput"} <= set(parsers)
+    for prog, parser in parsers.items():
+        text = parser.format_help()
+        assert "``" not in text and "(default: None)" not in text, prog
+        # An option with no help text would show no default either.
+        silent = [a.option_strings[0] for a in parser._actions
+                  if a.option_strings and not a.help and a.default not in (None, False)
+                  and a.help is not argparse.SUPPRESS and a.default is not argparse.SUPPRESS]
+        assert not silent, (prog, silent)
+    serve = " ".join(parsers["pagedllm serve"].format_help().split())
+    for line in ("--port PORT Port to listen on. (default: 8000)",
+                 "--max-num-seqs MAX_NUM_SEQS Most requests running at once. (default: 256)",
+                 "--host HOST Interface to listen on (default: 0.0.0.0,",
+                 "--enable-prefix-caching, --no-enable-prefix-caching Reuse the KV blocks of "
+                 "shared prompt prefixes. (default: on)",
+                 "--max-model-len MAX_MODEL_LEN Longest prompt + output, in tokens (default: "
+                 "the model's max_position_embeddings)."):
+        assert line in serve
 
 
 def test_bench_throughput_writes_a_json_record(tmp_path):

@@ -30,20 +30,23 @@ from pagedllm.benchmarks.common import (
     synthetic_requests,
     write_json,
 )
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs, HelpFormatter
 
 WORKLOADS = ("L1", "P1")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all",
+                        help="Which workloads to run.")
     parser.add_argument("--batch-size", type=int, default=1, help="L1: prompts per iteration.")
     parser.add_argument("--input-len", type=int, default=128, help="L1: prompt tokens.")
     parser.add_argument("--output-len", type=int, default=256, help="L1: generated tokens.")
     parser.add_argument("--prefill-batch", type=int, default=4, help="P1: prompts per iteration.")
     parser.add_argument("--prefill-len", type=int, default=2048, help="P1: tokens per prompt.")
-    parser.add_argument("--num-iters-warmup", type=int, default=2)
-    parser.add_argument("--num-iters", type=int, default=5)
+    parser.add_argument("--num-iters-warmup", type=int, default=2,
+                        help="Untimed iterations first.")
+    parser.add_argument("--num-iters", type=int, default=5,
+                        help="Timed iterations (the median is reported).")
     parser.add_argument("--torch-profile", action="store_true",
                         help="Run one more iteration of each workload under torch.profiler and "
                              "record its top kernels by device time.")
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m pagedllm.benchmarks.latency``: the command without the CLI's other
     subcommands (and their imports)."""
     parser = argparse.ArgumentParser(prog="pagedllm bench latency", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     add_cli_args(parser)
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     run(parser.parse_args(argv))

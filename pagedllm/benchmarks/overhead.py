@@ -31,15 +31,17 @@ from pagedllm.worker.input_batch import InputBatch
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-requests", type=int, default=256,
+                        help="Requests running in every timed step.")
+    parser.add_argument("--prompt-len", type=int, default=512, help="Prompt tokens per request.")
+    parser.add_argument("--steps", type=int, default=200,
+                        help="Timed decode steps (medians are reported).")
+    parser.add_argument("--block-size", type=int, default=16, help="Tokens per KV cache block.")
     parser.add_argument("--penalties", action="store_true",
-                        help="penalised requests; also time their sampling metadata")
+                        help="Penalised requests; also time their sampling metadata.")
     parser.add_argument("--vocab-size", type=int, default=1024,
-                        help="vocabulary of the penalty tensors (with --penalties)")
-    parser.add_argument("--output-json", default=None)
+                        help="Vocabulary of the penalty tensors (with --penalties).")
+    parser.add_argument("--output-json", default=None, help="Write the result record here.")
 
 
 def measure(num_requests: int, prompt_len: int, steps: int, block_size: int = 16,

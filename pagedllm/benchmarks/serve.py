@@ -41,26 +41,29 @@ _WORDS = ("the of and to in is that for it as was with be by on not he this are 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default=None,
                         help="Server root, e.g. http://127.0.0.1:8000 (default: from --host/--port).")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="The server's host.")
+    parser.add_argument("--port", type=int, default=8000, help="The server's port.")
     parser.add_argument("--model", default=None, help="Model name (default: the server's first).")
-    parser.add_argument("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY'.")
-    parser.add_argument("--num-prompts", type=int, default=200)
-    parser.add_argument("--input-len", type=parse_range, default=(128, 128),
+    parser.add_argument("--api-key", default=None,
+                        help="Sent as 'Authorization: Bearer KEY' (default: no key).")
+    parser.add_argument("--num-prompts", type=int, default=200, help="Requests to send.")
+    parser.add_argument("--input-len", type=parse_range, default="128",
                         help="Prompt tokens, 'LOW:HIGH' (uniform) or one number.")
-    parser.add_argument("--output-len", type=parse_range, default=(128, 128),
+    parser.add_argument("--output-len", type=parse_range, default="128",
                         help="Output tokens, 'LOW:HIGH' (uniform) or one number.")
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="Mean requests per second of the Poisson arrivals (default: inf, all at once).")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="Most requests in flight at once (default: no limit).")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature.")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="Generate exactly the output length (default on).")
     parser.add_argument("--vocab-size", type=int, default=None,
-                        help="Draw prompt ids uniformly from [0, N) instead of asking the server's "
-                             "tokenizer (for a server in token-id mode, which has no /tokenize).")
-    parser.add_argument("--seed", type=int, default=0)
+                        help="Draw prompt ids uniformly from [0, N), for a server in token-id "
+                             "mode, which has no /tokenize (default: ids of the server's "
+                             "tokenizer).")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="Seed of the prompts and the arrival times.")
     parser.add_argument("--output-json", default=None, help="Write the result record here.")
 
 

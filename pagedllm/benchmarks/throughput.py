@@ -38,7 +38,7 @@ from pagedllm.benchmarks.common import (
     write_json,
 )
 from pagedllm.benchmarks.run_profile import profile_run, prompts_pending
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs, HelpFormatter
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("pagedllm", "hf", "hf-cb")
@@ -58,7 +58,7 @@ def parse_backends(text: str) -> list[str]:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", type=parse_backends, default="pagedllm",
                         help="pagedllm | hf | hf-cb, or a comma-separated list run side by side.")
-    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--num-prompts", type=int, default=256, help="Requests in the workload.")
     parser.add_argument("--input-len", type=parse_range, default=None,
                         help="Prompt length in tokens, 'LOW:HIGH' (uniform) or one number "
                              "(default: 100:1024, scaled down to fit a shorter context).")
@@ -67,9 +67,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "(default: 100:1024, scaled down to fit a shorter context).")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="Generate exactly the output length (default on).")
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
     parser.add_argument("--hf-num-prompts", type=int, default=None,
-                        help="Run the HF peers on the first N requests only (pagedllm runs them too).")
+                        help="Run the HF peers on the first N requests only (pagedllm runs them "
+                             "too; default: all of them).")
     parser.add_argument("--hf-batch-size", type=int, default=128,
                         help="Static batch size of the 'hf' backend.")
     parser.add_argument("--hf-time-limit-s", type=float, default=600.0,
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m pagedllm.benchmarks.throughput``: the same command without the CLI's
     other subcommands (and their imports)."""
     parser = argparse.ArgumentParser(prog="pagedllm bench throughput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     add_cli_args(parser)
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     run(parser.parse_args(argv))

@@ -29,6 +29,28 @@ _NOT_YET_SUPPORTED = {
 CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` of the ``pagedllm`` commands: descriptions keep their layout but lose
+    reStructuredText's double backticks, and each option's help ends with its default.
+
+    The default is left out where the help already states it, where it is ``None`` (the
+    help says what no value means: "sized", "the model's"...), and for a flag that takes no
+    value and is off unless given.
+    """
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return super()._fill_text(text.replace("``", ""), width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is argparse.SUPPRESS
+                or "default" in text or (default is False and action.nargs == 0)):
+            return text
+        shown = ("on" if default else "off") if isinstance(default, bool) else "%(default)s"
+        return f"{text} (default: {shown})".lstrip()
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -109,25 +131,42 @@ class EngineArgs:
             group.add_argument("--model", default=None,
                                help="HF model directory or hub id (default: the bundled demo model).")
         group.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
-        group.add_argument("--revision", default=None)
+        group.add_argument("--revision", default=None,
+                           help="Branch, tag or commit of a hub model (default: the latest).")
         group.add_argument("--dtype", default="auto",
-                           choices=["auto", "float32", "float16", "bfloat16", "half", "float", "bf16"])
+                           choices=["auto", "float32", "float16", "bfloat16", "half", "float", "bf16"],
+                           help="'auto' follows the checkpoint (float32 on the CPU).")
         group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                            help="'dummy' uses random weights at the model's real shape.")
-        group.add_argument("--seed", type=int, default=0)
-        group.add_argument("--max-model-len", type=int, default=None)
-        group.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
-        group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        group.add_argument("--seed", type=int, default=0,
+                           help="Seed of unseeded sampling and of dummy weights.")
+        group.add_argument("--max-model-len", type=int, default=None,
+                           help="Longest prompt + output, in tokens (default: the model's "
+                                "max_position_embeddings).")
+        group.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
+                           help="Tokens per KV cache block.")
+        group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                           help="Reuse the KV blocks of shared prompt prefixes.")
+        group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                           help="Fraction of GPU memory for weights, activations and the KV cache.")
         group.add_argument("--kv-cache-memory-gb", type=float, default=2.0,
                            help="KV cache size on the CPU, in GiB.")
         group.add_argument("--num-kv-blocks", type=int, default=None,
-                           help="Exact number of KV blocks (overrides the memory-based sizing).")
-        group.add_argument("--max-num-seqs", type=int, default=256)
-        group.add_argument("--max-num-batched-tokens", type=int, default=None)
-        group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-        group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-        group.add_argument("--device", default=None, choices=["cpu", "cuda"])
+                           help="Exact number of KV blocks (default: sized from "
+                                "--kv-cache-memory-gb on the CPU, --gpu-memory-utilization on a GPU).")
+        group.add_argument("--max-num-seqs", type=int, default=256,
+                           help="Most requests running at once.")
+        group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                           help="Token budget of one step (default: 2048, 8192 on CUDA; "
+                                "--max-model-len without chunked prefill; at least --max-num-seqs).")
+        group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                           help="Split long prompts over steps so decodes keep flowing.")
+        group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                           help="fcfs: first come, first served; priority: lower priority value "
+                                "first, then arrival.")
+        group.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                           help="Where the model runs (default: cuda when torch sees a GPU, else "
+                                "cpu; $PAGEDLLM_DEVICE overrides the choice).")
         group.add_argument("--skip-tokenizer-init", action="store_true", default=False,
                            help="Load no tokenizer: prompts must be token ids and outputs carry "
                                 "no text (automatic when the model directory has no tokenizer).")

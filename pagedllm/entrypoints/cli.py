@@ -15,19 +15,26 @@ import argparse
 import logging
 import sys
 
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs, HelpFormatter
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=128)
-    group.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default).")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--max-tokens", type=int, default=128,
+                       help="Most tokens to generate per completion.")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 means greedy.")
+    group.add_argument("--top-p", type=float, default=1.0,
+                       help="Sample from the smallest set of tokens whose probability reaches P.")
+    group.add_argument("--top-k", type=int, default=0,
+                       help="Sample from the K most likely tokens; 0 means all.")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="Drop tokens less likely than P times the most likely one.")
     group.add_argument("--n", type=int, default=1, help="Completions per prompt.")
-    group.add_argument("--stop", action="append", default=None, help="A stop string (repeatable).")
-    group.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
+    group.add_argument("--stop", action="append", default=None,
+                       help="A stop string (repeatable; default: none).")
+    group.add_argument("--sampling-seed", type=int, default=None,
+                       help="Per-request sampling seed (default: none: unseeded requests draw "
+                            "from the engine's generator, seeded by --seed).")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -76,30 +83,35 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log-level", default="INFO")
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--log-level", default="INFO",
+                        help="DEBUG, INFO, WARNING or ERROR.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_parser(name: str, text: str, description: str | None = None, **kwargs):
+        return sub.add_parser(name, help=text, description=description or text,
+                              formatter_class=HelpFormatter, **kwargs)
 
     from pagedllm.entrypoints.openai.cli_args import add_serve_args
 
-    serve = sub.add_parser("serve", help="Run the OpenAI-compatible HTTP server.")
+    serve = add_parser("serve", "Run the OpenAI-compatible HTTP server.")
     add_serve_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
-    gen = sub.add_parser("generate", help="Complete prompts offline and print the text.")
+    gen = add_parser("generate", "Complete prompts offline and print the text.")
     gen.add_argument("prompts", nargs="+", help="Prompt text (one or more).")
     _add_sampling_args(gen)
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    chat = sub.add_parser("chat", help="Answer one user message with the model's chat template.")
+    chat = add_parser("chat", "Answer one user message with the model's chat template.")
     chat.add_argument("message")
     chat.add_argument("--system", default=None, help="An optional system message.")
     _add_sampling_args(chat)
     EngineArgs.add_cli_args(chat)
     chat.set_defaults(func=_cmd_chat)
 
-    bench = sub.add_parser("bench", help="Benchmarks.")
+    bench = add_parser("bench", "Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from pagedllm.benchmarks import latency, overhead, throughput
     from pagedllm.benchmarks import serve as serve_bench
@@ -111,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("serve", serve_bench, "Latency and throughput of a running server (TTFT, TPOT, ITL)."),
     ):
         p = bench_sub.add_parser(name, help=text, description=module.__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
         module.add_cli_args(p)
         p.set_defaults(func=module.run)
     return parser

@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.config import DEFAULT_MODEL
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.arg_utils import EngineArgs, HelpFormatter
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStartupError
 from pagedllm.entrypoints.openai.cli_args import add_serve_args, validate_serve_args
 from pagedllm.entrypoints.openai.protocol import (
@@ -332,8 +332,9 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pagedllm.entrypoints.openai.api_server",
-        description="The pagedllm OpenAI-compatible server (same flags as `pagedllm serve`).")
-    parser.add_argument("--log-level", default="INFO")
+        description="The pagedllm OpenAI-compatible server (same flags as `pagedllm serve`).",
+        formatter_class=HelpFormatter)
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR.")
     add_serve_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -32,8 +32,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="0.0.0.0",
-                       help="Interface to listen on (default: all; 127.0.0.1 for local only).")
-    group.add_argument("--port", type=int, default=8000)
+                       help="Interface to listen on (default: 0.0.0.0, all of them; 127.0.0.1 for "
+                            "this machine only).")
+    group.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                        help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
                             f"/detokenize (default: ${API_KEY_ENV}; unset = no key).")
@@ -43,7 +44,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="A Jinja chat template: a file path, a template string, or the name "
                             "of one of the model's templates (default: the model's own).")
     group.add_argument("--uvicorn-log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="Log level of the HTTP server.")
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="Do not log every HTTP request.")
     group.add_argument("--disable-log-stats", action="store_true",
