@@ -14,12 +14,17 @@ Semantics (vLLM's, which OpenAI clients expect):
 - ``logprobs = k`` returns, per output token, the sampled token's logprob plus the top k;
   ``prompt_logprobs = k`` does the same for every prompt token (the first is None).
 - ``seed`` makes a request's samples independent of whatever else is in the batch.
+- ``structured_outputs`` constrains the output to a JSON schema, a regex, a choice or a
+  grammar (``StructuredOutputsParams``, or a dict of its fields); the request then ends
+  with "stop" once the output is complete.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+
+from pagedllm.structured.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 
@@ -45,6 +50,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine from the tokenizer/generation config; not a user knob.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -58,6 +64,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -97,6 +105,9 @@ class SamplingParams:
             raise bad("seed", self.seed, "an integer or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise bad("structured_outputs", self.structured_outputs,
+                      "a StructuredOutputsParams, a dict of its fields, or None")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
 

@@ -30,6 +30,7 @@ from pagedllm.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()  # its output constraint is still compiling
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this line is finished.
@@ -62,7 +63,7 @@ class Request:
         "all_token_ids", "output_token_ids", "num_computed_tokens", "num_cached_tokens",
         "status", "stop_reason", "max_tokens", "stop_token_ids", "block_hashes",
         "num_preemptions", "first_scheduled_time", "use_prefix_cache", "cache_salt",
-        "num_output_placeholders", "num_prompt_logprobs_reported",
+        "num_output_placeholders", "num_prompt_logprobs_reported", "grammar",
     )
 
     def __init__(
@@ -109,6 +110,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         # Prompt logprobs need logits for every prompt token, so such requests skip hits.
         self.use_prefix_cache = sampling_params.prompt_logprobs is None
+        # The output constraint's state (``pagedllm.structured.manager.RequestGrammar``),
+        # set by the engine for a request with ``structured_outputs``: ``ready`` once
+        # compiled, ``accept_token`` for each output token, ``is_terminated`` when the
+        # output is complete.
+        self.grammar = None
 
     # -- token accounting ---------------------------------------------------------------
     @property
@@ -125,6 +131,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)
 
     def check_stop(self) -> bool:
         """After appending a token: set a finished status if this request is done."""
@@ -136,6 +144,9 @@ class Request:
                 if last in self.sampling_params.stop_token_ids:
                     self.stop_reason = last
                 return True
+        if self.grammar is not None and self.grammar.is_terminated():
+            self.status = RequestStatus.FINISHED_STOPPED  # the output is complete
+            return True
         if len(self.output_token_ids) >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True

@@ -23,6 +23,11 @@ step hands out a single budget of ``max_num_batched_tokens`` tokens::
 ``update_from_output`` then fills the placeholders with the sampled tokens, finishes
 requests that stop, and frees their blocks at once.
 
+Structured outputs: a request with an output constraint waits in ``waiting_for_grammar``
+(status WAITING_FOR_GRAMMAR, counted as waiting) until its grammar has compiled, then
+queues like any other; nothing else waits for it. Each output token advances its grammar
+(``Request.append_output_token``), and a complete output finishes it with "stop".
+
 Asynchronous scheduling: the engine may call ``schedule()`` for step N+1 before step N's
 output is back. A decoding request then has a placeholder, so it is scheduled one more
 token (the model runner feeds it the id sampled on the device), unless the tokens in flight
@@ -115,6 +120,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []  # admission order; preemption takes from the end
+        # Requests whose output constraint is compiling; queued in ``waiting`` once ready.
+        self.waiting_for_grammar: list[Request] = []
+        # Outputs of requests finished outside a step (a constraint that failed to compile).
+        self._unstepped_outputs: list[EngineCoreOutput] = []
         self._finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
 
@@ -143,9 +152,13 @@ class Scheduler:
                 "cache more memory."
             )
         request.max_tokens = max_tokens
-        request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if request.grammar is not None and not request.grammar.ready:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(request)
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
 
     def abort_requests(
         self,
@@ -167,6 +180,8 @@ class Scheduler:
                 continue
             if request.status == _RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                self.waiting_for_grammar.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -185,7 +200,12 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Requests not running yet, those whose constraint is compiling included."""
+        return len(self.waiting) + len(self.waiting_for_grammar)
+
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        return len(self.waiting_for_grammar)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -199,6 +219,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch (see the module docstring); never blocks or loops."""
         plan = _StepPlan(self.max_num_batched_tokens)
+        if self.waiting_for_grammar:
+            self._queue_compiled_requests()
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
@@ -271,6 +293,29 @@ class Scheduler:
             waiting.pop()
             self._admit(request, num_hit_tokens)
             plan.add_new(request, num_tokens, kv.get_block_ids(request.request_id))
+
+    def _queue_compiled_requests(self) -> None:
+        """Move requests whose constraint has compiled to the waiting queue; one whose
+        constraint failed finishes at once (aborted, reported by ``take_unstepped_outputs``)."""
+        still_compiling = []
+        for request in self.waiting_for_grammar:
+            if not request.grammar.ready:
+                still_compiling.append(request)
+            elif request.grammar.error is not None:
+                request.status = RequestStatus.FINISHED_ABORTED
+                request.stop_reason = request.grammar.error
+                self._unstepped_outputs.append(EngineCoreOutput(
+                    request.request_id, [], finish_reason="abort", stop_reason=request.stop_reason))
+                self._free_finished(request)
+            else:
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+        self.waiting_for_grammar = still_compiling
+
+    def take_unstepped_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that finished without a step since the last call."""
+        outputs, self._unstepped_outputs = self._unstepped_outputs, []
+        return outputs
 
     def _num_tokens_to_schedule(self, num_needed: int, token_budget: int) -> int:
         if num_needed <= token_budget:

@@ -9,6 +9,11 @@ sampled ids and updates the scheduler with them, so the host's work for step N (
 input preparation, launch) runs while the device computes step N-1. The scheduler plans
 step N with placeholders for step N-1's tokens (see scheduler.py); outputs come back one
 call later, and the call that finds nothing to schedule drains the step in flight.
+
+Structured outputs: a step with constrained rows launches its forward pass, then asks for
+their token bitmask (``_grammar_bitmask``) before sampling. The step in flight is
+resolved first, so every grammar has taken the previous step's tokens; the masks are
+filled on the host while the device runs this step's forward pass.
 """
 
 from __future__ import annotations
@@ -20,10 +25,14 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.worker.async_output import AsyncStepOutput
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# Seconds a step with nothing to run sleeps while constraints compile (no busy loop).
+GRAMMAR_POLL_S = 0.002
 
 
 class EngineCore:
@@ -35,6 +44,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks)
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None
+        self.structured = StructuredOutputManager(self._make_grammar_backend)
         logger.info(
             "Engine ready in %.1f s: model %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens, "
             "max concurrency at max_model_len=%d: %.1fx, asynchronous scheduling %s",
@@ -50,7 +60,18 @@ class EngineCore:
     def num_kv_tokens(self) -> int:
         return self.num_kv_blocks * self.config.cache_config.block_size
 
+    def _make_grammar_backend(self):
+        from pagedllm.engine.tokenizer import Tokenizer
+        from pagedllm.structured.llguidance_backend import LLGuidanceBackend
+
+        model_config = self.config.model_config
+        tokenizer = Tokenizer.from_pretrained(model_config.tokenizer_path,
+                                              revision=model_config.revision)
+        return LLGuidanceBackend(tokenizer, model_config.vocab_size)
+
     def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            self.structured.attach(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -75,14 +96,29 @@ class EngineCore:
         """Run one step; returns what each request produced (with asynchronous scheduling:
         in the previous step)."""
         scheduler_output = self.scheduler.schedule()
-        launched = self.model_runner.execute_model_async(scheduler_output)
+        outputs = self.scheduler.take_unstepped_outputs()
+
+        def resolve_in_flight() -> None:
+            if self._in_flight is not None:
+                previous_output, previous_launched = self._in_flight
+                self._in_flight = None
+                outputs.extend(self.scheduler.update_from_output(
+                    previous_output, previous_launched.get()))
+
+        def grammar_bitmask(request_ids: list[str]):
+            resolve_in_flight()  # the grammars take the previous step's tokens first
+            requests = self.scheduler.requests
+            return self.structured.grammar_bitmask(
+                [getattr(requests.get(r), "grammar", None) for r in request_ids])
+
+        launched = self.model_runner.execute_model_async(scheduler_output, grammar_bitmask)
+        if scheduler_output.is_empty and self.scheduler.num_waiting_for_grammar:
+            time.sleep(GRAMMAR_POLL_S)  # nothing runs until a constraint has compiled
         if not self.async_scheduling:
-            if scheduler_output.is_empty:
-                return []
-            return self.scheduler.update_from_output(scheduler_output, launched.get())
-        previous, self._in_flight = self._in_flight, (
-            None if scheduler_output.is_empty else (scheduler_output, launched))
-        if previous is None:
-            return []
-        previous_output, previous_launched = previous
-        return self.scheduler.update_from_output(previous_output, previous_launched.get())
+            if not scheduler_output.is_empty:
+                outputs.extend(self.scheduler.update_from_output(scheduler_output, launched.get()))
+            return outputs
+        resolve_in_flight()
+        if not scheduler_output.is_empty:
+            self._in_flight = (scheduler_output, launched)
+        return outputs

@@ -48,6 +48,9 @@ class _SequenceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detokenize_at_end: bool = False
+    # Tokens that end generation (EOS unless ignored, stop_token_ids): a sequence the core
+    # stops on one of them leaves its text out; one stopped by a completed grammar keeps it.
+    stop_token_ids: frozenset[int] = frozenset()
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
 
@@ -104,6 +107,7 @@ class OutputProcessor:
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
                 # Nobody reads the text before the end and no stop string needs it: decode once.
                 detokenize_at_end=output_kind == "final" and not params.stop,
+                stop_token_ids=self._stop_token_ids(params),
             )
             for i in range(params.n)
         ]
@@ -115,6 +119,10 @@ class OutputProcessor:
         self._requests[request_id] = state
         for seq in sequences:
             self._children[child_request_id(request_id, seq.index, params.n)] = (state, seq)
+
+    def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        return params.clone(eos_token_ids=frozenset(eos)).all_stop_token_ids
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a user request; returns its core request ids (for the core to abort)."""
@@ -173,17 +181,22 @@ class OutputProcessor:
                     seq.logprobs.append(self._to_logprob_dict(entry))
                     seq.cumulative_logprob += entry[1][0]
             if not seq.detokenize_at_end:
-                # A core "stop" is a stop token (EOS or a stop_token_id): its text is not output.
                 stop_str = seq.detokenizer.update(out.new_token_ids,
-                                                  stop_terminated=out.finish_reason == "stop")
+                                                  stop_terminated=self._on_stop_token(seq, out))
                 if stop_str is not None:
                     seq.finish_reason, seq.stop_reason = "stop", stop_str
                     return out.finish_reason is None
         if out.finish_reason is not None:
             if seq.detokenize_at_end:
-                seq.detokenizer.update(seq.token_ids, stop_terminated=out.finish_reason == "stop")
+                seq.detokenizer.update(seq.token_ids, stop_terminated=self._on_stop_token(seq, out))
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         return False
+
+    @staticmethod
+    def _on_stop_token(seq: _SequenceState, out: EngineCoreOutput) -> bool:
+        """Whether the core stopped ``seq`` on a stop token (whose text is not output)."""
+        return (out.finish_reason == "stop" and bool(seq.token_ids)
+                and seq.token_ids[-1] in seq.stop_token_ids)
 
     def _to_logprob_dict(self, entry: LogprobsEntry) -> dict[int, Logprob]:
         token_ids, logprobs, sampled_rank = entry

@@ -87,6 +87,17 @@ class InputProcessor:
                 "prompt or raise max_model_len."
             )
 
+    def validate_structured_outputs(self, params: SamplingParams) -> None:
+        """ValueError (the grammar compiler's message) for a constraint that cannot compile."""
+        if self.tokenizer is None:
+            raise ValueError(
+                f"structured_outputs constrain the output's text, but {_NO_TOKENIZER}: give a "
+                "tokenizer with --tokenizer."
+            )
+        from pagedllm.structured.llguidance_backend import LLGuidanceBackend
+
+        LLGuidanceBackend.validate(params.structured_outputs)
+
     def process(
         self,
         request_id: str,
@@ -115,6 +126,8 @@ class InputProcessor:
                 f"Stop strings {params.stop} are matched in the decoded text, but "
                 f"{_NO_TOKENIZER}: use stop_token_ids instead, or give a tokenizer."
             )
+        if params.structured_outputs is not None:
+            self.validate_structured_outputs(params)
         params = params.clone(eos_token_ids=self.eos_token_ids)
         requests = []
         for index in range(params.n):

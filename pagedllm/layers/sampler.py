@@ -2,6 +2,7 @@
 
 Order of operations per step (vLLM semantics)::
 
+    logits ──> grammar masks (constrained rows: disallowed tokens -> -inf) = the raw logits
     raw logits ──> logprobs to return (log_softmax of the RAW logits)
         │
         ├─ repetition penalty   (tokens seen in prompt or output: divide positive, multiply negative)
@@ -88,6 +89,10 @@ class SamplingMetadata:
     # [B] on the device), which ``record_sampled`` adds the step's tokens to.
     token_counts: TokenCounts | None = None
     token_count_rows: torch.Tensor | None = None
+    # Constrained rows (int64 [R]) and their allowed tokens (int32 [R, ceil(V / 32)], bit
+    # t % 32 of word t // 32 for token t). None when no row is constrained.
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     def record_sampled(self, token_ids: torch.Tensor) -> None:
         """Count the step's sampled ids (int64 ``[B]``) into the table the penalties read
@@ -106,6 +111,7 @@ class SamplingMetadata:
         device: torch.device | str,
         pending_token_ids: tuple[list[int], torch.Tensor] | None = None,
         counts: RowCounts | None = None,
+        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> "SamplingMetadata":
         """Gather the batch's per-row knobs into tensors on ``device``.
 
@@ -121,6 +127,9 @@ class SamplingMetadata:
         ``counts``: where the penalties' token counts live across steps (``RowCounts``: a
         ``TokenCounts`` table, each row's index in it and the object owning that row).
         Without it the counts are built afresh from the token lists.
+
+        ``grammar = (rows, bitmask)``: the constrained rows and their allowed tokens, on
+        ``device`` (see ``grammar_rows``).
         """
         num_rows = len(params)
         for name, seq in (("prompt_token_ids", prompt_token_ids),
@@ -132,6 +141,8 @@ class SamplingMetadata:
         all_greedy = all(greedy)
         all_random = not any(greedy)
         meta = cls(num_rows=num_rows, all_greedy=all_greedy, all_random=all_random)
+        if grammar is not None:
+            meta.grammar_rows, meta.grammar_bitmask = grammar
 
         ks = [p.logprobs for p in params if p.logprobs is not None]
         meta.max_num_logprobs = max(ks) if ks else None
@@ -391,6 +402,8 @@ class Sampler(nn.Module):
             raise ValueError(
                 f"logits must be [num_rows={meta.num_rows}, vocab], got {tuple(logits.shape)}."
             )
+        if meta.grammar_rows is not None:
+            logits = apply_token_bitmask(logits, meta.grammar_rows, meta.grammar_bitmask)
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
@@ -465,6 +478,19 @@ def _row_seeds(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         seeds[row] = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=logits.device,
                                    generator=generator)[0]
     return seeds
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` (not modified) with the tokens ``bitmask`` disallows set to -inf in ``rows``.
+
+    ``bitmask`` is int32 ``[len(rows), W]`` with ``32 * W >= V``: token ``t`` of row ``i``
+    is allowed when bit ``t % 32`` of ``bitmask[i, t // 32]`` is set.
+    """
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    masked = logits.index_select(0, rows).masked_fill(~allowed, _NEG_INF)
+    return logits.index_copy(0, rows, masked)
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -15,12 +15,17 @@ next step's decodes then take their input ids from this step's sampled ids on th
 (pending tokens, see ``input_batch.py``). Sampling that depends on a request's earlier
 outputs (penalties, ``min_tokens``) takes the host's tokens plus the pending ones on the
 device, so no step waits for the previous one's ids.
+
+Constrained rows (structured outputs): after the forward pass is launched, the runner asks
+the engine for those rows' token bitmask (``grammar_bitmask``, filled on the host while
+the device computes) and the sampler masks their logits before anything else.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Callable
 
 import numpy as np
 import torch
@@ -186,12 +191,20 @@ class ModelRunner:
         return self.execute_model_async(scheduler_output).get()
 
     @torch.inference_mode()
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncStepOutput:
+    def execute_model_async(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: Callable[[list[str]], np.ndarray] | None = None,
+    ) -> AsyncStepOutput:
         """Launch one step; its output is read when ``get()`` is called on the result.
 
         Steps must be launched in the scheduler's order, and the output of a step must be
         taken before the scheduler plans the step after next: at most one launched step
         may be unresolved when a step is launched (an older one is resolved here).
+
+        ``grammar_bitmask(request_ids)``: the allowed next tokens of the step's constrained
+        sampling rows (int32 ``[rows, ceil(V / 32)]``, see ``pagedllm.structured``), asked
+        once the forward pass is launched; it may resolve the step launched before.
         """
         self._update_states(scheduler_output)
         while len(self._unresolved) > 1:
@@ -210,6 +223,7 @@ class ModelRunner:
             ))
         rows = hidden_states if logits_indices is None else hidden_states[logits_indices]
         logits = self.model.compute_logits(rows)
+        grammar = self._grammar_rows(states, grammar_bitmask)
         metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
@@ -219,6 +233,7 @@ class ModelRunner:
             device=self.device,
             pending_token_ids=self._pending_for_sampling(states),
             counts=self._token_counts_for(states),
+            grammar=grammar,
         )
         out = self.sampler(logits, metadata)
         sampled = out.sampled_token_ids
@@ -236,6 +251,21 @@ class ModelRunner:
         result = AsyncStepOutput(read, finish)
         self._unresolved.append(result)
         return result
+
+    def _grammar_rows(
+        self,
+        states: list[CachedRequestState],
+        grammar_bitmask: Callable[[list[str]], np.ndarray] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(sampling rows, their bitmask) on the device for the constrained rows, if any."""
+        rows = [j for j, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
+        if not rows:
+            return None
+        if grammar_bitmask is None:
+            raise ValueError("A step with constrained rows needs grammar_bitmask.")
+        bitmask = grammar_bitmask([states[j].request_id for j in rows])
+        to = self._to_device
+        return to(np.asarray(rows, dtype=np.int64)), to(bitmask)
 
     def _token_counts_for(self, states: list[CachedRequestState]) -> RowCounts | None:
         """The sampling rows in the penalties' token-count table (one row per batch row,

@@ -88,9 +88,9 @@ def test_async_computes_no_token_past_max_tokens(tiny_model_dir):
         launch = runner.execute_model_async
         total = [0]
 
-        def counting(so, launch=launch, total=total):
+        def counting(so, *args, launch=launch, total=total):
             total[0] += so.total_num_scheduled_tokens
-            return launch(so)
+            return launch(so, *args)
 
         runner.execute_model_async = counting
         generate(llm, prompts, params)

@@ -1,0 +1,74 @@
+"""The grammar interface the engine calls; a backend (llguidance today) implements it.
+
+A backend turns a request's ``StructuredOutputsParams`` into a compiled grammar, and each
+request gets its own ``Grammar`` (a matcher's state) from it. The engine only ever:
+
+- ``validate(params)`` at submission (no tokenizer needed; raises ``ValueError`` with the
+  compiler's message),
+- ``compile(params)`` in a worker thread, once per distinct constraint (``params.key``),
+- ``new_grammar(compiled)`` per request,
+- ``fill_bitmasks([(grammar, row)], bitmask)`` for a step's constrained rows: bit ``t`` of
+  row ``r`` (word ``t // 32``, bit ``t % 32``, int32 words) says token ``t`` is allowed,
+- ``Grammar.accept_tokens`` / ``rollback`` / ``is_terminated`` as tokens are sampled.
+
+So another backend (xgrammar) plugs in here without the scheduler or the runner changing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from pagedllm.structured.params import StructuredOutputsParams
+
+
+class Grammar(ABC):
+    """One request's position in its grammar."""
+
+    @abstractmethod
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advance over sampled tokens; False if one is not allowed (the grammar is then
+        in an error state and terminated)."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (rejected speculative tokens)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """Whether no token but EOS can follow (the output is complete), or an error happened."""
+
+    @property
+    @abstractmethod
+    def error(self) -> str | None:
+        """Why the grammar stopped accepting, if it failed."""
+
+
+class GrammarBackend(ABC):
+    """Compiles constraints and fills token bitmasks for a vocabulary of ``vocab_size``."""
+
+    vocab_size: int
+
+    @staticmethod
+    @abstractmethod
+    def validate(params: StructuredOutputsParams) -> None:
+        """Raise ``ValueError`` (the compiler's message) if the constraint cannot compile."""
+
+    @abstractmethod
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled form of ``params``, shared by every request with the same key."""
+
+    @abstractmethod
+    def new_grammar(self, compiled: Any) -> Grammar:
+        """A fresh grammar state at the start of the output."""
+
+    @abstractmethod
+    def fill_bitmasks(self, grammars: list[tuple[Grammar, int]], bitmask: np.ndarray) -> None:
+        """Write each grammar's allowed next tokens into its row of ``bitmask``
+        (int32 ``[rows, ceil(vocab_size / 32)]``); other rows are left as they are."""
+
+    def allocate_bitmask(self, num_rows: int) -> np.ndarray:
+        """Rows that allow every token."""
+        return np.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=np.int32)

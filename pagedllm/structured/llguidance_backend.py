@@ -1,0 +1,97 @@
+"""The llguidance grammar backend: JSON schemas, regexes, choices and Lark / GBNF grammars.
+
+llguidance compiles lazily (a constraint costs little until a token mask is asked for),
+computes masks in Rust threads without the GIL, and can roll tokens back. Constraints map
+to its grammar text as follows:
+
+- ``json`` / ``json_object``: ``grammar_from_json_schema``; ``x-guidance`` keys in the
+  schema override the defaults (``whitespace_flexible`` from ``disable_any_whitespace``);
+  keywords llguidance does not implement (``not``, ``if``/``then``, ...) are refused at
+  validation with its message;
+- ``regex``: ``grammar_from_regex`` (the whole output matches);
+- ``choice``: a Lark rule with one string literal per choice;
+- ``grammar``: Lark as is, GBNF / EBNF (``::=``) converted to Lark first.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+from llguidance import LLMatcher
+
+from pagedllm.engine.tokenizer import Tokenizer
+from pagedllm.structured.backend import Grammar, GrammarBackend
+from pagedllm.structured.params import StructuredOutputsParams
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar for ``params``; ValueError for a malformed constraint."""
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = json.loads(params.spec)
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("structured_outputs.json must be a JSON schema object.")
+        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", params.choice)
+    return llguidance.grammar_from("grammar", params.grammar)
+
+
+class LLGuidanceGrammar(Grammar):
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        return self.matcher.consume_tokens(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() or None
+
+
+class LLGuidanceBackend(GrammarBackend):
+    """Grammars over ``tokenizer``'s vocabulary, with masks ``vocab_size`` tokens wide (the
+    model's logits; ids the tokenizer lacks are never allowed)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.vocab_size = max(vocab_size, len(tokenizer))
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+            eos_token=sorted(tokenizer.eos_token_ids),
+        )
+        self.executor = llguidance.LLExecutor()
+
+    @staticmethod
+    def validate(params: StructuredOutputsParams) -> None:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar_text(params))
+        if is_error:
+            raise ValueError(f"The {params.kind} constraint cannot be compiled: {messages[0]}")
+
+    def compile(self, params: StructuredOutputsParams) -> LLMatcher:
+        matcher = LLMatcher(self.tokenizer, grammar_text(params), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"The {params.kind} constraint cannot be compiled: "
+                             f"{matcher.get_error()}")
+        return matcher
+
+    def new_grammar(self, compiled: Any) -> LLGuidanceGrammar:
+        return LLGuidanceGrammar(compiled.deep_copy())
+
+    def fill_bitmasks(self, grammars: list[tuple[Grammar, int]], bitmask: np.ndarray) -> None:
+        llguidance.numpy.fill_next_token_bitmask_par(
+            self.executor, [(g.matcher, row) for g, row in grammars], bitmask)

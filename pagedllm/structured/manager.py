@@ -1,0 +1,149 @@
+"""Structured outputs in the engine core: compiling constraints off the step loop, one grammar
+per request, and a step's token bitmask.
+
+Lifecycle of a constrained request::
+
+    EngineCore.add_request ──> attach(): request.grammar = RequestGrammar(compile future)
+    scheduler: WAITING_FOR_GRAMMAR until request.grammar.ready, then WAITING as usual
+    each step: grammar_bitmask(rows) ──> the runner masks those rows' logits, then samples
+    scheduler.update_from_output: request.grammar.accept_token(token) for each token
+    request.grammar.is_terminated() ──> the request finishes with "stop"
+
+Compilation runs in a thread pool (llguidance releases the GIL), so a slow constraint never
+stalls the step loop; compiled constraints are cached by ``StructuredOutputsParams.key``
+(least recently used first out). Masks for a step's rows are filled by the backend's own
+threads. The backend itself is built on the first constrained request, so an engine that
+never sees one pays nothing.
+
+A grammar's state follows the request's output tokens, which survive preemption, so a
+recomputed request continues where its grammar was.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+from pagedllm.structured.backend import Grammar, GrammarBackend
+from pagedllm.structured.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# Compiled constraints kept for reuse.
+COMPILE_CACHE_SIZE = 512
+
+
+class RequestGrammar:
+    """A request's grammar as the core sees it: ``ready`` once compiled, then it accepts the
+    request's output tokens one by one.
+
+    With ``reasoning_end_token_ids`` the constraint starts after the output has produced
+    that token sequence; tokens before it (and the sequence itself) are free.
+    """
+
+    __slots__ = ("_future", "_backend", "grammar", "error", "_gate", "_recent")
+
+    def __init__(self, future: Future, backend: Callable[[], GrammarBackend],
+                 reasoning_end_token_ids: list[int] | None) -> None:
+        self._future = future
+        self._backend = backend
+        self.grammar: Grammar | None = None
+        self.error: str | None = None
+        self._gate = list(reasoning_end_token_ids or [])
+        self._recent: list[int] = []
+
+    @property
+    def ready(self) -> bool:
+        """Compiled (or failed: ``error`` says why); the request may be scheduled."""
+        if self.grammar is None and self.error is None:
+            if not self._future.done():
+                return False
+            try:
+                self.grammar = self._backend().new_grammar(self._future.result())
+            except Exception as exc:  # noqa: BLE001 - a failed compile finishes the request
+                self.error = str(exc)
+        return True
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained (compiled, past the reasoning, not done)."""
+        return self.grammar is not None and not self._gate and not self.grammar.is_terminated()
+
+    def accept_token(self, token_id: int) -> None:
+        if self._gate:
+            self._recent.append(token_id)
+            if self._recent[-len(self._gate):] == self._gate:
+                self._gate = []
+            return
+        if self.grammar is not None and not self.grammar.accept_tokens([token_id]):
+            self.error = self.grammar.error or f"token {token_id} is not allowed"
+            logger.error("A constrained request sampled a token its grammar refuses: %s",
+                         self.error)
+
+    def is_terminated(self) -> bool:
+        """The output is complete (nothing but EOS may follow), or the grammar failed."""
+        if self.error is not None:
+            return True
+        return self.grammar is not None and not self._gate and self.grammar.is_terminated()
+
+
+class StructuredOutputManager:
+    """Compiles constraints for the engine core and builds each step's bitmask.
+
+    ``make_backend`` builds the backend (it loads a tokenizer: called once, lazily, in the
+    compile thread). ``mask_seconds`` and ``num_mask_rows`` add up the host time spent
+    filling masks and the rows filled, for benchmarks.
+    """
+
+    def __init__(self, make_backend: Callable[[], GrammarBackend], num_threads: int = 2) -> None:
+        self._make_backend = make_backend
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=num_threads,
+                                        thread_name_prefix="pagedllm-grammar")
+        self._compiled: OrderedDict[tuple, Future] = OrderedDict()
+        self.mask_seconds = 0.0
+        self.num_mask_rows = 0
+
+    def backend(self) -> GrammarBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._make_backend()
+            return self._backend
+
+    def attach(self, request) -> None:
+        """Give a constrained ``Request`` its grammar; compilation starts now (or is shared)."""
+        params: StructuredOutputsParams = request.sampling_params.structured_outputs
+        key = params.key
+        future = self._compiled.get(key)
+        if future is None or (future.done() and future.exception() is not None):
+            future = self._pool.submit(lambda: self.backend().compile(params))
+            self._compiled[key] = future
+            while len(self._compiled) > COMPILE_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        request.grammar = RequestGrammar(future, self.backend, params.reasoning_end_token_ids)
+
+    def grammar_bitmask(self, grammars: list[RequestGrammar | None]) -> np.ndarray:
+        """Allowed next tokens for a step's constrained rows, one row per entry (a ``None``
+        entry, a request gone since the step was planned, allows everything): int32
+        ``[len(grammars), ceil(vocab / 32)]``, bit ``t % 32`` of word ``t // 32`` for token ``t``."""
+        start = time.perf_counter()
+        backend = self.backend()
+        bitmask = backend.allocate_bitmask(len(grammars))
+        rows = [(g.grammar, i) for i, g in enumerate(grammars) if g is not None and g.active]
+        if rows:
+            backend.fill_bitmasks(rows, bitmask)
+        self.mask_seconds += time.perf_counter() - start
+        self.num_mask_rows += len(rows)
+        return bitmask
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,217 @@
+"""Structured outputs through the offline engine: what users rely on.
+
+- Sampled outputs (temperature 1, many seeds) always parse and validate against their JSON
+  schema (checked with ``jsonschema``), fully match their regex, or are one of the choices.
+- Greedy constrained decoding equals a reference built from HF transformers' logits and the
+  grammar's mask, whatever the batching, chunking, prefix caching, preemption or
+  asynchronous scheduling; unconstrained requests beside constrained ones are unchanged.
+- Bad constraints raise a ValueError that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.structured import StructuredOutputsParams
+from pagedllm.structured.llguidance_backend import LLGuidanceBackend
+from tests.engine.conftest import VOCAB_SIZE, hf_greedy, random_prompts
+from tests.structured.schemas import SCHEMAS
+
+PROMPTS = [[5, 9, 17, 33], [100, 101, 102, 103, 104, 105, 106], [250, 12]]
+REGEX = r"(\+1 )?\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
+CHOICES = ["positive", "negative", "neutral ☺", 'a "quoted" one']
+
+
+def make_llm(model_dir, **kwargs) -> LLM:
+    kwargs.setdefault("max_model_len", 256)
+    return LLM(str(model_dir), block_size=8, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return make_llm(tiny_model_dir)
+
+
+def sample(llm, constraint: StructuredOutputsParams, num: int, **params):
+    params = SamplingParams(**{"temperature": 1.0, "max_tokens": 160, **params},
+                            structured_outputs=constraint)
+    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(num)]
+    seeded = [params.clone(seed=i) for i in range(num)]
+    return [o.outputs[0] for o in llm.generate(prompts, seeded, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_sampled_json_always_validates_against_its_schema(llm, name):
+    schema = SCHEMAS[name]
+    for completion in sample(llm, StructuredOutputsParams(json=schema), num=24):
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_json_object_is_one_json_object(llm):
+    for completion in sample(llm, StructuredOutputsParams(json_object=True), num=12, max_tokens=200):
+        if completion.finish_reason == "stop":
+            assert isinstance(json.loads(completion.text), dict)
+        else:  # cut by max_tokens: a prefix of an object
+            assert completion.finish_reason == "length" and completion.text.startswith("{")
+
+
+def test_sampled_regex_outputs_fully_match(llm):
+    for completion in sample(llm, StructuredOutputsParams(regex=REGEX), num=16):
+        assert completion.finish_reason == "stop"
+        assert re.fullmatch(REGEX, completion.text), completion.text
+
+
+def test_sampled_choices_are_members(llm):
+    texts = {c.text for c in sample(llm, StructuredOutputsParams(choice=CHOICES), num=24)}
+    assert texts <= set(CHOICES)
+    assert len(texts) > 1  # sampling, not a fixed answer
+
+
+def test_lark_and_gbnf_grammars_constrain_the_output(llm):
+    lark = 'start: item ("," item)*\nitem: /[a-c]{1,3}/'
+    gbnf = 'root ::= "(" [0-9] ")" | "none"'
+    for grammar, pattern in ((lark, r"[a-c]{1,3}(,[a-c]{1,3})*"), (gbnf, r"\([0-9]\)|none")):
+        for completion in sample(llm, StructuredOutputsParams(grammar=grammar), num=8, max_tokens=40):
+            prefix_ok = completion.finish_reason == "length" and re.fullmatch(
+                r"[a-c,]*", completion.text)
+            assert re.fullmatch(pattern, completion.text) or prefix_ok, completion.text
+
+
+def test_n_seeds_logprobs_and_penalties_keep_the_constraint(llm):
+    constraint = StructuredOutputsParams(json=SCHEMAS["person"])
+    params = SamplingParams(temperature=1.0, n=4, seed=7, max_tokens=160, logprobs=3,
+                            repetition_penalty=1.3, presence_penalty=0.5, top_k=50,
+                            structured_outputs=constraint)
+    first, again = (llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0]
+                    for _ in range(2))
+    assert [c.text for c in first.outputs] == [c.text for c in again.outputs]  # seeded
+    for completion in first.outputs:
+        jsonschema.validate(json.loads(completion.text), SCHEMAS["person"])
+        for token, position in zip(completion.token_ids, completion.logprobs):
+            assert np.isfinite(position[token].logprob)
+
+
+def test_stop_strings_cut_the_constrained_output(llm):
+    constraint = StructuredOutputsParams(json=SCHEMAS["person"])
+    for completion in sample(llm, constraint, num=6, stop=['"age"']):
+        assert completion.text.startswith('{"name":"') and '"age"' not in completion.text
+        assert completion.finish_reason == "stop" and completion.stop_reason == '"age"'
+
+
+# -- greedy equality with a reference --------------------------------------------------------
+def reference_greedy(hf_model, tokenizer, prompt: list[int], constraint, max_tokens: int) -> list[int]:
+    """HF transformers' logits, the grammar's mask, argmax; stops where the engine must."""
+    backend = LLGuidanceBackend(tokenizer, VOCAB_SIZE)
+    grammar = backend.new_grammar(backend.compile(constraint))
+    ids = list(prompt)
+    out: list[int] = []
+    while len(out) < max_tokens:
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+        mask = backend.allocate_bitmask(1)
+        backend.fill_bitmasks([(grammar, 0)], mask)
+        allowed = (np.unpackbits(mask.view(np.uint8), bitorder="little")[:VOCAB_SIZE] == 1)
+        token = int(torch.where(torch.from_numpy(allowed), logits, -torch.inf).argmax())
+        out.append(token)
+        ids.append(token)
+        assert grammar.accept_tokens([token])
+        if token in tokenizer.eos_token_ids or grammar.is_terminated():
+            break
+    return out
+
+
+CONSTRAINTS = {
+    "json": StructuredOutputsParams(json=SCHEMAS["nested_with_refs"]),
+    "regex": StructuredOutputsParams(regex=REGEX),
+    "choice": StructuredOutputsParams(choice=CHOICES),
+}
+
+
+@pytest.fixture(scope="module")
+def greedy_expected(hf_model, llm):
+    tokenizer = llm.get_tokenizer()
+    return {name: [reference_greedy(hf_model, tokenizer, p, c, 60) for p in PROMPTS]
+            for name, c in CONSTRAINTS.items()}
+
+
+def greedy_run(llm, names=tuple(CONSTRAINTS), free_prompts=()):
+    requests, params = [], []
+    for name in names:
+        for p in PROMPTS:
+            requests.append({"prompt_token_ids": p})
+            params.append(SamplingParams(temperature=0.0, max_tokens=60,
+                                         structured_outputs=CONSTRAINTS[name]))
+    for p in free_prompts:
+        requests.append({"prompt_token_ids": p})
+        params.append(SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    outputs = [o.outputs[0] for o in llm.generate(requests, params, use_tqdm=False)]
+    constrained = {name: [c.token_ids for c in outputs[i * len(PROMPTS):(i + 1) * len(PROMPTS)]]
+                   for i, name in enumerate(names)}
+    return constrained, [c.token_ids for c in outputs[len(names) * len(PROMPTS):]]
+
+
+ENGINE_SETUPS = {
+    "default": {},
+    "async": {"async_scheduling": True},
+    "chunked": {"max_num_batched_tokens": 8, "enable_chunked_prefill": True},
+    "preempting": {"num_kv_blocks": 12, "max_model_len": 96, "async_scheduling": True},
+    "no_prefix_cache": {"enable_prefix_caching": False, "max_num_seqs": 2},
+}
+
+
+@pytest.mark.parametrize("setup", sorted(ENGINE_SETUPS))
+def test_greedy_constrained_equals_reference_whatever_the_engine_does(
+        tiny_model_dir, hf_model, greedy_expected, setup):
+    llm = make_llm(tiny_model_dir, **ENGINE_SETUPS[setup])
+    free = random_prompts(3, 3, 20, seed=3)
+    constrained, free_outputs = greedy_run(llm, free_prompts=free)
+    assert constrained == greedy_expected
+    assert free_outputs == [hf_greedy(hf_model, p, 12) for p in free]
+    scheduler = llm.llm_engine.engine_core.scheduler
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
+    if setup == "preempting":
+        assert scheduler.num_preemptions_total > 0
+
+
+def test_prefix_cache_hit_leaves_the_constrained_output_unchanged(llm, greedy_expected):
+    first, _ = greedy_run(llm, names=("json",))
+    again, _ = greedy_run(llm, names=("json",))
+    assert first["json"] == again["json"] == greedy_expected["json"]
+
+
+# -- errors ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("constraint, message", [
+    (dict(json={"type": "object", "properties": {"a": {"type": "wat"}}}), "wat"),
+    (dict(json={"type": "string", "not": {"const": "x"}}), "not"),
+    (dict(json={"$ref": "#/$defs/missing"}), "missing"),
+    (dict(regex="(unclosed"), "unclosed"),
+    (dict(grammar="start: ("), "grammar"),
+])
+def test_an_invalid_constraint_is_a_value_error_naming_the_problem(llm, constraint, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)),
+                     use_tqdm=False)
+    # The engine keeps serving.
+    assert llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_two_constraints_in_one_request_are_refused():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one of"):
+        SamplingParams(structured_outputs={})
+
+
+def test_token_id_mode_refuses_structured_outputs(tiny_model_dir):
+    llm = make_llm(tiny_model_dir, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate([{"prompt_token_ids": [5, 6]}],
+                     SamplingParams(structured_outputs={"regex": "a+"}), use_tqdm=False)
