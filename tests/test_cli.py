@@ -29,6 +29,39 @@ def test_generate_prints_prompt_and_completion_with_the_bundled_model():
     assert "[length, 8 tokens]" in result.stdout or "[stop," in result.stdout
 
 
+@pytest.fixture(scope="module")
+def config_only_model(tmp_path_factory) -> Path:
+    """qwen3-0.6b's built-in config shrunk to a tiny shape: no weights, no tokenizer."""
+    config = json.loads((REPO / "pagedllm" / "model_configs" / "qwen3-0.6b" / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256)
+    del config["bos_token_id"], config["eos_token_id"]  # no EOS: every output is full length
+    path = tmp_path_factory.mktemp("qwen3-tiny")
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_generate_takes_token_id_prompts_and_prints_token_ids_without_a_tokenizer(config_only_model):
+    result = pagedllm("--log-level", "WARNING", "generate", "--model", str(config_only_model),
+                      "--load-format", "dummy", "--prompt-token-ids", "1,2,3",
+                      "--prompt-token-ids", "4, 5", "--max-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "prompt token ids: 1,2,3" and lines[3] == "prompt token ids: 4,5"
+    for line in (lines[1], lines[4]):
+        label, _, ids = line.partition(": ")
+        assert label == "output token ids" and all(0 <= int(t) < 256 for t in ids.split(","))
+        assert len(ids.split(",")) == 4
+    assert lines[2] == lines[5] == "--- [length, 4 tokens]"
+
+
+def test_text_prompt_without_a_tokenizer_points_to_prompt_token_ids(config_only_model):
+    result = pagedllm("generate", "def f():", "--model", str(config_only_model),
+                      "--load-format", "dummy")
+    assert result.returncode == 2
+    assert "--prompt-token-ids 1,2,3" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_refused_feature_exits_with_a_clear_message():
     result = pagedllm("generate", "x", "--tensor-parallel-size", "2")
     assert result.returncode == 2

@@ -2,6 +2,7 @@
 
     pagedllm serve --port 8000        # the OpenAI-compatible server (bundled demo model)
     pagedllm generate "def fibonacci(n):" --max-tokens 64
+    pagedllm generate --model qwen3-0.6b --load-format dummy --prompt-token-ids 1,2,3
     pagedllm chat "Write a function that reverses a list."
     pagedllm bench throughput --num-prompts 64 --input-len 64:256 --output-len 64:256
     pagedllm bench latency --model llama-3.1-8b --load-format dummy   # L1 and P1
@@ -46,24 +47,60 @@ def _sampling_params(args: argparse.Namespace):
     )
 
 
-def _make_llm(args: argparse.Namespace):
+def _token_ids(text: str) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]`` (an argparse type)."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids such as 1,2,3, got {text!r}")
+    return ids
+
+
+def _make_llm(args: argparse.Namespace, text_needs: str | None = None):
+    """The engine of ``args``. ``text_needs`` ("A text prompt", "A chat"): the command reads
+    text, so a model without a tokenizer is refused (ValueError) before any weights load."""
     from pagedllm import LLM
 
-    return LLM(**vars(EngineArgs.from_cli_args(args)))
+    engine_args = EngineArgs.from_cli_args(args)
+    if text_needs is not None:
+        model_config = engine_args.create_engine_config().model_config
+        if model_config.skip_tokenizer_init:
+            raise ValueError(
+                f"{text_needs} needs a tokenizer, but {model_config.path.name} runs without one "
+                "(no tokenizer files, or --skip-tokenizer-init): give a tokenizer with "
+                "--tokenizer DIR, or pass token ids with "
+                f"{'' if args.command == 'generate' else 'pagedllm generate '}"
+                "--prompt-token-ids 1,2,3 (repeatable, one prompt each)."
+            )
+    return LLM(**vars(engine_args))
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
+    token_prompts = [{"prompt_token_ids": ids} for ids in args.prompt_token_ids or []]
+    if not args.prompts and not token_prompts:
+        raise ValueError("Give a prompt: text, or token ids with --prompt-token-ids 1,2,3.")
     params = _sampling_params(args)
-    llm = _make_llm(args)
-    for output in llm.generate(args.prompts, params, use_tqdm=False):
+    llm = _make_llm(args, "A text prompt" if args.prompts else None)
+    tokenizer = llm.get_tokenizer()
+    for output in llm.generate([*args.prompts, *token_prompts], params, use_tqdm=False):
         for completion in output.outputs:
-            print(output.prompt + completion.text)
+            if tokenizer is None:  # token-id mode: the ids are the output
+                print("prompt token ids: " + ",".join(map(str, output.prompt_token_ids)))
+                print("output token ids: " + ",".join(map(str, completion.token_ids)))
+            else:
+                prompt = output.prompt
+                if prompt is None:
+                    prompt = tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
+                print(prompt + completion.text)
             print(f"--- [{completion.finish_reason}, {len(completion.token_ids)} tokens]")
 
 
 def _cmd_chat(args: argparse.Namespace) -> None:
     params = _sampling_params(args)
-    llm = _make_llm(args)
+    llm = _make_llm(args, "A chat")
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -99,7 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_cmd_serve)
 
     gen = add_parser("generate", "Complete prompts offline and print the text.")
-    gen.add_argument("prompts", nargs="+", help="Prompt text (one or more).")
+    gen.add_argument("prompts", nargs="*", help="Prompt text (one or more).")
+    gen.add_argument("--prompt-token-ids", type=_token_ids, action="append", default=None,
+                     metavar="IDS",
+                     help="A prompt as comma-separated token ids, e.g. 1,2,3 (repeatable, one "
+                          "prompt each); the way to prompt a model without a tokenizer, whose "
+                          "output is printed as token ids.")
     _add_sampling_args(gen)
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_cmd_generate)
