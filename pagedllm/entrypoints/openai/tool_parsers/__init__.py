@@ -1,0 +1,34 @@
+"""Tool-call parsers, by the name ``--tool-call-parser`` takes (see ``base`` for the contract)."""
+
+from __future__ import annotations
+
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    DeltaMessage, DeltaToolCall, ExtractedToolCalls, FunctionCall, ToolCall, ToolCallStream,
+    ToolParser, make_tool_call_id,
+)
+from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from pagedllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from pagedllm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    parser.name: parser
+    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+}
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    """The parser class registered as ``name``; ValueError naming the known ones otherwise."""
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        known = ", ".join(sorted(TOOL_PARSERS))
+        raise ValueError(f"Unknown tool call parser {name!r} (--tool-call-parser): "
+                         f"choose one of {known}.") from None
+
+
+__all__ = [
+    "TOOL_PARSERS", "DeltaMessage", "DeltaToolCall", "ExtractedToolCalls", "FunctionCall",
+    "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "PythonicToolParser",
+    "ToolCall", "ToolCallStream", "ToolParser", "get_tool_parser", "make_tool_call_id",
+]

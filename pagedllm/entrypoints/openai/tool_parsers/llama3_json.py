@@ -1,0 +1,56 @@
+"""``llama3_json``: Llama 3.1 / 3.2 JSON tool calls.
+
+    <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": ...}
+
+The calls start where the output does (after any whitespace) with ``{``, or after a
+``<|python_tag|>``, with content before it. Each call is an object with ``name`` and
+``parameters`` (``arguments`` is accepted too); calls are separated by ``;``. Text after the
+last call is content. An object without a name and parameters is not a call, so JSON content
+is not mistaken for one. ``<|python_tag|>`` is optional, so the parser works whether or not
+decoding skips special tokens.
+"""
+
+from __future__ import annotations
+
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    HOLD, Segment, ToolParser, content_tail, read_json_calls,
+)
+from pagedllm.entrypoints.openai.tool_parsers.partial import skip_space
+
+PYTHON_TAG = "<|python_tag|>"
+_CALL_OPTIONS = {"args_keys": ("parameters", "arguments"), "args_required": True}
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+
+    def scan(self, text: str, final: bool) -> list[Segment]:
+        first = skip_space(text, 0)
+        if text.startswith("{", first):
+            return [text[:first], *_calls(text, first, first, final)]
+        tag = text.find(PYTHON_TAG)
+        if tag < 0:
+            return content_tail(text, (PYTHON_TAG,), final)
+        return [text[:tag], *_calls(text, tag, tag + len(PYTHON_TAG), final)]
+
+
+def _calls(text: str, markup: int, pos: int, final: bool) -> list[Segment]:
+    """The calls from ``text[pos]`` on; with none, the text from ``markup`` on is content."""
+    segments: list[Segment] = []
+    while True:
+        pos = skip_space(text, pos)
+        if pos == len(text) and not final:
+            return [*segments, HOLD]
+        found = read_json_calls(text, pos, final, **_CALL_OPTIONS)
+        if found is None:
+            return [*segments, text[markup:] if final else HOLD]
+        calls, end = found
+        segments.extend(calls)
+        if end is None:
+            return [*segments, HOLD]
+        pos = skip_space(text, end)
+        if text.startswith(";", pos):
+            pos = skip_space(text, pos + 1)
+        if not text.startswith("{", pos):
+            return [*segments, *content_tail(text[pos:], (), final)]
+        markup = pos
