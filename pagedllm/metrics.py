@@ -6,6 +6,8 @@ label on all of them::
 
     pagedllm:num_requests_running            gauge    core requests in the running batch
     pagedllm:num_requests_waiting            gauge    core requests queued or preempted
+    pagedllm:num_requests_waiting_for_grammar gauge   of those, requests whose output
+                                                      constraint is still compiling
     pagedllm:kv_cache_usage_perc             gauge    fraction (0..1) of KV blocks in use
     pagedllm:prefix_cache_queries_total      counter  prompt tokens looked up in the prefix cache
     pagedllm:prefix_cache_hits_total         counter  of those, tokens found
@@ -74,6 +76,9 @@ class _SchedulerCollector:
                     stats.num_running if stats else 0)
         yield gauge("pagedllm:num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).",
                     stats.num_waiting if stats else 0)
+        yield gauge("pagedllm:num_requests_waiting_for_grammar",
+                    "Waiting requests whose output constraint is still compiling.",
+                    stats.num_waiting_for_grammar if stats else 0)
         yield gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use, 0..1.",
                     stats.kv_cache_usage if stats else 0.0)
         yield counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

@@ -99,3 +99,4 @@ class SchedulerStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, total
     prefix_cache_hits: int  # of those, tokens found, total
     num_preemptions: int  # total
+    num_waiting_for_grammar: int = 0  # of num_waiting: output constraints still compiling

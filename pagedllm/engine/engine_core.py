@@ -11,7 +11,7 @@ step N with placeholders for step N-1's tokens (see scheduler.py); outputs come 
 call later, and the call that finds nothing to schedule drains the step in flight.
 
 Structured outputs: a step with constrained rows launches its forward pass, then asks for
-their token bitmask (``_grammar_bitmask``) before sampling. The step in flight is
+their token bitmask (``grammar_bitmask``) before sampling. The step in flight is
 resolved first, so every grammar has taken the previous step's tokens; the masks are
 filled on the host while the device runs this step's forward pass.
 """
@@ -90,6 +90,7 @@ class EngineCore:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=scheduler.num_preemptions_total,
+            num_waiting_for_grammar=scheduler.num_waiting_for_grammar,
         )
 
     def step(self) -> list[EngineCoreOutput]:
@@ -105,11 +106,13 @@ class EngineCore:
                 outputs.extend(self.scheduler.update_from_output(
                     previous_output, previous_launched.get()))
 
-        def grammar_bitmask(request_ids: list[str]):
+        def grammar_bitmask(request_ids: list[str], allocate):
             resolve_in_flight()  # the grammars take the previous step's tokens first
             requests = self.scheduler.requests
-            return self.structured.grammar_bitmask(
-                [getattr(requests.get(r), "grammar", None) for r in request_ids])
+            out = allocate(len(request_ids), self.structured.bitmask_width)
+            self.structured.fill_bitmask(
+                [getattr(requests.get(r), "grammar", None) for r in request_ids], out)
+            return out
 
         launched = self.model_runner.execute_model_async(scheduler_output, grammar_bitmask)
         if scheduler_output.is_empty and self.scheduler.num_waiting_for_grammar:

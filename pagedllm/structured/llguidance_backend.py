@@ -6,8 +6,9 @@ to its grammar text as follows:
 
 - ``json`` / ``json_object``: ``grammar_from_json_schema``; ``x-guidance`` keys in the
   schema override the defaults (``whitespace_flexible`` from ``disable_any_whitespace``);
-  keywords llguidance does not implement (``not``, ``if``/``then``, ...) are refused at
-  validation with its message;
+  keywords llguidance does not implement (``not``, ``if``/``then``, ``uniqueItems``,
+  ``contains``, ``propertyNames``, ``dependentRequired``) are refused at validation with its
+  message, and so is a ``$ref`` outside the schema (nothing is ever fetched);
 - ``regex``: ``grammar_from_regex`` (the whole output matches);
 - ``choice``: a Lark rule with one string literal per choice;
 - ``grammar``: Lark as is, GBNF / EBNF (``::=``) converted to Lark first.
@@ -35,6 +36,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         schema = json.loads(params.spec)
         if not isinstance(schema, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema object.")
+        _check_local_refs(schema)
         options = {"whitespace_flexible": not params.disable_any_whitespace}
         return LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
@@ -42,6 +44,38 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if kind == "choice":
         return llguidance.grammar_from("choice", params.choice)
     return llguidance.grammar_from("grammar", params.grammar)
+
+
+def _check_local_refs(schema: Any) -> None:
+    """References must point inside the schema (``#/...``): nothing is fetched."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                raise ValueError(f"$ref {ref!r} points outside the schema: only references "
+                                 "inside it (#/$defs/...) are followed, nothing is fetched.")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+_COMPILE_ERRORS: dict[tuple, str] = {}
+_COMPILE_ERRORS_SIZE = 1024
+
+
+def _compile_error(params: StructuredOutputsParams) -> str:
+    """The compiler's error for ``params`` ('' when it compiles), computed once per key."""
+    key = params.key
+    error = _COMPILE_ERRORS.get(key)
+    if error is None:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar_text(params))
+        error = messages[0] if is_error else ""
+        if len(_COMPILE_ERRORS) >= _COMPILE_ERRORS_SIZE:
+            _COMPILE_ERRORS.pop(next(iter(_COMPILE_ERRORS)))
+        _COMPILE_ERRORS[key] = error
+    return error
 
 
 class LLGuidanceGrammar(Grammar):
@@ -74,16 +108,19 @@ class LLGuidanceBackend(GrammarBackend):
             tokenizer.backend.to_str(), n_vocab=self.vocab_size,
             eos_token=sorted(tokenizer.eos_token_ids),
         )
+        # The token-trie slices that speed up masks inside JSON strings, for JSON kinds.
+        self.json_tokenizer = self.tokenizer.with_slices(llguidance.LLTokenizer.json_slices())
         self.executor = llguidance.LLExecutor()
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar_text(params))
-        if is_error:
-            raise ValueError(f"The {params.kind} constraint cannot be compiled: {messages[0]}")
+        error = _compile_error(params)
+        if error:
+            raise ValueError(f"The {params.kind} constraint cannot be compiled: {error}")
 
     def compile(self, params: StructuredOutputsParams) -> LLMatcher:
-        matcher = LLMatcher(self.tokenizer, grammar_text(params), log_level=0)
+        tokenizer = self.json_tokenizer if params.kind in ("json", "json_object") else self.tokenizer
+        matcher = LLMatcher(tokenizer, grammar_text(params), log_level=0)
         if matcher.is_error():
             raise ValueError(f"The {params.kind} constraint cannot be compiled: "
                              f"{matcher.get_error()}")

@@ -5,7 +5,7 @@ Lifecycle of a constrained request::
 
     EngineCore.add_request ──> attach(): request.grammar = RequestGrammar(compile future)
     scheduler: WAITING_FOR_GRAMMAR until request.grammar.ready, then WAITING as usual
-    each step: grammar_bitmask(rows) ──> the runner masks those rows' logits, then samples
+    each step: fill_bitmask(rows) ──> the runner masks those rows' logits, then samples
     scheduler.update_from_output: request.grammar.accept_token(token) for each token
     request.grammar.is_terminated() ──> the request finishes with "stop"
 
@@ -97,8 +97,9 @@ class StructuredOutputManager:
     """Compiles constraints for the engine core and builds each step's bitmask.
 
     ``make_backend`` builds the backend (it loads a tokenizer: called once, lazily, in the
-    compile thread). ``mask_seconds`` and ``num_mask_rows`` add up the host time spent
-    filling masks and the rows filled, for benchmarks.
+    compile thread). ``mask_seconds``, ``num_mask_steps`` and ``num_mask_rows`` add up the
+    host time spent building bitmasks, the steps that asked for one and the rows filled,
+    for benchmarks.
     """
 
     def __init__(self, make_backend: Callable[[], GrammarBackend], num_threads: int = 2) -> None:
@@ -109,12 +110,16 @@ class StructuredOutputManager:
                                         thread_name_prefix="pagedllm-grammar")
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()
         self.mask_seconds = 0.0
+        self.num_mask_steps = 0
         self.num_mask_rows = 0
 
     def backend(self) -> GrammarBackend:
         with self._backend_lock:
             if self._backend is None:
+                start = time.perf_counter()
                 self._backend = self._make_backend()
+                logger.info("Structured-output backend ready in %.1f s (vocabulary of %d).",
+                            time.perf_counter() - start, self._backend.vocab_size)
             return self._backend
 
     def attach(self, request) -> None:
@@ -131,19 +136,29 @@ class StructuredOutputManager:
             self._compiled.move_to_end(key)
         request.grammar = RequestGrammar(future, self.backend, params.reasoning_end_token_ids)
 
-    def grammar_bitmask(self, grammars: list[RequestGrammar | None]) -> np.ndarray:
-        """Allowed next tokens for a step's constrained rows, one row per entry (a ``None``
-        entry, a request gone since the step was planned, allows everything): int32
-        ``[len(grammars), ceil(vocab / 32)]``, bit ``t % 32`` of word ``t // 32`` for token ``t``."""
+    @property
+    def bitmask_width(self) -> int:
+        """Int32 words per bitmask row: ceil(vocabulary / 32)."""
+        return (self.backend().vocab_size + 31) // 32
+
+    def fill_bitmask(self, grammars: list[RequestGrammar | None], out: np.ndarray) -> None:
+        """Write the allowed next tokens of a step's constrained rows into ``out`` (int32,
+        C-contiguous, ``[len(grammars), bitmask_width]``): bit ``t % 32`` of word ``t // 32``
+        for token ``t``. A row whose grammar is not active (a ``None`` entry is a request
+        gone since the step was planned) allows everything."""
         start = time.perf_counter()
         backend = self.backend()
-        bitmask = backend.allocate_bitmask(len(grammars))
-        rows = [(g.grammar, i) for i, g in enumerate(grammars) if g is not None and g.active]
+        rows = []
+        for i, grammar in enumerate(grammars):
+            if grammar is not None and grammar.active:
+                rows.append((grammar.grammar, i))
+            else:
+                out[i] = -1
         if rows:
-            backend.fill_bitmasks(rows, bitmask)
+            backend.fill_bitmasks(rows, out)
         self.mask_seconds += time.perf_counter() - start
+        self.num_mask_steps += 1
         self.num_mask_rows += len(rows)
-        return bitmask
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -85,6 +85,9 @@ class ModelRunner:
         self._readback: SampledIdsReadback | None = None
         # Token counts of the penalised requests, by batch row (made on first need).
         self.token_counts: TokenCounts | None = None
+        # Pinned host buffers of the constrained rows' bitmasks (CUDA; made on first need).
+        self._bitmask_buffers: list[torch.Tensor] | None = None
+        self._next_bitmask_buffer = 0
         if self.device.type == "cuda":
             self._readback = SampledIdsReadback(config.scheduler_config.max_num_seqs)
 
@@ -194,7 +197,7 @@ class ModelRunner:
     def execute_model_async(
         self,
         scheduler_output: SchedulerOutput,
-        grammar_bitmask: Callable[[list[str]], np.ndarray] | None = None,
+        grammar_bitmask: Callable[[list[str], Callable], np.ndarray] | None = None,
     ) -> AsyncStepOutput:
         """Launch one step; its output is read when ``get()`` is called on the result.
 
@@ -202,9 +205,11 @@ class ModelRunner:
         taken before the scheduler plans the step after next: at most one launched step
         may be unresolved when a step is launched (an older one is resolved here).
 
-        ``grammar_bitmask(request_ids)``: the allowed next tokens of the step's constrained
-        sampling rows (int32 ``[rows, ceil(V / 32)]``, see ``pagedllm.structured``), asked
-        once the forward pass is launched; it may resolve the step launched before.
+        ``grammar_bitmask(request_ids, allocate)``: the allowed next tokens of the step's
+        constrained sampling rows, written into ``allocate(rows, words)`` (an int32 host
+        array the runner provides, pinned on CUDA; see ``pagedllm.structured``) and
+        returned; asked once the forward pass is launched, it may resolve the step
+        launched before.
         """
         self._update_states(scheduler_output)
         while len(self._unresolved) > 1:
@@ -255,7 +260,7 @@ class ModelRunner:
     def _grammar_rows(
         self,
         states: list[CachedRequestState],
-        grammar_bitmask: Callable[[list[str]], np.ndarray] | None,
+        grammar_bitmask: Callable[[list[str], Callable], np.ndarray] | None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(sampling rows, their bitmask) on the device for the constrained rows, if any."""
         rows = [j for j, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
@@ -263,9 +268,24 @@ class ModelRunner:
             return None
         if grammar_bitmask is None:
             raise ValueError("A step with constrained rows needs grammar_bitmask.")
-        bitmask = grammar_bitmask([states[j].request_id for j in rows])
-        to = self._to_device
-        return to(np.asarray(rows, dtype=np.int64)), to(bitmask)
+        bitmask = grammar_bitmask([states[j].request_id for j in rows], self._bitmask_buffer)
+        # Asynchronous copies: a blocking one would wait for this step's forward pass.
+        return (torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True),
+                torch.from_numpy(bitmask).to(self.device, non_blocking=True))
+
+    def _bitmask_buffer(self, num_rows: int, width: int) -> np.ndarray:
+        """A host array ``[num_rows, width]`` int32 to fill a step's bitmask into. On CUDA
+        it is pinned (the copy to the device is a DMA, not a staging copy) and two take
+        turns: a step's copy is done before the step after next fills its buffer, since the
+        runner has read the step's sampled ids by then."""
+        if self.device.type != "cuda":
+            return np.empty((num_rows, width), dtype=np.int32)
+        rows = self.config.scheduler_config.max_num_seqs
+        if self._bitmask_buffers is None or self._bitmask_buffers[0].shape[1] != width:
+            self._bitmask_buffers = [torch.empty((rows, width), dtype=torch.int32, pin_memory=True)
+                                     for _ in range(2)]
+        self._next_bitmask_buffer ^= 1
+        return self._bitmask_buffers[self._next_bitmask_buffer][:num_rows].numpy()
 
     def _token_counts_for(self, states: list[CachedRequestState]) -> RowCounts | None:
         """The sampling rows in the penalties' token-count table (one row per batch row,

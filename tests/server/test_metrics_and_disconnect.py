@@ -12,6 +12,7 @@ from tests.server.conftest import MODEL_NAME, wait_for
 
 REQUIRED_METRICS = [
     "pagedllm:num_requests_running", "pagedllm:num_requests_waiting",
+    "pagedllm:num_requests_waiting_for_grammar",
     "pagedllm:kv_cache_usage_perc", "pagedllm:prefix_cache_queries_total",
     "pagedllm:prefix_cache_hits_total", "pagedllm:num_preemptions_total",
     "pagedllm:prompt_tokens_total", "pagedllm:generation_tokens_total",

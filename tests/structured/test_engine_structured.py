@@ -215,3 +215,54 @@ def test_token_id_mode_refuses_structured_outputs(tiny_model_dir):
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate([{"prompt_token_ids": [5, 6]}],
                      SamplingParams(structured_outputs={"regex": "a+"}), use_tqdm=False)
+
+
+def test_a_slow_compile_stalls_only_its_own_request(tiny_model_dir):
+    import threading
+
+    llm = make_llm(tiny_model_dir)
+    engine = llm.llm_engine
+    core = engine.engine_core
+    release = threading.Event()
+    backend = core.structured.backend()
+    compile_now = backend.compile
+
+    def slow_compile(params):
+        assert release.wait(30)
+        return compile_now(params)
+
+    backend.compile = slow_compile
+    constraint = StructuredOutputsParams(regex="[a-c]{3}")
+    engine.add_request("slow", {"prompt_token_ids": PROMPTS[0]},
+                       SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=constraint))
+    engine.add_request("free", {"prompt_token_ids": PROMPTS[1]},
+                       SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    finished = {}
+    while "free" not in finished:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        assert core.get_stats().num_waiting_for_grammar == 1
+    assert len(finished["free"].outputs[0].token_ids) == 5
+    release.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert re.fullmatch("[a-c]{3}", finished["slow"].outputs[0].text)
+    assert core.get_stats().num_waiting_for_grammar == 0
+
+
+def test_the_constraint_starts_after_the_reasoning_end_tokens(llm):
+    free = llm.generate([{"prompt_token_ids": PROMPTS[1]}],
+                        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    end = free[1:3]  # stands for "</think>": the two tokens the model writes second and third
+    constraint = StructuredOutputsParams(regex="[a-c]{2}", reasoning_end_token_ids=end)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}],
+                       SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=constraint),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:3] == free[:3]  # free until the end of the "reasoning"
+    tokenizer = llm.get_tokenizer()
+    assert re.fullmatch("[a-c]{2}", tokenizer.decode(out.token_ids[3:]))
+    assert out.finish_reason == "stop"
