@@ -55,13 +55,18 @@ def serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:
 class RemoteServer:
     """A server subprocess; its combined output goes to ``log_path``."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *extra_args: str,
+    def __init__(self, model_dir: Path | None, log_path: Path, *extra_args: str,
                  env: dict[str, str] | None = None) -> None:
+        """``model_dir`` None: ``pagedllm serve`` as ``make serve`` runs it (the bundled
+        demo model, its own name and limits), on this server's port."""
         self.port = free_port()
         self.log_path = log_path
         self._log = open(log_path, "wb")
+        command = serve_command(model_dir, self.port, *extra_args) if model_dir is not None else [
+            sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--device", "cpu",
+            "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
         self.proc = subprocess.Popen(
-            serve_command(model_dir, self.port, *extra_args), cwd=REPO_ROOT,
+            command, cwd=REPO_ROOT,
             stdout=self._log, stderr=subprocess.STDOUT, env=server_env(env),
         )
         self._wait_until_healthy()

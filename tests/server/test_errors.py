@@ -85,9 +85,13 @@ def test_bad_prompts_and_messages_are_400(http):
 def test_unsupported_openai_fields_are_refused_by_name(http):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
-    assert_error(http.post("/v1/chat/completions", json={**body, "tools": tools}), 400, param="tools")
+    # tool_choice "auto" (the default with tools) needs --enable-auto-tool-choice.
+    assert_error(http.post("/v1/chat/completions", json={**body, "tools": tools}), 400,
+                 param="tool_choice")
+    assert_error(http.post("/v1/chat/completions", json={**body, "functions": tools}), 400,
+                 param="functions")
     assert_error(http.post("/v1/chat/completions",
-                           json={**body, "response_format": {"type": "json_object"}}),
+                           json={**body, "response_format": {"type": "yaml"}}),
                  400, param="response_format")
     assert_error(complete(http, logit_bias={"5": 10}), 400, param="logit_bias")
     assert_error(complete(http, priority=1), 400, param="priority")

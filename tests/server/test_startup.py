@@ -32,14 +32,18 @@ def test_kv_cache_too_small_exits_nonzero_with_the_reason(server_model_dir):
 
 
 def test_unimplemented_flag_exits_nonzero_naming_it(server_model_dir):
-    result = run_serve(server_model_dir, "--enable-auto-tool-choice", timeout=60)
+    result = run_serve(server_model_dir, "--lora-modules", "a=b", timeout=60)
     assert result.returncode == 2
-    assert "--enable-auto-tool-choice is not supported" in result.stderr
+    assert "--lora-modules is not supported" in result.stderr
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--tool-call-parser", "hermes"], "--tool-call-parser is not supported"),
-    (["--reasoning-parser", "r1"], "--reasoning-parser is not supported"),
+    (["--tool-call-parser", "hermes"], "takes effect with --enable-auto-tool-choice"),
+    (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "nope"],
+     "Unknown tool call parser 'nope'.*hermes, llama3_json, mistral, pythonic"),
+    (["--reasoning-parser", "r1"], "Unknown reasoning parser 'r1'.*deepseek_r1, qwen3"),
+    (["--guided-decoding-backend", "xgrammar"], "'xgrammar' is not available"),
     (["--ssl-keyfile", "k.pem"], "reverse proxy"),
     (["--port", "0"], "--port must be in 1..65535"),
     (["--api-key", " "], "--api-key is empty"),

@@ -151,11 +151,22 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 
 # -- the app ------------------------------------------------------------------------------
 def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerMetrics | None = None,
-              chat_template: str | None = None, api_key: str | None = None) -> FastAPI:
+              chat_template: str | None = None, api_key: str | None = None,
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+    """``tool_call_parser`` (set with --enable-auto-tool-choice) and ``reasoning_parser``
+    are registry names (tool_parsers/, reasoning/)."""
+    from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
+    from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+
     app = FastAPI(title="pagedllm", version=pagedllm.__version__,
                   description="An OpenAI-compatible LLM server.")
     completions = OpenAIServingCompletion(engine, models)
-    chat = OpenAIServingChat(engine, models, chat_template)
+    chat = OpenAIServingChat(
+        engine, models, chat_template,
+        tool_parser=get_tool_parser(tool_call_parser)(engine.tokenizer) if tool_call_parser else None,
+        reasoning_parser=(get_reasoning_parser(reasoning_parser)(engine.tokenizer)
+                          if reasoning_parser else None),
+    )
     tokenization = OpenAIServingTokenization(chat)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -268,7 +279,8 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
     models = OpenAIServingModels(served_names, str(config.model_config.path),
                                  config.model_config.max_model_len)
-    app = build_app(engine, models, metrics, chat_template, args.api_key)
+    app = build_app(engine, models, metrics, chat_template, args.api_key,
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,

@@ -15,11 +15,7 @@ API_KEY_ENV = "PAGEDLLM_API_KEY"
 
 # dest -> why it is refused.
 _REFUSED_SERVER_FLAGS = {
-    "enable_auto_tool_choice": "tool calling is not implemented yet",
-    "tool_call_parser": "tool calling is not implemented yet",
-    "reasoning_parser": "reasoning parsers are not implemented yet",
     "lora_modules": "LoRA adapters are not implemented yet",
-    "guided_decoding_backend": "structured output (guided decoding) is not implemented yet",
     "ssl_keyfile": "TLS is not built in: terminate TLS in a reverse proxy or ingress",
     "ssl_certfile": "TLS is not built in: terminate TLS in a reverse proxy or ingress",
 }
@@ -55,12 +51,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="On SIGTERM, seconds in-flight requests may take to finish before "
                             "they are aborted.")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='Answer tool_choice "auto" (the default with tools): the model '
+                            "decides, and --tool-call-parser reads its calls.")
+    group.add_argument("--tool-call-parser", default=None,
+                       help="The model's tool-call format: hermes (Hermes, Qwen 2.5/3), "
+                            "llama3_json (Llama 3.1/3.2), mistral, pythonic (Llama 3.2/4 "
+                            "pythonic) (default: none; needs --enable-auto-tool-choice).")
+    group.add_argument("--reasoning-parser", default=None,
+                       help="Split <think>...</think> into reasoning_content: deepseek_r1, "
+                            "qwen3 (default: none, the reasoning stays in content).")
+    group.add_argument("--guided-decoding-backend", default=None,
+                       help="The structured-output backend: llguidance (also 'auto', "
+                            "'guidance'; default: llguidance).")
     # Accepted so the refusal message is clear rather than argparse's "unrecognized".
-    group.add_argument("--enable-auto-tool-choice", action="store_true", help=argparse.SUPPRESS)
-    group.add_argument("--tool-call-parser", default=None, help=argparse.SUPPRESS)
-    group.add_argument("--reasoning-parser", default=None, help=argparse.SUPPRESS)
     group.add_argument("--lora-modules", nargs="+", default=None, help=argparse.SUPPRESS)
-    group.add_argument("--guided-decoding-backend", default=None, help=argparse.SUPPRESS)
     group.add_argument("--ssl-keyfile", default=None, help=argparse.SUPPRESS)
     group.add_argument("--ssl-certfile", default=None, help=argparse.SUPPRESS)
 
@@ -71,6 +76,23 @@ def validate_serve_args(args: argparse.Namespace) -> None:
         if getattr(args, dest, None):
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag} is not supported: {reason}. Remove {flag}.")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (the model's "
+                         "tool-call format): add it.")
+    if args.tool_call_parser and not args.enable_auto_tool_choice:
+        raise ValueError("--tool-call-parser takes effect with --enable-auto-tool-choice: add "
+                         "it, or remove --tool-call-parser.")
+    if args.tool_call_parser:
+        from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+
+        get_tool_parser(args.tool_call_parser)
+    if args.reasoning_parser:
+        from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
+
+        get_reasoning_parser(args.reasoning_parser)
+    if args.guided_decoding_backend not in (None, "auto", "guidance", "llguidance"):
+        raise ValueError(f"--guided-decoding-backend {args.guided_decoding_backend!r} is not "
+                         "available: structured outputs use llguidance. Remove the flag.")
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(

@@ -1,12 +1,13 @@
 """Request and response shapes of the OpenAI API (pydantic), plus the error shape.
 
-Requests accept the OpenAI fields and vLLM's extra sampling fields (``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ...), which the OpenAI SDK passes through
-``extra_body``. OpenAI fields this server does not implement (tools, response_format,
-logit_bias, ...) are refused with a 400 that names them when set to anything but their
-"off" value; fields no server needs to act on (``user``, ``metadata``, ``store``...) are
-accepted and have no effect. Unknown fields are ignored (new SDK versions add fields) and
-logged.
+Requests accept the OpenAI fields and vLLM's extra fields (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, the structured-output fields ``guided_json`` ...
+``structured_outputs``), which the OpenAI SDK passes through ``extra_body``. Fields that
+would change the output and are not implemented (``logit_bias``, vLLM's
+``logits_processors``, ``bad_words``, beam search, ...) are refused with a 400 that names
+them when set to anything but their "off" value; fields no server needs to act on
+(``user``, ``metadata``, ``store``...) are accepted and have no effect. Other unknown
+fields are ignored (new SDK versions add fields) and logged.
 
 ``return_token_ids`` (vLLM's) adds the prompt's and each choice's token ids to the
 response; a server in token-id mode (no tokenizer) always adds them, since its text is
@@ -48,11 +49,35 @@ def error_body(message: str, err_type: str = "invalid_request_error", param: str
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+# Fields no server needs to act on: accepted silently.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "request_id",
+                            "safety_identifier", "prompt_cache_key"})
+# Fields of the OpenAI API or of vLLM that change the output and are not implemented here.
+REFUSED_FIELDS = {
+    "logits_processors": "logits_processors (custom logits processors)",
+    "allowed_token_ids": "allowed_token_ids (use structured outputs: a regex or a choice)",
+    "bad_words": "bad_words",
+    "use_beam_search": "beam search (use_beam_search)",
+    "length_penalty": "length_penalty (beam search)",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "prompt_logprobs": "prompt_logprobs (on /v1/completions use echo with logprobs)",
+    "guided_whitespace_pattern": "guided_whitespace_pattern",
+    "structural_tag": "structural_tag",
+    "vllm_xargs": "vllm_xargs",
+}
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+        """Extra fields that are neither known to be safe to ignore nor refused."""
+        return sorted(set(self.model_extra or {}) - IGNORED_FIELDS - set(REFUSED_FIELDS))
+
+    def refused_fields(self) -> list[str]:
+        """Extra fields that would change the output and are not implemented, when set."""
+        extra = self.model_extra or {}
+        return [name for name in REFUSED_FIELDS if extra.get(name) not in (None, False, [], {})]
 
 
 class StreamOptions(BaseModel):
@@ -87,6 +112,14 @@ class SamplingFields(_Request):
     spaces_between_special_tokens: bool = True
     priority: int = 0
     return_token_ids: bool = False
+    # Structured outputs: OpenAI's response_format, or vLLM's fields (one constraint at most).
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -119,7 +152,6 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
@@ -208,6 +240,8 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    # With --reasoning-parser: the model's reasoning, apart from its answer.
+    reasoning_content: str | None = _omitted_when_none()
 
 
 class ChatCompletionChoice(BaseModel):

@@ -7,11 +7,20 @@ served models read text only. The template is the model's own, or ``--chat-templ
 Streaming follows OpenAI: each choice's first chunk carries ``{"role": "assistant",
 "content": ""}``, later chunks carry content deltas, and the chunk that ends a choice has
 its ``finish_reason``.
+
+Tools (``tool_choice.py``): the tools go to the chat template; calls come back in
+``message.tool_calls`` (streamed as OpenAI's ``delta.tool_calls``: a call's id and name
+first, then its argument fragments) with ``finish_reason: "tool_calls"`` (``"stop"`` for a
+named function, as OpenAI answers). With ``--reasoning-parser`` the reasoning comes back
+in ``reasoning_content`` and an output constraint applies after it. Assistant messages
+carrying ``tool_calls`` reach the template with their arguments as objects, as chat
+templates expect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -25,14 +34,21 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE, OpenAIServing, random_id, sse, sse_error, usage,
 )
+from pagedllm.entrypoints.openai.reasoning import ReasoningParser
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.structured_outputs import constraint_params, requested_constraint
+from pagedllm.entrypoints.openai.tool_choice import (
+    ChoiceReader, ChoiceStream, ToolPlan, join_deltas, plan_tools,
+)
+from pagedllm.entrypoints.openai.tool_parsers import DeltaMessage, ToolParser
 from pagedllm.outputs import Logprob
+from pagedllm.structured import StructuredOutputsParams
 
 # Request fields this server does not implement, with the value(s) that mean "off".
 _UNSUPPORTED_FIELDS = {
-    "tools": "tools (function calling) is not supported by this server yet",
-    "functions": "functions (function calling) is not supported by this server yet",
-    "function_call": "function_call is not supported by this server yet",
+    "functions": "functions (the deprecated form of tools) is not supported: send tools",
+    "function_call": "function_call (the deprecated form of tool_choice) is not supported: "
+                     "send tool_choice",
     "audio": "audio output is not supported: the served models produce text",
     "prediction": "prediction (predicted outputs) is not supported by this server",
     "reasoning_effort": "reasoning_effort is not supported by this server",
@@ -64,17 +80,25 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 class OpenAIServingChat(OpenAIServing):
+    """``tool_parser``: the ``--tool-call-parser`` (given with ``--enable-auto-tool-choice``);
+    ``reasoning_parser``: the ``--reasoning-parser``."""
+
     def __init__(self, engine: AsyncEngine, models: OpenAIServingModels,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, tool_parser: ToolParser | None = None,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
         super().__init__(engine, models)
         self.chat_template = chat_template
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
 
     async def create_chat_completion(self, request: ChatCompletionRequest, arrival_time: float
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         model = self.check_common(request, "chat.completions")
         self._check_supported(request)
+        plan = plan_tools(request, self.tool_parser)
         # Rendering and tokenizing a long conversation would stall every other stream.
-        prompt_text, prompt_ids = await asyncio.to_thread(self._prompt, request)
+        prompt_text, prompt_ids = await asyncio.to_thread(self._prompt, request, plan.tools)
+        constraint = await asyncio.to_thread(self._constraint, request, plan, prompt_ids)
 
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
@@ -83,30 +107,64 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         try:
-            params = self.sampling_params(request, max_tokens, logprobs)
+            params = self.sampling_params(request, max_tokens, logprobs,
+                                          structured_outputs=constraint)
         except OpenAIError as exc:
             exc.param = {"logprobs": "top_logprobs", "max_tokens": max_param}.get(exc.param, exc.param)
             raise
+        if plan.parser is not None and plan.parser.keeps_special_tokens:
+            params.skip_special_tokens = False  # the call markers are special tokens
         params.max_tokens = self.check_context(len(prompt_ids), params.max_tokens, "messages", max_param)
         request_id = random_id("chatcmpl")
         stream = self.submit(request_id, prompt_text, prompt_ids, params, arrival_time, request.priority)
         created = int(time.time())
+        reader = ChoiceReader(self.reasoning_parser, plan)
         if request.stream:
-            return self._stream(request, request_id, created, model, prompt_ids, stream)
+            return self._stream(request, request_id, created, model, prompt_ids, stream, reader)
         try:
-            return await self._full(request, request_id, created, model, prompt_ids, stream)
+            return await self._full(request, request_id, created, model, prompt_ids, stream, reader)
         finally:
             stream.close()
 
     # -- prompt -------------------------------------------------------------------------
-    def _prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+    def _prompt(self, request: ChatCompletionRequest, tools: list[dict] | None
+                ) -> tuple[str, list[int]]:
         """The request's prompt text and token ids (no special tokens unless asked)."""
         text = self.render(request.messages, request.add_generation_prompt,
-                           request.continue_final_message, request.chat_template_kwargs)
+                           request.continue_final_message, request.chat_template_kwargs, tools)
         return text, self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
+    def _constraint(self, request: ChatCompletionRequest, plan: ToolPlan,
+                    prompt_ids: list[int]) -> StructuredOutputsParams | None:
+        """The output constraint: a forced tool call's, or the request's own (not both)."""
+        form = requested_constraint(request)
+        if plan.constraint is not None:
+            if form is not None:
+                raise OpenAIError(f'tool_choice "{plan.mode}" constrains the output already: '
+                                  f"remove {form[0]}.", param=form[0])
+            form = ("tools", plan.constraint)
+        if form is None:
+            return None
+        self.require_tokenizer(f"{form[0]} (an output constraint)", form[0])
+        constraint = constraint_params(*form)
+        if self.reasoning_parser is not None and not self._reasoning_closed(prompt_ids):
+            constraint.reasoning_end_token_ids = self.tokenizer.encode(
+                self.reasoning_parser.end_token, add_special_tokens=False)
+        return constraint
+
+    def _reasoning_closed(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt itself ends the reasoning (a template that turns thinking off
+        writes an empty ``<think></think>``): the constraint then applies from the start."""
+        encode = self.tokenizer.encode
+        start = encode(self.reasoning_parser.start_token, add_special_tokens=False)
+        end = encode(self.reasoning_parser.end_token, add_special_tokens=False)
+        last_start = _rfind(prompt_ids, start)
+        last_end = _rfind(prompt_ids, end)
+        return last_end >= 0 and last_end > last_start
+
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+               continue_final_message: bool = False, template_kwargs: dict | None = None,
+               tools: list[dict] | None = None) -> str:
         """The prompt text for ``messages``; template errors become a 400 on ``messages``."""
         tokenizer = self.require_tokenizer("A chat (its template)", "messages")
         template_kwargs = dict(template_kwargs or {})
@@ -119,7 +177,7 @@ class OpenAIServingChat(OpenAIServing):
             return tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                chat_template=self.chat_template, **template_kwargs,
+                chat_template=self.chat_template, tools=tools, **template_kwargs,
             )
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise OpenAIError(f"Could not apply the chat template to these messages: {exc}",
@@ -142,6 +200,8 @@ class OpenAIServingChat(OpenAIServing):
                 texts.append(part["text"])
             content = "\n".join(texts)
         plain["content"] = content
+        if isinstance(plain.get("tool_calls"), list):
+            plain["tool_calls"] = [_call_for_template(index, call) for call in plain["tool_calls"]]
         return plain
 
     @staticmethod
@@ -149,14 +209,6 @@ class OpenAIServingChat(OpenAIServing):
         for name, reason in _UNSUPPORTED_FIELDS.items():
             if getattr(request, name):
                 raise OpenAIError(f"{reason}; remove {name}.", param=name)
-        if request.tool_choice not in (None, "none", "auto"):
-            raise OpenAIError("tool_choice is not supported by this server yet; remove it.",
-                              param="tool_choice")
-        fmt = request.response_format
-        if fmt and fmt.get("type", "text") != "text":
-            raise OpenAIError(
-                f"response_format of type {fmt.get('type')!r} is not supported by this server "
-                "yet; only {\"type\": \"text\"}.", param="response_format")
         if request.modalities and request.modalities != ["text"]:
             raise OpenAIError("Only the 'text' modality is supported.", param="modalities")
 
@@ -169,7 +221,8 @@ class OpenAIServingChat(OpenAIServing):
                                                              request.top_logprobs or 0))
 
     async def _full(self, request: ChatCompletionRequest, request_id: str, created: int, model: str,
-                    prompt_ids: list[int], stream: RequestStream) -> ChatCompletionResponse:
+                    prompt_ids: list[int], stream: RequestStream,
+                    reader: ChoiceReader) -> ChatCompletionResponse:
         n = request.n
         texts = [""] * n
         token_ids: list[list[int]] = [[] for _ in range(n)]
@@ -185,15 +238,21 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs[c.index].extend(c.logprobs)
                 finish[c.index] = (c.finish_reason, c.stop_reason)
         with_ids = self.wants_token_ids(request)
-        choices = [
-            ChatCompletionChoice(
-                index=i, message=ChatResponseMessage(content=texts[i]),
+        choices = []
+        for i in range(n):
+            message = reader.read(texts[i])
+            choices.append(ChatCompletionChoice(
+                index=i,
+                message=ChatResponseMessage(
+                    content=message.content, reasoning_content=message.reasoning,
+                    tool_calls=[{"id": c.id, "type": c.type, "function": {
+                        "name": c.function.name, "arguments": c.function.arguments}}
+                        for c in message.tool_calls]),
                 logprobs=self._choice_logprobs(token_ids[i], logprobs[i], request),
-                finish_reason=finish[i][0], stop_reason=finish[i][1],
+                finish_reason=_finish_reason(finish[i][0], reader.plan, len(message.tool_calls)),
+                stop_reason=finish[i][1],
                 token_ids=token_ids[i] if with_ids else None,
-            )
-            for i in range(n)
-        ]
+            ))
         return ChatCompletionResponse(
             id=request_id, created=created, model=model, choices=choices,
             usage=usage(len(prompt_ids), sum(len(t) for t in token_ids), cached),
@@ -201,10 +260,12 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
-                      model: str, prompt_ids: list[int], stream: RequestStream) -> AsyncIterator[str]:
+                      model: str, prompt_ids: list[int], stream: RequestStream,
+                      reader: ChoiceReader) -> AsyncIterator[str]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         with_ids = self.wants_token_ids(request)
         role_sent = [False] * request.n
+        choice_streams: list[ChoiceStream] = [reader.stream() for _ in range(request.n)]
         num_completion_tokens = 0
         cached = 0
 
@@ -232,13 +293,20 @@ class OpenAIServingChat(OpenAIServing):
                         role_sent[c.index] = True
                         yield chunk(c.index, {"role": "assistant", "content": ""}, None)
                     num_completion_tokens += len(c.token_ids)
-                    delta = {"content": c.text} if c.text else {}
+                    choice_stream = choice_streams[c.index]
+                    message = choice_stream.feed(c.text) if c.text else None
+                    finish_reason = c.finish_reason
+                    if finish_reason is not None:
+                        message = join_deltas(message, choice_stream.finish())
+                        finish_reason = _finish_reason(finish_reason, reader.plan,
+                                                       choice_stream.num_calls)
+                    delta = _delta(message)
                     logprobs = None
                     if request.logprobs and c.token_ids:
                         logprobs = self._choice_logprobs(c.token_ids, c.logprobs, request).model_dump()
-                    if not (delta or logprobs or c.finish_reason or (with_ids and c.token_ids)):
+                    if not (delta or logprobs or finish_reason or (with_ids and c.token_ids)):
                         continue
-                    yield chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason,
+                    yield chunk(c.index, delta, logprobs, finish_reason, c.stop_reason,
                                 c.token_ids)
             if include_usage:
                 info = usage(len(prompt_ids), num_completion_tokens, cached)
@@ -249,3 +317,63 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             stream.close()
         yield SSE_DONE
+
+
+def _finish_reason(reason: str | None, plan: ToolPlan, num_calls: int) -> str | None:
+    """``tool_calls`` for a choice that ended by calling tools (auto or required)."""
+    if reason == "stop" and num_calls and plan.mode in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
+def _delta(message: DeltaMessage | None) -> dict:
+    """OpenAI's ``delta`` object for a parsed piece of output."""
+    if message is None:
+        return {}
+    delta: dict = {}
+    if message.reasoning_content:
+        delta["reasoning_content"] = message.reasoning_content
+    if message.content:
+        delta["content"] = message.content
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            entry: dict = {"index": call.index}
+            function: dict = {}
+            if call.id is not None:
+                entry.update(id=call.id, type="function")
+                function["name"] = call.name
+            function["arguments"] = call.arguments or ""
+            entry["function"] = function
+            calls.append(entry)
+        delta["tool_calls"] = calls
+    return delta
+
+
+def _call_for_template(message_index: int, call) -> dict:
+    """An assistant message's tool call as chat templates read it: ``arguments`` as an object."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise OpenAIError(f"messages[{message_index}].tool_calls must be a list of "
+                          '{"id", "type": "function", "function": {"name", "arguments"}}.',
+                          param=f"messages[{message_index}].tool_calls")
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise OpenAIError(f"messages[{message_index}].tool_calls: the arguments of "
+                              f"{function.get('name')!r} are not valid JSON.",
+                              param=f"messages[{message_index}].tool_calls") from None
+    return {**call, "function": function}
+
+
+def _rfind(sequence: list[int], pattern: list[int]) -> int:
+    """The start of the last occurrence of ``pattern`` in ``sequence``, or -1."""
+    if not pattern:
+        return -1
+    first = pattern[0]
+    for start in range(len(sequence) - len(pattern), -1, -1):
+        if sequence[start] == first and sequence[start:start + len(pattern)] == pattern:
+            return start
+    return -1

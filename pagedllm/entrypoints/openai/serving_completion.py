@@ -58,12 +58,13 @@ class OpenAIServingCompletion(OpenAIServing):
         # Tokenizing a long prompt takes long enough to stall every other stream: off the loop.
         prompts = await asyncio.to_thread(self._prompts, request)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        constraint = await asyncio.to_thread(self.structured_outputs, request)
         request_id = random_id("cmpl")
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 params = self.sampling_params(request, request.max_tokens, request.logprobs,
-                                              prompt_logprobs)
+                                              prompt_logprobs, constraint)
                 params.max_tokens = self.check_context(len(prompt.token_ids), params.max_tokens,
                                                        "prompt", "max_tokens")
                 streams.append(self.submit(f"{request_id}-{i}", prompt.text, prompt.token_ids,

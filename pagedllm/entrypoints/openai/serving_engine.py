@@ -18,12 +18,14 @@ from collections.abc import AsyncIterator
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.entrypoints.openai.protocol import (
-    ChatTokenLogprob, OpenAIError, PromptTokensDetails, SamplingFields, TopLogprob, UsageInfo,
-    error_body,
+    REFUSED_FIELDS, ChatTokenLogprob, OpenAIError, PromptTokensDetails, SamplingFields, TopLogprob,
+    UsageInfo, error_body,
 )
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.structured_outputs import constraint_params, requested_constraint
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,10 @@ class OpenAIServing:
         unknown = request.unknown_fields()
         if unknown:
             logger.warning("Ignoring unknown fields in a %s request: %s", endpoint, ", ".join(unknown))
+        refused = request.refused_fields()
+        if refused:
+            raise OpenAIError(f"{REFUSED_FIELDS[refused[0]]} is not supported by this server; "
+                              f"remove {refused[0]}.", param=refused[0])
         if request.logit_bias:
             raise OpenAIError("logit_bias is not supported by this server yet; remove it.",
                               param="logit_bias")
@@ -95,8 +101,18 @@ class OpenAIServing:
                 "priority; remove it or restart the server with that flag.", param="priority")
         return model
 
+    def structured_outputs(self, request: SamplingFields) -> StructuredOutputsParams | None:
+        """The request's output constraint (see structured_outputs.py), checked; or None."""
+        form = requested_constraint(request)
+        if form is None:
+            return None
+        field, kwargs = form
+        self.require_tokenizer(f"{field} (an output constraint)", field)
+        return constraint_params(field, kwargs)
+
     def sampling_params(self, request: SamplingFields, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """``SamplingParams`` from the request; a ValueError becomes a 400 naming the field."""
         try:
             return SamplingParams(
@@ -119,6 +135,7 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
+                structured_outputs=structured_outputs,
             )
         except ValueError as exc:
             raise bad_request(exc) from None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from pagedllm.entrypoints.openai.tool_parsers.base import DeltaMessage
+from pagedllm.entrypoints.openai.tool_parsers.base import DeltaMessage, TextStream
 from pagedllm.entrypoints.openai.tool_parsers.partial import extension, held_suffix_len
 
 if TYPE_CHECKING:
@@ -63,23 +63,14 @@ class ReasoningParser:
         return body[:end].strip(), body[end + len(self.end_token):].lstrip()
 
 
-class ReasoningStream:
+class ReasoningStream(TextStream):
     """The deltas of one streamed output (see the module docstring)."""
 
     def __init__(self, parser: ReasoningParser) -> None:
+        super().__init__()
         self._parser = parser
-        self._text = ""
         self._reasoning = ""
         self._content = ""
-
-    def feed(self, delta_text: str) -> DeltaMessage | None:
-        """The next piece of output text; None when nothing can be emitted yet."""
-        self._text += delta_text
-        return self._emit(final=False)
-
-    def finish(self) -> DeltaMessage | None:
-        """The end of generation: emits what was held back."""
-        return self._emit(final=True)
 
     def _emit(self, final: bool) -> DeltaMessage | None:
         reasoning, content = self._parser.split(self._text, final)

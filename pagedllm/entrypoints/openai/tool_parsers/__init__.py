@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pagedllm.entrypoints.openai.tool_parsers.base import (
     DeltaMessage, DeltaToolCall, ExtractedToolCalls, FunctionCall, ToolCall, ToolCallStream,
-    ToolParser, make_tool_call_id,
+    ToolParser, make_tool_call_id, registered,
 )
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -19,12 +19,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered as ``name``; ValueError naming the known ones otherwise."""
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        known = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"Unknown tool call parser {name!r} (--tool-call-parser): "
-                         f"choose one of {known}.") from None
+    return registered(TOOL_PARSERS, name, "tool call parser", "--tool-call-parser")
 
 
 __all__ = [

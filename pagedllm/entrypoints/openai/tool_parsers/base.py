@@ -247,14 +247,21 @@ class _SentCall:
     arguments: str
 
 
-class ToolCallStream:
-    """The deltas of one streamed output (see the module docstring)."""
+def registered(registry: dict, name: str, what: str, flag: str):
+    """``registry[name]``; a ValueError naming ``flag`` and the known names otherwise."""
+    try:
+        return registry[name]
+    except KeyError:
+        known = ", ".join(sorted(registry))
+        raise ValueError(f"Unknown {what} {name!r} ({flag}): choose one of {known}.") from None
 
-    def __init__(self, parser: ToolParser) -> None:
-        self._parser = parser
+
+class TextStream:
+    """A streamed output read again whole on every delta: ``_emit(final)`` returns what the
+    text received so far adds to what was emitted (``final``: generation has ended)."""
+
+    def __init__(self) -> None:
         self._text = ""
-        self._content = ""
-        self._sent: dict[Hashable, _SentCall] = {}
 
     def feed(self, delta_text: str) -> DeltaMessage | None:
         """The next piece of output text; None when nothing can be emitted yet."""
@@ -264,6 +271,19 @@ class ToolCallStream:
     def finish(self) -> DeltaMessage | None:
         """The end of generation: emits what was held back."""
         return self._emit(final=True)
+
+    def _emit(self, final: bool) -> DeltaMessage | None:
+        raise NotImplementedError
+
+
+class ToolCallStream(TextStream):
+    """The deltas of one streamed output (see the module docstring)."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        super().__init__()
+        self._parser = parser
+        self._content = ""
+        self._sent: dict[Hashable, _SentCall] = {}
 
     def _emit(self, final: bool) -> DeltaMessage | None:
         content, calls = assemble(self._parser.scan(self._text, final))

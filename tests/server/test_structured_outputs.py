@@ -1,0 +1,103 @@
+"""Output constraints over HTTP, through the official openai client: OpenAI's
+``response_format`` and vLLM's ``guided_*`` / ``structured_outputs`` fields, on both
+endpoints, and the 400s for constraints that cannot compile (the server keeps serving)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+from tests.structured.schemas import SCHEMAS
+
+MESSAGES = [{"role": "user", "content": "Describe a person."}]
+
+
+def chat(client, **kw):
+    kw.setdefault("max_tokens", 160)
+    return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=1.0,
+                                          **kw)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_response_format_json_schema_validates(client, name):
+    schema = SCHEMAS[name]
+    response = chat(client, n=4, seed=3, response_format={
+        "type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}})
+    for choice in response.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_response_format_json_object_streams_one_object(client):
+    stream = chat(client, seed=5, max_tokens=300, stream=True,
+                  response_format={"type": "json_object"})
+    text, finish = "", None
+    for chunk in stream:
+        text += chunk.choices[0].delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+    if finish == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert finish == "length" and text.startswith("{")
+
+
+@pytest.mark.parametrize("body, check", [
+    ({"guided_regex": r"[a-z]{2,5}-[0-9]{2}"}, lambda t: re.fullmatch(r"[a-z]{2,5}-[0-9]{2}", t)),
+    ({"guided_choice": ["red", "green", "blue"]}, lambda t: t in {"red", "green", "blue"}),
+    ({"guided_json": SCHEMAS["person"]},
+     lambda t: jsonschema.validate(json.loads(t), SCHEMAS["person"]) is None),
+    ({"guided_grammar": 'root ::= "yes" | "no"'}, lambda t: t in {"yes", "no"}),
+    ({"structured_outputs": {"regex": r"(ab)+c"}}, lambda t: re.fullmatch(r"(ab)+c", t)),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, lambda t: t in {"x", "y"}),
+])
+def test_vllm_fields_constrain_completions_and_chat(client, body, check):
+    completion = client.completions.create(model=MODEL_NAME, prompt="Answer: ", max_tokens=160,
+                                           temperature=1.0, n=3, seed=1, extra_body=body)
+    replies = chat(client, n=3, seed=2, extra_body=body)
+    texts = [c.text for c in completion.choices] + [c.message.content for c in replies.choices]
+    for text in texts:
+        assert check(text), text
+
+
+def test_completions_take_response_format_too(client):
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt="{", max_tokens=160, temperature=1.0, seed=4,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {
+            "name": "p", "schema": SCHEMAS["nested_with_refs"]}}})
+    jsonschema.validate(json.loads(completion.choices[0].text), SCHEMAS["nested_with_refs"])
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "wat"}}}}, "guided_json", "wat"),
+    ({"guided_regex": "(unclosed"}, "guided_regex", "unclosed"),
+    ({"guided_grammar": "start: ("}, "guided_grammar", "grammar"),
+    ({"guided_json": {"type": "string", "not": {"const": "a"}}}, "guided_json", "not"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one output constraint"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
+     "one output constraint"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag"),
+    ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend",
+     "outlines"),
+    ({"logits_processors": ["x"]}, "logits_processors", "logits_processors"),
+    ({"use_beam_search": True}, "use_beam_search", "beam search"),
+])
+def test_bad_constraints_are_400s_and_the_server_keeps_serving(client, body, param, message):
+    for call in (lambda: chat(client, max_tokens=4, extra_body=body),
+                 lambda: client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4,
+                                                   extra_body=body)):
+        with pytest.raises(openai.BadRequestError) as info:
+            call()
+        error = info.value.body
+        assert error["param"] == param and message in error["message"]
+    assert chat(client, max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_safe_openai_fields_are_accepted(client):
+    reply = chat(client, max_tokens=2, user="u1", metadata={"k": "v"}, store=False)
+    assert reply.choices[0].message.content is not None
