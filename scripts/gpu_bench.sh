@@ -17,6 +17,10 @@
 #   w1-small W1 on qwen3-0.6b (the host-overhead-bound regime)
 #   sync     W1 on both models again with --no-async-scheduling: what hiding the host's
 #            work behind the GPU gains, measured in the same run
+#   structured W1 on both models, unconstrained and with every request constrained to a
+#            JSON schema (bench throughput --structured-output json), side by side; the
+#            config-only models get a tokenizer of their vocabulary size first
+#            (pagedllm.benchmarks.bench_tokenizer)
 #   ab       for each setting in $GPU_BENCH_AB (space-separated VAR=value, e.g.
 #            "PAGEDLLM_DECODE_LONGEST_FIRST=0 PAGEDLLM_DECODE_TILE=32,2,2"), L1 and W1 on llama-3.1-8b with
 #            the setting, beside the same commands without it, into $OUT/ab.txt
@@ -48,7 +52,7 @@ if [ "$DRY" = "1" ]; then
     HF_PROMPTS=4 HF_LIMIT_S=30
     LAT_ARGS=(--input-len 16 --output-len 8 --prefill-len 64 --num-iters 2 --num-iters-warmup 1)
     LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120 LIMIT_SYNC=300
-    LIMIT_AB=300
+    LIMIT_AB=300 LIMIT_STRUCTURED=300
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b
     read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine}"
@@ -57,11 +61,11 @@ else
     LIMIT_SYNC=${LIMIT_SYNC:-60}
     LAT_ARGS=()
     LIMIT_TESTS=${LIMIT_TESTS:-80} LIMIT_KERNELS=40 LIMIT_W1=${LIMIT_W1:-220} LIMIT_LAT=60 LIMIT_SMALL=50
-    LIMIT_AB=${LIMIT_AB:-200}
+    LIMIT_AB=${LIMIT_AB:-200} LIMIT_STRUCTURED=${LIMIT_STRUCTURED:-240}
 fi
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
-STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync ab}
+STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync structured ab}
 read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
 
 # step NAME LIMIT_S COMMAND...: run with a time limit, output to the terminal and the log.
@@ -105,6 +109,19 @@ for model in "$BIG" "$SMALL"; do
     step sync "$LIMIT_SYNC" $PY -m pagedllm.benchmarks.throughput --model "$model" \
         --load-format dummy "${W1_ARGS[@]}" --no-async-scheduling \
         --output-json "$OUT/sync-w1-$model.json"
+done
+
+for model in "$BIG" "$SMALL"; do
+    tokenizer=()
+    case " $STEPS " in *" structured "*) ;; *) continue ;; esac
+    if [ "$DRY" != "1" ]; then  # the built-in configs carry no tokenizer
+        tokenizer=(--tokenizer "${TMPDIR:-/tmp}/pagedllm-tokenizer-$model")
+        $PY -m pagedllm.benchmarks.bench_tokenizer --model "$model" --out "${tokenizer[1]}" 2>&1 \
+            | tee -a "$LOG"
+    fi
+    step structured "$LIMIT_STRUCTURED" $PY -m pagedllm.benchmarks.throughput --model "$model" \
+        --load-format dummy "${W1_ARGS[@]}" "${tokenizer[@]}" --structured-output json --step-timing \
+        --output-json "$OUT/structured-w1-$model.json"
 done
 
 # ab_run LABEL DIR [VAR=value ...]: L1 and W1 of the package in DIR, with the settings,

@@ -16,6 +16,11 @@ requests.
 
     pagedllm bench throughput --model llama-3.1-8b --load-format dummy \\
         --backend hf,hf-cb,pagedllm --hf-num-prompts 64 --output-json w1.json
+
+``--structured-output json`` runs pagedllm twice on the same requests, unconstrained and
+then with every request constrained to a JSON schema (``structured_workload.py``), and
+reports the ratio and the host time spent filling token masks (per step, per masked row).
+Constraints need a tokenizer: give a config-only model one with ``--tokenizer``.
 """
 
 from __future__ import annotations
@@ -75,6 +80,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Static batch size of the 'hf' backend.")
     parser.add_argument("--hf-time-limit-s", type=float, default=600.0,
                         help="Stop an HF peer after this many seconds and count what it produced.")
+    parser.add_argument("--structured-output", choices=("none", "json"), default="none",
+                        help="json: also run every request constrained to a JSON schema, "
+                             "beside the unconstrained run.")
     parser.add_argument("--step-timing", action="store_true",
                         help="Split pagedllm's step time into host phases and device wait "
                              "(see step_timing.py) on the full run.")
@@ -143,6 +151,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         if peers and hf_count < len(requests):
             keep(_run_pagedllm(llm, subset, args))
         full = _run_pagedllm(llm, requests, args, step_timing=args.step_timing)
+        if args.structured_output == "json":
+            keep(full)
+            full = _run_pagedllm(llm, requests, args, step_timing=args.step_timing,
+                                 constrained=True)
+            full["constrained_ratio"] = round(full["output_tok_s"] / records[-1]["output_tok_s"], 3)
         if args.profile_prefill_steps > 0:
             full["prefill_profile"] = _profile_steps(
                 llm, requests, args, args.profile_prefill_steps, after_prompts=False)
@@ -216,7 +229,8 @@ def _write(path: str | None, records: list[dict]) -> None:
 def _workload_args(args: argparse.Namespace) -> dict:
     return {"num_prompts": args.num_prompts, "input_len": list(args.input_len),
             "output_len": list(args.output_len), "seed": args.seed,
-            "temperature": args.temperature, "ignore_eos": args.ignore_eos}
+            "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+            "structured_output": args.structured_output}
 
 
 def _warm_up(llm) -> None:
@@ -235,12 +249,19 @@ def _warm_up(llm) -> None:
 
 
 def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespace,
-                  step_timing: bool = False) -> dict:
+                  step_timing: bool = False, constrained: bool = False) -> dict:
+    """One timed run; ``constrained``: request ``i`` constrained to JSON schema ``i % 4``."""
     from pagedllm.benchmarks.step_timing import StepTimer, format_summary
+    from pagedllm.benchmarks.structured_workload import constraint_for
 
-    llm.llm_engine.engine_core.scheduler.reset_prefix_cache()  # no hits from an earlier run
+    core = llm.llm_engine.engine_core
+    core.scheduler.reset_prefix_cache()  # no hits from an earlier run
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [_sampling_params(r, args) for r in requests]
+    if constrained:
+        params = [p.clone(structured_outputs=constraint_for(i)) for i, p in enumerate(params)]
+        mask_start = (core.structured.mask_seconds, core.structured.num_mask_rows,
+                      core.structured.num_mask_steps)
     timer = StepTimer(llm) if step_timing else None
     start = time.perf_counter()
     if timer is None:
@@ -255,8 +276,17 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
     if timer is not None:
         extra["step_timing"] = timer.summary()
         print(format_summary(extra["step_timing"]), flush=True)
+    if constrained:
+        structured = core.structured
+        mask_s = structured.mask_seconds - mask_start[0]
+        rows = structured.num_mask_rows - mask_start[1]
+        steps = structured.num_mask_steps - mask_start[2]
+        extra.update(structured_output="json", mask_host_s=reported_seconds(mask_s),
+                     mask_steps=steps, mask_rows=rows,
+                     mask_ms_per_step=round(1e3 * mask_s / max(steps, 1), 4),
+                     mask_us_per_row=round(1e6 * mask_s / max(rows, 1), 2))
     return {
-        "backend": "pagedllm",
+        "backend": "pagedllm+json" if constrained else "pagedllm",
         "num_prompts": len(requests),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
@@ -337,6 +367,9 @@ def _row(r: dict) -> str:
     if "error" in r:
         return f"{r['backend']:>9} {r['num_prompts']:>9} {'-':>11} {'-':>10} {'-':>13}  {r['error']}"
     note = "stopped at the time limit" if r.get("truncated") else ""
+    if "constrained_ratio" in r:
+        note = (f"{r['constrained_ratio']}x unconstrained; masks {r['mask_ms_per_step']} ms/step "
+                f"on the host, {r['mask_us_per_row']} us/row")
     return (f"{r['backend']:>9} {r['num_prompts']:>9} {r['output_tokens']:>11} "
             f"{r['elapsed_s']:>10} {r['output_tok_s']:>13}  {note}")
 

@@ -218,3 +218,31 @@ def test_run_profile_attributes_events_to_the_step_they_start_in() -> None:
     rows = batch_buckets([(1, 0.001), (32, 0.003), (33, 0.010), (256, 0.020)])
     assert [(r["low"], r["high"], r["steps"], r["mean_ms"]) for r in rows] == [
         (1, 32, 2, 2.0), (33, 64, 1, 10.0), (225, 256, 1, 20.0)]
+
+
+def test_structured_output_run_beside_the_unconstrained_one(tmp_path) -> None:
+    """``--structured-output json``: the same requests constrained, the same number of
+    tokens generated (the schemas never end early), the ratio and the mask time recorded;
+    the config-only checkpoint gets a tokenizer of its vocabulary from bench_tokenizer."""
+    from pagedllm.benchmarks import bench_tokenizer
+    from pagedllm.engine.tokenizer import Tokenizer
+
+    vocab = 320
+    checkpoint = make_tiny_checkpoint(tmp_path / "model", "llama", vocab_size=vocab,
+                                      max_position_embeddings=128)
+    learned = bench_tokenizer.build(vocab, tmp_path / "tok", corpus_bytes=1 << 20)
+    tokenizer = Tokenizer.from_pretrained(tmp_path / "tok")
+    assert len(tokenizer) == vocab and learned <= vocab and tokenizer.eos_token_ids
+    out = tmp_path / "structured.json"
+    argv = _tiny_workload(checkpoint, out)
+    argv[argv.index("--output-len") + 1] = "40:60"
+    argv[argv.index("--max-model-len") + 1] = "96"
+    throughput.run(_args(throughput, [*argv, "--tokenizer", str(tmp_path / "tok"),
+                                      "--structured-output", "json"]))
+    free, constrained = json.loads(out.read_text())
+    assert (free["backend"], constrained["backend"]) == ("pagedllm", "pagedllm+json")
+    assert constrained["output_tokens"] == free["output_tokens"]
+    assert constrained["constrained_ratio"] == round(
+        constrained["output_tok_s"] / free["output_tok_s"], 3)
+    assert constrained["mask_rows"] == constrained["output_tokens"]
+    assert constrained["mask_host_s"] > 0 and constrained["mask_steps"] > 0
