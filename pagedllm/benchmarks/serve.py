@@ -13,6 +13,10 @@ Per request, from the streamed response: TTFT (request sent -> first token chunk
 (gaps between token chunks), TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end
 latency. Reported: request and token throughput, and mean / median / p99 of each latency
 (milliseconds). ``--output-json`` saves the record.
+
+``--structured-output json`` constrains request ``i`` to JSON schema ``i % 4`` of
+``structured_workload.py`` (OpenAI's ``response_format``); the schemas cannot complete
+before the output length, so the token counts stay those of the unconstrained workload.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedllm.benchmarks.common import parse_range, reported_seconds, result_record, write_json
+from pagedllm.benchmarks.structured_workload import SCHEMAS
 
 _WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at "
           "which but have an they you were her she there one all we their can has more when will "
@@ -64,6 +69,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "tokenizer).")
     parser.add_argument("--seed", type=int, default=0,
                         help="Seed of the prompts and the arrival times.")
+    parser.add_argument("--structured-output", choices=("none", "json"), default="none",
+                        help="json: every request constrained to a JSON schema "
+                             "(response_format json_schema).")
     parser.add_argument("--output-json", default=None, help="Write the result record here.")
 
 
@@ -181,28 +189,35 @@ async def benchmark(args: argparse.Namespace) -> dict:
             work.append(([rng.choice(pool) for _ in range(prompt_len)], rng.randint(*args.output_len)))
         url = f"{base_url}/v1/completions"
 
-        def payload(prompt: list[int], output_len: int) -> dict:
-            return {"model": model, "prompt": prompt, "max_tokens": output_len,
+        def payload(prompt: list[int], output_len: int, index: int = 0) -> dict:
+            body = {"model": model, "prompt": prompt, "max_tokens": output_len,
                     "temperature": args.temperature, "ignore_eos": args.ignore_eos,
                     "stream": True, "stream_options": {"include_usage": True}}
+            if args.structured_output == "json":
+                name, schema = schemas[index % len(schemas)]
+                body["response_format"] = {"type": "json_schema",
+                                           "json_schema": {"name": name, "schema": schema}}
+            return body
 
+        schemas = list(SCHEMAS.items())
         warmup = await _one_request(client, url, payload(work[0][0], 4), len(work[0][0]))
         if not warmup.ok:
             raise ValueError(f"The warm-up request failed: {warmup.error}")
 
         semaphore = asyncio.Semaphore(args.max_concurrency or len(work))
 
-        async def limited(prompt: list[int], output_len: int) -> RequestResult:
+        async def limited(prompt: list[int], output_len: int, index: int) -> RequestResult:
             async with semaphore:
-                return await _one_request(client, url, payload(prompt, output_len), len(prompt))
+                return await _one_request(client, url, payload(prompt, output_len, index),
+                                          len(prompt))
 
         print(f"Model {model}: {args.num_prompts} requests, request rate {args.request_rate}, "
               f"max concurrency {args.max_concurrency or 'unlimited'}")
         arrivals = random.Random(args.seed + 1)
         tasks = []
         start = time.perf_counter()
-        for prompt, output_len in work:
-            tasks.append(asyncio.create_task(limited(prompt, output_len)))
+        for index, (prompt, output_len) in enumerate(work):
+            tasks.append(asyncio.create_task(limited(prompt, output_len, index)))
             if math.isfinite(args.request_rate):
                 await asyncio.sleep(arrivals.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
@@ -221,7 +236,8 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
         workload="serve", model=model, num_prompts=args.num_prompts,
         input_len=list(args.input_len), output_len=list(args.output_len),
         request_rate=None if math.isinf(args.request_rate) else args.request_rate,
-        max_concurrency=args.max_concurrency, duration_s=duration,
+        max_concurrency=args.max_concurrency, structured_output=args.structured_output,
+        duration_s=duration,
         completed=len(ok), failed=len(failures), first_errors=failures[:3],
         total_input_tokens=input_tokens, total_output_tokens=output_tokens,
         request_throughput=round(len(ok) / duration, 3),

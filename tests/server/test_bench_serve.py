@@ -36,3 +36,15 @@ def test_bench_serve_counts_requests_the_server_refuses(server):
     record = asyncio.run(bench_serve.benchmark(args))
     assert record["completed"] == 0 and record["failed"] == 2
     assert "HTTP 400" in record["first_errors"][0]
+
+
+def test_bench_serve_with_every_request_constrained_to_a_json_schema(server):
+    parser = argparse.ArgumentParser()
+    bench_serve.add_cli_args(parser)
+    args = parser.parse_args(["--port", str(server.port), "--num-prompts", "8", "--input-len", "16",
+                              "--output-len", "40", "--temperature", "1",
+                              "--structured-output", "json"])
+    record = asyncio.run(bench_serve.benchmark(args))
+    assert record["completed"] == 8 and record["failed"] == 0
+    assert record["total_output_tokens"] == 8 * 40  # the schemas never complete early
+    assert record["structured_output"] == "json"
