@@ -24,6 +24,11 @@ label on all of them::
 Gauges and the core's totals are read from the latest snapshot at scrape time (a custom
 collector), so they can never drift from the scheduler. All times are seconds of
 ``time.monotonic()``.
+
+``--metrics-compat vllm`` also exports the series of ``VLLM_NAMES`` under vLLM's names, with
+the same labels and values, so dashboards, alerts and autoscaling rules written for vLLM
+work unchanged (``pagedllm:kv_cache_usage_perc`` is both ``vllm:kv_cache_usage_perc`` and
+the older ``vllm:gpu_cache_usage_perc``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from prometheus_client import (
     CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedllm.core.outputs import SchedulerStats
@@ -42,6 +48,24 @@ from pagedllm.core.outputs import SchedulerStats
 logger = logging.getLogger(__name__)
 
 FINISHED_REASONS = ("stop", "length", "abort")
+
+# Family names (counters without ``_total``) -> their vLLM names under --metrics-compat vllm.
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "pagedllm:num_requests_running": ("vllm:num_requests_running",),
+    "pagedllm:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "pagedllm:kv_cache_usage_perc": ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"),
+    "pagedllm:prompt_tokens": ("vllm:prompt_tokens",),
+    "pagedllm:generation_tokens": ("vllm:generation_tokens",),
+    "pagedllm:request_success": ("vllm:request_success",),
+    "pagedllm:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "pagedllm:time_per_output_token_seconds": ("vllm:time_per_output_token_seconds",),
+    "pagedllm:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "pagedllm:request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "pagedllm:num_preemptions": ("vllm:num_preemptions",),
+    "pagedllm:prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "pagedllm:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+}
+METRICS_COMPAT_CHOICES = ("vllm",)
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -89,51 +113,85 @@ class _SchedulerCollector:
                       stats.num_preemptions if stats else 0)
 
 
-class ServerMetrics:
-    """The server's metrics registry, fed by the async engine."""
+class _RenamedCollector:
+    """The families of ``sources`` named in ``names`` again under each of their new names
+    (samples renamed, labels and values kept); other families are left out."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, sources: list, names: dict[str, tuple[str, ...]]) -> None:
+        self.sources = sources
+        self.names = names
+
+    def collect(self):
+        for source in self.sources:
+            for family in source.collect():
+                for new_name in self.names.get(family.name, ()):
+                    renamed = Metric(new_name, family.documentation, family.type, family.unit)
+                    renamed.samples = [
+                        sample._replace(name=new_name + sample.name[len(family.name):])
+                        for sample in family.samples
+                    ]
+                    yield renamed
+
+
+class ServerMetrics:
+    """The server's metrics registry, fed by the async engine.
+
+    ``compat``: None, or ``"vllm"`` to also export ``VLLM_NAMES``."""
+
+    def __init__(self, model_name: str, compat: str | None = None) -> None:
+        if compat not in (None, *METRICS_COMPAT_CHOICES):
+            raise ValueError(f"Unknown metrics compatibility {compat!r}: choose one of "
+                             f"{', '.join(METRICS_COMPAT_CHOICES)}.")
         # ``*_created`` series only add noise to a single long-lived server process.
         disable_created_metrics()
         self.model_name = model_name
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self.scheduler_stats: SchedulerStats | None = None
-        self.registry.register(_SchedulerCollector(self))
+        scheduler_collector = _SchedulerCollector(self)
+        self.registry.register(scheduler_collector)
         # Plain totals too, for the log line's rates.
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
         labels = ["model_name"]
-        self._prompt_tokens = Counter(
-            "pagedllm:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry,
-        ).labels(model_name)
-        self._generation_tokens = Counter(
-            "pagedllm:generation_tokens", "Tokens generated.", labels, registry=self.registry,
-        ).labels(model_name)
+        prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed.", labels,
+                                registry=self.registry)
+        generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", labels,
+                                    registry=self.registry)
         success = Counter(
             "pagedllm:request_success", "Finished sequences, by finished_reason.",
             ["model_name", "finished_reason"], registry=self.registry,
         )
-        self._success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
-        self._ttft = Histogram(
+        ttft = Histogram(
             "pagedllm:time_to_first_token_seconds", "Time to first token, seconds.", labels,
             buckets=_TTFT_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self._tpot = Histogram(
+        )
+        tpot = Histogram(
             "pagedllm:time_per_output_token_seconds",
             "Mean time per output token after the first, per request, seconds.", labels,
             buckets=_TPOT_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self._e2e = Histogram(
+        )
+        e2e = Histogram(
             "pagedllm:e2e_request_latency_seconds", "End-to-end request latency, seconds.", labels,
             buckets=_LATENCY_BUCKETS, registry=self.registry,
-        ).labels(model_name)
-        self._queue = Histogram(
+        )
+        queue = Histogram(
             "pagedllm:request_queue_time_seconds",
             "Time from arrival to first scheduling, seconds.", labels,
             buckets=_LATENCY_BUCKETS, registry=self.registry,
-        ).labels(model_name)
+        )
+        self._prompt_tokens = prompt_tokens.labels(model_name)
+        self._generation_tokens = generation_tokens.labels(model_name)
+        self._success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
+        self._ttft = ttft.labels(model_name)
+        self._tpot = tpot.labels(model_name)
+        self._e2e = e2e.labels(model_name)
+        self._queue = queue.labels(model_name)
+        if compat == "vllm":
+            sources = [scheduler_collector, prompt_tokens, generation_tokens, success, ttft, tpot,
+                       e2e, queue]
+            self.registry.register(_RenamedCollector(sources, VLLM_NAMES))
 
     # -- engine hooks -------------------------------------------------------------------
     def on_step(self, stats: SchedulerStats | None, queue_times: list[float]) -> None:

@@ -269,7 +269,7 @@ async def serve(args: argparse.Namespace) -> int:
     served_names = args.served_model_name or [args.model or DEFAULT_MODEL]
     sock = _bind(args.host, args.port)
 
-    metrics = ServerMetrics(served_names[0])
+    metrics = ServerMetrics(served_names[0], compat=args.metrics_compat)
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     try:
         engine = await AsyncEngine.start(config, metrics, log_level=str(log_level))

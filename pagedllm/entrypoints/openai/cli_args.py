@@ -48,6 +48,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="Do not log the periodic throughput / queue / KV cache line.")
     group.add_argument("--log-stats-interval", type=float, default=5.0,
                        help="Seconds between stats lines while the server is busy.")
+    group.add_argument("--metrics-compat", default=None, choices=["vllm"],
+                       help="Also export /metrics series under another engine's names, same "
+                            "labels and values: vllm maps num_requests_running, "
+                            "num_requests_waiting, kv_cache_usage_perc (as vllm:kv_cache_usage_perc "
+                            "and vllm:gpu_cache_usage_perc), prompt_tokens_total, "
+                            "generation_tokens_total, request_success_total, "
+                            "time_to_first_token_seconds, time_per_output_token_seconds, "
+                            "e2e_request_latency_seconds, request_queue_time_seconds, "
+                            "num_preemptions_total, prefix_cache_queries_total and "
+                            "prefix_cache_hits_total from pagedllm: to vllm: (default: none, "
+                            "pagedllm: names only).")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="On SIGTERM, seconds in-flight requests may take to finish before "
                             "they are aborted.")
