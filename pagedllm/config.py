@@ -89,6 +89,8 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     # Never capture CUDA graphs; every step runs the model eagerly.
     enforce_eager: bool = False
+    # "fp8": decoder projections quantized to FP8 at load (pagedllm.quantization.fp8).
+    quantization: str | None = None
     # Derived in __post_init__:
     path: Path = field(init=False)
     hf_config: dict = field(init=False, repr=False)
@@ -99,6 +101,9 @@ class ModelConfig:
                 f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}."
             )
         self.dtype = _normalize_dtype(self.dtype)
+        from pagedllm.quantization import check_quantization
+
+        self.quantization = check_quantization(self.quantization)
         self.path = resolve_model_path(self.model, self.revision)
         self.hf_config = json.loads((self.path / "config.json").read_text())
         cfg = self.hf_config

@@ -21,6 +21,8 @@
 #            JSON schema (bench throughput --structured-output json), side by side; the
 #            config-only models get a tokenizer of their vocabulary size first
 #            (pagedllm.benchmarks.bench_tokenizer)
+#   fp8      W1 and L1/P1 on llama-3.1-8b with --quantization fp8 (compare with w1 and
+#            latency, bf16, in the same run)
 #   ab       for each setting in $GPU_BENCH_AB (space-separated VAR=value, e.g.
 #            "PAGEDLLM_DECODE_LONGEST_FIRST=0 PAGEDLLM_DECODE_TILE=32,2,2"), L1 and W1 on llama-3.1-8b with
 #            the setting, beside the same commands without it, into $OUT/ab.txt
@@ -65,7 +67,7 @@ else
 fi
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
-STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync structured ab}
+STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync fp8 structured ab}
 read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
 
 # step NAME LIMIT_S COMMAND...: run with a time limit, output to the terminal and the log.
@@ -110,6 +112,11 @@ for model in "$BIG" "$SMALL"; do
         --load-format dummy "${W1_ARGS[@]}" --no-async-scheduling \
         --output-json "$OUT/sync-w1-$model.json"
 done
+
+step fp8 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
+    "${W1_ARGS[@]}" --quantization fp8 --output-json "$OUT/fp8-w1-$BIG.json"
+step fp8 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
+    "${LAT_ARGS[@]}" --quantization fp8 --output-json "$OUT/fp8-latency-$BIG.json"
 
 for model in "$BIG" "$SMALL"; do
     tokenizer=()

@@ -16,7 +16,6 @@ from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 # Options users of vLLM-class engines pass that this engine does not implement yet:
 # name -> the value that means "off" (accepted), anything else is refused.
 _NOT_YET_SUPPORTED = {
-    "quantization": None,
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
     "speculative_model": None,
@@ -72,6 +71,7 @@ class EngineArgs:
     device: str | None = None
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
+    quantization: str | None = None
     # None: on with CUDA (the host prepares a step while the GPU runs the previous one),
     # off on the CPU, where host and model share the same cores and nothing overlaps.
     async_scheduling: bool | None = None
@@ -102,6 +102,7 @@ class EngineArgs:
             model=self.model, tokenizer=self.tokenizer, revision=self.revision, dtype=self.dtype,
             load_format=self.load_format, seed=self.seed, max_model_len=self.max_model_len,
             skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager,
+            quantization=self.quantization,
         )
         cache_config = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
@@ -177,7 +178,10 @@ class EngineArgs:
                            help="Schedule and launch each step before the previous step's sampled "
                                 "ids are read, hiding host work behind the GPU (default: on with "
                                 "CUDA, off on the CPU).")
-        group.add_argument("--quantization", "-q", default=None, help=argparse.SUPPRESS)
+        group.add_argument("--quantization", "-q", default=None,
+                           help="fp8: the decoder's projections in FP8 with per-channel weight "
+                                "and per-token activation scales, computed at load from the "
+                                "checkpoint's weights (default: none, the model's dtype).")
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help=argparse.SUPPRESS)
         group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=argparse.SUPPRESS)
         group.add_argument("--speculative-model", default=None, help=argparse.SUPPRESS)

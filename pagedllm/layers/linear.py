@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
+from pagedllm.quantization.fp8 import fp8_linear, quantize_rows
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -28,7 +29,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Module):
-    """``y = x @ weight.T + bias`` with ``weight: [output_size, input_size]``."""
+    """``y = x @ weight.T + bias`` with ``weight: [output_size, input_size]``.
+
+    After ``quantize_fp8`` the weight is float8_e4m3fn with ``weight_scale [output_size, 1]``
+    (float32, one per output channel) and the product is FP8 W8A8
+    (``pagedllm.quantization.fp8``)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -38,12 +43,23 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         )
+        self.weight_scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return linear(x, self.weight, self.bias)
 
+    def quantize_fp8(self) -> None:
+        """Replace the loaded weight by its FP8 rows and their scales (once)."""
+        if self.weight_scale is None:
+            quantized, scale = quantize_rows(self.weight.data)
+            self.weight = nn.Parameter(quantized, requires_grad=False)
+            self.weight_scale = scale
+
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+        fp8 = ", fp8" if self.weight_scale is not None else ""
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}{fp8}"
 
 
 class FusedLinear(Linear):

@@ -73,6 +73,12 @@ def load_model(
         fill_dummy_weights(model, model_config.seed)
     else:
         model.load_weights(iter_safetensors(model_config.path))
+    if model_config.quantization == "fp8":
+        from pagedllm.quantization.fp8 import quantize_model_fp8
+
+        quantize_model_fp8(model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the bf16 weights' memory goes back to the pool
     return model
 
 

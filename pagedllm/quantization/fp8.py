@@ -1,0 +1,83 @@
+"""FP8 W8A8 with dynamic scales (``--quantization fp8`` on a bf16/fp16/fp32 checkpoint).
+
+At load, the weight of every projection inside the decoder layers (qkv, o, gate/up, down)
+is quantized to float8_e4m3fn with one scale per output channel; the embedding, the LM
+head and the norms stay in the model's dtype. At run time each projection's input is
+quantized per token (row), and the product is::
+
+    y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n]  (+ bias[n])
+    xq = round_e4m3(x / x_scale),  x_scale[t] = max_k |x[t, k]| / 448   (likewise w per row n)
+
+On CUDA devices of compute capability 8.9 or higher the product runs on the FP8 tensor
+cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32). Elsewhere the
+same quantized operands are dequantized and multiplied in float32: the reference the
+tests compare with (an HF model whose weights and projection inputs are quantized the
+same way gives the same greedy tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# Scales never reach zero (an all-zero row quantizes to zeros with this scale).
+_MIN_SCALE = 1e-12
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R, C]`` -> (float8_e4m3fn ``[R, C]``, float32 scales ``[R, 1]``), one scale per row."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=_MIN_SCALE)
+    quantized = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized, scale
+
+
+def dequantize_rows(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of quantized rows (the inverse of ``quantize_rows`` up to rounding)."""
+    return quantized.float() * scale
+
+
+@functools.cache
+def _fp8_matmul_supported(device: torch.device) -> bool:
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias`` with ``x`` quantized per token; ``x [T, K]`` in the
+    model's dtype, ``weight [N, K]`` float8_e4m3fn, ``weight_scale [N, 1]`` float32.
+    Returns ``[T, N]`` in ``x``'s dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    xq, x_scale = quantize_rows(x2)
+    if _fp8_matmul_supported(x.device) and x.dtype in (torch.bfloat16, torch.float16):
+        # Row-wise scales need a bfloat16 result.
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(),
+                               bias=None if bias is None else bias.to(torch.bfloat16),
+                               out_dtype=torch.bfloat16).to(x.dtype)
+    else:
+        out = dequantize_rows(xq, x_scale) @ dequantize_rows(weight, weight_scale).t()
+        if bias is not None:
+            out = out + bias.float()
+        out = out.to(x.dtype)
+    return out.reshape(*shape[:-1], weight.shape[0])
+
+
+def quantize_model_fp8(model: nn.Module) -> int:
+    """Quantize the projections inside the decoder layers of a loaded model in place (see
+    the module docstring); returns how many were quantized."""
+    from pagedllm.layers.linear import Linear
+
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and ".layers." in f".{name}":
+            module.quantize_fp8()
+            count += 1
+    if count == 0:
+        raise ValueError("--quantization fp8 found no projection to quantize in this model.")
+    return count

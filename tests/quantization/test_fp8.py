@@ -1,0 +1,84 @@
+"""FP8 W8A8 (``--quantization fp8``): the product equals its quantize-dequantize reference,
+and greedy tokens equal HF transformers' on the same quantized weights with the same
+per-token quantization of every projection's input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.quantization.fp8 import FP8_DTYPE, dequantize_rows, fp8_linear, quantize_rows
+from tests.engine.conftest import hf_greedy, random_prompts
+from tests.utils import make_tiny_checkpoint
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_quantized_rows_keep_each_rows_largest_value_at_the_format_limit():
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)) * torch.tensor(
+        [[1e-3], [1.0], [30.0], [1e3], [0.0]])
+    q, scale = quantize_rows(x)
+    assert q.dtype == FP8_DTYPE and scale.shape == (5, 1)
+    assert torch.equal(q[:4].float().abs().amax(-1), torch.full((4,), 448.0))
+    assert torch.all(q[4].float() == 0)
+    # e4m3 keeps 3 mantissa bits: within 1/16 of each value, relative to its row's scale.
+    error = (dequantize_rows(q, scale) - x).abs() / scale
+    assert error.max() <= 448 / 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_equals_the_dequantized_product(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 96, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(48, 96, generator=gen).to(DEVICE)
+    bias = torch.randn(48, generator=gen).to(DEVICE, dtype)
+    wq, w_scale = quantize_rows(w)
+    xq, x_scale = quantize_rows(x)
+    want = dequantize_rows(xq, x_scale) @ dequantize_rows(wq, w_scale).t() + bias.float()
+    got = fp8_linear(x, wq, w_scale, bias)
+    assert got.dtype == dtype and got.shape == (7, 48)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (got.float() - want).norm() / want.norm() < tolerance
+
+
+def hf_fp8_reference(model_dir, prompts, max_new_tokens):
+    """HF transformers' greedy tokens with the decoder's projections emulating FP8 W8A8:
+    weights quantized per output channel, inputs per token, products in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def quantize_input(module, args):
+        (x,) = args
+        q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        return (dequantize_rows(q, scale).reshape(x.shape),)
+
+    with torch.no_grad():
+        for name, module in model.model.layers.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                q, scale = quantize_rows(module.weight)
+                module.weight.copy_(dequantize_rows(q, scale))
+                module.register_forward_pre_hook(quantize_input)
+    return [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_fp8_tokens_equal_hf_with_the_same_quantization(tmp_path, family):
+    model_dir = make_tiny_checkpoint(tmp_path, family, vocab_size=256, max_position_embeddings=128)
+    prompts = random_prompts(4, 3, 20, seed=2, vocab=256)
+    llm = LLM(str(model_dir), quantization="fp8", dtype="float32", block_size=8,
+              max_model_len=128, device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert got == hf_fp8_reference(model_dir, prompts, 10)
+    # Only the decoder's projections are FP8: embedding and LM head keep the model's dtype.
+    model = llm.llm_engine.engine_core.model_runner.model
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
+    assert model.lm_head.weight.dtype == torch.float32
+
+
+def test_an_unimplemented_quantization_is_refused_with_the_one_that_is():
+    with pytest.raises(ValueError, match="use fp8, or drop --quantization"):
+        LLM(quantization="gptq")
