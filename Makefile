@@ -22,7 +22,8 @@ test: venv
 generate: venv
 	$(VENV)/bin/pagedllm generate "def fibonacci(n):"
 
-# The OpenAI-compatible server with the bundled demo model on port 8000 (Ctrl-C stops it).
+# The OpenAI-compatible server with the bundled demo model on port 8000 (Ctrl-C stops it);
+# its log prints the playground's URL, http://localhost:8000/.
 serve: venv
 	$(VENV)/bin/pagedllm serve --port 8000
 

@@ -5,7 +5,8 @@
 
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
-``GET /version``, ``GET /metrics`` (Prometheus).
+``GET /version``, ``GET /metrics`` (Prometheus), and the playground page at ``GET /``
+(``web_ui.py``; ``--disable-web-ui`` removes it).
 
 Lifecycle: the listening socket is bound first (a taken port fails in a second, not after
 the model loads), then the engine core process starts; its startup errors end the command
@@ -49,6 +50,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, load_cha
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.web_ui import add_web_ui, display_url
 from pagedllm.metrics import ServerMetrics, StatsLogger
 
 logger = logging.getLogger("pagedllm.server")
@@ -152,9 +154,10 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 # -- the app ------------------------------------------------------------------------------
 def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerMetrics | None = None,
               chat_template: str | None = None, api_key: str | None = None,
-              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              web_ui: bool = True) -> FastAPI:
     """``tool_call_parser`` (set with --enable-auto-tool-choice) and ``reasoning_parser``
-    are registry names (tool_parsers/, reasoning/)."""
+    are registry names (tool_parsers/, reasoning/); ``web_ui`` serves the playground at ``/``."""
     from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
     from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 
@@ -170,6 +173,11 @@ def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerM
     tokenization = OpenAIServingTokenization(chat)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if web_ui:
+        add_web_ui(app, {"version": pagedllm.__version__, "api_key_required": bool(api_key),
+                         "tool_call_parser": tool_call_parser,
+                         "reasoning_parser": reasoning_parser,
+                         "metrics": metrics is not None})
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError):
@@ -280,7 +288,8 @@ async def serve(args: argparse.Namespace) -> int:
     models = OpenAIServingModels(served_names, str(config.model_config.path),
                                  config.model_config.max_model_len)
     app = build_app(engine, models, metrics, chat_template, args.api_key,
-                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                    web_ui=not args.disable_web_ui)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,
@@ -295,13 +304,16 @@ async def serve(args: argparse.Namespace) -> int:
 
     engine.on_dead = on_engine_dead
     info = engine.info
+    url = display_url(args.host, args.port)
     logger.info(
-        "pagedllm %s serving %s at http://%s:%d/v1 (model %s, %s on %s); KV cache: %d blocks x %d "
+        "pagedllm %s serving %s at %sv1 (model %s, %s on %s); KV cache: %d blocks x %d "
         "tokens = %d tokens; max concurrency at max_model_len=%d: %.2fx%s",
-        pagedllm.__version__, ", ".join(served_names), args.host, args.port, info.model,
+        pagedllm.__version__, ", ".join(served_names), url, info.model,
         info.dtype, info.device, info.num_kv_blocks, info.block_size, info.num_kv_tokens,
         info.max_model_len, info.max_concurrency, "; API key required" if args.api_key else "",
     )
+    if not args.disable_web_ui:
+        logger.info("Playground: open %s in a browser", url)
     stats_task = None
     if not args.disable_log_stats:
         stats_task = asyncio.get_running_loop().create_task(

@@ -72,6 +72,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--reasoning-parser", default=None,
                        help="Split <think>...</think> into reasoning_content: deepseek_r1, "
                             "qwen3 (default: none, the reasoning stays in content).")
+    group.add_argument("--disable-web-ui", action="store_true",
+                       help="Do not serve the playground page at / (chat, structured output, "
+                            "tools and live engine charts in a browser); / then answers 404 "
+                            "and the API is unchanged.")
     group.add_argument("--guided-decoding-backend", default=None,
                        help="The structured-output backend: llguidance (also 'auto', "
                             "'guidance'; default: llguidance).")
