@@ -181,3 +181,22 @@ def test_bench_overhead_times_penalty_metadata_both_ways(tmp_path):
     assert record["vocab_size"] == 256
     assert record["penalty_metadata_kept_ms"] > 0 and record["penalty_metadata_afresh_ms"] > 0
     assert "penalty metadata per step" in result.stdout
+
+
+def test_generate_constrains_its_output_with_the_structured_output_flags(tmp_path):
+    schema = tmp_path / "point.json"
+    schema.write_text(json.dumps({"type": "object", "additionalProperties": False,
+                                  "required": ["x", "y"],
+                                  "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                 "y": {"type": "integer", "minimum": 0, "maximum": 9}}}))
+    result = pagedllm("--log-level", "WARNING", "generate", "p = ", "--max-tokens", "30",
+                      "--json-schema", str(schema))
+    assert result.returncode == 0, result.stderr
+    completion = result.stdout.splitlines()[0].removeprefix("p = ")
+    assert set(json.loads(completion)) == {"x", "y"} and "[stop," in result.stdout
+    result = pagedllm("--log-level", "WARNING", "generate", "answer: ", "--choice", "yes",
+                      "--choice", "no", "--temperature", "1", "--sampling-seed", "3")
+    assert result.stdout.splitlines()[0] in ("answer: yes", "answer: no"), result.stdout
+    result = pagedllm("generate", "x", "--regex", "a+", "--choice", "b")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: Give one output constraint, not --regex and --choice."

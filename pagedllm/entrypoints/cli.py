@@ -36,6 +36,46 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sampling-seed", type=int, default=None,
                        help="Per-request sampling seed (default: none: unseeded requests draw "
                             "from the engine's generator, seeded by --seed).")
+    constraint = parser.add_argument_group(
+        "structured output (one of these; the output is complete when it matches)")
+    constraint.add_argument("--json-schema", metavar="FILE", default=None,
+                            help="A JSON schema file the output must validate against.")
+    constraint.add_argument("--json-object", action="store_true",
+                            help="The output is one JSON object.")
+    constraint.add_argument("--regex", default=None, help="A regex the output must fully match.")
+    constraint.add_argument("--choice", action="append", default=None,
+                            help="One allowed output (repeatable): the output is one of them.")
+    constraint.add_argument("--grammar", metavar="FILE", default=None,
+                            help="A Lark or GBNF grammar file the output must match.")
+
+
+def _structured_outputs(args: argparse.Namespace):
+    """The output constraint the flags ask for, or None; ValueError for two or a bad file."""
+    from pathlib import Path
+
+    from pagedllm.structured import StructuredOutputsParams
+
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"Cannot read {path}: {exc.strerror}.") from None
+
+    given = {
+        "json": read(args.json_schema) if args.json_schema else None,
+        "json_object": args.json_object,
+        "regex": args.regex,
+        "choice": args.choice,
+        "grammar": read(args.grammar) if args.grammar else None,
+    }
+    given = {k: v for k, v in given.items() if v}
+    if not given:
+        return None
+    if len(given) > 1:
+        flags = {"json": "--json-schema", "json_object": "--json-object", "regex": "--regex",
+                 "choice": "--choice", "grammar": "--grammar"}
+        raise ValueError(f"Give one output constraint, not {' and '.join(flags[k] for k in given)}.")
+    return StructuredOutputsParams(**given)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -44,6 +84,7 @@ def _sampling_params(args: argparse.Namespace):
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, n=args.n, stop=args.stop, seed=args.sampling_seed,
+        structured_outputs=_structured_outputs(args),
     )
 
 
