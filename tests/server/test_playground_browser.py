@@ -225,3 +225,31 @@ def test_a_json_schema_constrains_the_reply(page):
     user = json.loads(reply.find_element(By.CSS_SELECTOR, ".content").text)
     assert set(user) == {"name", "age"} and 0 <= user["age"] <= 120
     assert severe_entries(page) == []
+
+
+def test_reasoning_is_shown_apart_from_the_answer(driver, tmp_path_factory):
+    """With --reasoning-parser deepseek_r1 an output with no ``</think>`` is all reasoning:
+    the page shows it in its own block, and no answer text."""
+    remote = RemoteServer(None, tmp_path_factory.mktemp("playground-reasoning") / "server.log",
+                          "--reasoning-parser", "deepseek_r1")
+    try:
+        driver.get(remote.base_url + "/")
+        wait(driver, lambda: text(driver, "#conn").startswith("connected"))
+        assert "deepseek_r1" in driver.execute_script(
+            "return document.getElementById('reasoning-note').textContent")
+        set_value(driver, "temperature", "0")
+        set_value(driver, "max-tokens", "24")
+        send(driver, "Write a function that reverses a list.")
+        reply = wait_for_reply(driver)
+        reasoning = reply.find_element(By.CSS_SELECTOR, ".reasoning .text").text
+        expected = httpx.post(
+            f"{remote.api_url}/chat/completions", timeout=60,
+            json={"messages": [{"role": "user", "content": "Write a function that reverses a list."}],
+                  "temperature": 0, "max_tokens": 24},
+        ).json()["choices"][0]["message"]
+        assert expected["content"] is None
+        assert reasoning.strip() == expected["reasoning_content"].strip() != ""
+        assert reply.find_elements(By.CSS_SELECTOR, ".content") == []
+        assert severe_entries(driver) == []
+    finally:
+        remote.stop()
