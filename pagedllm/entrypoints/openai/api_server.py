@@ -12,7 +12,11 @@ Lifecycle: the listening socket is bound first (a taken port fails in a second, 
 the model loads), then the engine core process starts; its startup errors end the command
 with a non-zero status and their message. SIGTERM (or Ctrl-C) stops accepting connections,
 lets in-flight requests finish for up to ``--shutdown-timeout`` seconds, aborts the rest,
-stops the core and exits 0. If the core dies while serving, the server stops and exits 1.
+stops the core and exits 0. If the core dies while serving (killed, or an exception in a
+step), within about a second every in-flight request ends with a 500 (a stream with an
+error event, then ``[DONE]``), new requests and ``/health`` get 503, and the server stops
+and exits 1, so a supervisor restarts it. An unexpected exception in a handler is a 500
+with a generic message; its traceback stays in the server's log.
 
 A client that disconnects aborts its request at once: streaming responses notice through
 the ASGI disconnect event, non-streaming ones race the handler against it.
@@ -43,8 +47,8 @@ from pagedllm.engine.arg_utils import EngineArgs, HelpFormatter
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStartupError
 from pagedllm.entrypoints.openai.cli_args import add_serve_args, validate_serve_args
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest,
-    error_body,
+    INTERNAL_ERROR_MESSAGE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+    OpenAIError, TokenizeRequest, error_body,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -195,13 +199,13 @@ def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerM
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError):
-        return JSONResponse(error_body(str(exc), "server_error"), status_code=503)
+        # An in-flight request whose engine died; new requests are refused with a 503.
+        return JSONResponse(error_body(str(exc), "server_error"), status_code=500)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception):
-        logger.exception("Unhandled error")
-        return JSONResponse(error_body(f"Internal server error: {exc!r}", "server_error"),
-                            status_code=500)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("Unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(INTERNAL_ERROR_MESSAGE, "server_error"), status_code=500)
 
     @app.get("/health")
     async def health():
@@ -300,6 +304,7 @@ async def serve(args: argparse.Namespace) -> int:
     def on_engine_dead(error: EngineDeadError) -> None:
         nonlocal exit_code
         exit_code = 1
+        logger.error("The engine core is dead: the server stops and exits with status 1.")
         server.should_exit = True
 
     engine.on_dead = on_engine_dead

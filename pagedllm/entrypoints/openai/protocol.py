@@ -44,6 +44,10 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                 404: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
+# What a client learns of an unexpected failure; the traceback goes to the server's log only.
+INTERNAL_ERROR_MESSAGE = "The server had an internal error while processing the request."
+
+
 def error_body(message: str, err_type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}

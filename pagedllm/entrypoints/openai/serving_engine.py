@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.entrypoints.openai.protocol import (
-    REFUSED_FIELDS, ChatTokenLogprob, OpenAIError, PromptTokensDetails, SamplingFields, TopLogprob,
+    INTERNAL_ERROR_MESSAGE, REFUSED_FIELDS, ChatTokenLogprob, OpenAIError, PromptTokensDetails, SamplingFields, TopLogprob,
     UsageInfo, error_body,
 )
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -47,10 +47,14 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def sse_error(exc: BaseException) -> str:
-    """An error in the middle of a stream (the status line is already sent)."""
+    """An error in the middle of a stream (the status line is already sent): the error's
+    own message when it is meant for clients, a generic one (traceback logged) otherwise."""
     if isinstance(exc, OpenAIError):
         return sse(exc.body())
-    return sse(error_body(str(exc), "server_error"))
+    if isinstance(exc, EngineDeadError):
+        return sse(error_body(str(exc), "server_error"))
+    logger.error("Unhandled error in a stream", exc_info=exc)
+    return sse(error_body(INTERNAL_ERROR_MESSAGE, "server_error"))
 
 
 class OpenAIServing:
