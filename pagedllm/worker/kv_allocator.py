@@ -13,24 +13,101 @@ time (and, on a GPU, memory other processes could use).
 One block holds ``block_size`` tokens of K and V for every layer::
 
     bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+
+The arithmetic (``block_bytes``, ``gpu_kv_bytes``, ``cpu_kv_bytes``, ``blocks_for_bytes``,
+``blocks_per_request``, ``max_concurrency``, ``weight_bytes``) takes plain numbers and needs
+no torch, so ``pagedllm doctor`` and ``pagedllm plan`` size a cache exactly as the engine
+does without loading a model.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from pagedllm.config import EngineConfig
 
+if TYPE_CHECKING:
+    import torch
+
 _GIB = 1 << 30
+# Bytes of one element of each dtype the engine runs in.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+FP8_BYTES = 1
+
+
+def block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                element_size: int) -> int:
+    """Bytes of one KV block: K and V of ``block_size`` tokens in every layer."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
 
 
 def bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
     m = config.model_config
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * m.num_layers * config.cache_config.block_size * m.num_kv_heads * m.head_dim * element
+    return block_bytes(num_layers=m.num_layers, block_size=config.cache_config.block_size,
+                       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                       element_size=dtype.itemsize)
+
+
+def gpu_kv_bytes(total_bytes: int, gpu_memory_utilization: float, used_bytes: int,
+                 reserved_bytes: int = 0) -> int:
+    """Bytes left for the cache on a GPU: the utilization's share of its memory less what the
+    weights and activations use (``used_bytes``) and ``reserved_bytes``; may be negative."""
+    return int(total_bytes * gpu_memory_utilization) - used_bytes - reserved_bytes
+
+
+def cpu_kv_bytes(kv_cache_memory_gb: float) -> int:
+    """Bytes of the cache on the CPU (``kv_cache_memory_gb`` is in GiB)."""
+    return int(kv_cache_memory_gb * _GIB)
+
+
+def blocks_per_request(num_tokens: int, block_size: int) -> int:
+    """Blocks one request of ``num_tokens`` tokens holds."""
+    return math.ceil(num_tokens / block_size)
+
+
+def blocks_for_bytes(available_bytes: int, per_block: int, usable_blocks: int) -> int:
+    """Whole blocks in ``available_bytes`` (none if negative), at most ``usable_blocks``."""
+    return min(max(available_bytes // per_block, 0), usable_blocks)
+
+
+def max_concurrency(num_blocks: int, num_tokens: int, block_size: int) -> int:
+    """Requests of ``num_tokens`` tokens that ``num_blocks`` blocks hold at once."""
+    return num_blocks // blocks_per_request(num_tokens, block_size)
+
+
+def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = None) -> int:
+    """Bytes of a Llama-family model's weights, from its config.json.
+
+    Every parameter takes ``element_size`` bytes, except with ``quantization="fp8"``: the
+    decoder layers' projections then take one byte per weight plus a float32 scale per
+    output channel (the embedding, the LM head and the norms keep ``element_size``).
+    """
+    hidden = hf_config["hidden_size"]
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    head_dim = hf_config.get("head_dim") or hidden // heads
+    inter = hf_config["intermediate_size"]
+    vocab = hf_config["vocab_size"]
+    layers = hf_config["num_hidden_layers"]
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv_out = q_size + 2 * kv_size
+    projections = hidden * qkv_out + q_size * hidden + 3 * hidden * inter
+    out_channels = qkv_out + hidden + 2 * inter + hidden
+    family = hf_config.get("model_type", "llama")
+    biases = 0
+    if family == "qwen2":
+        biases = qkv_out
+    elif hf_config.get("attention_bias"):
+        biases = qkv_out + hidden
+    if hf_config.get("mlp_bias") and family == "llama":
+        biases += 2 * inter + hidden
+    norms = 2 * hidden + (2 * head_dim if family == "qwen3" else 0)
+    embeddings = vocab * hidden * (1 if hf_config.get("tie_word_embeddings") else 2) + hidden
+    if quantization == "fp8":
+        per_layer = projections * FP8_BYTES + out_channels * 4 + (biases + norms) * element_size
+        return layers * per_layer + embeddings * element_size
+    return (layers * (projections + biases + norms) + embeddings) * element_size
 
 
 def determine_num_blocks(
@@ -44,10 +121,13 @@ def determine_num_blocks(
 
     ``reserved_bytes`` (CUDA only) is memory that must stay free beside the cache.
     """
+    import torch
+
     cache = config.cache_config
     per_block = bytes_per_block(config, dtype)
-    usable = config.scheduler_config.max_num_seqs * math.ceil(
-        config.model_config.max_model_len / cache.block_size)
+    max_model_len = config.model_config.max_model_len
+    needed = blocks_per_request(max_model_len, cache.block_size)
+    usable = config.scheduler_config.max_num_seqs * needed
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
         source = f"num_kv_blocks={num_blocks}"
@@ -58,19 +138,17 @@ def determine_num_blocks(
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         _, total = torch.cuda.mem_get_info(device)
-        available = int(total * cache.gpu_memory_utilization) - peak - reserved_bytes
-        num_blocks = min(max(available // per_block, 0), usable)
+        available = gpu_kv_bytes(total, cache.gpu_memory_utilization, peak, reserved_bytes)
+        num_blocks = blocks_for_bytes(available, per_block, usable)
         source = (
             f"gpu_memory_utilization={cache.gpu_memory_utilization} "
             f"({available / _GIB:.2f} GiB left after weights, activations"
             f"{' and CUDA graphs' if reserved_bytes else ''})"
         )
     else:
-        num_blocks = min(int(cache.kv_cache_memory_gb * _GIB) // per_block, usable)
+        num_blocks = blocks_for_bytes(cpu_kv_bytes(cache.kv_cache_memory_gb), per_block, usable)
         source = f"kv_cache_memory_gb={cache.kv_cache_memory_gb}"
 
-    max_model_len = config.model_config.max_model_len
-    needed = math.ceil(max_model_len / cache.block_size)
     if num_blocks < needed:
         raise ValueError(
             f"The KV cache holds {num_blocks * cache.block_size} tokens ({num_blocks} blocks, "
@@ -85,6 +163,8 @@ def allocate_kv_caches(
     config: EngineConfig, num_blocks: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
+    import torch
+
     m = config.model_config
     shape = (2, num_blocks, config.cache_config.block_size, m.num_kv_heads, m.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(m.num_layers)]

@@ -9,10 +9,12 @@ from pagedllm.config import BUILTIN_CONFIGS_DIR, ModelConfig, builtin_model_conf
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.rotary import compute_inv_freq, rope_parameters_from_hf
 from pagedllm.models.registry import get_model_class
+from pagedllm.worker.kv_allocator import weight_bytes
 
 # Parameter counts of the published checkpoints (embeddings included, tied ones once).
 PUBLISHED_PARAMETERS = {
     "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
     "llama-3.2-1b": 1_235_814_400,
     "llama-3.2-3b": 3_212_749_824,
     "mistral-7b": 7_248_023_552,
@@ -35,6 +37,8 @@ def test_builtin_config_builds_the_published_parameter_count(name) -> None:
     with torch.device("meta"):
         model = get_model_class(config.architectures)(config.hf_config)
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[name]
+    # The memory model of doctor and plan counts the same parameters from config.json.
+    assert weight_bytes(config.hf_config, 1) == PUBLISHED_PARAMETERS[name]
 
 
 def test_llama_3_1_8b_has_the_benchmark_shape_and_llama3_rope() -> None:

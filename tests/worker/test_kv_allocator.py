@@ -1,0 +1,65 @@
+"""KV cache sizing: the plain arithmetic doctor and plan share, and the engine's sizing on
+top of it, against hand-computed values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.worker.kv_allocator import (
+    block_bytes, blocks_for_bytes, blocks_per_request, bytes_per_block, cpu_kv_bytes,
+    determine_num_blocks, gpu_kv_bytes, max_concurrency, weight_bytes,
+)
+
+GIB = 1 << 30
+
+
+def test_block_bytes_counts_k_and_v_of_every_layer() -> None:
+    # Llama-3.1-8B in bf16: 2 x 32 layers x 16 tokens x 8 heads x 128 x 2 bytes = 2 MiB.
+    assert block_bytes(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128,
+                       element_size=2) == 2 * 32 * 16 * 8 * 128 * 2 == 2 << 20
+
+
+def test_blocks_concurrency_and_budgets_by_hand() -> None:
+    assert blocks_per_request(8192, 16) == 512 and blocks_per_request(8193, 16) == 513
+    assert blocks_for_bytes(10 * GIB, 2 << 20, 10**9) == 5120
+    assert blocks_for_bytes(10 * GIB, 2 << 20, 4000) == 4000
+    assert blocks_for_bytes(-GIB, 2 << 20, 4000) == 0
+    assert max_concurrency(5120, 8192, 16) == 10
+    assert gpu_kv_bytes(100 * GIB, 0.9, 16 * GIB) == 74 * GIB
+    assert gpu_kv_bytes(100 * GIB, 0.9, 16 * GIB, reserved_bytes=GIB) == 73 * GIB
+    assert cpu_kv_bytes(2.0) == 2 * GIB
+
+
+def test_fp8_weights_take_one_byte_per_projection_weight_plus_channel_scales() -> None:
+    hf = {"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "intermediate_size": 16, "vocab_size": 10, "num_hidden_layers": 1}
+    # head_dim 4: q 8, k 4, v 4 -> qkv 8x16 + o 8x8 + gate/up/down 3x8x16 = 576 weights;
+    # 16 + 8 + 32 + 8 = 64 output channels; 2 norms of 8; embed + head 2 x 80; final norm 8.
+    assert weight_bytes(hf, 2) == (576 + 16 + 160 + 8) * 2
+    assert weight_bytes(hf, 2, "fp8") == 576 + 64 * 4 + 16 * 2 + (160 + 8) * 2
+
+
+def _config(**kwargs):
+    return EngineArgs(model="qwen3-0.6b", device="cpu", **kwargs).create_engine_config()
+
+
+def test_engine_sizes_the_cpu_cache_from_kv_cache_memory_gb() -> None:
+    config = _config(max_model_len=4096, max_num_seqs=256, kv_cache_memory_gb=1.0)
+    # qwen3-0.6b: 28 layers, 8 KV heads, head_dim 128; float32 on the CPU.
+    per_block = 2 * 28 * 16 * 8 * 128 * 4
+    assert bytes_per_block(config, torch.float32) == per_block
+    blocks = determine_num_blocks(config, torch.float32, torch.device("cpu"), lambda: None)
+    assert blocks == GIB // per_block == 292
+
+
+def test_engine_cache_stops_at_what_max_num_seqs_requests_can_use() -> None:
+    config = _config(max_model_len=256, max_num_seqs=4, kv_cache_memory_gb=1.0)
+    assert determine_num_blocks(config, torch.float32, torch.device("cpu"), lambda: None) == 64
+
+
+def test_engine_refuses_a_cache_smaller_than_one_request() -> None:
+    config = _config(max_model_len=40960, kv_cache_memory_gb=1.0)
+    with pytest.raises(ValueError, match="holds 4672 tokens .* needs 40960: lower --max-model-len"):
+        determine_num_blocks(config, torch.float32, torch.device("cpu"), lambda: None)
