@@ -28,13 +28,15 @@ def builtin_model_configs() -> list[str]:
     return sorted(p.name for p in BUILTIN_CONFIGS_DIR.glob("*") if (p / "config.json").is_file())
 
 
-def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+def resolve_model_path(model: str | None, revision: str | None = None,
+                       local_files_only: bool = False) -> Path:
     """Map a model argument to a local directory holding config.json.
 
     ``None`` is the bundled demo model; a name of a bundled model or of a built-in benchmark
     config (``llama-3.1-8b``, used with ``load_format="dummy"``) resolves inside the
     package; an existing directory is used as is; anything else is a Hugging Face hub id,
-    fetched through huggingface_hub's cache (``HF_HUB_OFFLINE=1`` is honoured).
+    fetched through huggingface_hub's cache (``HF_HUB_OFFLINE=1`` is honoured; with
+    ``local_files_only`` nothing is downloaded and a model not in the cache is a ValueError).
     """
     name = model or DEFAULT_MODEL
     for root in (BUNDLED_MODELS_DIR, BUILTIN_CONFIGS_DIR):
@@ -54,6 +56,7 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
         local = snapshot_download(
             name, revision=revision,
             allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"],
+            local_files_only=local_files_only,
         )
     except Exception as exc:  # network off, repo missing, offline cache empty...
         bundled = sorted(p.name for p in BUNDLED_MODELS_DIR.glob("*") if p.is_dir())

@@ -1,9 +1,10 @@
-"""The ``pagedllm`` command: ``serve``, ``generate``, ``chat`` and ``bench``.
+"""The ``pagedllm`` command: ``serve``, ``generate``, ``chat``, ``doctor``, ``plan`` and ``bench``.
 
     pagedllm serve --port 8000        # the OpenAI-compatible server (bundled demo model)
     pagedllm generate "def fibonacci(n):" --max-tokens 64
     pagedllm generate --model qwen3-0.6b --load-format dummy --prompt-token-ids 1,2,3
     pagedllm chat "Write a function that reverses a list."
+    pagedllm doctor --max-model-len 8192       # check the setup, with the serve flags
     pagedllm bench throughput --num-prompts 64 --input-len 64:256 --output-len 64:256
     pagedllm bench latency --model llama-3.1-8b --load-format dummy   # L1 and P1
     pagedllm bench overhead --num-requests 256
@@ -159,6 +160,14 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         sys.exit(code)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.doctor import run
+
+    code = run(args)
+    if code:
+        sys.exit(code)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__,
                                      formatter_class=HelpFormatter)
@@ -193,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     EngineArgs.add_cli_args(chat)
     chat.set_defaults(func=_cmd_chat)
+
+    from pagedllm.entrypoints import doctor
+
+    doc = add_parser("doctor", "Check the setup before serving (takes the serve flags).",
+                     description=doctor.__doc__)
+    doctor.add_cli_args(doc)
+    doc.set_defaults(func=_cmd_doctor)
 
     bench = add_parser("bench", "Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
