@@ -12,6 +12,11 @@ label on all of them::
     pagedllm:prefix_cache_queries_total      counter  prompt tokens looked up in the prefix cache
     pagedllm:prefix_cache_hits_total         counter  of those, tokens found
     pagedllm:num_preemptions_total           counter  preemptions (recompute)
+    pagedllm:num_requests_rejected_total     counter  requests refused with a 503 because the
+                                                      waiting queue was full (--max-num-waiting)
+    pagedllm:api_server_requests             gauge    user requests the API process holds any
+                                                      state of (streams, detokenizers, deadlines);
+                                                      0 when none is open
     pagedllm:prompt_tokens_total             counter  prompt tokens of requests that got a first token
     pagedllm:generation_tokens_total         counter  tokens generated
     pagedllm:request_success_total           counter  finished sequences, by finished_reason
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics,
@@ -111,6 +117,10 @@ class _SchedulerCollector:
                       stats.prefix_cache_hits if stats else 0)
         yield counter("pagedllm:num_preemptions", "Requests preempted (to be recomputed).",
                       stats.num_preemptions if stats else 0)
+        tracked = self.metrics.tracked_requests
+        yield gauge("pagedllm:api_server_requests",
+                    "User requests the API process holds any state of.",
+                    tracked() if tracked is not None else 0)
 
 
 class _RenamedCollector:
@@ -148,6 +158,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self.scheduler_stats: SchedulerStats | None = None
+        # Set by the engine: how many user requests the API process holds state of.
+        self.tracked_requests: Callable[[], int] | None = None
         scheduler_collector = _SchedulerCollector(self)
         self.registry.register(scheduler_collector)
         # Plain totals too, for the log line's rates.
@@ -172,6 +184,11 @@ class ServerMetrics:
             "Mean time per output token after the first, per request, seconds.", labels,
             buckets=_TPOT_BUCKETS, registry=self.registry,
         )
+        rejected = Counter(
+            "pagedllm:num_requests_rejected",
+            "Requests refused with a 503 because the waiting queue was full.", labels,
+            registry=self.registry,
+        )
         e2e = Histogram(
             "pagedllm:e2e_request_latency_seconds", "End-to-end request latency, seconds.", labels,
             buckets=_LATENCY_BUCKETS, registry=self.registry,
@@ -187,6 +204,7 @@ class ServerMetrics:
         self._ttft = ttft.labels(model_name)
         self._tpot = tpot.labels(model_name)
         self._e2e = e2e.labels(model_name)
+        self._rejected = rejected.labels(model_name)
         self._queue = queue.labels(model_name)
         if compat == "vllm":
             sources = [scheduler_collector, prompt_tokens, generation_tokens, success, ttft, tpot,
@@ -214,6 +232,9 @@ class ServerMetrics:
         counter = self._success.get(finish_reason or "abort")
         if counter is not None:
             counter.inc()
+
+    def on_rejected(self) -> None:
+        self._rejected.inc()
 
     def on_request_finished(self, e2e_s: float, tpot_s: float | None) -> None:
         self._e2e.observe(e2e_s)

@@ -18,6 +18,13 @@ Invariants:
   (its KV blocks are freed before the next step).
 - If the core process dies, every open stream raises ``EngineDeadError`` and ``on_dead``
   is called; no request hangs.
+- With ``max_num_waiting``, ``add_request`` raises ``EngineOverloadedError`` while that many
+  core requests wait (submitted, not running: the core's last running count against the
+  sequences still unfinished here), so the queue, and the memory it holds, stays bounded.
+- With ``request_timeout_s``, a request still unfinished that long after its arrival is
+  aborted (its blocks freed) and its stream raises ``RequestTimeoutError``.
+- Once a request finishes or is aborted, nothing of it stays here (``num_tracked_requests``
+  is 0 when no request is open).
 """
 
 from __future__ import annotations
@@ -38,9 +45,18 @@ from pagedllm.metrics import ServerMetrics
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
-__all__ = ["AsyncEngine", "RequestStream", "EngineDeadError", "EngineStartupError"]
+__all__ = ["AsyncEngine", "RequestStream", "EngineDeadError", "EngineOverloadedError",
+           "EngineStartupError", "RequestTimeoutError"]
 
 logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (``max_num_waiting``); the request was not accepted."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past ``request_timeout_s`` and was aborted."""
 
 
 @dataclass
@@ -100,8 +116,13 @@ class AsyncEngine:
     """Use ``await AsyncEngine.start(config)``; ``await shutdown()`` when done."""
 
     def __init__(self, config: EngineConfig, client: EngineCoreClient, tokenizer: Tokenizer | None,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, max_num_waiting: int | None = None,
+                 request_timeout_s: float | None = None) -> None:
+        """``max_num_waiting``: core requests that may wait at once (None: unbounded);
+        ``request_timeout_s``: seconds from arrival a request may take (None: no limit)."""
         self.config = config
+        self.max_num_waiting = max_num_waiting
+        self.request_timeout_s = request_timeout_s
         self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(config.model_config, tokenizer)
@@ -112,11 +133,15 @@ class AsyncEngine:
         self._client = client
         self._streams: dict[str, RequestStream] = {}
         self._timings: dict[str, _RequestTiming] = {}
+        self._deadlines: dict[str, asyncio.TimerHandle] = {}
+        self._num_running = 0  # core requests running, as of the core's last step
+        if metrics is not None:
+            metrics.tracked_requests = self.num_tracked_requests
         self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
 
     @classmethod
     async def start(cls, config: EngineConfig, metrics: ServerMetrics | None = None,
-                    log_level: str = "INFO") -> "AsyncEngine":
+                    log_level: str = "INFO", **limits) -> "AsyncEngine":
         """Load the tokenizer, start the core process and wait until it is ready.
 
         With ``skip_tokenizer_init`` (token-id mode) no tokenizer is loaded: ``tokenizer`` is
@@ -128,7 +153,7 @@ class AsyncEngine:
         tokenizer = None if model_config.skip_tokenizer_init else Tokenizer.from_pretrained(
             model_config.tokenizer_path, revision=model_config.revision)
         client = await EngineCoreClient.start(config, log_level=log_level)
-        return cls(config, client, tokenizer, metrics)
+        return cls(config, client, tokenizer, metrics, **limits)
 
     @property
     def info(self) -> CoreInfo:
@@ -142,6 +167,17 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.dead_error is None
 
+    @property
+    def num_waiting(self) -> int:
+        """Core requests submitted and not running (queued, preempted, or not yet seen by
+        the core)."""
+        return max(0, self.output_processor.num_unfinished_sequences() - self._num_running)
+
+    def num_tracked_requests(self) -> int:
+        """Requests with any state in this process (stream, detokenizer, timing, deadline)."""
+        return len(set(self._streams) | set(self._timings) | set(self._deadlines)
+                   | self.output_processor.request_ids())
+
     # -- requests -----------------------------------------------------------------------
     def add_request(
         self,
@@ -151,9 +187,16 @@ class AsyncEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> RequestStream:
-        """Validate and submit a request; raises ``ValueError`` (user error) or ``EngineDeadError``."""
+        """Validate and submit a request; raises ``ValueError`` (user error),
+        ``EngineOverloadedError`` or ``EngineDeadError``."""
         if self.dead_error is not None:
             raise self.dead_error
+        if self.max_num_waiting is not None and self.num_waiting >= self.max_num_waiting:
+            if self.metrics is not None:
+                self.metrics.on_rejected()
+            raise EngineOverloadedError(
+                f"The server is overloaded: {self.num_waiting} requests are waiting, the most "
+                f"it queues (--max-num-waiting {self.max_num_waiting}). Retry later.")
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -168,6 +211,10 @@ class AsyncEngine:
         self._timings[request_id] = _RequestTiming(
             arrival_time, len(processed.prompt_token_ids), tokens_per_sequence=[0] * params.n,
         )
+        if self.request_timeout_s is not None:
+            delay = max(0.0, arrival_time + self.request_timeout_s - time.monotonic())
+            self._deadlines[request_id] = asyncio.get_running_loop().call_later(
+                delay, self._expire, request_id)
         try:
             self._client.add_requests(requests)
         except Exception as exc:
@@ -207,9 +254,25 @@ class AsyncEngine:
             except Exception:  # the core is going away; nothing left to free
                 logger.debug("Could not send an abort for %s", request_id, exc_info=True)
 
-    def _forget(self, request_id: str) -> list[str]:
+    def _expire(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        self.abort(request_id)
+        stream.finished = False  # the consumer still reads the error
+        stream._put(RequestTimeoutError(
+            f"The request ran longer than the server's limit of {self.request_timeout_s:g} "
+            "seconds (--request-timeout) and was aborted."))
+
+    def _drop(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._timings.pop(request_id, None)
+        deadline = self._deadlines.pop(request_id, None)
+        if deadline is not None:
+            deadline.cancel()
+
+    def _forget(self, request_id: str) -> list[str]:
+        self._drop(request_id)
         return self.output_processor.abort_request(request_id)
 
     # -- outputs ------------------------------------------------------------------------
@@ -228,8 +291,9 @@ class AsyncEngine:
                     self._record(output, now)
                     stream._put(output)
                     if output.finished:
-                        self._streams.pop(output.request_id, None)
-                        self._timings.pop(output.request_id, None)
+                        self._drop(output.request_id)
+                if result.stats is not None:
+                    self._num_running = result.stats.num_running
                 if self.metrics is not None:
                     self.metrics.on_step(result.stats, result.queue_times)
         except asyncio.CancelledError:
@@ -267,8 +331,8 @@ class AsyncEngine:
         self.dead_error = error
         for stream in list(self._streams.values()):
             stream._put(error)
-        self._streams.clear()
-        self._timings.clear()
+        for request_id in list(self._streams) + list(self._deadlines):
+            self._drop(request_id)
         if self.on_dead is not None:
             self.on_dead(error)
 

@@ -137,6 +137,15 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def request_ids(self) -> set[str]:
+        """The user requests this processor holds any state of."""
+        return set(self._requests) | {state.request_id for state, _ in self._children.values()}
+
+    def num_unfinished_sequences(self) -> int:
+        """Sequences (core requests) not finished yet, over every request."""
+        return sum(1 for state in self._requests.values() for seq in state.sequences
+                   if seq.finish_reason is None)
+
     def process_outputs(
         self, core_outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:

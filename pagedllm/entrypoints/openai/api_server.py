@@ -44,7 +44,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.config import DEFAULT_MODEL
 from pagedllm.engine.arg_utils import EngineArgs, HelpFormatter
-from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStartupError
+from pagedllm.engine.async_engine import (
+    AsyncEngine, EngineDeadError, EngineStartupError, RequestTimeoutError,
+)
 from pagedllm.entrypoints.openai.cli_args import add_serve_args, validate_serve_args
 from pagedllm.entrypoints.openai.protocol import (
     INTERNAL_ERROR_MESSAGE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -52,6 +54,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import timeout_error
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.web_ui import add_web_ui, display_url
@@ -185,7 +188,12 @@ def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerM
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestTimeoutError)
+    async def _timed_out(_: Request, exc: RequestTimeoutError):
+        error = timeout_error(exc)
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(_: Request, exc: RequestValidationError):
@@ -284,7 +292,9 @@ async def serve(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(served_names[0], compat=args.metrics_compat)
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     try:
-        engine = await AsyncEngine.start(config, metrics, log_level=str(log_level))
+        engine = await AsyncEngine.start(config, metrics, log_level=str(log_level),
+                                         max_num_waiting=args.max_num_waiting,
+                                         request_timeout_s=args.request_timeout)
     except EngineStartupError as exc:
         sock.close()
         print(f"error: the engine could not start: {exc}", file=sys.stderr)

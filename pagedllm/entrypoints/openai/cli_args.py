@@ -62,6 +62,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="On SIGTERM, seconds in-flight requests may take to finish before "
                             "they are aborted.")
+    group.add_argument("--max-num-waiting", type=int, default=None,
+                       help="Refuse new requests with 503 and a Retry-After header while this "
+                            "many core requests (a request of n choices is n) wait to be "
+                            "scheduled (default: none, the queue is unbounded).")
+    group.add_argument("--request-timeout", type=float, default=None,
+                       help="Abort a request that has run this many seconds since it arrived "
+                            "and answer 504 (a stream ends with an error event) (default: "
+                            "none, no limit).")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='Answer tool_choice "auto" (the default with tools): the model '
                             "decides, and --tool-call-parser reads its calls.")
@@ -119,6 +127,10 @@ def validate_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 1..65535, got {args.port}.")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}.")
+    if args.max_num_waiting is not None and args.max_num_waiting < 1:
+        raise ValueError(f"--max-num-waiting must be >= 1, got {args.max_num_waiting}.")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}.")
     if args.log_stats_interval <= 0:
         raise ValueError(f"--log-stats-interval must be > 0, got {args.log_stats_interval}.")
     if args.api_key is not None and not args.api_key.strip():

@@ -28,8 +28,11 @@ class OpenAIError(Exception):
     """An error to answer with an HTTP status and the OpenAI error body."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None, err_type: str | None = None) -> None:
+                 code: str | None = None, err_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        """``headers``: extra response headers (``Retry-After`` on a 503)."""
         super().__init__(message)
+        self.headers = headers
         self.message = message
         self.status = status
         self.param = param
@@ -41,7 +44,8 @@ class OpenAIError(Exception):
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-                404: "invalid_request_error", 500: "server_error", 503: "server_error"}
+                404: "invalid_request_error", 413: "invalid_request_error",
+                500: "server_error", 503: "server_error", 504: "server_error"}
 
 
 # What a client learns of an unexpected failure; the traceback goes to the server's log only.

@@ -15,7 +15,9 @@ import re
 import uuid
 from collections.abc import AsyncIterator
 
-from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pagedllm.engine.async_engine import (
+    AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream, RequestTimeoutError,
+)
 from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.entrypoints.openai.protocol import (
     INTERNAL_ERROR_MESSAGE, REFUSED_FIELDS, ChatTokenLogprob, OpenAIError, PromptTokensDetails, SamplingFields, TopLogprob,
@@ -44,6 +46,13 @@ def sse(payload: dict | str) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+# Seconds a client refused for overload is told to wait before it retries.
+RETRY_AFTER_S = 1
+
+
+def timeout_error(exc: RequestTimeoutError) -> OpenAIError:
+    """A request aborted at its deadline: 504, OpenAI's error shape."""
+    return OpenAIError(str(exc), status=504, code="request_timeout")
 
 
 def sse_error(exc: BaseException) -> str:
@@ -53,6 +62,8 @@ def sse_error(exc: BaseException) -> str:
         return sse(exc.body())
     if isinstance(exc, EngineDeadError):
         return sse(error_body(str(exc), "server_error"))
+    if isinstance(exc, RequestTimeoutError):
+        return sse(timeout_error(exc).body())
     logger.error("Unhandled error in a stream", exc_info=exc)
     return sse(error_body(INTERNAL_ERROR_MESSAGE, "server_error"))
 
@@ -180,6 +191,9 @@ class OpenAIServing:
             )
         except EngineDeadError as exc:
             raise OpenAIError(str(exc), status=503) from None
+        except EngineOverloadedError as exc:
+            raise OpenAIError(str(exc), status=503, code="overloaded",
+                              headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ValueError as exc:
             raise bad_request(exc, default_param="prompt") from None
 
