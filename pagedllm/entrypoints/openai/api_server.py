@@ -54,7 +54,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import timeout_error
+from pagedllm.entrypoints.openai.serving_engine import RequestLimits, timeout_error
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.web_ui import add_web_ui, display_url
@@ -62,23 +62,23 @@ from pagedllm.metrics import ServerMetrics, StatsLogger
 
 logger = logging.getLogger("pagedllm.server")
 
-# Paths that need the API key when one is set; health, version and metrics stay open for
-# load balancers and Prometheus.
-_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+# The only paths open without the API key when one is set: probes and Prometheus, the
+# version, and the playground page (which asks for the key itself). Every other path, the
+# OpenAPI schema and its docs pages included, needs the key.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/"})
 
 
 # -- building blocks ----------------------------------------------------------------------
 class APIKeyMiddleware:
-    """Answers 401 unless ``Authorization: Bearer <key>`` matches (constant-time compare)."""
+    """Answers 401 on every path but ``OPEN_PATHS`` unless ``Authorization: Bearer <key>``
+    matches (constant-time compare)."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
         self.api_key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not scope["path"].startswith(
-            _PROTECTED_PREFIXES
-        ):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         auth = dict(scope["headers"]).get(b"authorization", b"")
@@ -91,6 +91,54 @@ class APIKeyMiddleware:
         response = JSONResponse(error_body(message, code="invalid_api_key"), status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
+
+
+class BodyTooLargeError(StarletteHTTPException):
+    """Raised while reading a body past the limit; an HTTPException, so the framework's
+    body parsing passes it on unchanged to its handler."""
+
+    def __init__(self, error: OpenAIError) -> None:
+        super().__init__(status_code=error.status, detail=error.message)
+        self.error = error
+
+
+class BodySizeLimitMiddleware:
+    """Answers 413 (OpenAI's error shape, naming the limit and its flag) to a request body
+    over ``max_bytes``: at once from ``Content-Length``, or as soon as a chunked body
+    passes the limit (the rest is never read)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _error(self) -> OpenAIError:
+        return OpenAIError(
+            f"The request body is larger than this server's limit of {self.max_bytes} bytes "
+            "(--max-request-body-bytes): send less, or raise the limit.", status=413,
+            code="request_too_large")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            error = self._error()
+            await JSONResponse(error.body(), status_code=error.status,
+                               headers={"Connection": "close"})(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLargeError(self._error())
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 class SSEResponse(StreamingResponse):
@@ -162,9 +210,11 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerMetrics | None = None,
               chat_template: str | None = None, api_key: str | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-              web_ui: bool = True) -> FastAPI:
+              web_ui: bool = True, limits: RequestLimits | None = None) -> FastAPI:
     """``tool_call_parser`` (set with --enable-auto-tool-choice) and ``reasoning_parser``
-    are registry names (tool_parsers/, reasoning/); ``web_ui`` serves the playground at ``/``."""
+    are registry names (tool_parsers/, reasoning/); ``web_ui`` serves the playground at ``/``;
+    ``limits`` caps what one request may ask for (default: ``RequestLimits()``)."""
+    limits = limits or RequestLimits()
     from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
     from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 
@@ -177,7 +227,10 @@ def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerM
         reasoning_parser=(get_reasoning_parser(reasoning_parser)(engine.tokenizer)
                           if reasoning_parser else None),
     )
+    completions.limits = chat.limits = limits
     tokenization = OpenAIServingTokenization(chat)
+    # The last one added runs first: the key is checked before any body is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if web_ui:
@@ -189,6 +242,11 @@ def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerM
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(BodyTooLargeError)
+    async def _body_too_large(_: Request, exc: BodyTooLargeError):
+        return JSONResponse(exc.error.body(), status_code=exc.error.status,
+                            headers={"Connection": "close"})
 
     @app.exception_handler(RequestTimeoutError)
     async def _timed_out(_: Request, exc: RequestTimeoutError):
@@ -303,7 +361,10 @@ async def serve(args: argparse.Namespace) -> int:
                                  config.model_config.max_model_len)
     app = build_app(engine, models, metrics, chat_template, args.api_key,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                    web_ui=not args.disable_web_ui)
+                    web_ui=not args.disable_web_ui,
+                    limits=RequestLimits(max_request_body_bytes=args.max_request_body_bytes,
+                                         max_n=args.max_n,
+                                         max_stop_sequences=args.max_stop_sequences))
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,

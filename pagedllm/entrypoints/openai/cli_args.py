@@ -32,8 +32,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                             "this machine only).")
     group.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                       help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
-                            f"/detokenize (default: ${API_KEY_ENV}; unset = no key).")
+                       help="Require 'Authorization: Bearer KEY' on every path but /health, "
+                            f"/metrics, /version and / (default: ${API_KEY_ENV}; unset = no key).")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="Names clients use in the 'model' field (default: the model argument).")
     group.add_argument("--chat-template", default=None,
@@ -70,6 +70,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="Abort a request that has run this many seconds since it arrived "
                             "and answer 504 (a stream ends with an error event) (default: "
                             "none, no limit).")
+    group.add_argument("--max-request-body-bytes", type=int, default=10 * 1024 * 1024,
+                       help="Largest request body accepted, in bytes; a larger one is answered "
+                            "413 before it is read.")
+    group.add_argument("--max-n", type=int, default=128,
+                       help="Largest n (choices per request) accepted.")
+    group.add_argument("--max-stop-sequences", type=int, default=64,
+                       help="Most stop strings one request may send.")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='Answer tool_choice "auto" (the default with tools): the model '
                             "decides, and --tool-call-parser reads its calls.")
@@ -131,6 +138,9 @@ def validate_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-num-waiting must be >= 1, got {args.max_num_waiting}.")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}.")
+    for flag in ("max_request_body_bytes", "max_n", "max_stop_sequences"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
     if args.log_stats_interval <= 0:
         raise ValueError(f"--log-stats-interval must be > 0, got {args.log_stats_interval}.")
     if args.api_key is not None and not args.api_key.strip():

@@ -14,6 +14,7 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from pagedllm.engine.async_engine import (
     AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream, RequestTimeoutError,
@@ -68,8 +69,20 @@ def sse_error(exc: BaseException) -> str:
     return sse(error_body(INTERNAL_ERROR_MESSAGE, "server_error"))
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for; each is a serve flag of the same name. Past a limit a
+    request is refused with a 400 (413 for the body) that names the limit and its flag."""
+
+    max_request_body_bytes: int = 10 * 1024 * 1024
+    max_n: int = 128
+    max_stop_sequences: int = 64
+
+
 class OpenAIServing:
     """Base of the completion and chat handlers."""
+
+    limits = RequestLimits()
 
     def __init__(self, engine: AsyncEngine, models: OpenAIServingModels) -> None:
         self.engine = engine
@@ -95,6 +108,7 @@ class OpenAIServing:
     def check_common(self, request: SamplingFields, endpoint: str) -> str:
         """Checks every endpoint shares; returns the model name to answer with."""
         model = self.models.resolve(request.model)
+        self.check_limits(request)
         if request.stop:
             self.require_tokenizer("stop (matched in the decoded text; use stop_token_ids)", "stop")
         unknown = request.unknown_fields()
@@ -115,6 +129,22 @@ class OpenAIServing:
                 "priority only has an effect when the server runs with --scheduling-policy "
                 "priority; remove it or restart the server with that flag.", param="priority")
         return model
+
+    def check_limits(self, request: SamplingFields) -> None:
+        """A 400 naming the limit and its flag for ``n`` or ``stop`` past ``self.limits``."""
+        limits = self.limits
+        if request.n > limits.max_n:
+            raise OpenAIError(f"n is {request.n}, above this server's limit of {limits.max_n} "
+                              "(--max-n): lower n.", param="n")
+        best_of = getattr(request, "best_of", None)
+        if best_of is not None and best_of > limits.max_n:
+            raise OpenAIError(f"best_of is {best_of}, above this server's limit of "
+                              f"{limits.max_n} (--max-n): lower best_of.", param="best_of")
+        num_stops = 1 if isinstance(request.stop, str) else len(request.stop or [])
+        if num_stops > limits.max_stop_sequences:
+            raise OpenAIError(f"stop has {num_stops} sequences, above this server's limit of "
+                              f"{limits.max_stop_sequences} (--max-stop-sequences): send fewer.",
+                              param="stop")
 
     def structured_outputs(self, request: SamplingFields) -> StructuredOutputsParams | None:
         """The request's output constraint (see structured_outputs.py), checked; or None."""
