@@ -5,6 +5,7 @@
     pagedllm generate --model qwen3-0.6b --load-format dummy --prompt-token-ids 1,2,3
     pagedllm chat "Write a function that reverses a list."
     pagedllm doctor --max-model-len 8192       # check the setup, with the serve flags
+    pagedllm plan --model llama-3.1-70b --requests-per-day 1000000 --candidates gpus.yaml
     pagedllm bench throughput --num-prompts 64 --input-len 64:256 --output-len 64:256
     pagedllm bench latency --model llama-3.1-8b --load-format dummy   # L1 and P1
     pagedllm bench overhead --num-requests 256
@@ -209,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
                      description=doctor.__doc__)
     doctor.add_cli_args(doc)
     doc.set_defaults(func=_cmd_doctor)
+
+    from pagedllm.entrypoints import plan
+
+    planner = add_parser("plan", "GPUs and cost per day of a traffic profile, per candidate "
+                         "deployment.", description=plan.__doc__)
+    plan.add_cli_args(planner)
+    planner.set_defaults(func=plan.run)
 
     bench = add_parser("bench", "Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
