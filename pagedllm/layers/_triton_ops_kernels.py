@@ -196,7 +196,7 @@ def small_batch_matmul_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
     norm_weight_ptr, residual_ptr, normed_ptr, residual_out_ptr, counter_ptr,
-    stride_rm, eps,
+    stride_rm, eps, weight_scale_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -205,6 +205,7 @@ def small_batch_matmul_kernel(
     USE_DOT: tl.constexpr,
     SILU_GATED: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
     output columns over the whole of ``K`` (no split, so no second pass and no atomics).
@@ -221,6 +222,11 @@ def small_batch_matmul_kernel(
     program that finishes last (an arrival count on ``counter``, reset by that program)
     normalises the ``M`` rows of ``out + residual`` as ``rms_norm_kernel`` does, into
     ``normed`` and ``residual_out`` (``[M, N]``, contiguous; ``NORM_BLOCK >= N``).
+
+    ``FP8``: FP8 W8A8 (``pagedllm.quantization.fp8``). ``weight`` is float8_e4m3fn with
+    ``weight_scale`` (float32, one per row); each row of ``x`` is quantized here as
+    ``quantize_rows`` does (a first pass over ``K`` finds its largest magnitude), the FP8
+    products accumulate in float32, and the sums are scaled by both scales.
     """
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -235,6 +241,13 @@ def small_batch_matmul_kernel(
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros_like(acc)
+    if FP8:
+        amax = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xa = tl.load(x_rows + k[None, :], mask=m_valid[:, None] & (k < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), 1))
+        x_scale = tl.maximum(amax / 448.0, 1e-12)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -249,6 +262,8 @@ def small_batch_matmul_kernel(
                 w_up = tl.load(up_rows + k[None, :], mask=k_valid[None, :], other=0.0)
             x_mask = m_valid[:, None] & k_valid[None, :]
         x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
+        if FP8:
+            x = tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w))
             if SILU_GATED:
@@ -263,6 +278,11 @@ def small_batch_matmul_kernel(
     else:
         out = tl.sum(acc, 1)[None, :]
         up = tl.sum(acc_up, 1)[None, :]
+    if FP8:
+        w_scale = tl.load(weight_scale_ptr + tl.minimum(n, N - 1))
+        out = out * x_scale[:, None] * w_scale[None, :]
+        if SILU_GATED:
+            up = up * x_scale[:, None] * tl.load(weight_scale_ptr + N + tl.minimum(n, N - 1))[None, :]
     if HAS_BIAS:
         out += tl.load(bias_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
         if SILU_GATED:

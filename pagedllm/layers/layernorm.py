@@ -62,5 +62,6 @@ def linear_and_norm(
     (one launch for both; the same roundings as the two kernels)."""
     if use_small_batch_matmul(x, proj.weight) and norm.weight.dtype == x.dtype:
         return small_batch_matmul(x, proj.weight, proj.bias,
-                                  norm=(norm.weight, norm.eps, residual))
+                                  norm=(norm.weight, norm.eps, residual),
+                                  weight_scale=proj.weight_scale)
     return norm(proj(x), residual)

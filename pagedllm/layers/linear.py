@@ -20,11 +20,17 @@ from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmu
 from pagedllm.quantization.fp8 import fp8_linear, quantize_rows
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``; small CUDA batches (decode steps of a few sequences) take the
-    Triton matrix-vector kernel (``triton_ops.small_batch_matmul``), the rest BLAS."""
+    Triton matrix-vector kernel (``triton_ops.small_batch_matmul``), the rest BLAS.
+    ``weight_scale``: an FP8 weight's row scales (FP8 W8A8, see ``fp8_linear``)."""
     if use_small_batch_matmul(x, weight):
-        return small_batch_matmul(x, weight, bias)
+        if weight_scale is None:
+            return small_batch_matmul(x, weight, bias)
+        return small_batch_matmul(x, weight, bias, weight_scale=weight_scale)
+    if weight_scale is not None:
+        return fp8_linear(x, weight, weight_scale, bias)
     return F.linear(x, weight, bias)
 
 
@@ -46,9 +52,7 @@ class Linear(nn.Module):
         self.weight_scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale is not None:
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
     def quantize_fp8(self) -> None:
         """Replace the loaded weight by its FP8 rows and their scales (once)."""

@@ -257,15 +257,25 @@ def gemv_max_rows() -> int:
 
 def use_small_batch_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when ``x @ weight.T`` should run as ``small_batch_matmul``: a CUDA half-precision
-    ``[M, K]`` input with ``1 <= M <= gemv_max_rows()`` and a row-major weight of its dtype."""
+    ``[M, K]`` input with ``1 <= M <= gemv_max_rows()`` and a row-major weight of its dtype,
+    or an FP8 weight on a GPU with FP8 tensor cores."""
     return (
         x.dim() == 2
         and 1 <= x.shape[0] <= gemv_max_rows()
         and x.dtype in (torch.float16, torch.bfloat16)
-        and weight.dtype == x.dtype
+        and (weight.dtype == x.dtype
+             or (weight.dtype == torch.float8_e4m3fn and fp8_dot_supported(x.device)))
         and weight.stride(-1) == 1
         and use_fused_ops(x)
     )
+
+
+@functools.cache
+def fp8_dot_supported(device: torch.device) -> bool:
+    """FP8 tensor-core products (compute capability 8.9 and higher); the interpreter too."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @functools.cache
@@ -308,6 +318,7 @@ def small_batch_matmul(
     *,
     silu_gated: bool = False,
     norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T + bias`` for ``x: [M, K]`` with ``M <= 16``, ``weight: [N, K]`` -> ``[M, N]``.
 
@@ -325,6 +336,10 @@ def small_batch_matmul(
     residual)``, the pair ``(normed, product + residual)``, from the same launch: its last
     program to finish normalises the rows (the RMSNorm after an attention output or MLP
     down projection, one launch less).
+
+    ``weight_scale``: ``weight`` is FP8 (float8_e4m3fn, one float32 scale per row) and the
+    product is FP8 W8A8, ``x``'s rows quantized per token inside the kernel
+    (``pagedllm.quantization.fp8``); the result is in ``x``'s dtype.
     """
     k = _kernels()
     rows, in_features = x.shape
@@ -347,6 +362,10 @@ def small_batch_matmul(
                      arrival_counters(x.device, 1), residual.stride(0), eps)
     else:
         norm_args = (weight, weight, out, out, out, 0, 0.0)  # unused
+    if weight_scale is not None and (weight_scale.numel() != weight.shape[0]
+                                     or weight_scale.dtype != torch.float32):
+        raise ValueError(f"weight_scale must hold one float32 scale per weight row "
+                         f"({weight.shape[0]}), got {tuple(weight_scale.shape)} {weight_scale.dtype}.")
     if rows == 0:
         return out if norm is None else (normed, residual_out)
     block_n, block_k, num_warps, num_stages, use_dot = small_batch_matmul_config(
@@ -358,6 +377,7 @@ def small_batch_matmul(
         x, weight, bias if bias is not None else weight, out,
         rows, out_features, in_features, x.stride(0), weight.stride(0), out.stride(0),
         *norm_args,
+        weight_scale if weight_scale is not None else out,
         BLOCK_M=16 if use_dot else 1,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -366,6 +386,7 @@ def small_batch_matmul(
         USE_DOT=use_dot,
         SILU_GATED=silu_gated,
         NORM_BLOCK=k.next_power_of_2(out_features) if norm is not None else 0,
+        FP8=weight_scale is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

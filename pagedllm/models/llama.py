@@ -168,7 +168,8 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj
         if self.act.is_silu and use_small_batch_matmul(x, gate_up.weight):
             # A decode step of a few sequences: the activation rides on the gate/up product.
-            return small_batch_matmul(x, gate_up.weight, gate_up.bias, silu_gated=True)
+            return small_batch_matmul(x, gate_up.weight, gate_up.bias, silu_gated=True,
+                                      weight_scale=gate_up.weight_scale)
         return self.act(gate_up(x))
 
 

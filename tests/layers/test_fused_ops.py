@@ -251,3 +251,43 @@ def test_silu_gated_small_batch_matmul_is_silu_and_mul_of_the_product(monkeypatc
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="N even"):
         triton_ops.small_batch_matmul(x, weight[:89], silu_gated=True)
+
+
+@pytest.mark.parametrize("mode, rows", [("dot", 1), ("dot", 5), ("fma", 1)])
+def test_fp8_small_batch_matmul_is_the_w8a8_product(monkeypatch, mode, rows) -> None:
+    """FP8 weights with row scales: each input row quantized in the kernel as
+    ``quantize_rows`` quantizes it, the FP8 products summed in float32 and scaled: the
+    W8A8 reference's values, plain, with the SiLU gate and with the norm riding on it."""
+    from pagedllm.quantization.fp8 import dequantize_rows, quantize_rows
+
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k: SMALL_BATCH_TILES[mode])
+    dtype = DOT_DTYPE if mode == "dot" else torch.bfloat16
+    x = _rand(rows, 200, dtype=dtype, seed=31)
+    if INTERPRETED:
+        # The interpreter's float32 -> e4m3 conversion mis-rounds values that round up into
+        # the next power of two (7.93 -> 4.0): give it inputs whose quantization is exact,
+        # FP8 values times a power of two, each row's largest at the format's limit.
+        exact, _ = quantize_rows(x.float())
+        x = (exact.float() * 2.0**-6).to(dtype)
+    wq, scale = quantize_rows(_rand(2 * 45, 200, seed=32))
+    bias = _rand(2 * 45, dtype=dtype, seed=33)
+
+    def reference(b):  # the dequantized W8A8 product in float32
+        xq, x_scale = quantize_rows(x)
+        out = dequantize_rows(xq, x_scale) @ dequantize_rows(wq, scale).t()
+        return out if b is None else out + b.float()
+
+    tol = 4e-2 if dtype == torch.bfloat16 else 5e-3
+    got = triton_ops.small_batch_matmul(x, wq, bias, weight_scale=scale)
+    torch.testing.assert_close(got.float(), reference(bias), rtol=tol, atol=tol)
+    gate, up = reference(bias).to(dtype).float().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate).to(dtype).float() * up
+    got = triton_ops.small_batch_matmul(x, wq, bias, silu_gated=True, weight_scale=scale)
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    if mode == "dot":
+        norm_weight, residual = _rand(90, dtype=dtype, seed=34), _rand(rows, 90, dtype=dtype, seed=35)
+        product = triton_ops.small_batch_matmul(x, wq, weight_scale=scale)
+        want_normed, want_sum = triton_ops.rms_norm(product, norm_weight, 1e-6, residual)
+        normed, summed = triton_ops.small_batch_matmul(x, wq, norm=(norm_weight, 1e-6, residual),
+                                                       weight_scale=scale)
+        assert torch.equal(summed, want_sum) and torch.equal(normed, want_normed)
