@@ -24,14 +24,19 @@ def synthetic_requests(
     output_len: tuple[int, int],
     vocab_size: int,
     seed: int = 0,
+    prefix_len: int = 0,
 ) -> list[SyntheticRequest]:
-    """Random-token prompts; lengths uniform in the inclusive ranges, from ``random.Random(seed)``."""
+    """Random-token prompts; lengths uniform in the inclusive ranges, from ``random.Random(seed)``.
+
+    ``prefix_len``: every prompt starts with the same ``prefix_len`` random tokens (a shared
+    system prompt), followed by its own ``input_len`` random tokens."""
     rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)] if prefix_len else []
     requests = []
     for _ in range(num_requests):
         prompt_len = rng.randint(*input_len)
         out_len = rng.randint(*output_len)
-        prompt = [rng.randrange(vocab_size) for _ in range(prompt_len)]
+        prompt = prefix + [rng.randrange(vocab_size) for _ in range(prompt_len)]
         requests.append(SyntheticRequest(prompt, out_len))
     return requests
 

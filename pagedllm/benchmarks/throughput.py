@@ -70,6 +70,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=parse_range, default=None,
                         help="Output length in tokens, 'LOW:HIGH' (uniform) or one number "
                              "(default: 100:1024, scaled down to fit a shorter context).")
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="Tokens of a random prefix shared by every prompt, ahead of its own "
+                             "--input-len tokens; the report adds prompt tokens computed against "
+                             "sent and the prefix-cache hit rate.")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="Generate exactly the output length (default on).")
     parser.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
@@ -114,8 +118,17 @@ def run(args: argparse.Namespace) -> list[dict]:
         args.input_len, args.output_len, model_config.max_model_len)
     if note:
         print(note, flush=True)
+    if args.prefix_len < 0:
+        raise ValueError(f"--prefix-len must be >= 0, got {args.prefix_len}.")
+    longest = args.prefix_len + args.input_len[1] + args.output_len[1]
+    if args.prefix_len and longest > model_config.max_model_len:
+        raise ValueError(
+            f"--prefix-len {args.prefix_len} + --input-len up to {args.input_len[1]} + "
+            f"--output-len up to {args.output_len[1]} = {longest} tokens exceed max_model_len "
+            f"{model_config.max_model_len}: shorten them or raise --max-model-len.")
     requests = synthetic_requests(
-        args.num_prompts, args.input_len, args.output_len, model_config.vocab_size, args.seed
+        args.num_prompts, args.input_len, args.output_len, model_config.vocab_size, args.seed,
+        prefix_len=args.prefix_len,
     )
     peers = [b for b in backends if b != "pagedllm"]
     hf_count = min(args.hf_num_prompts or len(requests), len(requests))
@@ -230,6 +243,7 @@ def _workload_args(args: argparse.Namespace) -> dict:
     return {"num_prompts": args.num_prompts, "input_len": list(args.input_len),
             "output_len": list(args.output_len), "seed": args.seed,
             "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+            "prefix_len": args.prefix_len,
             "structured_output": args.structured_output}
 
 
@@ -256,6 +270,7 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
 
     core = llm.llm_engine.engine_core
     core.scheduler.reset_prefix_cache()  # no hits from an earlier run
+    stats_before = core.get_stats()
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [_sampling_params(r, args) for r in requests]
     if constrained:
@@ -272,7 +287,14 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
     elapsed = reported_seconds(time.perf_counter() - start)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats_after = core.get_stats()
+    queries = stats_after.prefix_cache_queries - stats_before.prefix_cache_queries
+    hits = stats_after.prefix_cache_hits - stats_before.prefix_cache_hits
     extra = {}
+    if args.prefix_len:
+        extra.update(prefix_len=args.prefix_len, prompt_tokens_computed=prompt_tokens - hits,
+                     prefix_cache_hits=hits,
+                     prefix_cache_hit_rate=round(hits / queries, 4) if queries else 0.0)
     if timer is not None:
         extra["step_timing"] = timer.summary()
         print(format_summary(extra["step_timing"]), flush=True)
@@ -367,6 +389,10 @@ def _row(r: dict) -> str:
     if "error" in r:
         return f"{r['backend']:>9} {r['num_prompts']:>9} {'-':>11} {'-':>10} {'-':>13}  {r['error']}"
     note = "stopped at the time limit" if r.get("truncated") else ""
+    if "prefix_cache_hit_rate" in r:
+        note = (f"prompt tokens computed {r['prompt_tokens_computed']} of "
+                f"{r['prompt_tokens']} sent; prefix-cache hit rate "
+                f"{100 * r['prefix_cache_hit_rate']:.1f}%")
     if "constrained_ratio" in r:
         note = (f"{r['constrained_ratio']}x unconstrained; masks {r['mask_ms_per_step']} ms/step "
                 f"on the host, {r['mask_us_per_row']} us/row")

@@ -246,3 +246,24 @@ def test_structured_output_run_beside_the_unconstrained_one(tmp_path) -> None:
         constrained["output_tok_s"] / free["output_tok_s"], 3)
     assert constrained["mask_rows"] == constrained["output_tokens"]
     assert constrained["mask_host_s"] > 0 and constrained["mask_steps"] > 0
+
+
+def test_throughput_with_a_shared_prefix_serves_it_from_the_prefix_cache(checkpoint, tmp_path) -> None:
+    """--prefix-len 64 ahead of 40 prompts: all but the first prompts' prefixes are cache
+    hits (a step budget of one prompt keeps later prompts from starting before it is cached)."""
+    out = tmp_path / "prefix.json"
+    args = _args(throughput, [
+        "--model", str(checkpoint), "--load-format", "dummy", "--num-prompts", "40",
+        "--prefix-len", "64", "--input-len", "4:9", "--output-len", "2:4",
+        "--max-model-len", "128", "--num-kv-blocks", "256", "--block-size", "8",
+        "--max-num-batched-tokens", "80", "--output-json", str(out),
+    ])
+    throughput.run(args)
+    record = json.loads(out.read_text())
+    shared = 64 * 40
+    assert record["prefix_cache_hits"] >= 0.95 * shared
+    assert record["prompt_tokens_computed"] == record["prompt_tokens"] - record["prefix_cache_hits"]
+    assert record["prompt_tokens_computed"] < record["prompt_tokens"] - 0.95 * shared
+    assert 0 < record["prefix_cache_hit_rate"] <= 1
+    requests = throughput.synthetic_requests(3, (4, 9), (2, 4), 128, 0, prefix_len=64)
+    assert all(r.prompt_token_ids[:64] == requests[0].prompt_token_ids[:64] for r in requests)
