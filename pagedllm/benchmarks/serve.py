@@ -14,6 +14,11 @@ Per request, from the streamed response: TTFT (request sent -> first token chunk
 latency. Reported: request and token throughput, and mean / median / p99 of each latency
 (milliseconds; the record also holds p95). ``--output-json`` saves the record.
 
+``--prefix-len N`` starts every prompt with the same N token ids (a shared system prompt);
+the record then adds the server's prefix-cache queries and hits over the run (read from
+``/metrics`` before and after, when the server exports pagedllm's counters) and the share
+of the shared-prefix tokens served from the cache.
+
 ``--structured-output json`` constrains request ``i`` to JSON schema ``i % 4`` of
 ``structured_workload.py`` (OpenAI's ``response_format``); the schemas cannot complete
 before the output length, so the token counts stay those of the unconstrained workload.
@@ -69,6 +74,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "tokenizer).")
     parser.add_argument("--seed", type=int, default=0,
                         help="Seed of the prompts and the arrival times.")
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="Token ids every prompt starts with (a shared prefix; default 0).")
     parser.add_argument("--structured-output", choices=("none", "json"), default="none",
                         help="json: every request constrained to a JSON schema "
                              "(response_format json_schema).")
@@ -184,10 +191,12 @@ async def benchmark(args: argparse.Namespace) -> dict:
             pool = await _token_pool(client, base_url, model, args.seed)
 
         rng = random.Random(args.seed)
+        prefix = [rng.choice(pool) for _ in range(args.prefix_len)]
         work = []
         for _ in range(args.num_prompts):
             prompt_len = rng.randint(*args.input_len)
-            work.append(([rng.choice(pool) for _ in range(prompt_len)], rng.randint(*args.output_len)))
+            work.append((prefix + [rng.choice(pool) for _ in range(prompt_len)],
+                         rng.randint(*args.output_len)))
         url = f"{base_url}/v1/completions"
 
         def payload(prompt: list[int], output_len: int, index: int = 0) -> dict:
@@ -216,6 +225,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
               f"max concurrency {args.max_concurrency or 'unlimited'}")
         arrivals = random.Random(args.seed + 1)
         tasks = []
+        cache_before = await _prefix_cache_counters(client, base_url)
         start = time.perf_counter()
         for index, (prompt, output_len) in enumerate(work):
             tasks.append(asyncio.create_task(limited(prompt, output_len, index)))
@@ -223,10 +233,37 @@ async def benchmark(args: argparse.Namespace) -> dict:
                 await asyncio.sleep(arrivals.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(args, model, results, duration)
+        cache_after = await _prefix_cache_counters(client, base_url)
+    cache = None
+    if cache_before is not None and cache_after is not None:
+        cache = tuple(after - before for before, after in zip(cache_before, cache_after))
+    return summarize(args, model, results, duration, cache)
 
 
-def summarize(args: argparse.Namespace, model: str, results: list[RequestResult], duration: float) -> dict:
+async def _prefix_cache_counters(client, base_url: str) -> tuple[float, float] | None:
+    """pagedllm's (prefix-cache queries, hits) totals from ``/metrics``; None when the
+    server does not export them."""
+    try:
+        response = await client.get(f"{base_url}/metrics")
+    except Exception:  # noqa: BLE001 - a server without /metrics
+        return None
+    if response.status_code != 200:
+        return None
+    totals = {"pagedllm:prefix_cache_queries_total": 0.0, "pagedllm:prefix_cache_hits_total": 0.0}
+    found = set()
+    for line in response.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+            found.add(name)
+    if len(found) < 2:
+        return None
+    return totals["pagedllm:prefix_cache_queries_total"], totals["pagedllm:prefix_cache_hits_total"]
+
+
+def summarize(args: argparse.Namespace, model: str, results: list[RequestResult], duration: float,
+              cache: tuple[float, float] | None = None) -> dict:
+    """The record of a run; ``cache``: the server's prefix-cache (queries, hits) during it."""
     ok = [r for r in results if r.ok]
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
@@ -247,7 +284,20 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
         ttft_ms=_stats([r.ttft_s for r in ok]), tpot_ms=_stats(tpots),
         itl_ms=_stats([gap for r in ok for gap in r.itl_s]),
         e2e_latency_ms=_stats([r.latency_s for r in ok]),
+        **_prefix_figures(args.prefix_len, len(ok), cache),
     )
+
+
+def _prefix_figures(prefix_len: int, completed: int, cache: tuple[float, float] | None) -> dict:
+    """The shared prefix's share of the server's prefix-cache hits (when it was read)."""
+    figures: dict = {"prefix_len": prefix_len}
+    if cache is not None:
+        queries, hits = cache
+        figures.update(prefix_cache_queries=int(queries), prefix_cache_hits=int(hits),
+                       prefix_cache_hit_rate=round(hits / queries, 4) if queries else None)
+        if prefix_len:
+            figures["shared_prefix_cached_share"] = round(hits / (prefix_len * completed), 4)
+    return figures
 
 
 def _print(record: dict) -> None:
@@ -257,6 +307,10 @@ def _print(record: dict) -> None:
     print(f"{'duration (s)':<28} {record['duration_s']}")
     print(f"{'request throughput (req/s)':<28} {record['request_throughput']}")
     print(f"{'output throughput (tok/s)':<28} {record['output_throughput']}")
+    if record.get("prefix_cache_hit_rate") is not None:
+        shared = record.get("shared_prefix_cached_share")
+        print(f"{'prefix-cache hit rate':<28} {record['prefix_cache_hit_rate']}"
+              + (f" (shared prefix from the cache: {shared})" if shared is not None else ""))
     print(f"{'total throughput (tok/s)':<28} {record['total_token_throughput']}")
     print(f"{'':<28} {'mean':>10} {'median':>10} {'p99':>10}")
     for key, name in (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"),

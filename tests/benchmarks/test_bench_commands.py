@@ -123,7 +123,7 @@ def test_derived_figures_agree_with_the_reported_durations_of_short_runs(monkeyp
                                    latency_s=5e-4) for _ in range(3)]
     serve_args = argparse.Namespace(num_prompts=3, input_len=(8, 8), output_len=(5, 5),
                                     request_rate=float("inf"), max_concurrency=None,
-                                    structured_output="none")
+                                    structured_output="none", prefix_len=0)
     summary = serve.summarize(serve_args, "m", results, seconds)
     assert summary["request_throughput"] == pytest.approx(3 / summary["duration_s"], abs=5e-4)
     assert summary["output_throughput"] == pytest.approx(15 / summary["duration_s"], abs=5e-3)

@@ -48,3 +48,17 @@ def test_bench_serve_with_every_request_constrained_to_a_json_schema(server):
     assert record["completed"] == 8 and record["failed"] == 0
     assert record["total_output_tokens"] == 8 * 40  # the schemas never complete early
     assert record["structured_output"] == "json"
+
+
+def test_bench_serve_shared_prefix_comes_from_the_prefix_cache(server):
+    """A 64-token prefix ahead of every prompt: the server's own counters show (nearly) all
+    of it served from the cache, and the record says so."""
+    parser = argparse.ArgumentParser()
+    bench_serve.add_cli_args(parser)
+    args = parser.parse_args(["--port", str(server.port), "--num-prompts", "8", "--input-len", "16",
+                              "--output-len", "2", "--prefix-len", "64", "--max-concurrency", "1"])
+    record = asyncio.run(bench_serve.benchmark(args))
+    assert record["completed"] == 8 and record["prefix_len"] == 64
+    assert record["total_input_tokens"] == 8 * (64 + 16)
+    assert record["prefix_cache_queries"] >= 8 * (64 + 16) - 8  # the last token is never looked up
+    assert record["shared_prefix_cached_share"] >= 0.95
