@@ -68,7 +68,3 @@ class GrammarBackend(ABC):
     def fill_bitmasks(self, grammars: list[tuple[Grammar, int]], bitmask: np.ndarray) -> None:
         """Write each grammar's allowed next tokens into its row of ``bitmask``
         (int32 ``[rows, ceil(vocab_size / 32)]``); other rows are left as they are."""
-
-    def allocate_bitmask(self, num_rows: int) -> np.ndarray:
-        """Rows that allow every token."""
-        return np.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=np.int32)

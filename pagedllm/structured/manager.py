@@ -77,8 +77,9 @@ class RequestGrammar:
 
     def accept_token(self, token_id: int) -> None:
         if self._gate:
-            self._recent.append(token_id)
-            if self._recent[-len(self._gate):] == self._gate:
+            keep = len(self._gate) - 1  # the last len(gate) tokens are all a match needs
+            self._recent = [*(self._recent[-keep:] if keep else ()), token_id]
+            if self._recent == self._gate:
                 self._gate = []
             return
         if self.grammar is not None and not self.grammar.accept_tokens([token_id]):

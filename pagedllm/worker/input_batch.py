@@ -93,6 +93,8 @@ class InputBatch:
         self.pending_sample_row = np.zeros(max_num_seqs, dtype=np.int64)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
+        # Live requests with an output constraint (a step without any skips the grammar).
+        self.num_constrained = 0
 
     def update(self, so: SchedulerOutput) -> None:
         """Apply a step's changes: drop finished/preempted, add new, extend block tables."""
@@ -120,6 +122,7 @@ class InputBatch:
         self.token_ids[row, :len(tokens)] = tokens
         self.block_table[row, :len(new.block_ids)] = new.block_ids
         self.num_pending[row] = 0
+        self.num_constrained += new.sampling_params.structured_outputs is not None
         self.requests[new.request_id] = CachedRequestState(
             request_id=new.request_id, row=row, sampling_params=new.sampling_params,
             prompt_token_ids=list(tokens[:new.num_prompt_tokens]),
@@ -131,6 +134,7 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.free_rows.append(state.row)
+            self.num_constrained -= state.sampling_params.structured_outputs is not None
 
     def append_token(self, state: CachedRequestState, token: int) -> None:
         position = state.num_tokens

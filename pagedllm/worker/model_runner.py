@@ -263,6 +263,8 @@ class ModelRunner:
         grammar_bitmask: Callable[[list[str], Callable], np.ndarray] | None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(sampling rows, their bitmask) on the device for the constrained rows, if any."""
+        if not self.input_batch.num_constrained:
+            return None
         rows = [j for j, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
         if not rows:
             return None

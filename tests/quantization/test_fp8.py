@@ -55,7 +55,7 @@ def hf_fp8_reference(model_dir, prompts, max_new_tokens):
         return (dequantize_rows(q, scale).reshape(x.shape),)
 
     with torch.no_grad():
-        for name, module in model.model.layers.named_modules():
+        for module in model.model.layers.modules():
             if isinstance(module, torch.nn.Linear):
                 q, scale = quantize_rows(module.weight)
                 module.weight.copy_(dequantize_rows(q, scale))

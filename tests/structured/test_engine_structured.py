@@ -116,7 +116,7 @@ def reference_greedy(hf_model, tokenizer, prompt: list[int], constraint, max_tok
     while len(out) < max_tokens:
         with torch.no_grad():
             logits = hf_model(torch.tensor([ids])).logits[0, -1]
-        mask = backend.allocate_bitmask(1)
+        mask = np.full((1, (backend.vocab_size + 31) // 32), -1, dtype=np.int32)
         backend.fill_bitmasks([(grammar, 0)], mask)
         allowed = (np.unpackbits(mask.view(np.uint8), bitorder="little")[:VOCAB_SIZE] == 1)
         token = int(torch.where(torch.from_numpy(allowed), logits, -torch.inf).argmax())
