@@ -11,6 +11,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedllm.quantization.checkpoint import (
+    QuantizationConfig,
+    check_quantization,
+    resolve_quantization,
+)
+
 _SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "fp32": "float32"}
@@ -92,11 +98,15 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     # Never capture CUDA graphs; every step runs the model eagerly.
     enforce_eager: bool = False
-    # "fp8": decoder projections quantized to FP8 at load (pagedllm.quantization.fp8).
+    # "fp8": decoder projections quantized to FP8 at load (pagedllm.quantization.fp8), or
+    # the method an FP8 checkpoint declares; None: the checkpoint's own (if any).
     quantization: str | None = None
     # Derived in __post_init__:
     path: Path = field(init=False)
     hf_config: dict = field(init=False, repr=False)
+    # The projections' quantization, from config.json's quantization_config or the flag
+    # (then ``quantization`` is its method).
+    quant_config: QuantizationConfig | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "dummy"):
@@ -104,8 +114,6 @@ class ModelConfig:
                 f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}."
             )
         self.dtype = _normalize_dtype(self.dtype)
-        from pagedllm.quantization import check_quantization
-
         self.quantization = check_quantization(self.quantization)
         self.path = resolve_model_path(self.model, self.revision)
         self.hf_config = json.loads((self.path / "config.json").read_text())
@@ -113,6 +121,8 @@ class ModelConfig:
         if "text_config" in cfg and "num_hidden_layers" not in cfg:
             cfg = {**cfg, **cfg["text_config"]}
             self.hf_config = cfg
+        self.quant_config = resolve_quantization(self.quantization, cfg)
+        self.quantization = self.quant_config.method if self.quant_config else None
         limit = cfg.get("max_position_embeddings")
         if self.max_model_len is None:
             self.max_model_len = limit or 2048

@@ -196,7 +196,7 @@ def small_batch_matmul_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
     norm_weight_ptr, residual_ptr, normed_ptr, residual_out_ptr, counter_ptr,
-    stride_rm, eps, weight_scale_ptr,
+    stride_rm, eps, weight_scale_ptr, input_scale_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -206,6 +206,7 @@ def small_batch_matmul_kernel(
     SILU_GATED: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     FP8: tl.constexpr,
+    STATIC_INPUT: tl.constexpr,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
     output columns over the whole of ``K`` (no split, so no second pass and no atomics).
@@ -227,6 +228,8 @@ def small_batch_matmul_kernel(
     ``weight_scale`` (float32, one per row); each row of ``x`` is quantized here as
     ``quantize_rows`` does (a first pass over ``K`` finds its largest magnitude), the FP8
     products accumulate in float32, and the sums are scaled by both scales.
+    ``STATIC_INPUT``: every row of ``x`` is quantized with the one float32 at
+    ``input_scale_ptr`` instead (static activation scales).
     """
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -241,7 +244,9 @@ def small_batch_matmul_kernel(
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros_like(acc)
-    if FP8:
+    if FP8 and STATIC_INPUT:
+        x_scale = tl.zeros([BLOCK_M], tl.float32) + tl.load(input_scale_ptr)
+    elif FP8:
         amax = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)

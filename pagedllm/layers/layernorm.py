@@ -63,5 +63,6 @@ def linear_and_norm(
     if use_small_batch_matmul(x, proj.weight) and norm.weight.dtype == x.dtype:
         return small_batch_matmul(x, proj.weight, proj.bias,
                                   norm=(norm.weight, norm.eps, residual),
-                                  weight_scale=proj.weight_scale)
+                                  weight_scale=proj.weight_scale,
+                                  input_scale=proj.input_scale)
     return norm(proj(x), residual)

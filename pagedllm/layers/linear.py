@@ -8,6 +8,10 @@ model on a GPU costs no initialisation kernels and no host copy.
 ``[gate; up]``); each named shard owns a contiguous block of output rows::
 
     weight rows:  [ shard 0 | shard 1 | ... ]      out = x @ weight.T (+ bias)
+
+An FP8 projection (``pagedllm.quantization.fp8``) holds a float8_e4m3fn ``weight``, a
+float32 ``weight_scale [out, 1]`` and, with static activation scales, a float32
+``input_scale [1]``; ``Linear.load`` fills all of them from checkpoint tensors.
 """
 
 from __future__ import annotations
@@ -17,52 +21,111 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
-from pagedllm.quantization.fp8 import fp8_linear, quantize_rows
+from pagedllm.quantization.fp8 import FP8_DTYPE, fp8_linear, quantize_rows
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None,
+           input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``; small CUDA batches (decode steps of a few sequences) take the
     Triton matrix-vector kernel (``triton_ops.small_batch_matmul``), the rest BLAS.
-    ``weight_scale``: an FP8 weight's row scales (FP8 W8A8, see ``fp8_linear``)."""
+    ``weight_scale``: an FP8 weight's row scales, ``input_scale``: its static activation
+    scale, if any (FP8 W8A8, see ``fp8_linear``)."""
     if use_small_batch_matmul(x, weight):
         if weight_scale is None:
             return small_batch_matmul(x, weight, bias)
-        return small_batch_matmul(x, weight, bias, weight_scale=weight_scale)
+        return small_batch_matmul(x, weight, bias, weight_scale=weight_scale,
+                                  input_scale=input_scale)
     if weight_scale is not None:
-        return fp8_linear(x, weight, weight_scale, bias)
+        return fp8_linear(x, weight, weight_scale, bias, input_scale)
     return F.linear(x, weight, bias)
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
 
 
 class Linear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight: [output_size, input_size]``.
 
-    After ``quantize_fp8`` the weight is float8_e4m3fn with ``weight_scale [output_size, 1]``
-    (float32, one per output channel) and the product is FP8 W8A8
+    FP8 (after ``make_fp8`` and loading, or ``quantize_fp8``): the weight is
+    float8_e4m3fn with ``weight_scale [output_size, 1]`` (float32, one per output channel),
+    optionally ``input_scale [1]``, and the product is FP8 W8A8
     (``pagedllm.quantization.fp8``)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        )
-        self.weight_scale: torch.Tensor | None = None
+        self.weight = _frozen(torch.empty(output_size, input_size))
+        self.bias = _frozen(torch.empty(output_size)) if bias else None
+        self.register_parameter("weight_scale", None)
+        self.register_parameter("input_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale)
+        return linear(x, self.weight, self.bias, self.weight_scale, self.input_scale)
 
     def quantize_fp8(self) -> None:
         """Replace the loaded weight by its FP8 rows and their scales (once)."""
         if self.weight_scale is None:
             quantized, scale = quantize_rows(self.weight.data)
-            self.weight = nn.Parameter(quantized, requires_grad=False)
-            self.weight_scale = scale
+            self.weight = _frozen(quantized)
+            self.weight_scale = _frozen(scale)
+
+    def make_fp8(self, static_input: bool) -> None:
+        """Give this projection the parameters an FP8 checkpoint fills: the FP8 weight, its
+        row scales, and with ``static_input`` the activation scale (starting at 0: the
+        largest of the loaded shards' scales is kept)."""
+        device = self.weight.device
+        self.weight = _frozen(torch.empty(self.weight.shape, dtype=FP8_DTYPE, device=device))
+        self.weight_scale = _frozen(torch.empty(self.output_size, 1, dtype=torch.float32,
+                                                device=device))
+        if static_input:
+            self.input_scale = _frozen(torch.zeros(1, dtype=torch.float32, device=device))
+
+    def load(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        """Copy a checkpoint tensor into ``param_name`` (the rows of ``shard`` for a fused
+        projection).
+
+        A ``weight_scale`` of one element (per tensor) fills all the rows it covers; an
+        ``input_scale`` keeps the largest value loaded (the shards of a fused projection
+        share one input, so one scale, and the largest never clips any of them). Raises
+        ValueError when the parameter or shard is unknown or the shape does not match.
+        """
+        param = getattr(self, param_name, None)
+        if not isinstance(param, nn.Parameter):
+            raise ValueError(f"This layer has no {param_name!r} parameter"
+                             f"{' (it is not FP8)' if param_name.endswith('_scale') else ''}.")
+        if param_name == "input_scale":
+            if tensor.numel() != 1:
+                raise ValueError(f"input_scale must be one value (per tensor), got shape "
+                                 f"{tuple(tensor.shape)}.")
+            param.data.copy_(torch.maximum(param.data, tensor.reshape(1).to(param.dtype)))
+            return
+        rows = self._rows(param, shard)
+        if param_name == "weight_scale":
+            if tensor.numel() == 1:
+                rows.fill_(tensor.reshape(()).item())
+                return
+            tensor = tensor.reshape(-1, 1) if tensor.numel() == rows.shape[0] else tensor
+        if tuple(tensor.shape) != tuple(rows.shape):
+            where = f"shard {shard!r} of {param_name}" if shard else param_name
+            raise ValueError(f"{where} expects shape {tuple(rows.shape)}, got "
+                             f"{tuple(tensor.shape)}.")
+        if param.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+            raise ValueError(f"{param_name} is FP8 (float8_e4m3fn) in this checkpoint's "
+                             f"quantization_config, got {tensor.dtype}.")
+        rows.copy_(tensor)
+
+    def _rows(self, param: nn.Parameter, shard: str | None) -> torch.Tensor:
+        if shard is not None:
+            raise ValueError(f"This layer is not fused; it has no shard {shard!r}.")
+        return param.data
 
     def extra_repr(self) -> str:
-        fp8 = ", fp8" if self.weight_scale is not None else ""
+        fp8 = ""
+        if self.weight_scale is not None:
+            fp8 = ", fp8 static input" if self.input_scale is not None else ", fp8"
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}{fp8}"
 
 
@@ -78,24 +141,10 @@ class FusedLinear(Linear):
             self.shard_offsets[name] = offset
             offset += size
 
-    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
-        """Copy a checkpoint tensor into ``shard``'s rows of ``weight`` or ``bias``.
-
-        Raises ValueError when the shard is unknown or the tensor's shape does not match
-        the rows it must fill.
-        """
+    def _rows(self, param: nn.Parameter, shard: str | None) -> torch.Tensor:
         if shard not in self.shard_sizes:
             raise ValueError(f"Unknown shard {shard!r}; this layer has {list(self.shard_sizes)}.")
-        param = getattr(self, param_name)
-        if param is None:
-            raise ValueError(f"This layer has no {param_name!r} parameter.")
-        rows = param.data.narrow(0, self.shard_offsets[shard], self.shard_sizes[shard])
-        if tuple(tensor.shape) != tuple(rows.shape):
-            raise ValueError(
-                f"shard {shard!r} of {param_name} expects shape {tuple(rows.shape)}, "
-                f"got {tuple(tensor.shape)}."
-            )
-        rows.copy_(tensor)
+        return param.data.narrow(0, self.shard_offsets[shard], self.shard_sizes[shard])
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, shards={self.shard_sizes}, bias={self.bias is not None}"

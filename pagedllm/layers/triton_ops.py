@@ -319,6 +319,7 @@ def small_batch_matmul(
     silu_gated: bool = False,
     norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
     weight_scale: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T + bias`` for ``x: [M, K]`` with ``M <= 16``, ``weight: [N, K]`` -> ``[M, N]``.
 
@@ -339,7 +340,8 @@ def small_batch_matmul(
 
     ``weight_scale``: ``weight`` is FP8 (float8_e4m3fn, one float32 scale per row) and the
     product is FP8 W8A8, ``x``'s rows quantized per token inside the kernel
-    (``pagedllm.quantization.fp8``); the result is in ``x``'s dtype.
+    (``pagedllm.quantization.fp8``); the result is in ``x``'s dtype. ``input_scale`` (one
+    float32, with ``weight_scale``): ``x`` is quantized with that static scale instead.
     """
     k = _kernels()
     rows, in_features = x.shape
@@ -378,6 +380,7 @@ def small_batch_matmul(
         rows, out_features, in_features, x.stride(0), weight.stride(0), out.stride(0),
         *norm_args,
         weight_scale if weight_scale is not None else out,
+        input_scale if input_scale is not None else out,
         BLOCK_M=16 if use_dot else 1,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -387,6 +390,7 @@ def small_batch_matmul(
         SILU_GATED=silu_gated,
         NORM_BLOCK=k.next_power_of_2(out_features) if norm is not None else 0,
         FP8=weight_scale is not None,
+        STATIC_INPUT=input_scale is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

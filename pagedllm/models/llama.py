@@ -23,7 +23,7 @@ routes each checkpoint tensor into its rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -46,6 +46,8 @@ STACKED_PARAMS = (
 )
 # Checkpoint tensors that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# Per-layer KV-cache scales of FP8 checkpoints (llm-compressor, the plain fp8 method).
+_KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,8 @@ class LlamaMLP(nn.Module):
         if self.act.is_silu and use_small_batch_matmul(x, gate_up.weight):
             # A decode step of a few sequences: the activation rides on the gate/up product.
             return small_batch_matmul(x, gate_up.weight, gate_up.bias, silu_gated=True,
-                                      weight_scale=gate_up.weight_scale)
+                                      weight_scale=gate_up.weight_scale,
+                                      input_scale=gate_up.input_scale)
         return self.act(gate_up(x))
 
 
@@ -277,29 +280,25 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
+            if name.endswith(_KV_SCALE_SUFFIXES):
+                self._load_kv_scale(name, tensor)
+                continue
             target, shard = _fused_target(name)
             if target not in params:
                 unexpected.append(name)
                 continue
-            if shard is None:
-                param = params[target]
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"Checkpoint tensor {name} has shape {tuple(tensor.shape)} but "
-                        f"{type(self).__name__} expects {tuple(param.shape)}: the config.json "
-                        "does not describe these weights."
-                    )
-                param.data.copy_(tensor)
-            else:
-                module_name, param_name = target.rsplit(".", 1)
-                module = self.get_submodule(module_name)
-                try:
-                    module.load_shard(param_name, shard, tensor)
-                except ValueError as exc:
-                    raise ValueError(
-                        f"Checkpoint tensor {name}: {exc} The config.json does not describe "
-                        "these weights."
-                    ) from exc
+            module_name, param_name = target.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            try:
+                if isinstance(module, Linear):
+                    module.load(param_name, tensor, shard)
+                else:
+                    _copy_checked(params[target], tensor)
+            except ValueError as exc:
+                raise ValueError(
+                    f"Checkpoint tensor {name}: {exc} The config.json does not describe "
+                    "these weights."
+                ) from exc
             loaded.add((target, shard))
 
         if unexpected:
@@ -314,6 +313,39 @@ class LlamaForCausalLM(nn.Module):
                 f"The checkpoint lacks {len(missing)} weight(s) {type(self).__name__} needs: "
                 f"{_preview(missing)}."
             )
+
+
+    def projections(self) -> Iterator[tuple[Linear, list[str]]]:
+        """Each projection inside the decoder layers with the checkpoint module names it
+        holds (``...self_attn.q_proj``, ``k_proj``, ``v_proj`` for the fused qkv): what a
+        checkpoint's quantization config names."""
+        for name, module in self.model.layers.named_modules(prefix="model.layers"):
+            if isinstance(module, FusedLinear):
+                parent, fused = name.rsplit(".", 1)
+                shards = {shard: original for f, original, shard in STACKED_PARAMS if f == fused}
+                yield module, [f"{parent}.{shards[shard]}" for shard in module.shard_sizes]
+            elif isinstance(module, Linear):
+                yield module, [name]
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
+        """A checkpoint's KV-cache scale (``model.layers.N.self_attn.k_scale`` or
+        ``v_scale``, one value) onto layer N's attention, as a float."""
+        parts = name.split(".")
+        try:
+            layer = self.model.layers[int(parts[parts.index("layers") + 1])]
+        except (ValueError, IndexError):
+            raise ValueError(f"Checkpoint tensor {name}: a KV-cache scale outside the "
+                             "decoder layers.") from None
+        if tensor.numel() != 1:
+            raise ValueError(f"Checkpoint tensor {name}: a KV-cache scale must be one value "
+                             f"(per tensor), got shape {tuple(tensor.shape)}.")
+        setattr(layer.self_attn.attn, parts[-1], float(tensor.float().reshape(())))
+
+
+def _copy_checked(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"Expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}.")
+    param.data.copy_(tensor)
 
 
 def _fused_target(name: str) -> tuple[str, str | None]:

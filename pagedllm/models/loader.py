@@ -25,6 +25,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.models.registry import get_model_class
+from pagedllm.quantization.fp8 import FP8_DTYPE, FP8_MAX, quantize_model
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -67,18 +68,19 @@ def load_model(
     device = torch.device(device)
     with _default_dtype(dtype), device:
         model = model_cls(model_config.hf_config)
+        quant = model_config.quant_config
+        if quant is not None:
+            quantize_model(model, quant, "before_load")
     model.eval()
     model.requires_grad_(False)
     if model_config.load_format == "dummy":
         fill_dummy_weights(model, model_config.seed)
     else:
         model.load_weights(iter_safetensors(model_config.path))
-    if model_config.quantization == "fp8":
-        from pagedllm.quantization.fp8 import quantize_model_fp8
-
-        quantize_model_fp8(model)
+    if quant is not None:
+        quantize_model(model, quant, "after_load")
         if device.type == "cuda":
-            torch.cuda.empty_cache()  # the bf16 weights' memory goes back to the pool
+            torch.cuda.empty_cache()  # weights replaced at load go back to the pool
     return model
 
 
@@ -116,15 +118,27 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 @torch.no_grad()
 def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     """Uniform [-1e-3, 1e-3] in every parameter, 1 in RMSNorm weights; deterministic in
-    ``seed`` for a given device."""
+    ``seed`` for a given device. FP8 weights (an FP8 checkpoint's shapes) hold the same
+    range as FP8 values times their scales: uniform [-448, 448] with weight scales
+    1e-3 / 448, and static input scales 1 / 448."""
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     generators: dict[torch.device, torch.Generator] = {}
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if id(param) in norm_weights:
             param.fill_(1.0)
+            continue
+        if name.endswith(".weight_scale"):
+            param.fill_(DUMMY_WEIGHT_RANGE / FP8_MAX)
+            continue
+        if name.endswith(".input_scale"):
+            param.fill_(1.0 / FP8_MAX)
             continue
         generator = generators.get(param.device)
         if generator is None:
             generator = torch.Generator(device=param.device).manual_seed(seed)
             generators[param.device] = generator
-        param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+        if param.dtype == FP8_DTYPE:
+            values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            param.copy_(values.uniform_(-FP8_MAX, FP8_MAX, generator=generator))
+        else:
+            param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)

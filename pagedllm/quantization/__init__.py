@@ -1,19 +1,12 @@
-"""Weight (and activation) quantization: one module per format, applied to a loaded model.
+"""Quantized weights and activations: reading a checkpoint's or the flag's quantization
+(``checkpoint``) and one module per format (``fp8``)."""
 
-``QUANTIZATION_METHODS`` lists what ``--quantization`` takes today.
-"""
+from pagedllm.quantization.checkpoint import (
+    QUANTIZATION_METHODS,
+    QuantizationConfig,
+    check_quantization,
+    resolve_quantization,
+)
 
-from __future__ import annotations
-
-QUANTIZATION_METHODS = ("fp8",)
-
-
-def check_quantization(method: str | None) -> str | None:
-    """The method, checked; ValueError naming the ones implemented otherwise."""
-    if method is None or method in QUANTIZATION_METHODS:
-        return method
-    raise ValueError(
-        f"--quantization {method} (quantization={method!r}) is not supported by pagedllm "
-        f"yet: use {' or '.join(QUANTIZATION_METHODS)}, or drop --quantization (the "
-        "quantization keyword in Python)."
-    )
+__all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "check_quantization",
+           "resolve_quantization"]

@@ -1,12 +1,14 @@
-"""FP8 W8A8 with dynamic scales (``--quantization fp8`` on a bf16/fp16/fp32 checkpoint).
+"""FP8 W8A8: float8_e4m3fn weights with one float32 scale per output channel, inputs
+quantized per token (dynamic) or with the checkpoint's per-tensor ``input_scale`` (static).
 
-At load, the weight of every projection inside the decoder layers (qkv, o, gate/up, down)
-is quantized to float8_e4m3fn with one scale per output channel; the embedding, the LM
-head and the norms stay in the model's dtype. At run time each projection's input is
-quantized per token (row), and the product is::
+The weights come from an FP8 checkpoint (``pagedllm.quantization.checkpoint``) or are
+quantized at load (``--quantization fp8`` on a bf16/fp16/fp32 checkpoint: the projections
+inside the decoder layers, qkv, o, gate/up and down; the embedding, the LM head and the
+norms stay in the model's dtype). The product is::
 
     y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n]  (+ bias[n])
-    xq = round_e4m3(x / x_scale),  x_scale[t] = max_k |x[t, k]| / 448   (likewise w per row n)
+    xq = round_e4m3(clamp(x / x_scale, -448, 448))
+    x_scale[t] = max_k |x[t, k]| / 448  (dynamic)  or  input_scale  (static)
 
 On CUDA devices of compute capability 8.9 or higher the product runs on the FP8 tensor
 cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32). Elsewhere the
@@ -22,15 +24,23 @@ import functools
 import torch
 from torch import nn
 
+from pagedllm.quantization.checkpoint import QuantizationConfig
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Scales never reach zero (an all-zero row quantizes to zeros with this scale).
 _MIN_SCALE = 1e-12
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [R, C]`` -> (float8_e4m3fn ``[R, C]``, float32 scales ``[R, 1]``), one scale per row."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=_MIN_SCALE)
+def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R, C]`` -> (float8_e4m3fn ``[R, C]``, float32 scales ``[R, 1]``): one scale per
+    row, each row's largest magnitude mapped to 448; or ``input_scale`` (one float32
+    value, a static per-tensor scale) for every row, values beyond its range clamped."""
+    if input_scale is None:
+        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=_MIN_SCALE)
+    else:
+        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     quantized = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized, scale
 
@@ -48,16 +58,18 @@ def _fp8_matmul_supported(device: torch.device) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ dequant(weight).T + bias`` with ``x`` quantized per token; ``x [T, K]`` in the
-    model's dtype, ``weight [N, K]`` float8_e4m3fn, ``weight_scale [N, 1]`` float32.
-    Returns ``[T, N]`` in ``x``'s dtype."""
+               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias`` with ``x`` quantized per token, or with the static
+    ``input_scale`` when given; ``x [T, K]`` in the model's dtype, ``weight [N, K]``
+    float8_e4m3fn, ``weight_scale [N, 1]`` float32. Returns ``[T, N]`` in ``x``'s dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    xq, x_scale = quantize_rows(x2)
+    xq, x_scale = quantize_rows(x2, input_scale)
     if _fp8_matmul_supported(x.device) and x.dtype in (torch.bfloat16, torch.float16):
         # Row-wise scales need a bfloat16 result.
-        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.t(),
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.contiguous(),
+                               scale_b=weight_scale.t(),
                                bias=None if bias is None else bias.to(torch.bfloat16),
                                out_dtype=torch.bfloat16).to(x.dtype)
     else:
@@ -68,16 +80,26 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return out.reshape(*shape[:-1], weight.shape[0])
 
 
-def quantize_model_fp8(model: nn.Module) -> int:
-    """Quantize the projections inside the decoder layers of a loaded model in place (see
-    the module docstring); returns how many were quantized."""
-    from pagedllm.layers.linear import Linear
+def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> int:
+    """Apply ``config`` to the projections inside the decoder layers of ``model``; returns
+    how many are FP8.
 
+    ``when="before_load"`` gives the projections an FP8 checkpoint fills their FP8 weights
+    and scales (``Linear.make_fp8``); ``when="after_load"`` quantizes the loaded weights of
+    the projections an unquantized checkpoint is quantized at load (``Linear.quantize_fp8``).
+    A projection's checkpoint names (q/k/v for a fused qkv) pick its scheme.
+    """
     count = 0
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and ".layers." in f".{name}":
+    for module, checkpoint_names in model.projections():
+        scheme = config.scheme_for(checkpoint_names)
+        if scheme is None:
+            continue
+        count += 1
+        if when == "before_load" and scheme.prequantized:
+            module.make_fp8(static_input=scheme.static_input)
+        elif when == "after_load" and not scheme.prequantized:
             module.quantize_fp8()
-            count += 1
     if count == 0:
-        raise ValueError("--quantization fp8 found no projection to quantize in this model.")
+        raise ValueError(f"quantization {config.method!r} found no projection to quantize "
+                         "in this model.")
     return count

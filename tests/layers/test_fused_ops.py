@@ -291,3 +291,10 @@ def test_fp8_small_batch_matmul_is_the_w8a8_product(monkeypatch, mode, rows) -> 
         normed, summed = triton_ops.small_batch_matmul(x, wq, norm=(norm_weight, 1e-6, residual),
                                                        weight_scale=scale)
         assert torch.equal(summed, want_sum) and torch.equal(normed, want_normed)
+    # Static activation scales (an FP8 checkpoint's input_scale): every row quantized with
+    # one scale, a power of two, so the interpreter's conversion is exact too.
+    input_scale = torch.tensor([2.0**-6], device=x.device)
+    xq, x_scale = quantize_rows(x, input_scale)
+    want = dequantize_rows(xq, x_scale) @ dequantize_rows(wq, scale).t() + bias.float()
+    got = triton_ops.small_batch_matmul(x, wq, bias, weight_scale=scale, input_scale=input_scale)
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)

@@ -80,5 +80,5 @@ def test_greedy_fp8_tokens_equal_hf_with_the_same_quantization(tmp_path, family)
 
 
 def test_an_unimplemented_quantization_is_refused_with_the_one_that_is():
-    with pytest.raises(ValueError, match="use fp8, or drop --quantization"):
+    with pytest.raises(ValueError, match="use fp8 or compressed-tensors, or drop --quantization"):
         LLM(quantization="gptq")

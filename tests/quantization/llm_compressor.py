@@ -1,0 +1,66 @@
+"""FP8 checkpoints made by llm-compressor, the tool operators quantize with.
+
+``make_checkpoints(jobs)`` runs ``llmcompressor.oneshot`` in a child process (the library
+is heavy to import and sets up its own logging) once for all the jobs: each job is
+``(source_dir, output_dir, scheme, kv_cache)`` with ``scheme`` a preset name
+(``FP8_DYNAMIC``: per-channel weights, dynamic per-token activations; ``FP8``: per-tensor
+weights and static per-tensor activations, calibrated) and ``kv_cache`` adding the static
+per-tensor FP8 KV-cache scales. The LM head is left unquantized, as llm-compressor's
+examples do. Calibration uses random token ids: the scales only need to exist.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+Job = tuple[Path, Path, str, bool]
+
+
+def make_checkpoints(jobs: list[Job]) -> None:
+    payload = json.dumps([[str(src), str(out), scheme, kv] for src, out, scheme, kv in jobs])
+    subprocess.run([sys.executable, "-m", "tests.quantization.llm_compressor", payload],
+                   check=True, capture_output=True, timeout=600,
+                   cwd=Path(__file__).resolve().parents[2])
+
+
+def _oneshot(source: str, output: str, scheme: str, kv_cache: bool) -> None:
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    kv_scheme = None
+    if kv_cache:
+        kv_scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                     "symmetric": True}
+    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
+                                  kv_cache_scheme=kv_scheme)
+    calibrate = scheme != "FP8_DYNAMIC" or kv_cache
+    if calibrate:
+        generator = torch.Generator().manual_seed(0)
+        vocab = model.config.vocab_size
+        ids = [torch.randint(8, vocab, (48,), generator=generator).tolist() for _ in range(8)]
+        dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 48] * 8})
+        # Tokenized already; oneshot still wants a processor: the demo model's tokenizer.
+        from pagedllm.config import resolve_model_path
+
+        tokenizer_dir = source if (Path(source) / "tokenizer.json").is_file() else \
+            resolve_model_path("pagedllm-demo")
+        oneshot(model=model, recipe=recipe, dataset=dataset, num_calibration_samples=8,
+                max_seq_length=48, processor=AutoTokenizer.from_pretrained(tokenizer_dir))
+    else:
+        oneshot(model=model, recipe=recipe)
+    model.save_pretrained(output, save_compressed=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (Path(source) / name).is_file() and not (Path(output) / name).is_file():
+            (Path(output) / name).write_bytes((Path(source) / name).read_bytes())
+
+
+if __name__ == "__main__":
+    for job in json.loads(sys.argv[1]):
+        _oneshot(*job)

@@ -1,0 +1,239 @@
+"""Pre-quantized FP8 checkpoints: made by llm-compressor (compressed-tensors) or written by
+the plain ``fp8`` method's layout, detected from config.json with no flag, and run to the
+same greedy tokens as HF transformers on the dequantized weights with the same
+quantization of every projection's input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import resolve_model_path
+from pagedllm.quantization.fp8 import FP8_DTYPE, FP8_MAX, dequantize_rows, quantize_rows
+from tests.engine.conftest import hf_greedy, random_prompts
+from tests.quantization.llm_compressor import make_checkpoints
+from tests.utils import make_tiny_checkpoint
+
+pytest.importorskip("llmcompressor")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """llm-compressor's FP8 checkpoints of a tiny llama and qwen3 and of the demo model."""
+    root = tmp_path_factory.mktemp("fp8-checkpoints")
+    llama = make_tiny_checkpoint(root, "llama", vocab_size=256, max_position_embeddings=128)
+    qwen3 = make_tiny_checkpoint(root, "qwen3", vocab_size=256, max_position_embeddings=128)
+    demo = resolve_model_path("pagedllm-demo")
+    jobs = {
+        "llama-dynamic": (llama, "FP8_DYNAMIC", False),
+        "qwen3-dynamic": (qwen3, "FP8_DYNAMIC", False),
+        "llama-static": (llama, "FP8", False),
+        "llama-static-kv": (llama, "FP8", True),
+        "demo-dynamic": (demo, "FP8_DYNAMIC", False),
+    }
+    make_checkpoints([(src, root / name, scheme, kv) for name, (src, scheme, kv) in jobs.items()])
+    return {name: root / name for name in jobs}
+
+
+def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+def hf_fp8_reference(model_dir: Path, prompts, max_new_tokens: int) -> list[list[int]]:
+    """HF transformers' greedy tokens on the checkpoint as compressed-tensors decompresses
+    it, each quantized projection's input quantized as the checkpoint says: per token, or
+    with the projection's own static ``input_scale``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32,
+        quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    tensors = checkpoint_tensors(model_dir)
+
+    def quantize_input(input_scale):
+        def hook(module, args):
+            (x,) = args
+            q, scale = quantize_rows(x.reshape(-1, x.shape[-1]), input_scale)
+            return (dequantize_rows(q, scale).reshape(x.shape),)
+        return hook
+
+    for name, module in model.model.layers.named_modules(prefix="model.layers"):
+        if f"{name}.weight_scale" in tensors:
+            module.register_forward_pre_hook(quantize_input(tensors.get(f"{name}.input_scale")))
+    return [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
+
+
+def engine_greedy(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def runner_model(llm: LLM):
+    return llm.llm_engine.engine_core.model_runner.model
+
+
+@pytest.mark.parametrize("name", ["llama-dynamic", "qwen3-dynamic", "llama-static"])
+def test_llm_compressor_fp8_checkpoint_greedy_equals_hf(checkpoints, name):
+    model_dir = checkpoints[name]
+    prompts = random_prompts(4, 3, 20, seed=3, vocab=256)
+    llm = LLM(str(model_dir), dtype="float32", block_size=8, max_model_len=128, device="cpu")
+    assert llm.llm_engine.config.model_config.quantization == "compressed-tensors"
+    assert engine_greedy(llm, prompts, 10) == hf_fp8_reference(model_dir, prompts, 10)
+
+
+def test_fp8_weights_load_as_stored_with_per_tensor_scales_on_their_rows(checkpoints):
+    """The FP8 bytes are used as the checkpoint holds them (no requantization); the fused
+    qkv keeps q's, k's and v's own per-tensor scales on their rows, and one input scale."""
+    model_dir = checkpoints["llama-static"]
+    tensors = checkpoint_tensors(model_dir)
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, device="cpu")
+    attention = runner_model(llm).model.layers[1].self_attn
+    qkv = attention.qkv_proj
+    prefix = "model.layers.1.self_attn"
+    assert qkv.weight.dtype == FP8_DTYPE
+    stored = torch.cat([tensors[f"{prefix}.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(qkv.weight.view(torch.uint8), stored.view(torch.uint8))
+    rows = torch.cat([tensors[f"{prefix}.{p}_proj.weight_scale"].expand(
+        tensors[f"{prefix}.{p}_proj.weight"].shape[0]) for p in "qkv"])
+    assert torch.equal(qkv.weight_scale.flatten(), rows)
+    input_scales = [tensors[f"{prefix}.{p}_proj.input_scale"] for p in "qkv"]
+    assert torch.equal(qkv.input_scale, torch.stack(input_scales).amax(0))
+    assert runner_model(llm).lm_head.weight.dtype == torch.float32  # ignored: lm_head
+
+
+def test_kv_cache_scales_of_the_checkpoint_reach_each_layers_attention(checkpoints):
+    model_dir = checkpoints["llama-static-kv"]
+    tensors = checkpoint_tensors(model_dir)
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, device="cpu")
+    for index, layer in enumerate(runner_model(llm).model.layers):
+        for which in ("k_scale", "v_scale"):
+            stored = tensors[f"model.layers.{index}.self_attn.{which}"]
+            assert getattr(layer.self_attn.attn, which) == pytest.approx(float(stored))
+
+
+def test_demo_model_fp8_checkpoint_runs_as_the_model_quantized_at_load(checkpoints):
+    """llm-compressor's FP8_DYNAMIC is the scheme ``--quantization fp8`` applies at load
+    (per-channel absmax weight scales, per-token inputs): the demo model's checkpoint,
+    loaded with no flag, writes the same text as the original quantized at load."""
+    prompts = ["def fibonacci(n):", "import os\n\n\ndef read_lines(path):"]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    fp8 = LLM(str(checkpoints["demo-dynamic"]), device="cpu")
+    on_load = LLM(quantization="fp8", device="cpu")
+    got = [o.outputs[0].text for o in fp8.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].text for o in on_load.generate(prompts, params, use_tqdm=False)]
+    assert got == want and all(text.strip() for text in got)
+
+
+def test_a_contradicting_flag_is_refused(checkpoints):
+    with pytest.raises(ValueError, match="contradicts the checkpoint.*compressed-tensors"):
+        LLM(str(checkpoints["llama-dynamic"]), quantization="fp8", device="cpu")
+
+
+def with_quantization_config(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    edit(config["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda q: q.update(quant_method="awq"), "quant_method='awq' is not supported"),
+    (lambda q: q["config_groups"]["group_0"].update(input_activations=None),
+     "input_activations is null"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="block"),
+     "weights.strategy='block'"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int"),
+     "4-bit 'int'"),
+    (lambda q: q["config_groups"]["group_0"].update(format="pack-quantized"),
+     "format='pack-quantized'"),
+])
+def test_a_scheme_pagedllm_does_not_read_is_refused_by_name(checkpoints, tmp_path, edit, message):
+    model_dir = with_quantization_config(checkpoints["llama-dynamic"], tmp_path / "edited", edit)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(model_dir), device="cpu")
+
+
+def write_plain_fp8_checkpoint(src: Path, dst: Path, per_channel: bool, static: bool) -> Path:
+    """The plain ``fp8`` method's layout (AutoFP8 and vLLM's FP8 export): each decoder
+    projection's ``weight`` in float8_e4m3fn with ``weight_scale`` (one value, or one per
+    output channel), ``input_scale`` (one value) when static, and
+    ``quantization_config: {"quant_method": "fp8", "activation_scheme": ...}``."""
+    dst.mkdir()
+    tensors = checkpoint_tensors(src)
+    out = {}
+    for name, tensor in tensors.items():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            if per_channel:
+                quantized, scale = quantize_rows(tensor)
+            else:
+                scale = tensor.abs().amax().float().reshape(()) / FP8_MAX
+                quantized = (tensor / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            out[name] = quantized
+            out[name.replace(".weight", ".weight_scale")] = scale
+            if static:  # a calibrated-looking scale: a bound on the inputs / 448
+                out[name.replace(".weight", ".input_scale")] = torch.tensor([4.0 / FP8_MAX])
+        else:
+            out[name] = tensor
+    save_file(out, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8",
+                                     "activation_scheme": "static" if static else "dynamic"}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def dequantized_hf_reference(fp8_dir: Path, src: Path, prompts, max_new_tokens: int):
+    """HF on the unquantized checkpoint with each projection's weight replaced by its
+    dequantized FP8 weight and its input quantized like the checkpoint says."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    tensors = checkpoint_tensors(fp8_dir)
+    with torch.no_grad():
+        for name, module in model.model.layers.named_modules(prefix="model.layers"):
+            if f"{name}.weight_scale" in tensors:
+                scale = tensors[f"{name}.weight_scale"].reshape(-1, 1)
+                module.weight.copy_(tensors[f"{name}.weight"].float() * scale)
+                input_scale = tensors.get(f"{name}.input_scale")
+
+                def hook(module, args, input_scale=input_scale):
+                    q, s = quantize_rows(args[0].reshape(-1, args[0].shape[-1]), input_scale)
+                    return (dequantize_rows(q, s).reshape(args[0].shape),)
+
+                module.register_forward_pre_hook(hook)
+    return [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
+
+
+@pytest.mark.parametrize("per_channel, static", [(False, True), (True, False), (False, False)])
+def test_plain_fp8_checkpoint_greedy_equals_hf_on_its_dequantized_weights(tmp_path, per_channel,
+                                                                          static):
+    src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128)
+    fp8_dir = write_plain_fp8_checkpoint(src, tmp_path / "fp8", per_channel, static)
+    prompts = random_prompts(3, 3, 20, seed=4, vocab=256)
+    llm = LLM(str(fp8_dir), dtype="float32", block_size=8, max_model_len=128, device="cpu")
+    assert llm.llm_engine.config.model_config.quantization == "fp8"
+    assert engine_greedy(llm, prompts, 10) == dequantized_hf_reference(fp8_dir, src, prompts, 10)
+
+
+def test_block_wise_plain_fp8_is_refused_by_name(tmp_path):
+    src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"weight_block_size=\[128, 128\]"):
+        LLM(str(src), device="cpu")
