@@ -239,6 +239,113 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Proposers of vLLM-class engines that need weights or heads this engine cannot run.
+_UNSUPPORTED_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
+                                    "deepseek_mtp", "suffix")
+# Most tokens one step may propose per request.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: each step a proposer suggests up to ``num_speculative_tokens``
+    (K) tokens per decoding request, the target checks them in one forward pass of K + 1
+    tokens and keeps the longest run it agrees with plus one token of its own, so every
+    step yields 1 to K + 1 tokens with the target's own distribution.
+
+    ``method``: ``"ngram"`` (prompt lookup: the tokens that followed the latest earlier
+    occurrence of the request's last n tokens, n from ``prompt_lookup_max`` down to
+    ``prompt_lookup_min``; no model) or ``"draft_model"`` (``model``: a smaller model with
+    the target's vocabulary decodes K tokens ahead; its KV cache lives in the same blocks).
+    ``disable_by_batch_size`` (N): a step with more than N running requests speculates for
+    none of them. Pure data; ``EngineConfig`` resolves the draft's ``ModelConfig``.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+    # Set by ``resolve_draft`` (draft_model only).
+    draft_model_config: ModelConfig | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else None
+        if self.method in _UNSUPPORTED_SPECULATIVE_METHODS:
+            raise ValueError(
+                f"Speculative method {self.method!r} is not supported by pagedllm yet: use "
+                "--speculative-model DRAFT (method draft_model) or --speculative-method ngram."
+            )
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"Speculative decoding needs a proposer: --speculative-model DRAFT or "
+                f"--speculative-method ngram (method one of {', '.join(SPECULATIVE_METHODS)}), "
+                f"got method={self.method!r}."
+            )
+        k = self.num_speculative_tokens
+        if k is None:
+            raise ValueError(
+                "Speculative decoding needs --num-speculative-tokens K (tokens proposed per "
+                "step, e.g. 4)."
+            )
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"--num-speculative-tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {k!r}."
+            )
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("The draft_model method needs the draft: --speculative-model PATH_OR_NAME.")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError(
+                    f"--speculative-method ngram uses no model, but --speculative-model "
+                    f"{self.model} was given: drop one of them."
+                )
+            self.prompt_lookup_max = 4 if self.prompt_lookup_max is None else self.prompt_lookup_max
+            self.prompt_lookup_min = 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
+            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+                raise ValueError(
+                    "--ngram-prompt-lookup-min and --ngram-prompt-lookup-max must satisfy "
+                    f"1 <= min <= max, got min={self.prompt_lookup_min}, "
+                    f"max={self.prompt_lookup_max}."
+                )
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError(
+                "--ngram-prompt-lookup-min/max apply to --speculative-method ngram only: drop "
+                "them, or use the ngram method."
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"--speculative-disable-by-batch-size must be >= 1, got {self.disable_by_batch_size}."
+            )
+
+    def resolve_draft(self, target: ModelConfig) -> None:
+        """Load the draft's config (draft_model): its dtype, context and load format follow
+        the target's. ValueError when its vocabulary differs from the target's or its
+        context is shorter than the target's ``max_model_len``."""
+        if self.method != "draft_model":
+            return
+        try:
+            draft = ModelConfig(
+                model=self.model, dtype=target.dtype, max_model_len=target.max_model_len,
+                seed=target.seed, load_format=target.load_format, skip_tokenizer_init=True,
+                enforce_eager=target.enforce_eager,
+            )
+        except ValueError as exc:
+            raise ValueError(f"The draft model --speculative-model {self.model}: {exc}") from exc
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"The draft model {draft.path.name} has a vocabulary of {draft.vocab_size} "
+                f"tokens but the target model {target.path.name} has {target.vocab_size}: "
+                "speculative decoding needs a draft with the target's vocabulary (the same "
+                "tokenizer)."
+            )
+        self.draft_model_config = draft
+
+
 def check_device(device: str) -> None:
     """ValueError, saying what to install or change, unless this torch can run on ``device``:
     ``"cpu"``, or ``"cuda"`` with a CUDA build of torch that sees a GPU."""
@@ -271,9 +378,19 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device: str = "cpu"
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         check_device(self.device)
+        spec = self.speculative_config
+        if spec is not None:
+            if self.scheduler_config.async_scheduling:
+                raise ValueError(
+                    "Asynchronous scheduling cannot be combined with speculative decoding yet "
+                    "(a step's token count is known only once its drafts are verified): drop "
+                    "--async-scheduling, or pass --no-async-scheduling."
+                )
+            spec.resolve_draft(self.model_config)
 
     @staticmethod
     def default_device() -> str:

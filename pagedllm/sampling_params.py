@@ -118,6 +118,14 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     @property
+    def speculation_blocker(self) -> str | None:
+        """Why a request with these parameters decodes without speculation (a speculative
+        engine runs it token by token, as without speculation), or None if it may speculate."""
+        if self.structured_outputs is not None:
+            return "structured outputs"
+        return None
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 

@@ -53,6 +53,13 @@ class SchedulerOutput:
     # forgets them (a preempted one comes back later as a NewRequestData).
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    # Speculative decoding. request id -> the proposed tokens it verifies this step, after
+    # its one known token (its num_scheduled_tokens count them); absent: none.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Tokens the draft model proposes after this step for each request the step samples
+    # for (fewer where its KV slots or max_tokens end sooner); 0: no draft model, or no
+    # speculation this step.
+    num_lookahead_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -70,6 +77,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
     # request id -> one entry per prompt position computed this step (None for position 0)
     prompt_logprobs: dict[str, list[LogprobsEntry | None]] = field(default_factory=dict)
+    # request id -> the draft model's proposals for the request's next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,6 +99,46 @@ class EngineCoreOutput:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding totals: ``num_drafts`` request-steps that verified proposals,
+    ``num_draft_tokens`` tokens proposed in them, ``num_accepted_tokens`` of those accepted,
+    and ``accepted_per_position[i]`` drafts whose token ``i`` (0-based) was accepted.
+
+    A step of a draft of ``k`` tokens with ``a`` accepted yields ``a + 1`` tokens, so the
+    mean accepted length (tokens per verifying step) is ``1 + num_accepted_tokens /
+    num_drafts`` and the acceptance rate ``num_accepted_tokens / num_draft_tokens``.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request's verification: ``num_accepted`` of ``num_draft_tokens`` kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_position = self.accepted_per_position
+        if len(per_position) < num_accepted:
+            per_position.extend([0] * (num_accepted - len(per_position)))
+        for i in range(num_accepted):
+            per_position[i] += 1
+
+    def copy(self) -> "SpecDecodingStats":
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens,
+                                 self.num_accepted_tokens, list(self.accepted_per_position))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
 class SchedulerStats:
     """A snapshot of the scheduler for metrics and the periodic log line (counters are totals)."""
 
@@ -100,3 +149,4 @@ class SchedulerStats:
     prefix_cache_hits: int  # of those, tokens found, total
     num_preemptions: int  # total
     num_waiting_for_grammar: int = 0  # of num_waiting: output constraints still compiling
+    spec_decoding: SpecDecodingStats | None = None  # totals; None without speculation

@@ -14,6 +14,10 @@ Token accounting, the only thing the scheduler knows about a request::
                           not been appended yet (the scheduler may plan a step before the
                           previous one's output is back: asynchronous scheduling)
     to compute          = num_tokens + num_output_placeholders - num_computed_tokens
+    spec_token_ids      = tokens a proposer suggests after the last one (speculative
+                          decoding): a decode step computes the last token plus these, and
+                          the step's accepted tokens leave num_computed_tokens just past the
+                          last accepted one (the rejected ones' K/V slots are rewritten later)
 
 A decode step computes exactly one token (the last sampled one); a prefill chunk computes
 many; a preempted request drops to ``num_computed_tokens == 0`` and recomputes prompt and
@@ -64,6 +68,7 @@ class Request:
         "status", "stop_reason", "max_tokens", "stop_token_ids", "block_hashes",
         "num_preemptions", "first_scheduled_time", "use_prefix_cache", "cache_salt",
         "num_output_placeholders", "num_prompt_logprobs_reported", "grammar",
+        "spec_token_ids", "can_speculate",
     )
 
     def __init__(
@@ -115,6 +120,9 @@ class Request:
         # compiled, ``accept_token`` for each output token, ``is_terminated`` when the
         # output is complete.
         self.grammar = None
+        # Proposed next tokens, consumed by the next step that schedules the request.
+        self.spec_token_ids: list[int] = []
+        self.can_speculate = sampling_params.speculation_blocker is None
 
     # -- token accounting ---------------------------------------------------------------
     @property

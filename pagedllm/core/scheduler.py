@@ -35,6 +35,16 @@ already reach ``max_tokens``. A request that stops on a stop token in step N was
 scheduled in step N+1; that token is dropped. A request preempted with a token in flight
 keeps it and is re-admitted only once it is back, so a recompute sees every token.
 
+Speculative decoding: a decoding request with proposed tokens (``spec_token_ids``, from
+the n-gram proposer or the draft model) is scheduled as its last token plus ``k`` of them,
+``k`` capped by the budget and by ``max_tokens`` (a step yields at most ``k + 1`` tokens,
+so no step computes a token past ``max_tokens``). ``update_from_output`` gets the accepted
+run (1 to ``k + 1`` tokens) and moves ``num_computed_tokens`` back by the rejected ones; their
+KV slots stay allocated and are overwritten by later tokens. With a draft model, a step
+that samples for a request also allocates the slots of the drafts the model writes after
+it (``num_lookahead_tokens``), so the draft's K/V always land in the request's own blocks.
+Above ``disable_by_batch_size`` running requests a step speculates for nobody.
+
 For the model runner: ``finished_req_ids`` holds the requests finished or aborted since
 the last step, ``preempted_req_ids`` those preempted in this step. The runner forgets
 both; a preempted request comes back later as a ``NewRequestData`` with all its tokens
@@ -47,7 +57,7 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.kv_cache import KVCacheManager, cdiv
 from pagedllm.core.outputs import (
     CachedRequestData,
@@ -55,6 +65,7 @@ from pagedllm.core.outputs import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    SpecDecodingStats,
 )
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import make_request_queue
@@ -67,14 +78,19 @@ class _StepPlan:
     """What one ``schedule()`` call has decided so far."""
 
     __slots__ = ("token_budget", "num_scheduled_tokens", "new_reqs", "cached_reqs",
-                 "preempted_req_ids")
+                 "preempted_req_ids", "speculate", "num_lookahead", "spec_token_ids")
 
-    def __init__(self, token_budget: int) -> None:
+    def __init__(self, token_budget: int, speculate: bool = False, num_lookahead: int = 0) -> None:
         self.token_budget = token_budget
         self.num_scheduled_tokens: dict[str, int] = {}
         self.new_reqs: list[NewRequestData] = []
         self.cached_reqs = CachedRequestData()
         self.preempted_req_ids: set[str] = set()
+        # Whether requests verify their proposals this step, and the draft model's slots
+        # past a sampling request's tokens (see the module docstring).
+        self.speculate = speculate
+        self.num_lookahead = num_lookahead
+        self.spec_token_ids: dict[str, list[int]] = {}
 
     def add_new(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
         self.new_reqs.append(NewRequestData(
@@ -98,11 +114,17 @@ class _StepPlan:
 class Scheduler:
     """Owns every unfinished request (waiting or running) and the KV cache manager.
 
-    ``num_kv_blocks`` is the size of the KV cache the model runner allocated.
+    ``num_kv_blocks`` is the size of the KV cache the model runner allocated (with a draft
+    model, each block holds the draft's K/V too). ``speculative_config``: None, or how
+    requests speculate (see the module docstring).
     """
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_kv_blocks: int,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -126,6 +148,11 @@ class Scheduler:
         self._unstepped_outputs: list[EngineCoreOutput] = []
         self._finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        spec = speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
+        self.uses_draft_model = spec is not None and spec.method == "draft_model"
+        self.spec_decoding_stats = SpecDecodingStats() if spec is not None else None
 
     # -- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -218,13 +245,20 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch (see the module docstring); never blocks or loops."""
-        plan = _StepPlan(self.max_num_batched_tokens)
+        speculate = self.speculates(len(self.running))
+        plan = _StepPlan(self.max_num_batched_tokens, speculate,
+                         self.num_spec_tokens if speculate and self.uses_draft_model else 0)
         if self.waiting_for_grammar:
             self._queue_compiled_requests()
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
         return self._make_output(plan)
+
+    def speculates(self, num_running: int) -> bool:
+        """Whether a step with ``num_running`` running requests speculates."""
+        limit = self.spec_disable_by_batch_size
+        return self.num_spec_tokens > 0 and (limit is None or num_running <= limit)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         # The hot loop (one pass per running request per step): locals, no helper calls
@@ -235,6 +269,7 @@ class Scheduler:
         budget = plan.token_budget
         cached = plan.cached_reqs
         num_scheduled = plan.num_scheduled_tokens
+        lookahead = plan.num_lookahead
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -244,14 +279,22 @@ class Scheduler:
                 continue
             end = len(request.all_token_ids) + placeholders
             num_tokens = end - request.num_computed_tokens
+            spec = request.spec_token_ids
+            if spec:
+                request.spec_token_ids = []  # consumed by this step, verified or not
+                if num_tokens == 1 and plan.speculate:
+                    num_tokens += self._take_spec_tokens(request, spec, budget, plan)
             if num_tokens > budget:
                 num_tokens = budget if chunked else 0
             if num_tokens <= 0:
                 i += 1
                 continue
-            new_block_ids = allocate(request, num_tokens)
+            num_slots = num_tokens
+            if lookahead:
+                num_slots += self._num_lookahead_slots(request, num_tokens, end, lookahead)
+            new_block_ids = allocate(request, num_slots)
             if new_block_ids is None:
-                new_block_ids = self._preempt_until_allocated(request, num_tokens, plan)
+                new_block_ids = self._preempt_until_allocated(request, num_slots, plan)
                 if new_block_ids is None:
                     break  # it preempted itself, so it was the last running request
             req_id = request.request_id
@@ -283,7 +326,11 @@ class Scheduler:
                         "chunked prefill or raise --max-num-batched-tokens."
                     )
                 return  # its whole prompt does not fit this step; nobody skips ahead of it
-            if kv.allocate_slots(request, num_tokens, hit_blocks, num_hit_tokens) is None:
+            num_slots = num_tokens
+            if plan.num_lookahead:
+                num_slots += self._num_lookahead_slots(
+                    request, num_hit_tokens + num_tokens, request.num_tokens, plan.num_lookahead)
+            if kv.allocate_slots(request, num_slots, hit_blocks, num_hit_tokens) is None:
                 if not self.running:
                     raise RuntimeError(
                         f"Request {request.request_id!r} needs more KV blocks than the whole "
@@ -317,6 +364,29 @@ class Scheduler:
         outputs, self._unstepped_outputs = self._unstepped_outputs, []
         return outputs
 
+    @staticmethod
+    def _take_spec_tokens(request: Request, spec: list[int], budget: int, plan: _StepPlan) -> int:
+        """How many of the request's proposals this step verifies (recorded in ``plan``):
+        all, but within the budget beside its own token and with ``k + 1`` tokens at most
+        left to reach ``max_tokens``."""
+        k = min(len(spec), budget - 1, request.max_tokens - len(request.output_token_ids) - 1)
+        if k <= 0:
+            return 0
+        plan.spec_token_ids[request.request_id] = spec if k == len(spec) else spec[:k]
+        return k
+
+    @staticmethod
+    def _num_lookahead_slots(request: Request, num_tokens: int, end: int, lookahead: int) -> int:
+        """KV slots past the step's ``num_tokens`` (counted from ``num_computed_tokens``)
+        that the draft model writes after the step: ``lookahead`` when the step reaches the
+        request's ``end`` (it samples), fewer near ``max_tokens`` (the draft never proposes
+        a token the request cannot keep), 0 otherwise."""
+        step_end = request.num_computed_tokens + num_tokens
+        if step_end < end or not request.can_speculate:
+            return 0
+        last_useful = request.num_prompt_tokens + request.max_tokens - 1
+        return max(0, min(lookahead, last_useful - step_end))
+
     def _num_tokens_to_schedule(self, num_needed: int, token_budget: int) -> int:
         if num_needed <= token_budget:
             return max(num_needed, 0)
@@ -338,6 +408,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
+        plan.spec_token_ids.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -364,6 +436,8 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - plan.token_budget,
             finished_req_ids=finished,
             preempted_req_ids=plan.preempted_req_ids,
+            spec_token_ids=plan.spec_token_ids,
+            num_lookahead_tokens=plan.num_lookahead,
         )
 
     # -- after the forward pass ---------------------------------------------------------
@@ -373,7 +447,8 @@ class Scheduler:
         """Append sampled tokens, finish and free stopped requests, report per request.
 
         A request gets an EngineCoreOutput when it has new tokens or prompt logprobs to
-        report. Each sampled token fills one of the request's output placeholders. Requests
+        report. Each step's sampled tokens (one, or with speculation the accepted run)
+        fill one of the request's output placeholders. Requests
         finished or aborted since ``schedule()`` are skipped (with asynchronous scheduling a
         step may have been planned before the previous one's output stopped the request:
         its extra token is dropped). A request preempted since keeps its token.
@@ -382,6 +457,8 @@ class Scheduler:
         requests = self.requests
         all_logprobs = runner.logprobs
         all_prompt_logprobs = runner.prompt_logprobs
+        verified = scheduler_output.spec_token_ids
+        proposals = runner.spec_token_ids
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         for req_id, sampled in zip(runner.req_ids, runner.sampled_token_ids):
@@ -398,6 +475,10 @@ class Scheduler:
             was_running = request.status == _RUNNING
             if not was_running and not (sampled and request.status == _PREEMPTED):
                 continue
+            if verified and was_running and req_id in verified:
+                self._roll_back_rejected(request, len(verified[req_id]), len(sampled))
+            if proposals and was_running:
+                request.spec_token_ids = proposals.get(req_id, [])
             if len(sampled) == 1:
                 request.append_output_token(sampled[0])
                 request.check_stop()
@@ -430,6 +511,17 @@ class Scheduler:
         if any_finished:
             self.running = [request for request in self.running if request.status == _RUNNING]
         return outputs
+
+    def _roll_back_rejected(self, request: Request, num_draft: int, num_sampled: int) -> None:
+        """The step computed the request's last token and ``num_draft`` proposals and
+        yielded ``num_sampled`` tokens: the accepted proposals plus one of the target's."""
+        if not 1 <= num_sampled <= num_draft + 1:
+            raise RuntimeError(
+                f"Request {request.request_id!r} verified {num_draft} proposed tokens but the "
+                f"step returned {num_sampled} tokens (1 to {num_draft + 1} expected)."
+            )
+        request.num_computed_tokens -= num_draft + 1 - num_sampled
+        self.spec_decoding_stats.observe(num_draft, num_sampled - 1)
 
     @staticmethod
     def _unreported(request: Request, so: SchedulerOutput, entries: list) -> list | None:

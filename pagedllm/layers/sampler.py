@@ -408,15 +408,7 @@ class Sampler(nn.Module):
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
-        # Out-of-place from here on: the caller's logits are never modified.
-        if not meta.no_penalties:
-            logits = apply_penalties(logits.float(), meta)
-        if meta.min_tokens_rows is not None:
-            logits = logits.float().index_put(
-                (meta.min_tokens_rows, meta.min_tokens_token_ids),
-                torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device),
-            )
-
+        logits = penalized_logits(logits, meta)
         greedy = None
         if not meta.all_random:
             greedy = (triton_ops.greedy_argmax(logits) if use_fused_ops(logits)
@@ -448,16 +440,43 @@ class Sampler(nn.Module):
                 removed = _filter(logits / meta.temperature.unsqueeze(-1), meta) == _NEG_INF
                 logits = logits.masked_fill(removed, _NEG_INF)
             return triton_ops.gumbel_sample(logits, meta.temperature, _row_seeds(logits, meta))
-        logits = logits.float() / meta.temperature.unsqueeze(-1)
-        if filtered:
-            logits = _filter(logits, meta)
-        probs = logits.softmax(dim=-1)
-        q = torch.empty_like(probs)
-        if len(meta.generators) < meta.num_rows:
-            q.exponential_()
-        for row, generator in meta.generators.items():
-            q[row].exponential_(generator=generator)
-        return probs.div_(q).argmax(dim=-1)
+        probs = sampling_probs(logits, meta)
+        return probs.div_(exponential_noise(probs, meta.generators)).argmax(dim=-1)
+
+
+def penalized_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """``logits`` after the penalties and ``min_tokens`` (float32 when either applies, else
+    ``logits`` itself; never modified in place): what greedy rows take the argmax of."""
+    if not meta.no_penalties:
+        logits = apply_penalties(logits.float(), meta)
+    if meta.min_tokens_rows is not None:
+        logits = logits.float().index_put(
+            (meta.min_tokens_rows, meta.min_tokens_token_ids),
+            torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device),
+        )
+    return logits
+
+
+def sampling_probs(penalized: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows draw from, float32 ``[B, V]`` summing to 1 per row:
+    ``penalized`` (see ``penalized_logits``) over the temperature, then top-k, top-p and
+    min-p, then softmax. Greedy rows (temperature 1 here) get their plain softmax."""
+    scaled = penalized.float() / meta.temperature.unsqueeze(-1)
+    if meta.top_k is not None or meta.top_p is not None or meta.min_p is not None:
+        scaled = _filter(scaled, meta)
+    return scaled.softmax(dim=-1)
+
+
+def exponential_noise(like: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exp(1) draws shaped as ``like`` ``[B, V]``: row ``r`` from ``generators[r]`` when it
+    has one (one draw of ``V`` values), the others from the global generator.
+    ``argmax(probs / noise)`` samples each row from ``probs`` (the exponential race)."""
+    noise = torch.empty_like(like, dtype=torch.float32)
+    if len(generators) < like.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return noise
 
 
 def _filter(scaled: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -7,6 +7,13 @@ reading back the context of a request checks that its block table, its prefix-ca
 and its ``num_computed_tokens`` are all right. The next token is a fixed function of the
 sequence so far: whatever the batching, chunking, caching or preemption, a request must end
 with the tokens ``reference_outputs`` computes alone.
+
+Speculative decoding: a request's proposed tokens (``SchedulerOutput.spec_token_ids``) are
+written and read like any others, then verified against ``next_token``: the step returns
+the matching run plus the model's own next token, and the rejected tokens' K/V are left
+for later steps to overwrite. With ``num_lookahead_tokens`` the runner plays the draft
+model: after a step that samples it proposes that many tokens (some deliberately wrong,
+see ``draft_token``) and checks that their K/V slots are the request's own.
 """
 
 from __future__ import annotations
@@ -35,6 +42,12 @@ def reference_outputs(prompt: list[int], params: SamplingParams, max_model_len: 
         request.append_output_token(next_token(request.all_token_ids))
         if request.check_stop():
             return request.output_token_ids
+
+
+def draft_token(tokens: list[int]) -> int:
+    """The fake draft model: ``next_token``, except for one context in four."""
+    token = next_token(tokens)
+    return token if hash(tuple(tokens[-3:])) % 4 else token % VOCAB + 4
 
 
 def _fingerprint(prev: int, token: int) -> int:
@@ -70,9 +83,12 @@ class FakeModelRunner:
         self.steps.append(so)
         self._update_states(so)
         req_ids = list(so.num_scheduled_tokens)
+        for req_id, spec in so.spec_token_ids.items():
+            assert so.num_scheduled_tokens[req_id] == len(spec) + 1
+            self.states[req_id].tokens.extend(spec)  # written like known tokens
         for req_id in req_ids:  # the whole batch writes its K/V before anyone attends
             self._write_kv(req_id, so.num_scheduled_tokens[req_id])
-        sampled, prompt_logprobs, logprobs = [], {}, {}
+        sampled, prompt_logprobs, logprobs, proposals = [], {}, {}, {}
         for req_id in req_ids:
             state = self.states[req_id]
             num_new = so.num_scheduled_tokens[req_id]
@@ -89,15 +105,47 @@ class FakeModelRunner:
                 ]
             state.num_computed_tokens = end
             if end == len(state.tokens):
-                token = next_token(state.tokens)
-                state.tokens.append(token)
-                self.history[req_id].append(token)
-                sampled.append([token])
+                tokens = self._verify(state, so.spec_token_ids.get(req_id, []))
+                self.history[req_id].extend(tokens)
+                sampled.append(tokens)
                 if state.params.logprobs is not None:
-                    logprobs[req_id] = [([token], [-0.5], 1)]
+                    logprobs[req_id] = [([t], [-0.5], 1) for t in tokens]
+                if so.num_lookahead_tokens:
+                    proposals[req_id] = self._propose(state, so.num_lookahead_tokens)
             else:
                 sampled.append([])
-        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs, proposals)
+
+    @staticmethod
+    def _verify(state: _State, spec: list[int]) -> list[int]:
+        """Keep the proposals ``next_token`` agrees with, then add its own next token."""
+        known = len(state.tokens) - len(spec)
+        accepted = 0
+        while accepted < len(spec) and spec[accepted] == next_token(state.tokens[:known + accepted]):
+            accepted += 1
+        del state.tokens[known + accepted:]
+        del state.prefix[known + accepted:]
+        state.num_computed_tokens = known + accepted
+        token = next_token(state.tokens)
+        state.tokens.append(token)
+        return spec[:accepted] + [token]
+
+    def _propose(self, state: _State, num_lookahead: int) -> list[int]:
+        """Draft after a step that sampled: as many tokens as the request's slots hold (the
+        draft writes the K/V of its last sampled token and of each proposal but the last),
+        up to ``num_lookahead``, and at least as many as it may still keep."""
+        last = len(state.tokens) - 1
+        room = len(state.block_ids) * self.block_size - last
+        max_tokens = state.params.max_tokens
+        useful = num_lookahead if max_tokens is None else min(
+            num_lookahead, state.num_prompt_tokens + max_tokens - 1 - last)
+        if max(useful, 0) > room:
+            raise AssertionError(f"the draft's {useful} proposals need {useful} slots past "
+                                 f"position {last}, the request's blocks hold {room}")
+        proposal: list[int] = []
+        for _ in range(min(num_lookahead, room)):
+            proposal.append(draft_token(state.tokens + proposal))
+        return proposal
 
     def _update_states(self, so: SchedulerOutput) -> None:
         assert not so.preempted_req_ids & so.finished_req_ids

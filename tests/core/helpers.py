@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.kv_cache import BlockPool, KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.request import Request
@@ -25,6 +25,7 @@ def make_scheduler(
     caching: bool = True,
     policy: str = "fcfs",
     block_size: int = BLOCK_SIZE,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,
@@ -34,7 +35,7 @@ def make_scheduler(
         policy=policy,
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
-    return Scheduler(scheduler_config, cache_config, num_blocks)
+    return Scheduler(scheduler_config, cache_config, num_blocks, speculative_config)
 
 
 def make_request(
