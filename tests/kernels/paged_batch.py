@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm.layers.attention.backend import AttentionMetadata
+from pagedllm.quantization.fp8 import FP8_DTYPE
 from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
 from tests.utils import make_attention_metadata, make_kv_caches
 
@@ -44,8 +45,10 @@ class PagedStep:
     spare_block: int  # a block no sequence owns
 
     def to(self, dtype: torch.dtype) -> PagedStep:
+        """The step in ``dtype``; an FP8 cache keeps its dtype (and its bytes)."""
+        cache = self.kv_cache if self.kv_cache.dtype == FP8_DTYPE else self.kv_cache.to(dtype)
         return PagedStep(
-            self.kv_cache.to(dtype), self.metadata, self.query.to(dtype),
+            cache, self.metadata, self.query.to(dtype),
             self.key.to(dtype), self.value.to(dtype), self.spare_block,
         )
 
@@ -89,14 +92,39 @@ def make_step(
     return step.to(dtype)
 
 
+def on_fp8_grid(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` moved to the nearest value that an FP8 cache of ``scale`` stores exactly
+    (``e4m3(x / scale) * scale``, float32; ``scale`` a power of two keeps it exact).
+
+    Triton 3.6's interpreter rounds float32 -> float8e4nv wrongly where a value rounds up
+    across a power of two (7.93 becomes 4.0) and flushes subnormals, so the kernels are
+    checked on CPU with keys and values that need no rounding at all."""
+    return (x.float() / scale).to(FP8_DTYPE).float() * scale
+
+
+def make_fp8_step(seqs: tuple[tuple[int, int], ...], *, k_scale: float, v_scale: float,
+                  dtype: torch.dtype = torch.float32, **kwargs) -> PagedStep:
+    """``make_step`` with an FP8 cache: the cached context (NaN elsewhere) and the step's
+    new keys and values all lie on the FP8 grid of ``k_scale`` / ``v_scale``."""
+    step = make_step(seqs, **kwargs)
+    key, value = on_fp8_grid(step.key, k_scale), on_fp8_grid(step.value, v_scale)
+    cache = torch.stack([(step.kv_cache[0] / k_scale).to(FP8_DTYPE),
+                         (step.kv_cache[1] / v_scale).to(FP8_DTYPE)])
+    return PagedStep(cache, step.metadata, step.query.to(dtype), key.to(dtype), value.to(dtype),
+                     step.spare_block)
+
+
 def reference_attention(
-    step: PagedStep, scale: float, window: int | None
+    step: PagedStep, scale: float, window: int | None, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, kv_cache after the step) of the torch reference backend, computed in fp32."""
+    """(output, kv_cache after the step) of the torch reference backend, computed in fp32
+    (over the FP8 cache itself when the step has one)."""
     fp32 = step.to(torch.float32)
     cache = fp32.kv_cache.clone()
     out = TorchReferenceBackend().forward(
-        fp32.query, fp32.key, fp32.value, cache, step.metadata, scale, window
+        fp32.query, fp32.key, fp32.value, cache, step.metadata, scale, window,
+        k_scale=k_scale, v_scale=v_scale,
     )
     return out, cache
 

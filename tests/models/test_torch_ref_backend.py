@@ -115,3 +115,52 @@ def test_one_backend_serves_successive_steps_of_different_shapes() -> None:
             naive_attention(qs, ks, vs, 0.25, 4) for qs, ks, vs in zip(queries, full_k, full_v)
         ])
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+# -- an FP8 KV cache (--kv-cache-dtype fp8) ------------------------------------------------
+FP8 = torch.float8_e4m3fn
+
+
+def _e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an FP8 cache of ``scale`` stores for ``x``: x / scale clamped to +-448, rounded."""
+    return (x / scale).clamp(-448.0, 448.0).to(FP8)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_fp8_cache_attends_over_quantize_dequantized_keys_and_values(window) -> None:
+    """Context and new tokens alike are read back as e4m3(x / scale) * scale; keys large
+    enough to saturate at 448 are clamped, not NaN. Equal, bit for bit, to the same
+    attention over a float32 cache holding those values, and close to attention by hand."""
+    k_scale, v_scale = 0.03, 0.07
+    cache32, metadata, q, k, v, full_k, full_v, queries = _batch(seed=3)
+    k, full_k = k * 10, [x * 10 for x in full_k]  # |k| / k_scale reaches past 448
+    assert max(x.abs().max() for x in full_k) / k_scale > 448
+    cache = torch.stack([_e4m3(cache32[0] * 10, k_scale), _e4m3(cache32[1], v_scale)])
+    out = TorchReferenceBackend().forward(q, k, v, cache, metadata, 0.25, window,
+                                          k_scale=k_scale, v_scale=v_scale)
+
+    deq_k = [_e4m3(x, k_scale).float() * k_scale for x in full_k]
+    deq_v = [_e4m3(x, v_scale).float() * v_scale for x in full_v]
+    expected = torch.cat([naive_attention(qs, ks, vs, 0.25, window)
+                          for qs, ks, vs in zip(queries, deq_k, deq_v)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    exact_cache = cache.float() * torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
+    new = torch.tensor([c for c, _ in SEQS])
+    exact = TorchReferenceBackend().forward(
+        q, torch.cat([x[c:] for x, c in zip(deq_k, new)]), torch.cat([x[c:] for x, c in zip(deq_v, new)]),
+        exact_cache, metadata, 0.25, window)
+    assert torch.equal(out, exact)
+
+
+def test_fp8_cache_holds_the_quantized_bytes_at_the_new_slots_only() -> None:
+    cache32, metadata, q, k, v, *_ = _batch(seed=4)
+    cache = cache32.to(FP8)  # the context, scale 1; NaN where nothing was written
+    before = cache.clone()
+    TorchReferenceBackend().forward(q, k, v, cache, metadata, 0.25, None, k_scale=0.5, v_scale=0.25)
+    slots = metadata.slot_mapping
+    flat = cache.view(torch.uint8).view(2, -1, NUM_KV_HEADS, HEAD_DIM)
+    assert torch.equal(flat[0][slots], _e4m3(k, 0.5).view(torch.uint8))
+    assert torch.equal(flat[1][slots], _e4m3(v, 0.25).view(torch.uint8))
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat[:, untouched], before.view(torch.uint8).view(flat.shape)[:, untouched])

@@ -8,7 +8,8 @@ of batching details and makes CUDA-graph capture simple.
 A step's batch is flat: ``T`` new tokens from ``B`` sequences, sequence ``b`` owning rows
 ``query_start_loc[b] : query_start_loc[b + 1]``. Prefill chunks and decodes mix freely.
 
-KV cache layout, one tensor per layer::
+KV cache layout, one tensor per layer, of the model's dtype or float8_e4m3fn
+(``--kv-cache-dtype fp8``, see ``kv_quant.py``)::
 
     kv_cache[layer]: [2, num_blocks, block_size, num_kv_heads, head_dim]
                       ^ 0 = keys, 1 = values
@@ -93,6 +94,9 @@ class AttentionBackend(Protocol):
     their rotary embedding (``RotaryEmbedding.apply``'s rotate-half), which the backend
     applies before caching and attending (the Triton backend in the same kernel as the
     cache write).
+    ``k_scale`` / ``v_scale``: the layer's per-tensor scales of an FP8 cache (keys and
+    values are stored divided by them and read back multiplied, see ``kv_quant.py``);
+    a cache of another dtype ignores them.
     """
 
     def forward(
@@ -105,4 +109,6 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor: ...

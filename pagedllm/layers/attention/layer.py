@@ -24,6 +24,11 @@ class Attention(nn.Module):
     ``num_heads`` must be a multiple of ``num_kv_heads`` (grouped-query attention; one KV
     head is multi-query attention). ``sliding_window`` counts tokens: a query at position
     ``p`` sees keys at positions ``p - sliding_window + 1 .. p``.
+
+    ``k_scale`` and ``v_scale`` (plain floats, 1.0 by default; a checkpoint's
+    ``self_attn.k_scale`` / ``v_scale`` set them at load) scale the keys and values of an
+    FP8 KV cache (``kv_quant.py``); the backend reads them on every call, and a captured
+    CUDA graph keeps the values of its capture. A cache in the model's dtype ignores them.
     """
 
     def __init__(
@@ -49,6 +54,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.backend = get_attention_backend()
 
     def forward(
@@ -73,11 +80,13 @@ class Attention(nn.Module):
             out = self.backend.forward(
                 q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
                 self.scale, self.sliding_window, rotary=rotary,
+                k_scale=self.k_scale, v_scale=self.v_scale,
             )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"layer={self.layer_idx}, sliding_window={self.sliding_window}"
+            f"layer={self.layer_idx}, sliding_window={self.sliding_window}, "
+            f"k_scale={self.k_scale}, v_scale={self.v_scale}"
         )

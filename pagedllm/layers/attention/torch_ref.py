@@ -15,6 +15,10 @@ One step, ``B`` sequences, vectorised over all of them::
 
 Cache slots past a sequence's length are never trusted: gathered K/V there are zeroed, so
 stale or uninitialised memory (even NaN) cannot reach the output.
+
+The cache may have another dtype than the queries: K/V are stored and read back as
+``kv_quant.py`` says (an FP8 cache divides by the layer's ``k_scale`` / ``v_scale`` on
+write and multiplies on read, in float32), then attended in the queries' dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.attention.backend import AttentionMetadata
+from pagedllm.layers.attention.kv_quant import dequantize_kv, quantize_kv
 from pagedllm.layers.rotary import RotaryEmbedding
 
 
@@ -112,15 +117,24 @@ class TorchReferenceBackend:
 
     @staticmethod
     def write_kv(
-        key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        """Store ``key/value: [n, Hkv, D]`` at ``slot_mapping: [n]`` of the paged cache."""
+        """Store ``key/value: [n, Hkv, D]`` at ``slot_mapping: [n]`` of the paged cache
+        (quantized with ``k_scale`` / ``v_scale`` when the cache is FP8)."""
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
         slots = slot_mapping.long()
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(kv_cache.dtype))
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
-            0, slots, value.to(kv_cache.dtype)
-        )
+        # Bytes are copied as such: the CPU has no index_copy_ for float8.
+        raw = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
+        for c, x, scale in ((0, key, k_scale), (1, value, v_scale)):
+            stored = quantize_kv(x, scale, kv_cache.dtype)
+            if raw is not kv_cache:
+                stored = stored.view(torch.uint8)
+            raw[c].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, stored)
 
     def forward(
         self,
@@ -132,6 +146,8 @@ class TorchReferenceBackend:
         scale: float,
         sliding_window: int | None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``. Rows past ``num_actual_tokens`` (padding) are
         neither written to the cache nor attended; their output is zero."""
@@ -140,7 +156,7 @@ class TorchReferenceBackend:
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
         n = metadata.num_actual_tokens
-        self.write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        self.write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], k_scale, v_scale)
 
         plan = self._plan_for(metadata)
         batch, max_q, max_kv = plan.num_seqs, plan.max_query_len, plan.max_seq_len
@@ -151,11 +167,13 @@ class TorchReferenceBackend:
 
         valid = plan.kv_valid[:, None, :, None]
         k, v = (
-            kv_cache[c][plan.block_ids]  # [B, blocks, block_size, Hkv, D]
-            .flatten(1, 2)[:, :max_kv]
-            .transpose(1, 2)  # [B, Hkv, max_kv, D]
-            .to(query.dtype)
-            for c in (0, 1)
+            dequantize_kv(
+                kv_cache[c][plan.block_ids]  # [B, blocks, block_size, Hkv, D]
+                .flatten(1, 2)[:, :max_kv]
+                .transpose(1, 2),  # [B, Hkv, max_kv, D]
+                scale, query.dtype,
+            )
+            for c, scale in ((0, k_scale), (1, v_scale))
         )
         k = torch.where(valid, k, 0)
         v = torch.where(valid, v, 0)

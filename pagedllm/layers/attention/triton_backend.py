@@ -45,7 +45,8 @@ class TritonAttentionBackend:
     """Implements ``AttentionBackend`` with Triton kernels (see the module docstring).
 
     Works for fp16, bf16 and fp32 queries; the cache may have another dtype (values are cast
-    on write and on read). The step's routing (does it hold decodes?) is derived once per
+    on write and on read; an FP8 cache is scaled by the layer's ``k_scale`` / ``v_scale``,
+    see ``triton_common``). The step's routing (does it hold decodes?) is derived once per
     metadata object and reused by every layer, and so is the order in which large decode
     batches start their sequences (longest first, ``triton_decode.longest_first``).
     """
@@ -90,6 +91,8 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``."""
         num_tokens = query.shape[0]
@@ -101,12 +104,14 @@ class TritonAttentionBackend:
         new_kv = None
         prefill_query = query
         if rotary is None:
-            write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping[:n])
+            write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping[:n],
+                           k_scale, v_scale)
         else:
             new_kv = NewKV(key, value, metadata.slot_mapping, *rotary, n)
             if metadata.max_query_len > 1:
                 prefill_query = rotate_and_write_kv(
-                    query, key, value, *rotary, key_cache, value_cache, metadata.slot_mapping, n
+                    query, key, value, *rotary, key_cache, value_cache, metadata.slot_mapping, n,
+                    k_scale, v_scale,
                 )
 
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -127,6 +132,8 @@ class TritonAttentionBackend:
                 scale=scale,
                 sliding_window=sliding_window,
                 skip_decodes=has_decodes,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if has_decodes:
             paged_decode_attention(
@@ -136,5 +143,7 @@ class TritonAttentionBackend:
                 sliding_window=sliding_window,
                 order=self._decode_order(metadata, seq_lens),
                 new_kv=new_kv,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out

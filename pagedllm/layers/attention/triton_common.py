@@ -1,8 +1,15 @@
 """Small pieces shared by the Triton attention kernels and their launchers.
 
 Units used by every kernel: positions and lengths count tokens; ``qk_scale`` is the
-softmax scale times ``log2(e)``, so scores live in base-2 exponent units and the kernels
-use ``exp2``; a running max of ``-inf`` means "no key seen yet".
+softmax scale times ``log2(e)`` (times ``k_scale`` for an FP8 cache), so scores live in
+base-2 exponent units and the kernels use ``exp2``; a running max of ``-inf`` means "no
+key seen yet".
+
+An FP8 cache (float8_e4m3fn, ``kv_quant.py``): every write goes through ``to_cache``
+(divide by the layer's scale, clamp to +-448, round to nearest); reads cast the stored
+values up to the queries' dtype (exact) and apply the scales outside the products:
+``k_scale`` in ``qk_scale``, ``v_scale`` on the output. Launchers pass the scales through
+``kv_quant.cache_scales``, so a cache of another dtype sees 1.0 (a no-op).
 """
 
 from __future__ import annotations
@@ -14,6 +21,21 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.0 / math.log(2.0)
+FP8_MAX: tl.constexpr = 448.0  # the largest finite float8_e4m3fn
+
+
+@triton.jit
+def to_cache(x, cache_ptr, scale):
+    """``x`` as ``cache_ptr``'s element type stores it: for float8_e4m3fn
+    ``round(clamp(x / scale, -448, 448))`` in float32 (an IEEE division, as torch's), for
+    any other type ``x`` cast (``scale`` unused)."""
+    cache_dtype = cache_ptr.dtype.element_ty
+    if cache_dtype == tl.float8e4nv:
+        y = tl.math.div_rn(x.to(tl.float32), scale)
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        return y.to(cache_dtype)
+    else:
+        return x.to(cache_dtype)
 
 
 @triton.jit

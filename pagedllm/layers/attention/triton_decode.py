@@ -58,9 +58,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.attention.kv_quant import cache_scales
 from pagedllm.layers.attention.triton_common import (
     LOG2_E,
     check_paged_inputs,
+    to_cache,
     unit_last_stride,
     uses_ieee_dot,
 )
@@ -92,6 +94,8 @@ def _decode_kernel(
     slot_mapping_ptr,
     num_actual_tokens,
     qk_scale,
+    k_scale,
+    v_scale,
     window,
     stride_qt,
     stride_qh,
@@ -173,7 +177,7 @@ def _decode_kernel(
                 v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
                 tl.load(slot_mapping_ptr + q_row).to(tl.int64),
                 stride_kb, stride_ks, stride_vb, stride_vs,
-                d, d_valid, c, sn, HALF, PAGE_SIZE,
+                d, d_valid, c, sn, k_scale, v_scale, HALF, PAGE_SIZE,
             )
     else:
         q = tl.load(q_heads + d[None, :], mask=q_mask, other=0.0)
@@ -215,6 +219,7 @@ def _decode_kernel(
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+    acc = acc * v_scale  # values are read as stored; the partials carry the scale
 
     mask = g_valid[:, None] & d_valid[None, :]
     out_heads = out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -257,23 +262,23 @@ def _store_normalised(out_ptrs, acc, l, mask):
 def _cache_new_token(
     key_ptr, value_ptr, k_head_cache_ptr, v_head_cache_ptr, slot,
     stride_kb, stride_ks, stride_vb, stride_vs,
-    d, d_valid, c, s,
+    d, d_valid, c, s, k_scale, v_scale,
     HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
     """One KV head of a new token into ``slot`` (skipped when negative): its key rotated
-    (rounded to the activation dtype, then cast to the cache's, as ``rotate_and_write_kv``)
-    and its value. The barrier after the stores makes them visible to the whole program,
+    (rounded to the activation dtype, then stored as the cache's, ``to_cache``, as
+    ``rotate_and_write_kv``) and its value. The barrier after the stores makes them visible to the whole program,
     whose last tile reads them back."""
     if slot >= 0:
         block = slot // PAGE_SIZE
         in_block = slot % PAGE_SIZE
         k = rotate_half_whole(key_ptr, d, c, s, d_valid, HALF).to(key_ptr.dtype.element_ty)
         tl.store(k_head_cache_ptr + block * stride_kb + in_block * stride_ks + d,
-                 k.to(k_head_cache_ptr.dtype.element_ty), mask=d_valid)
+                 to_cache(k, k_head_cache_ptr, k_scale), mask=d_valid)
         v = tl.load(value_ptr + d, mask=d_valid)
         tl.store(v_head_cache_ptr + block * stride_vb + in_block * stride_vs + d,
-                 v.to(v_head_cache_ptr.dtype.element_ty), mask=d_valid)
+                 to_cache(v, v_head_cache_ptr, v_scale), mask=d_valid)
     tl.debug_barrier()
 
 
@@ -471,6 +476,8 @@ def paged_decode_attention(
     block_n: int | None = None,
     order: torch.Tensor | None = None,
     new_kv: NewKV | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of every query-length-1 sequence of the batch into ``out``.
 
@@ -480,7 +487,8 @@ def paged_decode_attention(
     (default: ``plan_decode_splits``). ``order`` (int32 ``[B]``, a permutation of the
     sequences) is the order their programs start in, e.g. ``longest_first(seq_lens)``.
     With ``new_kv``, ``query`` is unrotated and the step's keys and values are cached by
-    this launch (see the module docstring).
+    this launch (see the module docstring). ``k_scale`` / ``v_scale``: the layer's scales
+    of an FP8 cache (ignored for another dtype).
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
@@ -504,6 +512,7 @@ def paged_decode_attention(
     default_n, num_warps, num_stages = decode_tile_config(head_dim, query.device, split)
     block_n = block_n or default_n
     block_d = max(16, triton.next_power_of_2(head_dim))
+    k_scale, v_scale = cache_scales(key_cache, k_scale, v_scale)
     if new_kv is not None:
         new_key, new_value = unit_last_stride(new_kv.key), unit_last_stride(new_kv.value)
         cos, sin = new_kv.cos, new_kv.sin
@@ -548,7 +557,9 @@ def paged_decode_attention(
         query_start_loc,
         order if order is not None else seq_lens,
         *rope_args,
-        scale * LOG2_E,
+        scale * LOG2_E * k_scale,
+        k_scale,
+        v_scale,
         sliding_window or 0,
         query.stride(0),
         query.stride(1),

@@ -7,8 +7,10 @@ cache slot ``slot_mapping[t]``::
     value[t] [Hkv, D] --> value_cache[slot // block_size, slot % block_size] [Hkv, D]
 
 A negative slot (-1) marks a padding token (a step padded to a captured batch size): its
-program writes nothing. Values are cast to the cache's dtype on store. Offsets into the
-cache are computed in int64, so caches past 2**31 elements are addressed correctly.
+program writes nothing. Values are cast to the cache's dtype on store (an FP8 cache:
+divided by ``k_scale`` / ``v_scale`` and clamped first, ``triton_common.to_cache``).
+Offsets into the cache are computed in int64, so caches past 2**31 elements are addressed
+correctly.
 
 ``rotate_and_write_kv`` does the same for keys that still need their rotary embedding, in
 the same launch: it rotates the step's queries and keys (rotate-half, as
@@ -23,7 +25,8 @@ import triton
 import triton.language as tl
 
 from pagedllm.layers._triton_ops_kernels import rotate_half
-from pagedllm.layers.attention.triton_common import unit_last_stride
+from pagedllm.layers.attention.kv_quant import cache_scales
+from pagedllm.layers.attention.triton_common import to_cache, unit_last_stride
 
 
 @triton.jit
@@ -33,6 +36,8 @@ def _write_kv_kernel(
     key_cache_ptr,
     value_cache_ptr,
     slot_mapping_ptr,
+    k_scale,
+    v_scale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -60,8 +65,8 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     k_dst = key_cache_ptr + (slot // PAGE_SIZE) * stride_kc_block + (slot % PAGE_SIZE) * stride_kc_slot
     v_dst = value_cache_ptr + (slot // PAGE_SIZE) * stride_vc_block + (slot % PAGE_SIZE) * stride_vc_slot
-    tl.store(k_dst + h[:, None] * stride_kc_head + d[None, :], k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst + h[:, None] * stride_vc_head + d[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst + h[:, None] * stride_kc_head + d[None, :], to_cache(k, key_cache_ptr, k_scale), mask=mask)
+    tl.store(v_dst + h[:, None] * stride_vc_head + d[None, :], to_cache(v, value_cache_ptr, v_scale), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_actual_tokens"])
@@ -76,6 +81,8 @@ def _rotate_and_write_kv_kernel(
     value_cache_ptr,
     slot_mapping_ptr,
     num_actual_tokens,
+    k_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_qot,
@@ -128,15 +135,14 @@ def _rotate_and_write_kv_kernel(
     k1, k2 = rotate_half(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], c, s, kv_mask, HALF)
     k_dst = (key_cache_ptr + (slot // PAGE_SIZE) * stride_kc_block + (slot % PAGE_SIZE) * stride_kc_slot
              + h[:, None] * stride_kc_head + d[None, :])
-    cache_dtype = key_cache_ptr.dtype.element_ty
-    tl.store(k_dst, k1.to(dtype).to(cache_dtype), mask=kv_mask)
-    tl.store(k_dst + HALF, k2.to(dtype).to(cache_dtype), mask=kv_mask)
+    tl.store(k_dst, to_cache(k1.to(dtype), key_cache_ptr, k_scale), mask=kv_mask)
+    tl.store(k_dst + HALF, to_cache(k2.to(dtype), key_cache_ptr, k_scale), mask=kv_mask)
     v_src = value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :]
     v_dst = (value_cache_ptr + (slot // PAGE_SIZE) * stride_vc_block + (slot % PAGE_SIZE) * stride_vc_slot
              + h[:, None] * stride_vc_head + d[None, :])
-    value_dtype = value_cache_ptr.dtype.element_ty
-    tl.store(v_dst, tl.load(v_src, mask=kv_mask).to(value_dtype), mask=kv_mask)
-    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask).to(value_dtype), mask=kv_mask)
+    tl.store(v_dst, to_cache(tl.load(v_src, mask=kv_mask), value_cache_ptr, v_scale), mask=kv_mask)
+    tl.store(v_dst + HALF, to_cache(tl.load(v_src + HALF, mask=kv_mask), value_cache_ptr, v_scale),
+             mask=kv_mask)
 
 
 def _cache_block_size(key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_heads: int,
@@ -160,11 +166,14 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store ``key/value: [n, Hkv, D]`` at ``slot_mapping: [n]`` (int, -1 = skip).
 
     ``key_cache/value_cache: [num_blocks, block_size, Hkv, D]`` (the two halves of one
     layer's ``kv_cache``); each must have a unit stride along ``D``, as must ``key/value``.
+    ``k_scale`` / ``v_scale``: the layer's scales, used only by an FP8 cache.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -183,6 +192,7 @@ def write_kv_cache(
         key_cache,
         value_cache,
         slot_mapping,
+        *cache_scales(key_cache, k_scale, v_scale),
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -213,11 +223,14 @@ def rotate_and_write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     num_actual_tokens: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotate ``query: [T, H, D]`` and ``key: [T, Hkv, D]`` by ``cos, sin: [T, D // 2]``
     (rotate-half) and store the first ``num_actual_tokens`` rotated keys and their
     ``value`` rows at ``slot_mapping`` (-1 = skip); returns the rotated queries, a new
-    ``[T, H, D]`` tensor in ``query``'s dtype. Arguments otherwise as ``write_kv_cache``.
+    ``[T, H, D]`` tensor in ``query``'s dtype. Arguments otherwise as ``write_kv_cache``
+    (an FP8 cache stores the rotated keys rounded to ``query``'s dtype, then quantized).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -238,6 +251,7 @@ def rotate_and_write_kv(
         return out
     _rotate_and_write_kv_kernel[(num_tokens,)](
         query, key, value, cos, sin, out, key_cache, value_cache, slot_mapping, num_actual_tokens,
+        *cache_scales(key_cache, k_scale, v_scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

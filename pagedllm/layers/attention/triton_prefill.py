@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.attention.kv_quant import cache_scales
 from pagedllm.layers.attention.triton_common import (
     LOG2_E,
     check_paged_inputs,
@@ -128,6 +129,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     num_seqs,
     qk_scale,
+    v_scale,
     window,
     stride_qt,
     stride_qh,
@@ -215,7 +217,7 @@ def _prefill_kernel(
     )
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -259,6 +261,8 @@ def paged_prefill_attention(
     skip_decodes: bool = False,
     block_m: int | None = None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of the first ``num_tokens`` rows of ``query: [T, H, D]`` into ``out``.
 
@@ -267,7 +271,8 @@ def paged_prefill_attention(
     ``block_tables: [B, max_blocks]`` (int32) describe the batch as in
     ``AttentionMetadata``; ``max_query_len`` may be any upper bound of the query lengths.
     With ``skip_decodes`` sequences of query length 1 are left untouched in ``out`` (the
-    decode kernel computes them).
+    decode kernel computes them). ``k_scale`` / ``v_scale``: the layer's scales of an FP8
+    cache (ignored for another dtype).
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
@@ -291,6 +296,7 @@ def paged_prefill_attention(
             f"block_m={block_m} must hold all {queries_per_kv} query heads of a KV head."
         )
     block_q = block_m // queries_per_kv
+    k_scale, v_scale = cache_scales(key_cache, k_scale, v_scale)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query,
@@ -301,7 +307,8 @@ def paged_prefill_attention(
         seq_lens,
         query_start_loc,
         num_seqs,
-        scale * LOG2_E,
+        scale * LOG2_E * k_scale,
+        v_scale,
         sliding_window or 0,
         query.stride(0),
         query.stride(1),

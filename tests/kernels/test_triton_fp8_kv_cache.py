@@ -1,0 +1,150 @@
+"""The Triton kernels over an FP8 KV cache (``--kv-cache-dtype fp8``) against the torch
+reference backend: the same bytes written, the same attention read back.
+
+On the CPU (Triton's interpreter) keys and values lie on the FP8 grid of their scales
+(``paged_batch.on_fp8_grid``) and rotary embeddings turn by quarter turns, so no value
+needs rounding: the interpreter rounds float32 -> float8e4nv wrongly. On a GPU the last
+test also checks rounding itself, on arbitrary values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
+from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
+from pagedllm.layers.attention.triton_decode import NewKV, paged_decode_attention
+from pagedllm.layers.attention.triton_kv_write import rotate_and_write_kv, write_kv_cache
+from pagedllm.layers.attention.triton_prefill import paged_prefill_attention
+from pagedllm.quantization.fp8 import FP8_DTYPE
+from tests.kernels.paged_batch import (
+    DEVICE, TOLERANCE, batch_args, make_fp8_step, make_step, reference_attention,
+)
+
+K_SCALE, V_SCALE = 0.5, 2.0  # powers of two: scaling moves no value off the grid
+SCALES = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+MIXED = ((0, 11), (9, 4), (17, 1), (0, 1), (30, 1), (6, 7))
+DECODES = ((0, 1), (3, 1), (4, 1), (7, 1), (15, 1), (70, 1))
+
+
+def _same_bytes(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def _quarter_turns(num_tokens: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
+    """Rotary ``(cos, sin)`` of angles that are multiples of 90 degrees: exact rotations."""
+    turns = torch.randint(0, 4, (num_tokens, head_dim // 2), generator=torch.Generator().manual_seed(seed))
+    cos = torch.tensor([1.0, 0.0, -1.0, 0.0])[turns]
+    sin = torch.tensor([0.0, 1.0, 0.0, -1.0])[turns]
+    return cos.to(DEVICE, dtype), sin.to(DEVICE, dtype)
+
+
+def test_write_stores_keys_and_values_divided_by_their_scales() -> None:
+    step = make_fp8_step(MIXED, **SCALES)
+    _, want_cache = reference_attention(step, 0.25, None, **SCALES)
+    slots = step.metadata.slot_mapping
+    write_kv_cache(step.key, step.value, step.kv_cache[0], step.kv_cache[1], slots, **SCALES)
+    assert step.kv_cache.dtype == FP8_DTYPE
+    assert _same_bytes(step.kv_cache, want_cache)
+    flat = step.kv_cache.view(2, -1, *step.kv_cache.shape[-2:])
+    assert torch.equal(flat[0][slots].float(), step.key / K_SCALE)
+    assert torch.equal(flat[1][slots].float(), step.value / V_SCALE)
+
+
+def test_values_past_the_fp8_range_are_stored_as_448() -> None:
+    step = make_fp8_step(((0, 5),), **SCALES)
+    key = torch.full_like(step.key, 1000.0 * K_SCALE)
+    value = torch.full_like(step.value, -1e6)
+    slots = step.metadata.slot_mapping
+    write_kv_cache(key, value, step.kv_cache[0], step.kv_cache[1], slots, **SCALES)
+    flat = step.kv_cache.view(2, -1, *step.kv_cache.shape[-2:])
+    assert (flat[0][slots].float() == 448.0).all()
+    assert (flat[1][slots].float() == -448.0).all()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-3"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_over_an_fp8_cache_matches_the_reference(num_splits, window) -> None:
+    step = make_fp8_step(DECODES, num_heads=8, num_kv_heads=2, seed=1, **SCALES)
+    want, _ = reference_attention(step, 0.25, window, **SCALES)
+    md = step.metadata
+    write_kv_cache(step.key, step.value, step.kv_cache[0], step.kv_cache[1], md.slot_mapping, **SCALES)
+    out = torch.zeros_like(step.query)
+    paged_decode_attention(step.query, step.kv_cache[0], step.kv_cache[1], *batch_args(step), out,
+                           max_seq_len=md.max_seq_len, scale=0.25, sliding_window=window,
+                           num_splits=num_splits, **SCALES)
+    torch.testing.assert_close(out, want, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_prefill_over_an_fp8_cache_matches_the_reference(window) -> None:
+    step = make_fp8_step(MIXED, seed=2, **SCALES)
+    want, _ = reference_attention(step, 0.25, window, **SCALES)
+    md = step.metadata
+    write_kv_cache(step.key, step.value, step.kv_cache[0], step.kv_cache[1], md.slot_mapping, **SCALES)
+    out = torch.zeros_like(step.query)
+    paged_prefill_attention(step.query, step.kv_cache[0], step.kv_cache[1], *batch_args(step), out,
+                            num_tokens=md.num_actual_tokens, max_query_len=md.max_query_len,
+                            scale=0.25, sliding_window=window, **SCALES)
+    torch.testing.assert_close(out, want, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["no-rope", "rope"])
+@pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decodes-only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_backend_step_over_an_fp8_cache_matches_the_reference(dtype, seqs, rotary) -> None:
+    """Every launch of a step (the write, or the rope fused into the write or into the
+    decode kernel; prefill; decode) against the reference backend: output and cache bytes."""
+    step = make_fp8_step(seqs, seed=3, dtype=dtype, **SCALES)
+    rope = _quarter_turns(step.query.shape[0], step.query.shape[2], dtype) if rotary else None
+    want_cache = step.kv_cache.clone()
+    want = TorchReferenceBackend().forward(
+        step.query.float(), step.key.float(), step.value.float(), want_cache, step.metadata, 0.25,
+        None, rotary=None if rope is None else tuple(x.float() for x in rope), **SCALES)
+    got = TritonAttentionBackend().forward(
+        step.query, step.key, step.value, step.kv_cache, step.metadata, 0.25, None, rotary=rope,
+        **SCALES)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+    assert _same_bytes(step.kv_cache, want_cache)
+
+
+def test_rotate_and_write_and_the_decode_rope_store_the_same_fp8_bytes() -> None:
+    step = make_fp8_step(DECODES, seed=4, **SCALES)
+    md = step.metadata
+    cos, sin = _quarter_turns(step.query.shape[0], step.query.shape[2], torch.float32, seed=5)
+    fused_cache = step.kv_cache.clone()
+    rotate_and_write_kv(step.query, step.key, step.value, cos, sin, fused_cache[0], fused_cache[1],
+                        md.slot_mapping, md.num_actual_tokens, **SCALES)
+    out = torch.zeros_like(step.query)
+    paged_decode_attention(
+        step.query, step.kv_cache[0], step.kv_cache[1], *batch_args(step), out,
+        max_seq_len=md.max_seq_len, scale=0.25, num_splits=3, block_n=16,
+        new_kv=NewKV(step.key, step.value, md.slot_mapping, cos, sin, md.num_actual_tokens),
+        **SCALES)
+    assert _same_bytes(step.kv_cache, fused_cache)
+
+
+def test_scales_are_ignored_by_a_cache_in_the_model_dtype() -> None:
+    step = make_step(MIXED, seed=6)
+    want, want_cache = reference_attention(step, 0.25, None)
+    got = TritonAttentionBackend().forward(step.query, step.key, step.value, step.kv_cache,
+                                           step.metadata, 0.25, None, **SCALES)
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+    assert torch.equal(step.kv_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter rounds to float8 wrongly")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_write_rounds_arbitrary_values_as_torch_does(dtype) -> None:
+    """Round to nearest even, subnormals included, with a scale that is no power of two."""
+    step = make_step(MIXED, seed=7, dtype=dtype)
+    k_scale, v_scale = 0.0371, 0.113
+    cache = step.kv_cache.to(FP8_DTYPE)
+    want = cache.clone()
+    TorchReferenceBackend.write_kv(step.key * 40, step.value / 64, want, step.metadata.slot_mapping,
+                                   k_scale, v_scale)
+    write_kv_cache(step.key * 40, step.value / 64, cache[0], cache[1], step.metadata.slot_mapping,
+                   k_scale, v_scale)
+    assert _same_bytes(cache, want)
