@@ -20,7 +20,9 @@ projections of a few sequences) over its tiles against cuBLAS on Llama-3.1-8B's 
 and writes the single tile fastest over the layer's four projections to ``--gemv-tile-out``
 (the format of ``PAGEDLLM_GEMV_TILE``). ``--decode-splits`` times decode attention by
 batch size (2 to 256 sequences) over split counts and tiles inside CUDA graphs, beside
-the engine's own plan. ``--skip-checks`` leaves out the checks and the standard timings.
+the engine's own plan. ``--gemv-fp8-sweep`` does the same for FP8 weights (W8A8) inside CUDA graphs, beside the
+bf16 tile; ``--fp8-gemm`` times the larger products, bf16 against FP8 ``_scaled_mm`` and
+the input quantization. ``--skip-checks`` leaves out the checks and the standard timings.
 Exits 1 when a check fails.
 """
 
@@ -490,7 +492,7 @@ def gemv_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], None]) -> 
                 for tile in candidates:
                     if time.monotonic() > deadline:
                         return rows
-                    triton_ops.small_batch_matmul_config = lambda r, nn, kk, c=tile: c
+                    triton_ops.small_batch_matmul_config = lambda r, nn, kk, fp8=False, c=tile: c
                     row: dict[str, Any] = dict(shape=name, rows=m, impl="triton", tile=list(tile),
                                                use_dot=tile[4])
                     try:
@@ -590,7 +592,7 @@ def gemv_graph_rows(fixed=GEMV_GRAPH_TILES) -> list[dict[str, Any]]:
             for label, op in variants:
                 tile = next((t for t in fixed if label == f"triton {t}"), None)
                 triton_ops.small_batch_matmul_config = (
-                    configured if tile is None else (lambda r, nn, kk, c=tile: c))
+                    configured if tile is None else (lambda r, nn, kk, fp8=False, c=tile: c))
                 try:
                     us = graph_us_per_launch(op, weights)
                     rows.append(dict(shape=name, impl=label, us=us, tb_s=n * k * 2 / us / 1e6))
@@ -602,6 +604,116 @@ def gemv_graph_rows(fixed=GEMV_GRAPH_TILES) -> list[dict[str, Any]]:
         triton_ops.small_batch_matmul_config = configured
     for r in rows:
         print(f"{r['shape']:8} {r['impl']:42} " + (f"{r['us']:8.1f} us {r['tb_s']:5.2f} TB/s" if "us" in r else r["error"]))
+    return rows
+
+
+def gemv_fp8_configs() -> list[tuple[int, int, int, int, bool]]:
+    dot = [(n, k, w, s, True) for n in (16, 32, 64, 128) for k in (256, 512, 1024)
+           for w in (4, 8) for s in (2, 3, 4) if n * k <= 65536]
+    fma = [(n, k, w, s, False) for n in (16, 32, 64) for k in (128, 256, 512)
+           for w in (4, 8) for s in (1, 3) if n * k <= 2048 * w]
+    return dot + fma
+
+
+def gemv_fp8_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """``small_batch_matmul`` with FP8 weights (W8A8, the input quantized in the kernel) on
+    a layer's four projections as a decode step runs them (back to back in a CUDA graph,
+    weights out of L2), over a grid of tiles at one row, the ten fastest at 4 rows;
+    beside the bf16 kernel's configured tile and the FP8 configured tile."""
+    from pagedllm.layers import triton_ops
+    from pagedllm.quantization.fp8 import quantize_rows
+
+    rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + budget_s
+    configured = triton_ops.small_batch_matmul_config
+    gen = torch.Generator(device=DEVICE).manual_seed(44)
+    try:
+        for name, n, k in GEMV_SHAPES[:4]:
+            copies = max(2, -(-400_000_000 // (n * k)))
+            bf16 = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
+                    for _ in range(max(2, copies // 2))]
+            fp8 = [quantize_rows(w) for w in bf16]
+            fp8 = (fp8 * (copies // len(fp8) + 1))[:copies]
+            for m in (1, 4):
+                x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
+                triton_ops.small_batch_matmul_config = configured
+                us = graph_us_per_launch(lambda w: triton_ops.small_batch_matmul(x, w), bf16)
+                rows.append(dict(shape=name, rows=m, impl="bf16 configured", us=us,
+                                 tb_s=n * k * 2 / us / 1e6))
+                fp8_op = lambda w: triton_ops.small_batch_matmul(x, w[0], weight_scale=w[1])  # noqa: E731
+                us = graph_us_per_launch(fp8_op, fp8)
+                rows.append(dict(shape=name, rows=m, impl="fp8 configured", us=us,
+                                 tb_s=n * k / us / 1e6))
+                if m == 1:
+                    candidates = gemv_fp8_configs()
+                else:
+                    timed = sorted((r for r in rows if r["shape"] == name and r["rows"] == 1
+                                    and r["impl"] == "fp8 tile" and r["tile"][4] and "us" in r),
+                                   key=lambda r: r["us"])
+                    candidates = [tuple(r["tile"]) for r in timed[:10]]
+                for tile in candidates:
+                    if time.monotonic() > deadline:
+                        return rows
+                    triton_ops.small_batch_matmul_config = lambda r, nn, kk, fp8=False, c=tile: c
+                    row: dict[str, Any] = dict(shape=name, rows=m, impl="fp8 tile", tile=list(tile))
+                    try:
+                        row["us"] = graph_us_per_launch(fp8_op, fp8)
+                        row["tb_s"] = n * k / row["us"] / 1e6
+                    except Exception as exc:  # e.g. too much shared memory for the stages
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    rows.append(row)
+                save(rows)
+            del bf16, fp8
+            torch.cuda.empty_cache()
+    finally:
+        triton_ops.small_batch_matmul_config = configured
+    return rows
+
+
+def print_gemv_fp8(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'projection':10} {'rows':>4} {'bf16 us':>8} {'fp8 cfg us':>10} {'best fp8 us':>11} {'TB/s':>5}  tile")
+    for name, _, _ in GEMV_SHAPES[:4]:
+        for m in (1, 4):
+            pick = {r["impl"]: r for r in rows if r["shape"] == name and r["rows"] == m
+                    and r["impl"] != "fp8 tile"}
+            timed = sorted((r for r in rows if r["shape"] == name and r["rows"] == m
+                            and r["impl"] == "fp8 tile" and "us" in r), key=lambda r: r["us"])
+            if len(pick) < 2 or not timed:
+                continue
+            print(f"{name:10} {m:4} {pick['bf16 configured']['us']:8.1f} "
+                  f"{pick['fp8 configured']['us']:10.1f} {timed[0]['us']:11.1f} "
+                  f"{timed[0]['tb_s']:5.2f}  {timed[0]['tile']}")
+
+
+def fp8_gemm_rows() -> list[dict[str, Any]]:
+    """Prompt and large-decode products of a layer's projections: bf16 cuBLAS against FP8
+    W8A8 (``torch._scaled_mm`` with row-wise scales) and its input quantization (the Triton
+    kernel and the torch ops), each timed alone (``bench_ms``), by rows."""
+    from pagedllm.layers import triton_ops
+    from pagedllm.quantization.fp8 import quantize_rows
+
+    rows: list[dict[str, Any]] = []
+    gen = torch.Generator(device=DEVICE).manual_seed(45)
+    for name, n, k in GEMV_SHAPES[:4]:
+        weight = (torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
+        wq, w_scale = quantize_rows(weight)
+        for m in (256, 2048, 8192):
+            x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
+            xq, x_scale = triton_ops.quantize_rows_fp8(x)
+            row = dict(shape=name, rows=m)
+            row["bf16_ms"] = bench_ms(lambda: F.linear(x, weight))
+            row["scaled_mm_ms"] = bench_ms(lambda: torch._scaled_mm(
+                xq, wq.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16))
+            row["quant_triton_ms"] = bench_ms(lambda: triton_ops.quantize_rows_fp8(x))
+            row["quant_torch_ms"] = bench_ms(lambda: quantize_rows(x))
+            row["fp8_total_ms"] = row["scaled_mm_ms"] + row["quant_triton_ms"]
+            rows.append(row)
+            print(f"{name:8} rows {m:5}  bf16 {row['bf16_ms'] * 1e3:8.1f} us  scaled_mm "
+                  f"{row['scaled_mm_ms'] * 1e3:8.1f} us  quant triton {row['quant_triton_ms'] * 1e3:7.1f}"
+                  f" torch {row['quant_torch_ms'] * 1e3:7.1f} us  fp8/bf16 "
+                  f"{row['fp8_total_ms'] / row['bf16_ms']:.2f}", flush=True)
+        del weight, wq
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -656,6 +768,10 @@ def main() -> int:
     parser.add_argument("--gemv-budget-s", type=float, default=200.0)
     parser.add_argument("--gemv-tile-out", type=Path, default=None,
                         help="write the best single tile here (PAGEDLLM_GEMV_TILE format)")
+    parser.add_argument("--gemv-fp8-sweep", action="store_true",
+                        help="time small_batch_matmul's tiles on FP8 weights in CUDA graphs")
+    parser.add_argument("--fp8-gemm", action="store_true",
+                        help="time bf16 cuBLAS against FP8 _scaled_mm and the input quantization by rows")
     parser.add_argument("--gemv-graph", action="store_true",
                         help="time the one-row projections back to back in CUDA graphs")
     parser.add_argument("--gemv-tiles", type=parse_gemv_tiles, default=GEMV_GRAPH_TILES,
@@ -699,10 +815,19 @@ def main() -> int:
         save_gemv(gemv_rows(args.gemv_budget_s, save_gemv))
         print_gemv(results["gemv"], args.gemv_tile_out)
 
+    if args.gemv_fp8_sweep:
+        def save_gemv_fp8(rows: list[dict[str, Any]]) -> None:
+            results["gemv_fp8"] = rows
+            save()
+
+        save_gemv_fp8(gemv_fp8_rows(args.gemv_budget_s, save_gemv_fp8))
+        print_gemv_fp8(results["gemv_fp8"])
+
     # (asked for, results key, title, rows): the timings that print as they go.
     timed_tables = (
         (args.gemv_graph, "gemv_graph", "one-row projections inside CUDA graphs, per launch",
          lambda: gemv_graph_rows(args.gemv_tiles)),
+        (args.fp8_gemm, "fp8_gemm", "bf16 against FP8 W8A8 products by rows", fp8_gemm_rows),
         (args.gemm_rows, "gemm_rows",
          "layer projections (cuBLAS) by decode rows, inside CUDA graphs, per launch", gemm_rows),
         (args.kv_layout, "kv_layout", "decode attention by KV cache layout", kv_layout_rows),

@@ -314,3 +314,30 @@ def small_batch_matmul_kernel(
                     norm_weight_ptr, normed_ptr + row * N, residual_out_ptr + row * N, eps,
                     N, NORM_BLOCK, True, ".cg",
                 )
+
+
+@triton.jit
+def quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, K, stride_xm,
+                             BLOCK_K: tl.constexpr, STATIC_INPUT: tl.constexpr):
+    """Row ``row`` of ``x`` -> float8_e4m3fn ``out[row]`` (contiguous rows of ``K``) and its
+    float32 scale ``scale[row]``, as ``quantize_rows`` computes them: the scale is the
+    row's largest magnitude / 448 (at least 1e-12), or the one float32 at
+    ``input_scale_ptr`` with ``STATIC_INPUT``; each value is divided by it with IEEE
+    rounding, clamped to +-448 and rounded to e4m3."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    if STATIC_INPUT:
+        scale = tl.load(input_scale_ptr)
+    else:
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0, 448.0)
+        tl.store(out_ptr + row * K + k, q.to(tl.float8e4nv), mask=k < K)
+    tl.store(scale_ptr + row, scale)

@@ -70,6 +70,26 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return buffers[-1]
 
 
+def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pagedllm.quantization.fp8.quantize_rows`` in one pass per row: ``x [M, K]`` ->
+    (float8_e4m3fn ``[M, K]``, float32 scales ``[M, 1]``), the same values (IEEE division)."""
+    rows, cols = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        k = _kernels()
+        block = min(2048, k.next_power_of_2(cols))
+        k.quantize_rows_fp8_kernel[(rows,)](
+            x, out, scale, input_scale if input_scale is not None else scale, cols,
+            x.stride(0), BLOCK_K=block, STATIC_INPUT=input_scale is not None,
+            num_warps=4 if block <= 1024 else 8,
+        )
+    return out, scale
+
+
 def _norm_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
@@ -278,8 +298,12 @@ def fp8_dot_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+GEMV_FP8_TILE_ENV = "PAGEDLLM_GEMV_FP8_TILE"
+
+
 @functools.cache
-def small_batch_matmul_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, bool]:
+def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False
+                              ) -> tuple[int, int, int, int, bool]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot)`` of ``small_batch_matmul``.
 
     From timings on an H200 of Llama-3.1-8B's one-row projections, back to back inside a CUDA
@@ -287,28 +311,35 @@ def small_batch_matmul_config(rows: int, n: int, k: int) -> tuple[int, int, int,
     tensor-core tiles: 32 x 512 for outputs up to 4,096 wide (o_proj 11.5 us against
     cuBLAS's 12.6, down 30.9 against 31.3), 64 x 512 up to 16k (qkv 15.1 against 15.3),
     and narrow 128-wide K tiles with many programs above (gate/up 58.1 against 64.9; the
-    LM head). ``--gemv-sweep`` gave the same order at 4 and 8 rows.
+    LM head). ``--gemv-sweep`` gave the same order at 4 and 8 rows. ``fp8`` (FP8 weights)
+    uses the same tiles until an FP8 sweep (``--gemv-fp8-sweep``) picks its own.
 
-    ``PAGEDLLM_GEMV_TILE="BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma"`` overrides it
-    (``fma`` only for one row), to measure candidates on whole workloads.
+    ``PAGEDLLM_GEMV_TILE="BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma"`` overrides it for
+    every weight, ``PAGEDLLM_GEMV_FP8_TILE`` for FP8 weights only (``fma`` only for one
+    row), to measure candidates on whole workloads.
     """
-    value = os.environ.get(GEMV_TILE_ENV, "").strip()
-    if value:
-        try:
-            *ints, mode = value.split(",")
-            block_n, block_k, num_warps, num_stages = (int(v) for v in ints)
-        except ValueError:
-            raise ValueError(f"{GEMV_TILE_ENV}={value!r}: give BLOCK_N,BLOCK_K,num_warps,"
-                             "num_stages,dot|fma (e.g. 32,256,4,4,dot).") from None
-        if mode not in ("dot", "fma") or min(block_n, block_k) < 16:
-            raise ValueError(f"{GEMV_TILE_ENV}={value!r}: the mode is dot or fma and the "
-                             "blocks are powers of two >= 16.")
-        return block_n, block_k, num_warps, num_stages, mode == "dot" or rows > 1
+    for env in ((GEMV_FP8_TILE_ENV, GEMV_TILE_ENV) if fp8 else (GEMV_TILE_ENV,)):
+        value = os.environ.get(env, "").strip()
+        if value:
+            return _parse_tile(env, value, rows)
     if n <= 4096:
         return 32, 512, 4, 3, True
     if n < 16384:
         return 64, 512, 4, 3, True
     return 64, 128, 4, 3, True
+
+
+def _parse_tile(env: str, value: str, rows: int) -> tuple[int, int, int, int, bool]:
+    try:
+        *ints, mode = value.split(",")
+        block_n, block_k, num_warps, num_stages = (int(v) for v in ints)
+    except ValueError:
+        raise ValueError(f"{env}={value!r}: give BLOCK_N,BLOCK_K,num_warps,"
+                         "num_stages,dot|fma (e.g. 32,256,4,4,dot).") from None
+    if mode not in ("dot", "fma") or min(block_n, block_k) < 16:
+        raise ValueError(f"{env}={value!r}: the mode is dot or fma and the "
+                         "blocks are powers of two >= 16.")
+    return block_n, block_k, num_warps, num_stages, mode == "dot" or rows > 1
 
 
 def small_batch_matmul(
@@ -371,7 +402,7 @@ def small_batch_matmul(
     if rows == 0:
         return out if norm is None else (normed, residual_out)
     block_n, block_k, num_warps, num_stages, use_dot = small_batch_matmul_config(
-        rows, weight.shape[0], in_features
+        rows, weight.shape[0], in_features, fp8=weight_scale is not None
     )
     if silu_gated:  # two weight tiles per program: the same bytes in flight as the plain tile
         block_n = max(16, block_n // 2)

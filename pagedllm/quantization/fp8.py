@@ -63,9 +63,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """``x @ dequant(weight).T + bias`` with ``x`` quantized per token, or with the static
     ``input_scale`` when given; ``x [T, K]`` in the model's dtype, ``weight [N, K]``
     float8_e4m3fn, ``weight_scale [N, 1]`` float32. Returns ``[T, N]`` in ``x``'s dtype."""
+    from pagedllm.layers.triton_ops import quantize_rows_fp8, use_fused_ops
+
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    xq, x_scale = quantize_rows(x2, input_scale)
+    quantize = quantize_rows_fp8 if use_fused_ops(x2) else quantize_rows
+    xq, x_scale = quantize(x2, input_scale)
     if _fp8_matmul_supported(x.device) and x.dtype in (torch.bfloat16, torch.float16):
         # Row-wise scales need a bfloat16 result.
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.contiguous(),

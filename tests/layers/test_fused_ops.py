@@ -142,7 +142,7 @@ def test_small_batch_matmul_equals_linear(monkeypatch, mode, dtype, rows) -> Non
     """Uneven N and K (a partial column block and a partial K tile), with and without a bias."""
     if mode == "fma" and rows > 1:
         pytest.skip("the lane-wise path serves one row")
-    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k: SMALL_BATCH_TILES[mode])
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, fp8=False: SMALL_BATCH_TILES[mode])
     x = _rand(rows, 200, dtype=dtype, seed=8)
     weight = _rand(70, 200, dtype=dtype, seed=9)
     bias = _rand(70, dtype=dtype, seed=10)
@@ -155,7 +155,7 @@ def test_small_batch_matmul_equals_linear(monkeypatch, mode, dtype, rows) -> Non
 
 
 def test_small_batch_matmul_row_does_not_depend_on_the_batch(monkeypatch) -> None:
-    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k: SMALL_BATCH_TILES["dot"])
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, fp8=False: SMALL_BATCH_TILES["dot"])
     x = _rand(5, 128, dtype=DOT_DTYPE, seed=11)
     weight = _rand(48, 128, dtype=DOT_DTYPE, seed=12)
     alone = triton_ops.small_batch_matmul(x[2:3], weight)
@@ -207,7 +207,7 @@ def test_llama_mlp_of_a_small_batch_runs_on_the_matmul_kernel_with_the_norm_afte
     kernels = []
     monkeypatch.setattr(triton_ops, "use_fused_ops", lambda t: True)  # as on a GPU
     monkeypatch.setattr(triton_ops, "small_batch_matmul_config",
-                        lambda m, n, k: kernels.append((n, k)) or SMALL_BATCH_TILES["dot"])
+                        lambda m, n, k, fp8=False: kernels.append((n, k)) or SMALL_BATCH_TILES["dot"])
     monkeypatch.setattr(triton_ops, "rms_norm", lambda *a, **k: pytest.fail("a second launch"))
     normed, summed = linear_and_norm(mlp(x), mlp.down_proj, norm, residual)
     torch.testing.assert_close(summed.float(), want_sum, rtol=5e-3, atol=5e-3)
@@ -218,7 +218,7 @@ def test_llama_mlp_of_a_small_batch_runs_on_the_matmul_kernel_with_the_norm_afte
 @pytest.mark.parametrize("rows", [1, 3])
 def test_small_batch_matmul_with_norm_is_the_product_then_rms_norm_to_the_bit(monkeypatch, rows) -> None:
     """The last program normalises every row; the counter is reset for the next launch."""
-    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k: SMALL_BATCH_TILES["dot"])
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, fp8=False: SMALL_BATCH_TILES["dot"])
     x = _rand(rows, 96, dtype=DOT_DTYPE, seed=27)
     weight = _rand(72, 96, dtype=DOT_DTYPE, seed=28) * 0.2  # three programs of 32 columns
     norm_weight = _rand(72, dtype=DOT_DTYPE, seed=29)
@@ -237,7 +237,7 @@ def test_small_batch_matmul_with_norm_is_the_product_then_rms_norm_to_the_bit(mo
 def test_silu_gated_small_batch_matmul_is_silu_and_mul_of_the_product(monkeypatch, mode, rows) -> None:
     """``[gate; up]`` weights with a bias and an uneven K: the same values, and the same
     roundings, as the product followed by ``silu_and_mul``."""
-    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k: SMALL_BATCH_TILES[mode])
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, fp8=False: SMALL_BATCH_TILES[mode])
     dtype = DOT_DTYPE if mode == "dot" else torch.bfloat16
     x = _rand(rows, 200, dtype=dtype, seed=24)
     weight = _rand(2 * 45, 200, dtype=dtype, seed=25) * 0.2
@@ -260,7 +260,7 @@ def test_fp8_small_batch_matmul_is_the_w8a8_product(monkeypatch, mode, rows) -> 
     W8A8 reference's values, plain, with the SiLU gate and with the norm riding on it."""
     from pagedllm.quantization.fp8 import dequantize_rows, quantize_rows
 
-    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k: SMALL_BATCH_TILES[mode])
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, fp8=False: SMALL_BATCH_TILES[mode])
     dtype = DOT_DTYPE if mode == "dot" else torch.bfloat16
     x = _rand(rows, 200, dtype=dtype, seed=31)
     if INTERPRETED:
@@ -298,3 +298,20 @@ def test_fp8_small_batch_matmul_is_the_w8a8_product(monkeypatch, mode, rows) -> 
     want = dequantize_rows(xq, x_scale) @ dequantize_rows(wq, scale).t() + bias.float()
     got = triton_ops.small_batch_matmul(x, wq, bias, weight_scale=scale, input_scale=input_scale)
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_row_quantization_kernel_equals_quantize_rows(static):
+    """The one-pass kernel gives ``quantize_rows``' FP8 bytes and scales (rows wider than
+    one block, a zero row, and with a static scale, values beyond its range clamped)."""
+    from pagedllm.quantization.fp8 import quantize_rows
+
+    x = _rand(4, 2500, seed=41) * torch.tensor([[1e-3], [1.0], [300.0], [0.0]], device=DEVICE)
+    if INTERPRETED:  # values the interpreter's e4m3 conversion rounds right (see above)
+        exact, _ = quantize_rows(x.float())
+        x = exact.float() * 2.0**-6 * torch.tensor([[1.0], [2.0], [4.0], [0.0]], device=DEVICE)
+    input_scale = torch.tensor([2.0**-8], device=DEVICE) if static else None
+    got_q, got_scale = triton_ops.quantize_rows_fp8(x, input_scale)
+    want_q, want_scale = quantize_rows(x, input_scale)
+    assert torch.equal(got_scale, want_scale.contiguous())
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
