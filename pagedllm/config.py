@@ -27,6 +27,11 @@ DEFAULT_MODEL = "pagedllm-demo"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEVICES = ("cpu", "cuda")
 DEVICE_ENV = "PAGEDLLM_DEVICE"
+# ``--kv-cache-dtype``: "auto" stores K/V in the model's dtype, "fp8" as float8_e4m3fn.
+KV_CACHE_DTYPES = ("auto", "fp8")
+_KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
+# Compute capability whose Triton kernels cast to and from float8_e4m3fn (Ada, Hopper).
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 def builtin_model_configs() -> list[str]:
@@ -187,6 +192,19 @@ class ModelConfig:
         return frozenset([eos] if isinstance(eos, int) else eos)
 
 
+def normalize_kv_cache_dtype(cache_dtype: str) -> str:
+    """``"auto"`` or ``"fp8"`` (``"fp8_e4m3"`` is an alias); ValueError naming the flag otherwise."""
+    name = str(cache_dtype).lower()
+    name = _KV_CACHE_DTYPE_ALIASES.get(name, name)
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype {cache_dtype} (kv_cache_dtype={cache_dtype!r}) is not supported: "
+            "use auto (the model's dtype) or fp8 (alias fp8_e4m3: float8_e4m3fn, half the "
+            "bytes of bf16)."
+        )
+    return name
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -194,8 +212,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float = 2.0  # CPU only: bytes reserved for the KV cache
     num_kv_blocks: int | None = None  # overrides both sizings when set
+    # "auto": K/V in the model's dtype; "fp8": float8_e4m3fn, each layer's K and V divided
+    # by its k_scale / v_scale on write and multiplied back on read (layers/attention).
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        self.cache_dtype = normalize_kv_cache_dtype(self.cache_dtype)
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -372,6 +394,24 @@ def check_device(device: str) -> None:
     )
 
 
+def check_fp8_kv_cache_device(device: str) -> None:
+    """ValueError unless ``device`` can hold an FP8 KV cache: the CPU (torch casts), or a
+    GPU of compute capability 8.9+, where Triton casts float8_e4m3fn (older GPUs cannot)."""
+    if device != "cuda":
+        return
+    import torch
+
+    index = torch.cuda.current_device()
+    capability = tuple(torch.cuda.get_device_capability(index))
+    if capability < FP8_MIN_CAPABILITY:
+        raise ValueError(
+            f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or higher (L4, L40S, "
+            f"H100, H200), but GPU {index} ({torch.cuda.get_device_name(index)}) has "
+            f"{capability[0]}.{capability[1]}: drop --kv-cache-dtype (or pass "
+            "--kv-cache-dtype auto)."
+        )
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -391,6 +431,8 @@ class EngineConfig:
                     "--async-scheduling, or pass --no-async-scheduling."
                 )
             spec.resolve_draft(self.model_config)
+        if self.cache_config.cache_dtype == "fp8":
+            check_fp8_kv_cache_device(self.device)
 
     @staticmethod
     def default_device() -> str:

@@ -9,6 +9,10 @@ label on all of them::
     pagedllm:num_requests_waiting_for_grammar gauge   of those, requests whose output
                                                       constraint is still compiling
     pagedllm:kv_cache_usage_perc             gauge    fraction (0..1) of KV blocks in use
+    pagedllm:kv_cache_capacity_tokens        gauge    tokens the KV cache holds (blocks x
+                                                      block size), labelled with its
+                                                      cache_dtype and block_size; absent
+                                                      until the engine is ready
     pagedllm:prefix_cache_queries_total      counter  prompt tokens looked up in the prefix cache
     pagedllm:prefix_cache_hits_total         counter  of those, tokens found
     pagedllm:num_preemptions_total           counter  preemptions (recompute)
@@ -41,6 +45,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics,
@@ -111,6 +116,15 @@ class _SchedulerCollector:
                     stats.num_waiting_for_grammar if stats else 0)
         yield gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use, 0..1.",
                     stats.kv_cache_usage if stats else 0.0)
+        cache = self.metrics.kv_cache
+        if cache is not None:
+            family = GaugeMetricFamily(
+                "pagedllm:kv_cache_capacity_tokens",
+                "Tokens the KV cache holds (blocks x block size), by element type.",
+                labels=[*labels, "cache_dtype", "block_size"])
+            family.add_metric([*values, cache.dtype, str(cache.block_size)],
+                              cache.num_blocks * cache.block_size)
+            yield family
         yield counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries if stats else 0)
         yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -143,6 +157,15 @@ class _RenamedCollector:
                     yield renamed
 
 
+@dataclass(frozen=True)
+class KVCacheShape:
+    """The engine's KV cache as the core reported it at start."""
+
+    dtype: str  # element type, e.g. "bfloat16" or "float8_e4m3fn"
+    num_blocks: int
+    block_size: int  # tokens per block
+
+
 class ServerMetrics:
     """The server's metrics registry, fed by the async engine.
 
@@ -158,6 +181,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self.scheduler_stats: SchedulerStats | None = None
+        # Set once the engine is ready (``on_engine_ready``).
+        self.kv_cache: KVCacheShape | None = None
         # Set by the engine: how many user requests the API process holds state of.
         self.tracked_requests: Callable[[], int] | None = None
         scheduler_collector = _SchedulerCollector(self)
@@ -212,6 +237,9 @@ class ServerMetrics:
             self.registry.register(_RenamedCollector(sources, VLLM_NAMES))
 
     # -- engine hooks -------------------------------------------------------------------
+    def on_engine_ready(self, kv_cache: KVCacheShape) -> None:
+        self.kv_cache = kv_cache
+
     def on_step(self, stats: SchedulerStats | None, queue_times: list[float]) -> None:
         if stats is not None:
             self.scheduler_stats = stats

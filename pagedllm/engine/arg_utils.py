@@ -21,7 +21,6 @@ _NOT_YET_SUPPORTED = {
     "speculative_model": None,
     "num_speculative_tokens": None,
     "enable_lora": False,
-    "kv_cache_dtype": "auto",
     "cpu_offload_gb": 0,
 }
 # Default token budget of one step on CUDA (chunked prefill on).
@@ -72,6 +71,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     # None: on with CUDA (the host prepares a step while the GPU runs the previous one),
     # off on the CPU, where host and model share the same cores and nothing overlaps.
     async_scheduling: bool | None = None
@@ -108,6 +108,7 @@ class EngineArgs:
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_gb=self.kv_cache_memory_gb, num_kv_blocks=self.num_kv_blocks,
+            cache_dtype=self.kv_cache_dtype,
         )
         device = self.device or EngineConfig.default_device()
         max_num_batched_tokens = self.max_num_batched_tokens
@@ -182,12 +183,16 @@ class EngineArgs:
                            help="fp8: the decoder's projections in FP8 with per-channel weight "
                                 "and per-token activation scales, computed at load from the "
                                 "checkpoint's weights (default: none, the model's dtype).")
+        group.add_argument("--kv-cache-dtype", default="auto",
+                           help="auto: the KV cache in the model's dtype; fp8 (alias fp8_e4m3): "
+                                "float8_e4m3fn with per-layer k/v scales (1.0 unless the "
+                                "checkpoint has them), twice the tokens of a bf16 cache (GPUs of "
+                                "compute capability 8.9+, or the CPU).")
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help=argparse.SUPPRESS)
         group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=argparse.SUPPRESS)
         group.add_argument("--speculative-model", default=None, help=argparse.SUPPRESS)
         group.add_argument("--num-speculative-tokens", type=int, default=None, help=argparse.SUPPRESS)
         group.add_argument("--enable-lora", action="store_true", default=False, help=argparse.SUPPRESS)
-        group.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
         group.add_argument("--cpu-offload-gb", type=float, default=0, help=argparse.SUPPRESS)
 
     @classmethod

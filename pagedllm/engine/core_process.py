@@ -64,6 +64,7 @@ class CoreInfo:
     num_kv_blocks: int
     block_size: int
     max_model_len: int
+    kv_cache_dtype: str  # the cache's element type, e.g. "bfloat16" or "float8_e4m3fn"
 
     @property
     def num_kv_tokens(self) -> int:
@@ -117,6 +118,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             num_kv_blocks=core.num_kv_blocks,
             block_size=config.cache_config.block_size,
             max_model_len=config.model_config.max_model_len,
+            kv_cache_dtype=core.kv_cache_dtype,
         )
         outputs.send(pickle.dumps((READY, info)))
         try:

@@ -46,11 +46,11 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None
         self.structured = StructuredOutputManager(self._make_grammar_backend)
         logger.info(
-            "Engine ready in %.1f s: model %s (%s, %s), KV cache %d blocks x %d tokens = %d tokens, "
-            "max concurrency at max_model_len=%d: %.1fx, asynchronous scheduling %s",
+            "Engine ready in %.1f s: model %s (%s, %s), KV cache (%s) %d blocks x %d tokens = "
+            "%d tokens, max concurrency at max_model_len=%d: %.1fx, asynchronous scheduling %s",
             time.perf_counter() - start, config.model_config.path.name,
             str(self.model_runner.dtype).replace("torch.", ""), config.device,
-            self.num_kv_blocks, config.cache_config.block_size,
+            self.kv_cache_dtype, self.num_kv_blocks, config.cache_config.block_size,
             self.num_kv_tokens, config.model_config.max_model_len,
             self.num_kv_tokens / config.model_config.max_model_len,
             "on" if config.scheduler_config.async_scheduling else "off",
@@ -59,6 +59,11 @@ class EngineCore:
     @property
     def num_kv_tokens(self) -> int:
         return self.num_kv_blocks * self.config.cache_config.block_size
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's element type, e.g. ``"bfloat16"`` or ``"float8_e4m3fn"``."""
+        return str(self.model_runner.kv_cache_dtype).replace("torch.", "")
 
     def _make_grammar_backend(self):
         from pagedllm.engine.tokenizer import Tokenizer

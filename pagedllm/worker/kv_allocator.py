@@ -14,6 +14,9 @@ One block holds ``block_size`` tokens of K and V for every layer::
 
     bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
 
+``dtype_bytes`` is the cache's element size: the model dtype's (``--kv-cache-dtype auto``)
+or 1 (``fp8``), so an FP8 cache holds twice the tokens of a bf16 one in the same bytes.
+
 The arithmetic (``block_bytes``, ``gpu_kv_bytes``, ``cpu_kv_bytes``, ``blocks_for_bytes``,
 ``blocks_per_request``, ``max_concurrency``, ``weight_bytes``) takes plain numbers and needs
 no torch, so ``pagedllm doctor`` and ``pagedllm plan`` size a cache exactly as the engine
@@ -34,6 +37,12 @@ _GIB = 1 << 30
 # Bytes of one element of each dtype the engine runs in.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FP8_BYTES = 1
+
+
+def kv_element_size(cache_dtype: str, model_dtype: str) -> int:
+    """Bytes of one cached K or V element: 1 for ``--kv-cache-dtype fp8``, else those of
+    ``model_dtype`` (a name of ``DTYPE_BYTES``)."""
+    return FP8_BYTES if cache_dtype == "fp8" else DTYPE_BYTES[model_dtype]
 
 
 def block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -117,7 +126,8 @@ def determine_num_blocks(
     profile_run: Callable[[], None],
     reserved_bytes: int = 0,
 ) -> int:
-    """Blocks for the KV cache; raises if one ``max_model_len`` request would not fit.
+    """Blocks for the KV cache of element type ``dtype``; raises if one ``max_model_len``
+    request would not fit.
 
     ``reserved_bytes`` (CUDA only) is memory that must stay free beside the cache.
     """
@@ -162,7 +172,8 @@ def determine_num_blocks(
 def allocate_kv_caches(
     config: EngineConfig, num_blocks: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
+    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor of ``dtype`` per
+    layer, zeroed."""
     import torch
 
     m = config.model_config

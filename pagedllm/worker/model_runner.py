@@ -33,6 +33,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention.backend import AttentionMetadata, set_forward_context
+from pagedllm.layers.attention.kv_quant import kv_cache_torch_dtype
 from pagedllm.layers.attention.selector import attention_backend_name
 from pagedllm.layers.sampler import (
     LogprobsTensors,
@@ -59,6 +60,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.model_config, self.device)
+        # The KV cache's element type: the model's, or float8_e4m3fn (--kv-cache-dtype fp8).
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         self.block_size = config.cache_config.block_size
         self.vocab_size = config.model_config.vocab_size
         torch.manual_seed(config.model_config.seed)
@@ -120,9 +123,9 @@ class ModelRunner:
                 sched.max_num_batched_tokens, model_config.max_model_len)])
             reserved = self._graph_memory_estimate(largest)
         num_blocks = determine_num_blocks(
-            self.config, self.dtype, self.device, self._profile_run, reserved_bytes=reserved
+            self.config, self.kv_cache_dtype, self.device, self._profile_run, reserved_bytes=reserved
         )
-        self.kv_caches = allocate_kv_caches(self.config, num_blocks, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(self.config, num_blocks, self.kv_cache_dtype, self.device)
         if self.device.type == "cuda" and attention_backend_name(self.device) == "triton":
             warm_up_kernels(
                 self.model, self.sampler, self.kv_caches,

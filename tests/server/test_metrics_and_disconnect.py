@@ -120,3 +120,22 @@ def test_tokenizing_a_huge_prompt_does_not_stall_other_requests(server):
     assert result["status"] == 400  # far longer than max_model_len
     assert result["seconds"] > 1.5  # the probes ran while it was tokenized
     assert max(probes) < 0.6 * result["seconds"], (probes, result)
+
+
+def test_kv_cache_capacity_is_in_metrics_with_its_dtype(server):
+    # The shared server: 512 blocks of 16 tokens in the float32 model's dtype.
+    assert server.metric("pagedllm:kv_cache_capacity_tokens", cache_dtype="float32",
+                         block_size="16") == 512 * 16
+
+
+def test_an_fp8_kv_cache_serves_and_reports_its_capacity(server_model_dir, tmp_path_factory):
+    from tests.server.conftest import started_server
+
+    with started_server(server_model_dir, tmp_path_factory, "fp8-kv",
+                        "--kv-cache-dtype", "fp8") as remote:
+        with httpx.Client(base_url=remote.base_url, timeout=60) as c:
+            response = c.post("/v1/completions", json={**LONG, "max_tokens": 5}).json()
+        assert response["usage"]["completion_tokens"] == 5
+        assert remote.metric("pagedllm:kv_cache_capacity_tokens",
+                             cache_dtype="float8_e4m3fn") == 512 * 16
+        assert "KV cache (float8_e4m3fn): 512 blocks x 16 tokens = 8192 tokens" in remote.log()

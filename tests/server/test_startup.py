@@ -69,3 +69,9 @@ def test_chat_template_flag_takes_a_file_a_literal_or_a_name(tmp_path):
     assert load_chat_template("tool_use") == "tool_use"
     with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
         load_chat_template("no/such/file.jinja")
+
+
+def test_an_unsupported_kv_cache_dtype_exits_nonzero_naming_the_flag(server_model_dir):
+    result = run_serve(server_model_dir, "--kv-cache-dtype", "int8", timeout=60)
+    assert result.returncode != 0
+    assert "--kv-cache-dtype int8" in result.stderr and "use auto" in result.stderr

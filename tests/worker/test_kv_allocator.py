@@ -9,7 +9,7 @@ import torch
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.worker.kv_allocator import (
     block_bytes, blocks_for_bytes, blocks_per_request, bytes_per_block, cpu_kv_bytes,
-    determine_num_blocks, gpu_kv_bytes, max_concurrency, weight_bytes,
+    determine_num_blocks, gpu_kv_bytes, kv_element_size, max_concurrency, weight_bytes,
 )
 
 GIB = 1 << 30
@@ -63,3 +63,35 @@ def test_engine_refuses_a_cache_smaller_than_one_request() -> None:
     config = _config(max_model_len=40960, kv_cache_memory_gb=1.0)
     with pytest.raises(ValueError, match="holds 4672 tokens .* needs 40960: lower --max-model-len"):
         determine_num_blocks(config, torch.float32, torch.device("cpu"), lambda: None)
+
+
+def test_an_fp8_cache_takes_one_byte_an_element_whatever_the_model_dtype() -> None:
+    assert kv_element_size("fp8", "bfloat16") == kv_element_size("fp8", "float32") == 1
+    assert kv_element_size("auto", "bfloat16") == 2 and kv_element_size("auto", "float32") == 4
+    config = _config(max_model_len=4096, kv_cache_memory_gb=1.0, kv_cache_dtype="fp8")
+    assert bytes_per_block(config, torch.float8_e4m3fn) == 2 * 28 * 16 * 8 * 128
+    bf16 = determine_num_blocks(config, torch.bfloat16, torch.device("cpu"), lambda: None)
+    fp8 = determine_num_blocks(config, torch.float8_e4m3fn, torch.device("cpu"), lambda: None)
+    assert (bf16, fp8) == (585, 1170)  # 1 GiB / 1,835,008 and / 917,504 bytes
+
+
+def test_the_engine_with_an_fp8_cache_holds_twice_the_tokens_and_says_so(caplog) -> None:
+    """The demo model in bfloat16 on the CPU, 0.01 GiB of cache: 2 x 6 layers x 16 tokens
+    x 2 heads x 64 dims = 24,576 elements a block, 49,152 bytes in bf16 (218 blocks),
+    24,576 in FP8 (436 blocks)."""
+    import logging
+
+    from pagedllm import LLM
+
+    tokens = {}
+    for cache_dtype in ("auto", "fp8"):
+        with caplog.at_level(logging.INFO, logger="pagedllm.engine.engine_core"):
+            llm = LLM(dtype="bfloat16", kv_cache_dtype=cache_dtype, kv_cache_memory_gb=0.01,
+                      device="cpu")
+        core = llm.llm_engine.engine_core
+        tokens[cache_dtype] = core.num_kv_tokens
+        assert core.model_runner.kv_caches[0].dtype == (
+            torch.bfloat16 if cache_dtype == "auto" else torch.float8_e4m3fn)
+    assert tokens == {"auto": 218 * 16, "fp8": 436 * 16}
+    assert "KV cache (float8_e4m3fn) 436 blocks x 16 tokens = 6976 tokens" in caplog.text
+    assert "KV cache (bfloat16) 218 blocks x 16 tokens = 3488 tokens" in caplog.text

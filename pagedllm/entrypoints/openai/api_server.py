@@ -58,7 +58,7 @@ from pagedllm.entrypoints.openai.serving_engine import RequestLimits, timeout_er
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.web_ui import add_web_ui, display_url
-from pagedllm.metrics import ServerMetrics, StatsLogger
+from pagedllm.metrics import KVCacheShape, ServerMetrics, StatsLogger
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -380,12 +380,15 @@ async def serve(args: argparse.Namespace) -> int:
 
     engine.on_dead = on_engine_dead
     info = engine.info
+    metrics.on_engine_ready(KVCacheShape(dtype=info.kv_cache_dtype, num_blocks=info.num_kv_blocks,
+                                         block_size=info.block_size))
     url = display_url(args.host, args.port)
     logger.info(
-        "pagedllm %s serving %s at %sv1 (model %s, %s on %s); KV cache: %d blocks x %d "
+        "pagedllm %s serving %s at %sv1 (model %s, %s on %s); KV cache (%s): %d blocks x %d "
         "tokens = %d tokens; max concurrency at max_model_len=%d: %.2fx%s",
         pagedllm.__version__, ", ".join(served_names), url, info.model,
-        info.dtype, info.device, info.num_kv_blocks, info.block_size, info.num_kv_tokens,
+        info.dtype, info.device, info.kv_cache_dtype, info.num_kv_blocks, info.block_size,
+        info.num_kv_tokens,
         info.max_model_len, info.max_concurrency, "; API key required" if args.api_key else "",
     )
     if not args.disable_web_ui:

@@ -1,0 +1,108 @@
+"""Held-out perplexity of the demo model through pagedllm, per KV-cache dtype.
+
+What an engine option costs in accuracy, measured on the text docs/demo_model.md reports
+its numbers on: the standard library's held-out "test" files (``demo_model_data.split_of``),
+each encoded as ``<|bos|> ids <|end|>``, concatenated and cut into non-overlapping
+512-token windows plus the tail, as ``train_demo_model.mean_nll`` cuts them (the first
+token of a window is context only). Each window is one prompt; the NLL of its tokens comes
+from the engine's prompt logprobs, in nats per predicted token; perplexity is ``exp(NLL)``.
+
+    python scripts/demo_model_perplexity.py                      # auto and fp8, all windows
+    python scripts/demo_model_perplexity.py --max-windows 16 --output-json ppl.json
+
+Each ``--kv-cache-dtype`` runs the same windows; the report gives each one's change of
+perplexity relative to the first. Runs on the CPU in float32 unless ``--device`` says
+otherwise; the figures depend on the standard library the running Python ships.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from demo_model_data import BOS_TOKEN, EOS_TOKEN, load_stdlib_corpus  # noqa: E402
+from train_demo_model import _encode_docs  # noqa: E402
+
+SEQ_LEN = 512
+
+
+def held_out_windows(seq_len: int = SEQ_LEN, max_windows: int | None = None,
+                     stdlib: str | None = None) -> list[list[int]]:
+    """Token ids of the held-out test text in windows of ``seq_len`` (the last may be
+    shorter, at least 2 tokens); the first ``max_windows`` when given."""
+    from tokenizers import Tokenizer
+
+    from pagedllm.config import resolve_model_path
+
+    tokenizer = Tokenizer.from_file(str(resolve_model_path("pagedllm-demo") / "tokenizer.json"))
+    bos, eos = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
+    corpus = load_stdlib_corpus(stdlib)
+    stream = [t for doc in _encode_docs(tokenizer, [f.text for f in corpus.test], bos, eos)
+              for t in doc]
+    windows = [stream[i:i + seq_len] for i in range(0, len(stream) - 1, seq_len)]
+    if len(windows[-1]) < 2:
+        windows.pop()
+    return windows[:max_windows]
+
+
+def mean_nll(windows: list[list[int]], **engine_args) -> float:
+    """Mean NLL (nats per predicted token) of ``windows`` under the demo model, run by an
+    engine of ``engine_args`` (keywords of ``LLM``)."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model="pagedllm-demo", enable_prefix_caching=False, **engine_args)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    total, count = 0.0, 0
+    for window, output in zip(windows, outputs):
+        for token, entry in zip(window[1:], output.prompt_logprobs[1:]):
+            total -= entry[token].logprob
+        count += len(window) - 1
+    return total / count
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto", "fp8"],
+                        help="KV-cache dtypes to compare; the first is the baseline.")
+    parser.add_argument("--max-windows", type=int, default=None,
+                        help="Score only the first N windows (default: all).")
+    parser.add_argument("--stdlib", default=None,
+                        help="The standard library to read (default: the running Python's).")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", help="The model's dtype.")
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args(argv)
+
+    windows = held_out_windows(max_windows=args.max_windows, stdlib=args.stdlib)
+    tokens = sum(len(w) - 1 for w in windows)
+    print(f"{len(windows)} windows, {tokens} predicted tokens", flush=True)
+    runs = []
+    for cache_dtype in args.kv_cache_dtype:
+        start = time.perf_counter()
+        nll = mean_nll(windows, kv_cache_dtype=cache_dtype, device=args.device, dtype=args.dtype,
+                       max_model_len=SEQ_LEN + 1)
+        run = {"kv_cache_dtype": cache_dtype, "nll": round(nll, 5),
+               "perplexity": round(math.exp(nll), 4),
+               "seconds": round(time.perf_counter() - start, 1)}
+        if runs:
+            base = runs[0]["perplexity"]
+            run["perplexity_change"] = round(run["perplexity"] / base - 1.0, 5)
+        runs.append(run)
+        print(json.dumps(run), flush=True)
+    result = {"model": "pagedllm-demo", "windows": len(windows), "predicted_tokens": tokens,
+              "device": args.device, "dtype": args.dtype, "python": sys.version.split()[0],
+              "runs": runs}
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
