@@ -207,6 +207,7 @@ def small_batch_matmul_kernel(
     NORM_BLOCK: tl.constexpr,
     FP8: tl.constexpr,
     STATIC_INPUT: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
     output columns over the whole of ``K`` (no split, so no second pass and no atomics).
@@ -229,7 +230,8 @@ def small_batch_matmul_kernel(
     ``quantize_rows`` does (a first pass over ``K`` finds its largest magnitude), the FP8
     products accumulate in float32, and the sums are scaled by both scales.
     ``STATIC_INPUT``: every row of ``x`` is quantized with the one float32 at
-    ``input_scale_ptr`` instead (static activation scales).
+    ``input_scale_ptr`` instead (static activation scales). ``AMAX_BLOCK``: the columns
+    the largest-magnitude pass reads at once (wide for one row: few dependent loads).
     """
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -248,8 +250,8 @@ def small_batch_matmul_kernel(
         x_scale = tl.zeros([BLOCK_M], tl.float32) + tl.load(input_scale_ptr)
     elif FP8:
         amax = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, AMAX_BLOCK):
+            k = k0 + tl.arange(0, AMAX_BLOCK)
             xa = tl.load(x_rows + k[None, :], mask=m_valid[:, None] & (k < K)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), 1))
         x_scale = tl.maximum(amax / 448.0, 1e-12)

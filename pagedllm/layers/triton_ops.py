@@ -81,11 +81,12 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         k = _kernels()
-        block = min(2048, k.next_power_of_2(cols))
+        # A whole row per load (up to 16k columns): the second pass re-reads it from cache.
+        block = min(16384, k.next_power_of_2(cols))
         k.quantize_rows_fp8_kernel[(rows,)](
             x, out, scale, input_scale if input_scale is not None else scale, cols,
             x.stride(0), BLOCK_K=block, STATIC_INPUT=input_scale is not None,
-            num_warps=4 if block <= 1024 else 8,
+            num_warps=_norm_warps(block),
         )
     return out, scale
 
@@ -311,8 +312,8 @@ def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False
     tensor-core tiles: 32 x 512 for outputs up to 4,096 wide (o_proj 11.5 us against
     cuBLAS's 12.6, down 30.9 against 31.3), 64 x 512 up to 16k (qkv 15.1 against 15.3),
     and narrow 128-wide K tiles with many programs above (gate/up 58.1 against 64.9; the
-    LM head). ``--gemv-sweep`` gave the same order at 4 and 8 rows. ``fp8`` (FP8 weights)
-    uses the same tiles until an FP8 sweep (``--gemv-fp8-sweep``) picks its own.
+    LM head). ``--gemv-sweep`` gave the same order at 4 and 8 rows. ``fp8``: FP8 weights,
+    whose tiles ``_fp8_tile`` holds.
 
     ``PAGEDLLM_GEMV_TILE="BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma"`` overrides it for
     every weight, ``PAGEDLLM_GEMV_FP8_TILE`` for FP8 weights only (``fma`` only for one
@@ -322,11 +323,27 @@ def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False
         value = os.environ.get(env, "").strip()
         if value:
             return _parse_tile(env, value, rows)
+    if fp8:
+        return _fp8_tile(rows, n, k)
     if n <= 4096:
         return 32, 512, 4, 3, True
     if n < 16384:
         return 64, 512, 4, 3, True
     return 64, 128, 4, 3, True
+
+
+def _fp8_tile(rows: int, n: int, k: int) -> tuple[int, int, int, int, bool]:
+    """FP8 weights (``--gemv-fp8-sweep`` on an H200, Llama-3.1-8B's projections in CUDA
+    graphs, weights out of L2): one row multiplies lane-wise in narrow 16-wide tiles (qkv
+    13.8 us against bf16's 15.1, o_proj 12.5, down 39.9) except the wide gate/up (tensor
+    cores, 128 x 256: 37.5 against 59.8); several rows take tensor-core tiles."""
+    if n >= 16384:
+        return 128, 256, 4 if rows == 1 else 8, 3, True
+    if rows == 1:
+        return 16, 512, 8 if k > 8192 else 4, 1 if k <= 8192 else 3, False
+    if k > 8192:
+        return 32, 1024, 4, 3, True
+    return (64, 512, 8, 3, True) if n > 4096 else (32, 512, 4, 3, True)
 
 
 def _parse_tile(env: str, value: str, rows: int) -> tuple[int, int, int, int, bool]:
@@ -422,6 +439,8 @@ def small_batch_matmul(
         NORM_BLOCK=k.next_power_of_2(out_features) if norm is not None else 0,
         FP8=weight_scale is not None,
         STATIC_INPUT=input_scale is not None,
+        # One row: the whole row (up to 8k columns) in one or two loads; else the K tile.
+        AMAX_BLOCK=block_k if use_dot else max(block_k, min(8192, k.next_power_of_2(in_features))),
         num_warps=num_warps,
         num_stages=num_stages,
     )
