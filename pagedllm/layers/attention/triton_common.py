@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.0 / math.log(2.0)
-FP8_MAX: tl.constexpr = 448.0  # the largest finite float8_e4m3fn
+FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn
 
 
 @triton.jit
