@@ -104,7 +104,8 @@ class ModelConfig:
     # Never capture CUDA graphs; every step runs the model eagerly.
     enforce_eager: bool = False
     # "fp8": decoder projections quantized to FP8 at load (pagedllm.quantization.fp8), or
-    # the method an FP8 checkpoint declares; None: the checkpoint's own (if any).
+    # the method a quantized checkpoint declares (compressed-tensors, gptq, awq; with
+    # load_format "dummy" gptq/awq give random 4-bit weights); None: the checkpoint's own.
     quantization: str | None = None
     # Derived in __post_init__:
     path: Path = field(init=False)
@@ -126,7 +127,7 @@ class ModelConfig:
         if "text_config" in cfg and "num_hidden_layers" not in cfg:
             cfg = {**cfg, **cfg["text_config"]}
             self.hf_config = cfg
-        self.quant_config = resolve_quantization(self.quantization, cfg)
+        self.quant_config = resolve_quantization(self.quantization, cfg, self.load_format)
         self.quantization = self.quant_config.method if self.quant_config else None
         limit = cfg.get("max_position_embeddings")
         if self.max_model_len is None:

@@ -339,11 +339,12 @@ def check_kv_cache(args: argparse.Namespace, model_dir: Path | None, cuda) -> Ch
         available, source = cache.num_kv_blocks * per_block, f"--num-kv-blocks {cache.num_kv_blocks}"
     elif device == "cuda":
         _, total = cuda.mem_get_info(0)
-        weights = kv.weight_bytes(model.hf_config, element, "fp8" if model.quant_config else None)
+        storage = model.quant_config.storage() if model.quant_config else (None, -1)
+        weights = kv.weight_bytes(model.hf_config, element, *storage)
         available = kv.gpu_kv_bytes(total, cache.gpu_memory_utilization, weights)
         source = (f"--gpu-memory-utilization {cache.gpu_memory_utilization} of "
                   f"{total / _GIB:.1f} GiB less {weights / _GIB:.2f} GiB of {dtype}"
-                  f"{' + fp8' if model.quant_config else ''} weights, before "
+                  f"{' + ' + storage[0] if storage[0] else ''} weights, before "
                   "activations and CUDA graphs")
     else:
         available = kv.cpu_kv_bytes(cache.kv_cache_memory_gb)

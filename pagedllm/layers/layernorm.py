@@ -60,7 +60,8 @@ def linear_and_norm(
     """``norm(proj(x), residual)``: the normalised sum and the sum. For a decode step of a
     few sequences on CUDA the norm runs at the end of the projection's small-batch product
     (one launch for both; the same roundings as the two kernels)."""
-    if use_small_batch_matmul(x, proj.weight) and norm.weight.dtype == x.dtype:
+    if (proj.weight is not None and use_small_batch_matmul(x, proj.weight)
+            and norm.weight.dtype == x.dtype):
         return small_batch_matmul(x, proj.weight, proj.bias,
                                   norm=(norm.weight, norm.eps, residual),
                                   weight_scale=proj.weight_scale,

@@ -168,7 +168,8 @@ class LlamaMLP(nn.Module):
         """The activation before ``down_proj`` (the decoder layer applies ``down_proj``
         together with the norm after it)."""
         gate_up = self.gate_up_proj
-        if self.act.is_silu and use_small_batch_matmul(x, gate_up.weight):
+        if (self.act.is_silu and gate_up.weight is not None
+                and use_small_batch_matmul(x, gate_up.weight)):
             # A decode step of a few sequences: the activation rides on the gate/up product.
             return small_batch_matmul(x, gate_up.weight, gate_up.bias, silu_gated=True,
                                       weight_scale=gate_up.weight_scale,
@@ -261,17 +262,20 @@ class LlamaForCausalLM(nn.Module):
 
         q/k/v and gate/up projections land in their rows of the fused layers; rotary
         buffers are skipped; with tied embeddings a checkpoint ``lm_head.weight`` is
-        ignored. Raises ValueError naming the offending tensors on a name this model has
-        no place for, a shape mismatch, or parameters the checkpoint never filled.
+        ignored; a quantized projection converts its format's tensors (``Linear.load``).
+        Raises ValueError naming the offending tensors on a name this model has no place
+        for, a shape mismatch, or parameters the checkpoint never filled.
         """
         params = dict(self.named_parameters())
         expected: set[tuple[str, str | None]] = set()
-        for name, _ in params.items():
-            module = self.get_submodule(name.rsplit(".", 1)[0])
-            if isinstance(module, FusedLinear):
-                expected.update((name, shard) for shard in module.shard_sizes)
+        for module_name, module in self.named_modules():
+            if isinstance(module, Linear):
+                shards = list(module.shard_sizes) if isinstance(module, FusedLinear) else [None]
+                expected.update((f"{module_name}.{name}", shard) for shard in shards
+                                for name in module.checkpoint_parameters())
             else:
-                expected.add((name, None))
+                expected.update((f"{module_name}.{name}" if module_name else name, None)
+                                for name, _ in module.named_parameters(recurse=False))
         loaded: set[tuple[str, str | None]] = set()
         unexpected: list[str] = []
 
@@ -284,22 +288,24 @@ class LlamaForCausalLM(nn.Module):
                 self._load_kv_scale(name, tensor)
                 continue
             target, shard = _fused_target(name)
-            if target not in params:
+            module_name, _, param_name = target.rpartition(".")
+            module = self._linear(module_name)
+            if not (target in params or (module is not None and module.reads(param_name))):
                 unexpected.append(name)
                 continue
-            module_name, param_name = target.rsplit(".", 1)
-            module = self.get_submodule(module_name)
             try:
-                if isinstance(module, Linear):
-                    module.load(param_name, tensor, shard)
+                if module is not None:
+                    filled = module.load(param_name, tensor, shard)
                 else:
+                    filled = param_name
                     _copy_checked(params[target], tensor)
             except ValueError as exc:
                 raise ValueError(
                     f"Checkpoint tensor {name}: {exc} The config.json does not describe "
                     "these weights."
                 ) from exc
-            loaded.add((target, shard))
+            if filled is not None:
+                loaded.add((f"{module_name}.{filled}", shard))
 
         if unexpected:
             raise ValueError(
@@ -314,6 +320,14 @@ class LlamaForCausalLM(nn.Module):
                 f"{_preview(missing)}."
             )
 
+
+    def _linear(self, module_name: str) -> Linear | None:
+        """The projection called ``module_name``, or None when there is none."""
+        try:
+            module = self.get_submodule(module_name)
+        except AttributeError:
+            return None
+        return module if isinstance(module, Linear) else None
 
     def projections(self) -> Iterator[tuple[Linear, list[str]]]:
         """Each projection inside the decoder layers with the checkpoint module names it

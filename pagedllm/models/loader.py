@@ -24,8 +24,11 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import Linear
 from pagedllm.models.registry import get_model_class
-from pagedllm.quantization.fp8 import FP8_DTYPE, FP8_MAX, quantize_model
+from pagedllm.quantization import int_weights
+from pagedllm.quantization.apply import quantize_model
+from pagedllm.quantization.fp8 import FP8_DTYPE, FP8_MAX
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -120,10 +123,27 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     """Uniform [-1e-3, 1e-3] in every parameter, 1 in RMSNorm weights; deterministic in
     ``seed`` for a given device. FP8 weights (an FP8 checkpoint's shapes) hold the same
     range as FP8 values times their scales: uniform [-448, 448] with weight scales
-    1e-3 / 448, and static input scales 1 / 448."""
+    1e-3 / 448, and static input scales 1 / 448. Integer weights hold uniform random
+    values around a middle zero point, scaled to the same range
+    (``int_weights.fill_dummy``)."""
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     generators: dict[torch.device, torch.Generator] = {}
+
+    def generator_for(device: torch.device) -> torch.Generator:
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        return generators[device]
+
+    packed = set()
+    for module in model.modules():
+        if isinstance(module, Linear) and module.int_scheme is not None:
+            int_weights.fill_dummy(module.qweight, module.scales, module.zeros,
+                                   module.int_scheme.bits, DUMMY_WEIGHT_RANGE,
+                                   generator_for(module.qweight.device))
+            packed.update(id(p) for p in (module.qweight, module.scales, module.zeros))
     for name, param in model.named_parameters():
+        if id(param) in packed:
+            continue
         if id(param) in norm_weights:
             param.fill_(1.0)
             continue
@@ -133,10 +153,7 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
         if name.endswith(".input_scale"):
             param.fill_(1.0 / FP8_MAX)
             continue
-        generator = generators.get(param.device)
-        if generator is None:
-            generator = torch.Generator(device=param.device).manual_seed(seed)
-            generators[param.device] = generator
+        generator = generator_for(param.device)
         if param.dtype == FP8_DTYPE:
             values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
             param.copy_(values.uniform_(-FP8_MAX, FP8_MAX, generator=generator))

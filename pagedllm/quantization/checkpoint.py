@@ -9,13 +9,24 @@ Formats read:
   (``input_scale``). ``config_groups`` map ``targets`` (``"Linear"``, module names, or
   ``re:``-prefixed regexes over the checkpoint's module names) to a scheme; ``ignore``
   names modules left unquantized (same matching).
+* ``compressed-tensors`` integer weight-only schemes (``format`` ``pack-quantized``,
+  llm-compressor's W4A16, W4A16_ASYM and W8A16, from its GPTQ, AWQ or round-to-nearest
+  recipes): ``weight_packed``, ``weight_scale`` per group or channel, ``weight_zero_point``
+  when asymmetric, ``weight_g_idx`` with ``actorder: group``.
 * The plain ``fp8`` method (``quant_method: "fp8"``): FP8 ``weight`` with ``weight_scale``
   per tensor or per channel, ``activation_scheme`` ``dynamic`` or ``static`` (then an
   ``input_scale`` per projection), ``ignored_layers`` left unquantized.
+* ``gptq`` (AutoGPTQ / GPTQModel): 4- or 8-bit ``qweight``, ``qzeros``, ``scales``,
+  ``g_idx``; ``checkpoint_format`` ``gptq`` (zero points stored minus one) or ``gptq_v2``.
+* ``awq`` (AutoAWQ's ``gemm`` version): 4-bit ``qweight``, ``qzeros``, ``scales``.
 
-Anything else (another method, a block-wise or weight-only scheme, integer weights) is
-refused at start-up with the field and value in the message. A ``--quantization`` flag
-must agree with the checkpoint.
+The integer layouts are described in ``pagedllm.quantization.int_weights``. Anything else
+(another method, a block-wise FP8 or FP8 weight-only scheme, integer activations, other
+bit widths or kernel-specific layouts) is refused at start-up with the field and value in
+the message. A ``--quantization`` flag must agree with the checkpoint; on a checkpoint
+with no ``quantization_config`` it quantizes at load (``fp8``) or, with
+``--load-format dummy``, gives the layers random weights in that format (``gptq``,
+``awq``: 4-bit, groups of 128).
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ from typing import Iterable
 
 # What --quantization takes: on-load FP8 of an unquantized checkpoint, or the method a
 # checkpoint declares.
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+# Bit widths of integer weights pagedllm reads.
+INT_WEIGHT_BITS = (4, 8)
 
 
 @dataclass(frozen=True)
@@ -46,18 +59,51 @@ class Fp8Scheme:
 
 ON_LOAD_FP8 = Fp8Scheme(static_input=False, prequantized=False)
 
+# Where an integer-weight checkpoint keeps its tensors (``int_weights`` converts each).
+INT_LAYOUTS = ("compressed-tensors", "gptq", "gptq_v2", "awq")
+
+
+@dataclass(frozen=True)
+class IntWeightScheme:
+    """Integer weight-only quantization of one projection (W4A16, W8A16): activations stay
+    in the model's dtype, each weight is ``(q - zero) * scale`` with ``q`` an unsigned
+    ``bits``-bit integer.
+
+    ``group_size``: input columns sharing one scale and zero point per output row (-1: the
+    whole row, per channel). ``symmetric``: every zero point is ``2 ** (bits - 1)``, and
+    compressed-tensors stores none. ``act_order``: the checkpoint may assign input columns
+    to groups out of order (``g_idx``). ``layout``: how the checkpoint stores the tensors,
+    one of ``INT_LAYOUTS``.
+    """
+
+    layout: str
+    bits: int
+    group_size: int
+    symmetric: bool = True
+    act_order: bool = False
+    prequantized: bool = True
+
+
+# ``--quantization gptq|awq --load-format dummy`` on a checkpoint with no
+# quantization_config: random weights in the format's usual shape.
+DUMMY_INT_SCHEMES = {
+    "gptq": IntWeightScheme("gptq", bits=4, group_size=128, symmetric=True),
+    "awq": IntWeightScheme("awq", bits=4, group_size=128, symmetric=False),
+}
+Scheme = Fp8Scheme | IntWeightScheme
+
 
 @dataclass(frozen=True)
 class _Group:
     targets: tuple[str, ...]
-    scheme: Fp8Scheme
+    scheme: Scheme
 
 
 @dataclass(frozen=True)
 class QuantizationConfig:
     """The quantization of a model's decoder projections.
 
-    ``method``: the name ``--quantization`` takes for it ("fp8", "compressed-tensors").
+    ``method``: the name ``--quantization`` takes for it (one of ``QUANTIZATION_METHODS``).
     ``scheme_for(checkpoint_names)`` gives a projection's scheme, or None to keep it in the
     model's dtype; the embedding, the LM head and the norms are never quantized.
     """
@@ -66,7 +112,7 @@ class QuantizationConfig:
     groups: tuple[_Group, ...]
     ignore: tuple[str, ...] = ()
 
-    def scheme_for(self, checkpoint_names: Iterable[str]) -> Fp8Scheme | None:
+    def scheme_for(self, checkpoint_names: Iterable[str]) -> Scheme | None:
         """The scheme of the projection that fuses ``checkpoint_names`` (one name for a
         plain projection; q/k/v or gate/up for a fused one). Raises ValueError when they
         disagree: a fused product needs one scheme."""
@@ -81,7 +127,16 @@ class QuantizationConfig:
             )
         return schemes[names[0]]
 
-    def _scheme_of(self, name: str) -> Fp8Scheme | None:
+    def storage(self) -> tuple[str, int]:
+        """How the quantized projections are stored, for memory accounting
+        (``kv_allocator.weight_bytes``): ``("fp8", -1)``, or ``("int4", group_size)`` /
+        ``("int8", group_size)``; the first group's scheme stands for all."""
+        scheme = self.groups[0].scheme
+        if isinstance(scheme, IntWeightScheme):
+            return f"int{scheme.bits}", scheme.group_size
+        return "fp8", -1
+
+    def _scheme_of(self, name: str) -> Scheme | None:
         if any(_matches(pattern, name) for pattern in self.ignore):
             return None
         for group in self.groups:
@@ -105,32 +160,39 @@ def check_quantization(method: str | None) -> str | None:
     """The ``--quantization`` value, checked; ValueError naming the ones implemented."""
     if method is None or method in QUANTIZATION_METHODS:
         return method
+    names = ", ".join(QUANTIZATION_METHODS[:-1]) + " or " + QUANTIZATION_METHODS[-1]
     raise ValueError(
         f"--quantization {method} (quantization={method!r}) is not supported by pagedllm "
-        f"yet: use {' or '.join(QUANTIZATION_METHODS)}, or drop --quantization (the "
-        "quantization keyword in Python)."
+        f"yet: use {names}, or drop --quantization (the quantization keyword in Python)."
     )
 
 
-def resolve_quantization(flag: str | None, hf_config: dict) -> QuantizationConfig | None:
+def resolve_quantization(flag: str | None, hf_config: dict,
+                         load_format: str = "auto") -> QuantizationConfig | None:
     """The model's quantization from ``--quantization`` and config.json.
 
     A checkpoint that declares ``quantization_config`` is read as it says (the flag may
     repeat its method, or be absent); an unquantized one is quantized at load when the
-    flag asks for fp8. Raises ValueError on a flag that contradicts the checkpoint and on
-    a format or scheme pagedllm does not read, naming it.
+    flag asks for fp8, and given random weights in the flag's format with
+    ``load_format="dummy"`` (gptq, awq). Raises ValueError on a flag that contradicts the
+    checkpoint and on a format or scheme pagedllm does not read, naming it.
     """
     flag = check_quantization(flag)
     declared = hf_config.get("quantization_config")
     if declared is None:
-        if flag == "compressed-tensors":
-            raise ValueError(
-                "--quantization compressed-tensors needs a checkpoint written in that format "
-                "(config.json has no quantization_config): drop the flag, or use "
-                "--quantization fp8 to quantize this checkpoint at load."
-            )
         if flag == "fp8":
             return QuantizationConfig("fp8", (_Group(("Linear",), ON_LOAD_FP8),))
+        if flag in DUMMY_INT_SCHEMES and load_format == "dummy":
+            return QuantizationConfig(flag, (_Group(("Linear",), DUMMY_INT_SCHEMES[flag]),))
+        if flag is not None:
+            raise ValueError(
+                f"--quantization {flag} needs a checkpoint written in that format (config.json "
+                "has no quantization_config): drop the flag, use --quantization fp8 to "
+                "quantize this checkpoint at load, or quantize it first (README: Quantized "
+                "checkpoints)."
+                + (" With --load-format dummy the layers get random weights in that format."
+                   if flag in DUMMY_INT_SCHEMES else "")
+            )
         return None
     method = str(declared.get("quant_method", "")).lower()
     if flag is not None and flag != method:
@@ -143,10 +205,14 @@ def resolve_quantization(flag: str | None, hf_config: dict) -> QuantizationConfi
         return _compressed_tensors(declared)
     if method == "fp8":
         return _plain_fp8(declared)
+    if method == "gptq":
+        return _gptq(declared)
+    if method == "awq":
+        return _awq(declared)
     raise ValueError(
         f"The checkpoint's quantization_config.quant_method={method!r} is not supported by "
-        f"pagedllm yet: it reads {' and '.join(QUANTIZATION_METHODS)} checkpoints. Use an "
-        "unquantized or FP8 checkpoint."
+        f"pagedllm yet: it reads {', '.join(QUANTIZATION_METHODS)} checkpoints. Use an "
+        "unquantized checkpoint or one of those."
     )
 
 
@@ -166,12 +232,17 @@ def _compressed_tensors(declared: dict) -> QuantizationConfig:
     for group_name, group in (declared.get("config_groups") or {}).items():
         where = f"quantization_config.config_groups.{group_name}"
         fmt = group.get("format") or declared.get("format")
-        if fmt != "float-quantized":
+        if fmt == "float-quantized":
+            scheme = _ct_fp8_scheme(group, where)
+        elif fmt == "pack-quantized":
+            scheme = _ct_int_scheme(group, where)
+        else:
             raise ValueError(
                 f"The checkpoint's {where}.format={fmt!r} is not supported by pagedllm: it "
-                "reads compressed-tensors 'float-quantized' (FP8) checkpoints."
+                "reads compressed-tensors 'float-quantized' (FP8) and 'pack-quantized' "
+                "(integer weight-only) checkpoints."
             )
-        groups.append(_Group(tuple(group.get("targets") or ()), _ct_fp8_scheme(group, where)))
+        groups.append(_Group(tuple(group.get("targets") or ()), scheme))
     if not groups:
         raise ValueError("The checkpoint's compressed-tensors quantization_config has no "
                          "config_groups: nothing says which projections are quantized.")
@@ -235,3 +306,107 @@ def _plain_fp8(declared: dict) -> QuantizationConfig:
     scheme = Fp8Scheme(static_input=activation_scheme == "static")
     ignored = tuple(declared.get("ignored_layers") or declared.get("modules_to_not_convert") or ())
     return QuantizationConfig("fp8", (_Group(("Linear",), scheme),), ignored)
+
+
+def _ct_int_scheme(group: dict, where: str) -> IntWeightScheme:
+    weights = group.get("weights") or {}
+    if weights.get("type") != "int":
+        raise ValueError(f"The checkpoint's {where}.weights.type={weights.get('type')!r} is not "
+                         "supported in a pack-quantized group: pagedllm reads integer weights.")
+    bits = _int_bits(weights.get("num_bits"), f"{where}.weights.num_bits")
+    strategy = weights.get("strategy")
+    group_size = weights.get("group_size")
+    if strategy == "channel":
+        group_size = -1
+    elif strategy != "group" or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(
+            f"The checkpoint's {where}.weights (strategy={strategy!r}, group_size="
+            f"{group_size!r}) is not supported by pagedllm: integer weights with a scale per "
+            "group or per channel are."
+        )
+    if weights.get("dynamic"):
+        raise ValueError(f"The checkpoint's {where}.weights.dynamic=true is not supported: "
+                         "pagedllm reads static integer weights.")
+    activations = group.get("input_activations")
+    if activations is not None:
+        raise ValueError(
+            f"The checkpoint's {where}.input_activations are {activations.get('num_bits')}-bit "
+            f"{activations.get('type')!r} (symmetric={activations.get('symmetric', True)}); "
+            "pagedllm reads integer weight-only checkpoints (W4A16, W8A16), whose "
+            "input_activations are null."
+        )
+    actorder = weights.get("actorder")
+    if actorder not in (None, "weight", "static", "group", "dynamic"):
+        raise ValueError(f"The checkpoint's {where}.weights.actorder={actorder!r} is not "
+                         "supported: null, weight or group.")
+    return IntWeightScheme("compressed-tensors", bits=bits, group_size=group_size,
+                           symmetric=bool(weights.get("symmetric", True)),
+                           act_order=actorder in ("group", "dynamic"))
+
+
+def _int_bits(bits, field: str) -> int:
+    if bits not in INT_WEIGHT_BITS:
+        raise ValueError(f"The checkpoint's {field}={bits!r} is not supported by pagedllm: it "
+                         f"reads {' or '.join(map(str, INT_WEIGHT_BITS))}-bit integer weights.")
+    return bits
+
+
+def _group_size(value, field: str) -> int:
+    if value == -1 or (isinstance(value, int) and value > 0):
+        return value
+    raise ValueError(f"The checkpoint's {field}={value!r} is not supported: a positive group "
+                     "size, or -1 (one group per output channel).")
+
+
+def _gptq(declared: dict) -> QuantizationConfig:
+    """AutoGPTQ's and GPTQModel's ``quantization_config`` (or ``quantize_config.json``)."""
+    where = "quantization_config"
+    bits = _int_bits(declared.get("bits"), f"{where}.bits")
+    group_size = _group_size(declared.get("group_size", 128), f"{where}.group_size")
+    layout = str(declared.get("checkpoint_format") or declared.get("format") or "gptq").lower()
+    if declared.get("is_marlin_format"):
+        layout = "marlin"
+    if layout not in ("gptq", "gptq_v2"):
+        raise ValueError(
+            f"The checkpoint's {where}.checkpoint_format={layout!r} is not supported by "
+            "pagedllm: it reads the gptq and gptq_v2 layouts (qweight, qzeros, scales, g_idx), "
+            "not kernel-specific repackings (marlin, bitblas, exllama)."
+        )
+    if declared.get("lm_head"):
+        raise ValueError(f"The checkpoint's {where}.lm_head=true (a quantized LM head) is not "
+                         "supported: pagedllm keeps the LM head in the model's dtype.")
+    if declared.get("dynamic"):
+        raise ValueError(f"The checkpoint's {where}.dynamic (per-module overrides: "
+                         f"{sorted(declared['dynamic'])[:3]}) is not supported by pagedllm.")
+    scheme = IntWeightScheme(layout, bits=bits, group_size=group_size,
+                             symmetric=bool(declared.get("sym", True)),
+                             act_order=bool(declared.get("desc_act", False)))
+    blocks = declared.get("modules_in_block_to_quantize")
+    targets = tuple(name for names in blocks for name in names) if blocks else ("Linear",)
+    ignored = tuple(declared.get("modules_to_not_convert") or ())
+    return QuantizationConfig("gptq", (_Group(targets, scheme),), ignored)
+
+
+def _awq(declared: dict) -> QuantizationConfig:
+    """AutoAWQ's ``quantization_config``: ``bits`` (``w_bit``), ``group_size``
+    (``q_group_size``), ``zero_point``, ``version``."""
+    where = "quantization_config"
+    bits = declared.get("bits", declared.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"The checkpoint's {where}.bits={bits!r} is not supported by pagedllm: "
+                         "AWQ checkpoints hold 4-bit weights.")
+    version = str(declared.get("version") or declared.get("backend") or "gemm").lower()
+    if version != "gemm":
+        raise ValueError(
+            f"The checkpoint's {where}.version={version!r} is not supported by pagedllm: it "
+            "reads AutoAWQ's gemm layout (gemv, gemv_fast, exllama, marlin and ipex are "
+            "kernel-specific packings; re-export the model with version gemm)."
+        )
+    if not declared.get("zero_point", True):
+        raise ValueError(f"The checkpoint's {where}.zero_point=false is not supported by "
+                         "pagedllm: AWQ gemm checkpoints with zero points are.")
+    group_size = _group_size(declared.get("group_size", declared.get("q_group_size", 128)),
+                             f"{where}.group_size")
+    scheme = IntWeightScheme("awq", bits=4, group_size=group_size, symmetric=False)
+    ignored = tuple(declared.get("modules_to_not_convert") or ())
+    return QuantizationConfig("awq", (_Group(("Linear",), scheme),), ignored)

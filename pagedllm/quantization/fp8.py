@@ -22,9 +22,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
-
-from pagedllm.quantization.checkpoint import QuantizationConfig
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -81,28 +78,3 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
             out = out + bias.float()
         out = out.to(x.dtype)
     return out.reshape(*shape[:-1], weight.shape[0])
-
-
-def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> int:
-    """Apply ``config`` to the projections inside the decoder layers of ``model``; returns
-    how many are FP8.
-
-    ``when="before_load"`` gives the projections an FP8 checkpoint fills their FP8 weights
-    and scales (``Linear.make_fp8``); ``when="after_load"`` quantizes the loaded weights of
-    the projections an unquantized checkpoint is quantized at load (``Linear.quantize_fp8``).
-    A projection's checkpoint names (q/k/v for a fused qkv) pick its scheme.
-    """
-    count = 0
-    for module, checkpoint_names in model.projections():
-        scheme = config.scheme_for(checkpoint_names)
-        if scheme is None:
-            continue
-        count += 1
-        if when == "before_load" and scheme.prequantized:
-            module.make_fp8(static_input=scheme.static_input)
-        elif when == "after_load" and not scheme.prequantized:
-            module.quantize_fp8()
-    if count == 0:
-        raise ValueError(f"quantization {config.method!r} found no projection to quantize "
-                         "in this model.")
-    return count

@@ -37,6 +37,8 @@ _GIB = 1 << 30
 # Bytes of one element of each dtype the engine runs in.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FP8_BYTES = 1
+# ``weight_bytes``' integer-weight storage names and their bits per weight.
+INT_WEIGHT_BITS = {"int4": 4, "int8": 8}
 
 
 def kv_element_size(cache_dtype: str, model_dtype: str) -> int:
@@ -85,12 +87,16 @@ def max_concurrency(num_blocks: int, num_tokens: int, block_size: int) -> int:
     return num_blocks // blocks_per_request(num_tokens, block_size)
 
 
-def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = None) -> int:
+def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = None,
+                 group_size: int = -1) -> int:
     """Bytes of a Llama-family model's weights, from its config.json.
 
-    Every parameter takes ``element_size`` bytes, except with ``quantization="fp8"``: the
-    decoder layers' projections then take one byte per weight plus a float32 scale per
-    output channel (the embedding, the LM head and the norms keep ``element_size``).
+    Every parameter takes ``element_size`` bytes, except the decoder layers' projections
+    with ``quantization="fp8"`` (one byte per weight plus a float32 scale per output
+    channel) or ``"int4"`` / ``"int8"`` (integer weights as pagedllm stores them: packed
+    in int32 words, plus per output channel and group of ``group_size`` inputs (-1: one
+    group) a scale of ``element_size`` bytes and a one-byte zero point). The embedding, the
+    LM head and the norms keep ``element_size``.
     """
     hidden = hf_config["hidden_size"]
     heads = hf_config["num_attention_heads"]
@@ -121,9 +127,23 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
 
 def determine_num_blocks(
     config: EngineConfig,
+    if quantization in INT_WEIGHT_BITS:
+        bits = INT_WEIGHT_BITS[quantization]
+        shapes = ((qkv_out, hidden), (hidden, q_size), (2 * inter, hidden), (hidden, inter))
+        packed = sum(_int_projection_bytes(n, k, bits, group_size, element_size)
+                     for n, k in shapes)
+        return layers * (packed + (biases + norms) * element_size) + embeddings * element_size
     dtype: torch.dtype,
     device: torch.device,
     profile_run: Callable[[], None],
+def _int_projection_bytes(out_features: int, in_features: int, bits: int, group_size: int,
+                          scale_bytes: int) -> int:
+    """One integer-weight projection as ``pagedllm.quantization.int_weights`` stores it."""
+    words = math.ceil(in_features * bits / 32)
+    groups = 1 if group_size == -1 else math.ceil(in_features / group_size)
+    return out_features * (4 * words + groups * (scale_bytes + 1))
+
+
     reserved_bytes: int = 0,
 ) -> int:
     """Blocks for the KV cache of element type ``dtype``; raises if one ``max_model_len``

@@ -30,9 +30,10 @@ def test_unknown_device_names_the_valid_ones():
 
 def test_unsupported_option_names_the_flag_to_drop_and_the_keyword():
     with pytest.raises(ValueError) as info:
-        LLM(quantization="awq")
+        LLM(quantization="bitsandbytes")
     assert str(info.value) == (
-        "--quantization awq (quantization='awq') is not supported by pagedllm yet: use fp8 or "
-        "compressed-tensors, or drop --quantization (the quantization keyword in Python).")
+        "--quantization bitsandbytes (quantization='bitsandbytes') is not supported by "
+        "pagedllm yet: use fp8, compressed-tensors, gptq or awq, or drop --quantization (the "
+        "quantization keyword in Python).")
     with pytest.raises(ValueError, match=r"^--enable-lora \(enable_lora=True\) is not supported"):
         LLM(enable_lora=True)

@@ -1,12 +1,16 @@
-"""FP8 checkpoints made by llm-compressor, the tool operators quantize with.
+"""Checkpoints made by llm-compressor, the tool operators quantize with.
 
 ``make_checkpoints(jobs)`` runs ``llmcompressor.oneshot`` in a child process (the library
 is heavy to import and sets up its own logging) once for all the jobs: each job is
-``(source_dir, output_dir, scheme, kv_cache)`` with ``scheme`` a preset name
-(``FP8_DYNAMIC``: per-channel weights, dynamic per-token activations; ``FP8``: per-tensor
-weights and static per-tensor activations, calibrated) and ``kv_cache`` adding the static
-per-tensor FP8 KV-cache scales. The LM head is left unquantized, as llm-compressor's
-examples do. Calibration uses random token ids: the scales only need to exist.
+``(source_dir, output_dir, scheme, kv_cache)`` or ``(..., modifier)`` with ``scheme`` a
+preset name (``FP8_DYNAMIC``: per-channel weights, dynamic per-token activations; ``FP8``:
+per-tensor weights and static per-tensor activations, calibrated; ``W4A16``,
+``W4A16_ASYM``, ``W8A16``: integer weights in groups of 128, written pack-quantized),
+``kv_cache`` adding the static per-tensor FP8 KV-cache scales, and ``modifier``
+``"quantization"`` (round to nearest, the default) or ``"gptq"`` (GPTQ with activation
+ordering ``weight``, the ordering llm-compressor writes without a ``g_idx``). The LM head
+is left unquantized, as llm-compressor's examples do. Calibration uses random token ids:
+the scales only need to exist.
 """
 
 from __future__ import annotations
@@ -16,21 +20,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-Job = tuple[Path, Path, str, bool]
+Job = tuple[Path, Path, str, bool] | tuple[Path, Path, str, bool, str]
 
 
 def make_checkpoints(jobs: list[Job]) -> None:
-    payload = json.dumps([[str(src), str(out), scheme, kv] for src, out, scheme, kv in jobs])
+    payload = json.dumps([[str(src), str(out), *rest] for src, out, *rest in jobs])
     subprocess.run([sys.executable, "-m", "tests.quantization.llm_compressor", payload],
                    check=True, capture_output=True, timeout=600,
                    cwd=Path(__file__).resolve().parents[2])
 
 
-def _oneshot(source: str, output: str, scheme: str, kv_cache: bool) -> None:
+def _oneshot(source: str, output: str, scheme: str, kv_cache: bool,
+             modifier: str = "quantization") -> None:
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
@@ -38,8 +43,12 @@ def _oneshot(source: str, output: str, scheme: str, kv_cache: bool) -> None:
     if kv_cache:
         kv_scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                      "symmetric": True}
-    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
-                                  kv_cache_scheme=kv_scheme)
+    if modifier == "gptq":
+        recipe = GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
+                              actorder="weight")
+    else:
+        recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
+                                      kv_cache_scheme=kv_scheme)
     calibrate = scheme != "FP8_DYNAMIC" or kv_cache
     if calibrate:
         generator = torch.Generator().manual_seed(0)

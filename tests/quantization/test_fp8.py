@@ -79,6 +79,7 @@ def test_greedy_fp8_tokens_equal_hf_with_the_same_quantization(tmp_path, family)
     assert model.lm_head.weight.dtype == torch.float32
 
 
-def test_an_unimplemented_quantization_is_refused_with_the_one_that_is():
-    with pytest.raises(ValueError, match="use fp8 or compressed-tensors, or drop --quantization"):
-        LLM(quantization="gptq")
+def test_an_unimplemented_quantization_is_refused_with_the_ones_that_are():
+    with pytest.raises(ValueError, match="use fp8, compressed-tensors, gptq or awq, or drop "
+                                         "--quantization"):
+        LLM(quantization="hqq")

@@ -151,15 +151,17 @@ def with_quantization_config(src: Path, dst: Path, edit) -> Path:
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda q: q.update(quant_method="awq"), "quant_method='awq' is not supported"),
+    (lambda q: q.update(quant_method="bitsandbytes"), "quant_method='bitsandbytes' is not"),
     (lambda q: q["config_groups"]["group_0"].update(input_activations=None),
      "input_activations is null"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="block"),
      "weights.strategy='block'"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int"),
      "4-bit 'int'"),
+    (lambda q: q["config_groups"]["group_0"].update(format="marlin-24"),
+     "format='marlin-24'"),
     (lambda q: q["config_groups"]["group_0"].update(format="pack-quantized"),
-     "format='pack-quantized'"),
+     "weights.type='float' is not supported in a pack-quantized group"),
 ])
 def test_a_scheme_pagedllm_does_not_read_is_refused_by_name(checkpoints, tmp_path, edit, message):
     model_dir = with_quantization_config(checkpoints["llama-dynamic"], tmp_path / "edited", edit)

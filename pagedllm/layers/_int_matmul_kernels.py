@@ -1,0 +1,79 @@
+"""The Triton kernel behind ``int_matmul.py`` (imported only when a kernel launches).
+
+One kernel serves prompt steps, large decode batches and small ones: each program
+multiplies a ``BLOCK_M x BLOCK_N`` output tile over one ``K / SPLIT`` slice of the inputs,
+dequantizing its ``BLOCK_N x BLOCK_K`` weight tiles in registers (the packed words are
+read once from memory; the scale and zero point of the tile's group once per row). With
+``SPLIT > 1`` (small batches, few output tiles) the slices' float32 partial sums go to a
+``[SPLIT, M, N]`` buffer that the caller adds up in a fixed order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+cdiv = triton.cdiv
+
+
+@triton.jit
+def int_matmul_kernel(
+    x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, out_ptr,
+    M, N, k_per_split, stride_xm, stride_qn, stride_sn, stride_om, stride_os,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
+    """``out[m, n] = sum_k x[m, perm[k]] * (q[n, k] - zeros[n, k // GROUP]) *
+    scales[n, k // GROUP] (+ bias[n])`` over this program's slice of ``k``.
+
+    The caller guarantees the tiling: ``BLOCK_K`` divides ``GROUP`` and ``k_per_split``,
+    so a weight tile lies in one group and no ``k`` is masked. Rows past ``M`` and columns
+    past ``N`` read the last valid ones and are never stored. Each dequantized weight is
+    ``(q - zero) * scale`` in float32 rounded once to ``x``'s dtype, as the torch
+    reference rounds it; products accumulate in float32. ``PARTIAL``: store the float32
+    sums at ``out + split * stride_os`` (no bias, no rounding).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    PER_WORD: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_rows = tl.minimum(m, M - 1).to(tl.int64)
+    n_rows = tl.minimum(n, N - 1).to(tl.int64)
+    x_rows = x_ptr + m_rows[:, None] * stride_xm
+    q_rows = qweight_ptr + n_rows[:, None] * stride_qn
+    s_rows = scales_ptr + n_rows * stride_sn
+    z_rows = zeros_ptr + n_rows * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_start = split * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if HAS_PERM:
+            columns = tl.load(perm_ptr + k)
+        else:
+            columns = k
+        x = tl.load(x_rows + columns[None, :])
+        words = tl.load(q_rows + (k // PER_WORD)[None, :])
+        q = (words >> ((k % PER_WORD) * BITS)[None, :]) & MASK
+        group = k0 // GROUP
+        scale = tl.load(s_rows + group).to(tl.float32)
+        zero = tl.load(z_rows + group).to(tl.int32)
+        w = ((q - zero[:, None]).to(tl.float32) * scale[:, None]).to(x.dtype)
+        acc += tl.dot(x, tl.trans(w))
+    mask = (m < M)[:, None] & (n < N)[None, :]
+    if PARTIAL:
+        offsets = split.to(tl.int64) * stride_os + m_rows[:, None] * stride_om + n[None, :]
+        tl.store(out_ptr + offsets, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n_rows).to(tl.float32)[None, :]
+        tl.store(out_ptr + m_rows[:, None] * stride_om + n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,160 @@
+"""Products with integer weights (W4A16, W8A16; the stored layout of
+``pagedllm.quantization.int_weights``): a Triton kernel on CUDA, the torch reference
+elsewhere.
+
+``int_linear`` sends a CUDA half-precision input to ``int_matmul`` when the projection's
+shape tiles (``int_matmul_config``), and everything else to the reference, which
+dequantizes the whole weight and multiplies (exact, and the fallback for shapes that do
+not tile). ``int_matmul`` is one kernel in two regimes:
+
+* prompt steps and large decode batches (more than 16 rows): ``BLOCK_M x 128`` output
+  tiles over the whole of ``K``, the weight dequantized in registers as it streams in;
+* decode batches of 1 to 16 rows: 16-row tiles with ``K`` split into ``SPLIT`` slices
+  (split-K), so a narrow output still spreads over every SM; the float32 partial sums are
+  added in a fixed order (the result does not depend on timing).
+
+Act-order weights carry ``perm``: the kernel reads input column ``perm[k]`` for stored
+column ``k`` (the activation is gathered in the kernel; the weight never is).
+``PAGEDLLM_INT_TILE="BLOCK_M,BLOCK_N,BLOCK_K,SPLIT,num_warps,num_stages"`` overrides the
+tiles (when they tile the shape), to measure candidates on whole workloads.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.layers.triton_ops import _sm_count, use_fused_ops
+from pagedllm.quantization.int_weights import int_linear_reference
+
+INT_TILE_ENV = "PAGEDLLM_INT_TILE"
+# Batches of at most this many rows take the split-K tiles.
+SMALL_BATCH_ROWS = 16
+_BLOCK_KS = (128, 64, 32, 16)
+
+
+@dataclass(frozen=True)
+class IntTile:
+    """Launch shape of ``int_matmul``: output tiles of ``block_m x block_n``, ``block_k``
+    inputs per step, ``split`` slices of ``K`` (1: no split-K)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def int_matmul_config(rows: int, n: int, k: int, group_size: int,
+                      sm_count: int = 132) -> IntTile | None:
+    """The tile for ``rows x k @ k x n`` with groups of ``group_size`` (-1: per channel),
+    or None when the shape does not tile: ``BLOCK_K`` (16 to 128) must divide both ``k``
+    and the group size. Small batches split ``K`` until the output tiles times the slices
+    reach about two programs per SM."""
+    group = k if group_size == -1 else group_size
+    override = os.environ.get(INT_TILE_ENV, "").strip()
+    if override:
+        tile = _parse_tile(override)
+        if k % tile.block_k or group % tile.block_k or (k // tile.block_k) % tile.split:
+            return None
+        return tile
+    if rows <= SMALL_BATCH_ROWS:
+        block_k = next((b for b in _BLOCK_KS if k % b == 0 and group % b == 0), None)
+        if block_k is None:
+            return None
+        block_n = 64
+        steps = k // block_k
+        wanted = max(1, (2 * sm_count) // -(-n // block_n))
+        split = max(s for s in range(1, min(wanted, steps) + 1) if steps % s == 0)
+        return IntTile(16, block_n, block_k, split, num_warps=4, num_stages=3)
+    block_k = next((b for b in _BLOCK_KS[1:] if k % b == 0 and group % b == 0), None)
+    if block_k is None:
+        return None
+    block_m = 32 if rows <= 32 else 64 if rows <= 64 else 128
+    return IntTile(block_m, 128, block_k, 1, num_warps=4 if block_m <= 64 else 8, num_stages=3)
+
+
+def _parse_tile(value: str) -> IntTile:
+    try:
+        fields = [int(v) for v in value.split(",")]
+        tile = IntTile(*fields)
+    except (TypeError, ValueError):
+        raise ValueError(f"{INT_TILE_ENV}={value!r}: give BLOCK_M,BLOCK_N,BLOCK_K,SPLIT,"
+                         "num_warps,num_stages (e.g. 16,64,128,4,4,3).") from None
+    if min(tile.block_m, tile.block_n, tile.block_k) < 16 or tile.split < 1:
+        raise ValueError(f"{INT_TILE_ENV}={value!r}: blocks are powers of two >= 16 and "
+                         "SPLIT >= 1.")
+    return tile
+
+
+def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor, tile: IntTile, *, bits: int, group_size: int,
+               bias: torch.Tensor | None = None,
+               perm: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias) -> [M, N]`` in ``x``'s dtype with ``W`` in the stored
+    layout (``qweight [N, K / (32 / bits)]``, ``scales``, ``zeros [N, groups]``), on the
+    kernel with ``tile`` (from ``int_matmul_config``; it must tile the shape)."""
+    from pagedllm.layers import _int_matmul_kernels as kernels
+
+    rows, in_features = x.shape
+    out_features = qweight.shape[0]
+    group = in_features if group_size == -1 else group_size
+    if in_features % tile.block_k or group % tile.block_k or (
+            (in_features // tile.block_k) % tile.split):
+        raise ValueError(f"tile {tile} does not tile K={in_features} in groups of {group}.")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if scales.stride() != zeros.stride() or scales.stride(-1) != 1 or qweight.stride(-1) != 1:
+        raise ValueError("scales and zeros must be contiguous [N, groups] tensors of one "
+                         "shape, qweight row-major.")
+    out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    partial = tile.split > 1
+    target = (torch.empty((tile.split, rows, out_features), dtype=torch.float32,
+                          device=x.device) if partial else out)
+    grid = (kernels.cdiv(rows, tile.block_m), kernels.cdiv(out_features, tile.block_n),
+            tile.split)
+    kernels.int_matmul_kernel[grid](
+        x, qweight, scales, zeros, perm if perm is not None else qweight,
+        bias if bias is not None else scales, target,
+        rows, out_features, in_features // tile.split,
+        x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2),
+        target.stride(0) if partial else 0,
+        BITS=bits, GROUP=group, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+        PARTIAL=partial, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    if not partial:
+        return out
+    summed = target.sum(0)
+    if bias is not None:
+        summed += bias.float()
+    return summed.to(x.dtype)
+
+
+def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor, *, bits: int, group_size: int, in_features: int,
+               bias: torch.Tensor | None = None,
+               perm: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``x [..., in_features]``: the kernel for CUDA half-precision
+    inputs whose shape tiles, the torch reference otherwise."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if use_fused_ops(x) and x.dtype in (torch.float16, torch.bfloat16):
+        rows = x2.shape[0]
+        bucket = SMALL_BATCH_ROWS if rows <= SMALL_BATCH_ROWS else min(
+            128, 1 << (rows - 1).bit_length())
+        tile = int_matmul_config(bucket, qweight.shape[0], in_features, group_size,
+                                 _sm_count(x.device))
+        if tile is not None:
+            out = int_matmul(x2, qweight, scales, zeros, tile, bits=bits,
+                             group_size=group_size, bias=bias, perm=perm)
+            return out.reshape(*shape[:-1], out.shape[-1])
+    return int_linear_reference(x, qweight, scales, zeros, bits=bits, group_size=group_size,
+                                in_features=in_features, bias=bias, perm=perm)

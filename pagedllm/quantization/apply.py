@@ -1,0 +1,42 @@
+"""Giving a model's projections the quantization its checkpoint or flag asks for."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pagedllm.quantization.checkpoint import IntWeightScheme, QuantizationConfig
+
+
+def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> int:
+    """Apply ``config`` to the projections inside the decoder layers of ``model``; returns
+    how many are quantized.
+
+    ``when="before_load"`` gives the projections a quantized checkpoint fills their
+    parameters: FP8 weights and scales (``Linear.make_fp8``) or packed integer weights
+    (``Linear.make_int``). ``when="after_load"`` quantizes the loaded weights of the
+    projections an unquantized checkpoint is quantized at load (``Linear.quantize_fp8``)
+    and sorts act-order integer weights (``Linear.finish_int_load``). A projection's
+    checkpoint names (q/k/v for a fused qkv) pick its scheme.
+    """
+    count = 0
+    for module, checkpoint_names in model.projections():
+        scheme = config.scheme_for(checkpoint_names)
+        if scheme is None:
+            continue
+        count += 1
+        if isinstance(scheme, IntWeightScheme):
+            if when == "before_load":
+                module.make_int(scheme)
+            else:
+                try:
+                    module.finish_int_load()
+                except ValueError as exc:
+                    raise ValueError(f"{checkpoint_names[0]}: {exc}") from exc
+        elif when == "before_load" and scheme.prequantized:
+            module.make_fp8(static_input=scheme.static_input)
+        elif when == "after_load" and not scheme.prequantized:
+            module.quantize_fp8()
+    if count == 0:
+        raise ValueError(f"quantization {config.method!r} found no projection to quantize "
+                         "in this model.")
+    return count

@@ -1,0 +1,218 @@
+"""Integer weight-only projections (W4A16, W8A16): one stored layout for every checkpoint
+format, the conversions into it, and the exact torch reference product.
+
+Stored layout (one projection, ``N`` output rows, ``K`` input columns, ``b`` bits, ``P =
+32 // b`` values per word, groups of ``G`` input columns, ``g = ceil(K / G)`` groups)::
+
+    qweight  int32 [N, ceil(K / P)]  value k of row n in word k // P, bits b*(k % P) upwards
+    scales   model dtype [N, g]      scale of group k // G of row n
+    zeros    uint8 [N, g]            unsigned zero point of the same group
+    w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G]
+
+Rows are output channels, so the shards of a fused projection (q/k/v, gate/up) are blocks
+of rows of every tensor. Checkpoint layouts, converted tensor by tensor at load:
+
+=====================  ==========================================  ======================
+checkpoint             weights                                     zero points
+=====================  ==========================================  ======================
+compressed-tensors     ``weight_packed [N, K/P]``: this layout     ``weight_zero_point``
+(pack-quantized)       (values stored with offset ``2**(b-1)``)    packed along N; none
+                       ``weight_scale [N, g]``                     when symmetric: 2**(b-1)
+GPTQ (``gptq``,        ``qweight [K/P, N]``: packed along K, the   ``qzeros [g, N/P]``
+``gptq_v2``)           transpose of this layout; ``scales [g, N]``  packed along N; ``gptq``
+                                                                   stores zero - 1
+AWQ (``gemm``)         ``qweight [K, N/8]``: packed along N in     ``qzeros [g, N/8]``, the
+                       the order 0 2 4 6 1 3 5 7; ``scales [g, N]``  same order
+=====================  ==========================================  ======================
+
+Act-order (GPTQ ``desc_act``, compressed-tensors ``actorder: group``): ``g_idx [K]`` gives
+each input column's group, not ``k // G``. At load the input columns are sorted by group
+once (``act_order_permutation``); the stored weight holds column ``perm[j]`` at ``j`` and
+``perm`` travels with it, so the product gathers the activation's columns (``x[:, perm]``,
+inside the GPU kernel), never the weight. The shards of a fused projection share their
+input, so they must share ``g_idx``.
+
+Scales are kept in the model's dtype (a float16 scale in a bfloat16 model is rounded to
+bfloat16 once, at load). The reference (``int_linear_reference``) dequantizes in float32,
+rounds once to the activation dtype and multiplies with ``F.linear`` in the original
+column order: the same weights, and the same product, as dequantizing the checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.quantization.checkpoint import IntWeightScheme
+
+# AutoAWQ packs the 4-bit values of columns 0..7 into nibbles 0..7 in the column order
+# 0 2 4 6 1 3 5 7, so column j sits in nibble _AWQ_NIBBLE_OF_COLUMN[j].
+_AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def values_per_word(bits: int) -> int:
+    return 32 // bits
+
+
+def num_groups(in_features: int, group_size: int) -> int:
+    """Groups of one row (``group_size`` -1: one)."""
+    return 1 if group_size == -1 else -(-in_features // group_size)
+
+
+def unpack_rows(packed: torch.Tensor, bits: int, columns: int,
+                nibble_of_column: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 ``[R, W]`` packed along its rows -> int32 ``[R, columns]`` of unsigned values;
+    column ``j`` of a word's run is value ``nibble_of_column[j]`` (default: ``j``)."""
+    per_word = values_per_word(bits)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    if nibble_of_column is not None:
+        values = values[..., list(nibble_of_column)]
+    return values.reshape(packed.shape[0], packed.shape[1] * per_word)[:, :columns]
+
+
+def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """int ``[R, C]`` of unsigned ``bits``-bit values -> int32 ``[R, ceil(C / P)]``, value
+    ``k`` in word ``k // P`` at bits ``bits * (k % P)`` (the stored layout)."""
+    per_word = values_per_word(bits)
+    rows, columns = values.shape
+    padded = -(-columns // per_word) * per_word
+    wide = F.pad(values.to(torch.int64), (0, padded - columns))
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
+    words = (wide.reshape(rows, padded // per_word, per_word) << shifts).sum(-1)
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # the same 32 bits, signed
+
+
+# Checkpoint parameter name -> stored parameter, per layout.
+_NAMES = {
+    "compressed-tensors": {"weight_packed": "qweight", "weight_scale": "scales",
+                           "weight_zero_point": "zeros", "weight_g_idx": "g_idx",
+                           "weight_shape": None},
+    "gptq": {"qweight": "qweight", "scales": "scales", "qzeros": "zeros", "g_idx": "g_idx"},
+    "awq": {"qweight": "qweight", "scales": "scales", "qzeros": "zeros"},
+}
+_NAMES["gptq_v2"] = _NAMES["gptq"]
+
+
+def checkpoint_names(scheme: IntWeightScheme) -> tuple[str, ...]:
+    """The parameter names a checkpoint of ``scheme``'s layout stores for a projection."""
+    return tuple(_NAMES[scheme.layout])
+
+
+def convert(scheme: IntWeightScheme, name: str, tensor: torch.Tensor, rows: int,
+            in_features: int) -> tuple[str | None, torch.Tensor | None]:
+    """Checkpoint tensor ``name`` (one of ``checkpoint_names``) of a projection, or shard,
+    of ``rows`` outputs and ``in_features`` inputs -> ``(stored parameter, tensor)``: the
+    parameter is ``qweight``, ``scales``, ``zeros`` or ``g_idx`` (kept aside for
+    ``act_order_permutation``), or None for a tensor that only describes the others
+    (``weight_shape``, checked). Raises ValueError naming the expected shape when the
+    tensor does not fit the scheme."""
+    param = _NAMES[scheme.layout][name]
+    bits, layout = scheme.bits, scheme.layout
+    groups = num_groups(in_features, scheme.group_size)
+    if param is None:  # compressed-tensors' weight_shape: [rows, in_features]
+        _expect(name, tensor, (2,))
+        if tensor.tolist() != [rows, in_features]:
+            raise ValueError(f"weight_shape is {tensor.tolist()}, this layer is "
+                             f"[{rows}, {in_features}].")
+        return None, None
+    if param == "g_idx":
+        _expect(name, tensor, (in_features,))
+        return "g_idx", tensor.to(torch.int64)
+    if param == "scales":
+        if layout == "compressed-tensors":
+            _expect(name, tensor, (rows, groups))
+            return "scales", tensor
+        _expect(name, tensor, (groups, rows))
+        return "scales", tensor.t()
+    per_word = values_per_word(bits)
+    if param == "qweight":
+        if layout == "compressed-tensors":
+            _expect(name, tensor, (rows, -(-in_features // per_word)), torch.int32)
+            return "qweight", tensor
+        if layout == "awq":
+            _expect(name, tensor, (in_features, -(-rows // per_word)), torch.int32)
+            values = unpack_rows(tensor, bits, rows, _AWQ_NIBBLE_OF_COLUMN)
+            return "qweight", pack_rows(values.t(), bits)
+        _expect(name, tensor, (-(-in_features // per_word), rows), torch.int32)
+        return "qweight", tensor.t()
+    # Zero points, packed along the output rows in every layout.
+    if layout == "compressed-tensors":
+        _expect(name, tensor, (-(-rows // per_word), groups), torch.int32)
+        zeros = unpack_rows(tensor.t(), bits, rows).t()
+    else:
+        _expect(name, tensor, (groups, -(-rows // per_word)), torch.int32)
+        order = _AWQ_NIBBLE_OF_COLUMN if layout == "awq" else None
+        zeros = unpack_rows(tensor, bits, rows, order).t()
+        if layout == "gptq":  # the historical format stores zero - 1 (wrapping)
+            zeros = (zeros + 1) & ((1 << bits) - 1)
+    return "zeros", zeros.to(torch.uint8)
+
+
+def _expect(name: str, tensor: torch.Tensor, shape: tuple[int, ...],
+            dtype: torch.dtype | None = None) -> None:
+    if tuple(tensor.shape) != shape or (dtype is not None and tensor.dtype != dtype):
+        want = f"{list(shape)}" + (f" {dtype}" if dtype is not None else "")
+        raise ValueError(f"{name} expects {want} for this layer and the checkpoint's "
+                         f"quantization_config, got {list(tensor.shape)} {tensor.dtype}.")
+
+
+def act_order_permutation(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """The input order that makes groups contiguous: ``perm`` with ``g_idx[perm[j]] ==
+    j // group_size``, or None when ``g_idx`` is already ``k // group_size``. Raises
+    ValueError when some group does not hold ``group_size`` columns (the last may hold
+    fewer)."""
+    in_features = g_idx.numel()
+    size = in_features if group_size == -1 else group_size
+    natural = torch.arange(in_features, device=g_idx.device) // size
+    if torch.equal(g_idx, natural):
+        return None
+    perm = torch.sort(g_idx, stable=True).indices
+    if not torch.equal(g_idx[perm], natural):
+        raise ValueError(f"g_idx does not assign {size} input columns to each group "
+                         f"(counts {torch.bincount(g_idx).tolist()[:8]}...); pagedllm reads "
+                         "act-order checkpoints whose groups are equal in size.")
+    return perm
+
+
+def permute_columns(qweight: torch.Tensor, bits: int, in_features: int,
+                    perm: torch.Tensor) -> torch.Tensor:
+    """``qweight`` with column ``perm[j]`` moved to ``j`` (re-packed)."""
+    values = unpack_rows(qweight, bits, in_features)
+    return pack_rows(values[:, perm.to(qweight.device)], bits)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               group_size: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[N, in_features]`` weights in ``dtype``: ``(q - zero) * scale`` in float32, rounded
+    once."""
+    values = unpack_rows(qweight, bits, in_features)
+    size = in_features if group_size == -1 else group_size
+    group = torch.arange(in_features, device=qweight.device) // size
+    centred = (values - zeros.to(torch.int32)[:, group]).to(torch.float32)
+    return (centred * scales.to(torch.float32)[:, group]).to(dtype)
+
+
+def int_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                         zeros: torch.Tensor, *, bits: int, group_size: int,
+                         in_features: int, bias: torch.Tensor | None = None,
+                         perm: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``W`` dequantized to ``x``'s dtype and put back in the
+    checkpoint's column order (``perm``: the act-order sort of the stored columns)."""
+    weight = dequantize(qweight, scales, zeros, bits, group_size, in_features, x.dtype)
+    if perm is not None:
+        original = torch.empty_like(weight)
+        original[:, perm.long()] = weight
+        weight = original
+    return F.linear(x, weight, bias)
+
+
+def fill_dummy(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               weight_range: float, generator: torch.Generator) -> None:
+    """Random weights uniform over the ``bits``-bit values, zero points at the middle
+    ``2**(bits-1)`` and scales ``weight_range / 2**(bits-1)``: weights in
+    ``[-weight_range, weight_range)``, like the dummy loader's unquantized ones."""
+    middle = 1 << (bits - 1)
+    qweight.random_(-(1 << 31), 1 << 31, generator=generator)
+    zeros.fill_(middle)
+    scales.fill_(weight_range / middle)

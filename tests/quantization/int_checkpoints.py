@@ -1,0 +1,193 @@
+"""GPTQ and AWQ checkpoints written from the formats' published descriptions.
+
+AutoGPTQ, GPTQModel and AutoAWQ need CUDA (or pin old torch and transformers) to
+quantize, so these tests write their layouts directly, with code of their own: a
+round-to-nearest quantization of each decoder projection of an unquantized checkpoint,
+packed bit by bit as the formats describe:
+
+* GPTQ: ``qweight [K / P, N]`` int32, input row ``k`` in word ``k // P`` at bits
+  ``bits * (k % P)`` (``P = 32 // bits``); ``qzeros [groups, N / P]`` int32 packed the same
+  way along the outputs, holding ``zero - 1`` in the historical ``gptq`` checkpoint format
+  and ``zero`` in ``gptq_v2``; ``scales [groups, N]`` float16; ``g_idx [K]`` int32, the
+  group of each input (act-order, ``desc_act``: the inputs taken in a shuffled order,
+  ``group_size`` at a time).
+* AWQ (AutoAWQ ``gemm``): ``qweight [K, N / 8]`` int32, output columns ``8c .. 8c + 7``
+  in word ``c`` with nibble ``i`` holding column ``8c + (0, 2, 4, 6, 1, 3, 5, 7)[i]``;
+  ``qzeros [groups, N / 8]`` in the same order; ``scales [groups, N]`` float16.
+
+``write_gptq`` / ``write_awq`` return the integer codes, zero points, scales and groups of
+every projection as well, so a test can build the reference weights ``(q - zero[g]) *
+scale[g]`` from them rather than from the packed words.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# Projections that read the same input share act-order's g_idx.
+_SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
+                 "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
+
+
+@dataclass
+class Quantized:
+    """One projection: ``codes [N, K]`` unsigned, ``zeros`` and ``scales`` ``[N, groups]``
+    (scales as stored, float16), ``g_idx [K]``."""
+
+    codes: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor
+
+    def dequantized(self) -> torch.Tensor:
+        g = self.g_idx.long()
+        return (self.codes - self.zeros[:, g]).float() * self.scales.float()[:, g]
+
+
+def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+def _groups(in_features: int, group_size: int, act_order: bool, seed: int) -> torch.Tensor:
+    size = in_features if group_size == -1 else group_size
+    if not act_order:
+        return torch.arange(in_features, dtype=torch.int32) // size
+    order = torch.randperm(in_features, generator=torch.Generator().manual_seed(seed))
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[order] = (torch.arange(in_features) // size).to(torch.int32)
+    return g_idx
+
+
+def quantize(weight: torch.Tensor, bits: int, g_idx: torch.Tensor, symmetric: bool) -> Quantized:
+    """Round to nearest per group: symmetric (zero ``2**(bits-1)``, scale ``max|w| /
+    (2**(bits-1) - 1)``) or min-max asymmetric."""
+    maxq = (1 << bits) - 1
+    groups = int(g_idx.max()) + 1
+    rows = weight.shape[0]
+    scales = torch.empty(rows, groups)
+    zeros = torch.empty(rows, groups, dtype=torch.int64)
+    for g in range(groups):
+        w = weight[:, g_idx == g].float()
+        if symmetric:
+            scale = w.abs().amax(1).clamp(min=1e-8) / ((maxq + 1) // 2 - 1)
+            zero = torch.full((rows,), (maxq + 1) // 2, dtype=torch.int64)
+        else:
+            low, high = w.amin(1).clamp(max=0), w.amax(1).clamp(min=0)
+            scale = ((high - low) / maxq).clamp(min=1e-8)
+            zero = torch.round(-low / scale).to(torch.int64)
+        scales[:, g], zeros[:, g] = scale, zero
+    scales = scales.half()
+    g = g_idx.long()
+    codes = torch.round(weight.float() / scales.float()[:, g]) + zeros[:, g]
+    return Quantized(codes.clamp(0, maxq).to(torch.int64), zeros, scales, g_idx)
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    words = words & 0xFFFFFFFF
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _pack_gptq_dim0(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``values [R, C]`` -> ``[ceil(R / P), C]``: row ``r`` into word row ``r // P``."""
+    per_word = 32 // bits
+    rows, columns = values.shape
+    words = torch.zeros(-(-rows // per_word), columns, dtype=torch.int64)
+    for r in range(rows):
+        words[r // per_word] |= (values[r].to(torch.int64) & ((1 << bits) - 1)) << (bits * (r % per_word))
+    return _to_int32(words)
+
+
+def _pack_awq_dim1(values: torch.Tensor) -> torch.Tensor:
+    """``values [R, C]`` (4-bit) -> ``[R, C / 8]``, AutoAWQ's interleaved order."""
+    rows, columns = values.shape
+    words = torch.zeros(rows, columns // 8, dtype=torch.int64)
+    for c in range(columns // 8):
+        for i, column in enumerate(AWQ_PACK_ORDER):
+            words[:, c] |= (values[:, 8 * c + column].to(torch.int64) & 0xF) << (4 * i)
+    return _to_int32(words)
+
+
+def _projections(tensors: dict[str, torch.Tensor]):
+    for name, tensor in tensors.items():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            yield name[: -len(".weight")], tensor
+
+
+def _write(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quant_config: dict) -> None:
+    dst.mkdir(parents=True)
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quant_config
+    (dst / "config.json").write_text(json.dumps(config))
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+
+
+def write_gptq(src: Path, dst: Path, *, bits: int = 4, group_size: int = 128,
+               desc_act: bool = False, sym: bool = True, checkpoint_format: str = "gptq",
+               seed: int = 0) -> dict[str, Quantized]:
+    """``src`` quantized into the GPTQ layout at ``dst``; returns each projection's
+    ``Quantized``."""
+    tensors = read_tensors(src)
+    out = {n: t for n, t in tensors.items() if not (".layers." in n and n.endswith("_proj.weight"))}
+    shared: dict[tuple[str, str], torch.Tensor] = {}
+    result = {}
+    for module, weight in _projections(tensors):
+        layer, _, proj = module.rpartition(".")
+        key = (layer.rsplit(".", 1)[0], _SHARED_INPUT[proj])
+        if key not in shared:
+            shared[key] = _groups(weight.shape[1], group_size, desc_act, seed + len(shared))
+        q = quantize(weight, bits, shared[key], sym)
+        stored_zeros = q.zeros - 1 if checkpoint_format == "gptq" else q.zeros
+        out[f"{module}.qweight"] = _pack_gptq_dim0(q.codes.t(), bits)
+        out[f"{module}.qzeros"] = _pack_gptq_dim0(stored_zeros, bits).t().contiguous()
+        out[f"{module}.scales"] = q.scales.t().contiguous()
+        out[f"{module}.g_idx"] = q.g_idx.clone()
+        result[module] = q
+    _write(src, dst, out, {
+        "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act,
+        "sym": sym, "checkpoint_format": checkpoint_format, "static_groups": False,
+        "true_sequential": True, "damp_percent": 0.01, "lm_head": False})
+    return result
+
+
+def write_awq(src: Path, dst: Path, *, group_size: int = 128) -> dict[str, Quantized]:
+    """``src`` quantized into AutoAWQ's gemm layout (4-bit, zero points) at ``dst``."""
+    tensors = read_tensors(src)
+    out = {n: t for n, t in tensors.items() if not (".layers." in n and n.endswith("_proj.weight"))}
+    result = {}
+    for module, weight in _projections(tensors):
+        q = quantize(weight, 4, _groups(weight.shape[1], group_size, False, 0), symmetric=False)
+        out[f"{module}.qweight"] = _pack_awq_dim1(q.codes.t())
+        out[f"{module}.qzeros"] = _pack_awq_dim1(q.zeros.t())
+        out[f"{module}.scales"] = q.scales.t().contiguous()
+        result[module] = q
+    _write(src, dst, out, {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                           "zero_point": True, "version": "gemm",
+                           "modules_to_not_convert": None})
+    return result
+
+
+def hf_on_dequantized(src: Path, quantized: dict[str, Quantized]):
+    """HF transformers' model of ``src`` with each quantized projection's weight replaced by
+    its dequantized weight, in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for module, q in quantized.items():
+            model.get_submodule(module).weight.copy_(q.dequantized())
+    return model

@@ -1,0 +1,227 @@
+"""4- and 8-bit integer weight checkpoints (W4A16, W8A16): compressed-tensors made by
+llm-compressor, GPTQ and AWQ written from their layouts' descriptions
+(``tests/quantization/int_checkpoints.py``). Each is detected from config.json with no
+flag and runs to the same greedy tokens as HF transformers on the same dequantized
+weights, in float32."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm import LLM
+from pagedllm.worker import kv_allocator
+from tests.engine.conftest import hf_greedy, random_prompts
+from tests.quantization.int_checkpoints import hf_on_dequantized, read_tensors, write_awq, write_gptq
+from tests.quantization.test_fp8_checkpoints import engine_greedy, runner_model
+from tests.utils import make_tiny_checkpoint
+
+# Inputs of 128 and 256 columns: groups of 32, 64 and 128 all fit.
+TINY = dict(vocab_size=256, max_position_embeddings=128, hidden_size=128,
+            intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("int-sources")
+    return {"llama": make_tiny_checkpoint(root, "llama", **TINY),
+            "qwen2": make_tiny_checkpoint(root, "qwen2", **TINY),
+            "qwen3": make_tiny_checkpoint(root, "qwen3", head_dim=32, **TINY)}
+
+
+@pytest.fixture(scope="module")
+def llm_compressor_checkpoints(sources, tmp_path_factory) -> dict[str, Path]:
+    """llm-compressor's pack-quantized checkpoints: round to nearest W4A16 (symmetric, groups
+    of 128), W4A16_ASYM (zero points), W8A16, and GPTQ W4A16 with activation ordering."""
+    pytest.importorskip("llmcompressor")
+    from tests.quantization.llm_compressor import make_checkpoints
+
+    root = tmp_path_factory.mktemp("int-checkpoints")
+    jobs = {
+        "llama-w4a16": (sources["llama"], "W4A16", "quantization"),
+        "llama-w4a16-asym": (sources["llama"], "W4A16_ASYM", "quantization"),
+        "qwen3-w8a16": (sources["qwen3"], "W8A16", "quantization"),
+        "llama-gptq-w4a16": (sources["llama"], "W4A16", "gptq"),
+    }
+    make_checkpoints([(src, root / name, scheme, False, modifier)
+                      for name, (src, scheme, modifier) in jobs.items()])
+    return {name: root / name for name in jobs}
+
+
+def engine_tokens(model_dir: Path, prompts, **kwargs) -> list[list[int]]:
+    llm = LLM(str(model_dir), dtype="float32", block_size=8, max_model_len=128, device="cpu",
+              **kwargs)
+    return engine_greedy(llm, prompts, 10)
+
+
+@pytest.mark.parametrize("name", ["llama-w4a16", "llama-w4a16-asym", "qwen3-w8a16",
+                                  "llama-gptq-w4a16"])
+def test_llm_compressor_int_checkpoint_greedy_equals_hf_with_compressed_tensors(
+        llm_compressor_checkpoints, name):
+    """The reference decompresses with compressed-tensors itself (a third-party reading of
+    the packed weights, scales and zero points)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    model_dir = llm_compressor_checkpoints[name]
+    prompts = random_prompts(3, 3, 20, seed=5, vocab=256)
+    reference = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32,
+        quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    want = [hf_greedy(reference, prompt, 10) for prompt in prompts]
+    assert engine_tokens(model_dir, prompts) == want
+
+
+GPTQ_CASES = {
+    "4bit-g128": dict(bits=4, group_size=128),
+    "4bit-g32-act-order": dict(bits=4, group_size=32, desc_act=True),
+    "4bit-g64-act-order-asym": dict(bits=4, group_size=64, desc_act=True, sym=False),
+    "4bit-per-channel-v2": dict(bits=4, group_size=-1, checkpoint_format="gptq_v2"),
+    "4bit-g32-v2-asym": dict(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2"),
+    "8bit-g64-act-order": dict(bits=8, group_size=64, desc_act=True),
+    "8bit-g32": dict(bits=8, group_size=32, sym=False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GPTQ_CASES))
+def test_gptq_checkpoint_greedy_equals_hf_on_its_dequantized_weights(sources, tmp_path, case):
+    quantized = write_gptq(sources["llama"], tmp_path / "gptq", **GPTQ_CASES[case])
+    prompts = random_prompts(3, 3, 20, seed=6, vocab=256)
+    reference = hf_on_dequantized(sources["llama"], quantized)
+    want = [hf_greedy(reference, prompt, 10) for prompt in prompts]
+    assert engine_tokens(tmp_path / "gptq", prompts) == want
+
+
+def test_gptq_checkpoint_with_qkv_biases(sources, tmp_path):
+    """Qwen2's q/k/v biases stay in the model's dtype beside the packed weights."""
+    quantized = write_gptq(sources["qwen2"], tmp_path / "gptq", bits=4, group_size=64,
+                           desc_act=True)
+    prompts = random_prompts(3, 3, 20, seed=7, vocab=256)
+    reference = hf_on_dequantized(sources["qwen2"], quantized)
+    assert engine_tokens(tmp_path / "gptq", prompts) == [
+        hf_greedy(reference, prompt, 10) for prompt in prompts]
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_awq_checkpoint_greedy_equals_hf_on_its_dequantized_weights(sources, tmp_path,
+                                                                    group_size):
+    quantized = write_awq(sources["llama"], tmp_path / "awq", group_size=group_size)
+    prompts = random_prompts(3, 3, 20, seed=8, vocab=256)
+    reference = hf_on_dequantized(sources["llama"], quantized)
+    assert engine_tokens(tmp_path / "awq", prompts, quantization="awq") == [
+        hf_greedy(reference, prompt, 10) for prompt in prompts]
+
+
+def test_packed_weights_are_kept_packed_and_the_lm_head_in_the_model_dtype(sources, tmp_path):
+    """4-bit weights stay packed (a quarter of the bytes of the float16 weights they
+    replace, eight values per int32); the fused qkv holds q, k and v as row blocks; the
+    embedding and the LM head stay float32."""
+    quantized = write_gptq(sources["llama"], tmp_path / "gptq", bits=4, group_size=32)
+    llm = LLM(str(tmp_path / "gptq"), dtype="float32", max_model_len=128, device="cpu")
+    model = runner_model(llm)
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    assert qkv.weight is None and qkv.qweight.dtype == torch.int32
+    assert qkv.qweight.shape == (128 + 64 + 64, 128 // 8)
+    prefix = "model.layers.1.self_attn"
+    codes = torch.cat([quantized[f"{prefix}.{p}_proj"].codes for p in "qkv"])
+    unpacked = (qkv.qweight.unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=torch.int32)) & 0xF
+    assert torch.equal(unpacked.reshape(256, 128).long(), codes)
+    assert model.lm_head.weight.dtype == torch.float32
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_weight_bytes_counts_packed_weights_as_the_engine_stores_them(sources):
+    """``pagedllm doctor`` and ``plan`` size the KV cache from ``weight_bytes``: for a 4-bit
+    model it must count what the loaded model holds, to the byte."""
+    for method, group_size in (("gptq", 128), ("awq", 128)):
+        llm = LLM(str(sources["llama"]), load_format="dummy", quantization=method,
+                  dtype="float32", max_model_len=128, device="cpu")
+        model = runner_model(llm)
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        config = llm.llm_engine.config.model_config
+        assert config.quant_config.storage() == ("int4", group_size)
+        assert kv_allocator.weight_bytes(config.hf_config, 4, "int4", group_size) == held
+    unquantized = json.loads((sources["llama"] / "config.json").read_text())
+    assert kv_allocator.weight_bytes(unquantized, 2, "int4", 128) < \
+        kv_allocator.weight_bytes(unquantized, 2) / 2
+
+
+def test_dummy_4bit_weights_are_random_in_the_dummy_range_and_generate(sources):
+    llm = LLM(str(sources["llama"]), load_format="dummy", quantization="gptq",
+              dtype="float32", max_model_len=128, device="cpu")
+    down = runner_model(llm).model.layers[0].mlp.down_proj
+    from pagedllm.quantization.int_weights import dequantize
+
+    weight = dequantize(down.qweight, down.scales, down.zeros, 4, 128, 256, torch.float32)
+    assert weight.abs().max() <= 1e-3 and weight.std() > 3e-4
+    assert len(engine_greedy(llm, [[5, 6, 7]], 4)[0]) == 4
+
+
+def with_quantization_config(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    edit(config["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("writer, edit, message", [
+    ("awq", lambda q: q.update(version="gemv"), "version='gemv' is not supported"),
+    ("awq", lambda q: q.update(version="exllama"), "version='exllama' is not supported"),
+    ("awq", lambda q: q.update(bits=3), "bits=3 is not supported"),
+    ("gptq", lambda q: q.update(bits=3), "bits=3 is not supported"),
+    ("gptq", lambda q: q.update(checkpoint_format="marlin"), "checkpoint_format='marlin'"),
+    ("gptq", lambda q: q.update(lm_head=True), "lm_head=true"),
+    ("gptq", lambda q: q.update(group_size=0), "group_size=0"),
+])
+def test_an_unsupported_variant_is_refused_naming_the_field(sources, tmp_path, writer, edit,
+                                                            message):
+    write = write_awq if writer == "awq" else write_gptq
+    write(sources["llama"], tmp_path / "written", group_size=64)
+    model_dir = with_quantization_config(tmp_path / "written", tmp_path / "edited", edit)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(model_dir), device="cpu")
+
+
+def test_compressed_tensors_integer_activations_are_refused_by_name(sources, tmp_path):
+    """An int8 (asymmetric) activation scheme over 4-bit weights: W4A8 is not read."""
+    write_gptq(sources["llama"], tmp_path / "written", group_size=64)
+    config = json.loads((tmp_path / "written" / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64,
+                        "symmetric": True},
+            "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                  "symmetric": False, "dynamic": True}}}}
+    (tmp_path / "written" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"group_0\.input_activations are 8-bit 'int' "
+                                         r"\(symmetric=False\)"):
+        LLM(str(tmp_path / "written"), device="cpu")
+
+
+def test_a_contradicting_or_formatless_flag_is_refused(sources, tmp_path):
+    write_gptq(sources["llama"], tmp_path / "gptq", group_size=64)
+    with pytest.raises(ValueError, match="--quantization awq contradicts.*'gptq'"):
+        LLM(str(tmp_path / "gptq"), quantization="awq", device="cpu")
+    with pytest.raises(ValueError, match="--quantization gptq needs a checkpoint"):
+        LLM(str(sources["llama"]), quantization="gptq", device="cpu")
+
+
+def test_fused_shards_with_different_act_orders_are_refused(sources, tmp_path):
+    """q, k and v read one input, so one input order; a checkpoint whose k_proj was
+    ordered differently cannot be fused."""
+    write_gptq(sources["llama"], tmp_path / "gptq", group_size=32, desc_act=True)
+    from safetensors.torch import save_file
+
+    tensors = read_tensors(tmp_path / "gptq")
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(tmp_path / "gptq" / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj: .*different g_idx"):
+        LLM(str(tmp_path / "gptq"), device="cpu")
