@@ -122,20 +122,15 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
     if quantization == "fp8":
         per_layer = projections * FP8_BYTES + out_channels * 4 + (biases + norms) * element_size
         return layers * per_layer + embeddings * element_size
-    return (layers * (projections + biases + norms) + embeddings) * element_size
-
-
-def determine_num_blocks(
-    config: EngineConfig,
     if quantization in INT_WEIGHT_BITS:
         bits = INT_WEIGHT_BITS[quantization]
         shapes = ((qkv_out, hidden), (hidden, q_size), (2 * inter, hidden), (hidden, inter))
         packed = sum(_int_projection_bytes(n, k, bits, group_size, element_size)
                      for n, k in shapes)
         return layers * (packed + (biases + norms) * element_size) + embeddings * element_size
-    dtype: torch.dtype,
-    device: torch.device,
-    profile_run: Callable[[], None],
+    return (layers * (projections + biases + norms) + embeddings) * element_size
+
+
 def _int_projection_bytes(out_features: int, in_features: int, bits: int, group_size: int,
                           scale_bytes: int) -> int:
     """One integer-weight projection as ``pagedllm.quantization.int_weights`` stores it."""
@@ -144,6 +139,11 @@ def _int_projection_bytes(out_features: int, in_features: int, bits: int, group_
     return out_features * (4 * words + groups * (scale_bytes + 1))
 
 
+def determine_num_blocks(
+    config: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    profile_run: Callable[[], None],
     reserved_bytes: int = 0,
 ) -> int:
     """Blocks for the KV cache of element type ``dtype``; raises if one ``max_model_len``
