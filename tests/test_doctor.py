@@ -78,6 +78,20 @@ def test_fp8_needs_compute_capability_8_9(capability, status):
     assert f"compute capability {capability[0]}.{capability[1]}" in gpu.detail
 
 
+@pytest.mark.parametrize("capability, status", [((9, 0), "PASS"), ((8, 9), "PASS"),
+                                                ((8, 6), "FAIL")])
+def test_an_fp8_kv_cache_needs_compute_capability_8_9(capability, status):
+    gpu = doctor.check_gpu(_args("--kv-cache-dtype", "fp8_e4m3"), _fake_cuda(capability))
+    assert gpu.status == status
+    if status == "FAIL":
+        assert "--kv-cache-dtype fp8 needs 8.9+" in gpu.detail and "--kv-cache-dtype" in gpu.fix
+
+
+def test_an_unsupported_kv_cache_dtype_fails_the_flags_check():
+    flags = doctor.check_flags(_args("--kv-cache-dtype", "int8"))
+    assert flags.status == "FAIL" and "--kv-cache-dtype int8" in flags.detail
+
+
 def test_bfloat16_below_compute_capability_8_warns():
     assert doctor.check_gpu(_args("--dtype", "bfloat16"), _fake_cuda((7, 5))).status == "WARN"
     assert doctor.check_gpu(_args("--dtype", "float16"), _fake_cuda((7, 5))).status == "PASS"
@@ -198,6 +212,15 @@ def test_kv_cache_on_a_gpu_from_weights_and_utilization():
     assert "at --max-model-len 131072, 3 requests fit" in check.detail
     assert "largest --max-model-len that fits is 131072" in check.detail
     assert "lower --max-num-seqs to 3 or --max-model-len to 1824" in check.fix  # 29205 // 256 x 16
+
+
+def test_an_fp8_kv_cache_on_a_gpu_holds_twice_the_tokens():
+    """As above with one byte an element: 1 MiB blocks -> 58,411 blocks, 934,576 tokens;
+    at 131,072 tokens, 7 requests fit."""
+    args = _args("llama-3.1-8b", "--load-format", "dummy", "--kv-cache-dtype", "fp8")
+    check = doctor.check_kv_cache(args, doctor.check_model(args)[1], _fake_cuda(total_gib=80))
+    assert "934576 tokens in 58411 blocks of 1.00 MiB (fp8 KV cache)" in check.detail
+    assert "at --max-model-len 131072, 7 requests fit" in check.detail
 
 
 def test_kv_cache_on_the_cpu_from_kv_cache_memory_gb():

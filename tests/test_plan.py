@@ -56,6 +56,19 @@ def test_concurrency_counts_the_shared_prefix_once():
     assert p.gpus is None and p.cost_per_day is None and "no throughput" in p.notes[0]
 
 
+def test_an_fp8_kv_cache_holds_twice_the_blocks():
+    """As above with one byte an element: 7,132,300,902 bytes = 6,801 blocks of 1 MiB ->
+    107 requests of 63 blocks at once, and records of the fp8 cache match only it."""
+    p = plan.plan_candidate(_profile(prefix_fraction=0.5), LLAMA_8B,
+                            _h200(memory_gib=24.0, kv_cache_dtype="fp8"), None)
+    assert p.kv_tokens == 6801 * 16 and p.max_concurrency == 107
+    command = "pagedllm bench throughput --model llama-3.1-8b --kv-cache-dtype fp8"
+    record = {"workload": "W1", "model": "llama-3.1-8b", "gpu": "NVIDIA H200", "command": command,
+              "output_tok_s": 5000.0}
+    for candidate, matches in ((_h200(kv_cache_dtype="fp8_e4m3"), True), (_h200(), False)):
+        assert plan._record_matches(record, "", "llama-3.1-8b", candidate, "bfloat16") is matches
+
+
 def test_llama_70b_fits_one_h200_in_fp8_but_not_in_bf16():
     """fp8: per layer 855,638,016 projection bytes + 83,968 float32 channel scales + two bf16
     norms of 8,192 = 856,006,656; x 80 layers + bf16 embedding, LM head and final norm

@@ -317,6 +317,8 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         "output_tok_s": round(output_tokens / elapsed, 1),
         "total_tok_s": round((prompt_tokens + output_tokens) / elapsed, 1),
         "truncated": False,
+        "kv_cache_dtype": core.kv_cache_dtype,
+        "kv_cache_tokens": core.num_kv_tokens,
         **extra,
     }
 

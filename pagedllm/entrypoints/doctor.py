@@ -7,6 +7,7 @@ SKIP (not applicable), with the fix under every WARN and FAIL:
 - gpu: torch sees a GPU, with the compute capability the requested features need
   (``--quantization fp8``: 8.9+ for FP8 tensor cores; bfloat16: 8.0+); none is a WARN
   (the CPU reference paths serve), and FAIL when ``--device cuda`` asks for one;
+  ``--kv-cache-dtype fp8`` on a GPU below 8.9 is a FAIL (serve refuses it);
 - model: config.json and weights are on disk or in the Hugging Face cache; a model that is
   not cached is a WARN (serve downloads it), a FAIL with ``HF_HUB_OFFLINE`` set;
 - tokenizer, chat template, tool parser: a missing template is a WARN (chat endpoints then
@@ -15,7 +16,8 @@ SKIP (not applicable), with the fix under every WARN and FAIL:
 - port: a bind test on ``--host``/``--port``;
 - kv cache: whether ``--max-num-seqs`` requests of ``--max-model-len`` tokens fit the KV
   budget, with the largest concurrency and ``--max-model-len`` that fit, from the engine's
-  own sizing functions (``worker/kv_allocator.py``). On a GPU the budget is
+  own sizing functions (``worker/kv_allocator.py``), in the cache's element size (one
+  byte with ``--kv-cache-dtype fp8``). On a GPU the budget is
   ``--gpu-memory-utilization`` of its memory less the weights (parameters x dtype bytes from
   config.json); the engine also subtracts the activations of its largest step and the CUDA
   graphs, measured at start, so its cache is a little smaller. On the CPU it is
@@ -33,10 +35,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedllm.config import FP8_MIN_CAPABILITY, normalize_kv_cache_dtype
+
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 SHM_PATH = "/dev/shm"
 SHM_MIN_BYTES = 1 << 30
-FP8_MIN_CAPABILITY = (8, 9)
 BF16_MIN_CAPABILITY = (8, 0)
 _GIB = 1 << 30
 
@@ -78,6 +81,7 @@ def check_flags(args: argparse.Namespace) -> Check:
     try:
         validate_serve_args(args)
         EngineArgs.from_cli_args(args)
+        normalize_kv_cache_dtype(args.kv_cache_dtype)
     except (ValueError, TypeError) as exc:
         return Check("flags", FAIL, str(exc), "change the flag as the message says")
     return Check("flags", PASS, "the serve flags are valid")
@@ -92,6 +96,7 @@ def _requested_device(args: argparse.Namespace) -> str | None:
 def check_gpu(args: argparse.Namespace, cuda) -> Check:
     """``cuda`` is ``torch.cuda`` (a stand-in in tests)."""
     fp8 = args.quantization == "fp8"
+    fp8_kv = _kv_cache_dtype(args) == "fp8"
     requested = _requested_device(args)
     if not cuda.is_available():
         if requested == "cuda":
@@ -110,7 +115,7 @@ def check_gpu(args: argparse.Namespace, cuda) -> Check:
     if requested == "cpu":
         return Check("gpu", PASS, f"{cuda.device_count()} GPU(s) visible; --device cpu keeps "
                      "the model on the CPU")
-    gpus, problems = [], []
+    gpus, problems, refused = [], [], []
     bf16 = _resolved_dtype_name(args, "cuda") == "bfloat16"
     for index in range(cuda.device_count()):
         capability = tuple(cuda.get_device_capability(index))
@@ -120,15 +125,31 @@ def check_gpu(args: argparse.Namespace, cuda) -> Check:
             problems.append(f"GPU {index} has compute capability {capability[0]}.{capability[1]}"
                             ": --quantization fp8 needs 8.9+ for FP8 tensor cores and runs a "
                             "float32 reference path here (slow)")
+        if fp8_kv and capability < FP8_MIN_CAPABILITY:
+            refused.append(f"GPU {index} has compute capability {capability[0]}.{capability[1]}"
+                           ": --kv-cache-dtype fp8 needs 8.9+ (serve refuses to start)")
         if bf16 and capability < BF16_MIN_CAPABILITY:
             problems.append(f"GPU {index} has compute capability {capability[0]}.{capability[1]}"
                             ": bfloat16 needs 8.0+")
     detail = "GPU " + "; ".join(gpus)
+    if refused:
+        return Check("gpu", FAIL, detail + ". " + "; ".join(refused + problems),
+                     "use a GPU of compute capability 8.9+ (L4, L40S, H100, H200), or drop "
+                     "--kv-cache-dtype fp8")
     if problems:
         return Check("gpu", WARN, detail + ". " + "; ".join(problems),
                      "use a GPU of compute capability 8.9+ (L4, L40S, H100, H200) for fp8, or "
                      "--dtype float16 on one below 8.0")
     return Check("gpu", PASS, detail)
+
+
+def _kv_cache_dtype(args: argparse.Namespace) -> str:
+    """``--kv-cache-dtype`` normalized (``fp8_e4m3`` is ``fp8``); as given when invalid (the
+    flags check reports it)."""
+    try:
+        return normalize_kv_cache_dtype(args.kv_cache_dtype)
+    except ValueError:
+        return args.kv_cache_dtype
 
 
 def _resolved_dtype_name(args: argparse.Namespace, device: str, hf_config: dict | None = None) -> str:
@@ -334,7 +355,7 @@ def check_kv_cache(args: argparse.Namespace, model_dir: Path | None, cuda) -> Ch
     element = kv.DTYPE_BYTES[dtype]
     per_block = kv.block_bytes(num_layers=model.num_layers, block_size=block_size,
                                num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                               element_size=element)
+                               element_size=kv.kv_element_size(cache.cache_dtype, dtype))
     if cache.num_kv_blocks is not None:
         available, source = cache.num_kv_blocks * per_block, f"--num-kv-blocks {cache.num_kv_blocks}"
     elif device == "cuda":
@@ -356,7 +377,8 @@ def check_kv_cache(args: argparse.Namespace, model_dir: Path | None, cuda) -> Ch
     concurrency = kv.max_concurrency(blocks, max_model_len, block_size)
     max_num_seqs = config.scheduler_config.max_num_seqs
     detail = (f"{max(available, 0) / _GIB:.2f} GiB ({source}) hold {tokens} tokens in "
-              f"{blocks} blocks of {per_block / 2**20:.2f} MiB; at --max-model-len "
+              f"{blocks} blocks of {per_block / 2**20:.2f} MiB"
+              f"{' (fp8 KV cache)' if cache.cache_dtype == 'fp8' else ''}; at --max-model-len "
               f"{max_model_len}, {concurrency} requests fit at once (--max-num-seqs "
               f"{max_num_seqs}); the largest --max-model-len that fits is {largest_len}")
     if concurrency < 1:

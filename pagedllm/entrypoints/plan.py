@@ -6,7 +6,7 @@
 Memory: the engine's own model (``worker/kv_allocator.py``). A group of ``tp`` GPUs holds
 ``gpu_memory_utilization x tp x memory_gib`` GiB, less the weights (parameters x dtype
 bytes from config.json; fp8 projections one byte plus their scales); the rest is KV
-cache, in blocks of ``block_bytes``. The plan fits when one request of ``max_model_len``
+cache, in blocks of ``block_bytes`` (one byte an element with ``kv_cache_dtype: fp8``). The plan fits when one request of ``max_model_len``
 (default: the longest input plus the longest output) fits; its concurrency is the
 requests of mean KV length (``input x (1 - shared prefix fraction) + output``) the blocks
 hold, at most ``max_num_seqs``. Activations and CUDA graphs are not subtracted (the
@@ -14,7 +14,8 @@ engine measures them at start), so the cache is a little smaller in practice.
 
 Throughput, per group (replica):
 - measured: the newest bench record (``--records``: ``bench throughput`` / ``latency`` /
-  ``serve`` JSON files) of the same model, GPU, quantization and TP size; a ``bench serve``
+  ``serve`` JSON files) of the same model, GPU, quantization, KV-cache dtype and TP size; a
+  ``bench serve``
   record (also one ``--measure-url`` takes against a live server with the profile) brings
   TTFT and TPOT (p95 when recorded; a p99 within the target holds the p95 target too);
 - roofline (only with the candidate's ``bandwidth_gb_s`` and ``tflops``, labelled as such):
@@ -50,6 +51,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pagedllm.config import normalize_kv_cache_dtype
 from pagedllm.worker import kv_allocator as kv
 
 _GIB = 1 << 30
@@ -103,6 +105,7 @@ class Candidate:
     tp: int = 1
     dtype: str | None = None  # None: the model's
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "fp8": one byte an element
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
     max_num_seqs: int = 256
@@ -173,9 +176,11 @@ def _record_matches(record: dict, context: str, model: str, candidate: Candidate
     quantization = record.get("quantization") or _flag(command, "--quantization")
     tp = int(_flag(command, "--tensor-parallel-size") or _flag(command, "-tp") or 1)
     dtype = _flag(command, "--dtype") or model_dtype
+    kv_cache_dtype = normalize_kv_cache_dtype(_flag(command, "--kv-cache-dtype") or "auto")
     return (record.get("model") == model and candidate.gpu.lower() in gpu
             and quantization == candidate.quantization and tp == candidate.tp
-            and dtype == (candidate.dtype or model_dtype))
+            and dtype == (candidate.dtype or model_dtype)
+            and kv_cache_dtype == normalize_kv_cache_dtype(candidate.kv_cache_dtype))
 
 
 def find_measurement(paths: list[Path], model: str, candidate: Candidate,
@@ -251,7 +256,7 @@ def plan_candidate(profile: Profile, hf_config: dict, candidate: Candidate,
         num_layers=hf_config["num_hidden_layers"], block_size=candidate.block_size,
         num_kv_heads=hf_config.get("num_key_value_heads") or heads,
         head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
-        element_size=element)
+        element_size=kv.kv_element_size(normalize_kv_cache_dtype(candidate.kv_cache_dtype), dtype))
     max_model_len = candidate.max_model_len or profile.input_len[1] + profile.output_len[1]
     total = int(candidate.tp * candidate.memory_gib * _GIB)
     available = kv.gpu_kv_bytes(total, candidate.gpu_memory_utilization, weights)
@@ -362,7 +367,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     cand.add_argument("--candidates", default=None, metavar="FILE",
                       help="YAML or JSON: a list of candidates, or {candidates: [...]}, each "
                            "with the fields of the flags below (name, gpu, price_per_hour, "
-                           "memory_gib, tp, dtype, quantization, gpu_memory_utilization, "
+                           "memory_gib, tp, dtype, quantization, kv_cache_dtype, "
+                           "gpu_memory_utilization, "
                            "max_num_seqs, max_model_len, bandwidth_gb_s, tflops).")
     cand.add_argument("--gpu", default=None, help="GPU type, as bench records name it (H200).")
     cand.add_argument("--price-per-hour", type=float, default=None, help="Price of one GPU.")
@@ -371,6 +377,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     cand.add_argument("--tp", type=int, default=1, help="GPUs per replica (tensor parallel).")
     cand.add_argument("--dtype", default=None, help="The model's dtype unless given.")
     cand.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 projections.")
+    cand.add_argument("--kv-cache-dtype", default="auto",
+                      help="fp8: the KV cache in one byte an element (auto: the model's dtype).")
     cand.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                       help="Fraction of GPU memory for weights, activations and KV cache.")
     cand.add_argument("--bandwidth-gb-s", type=float, default=None,
@@ -405,9 +413,11 @@ def load_candidates(args: argparse.Namespace) -> list[Candidate]:
         if args.price_per_hour is None or args.memory_gib is None:
             raise ValueError("A candidate from flags needs --gpu, --price-per-hour and --memory-gib.")
         candidates.append(Candidate(
-            name=f"{args.gpu} x{args.tp} {args.quantization or args.dtype or 'model dtype'}",
+            name=f"{args.gpu} x{args.tp} {args.quantization or args.dtype or 'model dtype'}"
+                 f"{' fp8-kv' if normalize_kv_cache_dtype(args.kv_cache_dtype) == 'fp8' else ''}",
             gpu=args.gpu, price_per_hour=args.price_per_hour, memory_gib=args.memory_gib,
             tp=args.tp, dtype=args.dtype, quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             gpu_memory_utilization=args.gpu_memory_utilization,
             bandwidth_gb_s=args.bandwidth_gb_s, tflops=args.tflops))
     if not candidates:

@@ -69,6 +69,8 @@ def test_throughput_profiles_prompt_and_decode_steps_after_the_measured_run(
     record = json.loads(out.read_text())
     assert record["output_tokens"] == sum(r.output_len for r in throughput.synthetic_requests(
         5, (4, 9), (6, 8), 128, 0))  # the profile did not disturb the measured run
+    # The engine's KV cache: 64 blocks of 8 tokens in the model's dtype (float32 on the CPU).
+    assert (record["kv_cache_dtype"], record["kv_cache_tokens"]) == ("float32", 64 * 8)
     assert "aten::" in record["decode_profile"]  # the profiled steps ran the model
     assert "aten::" in record["prefill_profile"]
 
@@ -158,10 +160,19 @@ def test_gpu_bench_report_collects_one_record_per_workload(tmp_path) -> None:
     (tmp_path / "latency-big.json").write_text(json.dumps([
         record(workload="L1", ms_per_token=4.0, tpot_ms=3.9), record(workload="P1", prompt_tok_s=41000.0),
     ]))
-    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_bench_report.py"), "--dir",
-                    str(tmp_path), "--date", "2026-01-02", "--big", "big", "--small", "small",
-                    "--hf-prompts", "2"], check=True, capture_output=True, env={"PAGEDLLM_COMMIT": "abc"})
-    w1, l1, p1, small = json.loads((tmp_path / "2026-01-02-h200.json").read_text())
+    for name, cache, tokens in (("fp8-w1-big.json", "bfloat16", 1000), ("fp8-kv-w1-big.json",
+                                                                          "float8_e4m3fn", 2000)):
+        (tmp_path / name).write_text(json.dumps([record(
+            backend="pagedllm", num_prompts=4, output_tok_s=500.0, output_tokens=20, elapsed_s=0.04,
+            kv_cache_dtype=cache, kv_cache_tokens=tokens)]))
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_bench_report.py"), "--dir", str(tmp_path),
+         "--date", "2026-01-02", "--big", "big", "--small", "small", "--hf-prompts", "2"],
+        check=True, capture_output=True, text=True, env={"PAGEDLLM_COMMIT": "abc"})
+    w1, l1, p1, small, fp8, fp8_kv = json.loads((tmp_path / "2026-01-02-h200.json").read_text())
+    assert (fp8["quantization"], fp8["kv_cache_tokens"], fp8_kv["kv_cache_tokens"]) == ("fp8", 1000, 2000)
+    assert fp8_kv["kv_capacity_vs_auto"] == 2.0 and "kv_capacity_vs_auto" not in fp8
+    assert "KV cache 1000 tokens (bfloat16), 2000 with --kv-cache-dtype fp8" in result.stdout
     assert (w1["workload"], w1["output_tok_s"], w1["ratio_vs_hf_static"]) == ("W1", 400.0, 30.0)
     assert w1["commit"] == "abc" and w1["command"] == "pagedllm bench throughput --model m"
     assert w1["side_by_side"]["hf"]["truncated"] is True and w1["target_met"] is False

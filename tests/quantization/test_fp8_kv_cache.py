@@ -98,6 +98,8 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _set_scales(llm: LLM) -> None:
+    """The per-layer scales onto a running engine, as loading an FP8 checkpoint sets them
+    (an engine built with ``enforce_eager``: a CUDA graph keeps the scales of its capture)."""
     layers = llm.llm_engine.engine_core.model_runner.model.model.layers
     assert len(layers) == len(K_SCALES)
     for decoder, k_scale, v_scale in zip(layers, K_SCALES, V_SCALES):
@@ -110,7 +112,7 @@ def test_greedy_tokens_equal_hf_with_fp8_keys_and_values(prompts, monkeypatch, a
     tokens for 7 requests of up to 96 tokens (preemption), all at once."""
     want = hf_fp8_kv_greedy(prompts, MAX_NEW, monkeypatch)
     llm = LLM(kv_cache_dtype="fp8", block_size=8, num_kv_blocks=20, max_num_batched_tokens=24,
-              max_model_len=128, async_scheduling=async_scheduling)
+              max_model_len=128, async_scheduling=async_scheduling, enforce_eager=True)
     _set_scales(llm)
     assert llm.llm_engine.engine_core.model_runner.kv_caches[0].dtype == FP8
     assert _greedy(llm, prompts[:1]) == want[:1]  # its full blocks stay cached
@@ -125,7 +127,7 @@ def test_the_layers_scales_change_what_is_cached(prompts):
     """Scales of 1.0 (no checkpoint scales) and the per-layer ones store different bytes."""
     caches = []
     for scaled in (False, True):
-        llm = LLM(kv_cache_dtype="fp8", num_kv_blocks=16, max_model_len=128)
+        llm = LLM(kv_cache_dtype="fp8", num_kv_blocks=16, max_model_len=128, enforce_eager=True)
         if scaled:
             _set_scales(llm)
         _greedy(llm, prompts[-1:])

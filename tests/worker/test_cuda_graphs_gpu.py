@@ -17,14 +17,15 @@ from tests.utils import make_tiny_checkpoint
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
-def test_cuda_graph_decode_gives_the_eager_greedy_tokens(tmp_path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_cuda_graph_decode_gives_the_eager_greedy_tokens(tmp_path, kv_cache_dtype) -> None:
     path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=256)
     prompts = [{"prompt_token_ids": [(5 * i + 11 * j) % 240 + 8 for j in range(4 + 9 * i)]}
                for i in range(9)]
     params = [SamplingParams(temperature=0.0, max_tokens=3 + 4 * i, ignore_eos=True)
               for i in range(9)]
     kwargs = dict(dtype="float32", max_model_len=160, max_num_seqs=16, block_size=16,
-                  device="cuda")
+                  device="cuda", kv_cache_dtype=kv_cache_dtype)
     graphed = LLM(str(path), **kwargs)  # asynchronous scheduling: the default on CUDA
     assert graphed.llm_engine.engine_core.async_scheduling
     runner = graphed.llm_engine.engine_core.model_runner
@@ -126,33 +127,37 @@ def test_graphs_of_large_batches_start_the_longest_sequences_first(tmp_path, mon
     assert got == want
 
 
-def test_no_kernel_compiles_once_the_engine_has_started(tmp_path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_no_kernel_compiles_once_the_engine_has_started(tmp_path, kv_cache_dtype) -> None:
     """The warm-up and the graphs compile every Triton kernel variant a step can need, so a
     workload of every step kind compiles nothing after start-up: prompts of many lengths,
     alone, several at once and beside decodes (chunked past the token budget), decode
     batches below and above 64 sequences at short and long contexts, and greedy, random,
     filtered and penalised rows. A compilation mid-run stalls its step for about a second.
-    It runs in a process of its own: kernels the other tests compiled would hide a gap."""
+    It runs in a process of its own: kernels the other tests compiled would hide a gap. An
+    FP8 KV cache compiles variants of its own (the cache's element type is part of a
+    kernel's signature)."""
     path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=2048)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
     result = subprocess.run(
         [sys.executable, "-c", "import sys; from tests.worker.test_cuda_graphs_gpu import "
-         "compiled_after_start; print('\\n'.join(compiled_after_start(sys.argv[1])))", str(path)],
+         "compiled_after_start; print('\\n'.join(compiled_after_start(*sys.argv[1:])))",
+         str(path), kv_cache_dtype],
         cwd=root, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "", "compiled after start-up:\n" + result.stdout
 
 
-def compiled_after_start(path: str) -> list[str]:
-    """The Triton kernel variants compiled while an engine started on ``path`` serves a
-    workload of every step kind (after its start-up)."""
+def compiled_after_start(path: str, kv_cache_dtype: str = "auto") -> list[str]:
+    """The Triton kernel variants compiled while an engine started on ``path`` (with a KV
+    cache of ``kv_cache_dtype``) serves a workload of every step kind (after its start-up)."""
     import triton
 
     llm = LLM(path, dtype="bfloat16", max_model_len=1536, max_num_seqs=96, block_size=16,
-              max_num_batched_tokens=1024, device="cuda")
+              max_num_batched_tokens=1024, device="cuda", kv_cache_dtype=kv_cache_dtype)
     kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
              SamplingParams(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.3),
              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, presence_penalty=0.5)]
