@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -36,6 +37,7 @@ _TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 DUMMY_WEIGHT_RANGE = 1e-3
+logger = logging.getLogger(__name__)
 
 
 def resolve_dtype(model_config: ModelConfig, device: torch.device | str) -> torch.dtype:
@@ -84,7 +86,18 @@ def load_model(
         quantize_model(model, quant, "after_load")
         if device.type == "cuda":
             torch.cuda.empty_cache()  # weights replaced at load go back to the pool
+    held = weight_memory(model)
+    logger.info("Model weights: %s (%s%s)",
+                f"{held / 2**30:.2f} GiB" if held >= 2**30 else f"{held / 2**20:.2f} MiB",
+                str(dtype).replace("torch.", ""),
+                f", {quant.method} projections" if quant is not None else "")
     return model
+
+
+def weight_memory(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers as they are held (packed, FP8 or not)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def safetensors_files(path: Path) -> list[Path]:

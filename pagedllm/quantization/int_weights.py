@@ -188,6 +188,11 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     once."""
     values = unpack_rows(qweight, bits, in_features)
     size = in_features if group_size == -1 else group_size
+    rows, groups = scales.shape
+    if in_features % size == 0:  # whole groups: broadcast rather than gather
+        values = values.view(rows, groups, size)
+        centred = (values - zeros.to(torch.int32)[:, :, None]).to(torch.float32)
+        return (centred * scales.to(torch.float32)[:, :, None]).to(dtype).view(rows, in_features)
     group = torch.arange(in_features, device=qweight.device) // size
     centred = (values - zeros.to(torch.int32)[:, group]).to(torch.float32)
     return (centred * scales.to(torch.float32)[:, group]).to(dtype)

@@ -134,6 +134,15 @@ def test_packed_weights_are_kept_packed_and_the_lm_head_in_the_model_dtype(sourc
     assert model.model.embed_tokens.weight.dtype == torch.float32
 
 
+def test_weight_memory_is_reported_at_start_up(sources, tmp_path, caplog):
+    write_gptq(sources["llama"], tmp_path / "gptq", bits=4, group_size=32)
+    with caplog.at_level("INFO", logger="pagedllm.models.loader"):
+        llm = LLM(str(tmp_path / "gptq"), dtype="float32", max_model_len=128, device="cpu")
+    model = runner_model(llm)
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert f"Model weights: {held / 2**20:.2f} MiB (float32, gptq projections)" in caplog.text
+
+
 def test_weight_bytes_counts_packed_weights_as_the_engine_stores_them(sources):
     """``pagedllm doctor`` and ``plan`` size the KV cache from ``weight_bytes``: for a 4-bit
     model it must count what the loaded model holds, to the byte."""
