@@ -22,7 +22,10 @@
 #            config-only models get a tokenizer of their vocabulary size first
 #            (pagedllm.benchmarks.bench_tokenizer)
 #   fp8      W1 and L1/P1 on llama-3.1-8b with --quantization fp8 (compare with w1 and
-#            latency, bf16, in the same run)
+#            latency, bf16, in the same run); W1 again with --kv-cache-dtype fp8 as well
+#            (the report gives both runs' KV capacity in tokens and their ratio); and
+#            tests/quantization/test_fp8_kv_cache.py on the GPU (greedy tokens against HF
+#            with FP8 keys and values, held-out perplexity within 1%)
 #   w4a16    W1 and L1/P1 on llama-3.1-8b with dummy 4-bit weights (--quantization gptq
 #            --load-format dummy: groups of 128, the W4A16 kernel of layers/int_matmul.py);
 #            the report sets each beside the bf16 record of the w1 and latency steps
@@ -118,6 +121,9 @@ done
 
 step fp8 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
     "${W1_ARGS[@]}" --quantization fp8 --output-json "$OUT/fp8-w1-$BIG.json"
+step fp8 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
+    "${W1_ARGS[@]}" --quantization fp8 --kv-cache-dtype fp8 --output-json "$OUT/fp8-kv-w1-$BIG.json"
+step fp8 "$LIMIT_TESTS" $PY -m pytest -q -x -p no:cacheprovider tests/quantization/test_fp8_kv_cache.py
 step fp8 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
     "${LAT_ARGS[@]}" --quantization fp8 --output-json "$OUT/fp8-latency-$BIG.json"
 

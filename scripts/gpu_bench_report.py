@@ -5,8 +5,11 @@ Writes ``<dir>/<date>-h200.json`` (``<date>-dry.json`` for a dry run): a list of
 ``{"workload", "model", "gpu", "commit", "date", "command", "output_tok_s",
 "ratio_vs_hf_static", "ratio_vs_hf_cb", "ms_per_token", "prompt_tok_s"}`` plus the
 details each workload has (peers measured side by side, step timing, W1 with synchronous
-scheduling for comparison, target met or not),
-and prints a table. A step that failed or produced nothing gives a record with ``error``.
+scheduling for comparison, target met or not, the KV cache's dtype and capacity in tokens),
+and prints a table. The fp8 step's W1 runs (``--quantization fp8``, with and without
+``--kv-cache-dtype fp8``) follow the others, the FP8 cache's with its capacity against the
+bf16 cache's (``kv_capacity_vs_auto``). A step that failed or produced nothing gives a
+record with ``error``.
 """
 
 from __future__ import annotations
@@ -87,6 +90,9 @@ def _throughput(rows: list[dict] | None, workload: str, model: str, meta: dict,
     record.update(command=_command(full, "throughput"), output_tok_s=full["output_tok_s"],
                   num_prompts=full["num_prompts"], output_tokens=full["output_tokens"],
                   elapsed_s=full["elapsed_s"])
+    for key in ("kv_cache_dtype", "kv_cache_tokens"):
+        if key in full:
+            record[key] = full[key]
     if "step_timing" in full:
         record["step_timing"] = full["step_timing"]
     peers = {r["backend"]: r for r in rows if r.get("backend") in ("hf", "hf-cb")}
@@ -186,6 +192,15 @@ def main() -> int:
         w1 = records[0]
         if w1.get("ratio_vs_hf_static") is not None:
             w1["ratio_target_met"] = w1["ratio_vs_hf_static"] >= RATIO_TARGET
+    fp8 = {}
+    for cache, variant in (("auto", "fp8"), ("fp8", "fp8+kv")):
+        name = f"fp8-w1-{args.big}.json" if cache == "auto" else f"fp8-kv-w1-{args.big}.json"
+        fp8[cache] = _throughput(_load(args.dir / name), "W1", args.big, meta, None)
+        fp8[cache].update(quantization="fp8", variant=variant)
+        records.append(fp8[cache])
+    if fp8["auto"].get("kv_cache_tokens") and fp8["fp8"].get("kv_cache_tokens"):
+        fp8["fp8"]["kv_capacity_vs_auto"] = round(
+            fp8["fp8"]["kv_cache_tokens"] / fp8["auto"]["kv_cache_tokens"], 3)
     records += _w4a16(args.dir, args.big, meta,
                       {"W1": records[0], "L1": records[1], "P1": records[2]})
     name = f"{args.date}-{'dry' if dry else 'h200'}.json"
@@ -195,6 +210,10 @@ def main() -> int:
     print(f"{'workload':>8} {'model':>14} {'output tok/s':>13} {'x HF static':>12} "
           f"{'x HF cb':>8} {'ms/token':>9} {'prompt tok/s':>13}  target")
     for r in records:
+        if "kv_capacity_vs_auto" in r:
+            print(f"  W1 {r['model']} --quantization fp8: KV cache {fp8['auto']['kv_cache_tokens']} "
+                  f"tokens ({fp8['auto'].get('kv_cache_dtype')}), {r['kv_cache_tokens']} with "
+                  f"--kv-cache-dtype fp8 ({r.get('kv_cache_dtype')}): x{r['kv_capacity_vs_auto']}")
         if "async_scheduling_speedup" in r:
             print(f"  W1 {r['model']}: asynchronous scheduling {r['output_tok_s']} vs synchronous "
                   f"{r['output_tok_s_sync_scheduling']} output tok/s: x{r['async_scheduling_speedup']}")
@@ -203,7 +222,8 @@ def main() -> int:
             return "-" if r.get(key) is None else str(r[key])
         verdict = r.get("error") or (
             f"{r['target']}: {'met' if r.get('target_met') else 'NOT met'}" if "target" in r else "")
-        print(f"{r['workload']:>8} {r['model']:>14} {cell('output_tok_s'):>13} "
+        workload = r["workload"] + (f" {r['variant']}" if "variant" in r else "")
+        print(f"{workload:>8} {r['model']:>14} {cell('output_tok_s'):>13} "
               f"{cell('ratio_vs_hf_static'):>12} {cell('ratio_vs_hf_cb'):>8} "
               f"{cell('ms_per_token'):>9} {cell('prompt_tok_s'):>13}  {verdict}")
     steps = args.dir / "steps.txt"
