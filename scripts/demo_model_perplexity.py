@@ -1,4 +1,5 @@
-"""Held-out perplexity of the demo model through pagedllm, per KV-cache dtype.
+"""Held-out perplexity of the demo model through pagedllm, per engine configuration
+(KV-cache dtype, weight quantization).
 
 What an engine option costs in accuracy, measured on the text docs/demo_model.md reports
 its numbers on: the standard library's held-out "test" files (``demo_model_data.split_of``),
@@ -7,11 +8,14 @@ each encoded as ``<|bos|> ids <|end|>``, concatenated and cut into non-overlappi
 token of a window is context only). Each window is one prompt; the NLL of its tokens comes
 from the engine's prompt logprobs, in nats per predicted token; perplexity is ``exp(NLL)``.
 
-    python scripts/demo_model_perplexity.py                      # auto and fp8, all windows
-    python scripts/demo_model_perplexity.py --max-windows 16 --output-json ppl.json
+    python scripts/demo_model_perplexity.py            # the four runs below, all windows
+    python scripts/demo_model_perplexity.py --max-windows 16 --config "" \
+        --config quantization=fp8 --output-json ppl.json
 
-Each ``--kv-cache-dtype`` runs the same windows; the report gives each one's change of
-perplexity relative to the first. Runs on the CPU in float32 unless ``--device`` says
+Each ``--config`` (engine keywords of ``LLM``, ``KEY=VALUE`` separated by commas; empty:
+the defaults) runs the same windows; the report gives each one's change of perplexity
+relative to the first. The default runs: the model's dtype, ``kv_cache_dtype=fp8``,
+``quantization=fp8`` (W8A8) and both. Runs on the CPU in float32 unless ``--device`` says
 otherwise; the figures depend on the standard library the running Python ships.
 """
 
@@ -67,10 +71,23 @@ def mean_nll(windows: list[list[int]], **engine_args) -> float:
     return total / count
 
 
+DEFAULT_CONFIGS = ["", "kv_cache_dtype=fp8", "quantization=fp8",
+                   "quantization=fp8,kv_cache_dtype=fp8"]
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """``"quantization=fp8,kv_cache_dtype=fp8"`` -> engine keywords (values as strings)."""
+    pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
+    if any(len(pair) != 2 for pair in pairs):
+        raise SystemExit(f"--config {text!r}: give KEY=VALUE pairs separated by commas.")
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto", "fp8"],
-                        help="KV-cache dtypes to compare; the first is the baseline.")
+    parser.add_argument("--config", action="append", default=None,
+                        help="Engine keywords of one run, KEY=VALUE[,KEY=VALUE] (repeat; the "
+                             "first is the baseline).")
     parser.add_argument("--max-windows", type=int, default=None,
                         help="Score only the first N windows (default: all).")
     parser.add_argument("--stdlib", default=None,
@@ -84,11 +101,13 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = sum(len(w) - 1 for w in windows)
     print(f"{len(windows)} windows, {tokens} predicted tokens", flush=True)
     runs = []
-    for cache_dtype in args.kv_cache_dtype:
+    configs = args.config if args.config is not None else DEFAULT_CONFIGS
+    for config in configs:
         start = time.perf_counter()
-        nll = mean_nll(windows, kv_cache_dtype=cache_dtype, device=args.device, dtype=args.dtype,
-                       max_model_len=SEQ_LEN + 1)
-        run = {"kv_cache_dtype": cache_dtype, "nll": round(nll, 5),
+        engine_args = parse_config(config)
+        nll = mean_nll(windows, device=args.device, dtype=args.dtype,
+                       max_model_len=SEQ_LEN + 1, **engine_args)
+        run = {"config": engine_args, "nll": round(nll, 5),
                "perplexity": round(math.exp(nll), 4),
                "seconds": round(time.perf_counter() - start, 1)}
         if runs:
