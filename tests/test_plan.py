@@ -82,6 +82,22 @@ def test_llama_70b_fits_one_h200_in_fp8_but_not_in_bf16():
     assert tp2.fits and tp2.projection and "projection" in tp2.notes[0]
 
 
+def test_llama_70b_in_4_bits_leaves_an_h200_more_kv_cache_than_fp8():
+    """gptq/awq: 4-bit weights in groups of 128, each projection N x (4 bytes per 8 inputs
+    + 3 bytes per group): qkv 10,240 x 4,288 + o 8,192 x 4,288 + gate/up 57,344 x 4,288 +
+    down 8,192 x 15,008 = 447,873,024, + two bf16 norms 32,768; x 80 layers + bf16
+    embedding, LM head and final norm 4,202,708,992 = 40,035,172,352 bytes."""
+    fp8 = plan.plan_candidate(_profile(), LLAMA_70B, _h200(memory_gib=139.8, quantization="fp8"),
+                              None)
+    for method in ("gptq", "awq"):
+        int4 = plan.plan_candidate(_profile(), LLAMA_70B,
+                                   _h200(memory_gib=139.8, quantization=method), None)
+        assert int4.fits and int4.weights_gib == round(40_035_172_352 / GIB, 2)
+        assert int4.kv_tokens > fp8.kv_tokens
+    with pytest.raises(ValueError, match="quantization='int3' is not one of"):
+        plan.plan_candidate(_profile(), LLAMA_70B, _h200(quantization="int3"), None)
+
+
 def test_roofline_estimate_by_hand():
     """1,000 GB/s and 100 TFLOPS; batch 256 at a mean context of 1,000 + 250 tokens:
     memory (16,060,522,496 + 256 x 1,250 x 131,072) / 1e12 = 58.0 ms; compute

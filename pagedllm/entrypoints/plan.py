@@ -96,6 +96,12 @@ class Profile:
         return self.requests_per_day / SECONDS_PER_DAY * self.peak_factor
 
 
+# A candidate's quantization -> how ``weight_bytes`` counts its projections: FP8, or 4-bit
+# integer weights in groups of 128 (the usual GPTQ and AWQ exports).
+WEIGHT_STORAGE = {None: (None, -1), "fp8": ("fp8", -1), "gptq": ("int4", 128),
+                  "awq": ("int4", 128)}
+
+
 @dataclass
 class Candidate:
     name: str
@@ -249,7 +255,10 @@ def plan_candidate(profile: Profile, hf_config: dict, candidate: Candidate,
     model_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
     dtype = candidate.dtype or model_dtype
     element = kv.DTYPE_BYTES[dtype]
-    weights = kv.weight_bytes(hf_config, element, candidate.quantization)
+    if candidate.quantization not in WEIGHT_STORAGE:
+        raise ValueError(f"Candidate {candidate.name}: quantization={candidate.quantization!r} "
+                         f"is not one of {sorted(q for q in WEIGHT_STORAGE if q)}.")
+    weights = kv.weight_bytes(hf_config, element, *WEIGHT_STORAGE[candidate.quantization])
     params = kv.weight_bytes(hf_config, 1)
     heads = hf_config["num_attention_heads"]
     per_block = kv.block_bytes(
@@ -376,7 +385,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                       help="Memory of one GPU, as torch reports it (H200: 139.8, H100: 79.2).")
     cand.add_argument("--tp", type=int, default=1, help="GPUs per replica (tensor parallel).")
     cand.add_argument("--dtype", default=None, help="The model's dtype unless given.")
-    cand.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 projections.")
+    cand.add_argument("--quantization", default=None, choices=["fp8", "gptq", "awq"],
+                      help="fp8 projections, or 4-bit ones (gptq, awq: groups of 128).")
     cand.add_argument("--kv-cache-dtype", default="auto",
                       help="fp8: the KV cache in one byte an element (auto: the model's dtype).")
     cand.add_argument("--gpu-memory-utilization", type=float, default=0.9,

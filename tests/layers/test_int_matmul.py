@@ -17,19 +17,21 @@ from pagedllm.quantization.int_weights import (
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# The interpreter multiplies bf16 tiles of tl.dot as raw 16-bit integers: float16 there.
 DTYPE = torch.float16
+# The interpreter multiplies bf16 tiles of tl.dot as raw 16-bit integers: bfloat16 natively.
+DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the interpreter's bf16 tl.dot"))]
 
 
 def packed_projection(n: int, k: int, bits: int, group_size: int, seed: int,
-                      act_order: bool = False):
+                      act_order: bool = False, dtype: torch.dtype = DTYPE):
     """Random codes, zero points and scales of an ``[n, k]`` projection in the stored
     layout, with a random act-order permutation when asked."""
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (n, k), generator=gen)
     groups = num_groups(k, group_size)
     zeros = torch.randint(0, 1 << bits, (n, groups), generator=gen).to(torch.uint8)
-    scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.005).to(DTYPE)
+    scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.005).to(dtype)
     perm = torch.randperm(k, generator=gen).to(torch.int32) if act_order else None
     return (pack_rows(codes, bits).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE),
             None if perm is None else perm.to(DEVICE))
@@ -52,19 +54,22 @@ def _reference(x, qweight, scales, zeros, bits, group_size, bias=None, perm=None
 ])
 @pytest.mark.parametrize("bits, group_size, act_order", [
     (4, 32, False), (4, 64, True), (4, -1, False), (8, 32, True)])
-def test_int_matmul_equals_the_dequantized_product(rows, tile, bits, group_size, act_order):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int_matmul_equals_the_dequantized_product(rows, tile, bits, group_size, act_order,
+                                                   dtype):
     n, k = 48, 128  # 48 outputs: one and a half 32-wide column tiles
     qweight, scales, zeros, perm = packed_projection(n, k, bits, group_size, seed=rows,
-                                                     act_order=act_order)
+                                                     act_order=act_order, dtype=dtype)
     gen = torch.Generator().manual_seed(100 + rows)
-    x = torch.randn(rows, k, generator=gen).to(DEVICE, DTYPE)
-    bias = torch.randn(n, generator=gen).to(DEVICE, DTYPE)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
     want = _reference(x, qweight, scales, zeros, bits, group_size, bias, perm)
     got = int_matmul.int_matmul(x, qweight, scales, zeros, tile, bits=bits,
                                 group_size=group_size, bias=bias, perm=perm)
-    assert got.dtype == DTYPE and got.shape == (rows, n)
-    # The same float16 weights, products summed in float32 in another order, rounded.
-    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    # The same weights, products summed in float32 in another order, rounded to the dtype.
+    tol = 2e-3 if dtype == torch.float16 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
 def test_split_k_rows_do_not_depend_on_the_batch():
