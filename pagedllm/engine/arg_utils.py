@@ -1,27 +1,41 @@
 """Engine arguments: one definition shared by the offline ``LLM(...)`` and the CLI flags.
 
 Each field is a keyword of ``LLM(...)`` and a ``--kebab-case`` flag of ``pagedllm``. Features
-that other parts of the roadmap bring (quantization, tensor parallelism, speculative
-decoding) are refused with a clear message instead of being silently ignored.
+that other parts of the roadmap bring (tensor parallelism, LoRA) are refused with a clear message instead of being silently ignored.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, fields
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedllm.config import (
+    SPECULATIVE_METHODS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 # Options users of vLLM-class engines pass that this engine does not implement yet:
 # name -> the value that means "off" (accepted), anything else is refused.
 _NOT_YET_SUPPORTED = {
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
-    "speculative_model": None,
-    "num_speculative_tokens": None,
     "enable_lora": False,
     "cpu_offload_gb": 0,
+}
+# Speculative-decoding fields of EngineArgs -> their keys in --speculative-config.
+_SPECULATIVE_FLAGS = {
+    "speculative_method": "method",
+    "speculative_model": "model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "ngram_prompt_lookup_min": "prompt_lookup_min",
+    "ngram_prompt_lookup_max": "prompt_lookup_max",
+    "speculative_disable_by_batch_size": "disable_by_batch_size",
 }
 # Default token budget of one step on CUDA (chunked prefill on).
 CUDA_MAX_NUM_BATCHED_TOKENS = 8192
@@ -75,6 +89,14 @@ class EngineArgs:
     # None: on with CUDA (the host prepares a step while the GPU runs the previous one),
     # off on the CPU, where host and model share the same cores and nothing overlaps.
     async_scheduling: bool | None = None
+    # Speculative decoding (None: off); the flags and --speculative-config's JSON keys.
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_method: str | None = None
+    ngram_prompt_lookup_min: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    speculative_disable_by_batch_size: int | None = None
+    speculative_config: dict | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -111,6 +133,7 @@ class EngineArgs:
             cache_dtype=self.kv_cache_dtype,
         )
         device = self.device or EngineConfig.default_device()
+        speculative_config = self._speculative_config()
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None and self.enable_chunked_prefill and device == "cuda":
             # A GPU step of 8k tokens keeps the matrix units busy; the CPU keeps the
@@ -120,10 +143,43 @@ class EngineArgs:
             max_model_len=model_config.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
-            async_scheduling=(device == "cuda" if self.async_scheduling is None
-                              else self.async_scheduling),
+            # Speculative steps are synchronous: a step's token count is known only once
+            # its drafts are verified.
+            async_scheduling=(device == "cuda" and speculative_config is None
+                              if self.async_scheduling is None else self.async_scheduling),
         )
-        return EngineConfig(model_config, cache_config, scheduler_config, device=device)
+        return EngineConfig(model_config, cache_config, scheduler_config, device=device,
+                            speculative_config=speculative_config)
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        """``--speculative-config`` (a dict, or its JSON text) merged with the individual
+        flags; None when neither asks for speculation. A flag and a key that disagree are
+        refused."""
+        given = self.speculative_config
+        if isinstance(given, str):
+            try:
+                given = json.loads(given)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not valid JSON: {exc}.") from exc
+        given = dict(given or {})
+        unknown = sorted(set(given) - set(_SPECULATIVE_FLAGS.values()))
+        if unknown:
+            raise ValueError(
+                f"--speculative-config has unknown key(s) {', '.join(unknown)}: known keys are "
+                f"{', '.join(_SPECULATIVE_FLAGS.values())}."
+            )
+        for name, key in _SPECULATIVE_FLAGS.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if key in given and given[key] != value:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} {value} disagrees with --speculative-config's {key}={given[key]!r}: "
+                    "give the value once."
+                )
+            given[key] = value
+        return SpeculativeConfig(**given) if given else None
 
     # -- command line -------------------------------------------------------------------
     @staticmethod
@@ -193,10 +249,32 @@ class EngineArgs:
                                 "compute capability 8.9+, or the CPU).")
         group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help=argparse.SUPPRESS)
         group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=argparse.SUPPRESS)
-        group.add_argument("--speculative-model", default=None, help=argparse.SUPPRESS)
-        group.add_argument("--num-speculative-tokens", type=int, default=None, help=argparse.SUPPRESS)
         group.add_argument("--enable-lora", action="store_true", default=False, help=argparse.SUPPRESS)
         group.add_argument("--cpu-offload-gb", type=float, default=0, help=argparse.SUPPRESS)
+
+        spec = parser.add_argument_group("speculative decoding")
+        spec.add_argument("--speculative-model", default=None,
+                          help="A draft model (directory, hub id or bundled name, e.g. "
+                               "pagedllm-demo-draft) with the target's vocabulary: it proposes "
+                               "--num-speculative-tokens tokens per step, which the target "
+                               "verifies in one forward pass (default: no speculation).")
+        spec.add_argument("--num-speculative-tokens", type=int, default=None,
+                          help="K: tokens proposed per request per step (1 to 16).")
+        spec.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
+                          help="ngram: propose the tokens that followed an earlier occurrence of "
+                               "the request's last tokens in its own prompt and output (no "
+                               "model); draft_model: --speculative-model (implied by it).")
+        spec.add_argument("--ngram-prompt-lookup-min", type=int, default=None,
+                          help="ngram: the shortest suffix matched (default: 1).")
+        spec.add_argument("--ngram-prompt-lookup-max", type=int, default=None,
+                          help="ngram: the longest suffix matched, tried first (default: 4).")
+        spec.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                          help="N: a step with more than N running requests speculates for "
+                               "none of them (default: always speculate).")
+        spec.add_argument("--speculative-config", default=None,
+                          help='vLLM\'s form, as JSON: {"method": "ngram" | "draft_model", '
+                               '"model": ..., "num_speculative_tokens": K, "prompt_lookup_min": '
+                               '..., "prompt_lookup_max": ..., "disable_by_batch_size": N}.')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":

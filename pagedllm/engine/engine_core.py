@@ -14,6 +14,11 @@ Structured outputs: a step with constrained rows launches its forward pass, then
 their token bitmask (``grammar_bitmask``) before sampling. The step in flight is
 resolved first, so every grammar has taken the previous step's tokens; the masks are
 filled on the host while the device runs this step's forward pass.
+
+Speculative decoding (synchronous steps only): with the n-gram method the engine core
+proposes each decoding request's next tokens from its own token ids after every step
+(``spec_decode/ngram.py``); with a draft model the model runner proposes them at the end of
+the step. Either way the proposals wait on the request for the next step to verify.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured.manager import StructuredOutputManager
 from pagedllm.worker.async_output import AsyncStepOutput
 from pagedllm.worker.model_runner import ModelRunner
@@ -41,7 +47,13 @@ class EngineCore:
         start = time.perf_counter()
         self.model_runner = ModelRunner(config)
         self.num_kv_blocks = self.model_runner.initialize_kv_cache()
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks)
+        spec = config.speculative_config
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks,
+                                   spec)
+        self.ngram: NgramProposer | None = None
+        if spec is not None and spec.method == "ngram":
+            self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                       spec.prompt_lookup_max)
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None
         self.structured = StructuredOutputManager(self._make_grammar_backend)
@@ -96,7 +108,21 @@ class EngineCore:
             prefix_cache_hits=prefix.hits,
             num_preemptions=scheduler.num_preemptions_total,
             num_waiting_for_grammar=scheduler.num_waiting_for_grammar,
+            spec_decoding=(None if scheduler.spec_decoding_stats is None
+                           else scheduler.spec_decoding_stats.copy()),
         )
+
+    def _propose_ngrams(self) -> None:
+        """N-gram proposals for every running request whose next step is a decode."""
+        scheduler = self.scheduler
+        if not scheduler.speculates(len(scheduler.running)):
+            return
+        for request in scheduler.running:
+            if request.can_speculate and request.num_computed_tokens == request.num_tokens - 1:
+                request.spec_token_ids = self.ngram.propose(request.request_id,
+                                                            request.all_token_ids)
+        if len(self.ngram) > 2 * len(scheduler.requests) + 64:
+            self.ngram.retain(scheduler.requests)
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; returns what each request produced (with asynchronous scheduling:
@@ -125,6 +151,8 @@ class EngineCore:
         if not self.async_scheduling:
             if not scheduler_output.is_empty:
                 outputs.extend(self.scheduler.update_from_output(scheduler_output, launched.get()))
+                if self.ngram is not None:
+                    self._propose_ngrams()
             return outputs
         resolve_in_flight()
         if not scheduler_output.is_empty:

@@ -30,6 +30,7 @@ class _NoTextDetokenizer:
     """Stands in for ``IncrementalDetokenizer`` in token-id mode: no text, no stop strings."""
 
     output_text = ""
+    stop: tuple[str, ...] = ()
 
     def update(self, new_token_ids, stop_terminated: bool = False) -> None:
         return None
@@ -182,24 +183,44 @@ class OutputProcessor:
 
     # -- helpers ------------------------------------------------------------------------
     def _update_sequence(self, seq: _SequenceState, out: EngineCoreOutput) -> bool:
-        """Apply one core output; True if a stop string ended a sequence the core still runs."""
-        if out.new_token_ids:
-            seq.token_ids.extend(out.new_token_ids)
+        """Apply one core output; True if a stop string ended a sequence the core still runs.
+
+        Several new tokens (speculative decoding) go to the detokenizer one at a time when
+        the sequence has stop strings, so the tokens after the one that completes a stop
+        string are dropped, as if they had never been generated."""
+        new_token_ids = out.new_token_ids
+        if new_token_ids:
+            stop_str = None
+            if not seq.detokenize_at_end:
+                stop_str, new_token_ids = self._detokenize(seq, out)
+            seq.token_ids.extend(new_token_ids)
             if out.new_logprobs and seq.logprobs is not None:
-                for entry in out.new_logprobs:
+                for entry in out.new_logprobs[:len(new_token_ids)]:
                     seq.logprobs.append(self._to_logprob_dict(entry))
                     seq.cumulative_logprob += entry[1][0]
-            if not seq.detokenize_at_end:
-                stop_str = seq.detokenizer.update(out.new_token_ids,
-                                                  stop_terminated=self._on_stop_token(seq, out))
-                if stop_str is not None:
-                    seq.finish_reason, seq.stop_reason = "stop", stop_str
-                    return out.finish_reason is None
+            if stop_str is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+                return out.finish_reason is None
         if out.finish_reason is not None:
             if seq.detokenize_at_end:
                 seq.detokenizer.update(seq.token_ids, stop_terminated=self._on_stop_token(seq, out))
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         return False
+
+    def _detokenize(self, seq: _SequenceState, out: EngineCoreOutput) -> tuple[str | None, list[int]]:
+        """Feed the output's new tokens to ``seq``'s detokenizer: (the stop string found,
+        or None; the tokens up to the one that completed it, or all)."""
+        new_token_ids = out.new_token_ids
+        stop_terminated = (out.finish_reason == "stop"
+                           and new_token_ids[-1] in seq.stop_token_ids)
+        if len(new_token_ids) == 1 or not seq.detokenizer.stop:
+            return seq.detokenizer.update(new_token_ids, stop_terminated=stop_terminated), new_token_ids
+        for i, token_id in enumerate(new_token_ids):
+            last = i == len(new_token_ids) - 1
+            stop_str = seq.detokenizer.update([token_id], stop_terminated=stop_terminated and last)
+            if stop_str is not None:
+                return stop_str, new_token_ids[:i + 1]
+        return None, new_token_ids
 
     @staticmethod
     def _on_stop_token(seq: _SequenceState, out: EngineCoreOutput) -> bool:

@@ -27,6 +27,10 @@ A step that computes a pending token takes its id from the previous step's sampl
 the device: ``StepInputs.pending_token_indices`` (flat positions in this step) and
 ``pending_sample_rows`` (where to read them). Only the last launched step can have ids in
 flight when a step is prepared, so one source tensor serves them all.
+
+Speculative decoding: a request verifying ``k`` proposals computes its last token and the
+proposals, written into its ``token_ids`` row just past its known tokens (the accepted ones
+are appended over them later), so ``input_ids`` gathers them like any token.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ class CachedRequestState:
     output_token_ids: list[int]
     num_computed_tokens: int
     num_blocks: int
+    # The draft model's K/V (speculative decoding with a draft model): exact for positions
+    # below ``draft_end``; the proposals' K/V are written at the ``num_draft_kv`` positions
+    # after it, and count once the target accepts them.
+    draft_end: int = 0
+    num_draft_kv: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -128,6 +137,7 @@ class InputBatch:
             prompt_token_ids=list(tokens[:new.num_prompt_tokens]),
             output_token_ids=list(tokens[new.num_prompt_tokens:]),
             num_computed_tokens=new.num_computed_tokens, num_blocks=len(new.block_ids),
+            draft_end=new.num_computed_tokens,
         )
 
     def remove(self, req_id: str) -> None:
@@ -157,7 +167,13 @@ class InputBatch:
         """Whether ``state`` still describes a request in the batch (not removed since)."""
         return self.requests.get(state.request_id) is state
 
-    def prepare(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
+    def prepare(
+        self,
+        num_scheduled_tokens: dict[str, int],
+        spec_token_ids: dict[str, list[int]] | None = None,
+    ) -> StepInputs:
+        """The step's flat inputs; ``spec_token_ids``: the proposals each verifying request
+        computes after its last token (see the module docstring)."""
         req_ids = list(num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         num_reqs = len(req_ids)
@@ -165,20 +181,44 @@ class InputBatch:
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
         num_host = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        if spec_token_ids:
+            for i, state in enumerate(states):
+                spec = spec_token_ids.get(state.request_id)
+                if spec:
+                    self.token_ids[state.row, num_host[i]:num_host[i] + len(spec)] = spec
+                    num_host[i] += len(spec)
         num_known = num_host + self.num_pending[rows]
-
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_sched, out=query_start_loc[1:])
-        total = int(query_start_loc[-1])
+        inputs = self.spans(req_ids, states, rows, num_computed, num_sched)
+        samples = inputs.seq_lens >= num_known
         token_req = np.repeat(np.arange(num_reqs), num_sched)
-        positions = np.arange(total) - query_start_loc[token_req] + num_computed[token_req]
+        pending_tokens = np.flatnonzero(inputs.positions >= num_host[token_req])
+        inputs.sample_req_indices = np.flatnonzero(samples).tolist()
+        inputs.logits_indices = inputs.query_start_loc[1:][samples] - 1
+        inputs.pending_token_indices = pending_tokens
+        inputs.pending_sample_rows = self.pending_sample_row[rows[token_req[pending_tokens]]]
+        return inputs
+
+    def spans(
+        self,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        rows: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+    ) -> StepInputs:
+        """Flat inputs computing, for each request, ``counts[i]`` tokens of its row from
+        position ``starts[i]`` (all known on the host), sampling the last row of each."""
+        num_reqs = len(req_ids)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        token_req = np.repeat(np.arange(num_reqs), counts)
+        positions = np.arange(total) - query_start_loc[token_req] + starts[token_req]
         token_rows = rows[token_req]
         bs = self.block_size
         slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = num_computed + num_sched
-        samples = seq_lens >= num_known
-        pending_tokens = np.flatnonzero(positions >= num_host[token_req])
-        pending_rows = self.pending_sample_row[token_rows[pending_tokens]]
+        seq_lens = starts + counts
+        empty = np.zeros(0, dtype=np.int64)
         return StepInputs(
             req_ids=req_ids,
             states=states,
@@ -188,9 +228,9 @@ class InputBatch:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_tables=self.block_table[rows, : -(-int(seq_lens.max()) // bs)],
-            max_query_len=int(num_sched.max()),
-            sample_req_indices=np.flatnonzero(samples).tolist(),
-            logits_indices=query_start_loc[1:][samples] - 1,
-            pending_token_indices=pending_tokens,
-            pending_sample_rows=pending_rows,
+            max_query_len=int(counts.max()),
+            sample_req_indices=list(range(num_reqs)),
+            logits_indices=query_start_loc[1:] - 1,
+            pending_token_indices=empty,
+            pending_sample_rows=empty,
         )

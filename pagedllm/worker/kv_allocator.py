@@ -54,10 +54,15 @@ def block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim
 
 
 def bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
-    m = config.model_config
-    return block_bytes(num_layers=m.num_layers, block_size=config.cache_config.block_size,
-                       num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                       element_size=dtype.itemsize)
+    """Bytes of one block of ``dtype`` elements: the model's K/V, plus the draft model's
+    with speculative decoding (each block holds both; see ``worker/draft_model.py``)."""
+    spec = config.speculative_config
+    models = [config.model_config]
+    if spec is not None and spec.draft_model_config is not None:
+        models.append(spec.draft_model_config)
+    return sum(block_bytes(num_layers=m.num_layers, block_size=config.cache_config.block_size,
+                           num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                           element_size=dtype.itemsize) for m in models)
 
 
 def gpu_kv_bytes(total_bytes: int, gpu_memory_utilization: float, used_bytes: int,

@@ -16,6 +16,14 @@ next step's decodes then take their input ids from this step's sampled ids on th
 outputs (penalties, ``min_tokens``) takes the host's tokens plus the pending ones on the
 device, so no step waits for the previous one's ids.
 
+Speculative decoding: every step is resolved before ``execute_model_async`` returns (the
+engine runs such steps synchronously). A request verifying proposals gets its ``k + 1``
+rows sampled by the rejection sampler (``verification.py``); the others sample as usual;
+then the draft model, if any, catches up and proposes (``draft_model.py``). On CUDA a
+verification step replays a captured graph only when it is one request's (the single
+prompt graphs serve its ``k + 1`` tokens); batches of several verifying requests run
+eagerly. The draft's one-token decodes replay its own captured graphs.
+
 Constrained rows (structured outputs): after the forward pass is launched, the runner asks
 the engine for those rows' token bitmask (``grammar_bitmask``, filled on the host while
 the device computes) and the sampler masks their logits before anything else.
@@ -48,8 +56,10 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.async_output import AsyncStepOutput, SampledIdsReadback
 from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes, prompt_capture_sizes
 from pagedllm.worker.device_inputs import DeviceInputBuffers
+from pagedllm.worker.draft_model import DraftModel
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from pagedllm.worker.kv_allocator import allocate_kv_caches, determine_num_blocks
+from pagedllm.worker.verification import verify_proposals
 from pagedllm.worker.warmup import warm_up_kernels, warm_up_layouts
 
 logger = logging.getLogger(__name__)
@@ -66,6 +76,12 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         torch.manual_seed(config.model_config.seed)
         self.model = load_model(config.model_config, self.device, self.dtype)
+        spec = config.speculative_config
+        self.speculative = spec is not None
+        # The draft model of speculative decoding; its KV cache shares the target's blocks.
+        self.drafter: DraftModel | None = None
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftModel(config, self.device, self.dtype)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch = InputBatch(
@@ -76,8 +92,11 @@ class ModelRunner:
         self.device_inputs: DeviceInputBuffers | None = None
         if self.device.type == "cuda":
             sched = config.scheduler_config
+            # The draft's catch-up forward adds each sampling request's new token.
+            max_tokens = sched.max_num_batched_tokens + (
+                sched.max_num_seqs if self.drafter is not None else 0)
             self.device_inputs = DeviceInputBuffers(
-                sched.max_num_batched_tokens, sched.max_num_seqs,
+                max_tokens, sched.max_num_seqs,
                 -(-config.model_config.max_model_len // self.block_size), self.device,
             )
         self.graph_runner: CudaGraphRunner | None = None
@@ -122,47 +141,62 @@ class ModelRunner:
             largest = max([capture_sizes(sched.max_num_seqs)[-1], *prompt_capture_sizes(
                 sched.max_num_batched_tokens, model_config.max_model_len)])
             reserved = self._graph_memory_estimate(largest)
+            if self.drafter is not None:
+                reserved += self._graph_memory_estimate(largest, self.drafter.model)
         num_blocks = determine_num_blocks(
             self.config, self.kv_cache_dtype, self.device, self._profile_run, reserved_bytes=reserved
         )
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, self.kv_cache_dtype, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks, self.kv_caches[0].dtype)
+        models = [(self.model, self.kv_caches)]
+        if self.drafter is not None:
+            models.append((self.drafter.model, self.drafter.kv_caches))
         if self.device.type == "cuda" and attention_backend_name(self.device) == "triton":
-            warm_up_kernels(
-                self.model, self.sampler, self.kv_caches,
-                warm_up_layouts(sched.max_num_seqs, sched.max_num_batched_tokens,
-                                model_config.max_model_len),
-                block_size=self.block_size, vocab_size=self.vocab_size, device=self.device,
-            )
+            for model, kv_caches in models:
+                warm_up_kernels(
+                    model, self.sampler, kv_caches,
+                    warm_up_layouts(sched.max_num_seqs, sched.max_num_batched_tokens,
+                                    model_config.max_model_len),
+                    block_size=self.block_size, vocab_size=self.vocab_size, device=self.device,
+                )
         if use_graphs:
-            self.graph_runner = CudaGraphRunner(
-                self.model, self.kv_caches,
+            graph_runners = [CudaGraphRunner(
+                model, kv_caches,
                 max_num_seqs=sched.max_num_seqs,
                 max_model_len=model_config.max_model_len,
                 block_size=self.block_size,
                 device=self.device,
                 max_num_batched_tokens=sched.max_num_batched_tokens,
-            )
-            self.graph_runner.capture()
-            if self.graph_runner.pool_bytes > reserved:
+            ) for model, kv_caches in models]
+            for runner in graph_runners:
+                runner.capture()
+            self.graph_runner = graph_runners[0]
+            if self.drafter is not None:
+                self.drafter.graph_runner = graph_runners[1]
+            pool_bytes = sum(runner.pool_bytes for runner in graph_runners)
+            if pool_bytes > reserved:
                 logger.warning(
                     "CUDA graphs took %.0f MiB, more than the %.0f MiB reserved for them: "
                     "lower --gpu-memory-utilization if memory runs short.",
-                    self.graph_runner.pool_bytes / 2**20, reserved / 2**20,
+                    pool_bytes / 2**20, reserved / 2**20,
                 )
         return num_blocks
 
     @torch.inference_mode()
-    def _graph_memory_estimate(self, num_tokens: int) -> int:
-        """Bytes to keep free for the graphs' pool: the activations of one eager forward of
-        ``num_tokens`` tokens (what the largest graph holds), with a 50% + 64 MiB margin
-        for the split-K scratch and the smaller graphs' outputs."""
+    def _graph_memory_estimate(self, num_tokens: int, model: torch.nn.Module | None = None) -> int:
+        """Bytes to keep free for the graphs' pool of ``model`` (default: the target): the
+        activations of one eager forward of ``num_tokens`` tokens (what the largest graph
+        holds), with a 50% + 64 MiB margin for the split-K scratch and the smaller graphs'
+        outputs."""
+        model = self.model if model is None else model
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with set_forward_context(None, []):
-            hidden = self.model(input_ids, positions)
+            hidden = model(input_ids, positions)
         del hidden
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - base
@@ -181,6 +215,8 @@ class ModelRunner:
         with set_forward_context(None, []):
             hidden = self.model(input_ids, positions)
         logits = self.model.compute_logits(hidden[-sched.max_num_seqs:])
+        if self.drafter is not None:
+            self.drafter.profile_run(num_tokens)
         self.token_counts = TokenCounts(sched.max_num_seqs, self.vocab_size, self.device)
         rows = logits.shape[0]
         params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1,
@@ -219,10 +255,14 @@ class ModelRunner:
             self._unresolved[0].get()
         if scheduler_output.is_empty:
             return AsyncStepOutput.ready(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
-        inputs = self.input_batch.prepare(scheduler_output.num_scheduled_tokens)
+        inputs = self.input_batch.prepare(scheduler_output.num_scheduled_tokens,
+                                          scheduler_output.spec_token_ids)
         hidden_states, logits_indices = self._run_model(inputs)
 
         prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
+        if self.speculative:
+            return AsyncStepOutput.ready(self._speculative_step(
+                scheduler_output, inputs, hidden_states, prompt_logprobs, grammar_bitmask))
         states = [inputs.states[i] for i in inputs.sample_req_indices]
         if not states:
             return AsyncStepOutput.ready(ModelRunnerOutput(
@@ -231,18 +271,7 @@ class ModelRunner:
             ))
         rows = hidden_states if logits_indices is None else hidden_states[logits_indices]
         logits = self.model.compute_logits(rows)
-        grammar = self._grammar_rows(states, grammar_bitmask)
-        metadata = SamplingMetadata.build(
-            params=[s.sampling_params for s in states],
-            prompt_token_ids=[s.prompt_token_ids for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
-            generators=[self.generators.get(s.request_id) for s in states],
-            vocab_size=self.vocab_size,
-            device=self.device,
-            pending_token_ids=self._pending_for_sampling(states),
-            counts=self._token_counts_for(states),
-            grammar=grammar,
-        )
+        metadata = self._sampling_metadata(states, grammar_bitmask)
         out = self.sampler(logits, metadata)
         sampled = out.sampled_token_ids
         metadata.record_sampled(sampled)
@@ -259,6 +288,91 @@ class ModelRunner:
         result = AsyncStepOutput(read, finish)
         self._unresolved.append(result)
         return result
+
+    def _sampling_metadata(
+        self,
+        states: list[CachedRequestState],
+        grammar_bitmask: Callable[[list[str], Callable], np.ndarray] | None,
+    ) -> SamplingMetadata:
+        """The metadata of one sampled row per state (its last computed token's)."""
+        return SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            generators=[self.generators.get(s.request_id) for s in states],
+            vocab_size=self.vocab_size,
+            device=self.device,
+            pending_token_ids=self._pending_for_sampling(states),
+            counts=self._token_counts_for(states),
+            grammar=self._grammar_rows(states, grammar_bitmask),
+        )
+
+    def _speculative_step(
+        self,
+        so: SchedulerOutput,
+        inputs: StepInputs,
+        hidden_states: torch.Tensor,
+        prompt_logprobs: dict[str, list[LogprobsEntry | None]],
+        grammar_bitmask: Callable[[list[str], Callable], np.ndarray] | None,
+    ) -> ModelRunnerOutput:
+        """Sample a step of a speculative engine and read its tokens: verifying requests
+        through the rejection sampler, the others as usual; append them; then let the
+        draft model catch up and propose."""
+        spec = so.spec_token_ids
+        sampled: list[list[int]] = [[] for _ in inputs.req_ids]
+        logprobs: dict[str, list[LogprobsEntry]] = {}
+        verifying = [i for i in inputs.sample_req_indices if inputs.req_ids[i] in spec]
+        plain = [i for i in inputs.sample_req_indices if inputs.req_ids[i] not in spec]
+        if plain:
+            states = [inputs.states[i] for i in plain]
+            rows = torch.from_numpy(inputs.query_start_loc[np.asarray(plain) + 1] - 1)
+            logits = self.model.compute_logits(hidden_states[rows.to(self.device)])
+            metadata = self._sampling_metadata(states, grammar_bitmask)
+            out = self.sampler(logits, metadata)
+            metadata.record_sampled(out.sampled_token_ids)
+            for j, (i, token) in enumerate(zip(plain, out.sampled_token_ids.tolist())):
+                sampled[i] = [token]
+                k = inputs.states[i].sampling_params.logprobs
+                if k is not None and out.logprobs is not None:
+                    logprobs[inputs.req_ids[i]] = [out.logprobs.to_entries(j, k)]
+        if verifying:
+            runs, verified_logprobs = verify_proposals(
+                self.model.compute_logits, hidden_states, inputs, verifying, spec,
+                self.generators, self._draft_probs, self.vocab_size)
+            for i, run in zip(verifying, runs):
+                sampled[i] = run
+            logprobs.update(verified_logprobs)
+            if self.token_counts is not None:  # their rows missed the proposals' tokens
+                for i in verifying:
+                    self.token_counts.owners[inputs.states[i].row] = None
+        batch = self.input_batch
+        for state, tokens in zip(inputs.states, sampled):
+            for token in tokens:
+                batch.append_token(state, token)
+        proposals: dict[str, list[int]] = {}
+        if self.drafter is not None:
+            proposals = self.drafter.propose(
+                batch, inputs,
+                num_scheduled=[so.num_scheduled_tokens[r] for r in inputs.req_ids],
+                num_verified=[len(spec.get(r, ())) for r in inputs.req_ids],
+                new_tokens=sampled,
+                num_lookahead=so.num_lookahead_tokens,
+                generators=self.generators,
+                forward=self._draft_forward,
+            )
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, spec_token_ids=proposals,
+        )
+
+    def _draft_probs(self, request_id: str) -> torch.Tensor | None:
+        """The distributions the request's proposals were drawn from (None: n-gram lookup
+        or greedy drafting, point masses)."""
+        return None if self.drafter is None else self.drafter.probs(request_id)
+
+    def _draft_forward(self, inputs: StepInputs, pending: torch.Tensor | None) -> torch.Tensor:
+        """The draft model's hidden states over ``inputs`` (see ``DraftModel.propose``)."""
+        return self._run_model(inputs, self.drafter, pending)[0]
 
     def _grammar_rows(
         self,
@@ -348,6 +462,8 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.generators.pop(req_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(req_id)
         self.input_batch.update(so)
         for new in so.scheduled_new_reqs:
             seed = new.sampling_params.seed
@@ -356,13 +472,29 @@ class ModelRunner:
                 generator.manual_seed(seed)
                 self.generators[new.request_id] = generator
 
-    def _run_model(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run_model(
+        self,
+        inputs: StepInputs,
+        drafter: DraftModel | None = None,
+        pending: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward pass: hidden states ``[T, hidden]`` of the step's tokens, and the
         device indices of the rows whose logits are sampled (None when every row is, in
-        order: a decode step in which every request samples)."""
+        order: a decode step in which every request samples).
+
+        ``drafter``: run the draft model (its weights, KV cache and graphs) instead of the
+        target; ``pending``: the device ids the step's pending tokens are read from
+        (default: the last launched step's sampled ids)."""
+        model, kv_caches, graph_runner = self.model, self.kv_caches, self.graph_runner
+        if drafter is not None:
+            model, kv_caches, graph_runner = drafter.model, drafter.kv_caches, drafter.graph_runner
+
+        def fill(input_ids: torch.Tensor, step: StepInputs) -> None:
+            self._fill_pending_tokens(input_ids, step, pending)
+
         every_row_samples = len(inputs.sample_req_indices) == inputs.num_tokens
-        if self.graph_runner is not None and self.graph_runner.can_run(inputs):
-            hidden_states = self.graph_runner.run(inputs, self._fill_pending_tokens)
+        if graph_runner is not None and graph_runner.can_run(inputs):
+            hidden_states = graph_runner.run(inputs, fill)
             if every_row_samples:
                 return hidden_states, None
             return hidden_states, torch.from_numpy(inputs.logits_indices).to(self.device)
@@ -372,9 +504,9 @@ class ModelRunner:
                 inputs, staged.slot_mapping, staged.query_start_loc, staged.seq_lens,
                 staged.block_tables,
             )
-            self._fill_pending_tokens(staged.input_ids, inputs)
-            with set_forward_context(metadata, self.kv_caches):
-                hidden_states = self.model(staged.input_ids, staged.positions)
+            fill(staged.input_ids, inputs)
+            with set_forward_context(metadata, kv_caches):
+                hidden_states = model(staged.input_ids, staged.positions)
             return hidden_states, None if every_row_samples else staged.logits_indices
         to = self._to_device
         metadata = self._attention_metadata(
@@ -382,23 +514,27 @@ class ModelRunner:
             to(inputs.seq_lens.astype(np.int32)), to(inputs.block_tables),
         )
         input_ids = to(inputs.input_ids)
-        self._fill_pending_tokens(input_ids, inputs)
-        with set_forward_context(metadata, self.kv_caches):
-            hidden_states = self.model(input_ids, to(inputs.positions))
+        fill(input_ids, inputs)
+        with set_forward_context(metadata, kv_caches):
+            hidden_states = model(input_ids, to(inputs.positions))
         return hidden_states, None if every_row_samples else to(inputs.logits_indices)
 
-    def _fill_pending_tokens(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
+    def _fill_pending_tokens(
+        self, input_ids: torch.Tensor, inputs: StepInputs, source: torch.Tensor | None = None
+    ) -> None:
         """Write the ids of the step's pending tokens into ``input_ids`` (the step's flat
-        input ids on the device) from the last launched step's sampled ids."""
+        input ids on the device) from ``source`` (default: the last launched step's
+        sampled ids), read at ``pending_sample_rows``."""
         if not len(inputs.pending_token_indices):
             return
+        source = self._last_sampled if source is None else source
         if self.device_inputs is not None:
             indices = self.device_inputs.stage_pending(
                 inputs.pending_token_indices, inputs.pending_sample_rows)
         else:
             indices = self._to_device(
                 np.stack([inputs.pending_token_indices, inputs.pending_sample_rows]))
-        input_ids[indices[0]] = self._last_sampled[indices[1]]
+        input_ids[indices[0]] = source[indices[1]]
 
     def _attention_metadata(
         self,

@@ -1,0 +1,98 @@
+"""The sampling side of a speculative step: each verifying request's ``k + 1`` target rows
+through the rejection sampler (``layers/rejection_sampler.py``), and the logprobs of the
+tokens it keeps.
+
+Row ``j`` of a request judges its proposal ``j + 1`` (the last row gives the token after
+all of them), so each row is sampled as if the proposals before it were output already:
+its penalties and ``min_tokens`` count them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pagedllm.core.outputs import LogprobsEntry
+from pagedllm.layers.rejection_sampler import verify
+from pagedllm.layers.sampler import SamplingMetadata, gather_logprobs
+from pagedllm.worker.input_batch import CachedRequestState, StepInputs
+
+
+def verify_proposals(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden_states: torch.Tensor,
+    inputs: StepInputs,
+    indices: list[int],
+    spec_token_ids: dict[str, list[int]],
+    generators: dict[str, torch.Generator],
+    draft_probs: Callable[[str], torch.Tensor | None],
+    vocab_size: int,
+) -> tuple[list[list[int]], dict[str, list[LogprobsEntry]]]:
+    """The tokens each of the step's requests ``indices`` (into ``inputs``) keeps, and the
+    logprobs of those tokens for the requests that ask for them."""
+    device = hidden_states.device
+    states = [inputs.states[i] for i in indices]
+    drafts = [spec_token_ids[s.request_id] for s in states]
+    starts = inputs.query_start_loc[indices]
+    rows = np.concatenate([np.arange(start, start + len(d) + 1) for start, d in zip(starts, drafts)])
+    logits = compute_logits(hidden_states[torch.from_numpy(rows).to(device)])
+    meta = _row_metadata(states, drafts, generators, vocab_size, device)
+    runs = verify(
+        logits, meta, drafts,
+        draft_probs=[draft_probs(s.request_id) for s in states],
+        greedy=[s.sampling_params.greedy for s in states],
+        generators=[generators.get(s.request_id) for s in states],
+    )
+    return runs, _logprobs(logits, states, drafts, runs)
+
+
+def _row_metadata(
+    states: list[CachedRequestState],
+    drafts: list[list[int]],
+    generators: dict[str, torch.Generator],
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    """Sampling metadata of every target row: the request's parameters, its output so far
+    followed by the proposals before the row."""
+    params, prompts, outputs, row_generators = [], [], [], []
+    for state, draft in zip(states, drafts):
+        generator = generators.get(state.request_id)
+        for j in range(len(draft) + 1):
+            params.append(state.sampling_params)
+            prompts.append(state.prompt_token_ids)
+            outputs.append(state.output_token_ids + draft[:j] if j else state.output_token_ids)
+            row_generators.append(generator)
+    return SamplingMetadata.build(params=params, prompt_token_ids=prompts,
+                                  output_token_ids=outputs, generators=row_generators,
+                                  vocab_size=vocab_size, device=device)
+
+
+def _logprobs(
+    logits: torch.Tensor,
+    states: list[CachedRequestState],
+    drafts: list[list[int]],
+    runs: list[list[int]],
+) -> dict[str, list[LogprobsEntry]]:
+    """Per request asking for ``logprobs``: each kept token's logprob under the raw logits
+    of the row that produced it, with the row's top ``k``."""
+    wanted = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
+    if not wanted:
+        return {}
+    starts = np.cumsum([0] + [len(d) + 1 for d in drafts])
+    rows = [starts[i] + j for i in wanted for j in range(len(runs[i]))]
+    tokens = [t for i in wanted for t in runs[i]]
+    device = logits.device
+    raw = torch.log_softmax(logits[torch.tensor(rows, device=device)], dim=-1, dtype=torch.float32)
+    k = max(states[i].sampling_params.logprobs for i in wanted)
+    tensors = gather_logprobs(raw, torch.tensor(tokens, dtype=torch.long, device=device), k)
+    result, at = {}, 0
+    for i in wanted:
+        state = states[i]
+        n = len(runs[i])
+        result[state.request_id] = [tensors.to_entries(at + j, state.sampling_params.logprobs)
+                                    for j in range(n)]
+        at += n
+    return result

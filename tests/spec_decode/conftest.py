@@ -1,0 +1,57 @@
+"""Fixtures for speculative decoding: the engine tests' tiny random Llama as the target, a
+draft cut from it (its first layer, so the two often agree), and HF references."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.tokenizer_utils import make_tiny_tokenizer
+from tests.utils import make_tiny_checkpoint
+
+VOCAB_SIZE = 384
+
+
+@pytest.fixture(scope="session")
+def target_dir(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("target"), "llama",
+                                vocab_size=VOCAB_SIZE, max_position_embeddings=256)
+    make_tiny_tokenizer(path, vocab_size=VOCAB_SIZE)
+    return path
+
+
+@pytest.fixture(scope="session")
+def draft_dir(target_dir, tmp_path_factory):
+    """The target without its last layer: a cheaper model that agrees with it often."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("draft")
+    config = json.loads((target_dir / "config.json").read_text())
+    last = config["num_hidden_layers"] - 1
+    config["num_hidden_layers"] = last
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(target_dir / "model.safetensors"))
+    save_file({name: t for name, t in tensors.items() if f"layers.{last}." not in name},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_model(target_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+
+def repetitive_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat spans of themselves, so n-gram lookup finds proposals."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(count):
+        span = torch.randint(8, VOCAB_SIZE, (int(torch.randint(3, 9, (1,), generator=generator)),),
+                             generator=generator).tolist()
+        filler = torch.randint(8, VOCAB_SIZE, (i + 1,), generator=generator).tolist()
+        prompts.append(span + filler + span + filler[: i % 3] + span[: 1 + i % len(span)])
+    return prompts

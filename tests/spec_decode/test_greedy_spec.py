@@ -1,0 +1,103 @@
+"""Greedy decoding with speculation equals greedy decoding without it, and HF transformers,
+token for token, whatever the proposer, K, batching, chunking, caching or preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from tests.engine.conftest import hf_greedy, random_prompts
+from tests.spec_decode.conftest import repetitive_prompts
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return repetitive_prompts(4, seed=1) + random_prompts(2, 3, 30, seed=2)
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model, prompts):
+    return [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+
+
+def proposer(method: str, draft_dir, k: int) -> dict:
+    if method == "ngram":
+        return dict(speculative_method="ngram", num_speculative_tokens=k)
+    return dict(speculative_model=str(draft_dir), num_speculative_tokens=k)
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def stats_of(llm: LLM):
+    return llm.llm_engine.engine_core.scheduler.spec_decoding_stats
+
+
+def assert_pool_whole(llm: LLM) -> None:
+    scheduler = llm.llm_engine.engine_core.scheduler
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+def test_speculative_greedy_matches_hf(target_dir, draft_dir, prompts, expected, method, k):
+    llm = LLM(str(target_dir), block_size=8, max_model_len=128, max_num_seqs=8,
+              **proposer(method, draft_dir, k))
+    assert greedy(llm, prompts) == expected
+    stats = stats_of(llm)
+    # Proposals were made, some kept and some rejected: both paths ran.
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_chunked_prefill_preemption_and_prefix_hits_keep_tokens(
+    target_dir, draft_dir, hf_model, prompts, expected, method
+):
+    shared = random_prompts(1, 24, 24, seed=7)[0]
+    cached = [shared + p for p in prompts[:3]]
+    want = [hf_greedy(hf_model, p, MAX_NEW) for p in cached]
+    # A budget of 7 tokens chunks every prompt; 10 blocks of 8 tokens force preemption.
+    llm = LLM(str(target_dir), block_size=8, max_model_len=80, num_kv_blocks=10, max_num_seqs=8,
+              max_num_batched_tokens=7, **proposer(method, draft_dir, 4))
+    assert greedy(llm, prompts[:4]) == expected[:4]
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+    assert greedy(llm, cached[:1]) == want[:1]  # the shared prefix enters the cache
+    assert greedy(llm, cached[1:]) == want[1:]
+    assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats.hits >= 2 * 24
+    assert stats_of(llm).num_accepted_tokens > 0
+    assert_pool_whole(llm)
+
+
+def test_a_batch_mixing_speculating_and_plain_requests(target_dir, draft_dir, prompts, expected):
+    """Requests that cannot speculate this step (random sampling beside greedy ones, a
+    batch above --speculative-disable-by-batch-size, max_tokens of 1) run beside
+    speculating ones; the greedy requests keep HF's tokens."""
+    llm = LLM(str(target_dir), block_size=8, max_model_len=128, max_num_seqs=8,
+              speculative_disable_by_batch_size=4, **proposer("draft", draft_dir, 3))
+    greedy_params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    early = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    single = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    # Six running: no speculation until three have finished.
+    params = [greedy_params, sampled, greedy_params, single, greedy_params, early]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    for i in (0, 2, 4):
+        assert tokens[i] == expected[i]
+    assert tokens[3] == expected[3][:1] and tokens[5] == expected[5][:6]
+    assert len(tokens[1]) == 8
+    assert stats_of(llm).num_drafts > 0
+    assert_pool_whole(llm)
+
+
+def test_the_draft_must_share_the_target_vocabulary(target_dir, tiny_checkpoint):
+    other = tiny_checkpoint("llama", vocab_size=200)
+    with pytest.raises(ValueError, match=r"vocabulary of 200 tokens but the target model .* has 384"):
+        LLM(str(target_dir), speculative_model=str(other), num_speculative_tokens=2)
