@@ -30,6 +30,18 @@ label on all of them::
     pagedllm:e2e_request_latency_seconds     histogram arrival -> last token
     pagedllm:request_queue_time_seconds      histogram per core request: arrival -> first scheduled
 
+With speculative decoding (absent otherwise)::
+
+    pagedllm:spec_decode_num_drafts_total             counter  request-steps that verified proposals
+    pagedllm:spec_decode_num_draft_tokens_total       counter  tokens proposed in them
+    pagedllm:spec_decode_num_accepted_tokens_total    counter  of those, tokens accepted
+    pagedllm:spec_decode_num_accepted_tokens_per_pos_total
+                                             counter  accepted tokens by position in the
+                                                      draft (label position, 0-based)
+
+acceptance rate = accepted / draft tokens; mean accepted length (tokens a verifying step
+yields) = 1 + accepted / drafts. The stats line shows both over its interval.
+
 Gauges and the core's totals are read from the latest snapshot at scrape time (a custom
 collector), so they can never drift from the scheduler. All times are seconds of
 ``time.monotonic()``.
@@ -54,7 +66,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from pagedllm.core.outputs import SchedulerStats
+from pagedllm.core.outputs import SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +143,21 @@ class _SchedulerCollector:
                       stats.prefix_cache_hits if stats else 0)
         yield counter("pagedllm:num_preemptions", "Requests preempted (to be recomputed).",
                       stats.num_preemptions if stats else 0)
+        spec = stats.spec_decoding if stats else None
+        if spec is not None:
+            yield counter("pagedllm:spec_decode_num_drafts",
+                          "Request-steps that verified proposed tokens.", spec.num_drafts)
+            yield counter("pagedllm:spec_decode_num_draft_tokens",
+                          "Tokens proposed for verification.", spec.num_draft_tokens)
+            yield counter("pagedllm:spec_decode_num_accepted_tokens",
+                          "Proposed tokens accepted.", spec.num_accepted_tokens)
+            family = CounterMetricFamily(
+                "pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                "Proposed tokens accepted, by their position in the draft (0-based).",
+                labels=[*labels, "position"])
+            for position, accepted in enumerate(spec.accepted_per_position):
+                family.add_metric([*values, str(position)], accepted)
+            yield family
         tracked = self.metrics.tracked_requests
         yield gauge("pagedllm:api_server_requests",
                     "User requests the API process holds any state of.",
@@ -285,6 +312,7 @@ class StatsLogger:
         self._last_generation = 0
         self._last_queries = 0
         self._last_hits = 0
+        self._last_spec: SpecDecodingStats | None = None
 
     def line(self) -> str | None:
         """The line for the interval since the last call, or None when nothing happened."""
@@ -303,14 +331,31 @@ class StatsLogger:
         self._last_prompt, self._last_generation = m.num_prompt_tokens, m.num_generation_tokens
         interval_queries, interval_hits = queries - self._last_queries, hits - self._last_hits
         self._last_queries, self._last_hits = queries, hits
+        spec = self._spec_interval(stats.spec_decoding if stats else None)
         if not (prompt or generation or running or waiting):
             return None
         hit_rate = 100.0 * interval_hits / interval_queries if interval_queries else 0.0
-        return (
+        line = (
             f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "
             f"Running: {running} reqs, Waiting: {waiting} reqs, "
             f"KV cache usage: {100.0 * usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%"
+        )
+        if spec is not None:
+            line += (f", Speculative acceptance rate: {100.0 * spec.acceptance_rate:.1f}%, "
+                     f"Mean accepted length: {spec.mean_accepted_length:.2f}")
+        return line
+
+    def _spec_interval(self, totals: SpecDecodingStats | None) -> SpecDecodingStats | None:
+        """The speculative-decoding counts since the last line (None without speculation)."""
+        if totals is None:
+            return None
+        last = self._last_spec or SpecDecodingStats()
+        self._last_spec = totals
+        return SpecDecodingStats(
+            num_drafts=totals.num_drafts - last.num_drafts,
+            num_draft_tokens=totals.num_draft_tokens - last.num_draft_tokens,
+            num_accepted_tokens=totals.num_accepted_tokens - last.num_accepted_tokens,
         )
 
     def maybe_log(self) -> None:
