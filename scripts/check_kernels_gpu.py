@@ -22,8 +22,11 @@ and writes the single tile fastest over the layer's four projections to ``--gemv
 batch size (2 to 256 sequences) over split counts and tiles inside CUDA graphs, beside
 the engine's own plan. ``--gemv-fp8-sweep`` does the same for FP8 weights (W8A8) inside CUDA graphs, beside the
 bf16 tile; ``--fp8-gemm`` times the larger products, bf16 against FP8 ``_scaled_mm`` and
-the input quantization. ``--skip-checks`` leaves out the checks and the standard timings.
-Exits 1 when a check fails.
+the input quantization. ``--fp8-kv`` checks the kernels over an FP8 KV cache
+(``--kv-cache-dtype fp8``, scales that are no powers of two) against the torch reference on
+the same cache (the bytes written must be identical), then times decode attention over
+bf16 and FP8 caches across tiles. ``--skip-checks`` leaves out the checks and the standard
+timings. Exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -448,6 +451,80 @@ def kv_layout_rows() -> list[dict[str, Any]]:
     return rows
 
 
+FP8_KV_SCALES = dict(k_scale=0.37, v_scale=0.61)
+FP8_KV_TILES = ((64, 4, 2), (128, 4, 3), (128, 8, 3), (32, 4, 2), (128, 4, 2))
+
+
+def fp8_kv_step(step: Step) -> Step:
+    """``step`` with its cache as an FP8 KV cache of ``FP8_KV_SCALES`` stores the context
+    (NaN where nothing was written)."""
+    k, v = FP8_KV_SCALES["k_scale"], FP8_KV_SCALES["v_scale"]
+    cache = torch.stack([(step.kv_cache[0].float() / k).to(torch.float8_e4m3fn),
+                         (step.kv_cache[1].float() / v).to(torch.float8_e4m3fn)])
+    return replace(step, kv_cache=cache)
+
+
+def run_fp8_kv_check(name: str, seqs: list[tuple[int, int]], window: int | None,
+                     seed: int) -> dict[str, Any]:
+    """As ``run_check`` over an FP8 cache: the float32 reference attends over the same FP8
+    cache (dequantized), and Triton must leave the reference's exact bytes behind."""
+    step = fp8_kv_step(make_step(seqs, seed))
+    md = step.metadata
+    ref32 = TorchReferenceBackend().forward(
+        step.query.float(), step.key.float(), step.value.float(), step.kv_cache.clone(), md,
+        SCALE, window, **FP8_KV_SCALES)
+    ref_cache = step.kv_cache.clone()
+    ref = TorchReferenceBackend().forward(step.query, step.key, step.value, ref_cache, md, SCALE,
+                                          window, **FP8_KV_SCALES)
+    tri_cache = step.kv_cache.clone()
+    out = TritonAttentionBackend().forward(step.query, step.key, step.value, tri_cache, md, SCALE,
+                                           window, **FP8_KV_SCALES)
+    torch.cuda.synchronize()
+    triton_err = (out.float() - ref32).abs().max().item()
+    ref_err = (ref.float() - ref32).abs().max().item()
+    cache_exact = torch.equal(ref_cache.view(torch.uint8), tri_cache.view(torch.uint8))
+    finite = bool(out.isfinite().all())
+    ok = finite and cache_exact and triton_err <= max(2 * ref_err, 1e-2)
+    return dict(case=f"fp8 KV: {name}", num_seqs=len(seqs), num_tokens=md.num_actual_tokens,
+                max_seq_len=md.max_seq_len, sliding_window=window,
+                triton_max_abs_err=triton_err, torch_bf16_max_abs_err=ref_err,
+                cache_exact=cache_exact, finite=finite, ok=ok)
+
+
+def fp8_kv_checks() -> list[dict[str, Any]]:
+    """``run_fp8_kv_check`` on every case of ``check_cases``, printed as they finish."""
+    rows = []
+    for seed, (name, seqs, window) in enumerate(check_cases(), start=40):
+        row = run_fp8_kv_check(name, seqs, window, seed)
+        rows.append(row)
+        print(f"{row['case']:44} {row['triton_max_abs_err']:11.2e} "
+              f"{row['torch_bf16_max_abs_err']:12.2e} {'exact' if row['cache_exact'] else 'DIFF':>6}"
+              f"  {'ok' if row['ok'] else 'FAIL'}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fp8_kv_timing_rows() -> list[dict[str, Any]]:
+    """Decode attention alone over a bf16 and an FP8 cache of the same contexts, per tile
+    (the engine's split plan); GB/s counts the bytes each cache holds."""
+    rows: list[dict[str, Any]] = []
+    cases = [w1_decode_mixes()[0], ("decode 256 x 1024", [(1023, 1)] * 256),
+             ("decode 1 x 8192", [(8191, 1)])]
+    for label, seqs in cases:
+        bf16 = make_step(seqs, seed=50)
+        for cache, step in (("bfloat16", bf16), ("float8_e4m3fn", fp8_kv_step(bf16))):
+            for tile in FP8_KV_TILES:
+                with decode_tile(tile):
+                    ms = bench_ms(decode_only(step))
+                rows.append(dict(case=label, cache=cache, block_n=tile[0], num_warps=tile[1],
+                                 num_stages=tile[2], ms=ms, gb_s=kv_bytes(step) / ms / 1e6))
+                print(f"{label:26} {cache:14} tile {tile}: {ms * 1e3:8.1f} us "
+                      f"{rows[-1]['gb_s']:6.0f} GB/s", flush=True)
+        del bf16, step
+        torch.cuda.empty_cache()
+    return rows
+
+
 GEMV_SHAPES = [  # (projection, N, K) of Llama-3.1-8B
     ("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
     ("down", 4096, 14336), ("lm_head", 128256, 4096),
@@ -782,6 +859,9 @@ def main() -> int:
                         help="time decode attention over the engine's cache layout and a head-major one")
     parser.add_argument("--decode-splits", action="store_true",
                         help="time decode attention by batch size over splits and tiles in CUDA graphs")
+    parser.add_argument("--fp8-kv", action="store_true",
+                        help="check the kernels over an FP8 KV cache and time decode over bf16 "
+                             "and FP8 caches by tile")
     parser.add_argument("--skip-checks", action="store_true",
                         help="leave out the correctness checks and the standard timings")
     args = parser.parse_args()
@@ -806,6 +886,13 @@ def main() -> int:
     results["checks"] = []
     if not args.skip_checks:
         run_checks_and_timings(results, save)
+    if args.fp8_kv:
+        print(f"\n{'check':44} {'triton err':>11} {'bf16 ref err':>12} {'cache':>6}  result")
+        results["checks"] += fp8_kv_checks()
+        save()
+        print("\ndecode attention over bf16 and FP8 KV caches, by tile")
+        results["fp8_kv_timings"] = fp8_kv_timing_rows()
+        save()
 
     if args.gemv_sweep:
         def save_gemv(rows: list[dict[str, Any]]) -> None:

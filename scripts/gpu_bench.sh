@@ -25,7 +25,9 @@
 #            latency, bf16, in the same run); W1 again with --kv-cache-dtype fp8 as well
 #            (the report gives both runs' KV capacity in tokens and their ratio); and
 #            tests/quantization/test_fp8_kv_cache.py on the GPU (greedy tokens against HF
-#            with FP8 keys and values, held-out perplexity within 1%)
+#            with FP8 keys and values, held-out perplexity within 1%); and
+#            check_kernels_gpu.py --fp8-kv (the kernels over an FP8 cache at real sizes
+#            against the torch reference; decode over bf16 and FP8 caches by tile)
 #   w4a16    W1 and L1/P1 on llama-3.1-8b with dummy 4-bit weights (--quantization gptq
 #            --load-format dummy: groups of 128, the W4A16 kernel of layers/int_matmul.py);
 #            the report sets each beside the bf16 record of the w1 and latency steps
@@ -60,7 +62,7 @@ if [ "$DRY" = "1" ]; then
     HF_PROMPTS=4 HF_LIMIT_S=30
     LAT_ARGS=(--input-len 16 --output-len 8 --prefill-len 64 --num-iters 2 --num-iters-warmup 1)
     LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120 LIMIT_SYNC=300
-    LIMIT_AB=300 LIMIT_STRUCTURED=300
+    LIMIT_AB=300 LIMIT_STRUCTURED=300 LIMIT_FP8_KERNELS=0
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b
     read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine}"
@@ -69,6 +71,7 @@ else
     LIMIT_SYNC=${LIMIT_SYNC:-60}
     LAT_ARGS=()
     LIMIT_TESTS=${LIMIT_TESTS:-80} LIMIT_KERNELS=40 LIMIT_W1=${LIMIT_W1:-220} LIMIT_LAT=60 LIMIT_SMALL=50
+    LIMIT_FP8_KERNELS=${LIMIT_FP8_KERNELS:-150}
     LIMIT_AB=${LIMIT_AB:-200} LIMIT_STRUCTURED=${LIMIT_STRUCTURED:-240}
 fi
 
@@ -124,6 +127,10 @@ step fp8 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load
 step fp8 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
     "${W1_ARGS[@]}" --quantization fp8 --kv-cache-dtype fp8 --output-json "$OUT/fp8-kv-w1-$BIG.json"
 step fp8 "$LIMIT_TESTS" $PY -m pytest -q -x -p no:cacheprovider tests/quantization/test_fp8_kv_cache.py
+if [ "$DRY" != "1" ]; then
+    step fp8 "$LIMIT_FP8_KERNELS" $PY scripts/check_kernels_gpu.py --skip-checks --fp8-kv \
+        --out "$OUT/kernels-fp8-kv.json"
+fi
 step fp8 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
     "${LAT_ARGS[@]}" --quantization fp8 --output-json "$OUT/fp8-latency-$BIG.json"
 
