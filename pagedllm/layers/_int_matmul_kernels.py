@@ -2,8 +2,9 @@
 
 One kernel serves prompt steps, large decode batches and small ones: each program
 multiplies a ``BLOCK_M x BLOCK_N`` output tile over one ``K / SPLIT`` slice of the inputs,
-dequantizing its ``BLOCK_N x BLOCK_K`` weight tiles in registers (the packed words are
-read once from memory; the scale and zero point of the tile's group once per row). With
+dequantizing its ``BLOCK_N x BLOCK_K`` weight tiles in registers (each packed word is
+loaded once and unpacked there; the scale and zero point of the tile's group once per
+row). With
 ``SPLIT > 1`` (small batches, few output tiles) the slices' float32 partial sums go to a
 ``[SPLIT, M, N]`` buffer that the caller adds up in a fixed order.
 """
@@ -28,11 +29,14 @@ def int_matmul_kernel(
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,
+    USE_DOT: tl.constexpr,
 ):
     """``out[m, n] = sum_k x[m, perm[k]] * (q[n, k] - zeros[n, k // GROUP]) *
     scales[n, k // GROUP] (+ bias[n])`` over this program's slice of ``k``.
 
-    The caller guarantees the tiling: ``BLOCK_K`` divides ``GROUP`` and ``k_per_split``,
+    ``USE_DOT``: tensor-core tiles of ``BLOCK_M`` (>= 16) rows; else ``BLOCK_M == 1`` and
+    the products accumulate lane-wise in float32, summed once at the end. The caller
+    guarantees the tiling: ``BLOCK_K`` divides ``GROUP`` and ``k_per_split``,
     so a weight tile lies in one group and no ``k`` is masked. Rows past ``M`` and columns
     past ``N`` read the last valid ones and are never stored. Each dequantized weight is
     ``(q - zero) * scale`` in float32 rounded once to ``x``'s dtype, as the torch
@@ -52,7 +56,10 @@ def int_matmul_kernel(
     q_rows = qweight_ptr + n_rows[:, None] * stride_qn
     s_rows = scales_ptr + n_rows * stride_sn
     z_rows = zeros_ptr + n_rows * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     k_start = split * k_per_split
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -61,13 +68,21 @@ def int_matmul_kernel(
         else:
             columns = k
         x = tl.load(x_rows + columns[None, :])
-        words = tl.load(q_rows + (k // PER_WORD)[None, :])
-        q = (words >> ((k % PER_WORD) * BITS)[None, :]) & MASK
+        # Each packed word once; its PER_WORD values unpacked in registers, in k order.
+        word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+        words = tl.load(q_rows + word[None, :])
+        shifts = tl.arange(0, PER_WORD) * BITS
+        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
         group = k0 // GROUP
         scale = tl.load(s_rows + group).to(tl.float32)
         zero = tl.load(z_rows + group).to(tl.int32)
         w = ((q - zero[:, None]).to(tl.float32) * scale[:, None]).to(x.dtype)
-        acc += tl.dot(x, tl.trans(w))
+        if USE_DOT:
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            lanes += w.to(tl.float32) * x.to(tl.float32)
+    if not USE_DOT:
+        acc = tl.sum(lanes, 1)[None, :]
     mask = (m < M)[:, None] & (n < N)[None, :]
     if PARTIAL:
         offsets = split.to(tl.int64) * stride_os + m_rows[:, None] * stride_om + n[None, :]
@@ -77,3 +92,33 @@ def int_matmul_kernel(
             acc += tl.load(bias_ptr + n_rows).to(tl.float32)[None, :]
         tl.store(out_ptr + m_rows[:, None] * stride_om + n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def int_dequantize_kernel(
+    qweight_ptr, scales_ptr, zeros_ptr, out_ptr, N, stride_qn, stride_sn, stride_on,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``out[n, k] = (q[n, k] - zeros[n, k // GROUP]) * scales[n, k // GROUP]`` for one
+    ``BLOCK_N x BLOCK_K`` tile, in float32 rounded once to ``out``'s dtype (the kernel
+    above's and the torch reference's rounding). ``BLOCK_K`` divides ``GROUP``."""
+    pid_n = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    PER_WORD: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_rows = tl.minimum(n, N - 1).to(tl.int64)
+    word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    words = tl.load(qweight_ptr + n_rows[:, None] * stride_qn + word[None, :])
+    shifts = tl.arange(0, PER_WORD) * BITS
+    q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
+    group = k0 // GROUP
+    scale = tl.load(scales_ptr + n_rows * stride_sn + group).to(tl.float32)
+    zero = tl.load(zeros_ptr + n_rows * stride_sn + group).to(tl.int32)
+    w = (q - zero[:, None]).to(tl.float32) * scale[:, None]
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + n_rows[:, None] * stride_on + k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=(n < N)[:, None])

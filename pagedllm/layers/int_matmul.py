@@ -2,16 +2,19 @@
 ``pagedllm.quantization.int_weights``): a Triton kernel on CUDA, the torch reference
 elsewhere.
 
-``int_linear`` sends a CUDA half-precision input to ``int_matmul`` when the projection's
-shape tiles (``int_matmul_config``), and everything else to the reference, which
+``int_linear`` sends a CUDA half-precision input whose projection's shape tiles
+(``int_matmul_config``) to a kernel, and everything else to the reference, which
 dequantizes the whole weight and multiplies (exact, and the fallback for shapes that do
-not tile). ``int_matmul`` is one kernel in two regimes:
+not tile). By the step's rows:
 
-* prompt steps and large decode batches (more than 16 rows): ``BLOCK_M x 128`` output
-  tiles over the whole of ``K``, the weight dequantized in registers as it streams in;
-* decode batches of 1 to 16 rows: 16-row tiles with ``K`` split into ``SPLIT`` slices
-  (split-K), so a narrow output still spreads over every SM; the float32 partial sums are
-  added in a fixed order (the result does not depend on timing).
+* decode batches of 1 to 16 rows: ``int_matmul`` with 16-row tiles and ``K`` split into
+  ``SPLIT`` slices (split-K), so a narrow output still spreads over every SM; the float32
+  partial sums are added in a fixed order (the result does not depend on timing);
+* 17 to ``DEQUANTIZE_ROWS`` rows (large decode batches): ``int_matmul`` with ``BLOCK_M x
+  128`` output tiles over the whole of ``K``, the weight dequantized in registers as it
+  streams in;
+* more rows (prompts): ``int_dequantize`` writes the weight in the activation dtype once,
+  and BLAS multiplies.
 
 Act-order weights carry ``perm``: the kernel reads input column ``perm[k]`` for stored
 column ``k`` (the activation is gathered in the kernel; the weight never is).
@@ -33,13 +36,18 @@ from pagedllm.quantization.int_weights import int_linear_reference
 INT_TILE_ENV = "PAGEDLLM_INT_TILE"
 # Batches of at most this many rows take the split-K tiles.
 SMALL_BATCH_ROWS = 16
+# Steps of more rows dequantize the weight once (a kernel) and multiply with BLAS: a
+# prompt re-reads each weight tile for every block of rows, which costs more than one
+# pass that writes the weight in the model's dtype.
+DEQUANTIZE_ROWS = 512
 _BLOCK_KS = (128, 64, 32, 16)
 
 
 @dataclass(frozen=True)
 class IntTile:
     """Launch shape of ``int_matmul``: output tiles of ``block_m x block_n``, ``block_k``
-    inputs per step, ``split`` slices of ``K`` (1: no split-K)."""
+    inputs per step, ``split`` slices of ``K`` (1: no split-K). ``block_m`` 1: one row,
+    lane-wise products with no tensor cores (else at least 16)."""
 
     block_m: int
     block_n: int
@@ -64,19 +72,19 @@ def int_matmul_config(rows: int, n: int, k: int, group_size: int,
             return None
         return tile
     if rows <= SMALL_BATCH_ROWS:
-        block_k = next((b for b in _BLOCK_KS if k % b == 0 and group % b == 0), None)
+        block_k = next((b for b in _BLOCK_KS[1:] if k % b == 0 and group % b == 0), None)
         if block_k is None:
             return None
-        block_n = 64
+        block_n = 128
         steps = k // block_k
         wanted = max(1, (2 * sm_count) // -(-n // block_n))
         split = max(s for s in range(1, min(wanted, steps) + 1) if steps % s == 0)
-        return IntTile(16, block_n, block_k, split, num_warps=4, num_stages=3)
+        return IntTile(16, block_n, block_k, split, num_warps=4, num_stages=4)
     block_k = next((b for b in _BLOCK_KS[1:] if k % b == 0 and group % b == 0), None)
     if block_k is None:
         return None
-    block_m = 32 if rows <= 32 else 64 if rows <= 64 else 128
-    return IntTile(block_m, 128, block_k, 1, num_warps=4 if block_m <= 64 else 8, num_stages=3)
+    block_m = 32 if rows <= 32 else 64
+    return IntTile(block_m, 128, block_k, 1, num_warps=4, num_stages=3)
 
 
 def _parse_tile(value: str) -> IntTile:
@@ -86,9 +94,10 @@ def _parse_tile(value: str) -> IntTile:
     except (TypeError, ValueError):
         raise ValueError(f"{INT_TILE_ENV}={value!r}: give BLOCK_M,BLOCK_N,BLOCK_K,SPLIT,"
                          "num_warps,num_stages (e.g. 16,64,128,4,4,3).") from None
-    if min(tile.block_m, tile.block_n, tile.block_k) < 16 or tile.split < 1:
-        raise ValueError(f"{INT_TILE_ENV}={value!r}: blocks are powers of two >= 16 and "
-                         "SPLIT >= 1.")
+    if (min(tile.block_n, tile.block_k) < 16 or tile.block_m not in (1, 16, 32, 64, 128)
+            or tile.split < 1):
+        raise ValueError(f"{INT_TILE_ENV}={value!r}: BLOCK_M is 1 or 16 to 128, the other "
+                         "blocks powers of two >= 16, and SPLIT >= 1.")
     return tile
 
 
@@ -107,6 +116,8 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if in_features % tile.block_k or group % tile.block_k or (
             (in_features // tile.block_k) % tile.split):
         raise ValueError(f"tile {tile} does not tile K={in_features} in groups of {group}.")
+    if tile.block_m == 1 and rows > 1:
+        raise ValueError(f"tile {tile}: the lane-wise tile (block_m 1) serves one row.")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if scales.stride() != zeros.stride() or scales.stride(-1) != 1 or qweight.stride(-1) != 1:
@@ -128,7 +139,8 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         target.stride(0) if partial else 0,
         BITS=bits, GROUP=group, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
-        PARTIAL=partial, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        PARTIAL=partial, USE_DOT=tile.block_m > 1, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     if not partial:
         return out
@@ -136,6 +148,25 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if bias is not None:
         summed += bias.float()
     return summed.to(x.dtype)
+
+
+def int_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
+                   bits: int, group_size: int, in_features: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The ``[N, in_features]`` weights in ``dtype``, in the stored column order, from one
+    kernel; ``in_features`` and the group size must be multiples of 16."""
+    from pagedllm.layers import _int_matmul_kernels as kernels
+
+    group = in_features if group_size == -1 else group_size
+    block_k = next(b for b in _BLOCK_KS if in_features % b == 0 and group % b == 0)
+    out = torch.empty((qweight.shape[0], in_features), dtype=dtype, device=qweight.device)
+    block_n = 64
+    grid = (kernels.cdiv(qweight.shape[0], block_n), in_features // block_k)
+    kernels.int_dequantize_kernel[grid](
+        qweight, scales, zeros, out, qweight.shape[0], qweight.stride(0), scales.stride(0),
+        out.stride(0), BITS=bits, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    return out
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -152,6 +183,13 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             128, 1 << (rows - 1).bit_length())
         tile = int_matmul_config(bucket, qweight.shape[0], in_features, group_size,
                                  _sm_count(x.device))
+        if tile is not None and rows > DEQUANTIZE_ROWS:
+            # Prompt-sized steps: the weight dequantized once, then the BLAS product.
+            weight = int_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size,
+                                    in_features=in_features, dtype=x.dtype)
+            x_in = x2 if perm is None else x2[:, perm.long()]
+            out = torch.nn.functional.linear(x_in, weight, bias)
+            return out.reshape(*shape[:-1], out.shape[-1])
         if tile is not None:
             out = int_matmul(x2, qweight, scales, zeros, tile, bits=bits,
                              group_size=group_size, bias=bias, perm=perm)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.layers import int_matmul
-from pagedllm.layers.int_matmul import IntTile, int_linear, int_matmul_config
+from pagedllm.layers.int_matmul import IntTile, int_dequantize, int_linear, int_matmul_config
 from pagedllm.quantization.int_weights import (
     dequantize,
     int_linear_reference,
@@ -50,6 +50,7 @@ def _reference(x, qweight, scales, zeros, bits, group_size, bias=None, perm=None
 @pytest.mark.parametrize("rows, tile", [
     (3, IntTile(16, 32, 32, 2, 4, 2)),   # a decode batch: split-K into two slices
     (1, IntTile(16, 32, 16, 4, 4, 2)),   # one row, four slices
+    (1, IntTile(1, 32, 32, 2, 4, 2)),    # one row, lane-wise products, two slices
     (37, IntTile(32, 32, 32, 1, 4, 2)),  # a prompt: partial row and column tiles
 ])
 @pytest.mark.parametrize("bits, group_size, act_order", [
@@ -86,8 +87,8 @@ def test_tiles_fit_the_groups_and_split_small_batches():
     decode = int_matmul_config(16, 4096, 14336, 128, 132)
     assert decode.block_m == 16 and decode.split > 1 and 128 % decode.block_k == 0
     assert (14336 // decode.block_k) % decode.split == 0
-    prompt = int_matmul_config(128, 4096, 14336, 128, 132)
-    assert prompt.split == 1 and prompt.block_m == 128
+    batch = int_matmul_config(128, 4096, 14336, 128, 132)
+    assert batch.split == 1 and batch.block_m == 64
     assert int_matmul_config(16, 64, 352, -1, 132).block_k == 32  # per channel: K's divisor
     assert int_matmul_config(16, 64, 100, 100, 132) is None  # no tile divides 100
 
@@ -112,3 +113,25 @@ def test_shapes_that_do_not_tile_take_the_reference(monkeypatch):
     assert launched == [(2, 64)]
     torch.testing.assert_close(got.float(), _reference(x, qweight, scales, zeros, 4, 32),
                                rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (8, -1)])
+def test_int_dequantize_writes_the_references_weights(bits, group_size):
+    qweight, scales, zeros, _ = packed_projection(40, 128, bits, group_size, seed=5)
+    got = int_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size,
+                         in_features=128, dtype=DTYPE)
+    want = dequantize(qweight, scales, zeros, bits, group_size, 128, DTYPE)
+    assert torch.equal(got, want)
+
+
+def test_prompt_sized_steps_dequantize_once_then_multiply(monkeypatch):
+    """More than DEQUANTIZE_ROWS rows: one dequantizing launch, the act-order gather on the
+    activation, and BLAS; the kernel's row tiles are not used."""
+    monkeypatch.setattr(int_matmul, "use_fused_ops", lambda x: True)  # as on a GPU
+    monkeypatch.setattr(int_matmul, "DEQUANTIZE_ROWS", 8)
+    monkeypatch.setattr(int_matmul, "int_matmul", lambda *a, **k: pytest.fail("row tiles"))
+    qweight, scales, zeros, perm = packed_projection(24, 64, 4, 32, seed=6, act_order=True)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(7)).to(DEVICE, DTYPE)
+    got = int_linear(x, qweight, scales, zeros, bits=4, group_size=32, in_features=64, perm=perm)
+    torch.testing.assert_close(got.float(), _reference(x, qweight, scales, zeros, 4, 32, perm=perm),
+                               rtol=2e-3, atol=2e-3)
