@@ -15,6 +15,7 @@ values up to the queries' dtype (exact) and apply the scales outside the product
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -83,6 +84,19 @@ def check_paged_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache
         )
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("KV cache must be contiguous along head_dim.")
+
+
+FP8_KV_DOT_ENV = "PAGEDLLM_FP8_KV_DOT"
+
+
+def uses_fp16_dot(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the attention products run in float16 instead of the query's bfloat16: over
+    an FP8 cache, where e4m3 values widen to float16 in one conversion (to bfloat16 it
+    takes a second) and exactly, bf16 queries of normal magnitude are exact in float16, and
+    the probabilities keep three more mantissa bits. ``PAGEDLLM_FP8_KV_DOT=bf16`` turns it
+    off (to compare)."""
+    return (query_dtype == torch.bfloat16 and cache_dtype == torch.float8_e4m3fn
+            and os.environ.get(FP8_KV_DOT_ENV, "fp16") != "bf16")
 
 
 def uses_ieee_dot(dtype: torch.dtype) -> bool:

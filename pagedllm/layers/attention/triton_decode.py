@@ -64,6 +64,7 @@ from pagedllm.layers.attention.triton_common import (
     check_paged_inputs,
     to_cache,
     unit_last_stride,
+    uses_fp16_dot,
     uses_ieee_dot,
 )
 from pagedllm.layers._triton_ops_kernels import rotate_half_whole
@@ -127,6 +128,7 @@ def _decode_kernel(
     ROPE_AND_CACHE: tl.constexpr,
     HALF: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    FP16_DOT: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     if HAS_ORDER:
@@ -181,6 +183,8 @@ def _decode_kernel(
             )
     else:
         q = tl.load(q_heads + d[None, :], mask=q_mask, other=0.0)
+    if FP16_DOT:
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -587,6 +591,7 @@ def paged_decode_attention(
         ROPE_AND_CACHE=new_kv is not None,
         HALF=head_dim // 2,
         IEEE_DOT=uses_ieee_dot(query.dtype),
+        FP16_DOT=uses_fp16_dot(query.dtype, key_cache.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )

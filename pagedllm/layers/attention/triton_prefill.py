@@ -35,6 +35,7 @@ from pagedllm.layers.attention.triton_common import (
     check_paged_inputs,
     find_sequence,
     unit_last_stride,
+    uses_fp16_dot,
     uses_ieee_dot,
 )
 
@@ -152,6 +153,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     SKIP_DECODES: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    FP16_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -180,6 +182,8 @@ def _prefill_kernel(
         mask=row_valid[:, None] & d_valid[None, :],
         other=0.0,
     )
+    if FP16_DOT:
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -331,6 +335,7 @@ def paged_prefill_attention(
         USE_WINDOW=sliding_window is not None,
         SKIP_DECODES=skip_decodes,
         IEEE_DOT=uses_ieee_dot(query.dtype),
+        FP16_DOT=uses_fp16_dot(query.dtype, key_cache.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
