@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.layers.attention.backend import AttentionMetadata
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 _TINY_DEFAULTS: dict[str, Any] = dict(
     vocab_size=256,
@@ -35,6 +35,8 @@ def _hf_classes(family: str):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     if family not in classes:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}.")
@@ -57,7 +59,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         elif "embed_tokens" in name:
             values = torch.randn(param.shape, generator=gen)
         else:
-            values = torch.randn(param.shape, generator=gen) * param.shape[1] ** -0.5 * 1.5
+            # Scaled by the input width (the last dimension, stacked experts included).
+            values = torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5 * 1.5
         param.copy_(values)
 
 
@@ -80,10 +83,14 @@ def make_tiny_checkpoint(
     """
     config_cls, model_cls = _hf_classes(family)
     kwargs = dict(_TINY_DEFAULTS)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None
+    if family == "mixtral":
+        kwargs.update(num_local_experts=4, num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)

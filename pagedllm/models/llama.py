@@ -1,7 +1,9 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2 and Qwen3 in one decoder definition.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE in one
+decoder definition.
 
 They share one block (pre-norm RMSNorm, rotary attention with grouped KV heads, gated
-MLP) and differ in switches read from the checkpoint's ``config.json``:
+MLP or a mixture of gated-MLP experts) and differ in switches read from the checkpoint's
+``config.json``:
 
 ==========  ========================  =============================================
 family      projection biases         extras
@@ -17,7 +19,9 @@ qwen3       ``attention_bias``        per-head RMSNorm on q and k before rope; e
 
 Parameter names mirror the checkpoints' (``model.layers.N.self_attn...``) except that
 q/k/v are fused into ``qkv_proj`` and gate/up into ``gate_up_proj``; ``load_weights``
-routes each checkpoint tensor into its rows.
+routes each checkpoint tensor into its rows. Expert weights are stacked per layer
+(``mlp.experts.w13``, ``mlp.experts.w2``, see ``layers.fused_moe``); Mixtral's
+``block_sparse_moe`` is read as ``mlp``.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ from torch import nn
 
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.attention.layer import Attention
+from pagedllm.layers.fused_moe import FusedMoE, MoEBlock
 from pagedllm.layers.layernorm import RMSNorm, linear_and_norm
 from pagedllm.layers.linear import Embedding, FusedLinear, Linear, linear
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters_from_hf
 from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
+from pagedllm.models.moe_config import moe_fields
 
 # (fused module, checkpoint module, shard) — a checkpoint name containing ".{checkpoint
 # module}." is loaded into that shard of the fused module.
@@ -71,12 +77,19 @@ class LlamaArchConfig:
     mlp_bias: bool
     qk_norm: bool
     sliding_windows: tuple[int | None, ...]  # one per layer, in tokens
+    # Mixture of experts (num_experts 0: every layer dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()  # one per layer: sparse or dense
 
     @classmethod
     def from_hf(cls, hf: dict, family: str) -> LlamaArchConfig:
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
         attention_bias = bool(hf.get("attention_bias", False))
+        moe = moe_fields(hf, family, num_layers)
         if family == "qwen2":
             qkv_bias, o_bias = True, False
         else:
@@ -97,15 +110,18 @@ class LlamaArchConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)) if family == "llama" else False,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_windows=_sliding_windows(hf, family, num_layers),
+            **moe,
         )
 
 
 def _sliding_windows(hf: dict, family: str, num_layers: int) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return (window,) * num_layers
+    if family == "qwen3_moe":
+        return ((window if hf.get("use_sliding_window", False) else None),) * num_layers
     if family in ("qwen2", "qwen3") and hf.get("use_sliding_window", False) and window:
         first_sliding = hf.get("max_window_layers", num_layers)
         layer_types = hf.get("layer_types") or [
@@ -186,7 +202,12 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttentionBlock(cfg, layer_idx)
-        self.mlp = LlamaMLP(cfg)
+        self.sparse = bool(cfg.moe_layers) and cfg.moe_layers[layer_idx]
+        if self.sparse:
+            self.mlp = MoEBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.hidden_act)
+        else:
+            self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -204,6 +225,8 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = linear_and_norm(
             attn, self.self_attn.o_proj, self.post_attention_layernorm, residual
         )
+        if self.sparse:
+            return next_norm(self.mlp(hidden), residual)
         return linear_and_norm(self.mlp(hidden), self.mlp.down_proj, next_norm, residual)
 
 
@@ -273,6 +296,9 @@ class LlamaForCausalLM(nn.Module):
                 shards = list(module.shard_sizes) if isinstance(module, FusedLinear) else [None]
                 expected.update((f"{module_name}.{name}", shard) for shard in shards
                                 for name in module.checkpoint_parameters())
+            elif isinstance(module, FusedMoE):
+                expected.update((f"{module_name}.{name}", part)
+                                for name, part in module.load_parts())
             else:
                 expected.update((f"{module_name}.{name}" if module_name else name, None)
                                 for name, _ in module.named_parameters(recurse=False))
@@ -286,6 +312,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name.endswith(_KV_SCALE_SUFFIXES):
                 self._load_kv_scale(name, tensor)
+                continue
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            if ".mlp.experts." in name:
+                loaded.update(self._load_expert(name, tensor))
                 continue
             target, shard = _fused_target(name)
             module_name, _, param_name = target.rpartition(".")
@@ -321,6 +351,26 @@ class LlamaForCausalLM(nn.Module):
             )
 
 
+    def _load_expert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, str]]:
+        """An expert tensor (``model.layers.N.mlp.experts.<rest>``) into its layer's
+        stacked weights; returns the (parameter, part) pairs filled."""
+        module_name, _, rest = name.partition(".experts.")
+        module_name += ".experts"
+        try:
+            experts = self.get_submodule(module_name)
+        except AttributeError:
+            experts = None
+        if not isinstance(experts, FusedMoE):
+            raise ValueError(f"Checkpoint tensor {name}: layer {module_name} has no experts "
+                             "(config.json's mlp_only_layers / decoder_sparse_step make it "
+                             "dense).")
+        try:
+            filled = experts.load(rest, tensor)
+        except ValueError as exc:
+            raise ValueError(f"Checkpoint tensor {name}: {exc} The config.json does not "
+                             "describe these weights.") from exc
+        return [(f"{module_name}.{param}", part) for param, part in filled]
+
     def _linear(self, module_name: str) -> Linear | None:
         """The projection called ``module_name``, or None when there is none."""
         try:
@@ -332,7 +382,13 @@ class LlamaForCausalLM(nn.Module):
     def projections(self) -> Iterator[tuple[Linear, list[str]]]:
         """Each projection inside the decoder layers with the checkpoint module names it
         holds (``...self_attn.q_proj``, ``k_proj``, ``v_proj`` for the fused qkv): what a
-        checkpoint's quantization config names."""
+        checkpoint's quantization config names. Raises ValueError for a mixture-of-experts
+        model: its experts have no quantized product."""
+        if self.config.num_experts:
+            raise ValueError(
+                f"{type(self).__name__} cannot be quantized: pagedllm has no quantized "
+                "product for mixture-of-experts weights. Serve an unquantized checkpoint "
+                "without --quantization.")
         for name, module in self.model.layers.named_modules(prefix="model.layers"):
             if isinstance(module, FusedLinear):
                 parent, fused = name.rsplit(".", 1)
@@ -386,3 +442,11 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     family = "qwen3"
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    family = "mixtral"
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    family = "qwen3_moe"

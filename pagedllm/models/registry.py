@@ -7,8 +7,10 @@ from torch import nn
 from pagedllm.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
+    MixtralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
 )
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -16,6 +18,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

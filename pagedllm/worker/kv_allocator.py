@@ -29,6 +29,7 @@ import math
 from typing import TYPE_CHECKING, Callable
 
 from pagedllm.config import EngineConfig
+from pagedllm.models.moe_config import MOE_FAMILIES, moe_fields
 
 if TYPE_CHECKING:
     import torch
@@ -122,8 +123,14 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
         biases = qkv_out + hidden
     if hf_config.get("mlp_bias") and family == "llama":
         biases += 2 * inter + hidden
-    norms = 2 * hidden + (2 * head_dim if family == "qwen3" else 0)
+    norms = 2 * hidden + (2 * head_dim if family in ("qwen3", "qwen3_moe") else 0)
     embeddings = vocab * hidden * (1 if hf_config.get("tie_word_embeddings") else 2) + hidden
+    sparse_layers, experts, expert_inter = _moe_shape(hf_config)
+    if sparse_layers and quantization is None:
+        # A sparse layer's MLP is its experts' gate, up and down plus the router.
+        sparse_extra = experts * (3 * hidden * expert_inter + hidden) - 3 * hidden * inter
+        return (layers * (projections + biases + norms) + sparse_layers * sparse_extra
+                + embeddings) * element_size
     if quantization == "fp8":
         per_layer = projections * FP8_BYTES + out_channels * 4 + (biases + norms) * element_size
         return layers * per_layer + embeddings * element_size
@@ -134,6 +141,15 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
                      for n, k in shapes)
         return layers * (packed + (biases + norms) * element_size) + embeddings * element_size
     return (layers * (projections + biases + norms) + embeddings) * element_size
+
+
+def _moe_shape(hf_config: dict) -> tuple[int, int, int]:
+    """(sparse layers, experts, each expert's intermediate size); zeros for dense models."""
+    family = hf_config.get("model_type")
+    if family not in MOE_FAMILIES:
+        return 0, 0, 0
+    moe = moe_fields(hf_config, family, hf_config["num_hidden_layers"])
+    return sum(moe["moe_layers"]), moe["num_experts"], moe["moe_intermediate_size"]
 
 
 def _int_projection_bytes(out_features: int, in_features: int, bits: int, group_size: int,

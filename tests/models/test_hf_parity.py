@@ -37,6 +37,13 @@ CASES = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     )),
     "qwen3_qk_norm_wide_head_dim": ("qwen3", dict(head_dim=24, num_key_value_heads=2)),
+    "mixtral_top2_of_4_sliding_window": ("mixtral", dict(sliding_window=6)),
+    "mixtral_top1_of_3": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=1)),
+    "qwen3_moe_unnormalised_top3_of_5": ("qwen3_moe", dict(
+        num_experts=5, num_experts_per_tok=3, norm_topk_prob=False)),
+    "qwen3_moe_normalised_dense_and_stepped_layers": ("qwen3_moe", dict(
+        num_hidden_layers=4, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3],
+        use_sliding_window=True, sliding_window=5)),
 }
 
 

@@ -1,0 +1,75 @@
+"""The grouped GEMM behind ``triton_moe.py`` (imported only when a CUDA tensor needs it).
+
+One launch multiplies every expert's rows: program ``(m, n)`` owns ``BLOCK_M`` slots of
+the expert-sorted list (all routed to the one expert ``block_expert[m]``; a negative id
+marks a block past the end, which does nothing) and ``BLOCK_N`` output columns. A slot is
+a flat ``token * top_k + choice`` index; pad slots (``>= num_slots``) are masked. Rows of
+``a`` are read at ``slot // A_DIV`` and results written at row ``slot`` of ``c``. Offsets
+are computed in int64; accumulation is float32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, block_expert_ptr,
+    num_slots, N, K,
+    stride_am, stride_be, stride_bn, stride_cm,
+    A_DIV: tl.constexpr,
+    GATED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``c[slot, n] = (a[slot // A_DIV] @ b[e, n]^T)``; with ``GATED`` b holds ``2N`` rows
+    and ``c = silu(gate) * up`` of its halves; with ``WEIGHTED`` each row is multiplied by
+    ``weights[slot]``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= 0:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slots = tl.load(sorted_slots_ptr + offs_m).to(tl.int64)
+        row_ok = slots < num_slots
+        a_rows = tl.where(row_ok, slots // A_DIV, 0)
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        n_ok = offs_n < N
+        b_base = b_ptr + expert * stride_be
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b_mask = k_ok[:, None] & n_ok[None, :]
+            b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_k[:, None],
+                        mask=b_mask, other=0.0)
+            if IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+            if GATED:
+                b_up = tl.load(b_base + (offs_n[None, :] + N) * stride_bn + offs_k[:, None],
+                               mask=b_mask, other=0.0)
+                if IEEE:
+                    acc_up += tl.dot(a, b_up, input_precision="ieee")
+                else:
+                    acc_up += tl.dot(a, b_up)
+        if GATED:
+            # Gate and up rounded to the activation dtype first, as the torch path does.
+            gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+            up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+            silu = (gate * tl.sigmoid(gate)).to(c_ptr.dtype.element_ty).to(tl.float32)
+            acc = silu * up
+        if WEIGHTED:
+            weight = tl.load(weights_ptr + slots, mask=row_ok, other=0.0)
+            acc = acc * weight[:, None]
+        tl.store(c_ptr + slots[:, None] * stride_cm + offs_n[None, :],
+                 acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])

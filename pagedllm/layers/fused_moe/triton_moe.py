@@ -1,0 +1,96 @@
+"""The experts' products on CUDA: tokens sorted by expert, two grouped GEMMs, a combine.
+
+Every (token, choice) pair is a *slot* ``token * top_k + choice``. The slots are sorted by
+expert and each expert's run padded to a multiple of ``BLOCK_M`` (pad slots hold
+``num_slots``), so a block of ``BLOCK_M`` sorted slots belongs to one expert::
+
+    sorted slots: [ e0 e0 e0 pad | e1 e1 e1 e1 | e3 pad pad pad | (unused) ... ]
+    block expert: [     0        |      1      |       3        |  -1 ...    ]
+
+The list has a fixed upper size (``slots + E * (BLOCK_M - 1)``, rounded to a block), so
+no step needs the counts on the host and the launches can be captured in a CUDA graph.
+The first GEMM computes ``silu(gate) * up`` per slot with gate and up in one program,
+the second the down projection times the slot's routing weight (float32 rows); the
+combine sums each token's ``top_k`` rows and casts once, as ``torch_ref`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedllm.core.kv_cache import cdiv
+
+
+@functools.cache
+def _kernels():
+    from pagedllm.layers.fused_moe import _kernels
+
+    return _kernels
+
+
+def sort_slots_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_ids [T, k]`` -> ``(sorted_slots [L] int32, block_expert [L / block_m] int32)``
+    as drawn in the module docstring; slots of one expert keep their token order."""
+    flat = topk_ids.flatten().to(torch.int64)
+    num_slots = flat.numel()
+    device = flat.device
+    length = cdiv(num_slots + num_experts * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert_of_sorted = flat[order]
+    count_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_slots, device=device) - count_start[expert_of_sorted]
+    destination = (padded_end - padded)[expert_of_sorted] + rank
+    sorted_slots = torch.full((length,), num_slots, dtype=torch.int32, device=device)
+    sorted_slots[destination] = order.to(torch.int32)
+    block_starts = torch.arange(0, length, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_slots, block_expert
+
+
+def _tile(rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): short blocks when few slots go to each expert."""
+    return (16, 64, 64) if rows <= 64 else (64, 64, 32)
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Same arguments and result as ``torch_ref.fused_moe_reference`` with SiLU (the
+    only activation this kernel computes)."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    num_slots = num_tokens * top_k
+    block_m, block_n, block_k = tile or _tile(num_slots)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    sorted_slots, block_expert = sort_slots_by_expert(topk_ids, num_experts, block_m)
+    num_blocks = block_expert.numel()
+    ieee = x.dtype == torch.float32
+    kernel = _kernels().moe_gemm_kernel
+    activated = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+    kernel[(num_blocks, cdiv(inter, block_n))](
+        x, w13, activated, topk_weights, sorted_slots, block_expert,
+        num_slots, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
+        A_DIV=top_k, GATED=True, WEIGHTED=False, IEEE=ieee,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    weights = topk_weights.flatten().float().contiguous()
+    rows = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
+    kernel[(num_blocks, cdiv(hidden, block_n))](
+        activated, w2, rows, weights, sorted_slots, block_expert,
+        num_slots, hidden, inter,
+        activated.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
+        A_DIV=1, GATED=False, WEIGHTED=True, IEEE=ieee,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return rows.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

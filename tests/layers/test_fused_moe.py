@@ -1,0 +1,102 @@
+"""The mixture-of-experts layer: routing as the reference models route, the torch path
+against HF's expert loop, and the grouped Triton GEMM against the torch path (under the
+interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.layers.fused_moe import MoEBlock, select_experts
+from pagedllm.layers.fused_moe.torch_ref import fused_moe_reference
+from pagedllm.layers.fused_moe.triton_moe import fused_moe_triton, sort_slots_by_expert
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rand(*shape, seed=0, scale=1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE)
+
+
+def _hf_mixtral_block(block: MoEBlock, top_k: int):
+    """HF's own sparse block holding ``block``'s weights."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    experts = block.experts
+    config = MixtralConfig(hidden_size=block.gate.input_size,
+                           intermediate_size=experts.intermediate_size,
+                           num_local_experts=experts.num_experts, num_experts_per_tok=top_k)
+    hf = MixtralSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        hf.gate.weight.copy_(block.gate.weight)
+        hf.experts.gate_up_proj.copy_(experts.w13)
+        hf.experts.down_proj.copy_(experts.w2)
+    return hf
+
+
+def _block(num_experts=4, top_k=2, hidden=32, inter=24, renormalize=True) -> MoEBlock:
+    block = MoEBlock(num_experts, top_k, hidden, inter, renormalize)
+    block.gate.weight.data = _rand(num_experts, hidden, seed=1, scale=hidden ** -0.5)
+    block.experts.w13.data = _rand(num_experts, 2 * inter, hidden, seed=2, scale=hidden ** -0.5)
+    block.experts.w2.data = _rand(num_experts, hidden, inter, seed=3, scale=inter ** -0.5)
+    return block
+
+
+def test_renormalised_weights_sum_to_one_and_plain_ones_are_softmax_fractions() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    assert ids.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1))
+    plain, _ = select_experts(logits, 2, renormalize=False)
+    torch.testing.assert_close(plain, torch.softmax(logits, -1)[:, :2])
+
+
+def test_block_equals_hf_with_tied_router_rows_and_an_expert_without_tokens() -> None:
+    block = _block().cpu()
+    # Experts 1 and 2 share router rows (a token led by expert 0 has a tie for its second
+    # choice), and expert 3's row is so negative against positive inputs that no token
+    # picks it.
+    block.gate.weight.data[0] = block.gate.weight.data[1] + _rand(32, seed=9, scale=0.3).cpu()
+    block.gate.weight.data[2] = block.gate.weight.data[1]
+    block.gate.weight.data[3] = -10.0
+    x = _rand(9, 32, seed=4).cpu() + 1.0
+    _, ids = select_experts(torch.nn.functional.linear(x, block.gate.weight), 2, True)
+    assert 3 not in ids
+    assert any(row[0] == 0 for row in ids.tolist())  # some second choices are ties
+    hf = _hf_mixtral_block(block, 2)
+    with torch.no_grad():
+        want = hf(x[None])
+        want = (want[0] if isinstance(want, tuple) else want)[0]
+        torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_sorted_slots_group_each_expert_in_padded_blocks() -> None:
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=DEVICE)
+    slots, block_expert = sort_slots_by_expert(ids, num_experts=5, block_m=2)
+    pad = ids.numel()
+    # expert 0: slots 1, 4; expert 2: slots 0, 2, 5 (+ pad); expert 3: slot 3 (+ pad).
+    assert slots.tolist()[:8] == [1, 4, 0, 2, 5, pad, 3, pad]
+    assert block_expert.tolist()[:4] == [0, 2, 2, 3]
+    assert all(e == -1 for e in block_expert.tolist()[4:])
+    assert all(s == pad for s in slots.tolist()[8:])
+
+
+@pytest.mark.parametrize("num_tokens, top_k, tile", [(1, 2, None), (7, 2, (16, 32, 16)),
+                                                     (13, 3, (16, 16, 32))])
+def test_triton_grouped_gemm_matches_the_torch_reference(num_tokens, top_k, tile) -> None:
+    pytest.importorskip("triton")
+    from tests.triton_interpreter import interpret_without_cuda
+
+    interpret_without_cuda()
+    num_experts, hidden, inter = 5, 40, 24  # widths that do not fill a tile
+    x = _rand(num_tokens, hidden, seed=5)
+    w13 = _rand(num_experts, 2 * inter, hidden, seed=6, scale=hidden ** -0.5)
+    w2 = _rand(num_experts, hidden, inter, seed=7, scale=inter ** -0.5)
+    logits = _rand(num_tokens, num_experts, seed=8)
+    logits[:, 4] = -1e4  # expert 4 gets no tokens
+    weights, ids = select_experts(logits, top_k, renormalize=False)
+    got = fused_moe_triton(x, w13, w2, weights, ids, tile=tile)
+    want = fused_moe_reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
