@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.layers.attention.backend import AttentionMetadata
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
 
 _TINY_DEFAULTS: dict[str, Any] = dict(
     vocab_size=256,
@@ -37,6 +37,7 @@ def _hf_classes(family: str):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }
     if family not in classes:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}.")
@@ -85,8 +86,10 @@ def make_tiny_checkpoint(
     kwargs = dict(_TINY_DEFAULTS)
     if family in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "phi3"):
         kwargs["sliding_window"] = None
+    if family == "phi3":
+        kwargs["pad_token_id"] = 0
     if family == "mixtral":
         kwargs.update(num_local_experts=4, num_experts_per_tok=2)
     if family == "qwen3_moe":

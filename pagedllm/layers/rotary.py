@@ -22,7 +22,7 @@ from torch import nn
 
 from pagedllm.layers.triton_ops import rotary, use_fused_ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters_from_hf(hf_config: dict) -> dict[str, Any]:
@@ -42,6 +42,8 @@ def rope_parameters_from_hf(hf_config: dict) -> dict[str, Any]:
     params.update(nested)
     params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "su":  # the older name of LongRoPE
+        rope_type = "longrope"
     params["rope_type"] = rope_type
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -53,9 +55,11 @@ def rope_parameters_from_hf(hf_config: dict) -> dict[str, Any]:
         raise ValueError(
             f"partial_rotary_factor={partial} is not supported for this architecture (only 1.0)."
         )
-    if rope_type in ("llama3", "yarn"):
+    if rope_type in ("llama3", "yarn", "longrope"):
         params.setdefault(
-            "original_max_position_embeddings", hf_config.get("max_position_embeddings")
+            "original_max_position_embeddings",
+            hf_config.get("original_max_position_embeddings")
+            or hf_config.get("max_position_embeddings"),
         )
     return params
 
@@ -79,6 +83,8 @@ def compute_inv_freq(
         return _llama3_inv_freq(inv_freq, params), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, base, params, max_position_embeddings)
+    if rope_type == "longrope":
+        return _longrope_inv_freq(inv_freq, params, "short_factor", max_position_embeddings)
     raise ValueError(
         f"rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}."
     )
@@ -141,6 +147,28 @@ def _yarn_inv_freq(
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(
+    inv_freq: torch.Tensor, params: dict[str, Any], which: str,
+    max_position_embeddings: int | None,
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3's "su"): each frequency divided by its ``short_factor`` or
+    ``long_factor``; cos and sin scaled by ``sqrt(1 + ln(f) / ln(original))`` with ``f``
+    the context's growth (``factor``, else max / original positions), 1 when ``f <= 1``."""
+    factors = torch.tensor(params[which], dtype=torch.float32)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"rope {which} has {factors.numel()} values; head_dim / 2 = "
+                         f"{inv_freq.numel()} are needed.")
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:
+        factor = (max_position_embeddings or original) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1.0
+                            else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return inv_freq / factors, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Computes ``(cos, sin)`` once per forward pass; ``apply`` rotates q or k with them."""
 
@@ -157,12 +185,32 @@ class RotaryEmbedding(nn.Module):
         )
         # float32 always: the angle for position p is p * inv_freq and loses digits in half.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # LongRoPE: positions from ``long_from`` on rotate by the long factors' frequencies.
+        self.long_from: int | None = None
+        self.register_buffer("long_inv_freq", None, persistent=False)
+        if self.rope_type == "longrope":
+            base_freq, _ = compute_inv_freq(head_dim, {"rope_type": "default",
+                                                       "rope_theta": params["rope_theta"]})
+            long_inv_freq, _ = _longrope_inv_freq(base_freq, params, "long_factor",
+                                                  max_position_embeddings)
+            self.long_inv_freq = long_inv_freq
+            self.long_from = params["original_max_position_embeddings"]
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions: [T]`` int -> ``(cos, sin)``, each ``[T, head_dim // 2]`` in ``dtype``."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq.float()[None, :]
+        """``positions: [T]`` int -> ``(cos, sin)``, each ``[T, head_dim // 2]`` in ``dtype``.
+
+        LongRoPE picks the frequencies per token: short factors below the checkpoint's
+        original context, long ones from there on. (The reference implementation switches
+        a whole sequence, recomputing its cache, once it outgrows the original context; a
+        paged cache keeps what it wrote, so a sequence's tokens past that point rotate by
+        the long factors and the ones before keep the short.)"""
+        inv_freq = self.inv_freq.float()[None, :]
+        if self.long_inv_freq is not None:
+            inv_freq = torch.where(positions[:, None] >= self.long_from,
+                                   self.long_inv_freq.float()[None, :], inv_freq)
+        angles = positions.to(torch.float32)[:, None] * inv_freq
         cos = angles.cos() * self.attention_scaling
         sin = angles.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)

@@ -118,7 +118,7 @@ class LlamaArchConfig:
 
 def _sliding_windows(hf: dict, family: str, num_layers: int) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "phi3"):
         return (window,) * num_layers
     if family == "qwen3_moe":
         return ((window if hf.get("use_sliding_window", False) else None),) * num_layers
@@ -323,19 +323,20 @@ class LlamaForCausalLM(nn.Module):
             if not (target in params or (module is not None and module.reads(param_name))):
                 unexpected.append(name)
                 continue
-            try:
-                if module is not None:
-                    filled = module.load(param_name, tensor, shard)
-                else:
-                    filled = param_name
-                    _copy_checked(params[target], tensor)
-            except ValueError as exc:
-                raise ValueError(
-                    f"Checkpoint tensor {name}: {exc} The config.json does not describe "
-                    "these weights."
-                ) from exc
-            if filled is not None:
-                loaded.add((f"{module_name}.{filled}", shard))
+            for shard, part in _shard_parts(module, param_name, shard, tensor):
+                try:
+                    if module is not None:
+                        filled = module.load(param_name, part, shard)
+                    else:
+                        filled = param_name
+                        _copy_checked(params[target], part)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"Checkpoint tensor {name}: {exc} The config.json does not describe "
+                        "these weights."
+                    ) from exc
+                if filled is not None:
+                    loaded.add((f"{module_name}.{filled}", shard))
 
         if unexpected:
             raise ValueError(
@@ -418,6 +419,19 @@ def _copy_checked(param: nn.Parameter, tensor: torch.Tensor) -> None:
     param.data.copy_(tensor)
 
 
+def _shard_parts(module: Linear | None, param_name: str, shard: str | None,
+                 tensor: torch.Tensor) -> list[tuple[str | None, torch.Tensor]]:
+    """``[(shard, tensor)]``; a checkpoint that stores a fused projection whole (Phi-3's
+    ``qkv_proj`` and ``gate_up_proj``) is cut into its shards' rows, in shard order."""
+    if shard is None and isinstance(module, FusedLinear) and param_name in ("weight", "bias"):
+        sizes = list(module.shard_sizes.values())
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"{param_name} of {module.shard_sizes} expects {sum(sizes)} rows, "
+                             f"got shape {tuple(tensor.shape)}.")
+        return list(zip(module.shard_sizes, tensor.split(sizes)))
+    return [(shard, tensor)]
+
+
 def _fused_target(name: str) -> tuple[str, str | None]:
     """Checkpoint name -> (our parameter name, shard or None)."""
     for fused, original, shard in STACKED_PARAMS:
@@ -442,6 +456,10 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     family = "qwen3"
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    family = "phi3"
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -8,6 +8,7 @@ from pagedllm.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
     MixtralForCausalLM,
+    Phi3ForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
@@ -20,6 +21,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

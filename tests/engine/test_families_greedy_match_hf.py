@@ -15,6 +15,7 @@ MAX_NEW = 10
 # family -> config overrides exercising its quirks
 FAMILIES = {
     "mixtral": ("mixtral", dict(sliding_window=12)),
+    "phi3": ("phi3", dict(sliding_window=10)),
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1],
                                     norm_topk_prob=False)),
 }

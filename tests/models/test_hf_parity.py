@@ -37,6 +37,12 @@ CASES = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     )),
     "qwen3_qk_norm_wide_head_dim": ("qwen3", dict(head_dim=24, num_key_value_heads=2)),
+    "phi3_fused_checkpoint_sliding_window": ("phi3", dict(sliding_window=7)),
+    # Prompts stay below the original context, where HF rotates by the short factors.
+    "phi3_longrope_short_factors": ("phi3", dict(
+        max_position_embeddings=1024, original_max_position_embeddings=64,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(8)],
+                      "long_factor": [2.0 + i for i in range(8)]})),
     "mixtral_top2_of_4_sliding_window": ("mixtral", dict(sliding_window=6)),
     "mixtral_top1_of_3": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=1)),
     "qwen3_moe_unnormalised_top3_of_5": ("qwen3_moe", dict(
