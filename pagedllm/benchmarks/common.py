@@ -41,6 +41,24 @@ def synthetic_requests(
     return requests
 
 
+def text_prompts(token_ids: list[list[int]], num_prompts: int, prompt_len: int,
+                 seed: int = 0) -> list[list[int]]:
+    """``num_prompts`` windows of ``prompt_len`` tokens of the token streams ``token_ids``
+    (each a tokenized text file), each from a stream drawn at random (those long enough)
+    at a random offset, from ``random.Random(seed)``."""
+    long_enough = [ids for ids in token_ids if len(ids) >= prompt_len]
+    if not long_enough:
+        raise ValueError(f"No prompt file holds {prompt_len} tokens: give longer files or "
+                         "lower --input-len.")
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        ids = rng.choice(long_enough)
+        start = rng.randrange(len(ids) - prompt_len + 1)
+        prompts.append(ids[start:start + prompt_len])
+    return prompts
+
+
 def parse_range(text: str) -> tuple[int, int]:
     """``"100:1024"`` -> (100, 1024); ``"128"`` -> (128, 128)."""
     lo, _, hi = text.partition(":")

@@ -10,9 +10,19 @@
 Each iteration draws fresh prompts (and the prefix cache is reset), so no run is served
 from an earlier one's cache; ``--num-iters-warmup`` untimed runs come first and medians
 are reported over ``--num-iters``. ``ms_per_token`` and ``prompt_tok_s`` are derived from
-the reported median latency (``latency_s_median``).
+the reported median latency (``latency_s_median``). Prompts are random token ids, or with
+``--prompt-files`` windows of real text (speculation needs text a draft can predict).
 
     pagedllm bench latency --model llama-3.1-8b --load-format dummy --output-json lat.json
+
+With speculative decoding flags (``--speculative-model``, ``--speculative-method ngram``,
+...) L1 runs on the speculative engine and, iteration by iteration on the same prompts,
+on the same engine without speculation; ``--speculative-k-values 1,2,3`` repeats that
+for each K. Each record adds acceptance, step costs and the predicted and measured
+speedup (``speculative.py``); a table per K is printed.
+
+    pagedllm bench latency --workload L1 --speculative-model pagedllm-demo-draft \
+        --speculative-k-values 1,2,3,4,5 --prompt-files held_out/*.py --max-num-seqs 4
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from pagedllm.benchmarks.common import (
     reported_seconds,
     result_record,
     synthetic_requests,
+    text_prompts,
     write_json,
 )
 from pagedllm.engine.arg_utils import EngineArgs, HelpFormatter
@@ -55,18 +66,40 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "under cProfile and record the host functions that took longest.")
     parser.add_argument("--step-timing", action="store_true",
                         help="Split L1's step time into host phases and device wait.")
+    parser.add_argument("--prompt-files", nargs="+", default=None, metavar="FILE",
+                        help="Prompts are --input-len-token windows of these text files at "
+                             "random offsets, tokenized with the model's tokenizer (default: "
+                             "random token ids).")
+    parser.add_argument("--speculative-k-values", type=_parse_ks, default=None,
+                        metavar="K,K,...",
+                        help="With speculative decoding: measure L1 once per K (default: "
+                             "--num-speculative-tokens).")
     parser.add_argument("--output-json", default=None, help="Write the result records here.")
     EngineArgs.add_cli_args(parser)
+
+
+def _parse_ks(text: str) -> list[int]:
+    ks = [int(k) for k in text.split(",") if k.strip()]
+    if not ks or min(ks) < 1:
+        raise ValueError(f"--speculative-k-values takes K >= 1, comma-separated, got {text!r}.")
+    return ks
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Run the selected workloads on one engine; returns one record per workload."""
     from pagedllm import LLM
+    from pagedllm.benchmarks.speculative import is_speculative
 
     for name in ("batch_size", "input_len", "output_len", "prefill_batch", "prefill_len", "num_iters"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    engine_args = EngineArgs.from_cli_args(args)
+    if is_speculative(engine_args):
+        return _run_speculative(args, engine_args)
+    if args.speculative_k_values:
+        raise ValueError("--speculative-k-values needs speculative decoding: add "
+                         "--speculative-model DRAFT or --speculative-method ngram.")
+    llm = LLM(**vars(engine_args))
     config = llm.llm_engine.config
     common = dict(model=config.model_config.path.name, device=config.device)
     records = []
@@ -102,24 +135,45 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def _iterations(llm, args: argparse.Namespace, num_prompts: int, prompt_len: int,
                 max_tokens: int, temperature: float) -> list[tuple[float, list]]:
-    """(wall seconds, outputs) of each timed iteration, fresh random prompts each time."""
+    """(wall seconds, outputs) of each timed iteration, fresh prompts each time."""
     from pagedllm import SamplingParams
 
-    vocab = llm.llm_engine.config.model_config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
     results = []
     for i in range(args.num_iters_warmup + args.num_iters):
-        requests = synthetic_requests(num_prompts, (prompt_len, prompt_len), (1, 1), vocab,
-                                      seed=args.seed + 1000 * (i + 1))
-        llm.llm_engine.engine_core.scheduler.reset_prefix_cache()
-        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        end = time.monotonic()
+        prompts = _prompts(llm, args, num_prompts, prompt_len, seed=args.seed + 1000 * (i + 1))
+        elapsed, outputs, end = _timed_generate(llm, prompts, params)
         if i >= args.num_iters_warmup:
             results.append((elapsed, [(o, end) for o in outputs]))
     return results
+
+
+def _timed_generate(llm, prompts: list[dict], params) -> tuple[float, list, float]:
+    """(wall seconds, outputs, monotonic end) of one generate call on a cold prefix cache."""
+    llm.llm_engine.engine_core.scheduler.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, outputs, time.monotonic()
+
+
+def _prompts(llm, args: argparse.Namespace, num_prompts: int, prompt_len: int,
+             seed: int) -> list[dict]:
+    """Random token ids, or windows of ``--prompt-files``."""
+    if not args.prompt_files:
+        vocab = llm.llm_engine.config.model_config.vocab_size
+        requests = synthetic_requests(num_prompts, (prompt_len, prompt_len), (1, 1), vocab,
+                                      seed=seed)
+        return [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    tokenizer = llm.llm_engine.tokenizer
+    if tokenizer is None:
+        raise ValueError("--prompt-files needs the model's tokenizer: give one with --tokenizer.")
+    if getattr(args, "_file_tokens", None) is None:
+        from pathlib import Path
+
+        args._file_tokens = [tokenizer.encode(Path(f).read_text(errors="replace"))
+                             for f in args.prompt_files]
+    return [{"prompt_token_ids": ids}
+            for ids in text_prompts(args._file_tokens, num_prompts, prompt_len, seed)]
 
 
 def _one_iteration(llm, args: argparse.Namespace, num_prompts: int, prompt_len: int,
@@ -152,7 +206,12 @@ def _torch_profile(llm, args, num_prompts: int, prompt_len: int, max_tokens: int
 
 def measure_decode_latency(llm, args: argparse.Namespace) -> dict:
     """L1: see the module docstring."""
-    runs = _iterations(llm, args, args.batch_size, args.input_len, args.output_len, 0.0)
+    return _decode_figures(
+        _iterations(llm, args, args.batch_size, args.input_len, args.output_len, 0.0), args)
+
+
+def _decode_figures(runs: list[tuple[float, list]], args: argparse.Namespace) -> dict:
+    """L1's figures from its timed iterations."""
     latencies = [elapsed for elapsed, _ in runs]
     tpots = []
     for _, outputs in runs:
@@ -171,6 +230,66 @@ def measure_decode_latency(llm, args: argparse.Namespace) -> dict:
         "ms_per_token": round(median / args.output_len * 1e3, 3),
         "tpot_ms": round(statistics.median(tpots) * 1e3, 3) if tpots else None,
     }
+
+
+def _run_speculative(args: argparse.Namespace, engine_args: EngineArgs) -> list[dict]:
+    """L1 on the speculative engine beside the same engine without speculation, per K."""
+    import gc
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.speculative import (
+        StepCosts,
+        acceptance,
+        format_table,
+        speculation_report,
+        with_num_speculative_tokens,
+        without_speculation,
+    )
+
+    if args.workload == "P1":
+        raise ValueError("Speculative decoding does not change P1 (prefill): run L1.")
+    plain = LLM(**vars(without_speculation(engine_args)))
+    config = plain.llm_engine.config
+    common = dict(model=config.model_config.path.name, device=config.device)
+    ks = args.speculative_k_values or [
+        engine_args.create_engine_config().speculative_config.num_speculative_tokens]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    records, reports = [], []
+    for k in ks:
+        speculative = LLM(**vars(with_num_speculative_tokens(engine_args, k)))
+        spec_config = speculative.llm_engine.config.speculative_config
+        stats = speculative.llm_engine.engine_core.scheduler.spec_decoding_stats
+        plain_runs, spec_runs = [], []
+        before = None
+        for i in range(args.num_iters_warmup + args.num_iters):
+            prompts = _prompts(plain, args, args.batch_size, args.input_len,
+                               seed=args.seed + 1000 * (i + 1))
+            if i == args.num_iters_warmup:
+                before = stats.copy()
+            for llm, runs in ((plain, plain_runs), (speculative, spec_runs)):
+                elapsed, outputs, end = _timed_generate(llm, prompts, params)
+                if i >= args.num_iters_warmup:
+                    runs.append((elapsed, [(o, end) for o in outputs]))
+        accepted = acceptance(before, stats)
+        with StepCosts(speculative) as costs:
+            _timed_generate(speculative, _prompts(plain, args, args.batch_size, args.input_len,
+                                                  seed=args.seed + 7), params)
+        plain_figures = _decode_figures(plain_runs, args)
+        spec_figures = _decode_figures(spec_runs, args)
+        report = speculation_report(
+            k, costs.summary(), accepted, target_step_ms=plain_figures["tpot_ms"],
+            plain_ms_per_token=plain_figures["ms_per_token"],
+            speculative_ms_per_token=spec_figures["ms_per_token"])
+        report["method"] = spec_config.method
+        reports.append(report)
+        records.append(result_record(workload="L1", **common, **spec_figures,
+                                     prompt_files=args.prompt_files, speculative=report))
+        write_json(args.output_json, records)
+        del speculative
+        gc.collect()
+    print(format_table(reports))
+    write_json(args.output_json, records)
+    return records
 
 
 def measure_prefill(llm, args: argparse.Namespace) -> dict:

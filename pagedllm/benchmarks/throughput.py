@@ -21,6 +21,11 @@ requests.
 then with every request constrained to a JSON schema (``structured_workload.py``), and
 reports the ratio and the host time spent filling token masks (per step, per masked row).
 Constraints need a tokenizer: give a config-only model one with ``--tokenizer``.
+
+With speculative decoding flags the speculative engine runs the workload, then the same
+engine without speculation runs it again; the speculative record adds the acceptance,
+the tokens a decode step yields, the step costs and the measured speedup (see
+``speculative.py``; the predicted speedup needs batch-1 step costs: ``bench latency``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from pagedllm.benchmarks.common import (
     write_json,
 )
 from pagedllm.benchmarks.run_profile import profile_run, prompts_pending
+from pagedllm.benchmarks.speculative import is_speculative
 from pagedllm.engine.arg_utils import EngineArgs, HelpFormatter
 
 logger = logging.getLogger(__name__)
@@ -156,7 +162,10 @@ def run(args: argparse.Namespace) -> list[dict]:
             resolve_dtype(model_config, device), device, args.seed, subset,
             args.hf_batch_size, args.hf_time_limit_s, keep,
         )
-    if "pagedllm" in backends:
+    if "pagedllm" in backends and is_speculative(engine_args):
+        for record in _run_speculative(engine_args, requests, args):
+            keep(record)
+    elif "pagedllm" in backends:
         from pagedllm import LLM
 
         llm = LLM(**vars(engine_args))
@@ -323,6 +332,35 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
     }
 
 
+def _run_speculative(engine_args: EngineArgs, requests: list[SyntheticRequest],
+                     args: argparse.Namespace) -> list[dict]:
+    """The workload on the speculative engine (step costs timed), then on the same engine
+    without speculation; returns both records, the speculative one last."""
+    from pagedllm import LLM
+    from pagedllm.benchmarks.speculative import StepCosts, acceptance, without_speculation
+
+    llm = LLM(**vars(engine_args))
+    _warm_up(llm)
+    stats = llm.llm_engine.engine_core.scheduler.spec_decoding_stats
+    before = stats.copy()
+    with StepCosts(llm) as costs:
+        spec = _run_pagedllm(llm, requests, args)
+    spec_config = llm.llm_engine.config.speculative_config
+    spec["backend"] = "pagedllm+spec"
+    spec["speculative"] = {"method": spec_config.method,
+                           "num_speculative_tokens": spec_config.num_speculative_tokens,
+                           **acceptance(before, stats), **costs.summary()}
+    del llm
+    gc.collect()
+    plain_llm = LLM(**vars(without_speculation(engine_args)))
+    _warm_up(plain_llm)
+    plain = _run_pagedllm(plain_llm, requests, args)
+    del plain_llm
+    gc.collect()
+    spec["speculative"]["measured_speedup"] = round(spec["output_tok_s"] / plain["output_tok_s"], 3)
+    return [plain, spec]
+
+
 def _submit_again(llm, requests: list[SyntheticRequest], args: argparse.Namespace) -> list[str]:
     """Add ``requests`` to the engine (no prefix-cache hits from the measured run); their ids."""
     engine = llm.llm_engine
@@ -398,6 +436,13 @@ def _row(r: dict) -> str:
     if "constrained_ratio" in r:
         note = (f"{r['constrained_ratio']}x unconstrained; masks {r['mask_ms_per_step']} ms/step "
                 f"on the host, {r['mask_us_per_row']} us/row")
+    if "speculative" in r:
+        spec = r["speculative"]
+        note = (f"{spec['measured_speedup']}x without speculation; K={spec['num_speculative_tokens']}, "
+                f"acceptance {spec['acceptance_rate']:.3f}, mean accepted length "
+                f"{spec['mean_accepted_length']:.2f}, {spec['tokens_per_step']:.2f} tokens per "
+                f"decode step; proposal {spec['proposal_ms']} ms, verification "
+                f"{spec['verification_ms']} ms per decode step")
     return (f"{r['backend']:>9} {r['num_prompts']:>9} {r['output_tokens']:>11} "
             f"{r['elapsed_s']:>10} {r['output_tok_s']:>13}  {note}")
 
