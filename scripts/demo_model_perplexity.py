@@ -56,11 +56,12 @@ def held_out_windows(seq_len: int = SEQ_LEN, max_windows: int | None = None,
 
 
 def mean_nll(windows: list[list[int]], **engine_args) -> float:
-    """Mean NLL (nats per predicted token) of ``windows`` under the demo model, run by an
-    engine of ``engine_args`` (keywords of ``LLM``)."""
+    """Mean NLL (nats per predicted token) of ``windows`` under the demo model (or the
+    ``model`` keyword's checkpoint of it, e.g. a quantized one), run by an engine of
+    ``engine_args`` (keywords of ``LLM``)."""
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(model="pagedllm-demo", enable_prefix_caching=False, **engine_args)
+    llm = LLM(**{"model": "pagedllm-demo", "enable_prefix_caching": False, **engine_args})
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
     total, count = 0.0, 0

@@ -1,4 +1,5 @@
-"""GPTQ and AWQ checkpoints written from the formats' published descriptions.
+"""GPTQ and AWQ checkpoints written from the formats' published descriptions (and a
+compressed-tensors one with act-order, packed by compressed-tensors itself).
 
 AutoGPTQ, GPTQModel and AutoAWQ need CUDA (or pin old torch and transformers) to
 quantize, so these tests write their layouts directly, with code of their own: a
@@ -178,6 +179,47 @@ def write_awq(src: Path, dst: Path, *, group_size: int = 128) -> dict[str, Quant
     _write(src, dst, out, {"quant_method": "awq", "bits": 4, "group_size": group_size,
                            "zero_point": True, "version": "gemm",
                            "modules_to_not_convert": None})
+    return result
+
+
+def write_compressed_tensors(src: Path, dst: Path, *, group_size: int = 32,
+                             symmetric: bool = True, act_order: bool = True,
+                             seed: int = 0) -> dict[str, Quantized]:
+    """``src`` in compressed-tensors' pack-quantized layout, packed by compressed-tensors'
+    own ``pack_to_int32`` (signed values, offset by 8 for packing): ``weight_packed``,
+    ``weight_scale``, ``weight_zero_point`` (packed along the outputs) when asymmetric,
+    ``weight_shape``, and with ``act_order`` a shuffled ``weight_g_idx`` (``actorder:
+    group``, which llm-compressor 0.14 no longer writes but earlier versions did)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    tensors = read_tensors(src)
+    out = {n: t for n, t in tensors.items() if not (".layers." in n and n.endswith("_proj.weight"))}
+    shared: dict[tuple[str, str], torch.Tensor] = {}
+    result = {}
+    for module, weight in _projections(tensors):
+        layer, _, proj = module.rpartition(".")
+        key = (layer.rsplit(".", 1)[0], _SHARED_INPUT[proj])
+        if key not in shared:
+            shared[key] = _groups(weight.shape[1], group_size, act_order, seed + len(shared))
+        q = quantize(weight, 4, shared[key], symmetric)
+        q.scales = q.scales.float()  # compressed-tensors stores scales in the model's dtype
+        out[f"{module}.weight_packed"] = pack_to_int32((q.codes - 8).to(torch.int8), 4)
+        out[f"{module}.weight_scale"] = q.scales.contiguous()
+        out[f"{module}.weight_shape"] = torch.tensor(list(weight.shape))
+        if not symmetric:
+            out[f"{module}.weight_zero_point"] = pack_to_int32(
+                (q.zeros - 8).to(torch.int8), 4, packed_dim=0).contiguous()
+        if act_order:
+            out[f"{module}.weight_g_idx"] = q.g_idx.clone()
+        result[module] = q
+    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
+               "group_size": group_size, "dynamic": False,
+               "actorder": "group" if act_order else None}
+    _write(src, dst, out, {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": None, "format": "pack-quantized"}}})
     return result
 
 

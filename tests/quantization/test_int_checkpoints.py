@@ -106,6 +106,21 @@ def test_gptq_checkpoint_with_qkv_biases(sources, tmp_path):
         hf_greedy(reference, prompt, 10) for prompt in prompts]
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_act_order_checkpoint_greedy_equals_hf(sources, tmp_path, symmetric):
+    """``weight_g_idx`` (``actorder: group``) and packed zero points, written by
+    compressed-tensors' own packer."""
+    pytest.importorskip("compressed_tensors")
+    from tests.quantization.int_checkpoints import write_compressed_tensors
+
+    quantized = write_compressed_tensors(sources["llama"], tmp_path / "ct", group_size=32,
+                                         symmetric=symmetric)
+    prompts = random_prompts(3, 3, 20, seed=9, vocab=256)
+    reference = hf_on_dequantized(sources["llama"], quantized)
+    assert engine_tokens(tmp_path / "ct", prompts) == [
+        hf_greedy(reference, prompt, 10) for prompt in prompts]
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_awq_checkpoint_greedy_equals_hf_on_its_dequantized_weights(sources, tmp_path,
                                                                     group_size):
