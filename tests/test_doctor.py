@@ -223,6 +223,19 @@ def test_an_fp8_kv_cache_on_a_gpu_holds_twice_the_tokens():
     assert "at --max-model-len 131072, 7 requests fit" in check.detail
 
 
+def test_4bit_weights_on_a_gpu_leave_the_kv_cache_more_room():
+    """llama-3.1-8b with --quantization gptq (4-bit, groups of 128) on an 80 GiB GPU: the
+    projections 114,163,712 bytes a layer as stored, + two bf16 norms 16,384, x 32 layers +
+    bf16 embedding, LM head and final norm 2,101,354,496 = 5,755,117,568 bytes of weights;
+    77,309,411,328 less that = 71,554,293,760 bytes -> 34,119 blocks of 2 MiB, 545,904
+    tokens; at 131,072 tokens, 4 requests fit."""
+    args = _args("llama-3.1-8b", "--load-format", "dummy", "--quantization", "gptq")
+    check = doctor.check_kv_cache(args, doctor.check_model(args)[1], _fake_cuda(total_gib=80))
+    assert "less 5.36 GiB of bfloat16 + int4 weights" in check.detail
+    assert "545904 tokens in 34119 blocks" in check.detail
+    assert "at --max-model-len 131072, 4 requests fit" in check.detail
+
+
 def test_kv_cache_on_the_cpu_from_kv_cache_memory_gb():
     """qwen3-0.6b in float32 on the CPU: 1 GiB / (2 x 28 x 16 x 8 x 128 x 4 bytes) = 292
     blocks = 4,672 tokens."""
