@@ -10,7 +10,8 @@ import torch
 
 from pagedllm.layers.attention.backend import AttentionMetadata
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2",
+            "gemma3")
 
 _TINY_DEFAULTS: dict[str, Any] = dict(
     vocab_size=256,
@@ -38,6 +39,8 @@ def _hf_classes(family: str):
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
     if family not in classes:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}.")
@@ -90,6 +93,8 @@ def make_tiny_checkpoint(
         kwargs["sliding_window"] = None
     if family == "phi3":
         kwargs["pad_token_id"] = 0
+    if family in ("gemma2", "gemma3"):
+        kwargs.update(head_dim=16, pad_token_id=0, query_pre_attn_scalar=24)
     if family == "mixtral":
         kwargs.update(num_local_experts=4, num_experts_per_tok=2)
     if family == "qwen3_moe":

@@ -27,23 +27,30 @@ class RMSNorm(nn.Module):
     ``forward(x)`` returns ``y``. ``forward(x, residual)`` first forms ``s = x + residual``
     (in the input dtype) and returns ``(norm(s), s)``: the pre-norm residual stream of a
     decoder layer in one call.
+
+    With ``weight_offset`` (Gemma: 1.0) the scale is ``weight_offset + weight`` and the
+    product runs in float32 before the one cast, as those checkpoints compute it (the
+    torch path on every device).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
+        self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_offset:
+            return (x32 * (self.weight.float() + self.weight_offset)).to(dtype)
         return self.weight * x32.to(dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if use_fused_ops(x) and self.weight.dtype == x.dtype:
+        if use_fused_ops(x) and self.weight.dtype == x.dtype and not self.weight_offset:
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
@@ -61,7 +68,7 @@ def linear_and_norm(
     few sequences on CUDA the norm runs at the end of the projection's small-batch product
     (one launch for both; the same roundings as the two kernels)."""
     if (proj.weight is not None and use_small_batch_matmul(x, proj.weight)
-            and norm.weight.dtype == x.dtype):
+            and norm.weight.dtype == x.dtype and not norm.weight_offset):
         return small_batch_matmul(x, proj.weight, proj.bias,
                                   norm=(norm.weight, norm.eps, residual),
                                   weight_scale=proj.weight_scale,

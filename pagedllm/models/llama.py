@@ -83,6 +83,10 @@ class LlamaArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()  # one per layer: sparse or dense
+    # Gemma's switches (see models/gemma.py); the defaults are Llama's.
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    norm_offset: float = 0.0  # RMSNorm scales by norm_offset + weight
 
     @classmethod
     def from_hf(cls, hf: dict, family: str) -> LlamaArchConfig:
@@ -147,14 +151,15 @@ class LlamaAttentionBlock(nn.Module):
         )
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
         self.qk_norm = cfg.qk_norm
         self.attn = Attention(
             cfg.num_heads, cfg.head_dim, cfg.num_kv_heads,
-            scale=cfg.head_dim**-0.5,
+            scale=cfg.attn_scale or cfg.head_dim**-0.5,
             layer_idx=layer_idx,
             sliding_window=cfg.sliding_windows[layer_idx],
+            logits_soft_cap=cfg.attn_softcap,
         )
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -260,16 +265,21 @@ class LlamaForCausalLM(nn.Module):
     """
 
     family = "llama"
+    model_class: type[nn.Module] = LlamaModel
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
-        self.config = LlamaArchConfig.from_hf(hf_config, self.family)
-        self.model = LlamaModel(self.config)
+        self.config = self.arch_config(hf_config)
+        self.model = self.model_class(self.config)
         self.lm_head = (
             None
             if self.config.tie_word_embeddings
             else Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         )
+
+    @classmethod
+    def arch_config(cls, hf_config: dict) -> LlamaArchConfig:
+        return LlamaArchConfig.from_hf(hf_config, cls.family)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -22,6 +23,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

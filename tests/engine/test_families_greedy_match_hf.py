@@ -16,6 +16,11 @@ MAX_NEW = 10
 FAMILIES = {
     "mixtral": ("mixtral", dict(sliding_window=12)),
     "phi3": ("phi3", dict(sliding_window=10)),
+    "gemma2": ("gemma2", dict(num_hidden_layers=3, sliding_window=10,
+                              attn_logit_softcapping=3.0, final_logit_softcapping=5.0)),
+    "gemma3": ("gemma3", dict(num_hidden_layers=3, sliding_window=10,
+                              layer_types=["sliding_attention", "full_attention",
+                                           "sliding_attention"])),
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1],
                                     norm_topk_prob=False)),
 }
@@ -29,7 +34,9 @@ def checkpoint(request, tmp_path_factory):
     make_tiny_tokenizer(path, vocab_size=VOCAB_SIZE)
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Eager attention: the one HF implementation that soft-caps scores (Gemma 2).
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
     return path, hf
 
 

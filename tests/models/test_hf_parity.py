@@ -43,6 +43,18 @@ CASES = {
         max_position_embeddings=1024, original_max_position_embeddings=64,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.3 * i for i in range(8)],
                       "long_factor": [2.0 + i for i in range(8)]})),
+    "gemma2_softcaps_alternating_window": ("gemma2", dict(
+        num_hidden_layers=3, sliding_window=6, attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0)),
+    "gemma2_untied_without_caps": ("gemma2", dict(
+        tie_word_embeddings=False, attn_logit_softcapping=None, final_logit_softcapping=None,
+        sliding_window=4)),
+    "gemma3_local_and_scaled_global_rope_qk_norm": ("gemma3", dict(
+        num_hidden_layers=3, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 10000.0}})),
     "mixtral_top2_of_4_sliding_window": ("mixtral", dict(sliding_window=6)),
     "mixtral_top1_of_3": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=1)),
     "qwen3_moe_unnormalised_top3_of_5": ("qwen3_moe", dict(

@@ -29,6 +29,10 @@ class Attention(nn.Module):
     ``self_attn.k_scale`` / ``v_scale`` set them at load) scale the keys and values of an
     FP8 KV cache (``kv_quant.py``); the backend reads them on every call, and a captured
     CUDA graph keeps the values of its capture. A cache in the model's dtype ignores them.
+
+    ``logits_soft_cap`` (Gemma 2's ``attn_logit_softcapping``) maps each scaled score
+    ``s`` to ``cap * tanh(s / cap)`` before the softmax; the torch reference backend
+    computes it, and a layer with a cap on another backend is refused when built.
     """
 
     def __init__(
@@ -39,6 +43,7 @@ class Attention(nn.Module):
         scale: float,
         layer_idx: int,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -57,6 +62,13 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.backend = get_attention_backend()
+        self.logits_soft_cap = logits_soft_cap
+        if logits_soft_cap is not None and self.backend.name != "torch_ref":
+            raise ValueError(
+                f"attn_logit_softcapping={logits_soft_cap} is not implemented by the "
+                f"{self.backend.name} attention kernels yet; run this model with "
+                "PAGEDLLM_ATTENTION_BACKEND=torch (the reference backend, slower) or on "
+                "the CPU.")
 
     def forward(
         self,
@@ -75,12 +87,16 @@ class Attention(nn.Module):
         if ctx.attn_metadata is None:
             if rotary is not None:
                 q, k = (RotaryEmbedding.apply(x, *rotary) for x in (q, k))
-            out = causal_attention_without_cache(q, k, v, self.scale, self.sliding_window)
+            out = causal_attention_without_cache(q, k, v, self.scale, self.sliding_window,
+                                                 self.logits_soft_cap)
         else:
+            # Only the torch reference takes a cap (checked when built).
+            capped = {} if self.logits_soft_cap is None else {
+                "logits_soft_cap": self.logits_soft_cap}
             out = self.backend.forward(
                 q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
                 self.scale, self.sliding_window, rotary=rotary,
-                k_scale=self.k_scale, v_scale=self.v_scale,
+                k_scale=self.k_scale, v_scale=self.v_scale, **capped,
             )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 

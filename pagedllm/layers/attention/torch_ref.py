@@ -148,9 +148,12 @@ class TorchReferenceBackend:
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``. Rows past ``num_actual_tokens`` (padding) are
-        neither written to the cache nor attended; their output is zero."""
+        neither written to the cache nor attended; their output is zero.
+        ``logits_soft_cap``: scores become ``cap * tanh(scores / cap)`` before the mask
+        and softmax (Gemma 2); only this backend implements it."""
         if rotary is not None:
             query, key = (RotaryEmbedding.apply(x, *rotary) for x in (query, key))
         num_tokens, num_heads, head_dim = query.shape
@@ -178,12 +181,7 @@ class TorchReferenceBackend:
         k = torch.where(valid, k, 0)
         v = torch.where(valid, v, 0)
 
-        out = F.scaled_dot_product_attention(
-            q, k, v,
-            attn_mask=plan.mask(sliding_window),
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )
+        out = attend(q, k, v, plan.mask(sliding_window), scale, logits_soft_cap)
         out = out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)[plan.pad_index]
         if num_tokens == n:
             return out
@@ -192,12 +190,32 @@ class TorchReferenceBackend:
         return padded
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+           scale: float, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """``softmax(scale * q k^T masked) v`` over ``q [B, H, Lq, D]``, ``k/v [B, Hkv, Lk, D]``
+    and a boolean ``mask`` broadcast to ``[B, H, Lq, Lk]``; with ``logits_soft_cap`` the
+    scaled scores pass through ``cap * tanh(s / cap)`` first (then written out by hand:
+    SDPA has no such step)."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=num_heads != num_kv_heads)
+    group = num_heads // num_kv_heads
+    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def causal_attention_without_cache(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """All ``T`` tokens as one sequence at positions ``0..T-1``, no KV cache involved.
 
@@ -206,7 +224,13 @@ def causal_attention_without_cache(
     """
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))
-    if sliding_window is None:
+    if logits_soft_cap is not None:
+        pos = torch.arange(query.shape[0], device=query.device)
+        mask = pos[None, :] <= pos[:, None]
+        if sliding_window is not None:
+            mask &= pos[None, :] > pos[:, None] - sliding_window
+        out = attend(q, k, v, mask, scale, logits_soft_cap)
+    elif sliding_window is None:
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
         )
