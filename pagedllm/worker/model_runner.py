@@ -174,6 +174,11 @@ class ModelRunner:
             self.graph_runner = graph_runners[0]
             if self.drafter is not None:
                 self.drafter.graph_runner = graph_runners[1]
+            if self.speculative:
+                logger.info(
+                    "Speculative decoding with CUDA graphs: a step verifying one request's "
+                    "proposals replays the prompt graphs; steps verifying several run eagerly%s.",
+                    "; the draft model's decodes replay its own graphs" if self.drafter else "")
             pool_bytes = sum(runner.pool_bytes for runner in graph_runners)
             if pool_bytes > reserved:
                 logger.warning(
