@@ -11,7 +11,7 @@ import torch
 from pagedllm.layers.attention.backend import AttentionMetadata
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2",
-            "gemma3")
+            "gemma3", "gpt_neox", "opt")
 
 _TINY_DEFAULTS: dict[str, Any] = dict(
     vocab_size=256,
@@ -41,6 +41,8 @@ def _hf_classes(family: str):
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM),
+        "opt": (transformers.OPTConfig, transformers.OPTForCausalLM),
     }
     if family not in classes:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}.")
@@ -95,6 +97,14 @@ def make_tiny_checkpoint(
         kwargs["pad_token_id"] = 0
     if family in ("gemma2", "gemma3"):
         kwargs.update(head_dim=16, pad_token_id=0, query_pre_attn_scalar=24)
+    if family == "gpt_neox":
+        for field in ("num_key_value_heads", "rms_norm_eps"):
+            kwargs.pop(field)
+    if family == "opt":
+        for field in ("num_key_value_heads", "rms_norm_eps"):
+            kwargs.pop(field)
+        kwargs.update(ffn_dim=kwargs.pop("intermediate_size"), pad_token_id=0, dropout=0.0,
+                      tie_word_embeddings=True)
     if family == "mixtral":
         kwargs.update(num_local_experts=4, num_experts_per_tok=2)
     if family == "qwen3_moe":

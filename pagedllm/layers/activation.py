@@ -20,7 +20,17 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "swish": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
 }
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The elementwise function config.json's ``hidden_act`` names (the plain MLPs of
+    GPT-NeoX and OPT). Raises ValueError naming the supported ones."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"hidden_act={name!r} is not supported; supported: {sorted(_ACTIVATIONS)}.")
+    return _ACTIVATIONS[name]
 
 
 class GatedActivation(nn.Module):

@@ -1,4 +1,5 @@
-"""RMSNorm, with the residual add fused into the same call.
+"""RMSNorm, with the residual add fused into the same call; LayerNorm for the older
+families (GPT-NeoX, OPT).
 
 Numerics follow the reference checkpoints: the mean of squares and the rescale run in
 float32, the result is cast back to the input dtype and only then multiplied by the weight.
@@ -10,6 +11,7 @@ and after a projection of a small decode batch it rides on the projection's own 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.linear import Linear
@@ -59,6 +61,25 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension, in
+    float32, cast back to the input dtype (the reference checkpoints' numerics)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias,
+                            self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"
 
 
 def linear_and_norm(

@@ -51,7 +51,9 @@ STACKED_PARAMS = (
     ("gate_up_proj", "up_proj", "up"),
 )
 # Checkpoint tensors that are derived state, not weights.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
+                     # causal-mask buffers older GPT-NeoX checkpoints carry
+                     ".attention.bias", ".attention.masked_bias")
 # Per-layer KV-cache scales of FP8 checkpoints (llm-compressor, the plain fp8 method).
 _KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
 
@@ -266,6 +268,9 @@ class LlamaForCausalLM(nn.Module):
 
     family = "llama"
     model_class: type[nn.Module] = LlamaModel
+    # (checkpoint prefix, ours): families whose checkpoints name the decoder or the head
+    # otherwise (``gpt_neox.`` -> ``model.``) load through the same names.
+    checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
@@ -316,6 +321,10 @@ class LlamaForCausalLM(nn.Module):
         unexpected: list[str] = []
 
         for name, tensor in weights:
+            for theirs, ours in self.checkpoint_prefixes:
+                if name.startswith(theirs):
+                    name = ours + name[len(theirs):]
+                    break
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagedllm.models.gpt_neox import GPTNeoXForCausalLM
+from pagedllm.models.opt import OPTForCausalLM
 from pagedllm.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -25,6 +27,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
 }
 
 

@@ -21,6 +21,8 @@ FAMILIES = {
     "gemma3": ("gemma3", dict(num_hidden_layers=3, sliding_window=10,
                               layer_types=["sliding_attention", "full_attention",
                                            "sliding_attention"])),
+    "gpt_neox": ("gpt_neox", dict(rotary_pct=0.5)),
+    "opt": ("opt", dict()),
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1],
                                     norm_topk_prob=False)),
 }

@@ -55,6 +55,12 @@ CASES = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0,
                                             "rope_theta": 10000.0}})),
+    "gpt_neox_parallel_partial_rotary": ("gpt_neox", dict(rotary_pct=0.25)),
+    "gpt_neox_sequential_full_rotary_tied": ("gpt_neox", dict(
+        use_parallel_residual=False, rotary_pct=1.0, tie_word_embeddings=True)),
+    "opt_pre_norm_learned_positions": ("opt", dict()),
+    "opt_post_norm_projected_embeddings": ("opt", dict(
+        do_layer_norm_before=False, word_embed_proj_dim=32)),
     "mixtral_top2_of_4_sliding_window": ("mixtral", dict(sliding_window=6)),
     "mixtral_top1_of_3": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=1)),
     "qwen3_moe_unnormalised_top3_of_5": ("qwen3_moe", dict(
