@@ -158,7 +158,12 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.hf_config.get("num_key_value_heads") or self.num_attention_heads
+        hf = self.hf_config
+        if hf.get("model_type") == "falcon":  # its own fields (see models/gpt_neox.py)
+            if hf.get("new_decoder_architecture"):
+                return hf.get("num_kv_heads") or self.num_attention_heads
+            return 1 if hf.get("multi_query", True) else self.num_attention_heads
+        return hf.get("num_key_value_heads") or self.num_attention_heads
 
     @property
     def head_dim(self) -> int:

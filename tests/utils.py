@@ -11,7 +11,7 @@ import torch
 from pagedllm.layers.attention.backend import AttentionMetadata
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2",
-            "gemma3", "gpt_neox", "opt")
+            "gemma3", "gpt_neox", "opt", "falcon")
 
 _TINY_DEFAULTS: dict[str, Any] = dict(
     vocab_size=256,
@@ -43,6 +43,7 @@ def _hf_classes(family: str):
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM),
         "opt": (transformers.OPTConfig, transformers.OPTForCausalLM),
+        "falcon": (transformers.FalconConfig, transformers.FalconForCausalLM),
     }
     if family not in classes:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}.")
@@ -97,9 +98,11 @@ def make_tiny_checkpoint(
         kwargs["pad_token_id"] = 0
     if family in ("gemma2", "gemma3"):
         kwargs.update(head_dim=16, pad_token_id=0, query_pre_attn_scalar=24)
-    if family == "gpt_neox":
+    if family in ("gpt_neox", "falcon"):
         for field in ("num_key_value_heads", "rms_norm_eps"):
             kwargs.pop(field)
+    if family == "falcon":
+        kwargs.update(ffn_hidden_size=kwargs.pop("intermediate_size"), bos_token_id=1)
     if family == "opt":
         for field in ("num_key_value_heads", "rms_norm_eps"):
             kwargs.pop(field)

@@ -26,6 +26,7 @@ routes each checkpoint tensor into its rows. Expert weights are stacked per laye
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -268,9 +269,10 @@ class LlamaForCausalLM(nn.Module):
 
     family = "llama"
     model_class: type[nn.Module] = LlamaModel
-    # (checkpoint prefix, ours): families whose checkpoints name the decoder or the head
-    # otherwise (``gpt_neox.`` -> ``model.``) load through the same names.
-    checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
+    # (pattern, replacement), applied in order to each checkpoint name: families whose
+    # checkpoints name the decoder or the head otherwise (``^gpt_neox\.`` -> ``model.``)
+    # load through this class's names.
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
@@ -321,10 +323,8 @@ class LlamaForCausalLM(nn.Module):
         unexpected: list[str] = []
 
         for name, tensor in weights:
-            for theirs, ours in self.checkpoint_prefixes:
-                if name.startswith(theirs):
-                    name = ours + name[len(theirs):]
-                    break
+            for pattern, replacement in self.checkpoint_renames:
+                name = re.sub(pattern, replacement, name, count=1)
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:

@@ -140,7 +140,7 @@ class OPTForCausalLM(LlamaForCausalLM):
 
     family = "opt"
     model_class = OPTModel
-    checkpoint_prefixes = (("decoder.", "model.decoder."),)
+    checkpoint_renames = ((r"^decoder\.", "model.decoder."),)
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__(hf_config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from pagedllm.models.gpt_neox import GPTNeoXForCausalLM
+from pagedllm.models.gpt_neox import FalconForCausalLM, GPTNeoXForCausalLM
 from pagedllm.models.opt import OPTForCausalLM
 from pagedllm.models.llama import (
     LlamaForCausalLM,
@@ -29,6 +29,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
 }
 
 

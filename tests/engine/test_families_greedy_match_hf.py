@@ -23,6 +23,8 @@ FAMILIES = {
                                            "sliding_attention"])),
     "gpt_neox": ("gpt_neox", dict(rotary_pct=0.5)),
     "opt": ("opt", dict()),
+    "falcon_grouped_kv": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    "falcon_multi_query": ("falcon", dict(multi_query=True)),
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1],
                                     norm_topk_prob=False)),
 }

@@ -58,6 +58,11 @@ CASES = {
     "gpt_neox_parallel_partial_rotary": ("gpt_neox", dict(rotary_pct=0.25)),
     "gpt_neox_sequential_full_rotary_tied": ("gpt_neox", dict(
         use_parallel_residual=False, rotary_pct=1.0, tie_word_embeddings=True)),
+    "falcon_7b_multi_query_shared_norm": ("falcon", dict(multi_query=True)),
+    "falcon_40b_grouped_kv_two_norms_bias": ("falcon", dict(
+        new_decoder_architecture=True, num_kv_heads=2, bias=True)),
+    "falcon_per_head_sequential_untied": ("falcon", dict(
+        multi_query=False, parallel_attn=False, tie_word_embeddings=False)),
     "opt_pre_norm_learned_positions": ("opt", dict()),
     "opt_post_norm_projected_embeddings": ("opt", dict(
         do_layer_norm_before=False, word_embed_proj_dim=32)),
