@@ -47,5 +47,6 @@ def get_model_class(architectures: list[str]) -> type[nn.Module]:
             return MODEL_REGISTRY[name]
     raise ValueError(
         f"Model architectures {list(architectures)} are not supported; supported "
-        f"architectures: {supported_architectures()}. Check the checkpoint's config.json."
+        f"architectures: {supported_architectures()}. Check the checkpoint's config.json; "
+        "docs/adding_a_model.md says how to add an architecture."
     )

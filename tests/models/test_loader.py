@@ -17,7 +17,9 @@ from pagedllm.models.loader import load_model, resolve_dtype
 from pagedllm.models.registry import get_model_class
 from tests.utils import make_tiny_checkpoint
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+             "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
+             "Qwen3MoeForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM", "OPTForCausalLM")
 
 
 def _prompt_logits(model: torch.nn.Module, num_tokens: int = 10) -> torch.Tensor:
@@ -55,6 +57,7 @@ def test_unknown_architecture_error_names_the_supported_ones(tmp_path) -> None:
         load_model(ModelConfig(model=str(path)), "cpu", torch.float32)
     for name in SUPPORTED:
         assert name in str(excinfo.value)
+    assert "docs/adding_a_model.md" in str(excinfo.value)
 
 
 def test_first_supported_architecture_is_used() -> None:
