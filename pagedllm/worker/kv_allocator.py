@@ -93,6 +93,10 @@ def max_concurrency(num_blocks: int, num_tokens: int, block_size: int) -> int:
     return num_blocks // blocks_per_request(num_tokens, block_size)
 
 
+# model_type values whose weights weight_bytes counts by the Llama formula.
+FORMULA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_FAMILIES)
+
+
 def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = None,
                  group_size: int = -1) -> int:
     """Bytes of a Llama-family model's weights, from its config.json.
@@ -103,7 +107,13 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
     in int32 words, plus per output channel and group of ``group_size`` inputs (-1: one
     group) a scale of ``element_size`` bytes and a one-byte zero point). The embedding, the
     LM head and the norms keep ``element_size``.
+
+    Families of another shape (Gemma, GPT-NeoX, Falcon, OPT) are counted exactly from
+    their model built on the meta device, every parameter at ``element_size`` (those
+    quantized are then over-counted, never under).
     """
+    if hf_config.get("model_type", "llama") not in FORMULA_FAMILIES:
+        return _meta_parameter_count(hf_config) * element_size
     hidden = hf_config["hidden_size"]
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
@@ -141,6 +151,17 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
                      for n, k in shapes)
         return layers * (packed + (biases + norms) * element_size) + embeddings * element_size
     return (layers * (projections + biases + norms) + embeddings) * element_size
+
+
+def _meta_parameter_count(hf_config: dict) -> int:
+    """Parameters of the registry's model for ``hf_config``, built with no memory."""
+    import torch
+
+    from pagedllm.models.registry import get_model_class
+
+    with torch.device("meta"):
+        model = get_model_class(hf_config.get("architectures") or [])(hf_config)
+    return sum(p.numel() for p in model.parameters())
 
 
 def _moe_shape(hf_config: dict) -> tuple[int, int, int]:
