@@ -25,12 +25,15 @@ from pagedllm.layers.triton_ops import rotary, use_fused_ops
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
-def rope_parameters_from_hf(hf_config: dict) -> dict[str, Any]:
+def rope_parameters_from_hf(hf_config: dict, allow_partial: bool = False) -> dict[str, Any]:
     """The checkpoint's rope settings as one flat dict with ``rope_type`` and ``rope_theta``.
 
     Reads both layouts: ``rope_theta`` + ``rope_scaling`` (older checkpoints) and a single
     ``rope_parameters`` dict with ``rope_theta`` inside (newer ones). Raises ValueError for
-    rope types this engine does not implement, naming the supported ones.
+    rope types this engine does not implement, naming the supported ones, and for a
+    ``partial_rotary_factor`` other than 1 unless ``allow_partial`` (the caller rotates
+    the leading ``partial_rotary_factor`` of each head, ``rotate_leading``); the dict
+    then holds it (1.0 when absent).
     """
     params = dict(hf_config.get("rope_scaling") or {})
     nested = hf_config.get("rope_parameters") or {}
@@ -51,7 +54,9 @@ def rope_parameters_from_hf(hf_config: dict) -> dict[str, Any]:
             f"{list(SUPPORTED_ROPE_TYPES)}."
         )
     partial = params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
+    if allow_partial:
+        params["partial_rotary_factor"] = float(partial or 1.0)
+    elif partial not in (None, 1, 1.0):
         raise ValueError(
             f"partial_rotary_factor={partial} is not supported for this architecture (only 1.0)."
         )
@@ -227,3 +232,23 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rope_type={self.rope_type}"
+
+
+def rotary_dims(head_dim: int, params: dict[str, Any]) -> int:
+    """How many leading dimensions of each head rotate: ``head_dim`` times the
+    ``partial_rotary_factor`` in ``params`` (1 when absent). Raises ValueError unless
+    that is even and positive."""
+    factor = params.get("partial_rotary_factor") or 1.0
+    dims = int(head_dim * factor)
+    if dims % 2 or dims == 0:
+        raise ValueError(f"partial_rotary_factor={factor} gives {dims} rotary dimensions of "
+                         f"{head_dim}; pagedllm needs an even number > 0.")
+    return dims
+
+
+def rotate_leading(x: torch.Tensor, rotary_dim: int, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> torch.Tensor:
+    """``x [T, heads, D]`` with its first ``rotary_dim`` dims rotated (rotate-half within
+    them, ``cos, sin: [T, rotary_dim // 2]``), the rest passed through."""
+    rotated = RotaryEmbedding.apply(x[..., :rotary_dim].contiguous(), cos, sin)
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)

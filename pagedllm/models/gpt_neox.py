@@ -30,7 +30,12 @@ from pagedllm.layers.activation import activation
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.layernorm import LayerNorm
 from pagedllm.layers.linear import Embedding, Linear
-from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters_from_hf
+from pagedllm.layers.rotary import (
+    RotaryEmbedding,
+    rope_parameters_from_hf,
+    rotary_dims,
+    rotate_leading,
+)
 from pagedllm.models.llama import LlamaForCausalLM
 
 
@@ -88,19 +93,16 @@ class GPTNeoXArchConfig:
         heads = hf["num_attention_heads"]
         head_dim = hf["hidden_size"] // heads
         rope = dict(hf.get("rope_parameters") or {})
-        partial = rope.pop("partial_rotary_factor", hf.get("rotary_pct", 1.0))
+        rope.setdefault("partial_rotary_factor", hf.get("rotary_pct", 1.0))
         rope.setdefault("rope_theta", hf.get("rotary_emb_base", hf.get("rope_theta", 10000.0)))
-        rotary_dim = int(head_dim * partial)
-        if rotary_dim % 2 or rotary_dim == 0:
-            raise ValueError(f"partial_rotary_factor={partial} gives {rotary_dim} rotary "
-                             f"dimensions of {head_dim}; pagedllm needs an even number > 0.")
+        rope = rope_parameters_from_hf(
+            {"rope_parameters": rope, "max_position_embeddings": hf.get("max_position_embeddings")},
+            allow_partial=True)
         return cls(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=heads, head_dim=head_dim, rotary_dim=rotary_dim,
-            rope_parameters=rope_parameters_from_hf(
-                {"rope_parameters": rope, "max_position_embeddings":
-                 hf.get("max_position_embeddings")}),
+            num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
+            rotary_dim=rotary_dims(head_dim, rope), rope_parameters=rope,
             max_position_embeddings=hf.get("max_position_embeddings"),
             layer_norm_eps=hf.get("layer_norm_eps", 1e-5),
             hidden_act=hf.get("hidden_act", "gelu"),
@@ -109,14 +111,6 @@ class GPTNeoXArchConfig:
             parallel_residual=bool(hf.get("use_parallel_residual", True)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
-
-
-def rotate_leading(x: torch.Tensor, rotary_dim: int, cos: torch.Tensor, sin: torch.Tensor
-                   ) -> torch.Tensor:
-    """``x [T, heads, D]`` with its first ``rotary_dim`` dims rotated (rotate-half within
-    them), the rest passed through."""
-    rotated = RotaryEmbedding.apply(x[..., :rotary_dim].contiguous(), cos, sin)
-    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
 
 class GPTNeoXAttention(nn.Module):

@@ -38,7 +38,12 @@ from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.fused_moe import FusedMoE, MoEBlock
 from pagedllm.layers.layernorm import RMSNorm, linear_and_norm
 from pagedllm.layers.linear import Embedding, FusedLinear, Linear, linear
-from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters_from_hf
+from pagedllm.layers.rotary import (
+    RotaryEmbedding,
+    rope_parameters_from_hf,
+    rotary_dims,
+    rotate_leading,
+)
 from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
 from pagedllm.models.moe_config import moe_fields
 
@@ -86,6 +91,7 @@ class LlamaArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()  # one per layer: sparse or dense
+    rotary_dim: int = 0  # leading dims of each head that rotate; 0: all (head_dim)
     # Gemma's switches (see models/gemma.py); the defaults are Llama's.
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None
@@ -97,6 +103,8 @@ class LlamaArchConfig:
         num_layers = hf["num_hidden_layers"]
         attention_bias = bool(hf.get("attention_bias", False))
         moe = moe_fields(hf, family, num_layers)
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope = rope_parameters_from_hf(hf, allow_partial=family == "phi3")
         if family == "qwen2":
             qkv_bias, o_bias = True, False
         else:
@@ -108,11 +116,12 @@ class LlamaArchConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             hidden_act=hf.get("hidden_act", "silu"),
             max_position_embeddings=hf.get("max_position_embeddings"),
-            rope_parameters=rope_parameters_from_hf(hf),
+            rope_parameters=rope,
+            rotary_dim=rotary_dims(head_dim, rope),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
@@ -147,6 +156,7 @@ class LlamaAttentionBlock(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim or cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = FusedLinear(
@@ -176,6 +186,10 @@ class LlamaAttentionBlock(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).flatten(1)
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).flatten(1)
+        if self.rotary_dim != self.head_dim:  # partial rotary (Phi-4-mini)
+            q, k = (rotate_leading(t.view(num_tokens, -1, self.head_dim), self.rotary_dim,
+                                   cos, sin).flatten(1) for t in (q, k))
+            return self.attn(q, k, v)
         # The attention layer applies the rope (on CUDA in the kernel that caches k and v).
         return self.attn(q, k, v, rotary=(cos, sin))
 
@@ -243,7 +257,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(
-            cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings
+            cfg.rotary_dim or cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings
         )
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

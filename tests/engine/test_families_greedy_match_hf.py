@@ -16,6 +16,7 @@ MAX_NEW = 10
 FAMILIES = {
     "mixtral": ("mixtral", dict(sliding_window=12)),
     "phi3": ("phi3", dict(sliding_window=10)),
+    "phi3_partial_rotary": ("phi3", dict(partial_rotary_factor=0.5)),
     "gemma2": ("gemma2", dict(num_hidden_layers=3, sliding_window=10,
                               attn_logit_softcapping=3.0, final_logit_softcapping=5.0)),
     "gemma3": ("gemma3", dict(num_hidden_layers=3, sliding_window=10,

@@ -66,6 +66,11 @@ CASES = {
     "opt_pre_norm_learned_positions": ("opt", dict()),
     "opt_post_norm_projected_embeddings": ("opt", dict(
         do_layer_norm_before=False, word_embed_proj_dim=32)),
+    "phi3_partial_rotary_longrope": ("phi3", dict(
+        partial_rotary_factor=0.5, max_position_embeddings=1024,
+        original_max_position_embeddings=64,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                      "long_factor": [2.0, 3.0, 5.0, 8.0]})),
     "mixtral_top2_of_4_sliding_window": ("mixtral", dict(sliding_window=6)),
     "mixtral_top1_of_3": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=1)),
     "qwen3_moe_unnormalised_top3_of_5": ("qwen3_moe", dict(
