@@ -22,14 +22,15 @@ def moe_gemm_kernel(
     A_DIV: tl.constexpr,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
-    IEEE: tl.constexpr,
+    DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """``c[slot, n] = (a[slot // A_DIV] @ b[e, n]^T)``; with ``GATED`` b holds ``2N`` rows
     and ``c = silu(gate) * up`` of its halves; with ``WEIGHTED`` each row is multiplied by
-    ``weights[slot]``."""
+    ``weights[slot]``. ``DOT_F32``: products of float32 operands at full precision (no
+    TF32), for float32 models and under the interpreter (whose bfloat16 dot is wrong)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -51,15 +52,16 @@ def moe_gemm_kernel(
             b_mask = k_ok[:, None] & n_ok[None, :]
             b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_k[:, None],
                         mask=b_mask, other=0.0)
-            if IEEE:
-                acc += tl.dot(a, b, input_precision="ieee")
+            if DOT_F32:
+                a = a.to(tl.float32)
+                acc += tl.dot(a, b.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(a, b)
             if GATED:
                 b_up = tl.load(b_base + (offs_n[None, :] + N) * stride_bn + offs_k[:, None],
                                mask=b_mask, other=0.0)
-                if IEEE:
-                    acc_up += tl.dot(a, b_up, input_precision="ieee")
+                if DOT_F32:
+                    acc_up += tl.dot(a, b_up.to(tl.float32), input_precision="ieee")
                 else:
                     acc_up += tl.dot(a, b_up)
         if GATED:

@@ -17,6 +17,7 @@ combine sums each token's ``top_k`` rows and casts once, as ``torch_ref`` does.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -74,14 +75,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     sorted_slots, block_expert = sort_slots_by_expert(topk_ids, num_experts, block_m)
     num_blocks = block_expert.numel()
-    ieee = x.dtype == torch.float32
+    dot_f32 = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     kernel = _kernels().moe_gemm_kernel
     activated = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     kernel[(num_blocks, cdiv(inter, block_n))](
         x, w13, activated, topk_weights, sorted_slots, block_expert,
         num_slots, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
-        A_DIV=top_k, GATED=True, WEIGHTED=False, IEEE=ieee,
+        A_DIV=top_k, GATED=True, WEIGHTED=False, DOT_F32=dot_f32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     weights = topk_weights.flatten().float().contiguous()
@@ -90,7 +91,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         activated, w2, rows, weights, sorted_slots, block_expert,
         num_slots, hidden, inter,
         activated.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
-        A_DIV=1, GATED=False, WEIGHTED=True, IEEE=ieee,
+        A_DIV=1, GATED=False, WEIGHTED=True, DOT_F32=dot_f32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return rows.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
