@@ -11,7 +11,7 @@ import torch
 from pagedllm.layers.attention.backend import AttentionMetadata
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2",
-            "gemma3", "gpt_neox", "opt", "falcon")
+            "gemma3", "gpt_neox", "opt", "falcon", "qwen2_moe")
 
 _TINY_DEFAULTS: dict[str, Any] = dict(
     vocab_size=256,
@@ -44,6 +44,7 @@ def _hf_classes(family: str):
         "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM),
         "opt": (transformers.OPTConfig, transformers.OPTForCausalLM),
         "falcon": (transformers.FalconConfig, transformers.FalconForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     }
     if family not in classes:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}.")
@@ -110,8 +111,10 @@ def make_tiny_checkpoint(
                       tie_word_embeddings=True)
     if family == "mixtral":
         kwargs.update(num_local_experts=4, num_experts_per_tok=2)
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen2_moe"):
         kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    if family == "qwen2_moe":
+        kwargs.update(shared_expert_intermediate_size=80)
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)

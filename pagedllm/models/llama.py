@@ -1,5 +1,5 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE in one
-decoder definition.
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen2-MoE and
+Qwen3-MoE in one decoder definition.
 
 They share one block (pre-norm RMSNorm, rotary attention with grouped KV heads, gated
 MLP or a mixture of gated-MLP experts) and differ in switches read from the checkpoint's
@@ -15,6 +15,17 @@ qwen2       q, k, v always; o never   sliding window on layers >= ``max_window_l
                                       when ``use_sliding_window`` (or ``layer_types``)
 qwen3       ``attention_bias``        per-head RMSNorm on q and k before rope; explicit
                                       ``head_dim`` (may differ from hidden / heads)
+phi3        none                      q/k/v and gate/up stored fused; ``sliding_window``
+                                      on every layer; rope may be LongRoPE ("su") and
+                                      partial (``partial_rotary_factor``)
+mixtral     none                      as mistral; every MLP is ``num_local_experts``
+                                      experts, top ``num_experts_per_tok`` renormalised
+qwen2_moe   ``qkv_bias``              as qwen2; sparse layers as qwen3_moe, plus a shared
+                                      expert gated by ``sigmoid(shared_expert_gate)``
+qwen3_moe   ``attention_bias``        as qwen3 (window on every layer when
+                                      ``use_sliding_window``); layer i is sparse unless
+                                      in ``mlp_only_layers`` or ``(i + 1) %
+                                      decoder_sparse_step``; ``norm_topk_prob``
 ==========  ========================  =============================================
 
 Parameter names mirror the checkpoints' (``model.layers.N.self_attn...``) except that
@@ -31,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.activation import GatedActivation
@@ -91,6 +103,7 @@ class LlamaArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()  # one per layer: sparse or dense
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
     rotary_dim: int = 0  # leading dims of each head that rotate; 0: all (head_dim)
     # Gemma's switches (see models/gemma.py); the defaults are Llama's.
     attn_scale: float | None = None  # None: head_dim ** -0.5
@@ -107,6 +120,8 @@ class LlamaArchConfig:
         rope = rope_parameters_from_hf(hf, allow_partial=family == "phi3")
         if family == "qwen2":
             qkv_bias, o_bias = True, False
+        elif family == "qwen2_moe":
+            qkv_bias, o_bias = bool(hf.get("qkv_bias", True)), False
         else:
             qkv_bias = o_bias = attention_bias
         return cls(
@@ -138,7 +153,8 @@ def _sliding_windows(hf: dict, family: str, num_layers: int) -> tuple[int | None
         return (window,) * num_layers
     if family == "qwen3_moe":
         return ((window if hf.get("use_sliding_window", False) else None),) * num_layers
-    if family in ("qwen2", "qwen3") and hf.get("use_sliding_window", False) and window:
+    if family in ("qwen2", "qwen3", "qwen2_moe") and hf.get("use_sliding_window", False) \
+            and window:
         first_sliding = hf.get("max_window_layers", num_layers)
         layer_types = hf.get("layer_types") or [
             "sliding_attention" if i >= first_sliding else "full_attention"
@@ -195,9 +211,9 @@ class LlamaAttentionBlock(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaArchConfig) -> None:
+    def __init__(self, cfg: LlamaArchConfig, size: int | None = None) -> None:
         super().__init__()
-        size = cfg.intermediate_size
+        size = size or cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": size, "up": size}, cfg.mlp_bias)
         self.down_proj = Linear(size, cfg.hidden_size, cfg.mlp_bias)
         self.act = GatedActivation(cfg.hidden_act)
@@ -215,6 +231,20 @@ class LlamaMLP(nn.Module):
         return self.act(gate_up(x))
 
 
+class SharedExpertMoE(MoEBlock):
+    """Qwen2-MoE's sparse block: the routed experts plus one dense gated MLP every token
+    takes, scaled by ``sigmoid(shared_expert_gate(x))`` (one value per token)."""
+
+    def add_shared_expert(self, cfg: LlamaArchConfig) -> None:
+        self.shared_expert = LlamaMLP(cfg, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert.down_proj(self.shared_expert(x))
+        gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
+        return super().forward(x) + gate * shared
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream travels beside the hidden states so each norm
     also performs the preceding residual add. The layer ends with the norm that follows
@@ -226,8 +256,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttentionBlock(cfg, layer_idx)
         self.sparse = bool(cfg.moe_layers) and cfg.moe_layers[layer_idx]
         if self.sparse:
-            self.mlp = MoEBlock(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
-                                cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.hidden_act)
+            block = SharedExpertMoE if cfg.shared_expert_intermediate_size else MoEBlock
+            self.mlp = block(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                             cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.hidden_act)
+            if cfg.shared_expert_intermediate_size:
+                self.mlp.add_shared_expert(cfg)
         else:
             self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -497,6 +530,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     family = "mixtral"
+
+
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    family = "qwen2_moe"
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

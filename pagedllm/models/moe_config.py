@@ -5,19 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def moe_fields(hf: dict, family: str, num_layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of ``LlamaArchConfig`` (none for dense families):
     ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
-    ``norm_topk_prob`` and ``moe_layers`` (one bool per layer: sparse)."""
+    ``norm_topk_prob``, ``moe_layers`` (one bool per layer: sparse) and
+    ``shared_expert_intermediate_size`` (Qwen2-MoE; 0 elsewhere)."""
     if family == "mixtral":
         return dict(num_experts=num_experts(hf),
                     num_experts_per_tok=hf["num_experts_per_tok"],
                     moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True,
-                    moe_layers=(True,) * num_layers)
-    if family == "qwen3_moe":
+                    moe_layers=(True,) * num_layers, shared_expert_intermediate_size=0)
+    if family in ("qwen2_moe", "qwen3_moe"):
         experts = num_experts(hf)
         step = hf.get("decoder_sparse_step", 1)
         if step < 1:
@@ -27,7 +28,10 @@ def moe_fields(hf: dict, family: str, num_layers: int) -> dict[str, Any]:
                     moe_intermediate_size=hf["moe_intermediate_size"],
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                     moe_layers=tuple(experts > 0 and i not in dense
-                                     and (i + 1) % step == 0 for i in range(num_layers)))
+                                     and (i + 1) % step == 0 for i in range(num_layers)),
+                    shared_expert_intermediate_size=(
+                        hf.get("shared_expert_intermediate_size") or 0
+                        if family == "qwen2_moe" else 0))
     return {}
 
 

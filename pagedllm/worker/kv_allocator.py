@@ -127,7 +127,7 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
     out_channels = qkv_out + hidden + 2 * inter + hidden
     family = hf_config.get("model_type", "llama")
     biases = 0
-    if family == "qwen2":
+    if family in ("qwen2", "qwen2_moe"):
         biases = qkv_out
     elif hf_config.get("attention_bias"):
         biases = qkv_out + hidden
@@ -135,10 +135,12 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
         biases += 2 * inter + hidden
     norms = 2 * hidden + (2 * head_dim if family in ("qwen3", "qwen3_moe") else 0)
     embeddings = vocab * hidden * (1 if hf_config.get("tie_word_embeddings") else 2) + hidden
-    sparse_layers, experts, expert_inter = _moe_shape(hf_config)
+    sparse_layers, experts, expert_inter, shared_inter = _moe_shape(hf_config)
     if sparse_layers and quantization is None:
-        # A sparse layer's MLP is its experts' gate, up and down plus the router.
-        sparse_extra = experts * (3 * hidden * expert_inter + hidden) - 3 * hidden * inter
+        # A sparse layer's MLP is its experts' gate, up and down plus the router, and a
+        # shared expert with its one-output gate.
+        sparse_extra = (experts * (3 * hidden * expert_inter + hidden) - 3 * hidden * inter
+                        + (3 * hidden * shared_inter + hidden if shared_inter else 0))
         return (layers * (projections + biases + norms) + sparse_layers * sparse_extra
                 + embeddings) * element_size
     if quantization == "fp8":
@@ -164,13 +166,15 @@ def _meta_parameter_count(hf_config: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _moe_shape(hf_config: dict) -> tuple[int, int, int]:
-    """(sparse layers, experts, each expert's intermediate size); zeros for dense models."""
+def _moe_shape(hf_config: dict) -> tuple[int, int, int, int]:
+    """(sparse layers, experts, each expert's intermediate size, the shared expert's);
+    zeros for dense models."""
     family = hf_config.get("model_type")
     if family not in MOE_FAMILIES:
-        return 0, 0, 0
+        return 0, 0, 0, 0
     moe = moe_fields(hf_config, family, hf_config["num_hidden_layers"])
-    return sum(moe["moe_layers"]), moe["num_experts"], moe["moe_intermediate_size"]
+    return (sum(moe["moe_layers"]), moe["num_experts"], moe["moe_intermediate_size"],
+            moe["shared_expert_intermediate_size"])
 
 
 def _int_projection_bytes(out_features: int, in_features: int, bits: int, group_size: int,

@@ -26,6 +26,7 @@ FAMILIES = {
     "opt": ("opt", dict()),
     "falcon_grouped_kv": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
     "falcon_multi_query": ("falcon", dict(multi_query=True)),
+    "qwen2_moe": ("qwen2_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1],
                                     norm_topk_prob=False)),
 }

@@ -71,6 +71,8 @@ CASES = {
         original_max_position_embeddings=64,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
                       "long_factor": [2.0, 3.0, 5.0, 8.0]})),
+    "qwen2_moe_shared_expert_dense_layer": ("qwen2_moe", dict(
+        num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=False)),
     "mixtral_top2_of_4_sliding_window": ("mixtral", dict(sliding_window=6)),
     "mixtral_top1_of_3": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=1)),
     "qwen3_moe_unnormalised_top3_of_5": ("qwen3_moe", dict(
