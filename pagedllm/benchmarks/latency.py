@@ -259,7 +259,7 @@ def _run_speculative(args: argparse.Namespace, engine_args: EngineArgs) -> list[
         speculative = LLM(**vars(with_num_speculative_tokens(engine_args, k)))
         spec_config = speculative.llm_engine.config.speculative_config
         stats = speculative.llm_engine.engine_core.scheduler.spec_decoding_stats
-        plain_runs, spec_runs = [], []
+        plain_runs, spec_runs, timed_prompts = [], [], []
         before = None
         for i in range(args.num_iters_warmup + args.num_iters):
             prompts = _prompts(plain, args, args.batch_size, args.input_len,
@@ -270,10 +270,12 @@ def _run_speculative(args: argparse.Namespace, engine_args: EngineArgs) -> list[
                 elapsed, outputs, end = _timed_generate(llm, prompts, params)
                 if i >= args.num_iters_warmup:
                     runs.append((elapsed, [(o, end) for o in outputs]))
+            if i >= args.num_iters_warmup:
+                timed_prompts.append(prompts)
         accepted = acceptance(before, stats)
-        with StepCosts(speculative) as costs:
-            _timed_generate(speculative, _prompts(plain, args, args.batch_size, args.input_len,
-                                                  seed=args.seed + 7), params)
+        with StepCosts(speculative) as costs:  # the timed prompts again, instrumented
+            for prompts in timed_prompts:
+                _timed_generate(speculative, prompts, params)
         plain_figures = _decode_figures(plain_runs, args)
         spec_figures = _decode_figures(spec_runs, args)
         report = speculation_report(

@@ -20,9 +20,10 @@ Per run (``speculation_report``)::
                            (scheduling, output processing, the catch-up) leaves of the
                            speedup the model costs allow
 
-Step costs come from one instrumented iteration after the timed ones (``StepCosts``: a
-few ``perf_counter`` calls per step, and on a GPU a synchronisation around each timed
-phase), so the timed iterations run untouched.
+Step costs come from instrumented runs of the timed prompts after the timed runs
+(``StepCosts``: a few ``perf_counter`` calls per step, and on a GPU a synchronisation
+around each timed phase), so the timed runs are untouched and the costs see the same
+proposals and acceptance.
 """
 
 from __future__ import annotations
