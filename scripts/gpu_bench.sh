@@ -31,6 +31,10 @@
 #   w4a16    W1 and L1/P1 on llama-3.1-8b with dummy 4-bit weights (--quantization gptq
 #            --load-format dummy: groups of 128, the W4A16 kernel of layers/int_matmul.py);
 #            the report sets each beside the bf16 record of the w1 and latency steps
+#   moe      L1, P1 and W1 on $MOE (mixtral-8x7b, dummy bf16) and W1 on $MOE_SMALL
+#            (qwen3-30b-a3b): the report sets Mixtral's W1 beside llama-3.1-8b's of the same
+#            run (target: at least 0.6x); and scripts/bench_fused_moe.py: the grouped MoE
+#            GEMM against the loop over experts at both models' expert shapes
 #   ab       for each setting in $GPU_BENCH_AB (space-separated VAR=value, e.g.
 #            "PAGEDLLM_DECODE_LONGEST_FIRST=0 PAGEDLLM_DECODE_TILE=32,2,2"), L1 and W1 on llama-3.1-8b with
 #            the setting, beside the same commands without it, into $OUT/ab.txt
@@ -56,7 +60,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 if [ "$DRY" = "1" ]; then
-    BIG=pagedllm-demo SMALL=pagedllm-demo
+    BIG=pagedllm-demo SMALL=pagedllm-demo MOE=pagedllm-demo MOE_SMALL=pagedllm-demo
     TESTS=(tests/worker tests/layers)
     W1_ARGS=(--num-prompts 8 --input-len 16:64 --output-len 8:32)
     HF_PROMPTS=4 HF_LIMIT_S=30
@@ -64,7 +68,7 @@ if [ "$DRY" = "1" ]; then
     LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120 LIMIT_SYNC=300
     LIMIT_AB=300 LIMIT_STRUCTURED=300 LIMIT_FP8_KERNELS=0
 else
-    BIG=llama-3.1-8b SMALL=qwen3-0.6b
+    BIG=llama-3.1-8b SMALL=qwen3-0.6b MOE=mixtral-8x7b MOE_SMALL=qwen3-30b-a3b
     read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine}"
     W1_ARGS=(--num-prompts 256 --input-len 100:1024 --output-len 100:1024 --seed 0)
     HF_PROMPTS=${HF_PROMPTS:-64} HF_LIMIT_S=${HF_LIMIT_S:-35}
@@ -76,7 +80,7 @@ else
 fi
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
-STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync fp8 w4a16 structured ab}
+STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync fp8 w4a16 moe structured ab}
 read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
 
 # step NAME LIMIT_S COMMAND...: run with a time limit, output to the terminal and the log.
@@ -139,6 +143,16 @@ step w4a16 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load
 step w4a16 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
     "${W1_ARGS[@]}" --quantization gptq --output-json "$OUT/w4a16-w1-$BIG.json"
 
+step moe "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$MOE" --load-format dummy \
+    "${LAT_ARGS[@]}" --output-json "$OUT/moe-latency-$MOE.json"
+step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE" --load-format dummy \
+    "${W1_ARGS[@]}" --output-json "$OUT/moe-w1-$MOE.json"
+step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
+    --load-format dummy "${W1_ARGS[@]}" --output-json "$OUT/moe-w1-$MOE_SMALL.json"
+if [ "$DRY" != "1" ]; then
+    step moe "$LIMIT_LAT" $PY scripts/bench_fused_moe.py
+fi
+
 for model in "$BIG" "$SMALL"; do
     tokenizer=()
     case " $STEPS " in *" structured "*) ;; *) continue ;; esac
@@ -191,4 +205,5 @@ case " $STEPS " in
 esac
 
 $PY scripts/gpu_bench_report.py --dir "$OUT" --date "$DATE" --dry "$DRY" \
-    --big "$BIG" --small "$SMALL" --hf-prompts "$HF_PROMPTS" 2>&1 | tee -a "$LOG"
+    --big "$BIG" --small "$SMALL" --moe "$MOE" --moe-small "$MOE_SMALL" \
+    --hf-prompts "$HF_PROMPTS" 2>&1 | tee -a "$LOG"

@@ -161,6 +161,30 @@ def _w4a16(directory: Path, model: str, meta: dict, bf16: dict[str, dict]) -> li
     return records
 
 
+# Mixtral-8x7B (about 13B active parameters) against llama-3.1-8b's W1 in the same run.
+MOE_W1_TARGET = 0.6
+
+
+def _moe(directory: Path, model: str, small: str, meta: dict, dense_w1: dict) -> list[dict]:
+    """The moe step's L1, P1 and W1 on ``model`` and W1 on ``small``; ``model``'s W1 carries
+    its ratio to ``dense_w1`` and whether ``MOE_W1_TARGET`` holds. None when the step did
+    not run."""
+    if not any(directory.glob("moe-*.json")):
+        return []
+    records = _latency(_load(directory / f"moe-latency-{model}.json"), model, meta)
+    w1 = _throughput(_load(directory / f"moe-w1-{model}.json"), "W1", model, meta, None)
+    base = dense_w1.get("output_tok_s")
+    if w1.get("output_tok_s") and base:
+        ratio = w1["output_tok_s"] / base
+        w1.update(ratio_vs_dense=round(ratio, 3), target=f"at least {MOE_W1_TARGET}x "
+                  f"{dense_w1['model']}", target_met=ratio >= MOE_W1_TARGET)
+    records += [w1, _throughput(_load(directory / f"moe-w1-{small}.json"), "W1", small, meta,
+                                None)]
+    for record in records:
+        record["variant"] = "moe"
+    return records
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, required=True)
@@ -168,6 +192,8 @@ def main() -> int:
     parser.add_argument("--dry", default="0")
     parser.add_argument("--big", default="llama-3.1-8b")
     parser.add_argument("--small", default="qwen3-0.6b")
+    parser.add_argument("--moe", default="mixtral-8x7b")
+    parser.add_argument("--moe-small", default="qwen3-30b-a3b")
     parser.add_argument("--hf-prompts", type=int, default=None)
     args = parser.parse_args()
     dry = args.dry == "1"
@@ -203,6 +229,7 @@ def main() -> int:
             fp8["fp8"]["kv_cache_tokens"] / fp8["auto"]["kv_cache_tokens"], 3)
     records += _w4a16(args.dir, args.big, meta,
                       {"W1": records[0], "L1": records[1], "P1": records[2]})
+    records += _moe(args.dir, args.moe, args.moe_small, meta, records[0])
     name = f"{args.date}-{'dry' if dry else 'h200'}.json"
     (args.dir / name).write_text(json.dumps(records, indent=2) + "\n")
 
