@@ -20,10 +20,10 @@ Per run (``speculation_report``)::
                            (scheduling, output processing, the catch-up) leaves of the
                            speedup the model costs allow
 
-Step costs come from instrumented runs of the timed prompts after the timed runs
-(``StepCosts``: a few ``perf_counter`` calls per step, and on a GPU a synchronisation
-around each timed phase), so the timed runs are untouched and the costs see the same
-proposals and acceptance.
+Step costs are timed by ``StepCosts`` (a few ``perf_counter`` calls per step): on the
+CPU during the timed runs themselves; on a GPU, where its timers synchronise around each
+phase, over the timed prompts again after the timed runs. Either way the costs see the
+same proposals and acceptance as the speedup.
 """
 
 from __future__ import annotations
