@@ -54,6 +54,14 @@ class EngineCore:
         if spec is not None and spec.method == "ngram":
             self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                        spec.prompt_lookup_max)
+        if spec is not None:
+            logger.info(
+                "Speculative decoding: %s, %d tokens proposed a step%s",
+                f"draft model {spec.draft_model_config.path.name}" if spec.method == "draft_model"
+                else f"n-gram lookup (n = {spec.prompt_lookup_max} down to {spec.prompt_lookup_min})",
+                spec.num_speculative_tokens,
+                "" if spec.disable_by_batch_size is None
+                else f", none above {spec.disable_by_batch_size} running requests")
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None
         self.structured = StructuredOutputManager(self._make_grammar_backend)
