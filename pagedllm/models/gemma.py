@@ -149,3 +149,17 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     family = "gemma3"
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text decoder of a Gemma 3 vision-language checkpoint (4B, 12B, 27B): config.json's
+    ``text_config`` describes it (``ModelConfig`` reads it as the model's config), its
+    tensors load from ``language_model.model.*`` or ``model.language_model.*``, and the
+    vision tower and projector are not loaded. Prompts are text (token ids) only."""
+
+    checkpoint_renames = (
+        (r"^language_model\.model\.", "model."),
+        (r"^model\.language_model\.", "model."),
+        (r"^language_model\.lm_head\.", "lm_head."),
+    )
+    checkpoint_ignored = (r"(model\.)?vision_tower\.", r"(model\.)?multi_modal_projector\.")

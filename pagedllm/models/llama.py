@@ -320,6 +320,9 @@ class LlamaForCausalLM(nn.Module):
     # checkpoints name the decoder or the head otherwise (``^gpt_neox\.`` -> ``model.``)
     # load through this class's names.
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # Patterns of checkpoint names this class does not load (a vision tower beside the text
+    # decoder), matched at the start of the name as stored.
+    checkpoint_ignored: tuple[str, ...] = ()
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
@@ -370,6 +373,8 @@ class LlamaForCausalLM(nn.Module):
         unexpected: list[str] = []
 
         for name, tensor in weights:
+            if any(re.match(pattern, name) for pattern in self.checkpoint_ignored):
+                continue
             for pattern, replacement in self.checkpoint_renames:
                 name = re.sub(pattern, replacement, name, count=1)
             if name.endswith(_IGNORED_SUFFIXES):

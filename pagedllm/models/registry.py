@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagedllm.models.gemma import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+)
 from pagedllm.models.gpt_neox import FalconForCausalLM, GPTNeoXForCausalLM
 from pagedllm.models.opt import OPTForCausalLM
 from pagedllm.models.llama import (
@@ -29,6 +33,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
