@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.layers.fused_moe import MoEBlock, select_experts
-from pagedllm.layers.fused_moe.torch_ref import fused_moe_reference
+from pagedllm.layers.fused_moe.torch_ref import fused_moe_dense, fused_moe_reference
 from pagedllm.layers.fused_moe.triton_moe import fused_moe_triton, sort_slots_by_expert
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,3 +106,16 @@ def test_triton_grouped_gemm_matches_the_torch_reference(num_tokens, top_k, tile
     # bf16: the products accumulate in another order than BLAS's (a rounding step apart).
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_the_dense_form_for_cuda_graphs_equals_the_reference() -> None:
+    num_experts, hidden, inter = 4, 24, 16
+    x = _rand(6, hidden, seed=10).cpu()
+    w13 = _rand(num_experts, 2 * inter, hidden, seed=11, scale=hidden ** -0.5).cpu()
+    w2 = _rand(num_experts, hidden, inter, seed=12, scale=inter ** -0.5).cpu()
+    logits = _rand(6, num_experts, seed=13).cpu()
+    logits[:, 2] = -1e4  # expert 2 gets no tokens
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    torch.testing.assert_close(fused_moe_dense(x, w13, w2, weights, ids),
+                               fused_moe_reference(x, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)

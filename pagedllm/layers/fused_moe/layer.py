@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.fused_moe.routing import select_experts
-from pagedllm.layers.fused_moe.torch_ref import fused_moe_reference
+from pagedllm.layers.fused_moe.torch_ref import fused_moe_dense, fused_moe_reference
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.triton_ops import use_fused_ops
 
@@ -56,6 +56,8 @@ class FusedMoE(nn.Module):
             from pagedllm.layers.fused_moe.triton_moe import fused_moe_triton
 
             return fused_moe_triton(x, self.w13, self.w2, weights, ids)
+        if x.is_cuda:  # no host sync: the step may be captured in a CUDA graph
+            return fused_moe_dense(x, self.w13, self.w2, weights, ids, self.act._fn)
         return fused_moe_reference(x, self.w13, self.w2, weights, ids, self.act._fn)
 
     def load_parts(self) -> list[tuple[str, str]]:

@@ -6,6 +6,9 @@ For token ``t`` routed to experts ``e_1..e_k`` with weights ``w_1..w_k``::
 
 Each expert multiplies only the rows routed to it (an expert with no tokens costs
 nothing); the weighted sum runs in float32 and is cast to the activation dtype once.
+That needs each expert's row count on the host; ``fused_moe_dense`` computes the same sum
+with every expert over every row (E times the work, no host sync), for CUDA graphs when
+the Triton kernels are turned off.
 """
 
 from __future__ import annotations
@@ -36,4 +39,17 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         expert_out = F.linear(act(gate) * up, w2[expert])
         weight = topk_weights.flatten()[slots, None]
         out.index_add_(0, tokens, expert_out.float() * weight.float())
+    return out.to(x.dtype)
+
+
+def fused_moe_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> torch.Tensor:
+    """``fused_moe_reference``'s result with static shapes: each expert's output on all
+    rows, times the row's routing weight for that expert (0 when not routed)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in range(w13.shape[0]):
+        weight = (topk_weights.float() * (topk_ids == expert)).sum(dim=-1, keepdim=True)
+        gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
+        out += F.linear(act(gate) * up, w2[expert]).float() * weight
     return out.to(x.dtype)
