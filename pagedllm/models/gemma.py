@@ -10,9 +10,8 @@ What differs from ``llama.py``, all read from config.json:
 * embeddings multiplied by ``sqrt(hidden_size)`` (rounded to the activation dtype);
 * attention scaled by ``query_pre_attn_scalar ** -0.5``; sliding-window and global layers
   as ``layer_types`` says (or every ``sliding_window_pattern``-th layer global);
-* Gemma 2: scores soft-capped at ``attn_logit_softcapping`` (the torch attention backend
-  only; other backends refuse the model when built) and logits at
-  ``final_logit_softcapping``;
+* Gemma 2: scores soft-capped at ``attn_logit_softcapping`` (by every attention backend)
+  and logits at ``final_logit_softcapping``;
 * Gemma 3: per-head q/k norms, and its own rope for sliding layers
   (``rope_parameters["sliding_attention"]``, or ``rope_local_base_freq``) beside the
   global layers' (``["full_attention"]``, which may be scaled);

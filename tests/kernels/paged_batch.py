@@ -116,7 +116,7 @@ def make_fp8_step(seqs: tuple[tuple[int, int], ...], *, k_scale: float, v_scale:
 
 def reference_attention(
     step: PagedStep, scale: float, window: int | None, k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    v_scale: float = 1.0, logits_soft_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, kv_cache after the step) of the torch reference backend, computed in fp32
     (over the FP8 cache itself when the step has one)."""
@@ -124,7 +124,7 @@ def reference_attention(
     cache = fp32.kv_cache.clone()
     out = TorchReferenceBackend().forward(
         fp32.query, fp32.key, fp32.value, cache, step.metadata, scale, window,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, logits_soft_cap=logits_soft_cap,
     )
     return out, cache
 

@@ -25,6 +25,22 @@ def test_mixed_prefill_and_decode_step_matches_reference(num_heads, num_kv_heads
     assert torch.equal(step.kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("seqs", [MIXED, DECODES_ONLY], ids=["mixed", "decodes-only"])
+def test_soft_capped_scores_match_the_reference(seqs, window) -> None:
+    """Gemma 2's attention soft-capping in the prefill and decode kernels; the cap is
+    low enough to bend most scores (their scale here is about 1)."""
+    step = make_step(seqs, seed=4)
+    expected, _ = reference_attention(step, 0.25, window, logits_soft_cap=0.5)
+    uncapped, _ = reference_attention(step, 0.25, window)
+    out = TritonAttentionBackend().forward(
+        step.query, step.key, step.value, step.kv_cache, step.metadata, 0.25, window,
+        logits_soft_cap=0.5,
+    )
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+    assert not torch.allclose(expected, uncapped, **TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_half_precision_mixed_step_matches_fp32_reference(dtype) -> None:
     step = make_step(MIXED, seed=1, dtype=dtype)

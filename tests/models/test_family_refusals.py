@@ -1,6 +1,5 @@
-"""What a family cannot do yet is refused at start, naming what to change: Gemma 2's
-attention soft-capping off the torch backend, quantizing GPT-NeoX, OPT or Falcon,
-ALiBi Falcon."""
+"""What a family cannot do yet is refused at start, naming what to change: quantizing
+GPT-NeoX, OPT or Falcon, ALiBi Falcon."""
 
 from __future__ import annotations
 
@@ -8,20 +7,8 @@ import pytest
 import torch
 
 from pagedllm.config import ModelConfig
-from pagedllm.layers.attention import layer
 from pagedllm.models.loader import load_model
 from tests.utils import make_tiny_checkpoint
-
-
-class _KernelBackend:
-    name = "triton"
-
-
-def test_attention_soft_capping_is_refused_on_the_kernel_backend(monkeypatch) -> None:
-    monkeypatch.setattr(layer, "get_attention_backend", _KernelBackend)
-    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50\.0 .*ATTENTION_BACKEND=torch"):
-        layer.Attention(4, 16, 2, scale=0.25, layer_idx=0, logits_soft_cap=50.0)
-    layer.Attention(4, 16, 2, scale=0.25, layer_idx=0)  # no cap: accepted
 
 
 @pytest.mark.parametrize("family, architecture", [("gpt_neox", "GPTNeoXForCausalLM"),

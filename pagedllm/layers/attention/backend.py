@@ -97,6 +97,8 @@ class AttentionBackend(Protocol):
     ``k_scale`` / ``v_scale``: the layer's per-tensor scales of an FP8 cache (keys and
     values are stored divided by them and read back multiplied, see ``kv_quant.py``);
     a cache of another dtype ignores them.
+    ``logits_soft_cap`` (or None): each scaled score ``s`` becomes ``cap * tanh(s / cap)``
+    before the mask and the softmax (Gemma 2's ``attn_logit_softcapping``).
     """
 
     def forward(
@@ -111,4 +113,5 @@ class AttentionBackend(Protocol):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor: ...

@@ -31,8 +31,7 @@ class Attention(nn.Module):
     CUDA graph keeps the values of its capture. A cache in the model's dtype ignores them.
 
     ``logits_soft_cap`` (Gemma 2's ``attn_logit_softcapping``) maps each scaled score
-    ``s`` to ``cap * tanh(s / cap)`` before the softmax; the torch reference backend
-    computes it, and a layer with a cap on another backend is refused when built.
+    ``s`` to ``cap * tanh(s / cap)`` before the softmax, in every backend.
     """
 
     def __init__(
@@ -63,12 +62,6 @@ class Attention(nn.Module):
         self.v_scale = 1.0
         self.backend = get_attention_backend()
         self.logits_soft_cap = logits_soft_cap
-        if logits_soft_cap is not None and self.backend.name != "torch_ref":
-            raise ValueError(
-                f"attn_logit_softcapping={logits_soft_cap} is not implemented by the "
-                f"{self.backend.name} attention kernels yet; run this model with "
-                "PAGEDLLM_ATTENTION_BACKEND=torch (the reference backend, slower) or on "
-                "the CPU.")
 
     def forward(
         self,
@@ -90,13 +83,11 @@ class Attention(nn.Module):
             out = causal_attention_without_cache(q, k, v, self.scale, self.sliding_window,
                                                  self.logits_soft_cap)
         else:
-            # Only the torch reference takes a cap (checked when built).
-            capped = {} if self.logits_soft_cap is None else {
-                "logits_soft_cap": self.logits_soft_cap}
             out = self.backend.forward(
                 q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
                 self.scale, self.sliding_window, rotary=rotary,
-                k_scale=self.k_scale, v_scale=self.v_scale, **capped,
+                k_scale=self.k_scale, v_scale=self.v_scale,
+                logits_soft_cap=self.logits_soft_cap,
             )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 

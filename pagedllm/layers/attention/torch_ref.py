@@ -153,7 +153,7 @@ class TorchReferenceBackend:
         """See ``AttentionBackend.forward``. Rows past ``num_actual_tokens`` (padding) are
         neither written to the cache nor attended; their output is zero.
         ``logits_soft_cap``: scores become ``cap * tanh(scores / cap)`` before the mask
-        and softmax (Gemma 2); only this backend implements it."""
+        and softmax (Gemma 2)."""
         if rotary is not None:
             query, key = (RotaryEmbedding.apply(x, *rotary) for x in (query, key))
         num_tokens, num_heads, head_dim = query.shape

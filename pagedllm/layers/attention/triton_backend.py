@@ -93,6 +93,7 @@ class TritonAttentionBackend:
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``."""
         num_tokens = query.shape[0]
@@ -134,6 +135,7 @@ class TritonAttentionBackend:
                 skip_decodes=has_decodes,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                logits_soft_cap=logits_soft_cap,
             )
         if has_decodes:
             paged_decode_attention(
@@ -145,5 +147,6 @@ class TritonAttentionBackend:
                 new_kv=new_kv,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                logits_soft_cap=logits_soft_cap,
             )
         return out

@@ -26,6 +26,20 @@ FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn
 
 
 @triton.jit
+def soft_cap(s, SOFTCAP: tl.constexpr):
+    """Scores in log2 units (times ``log2(e)``) through ``cap * tanh(s / cap)``, with
+    ``SOFTCAP = cap * log2(e)`` (the same cap in natural units); tanh as
+    ``2 * sigmoid(2y) - 1`` in float32."""
+    y = s.to(tl.float32) / SOFTCAP
+    return SOFTCAP * (2.0 * tl.sigmoid(2.0 * y) - 1.0)
+
+
+def soft_cap_constexpr(logits_soft_cap: float | None) -> float:
+    """The kernels' ``SOFTCAP`` for a cap in natural units (0.0: no cap)."""
+    return float(logits_soft_cap) * LOG2_E if logits_soft_cap else 0.0
+
+
+@triton.jit
 def to_cache(x, cache_ptr, scale):
     """``x`` as ``cache_ptr``'s element type stores it: for float8_e4m3fn
     ``round(clamp(x / scale, -448, 448))`` in float32 (an IEEE division, as torch's), for

@@ -62,6 +62,8 @@ from pagedllm.layers.attention.kv_quant import cache_scales
 from pagedllm.layers.attention.triton_common import (
     LOG2_E,
     check_paged_inputs,
+    soft_cap,
+    soft_cap_constexpr,
     to_cache,
     unit_last_stride,
     uses_fp16_dot,
@@ -129,6 +131,7 @@ def _decode_kernel(
     HALF: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     FP16_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     if HAS_ORDER:
@@ -207,7 +210,10 @@ def _decode_kernel(
             s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
         else:
             s = tl.dot(q, k.to(q.dtype))
-        s = tl.where(n_valid[None, :], s * qk_scale, float("-inf"))
+        s = s * qk_scale
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP)
+        s = tl.where(n_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -482,6 +488,7 @@ def paged_decode_attention(
     new_kv: NewKV | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Attention of every query-length-1 sequence of the batch into ``out``.
 
@@ -592,6 +599,7 @@ def paged_decode_attention(
         HALF=head_dim // 2,
         IEEE_DOT=uses_ieee_dot(query.dtype),
         FP16_DOT=uses_fp16_dot(query.dtype, key_cache.dtype),
+        SOFTCAP=soft_cap_constexpr(logits_soft_cap),
         num_warps=num_warps,
         num_stages=num_stages,
     )

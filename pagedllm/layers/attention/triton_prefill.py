@@ -34,6 +34,8 @@ from pagedllm.layers.attention.triton_common import (
     LOG2_E,
     check_paged_inputs,
     find_sequence,
+    soft_cap,
+    soft_cap_constexpr,
     unit_last_stride,
     uses_fp16_dot,
     uses_ieee_dot,
@@ -67,9 +69,11 @@ def _attend_tiles(
     USE_WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online-softmax update over key tiles ``[lo, hi)``. Unless ``MASKED``, every key of
-    every tile is visible to every row (the caller proves it), so no mask is computed."""
+    every tile is visible to every row (the caller proves it), so no mask is computed.
+    ``SOFTCAP`` > 0 caps the scaled scores (``triton_common.soft_cap``)."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -94,6 +98,8 @@ def _attend_tiles(
         else:
             s = tl.dot(q, k.to(q.dtype))
         s = s * qk_scale
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP)
         if MASKED:
             allowed = n_valid[None, :] & (n[None, :] <= pos[:, None])
             if USE_WINDOW:
@@ -154,6 +160,7 @@ def _prefill_kernel(
     SKIP_DECODES: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     FP16_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -205,19 +212,19 @@ def _prefill_kernel(
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, k_head, v_head, table, kv_start, full_lo, kv_end, pos, window,
             qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, d, d_valid,
-            PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT,
+            PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
         )
     else:
         full_lo = 0
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, k_head, v_head, table, full_lo, full_hi, kv_end, pos, window,
         qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, d, d_valid,
-        PAGE_SIZE, BLOCK_N, False, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT,
+        PAGE_SIZE, BLOCK_N, False, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
     )
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, k_head, v_head, table, tl.maximum(full_hi, full_lo), kv_end, kv_end,
         pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, d, d_valid,
-        PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT,
+        PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
     )
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -267,6 +274,7 @@ def paged_prefill_attention(
     block_n: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Attention of the first ``num_tokens`` rows of ``query: [T, H, D]`` into ``out``.
 
@@ -276,7 +284,8 @@ def paged_prefill_attention(
     ``AttentionMetadata``; ``max_query_len`` may be any upper bound of the query lengths.
     With ``skip_decodes`` sequences of query length 1 are left untouched in ``out`` (the
     decode kernel computes them). ``k_scale`` / ``v_scale``: the layer's scales of an FP8
-    cache (ignored for another dtype).
+    cache (ignored for another dtype). ``logits_soft_cap``: scaled scores become
+    ``cap * tanh(s / cap)`` before the softmax (Gemma 2).
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
@@ -336,6 +345,7 @@ def paged_prefill_attention(
         SKIP_DECODES=skip_decodes,
         IEEE_DOT=uses_ieee_dot(query.dtype),
         FP16_DOT=uses_fp16_dot(query.dtype, key_cache.dtype),
+        SOFTCAP=soft_cap_constexpr(logits_soft_cap),
         num_warps=num_warps,
         num_stages=num_stages,
     )
