@@ -55,19 +55,31 @@ def _row_metadata(
     vocab_size: int,
     device: torch.device,
 ) -> SamplingMetadata:
-    """Sampling metadata of every target row: the request's parameters, its output so far
-    followed by the proposals before the row."""
+    """Sampling metadata of every target row: the request's parameters and its output so
+    far, the proposals before the row counted as pending output (only where penalties or
+    ``min_tokens`` read the output; the lists are shared, never copied)."""
     params, prompts, outputs, row_generators = [], [], [], []
+    pending_rows, pending_ids = [], []
     for state, draft in zip(states, drafts):
         generator = generators.get(state.request_id)
+        p = state.sampling_params
+        reads_output = p.has_penalties or p.min_tokens > len(state.output_token_ids)
         for j in range(len(draft) + 1):
-            params.append(state.sampling_params)
+            if reads_output:
+                pending_rows.extend([len(params)] * j)
+                pending_ids.extend(draft[:j])
+            params.append(p)
             prompts.append(state.prompt_token_ids)
-            outputs.append(state.output_token_ids + draft[:j] if j else state.output_token_ids)
+            outputs.append(state.output_token_ids)
             row_generators.append(generator)
+    pending = None
+    if pending_rows:
+        ids = torch.tensor(pending_ids, dtype=torch.long).to(device, non_blocking=True)
+        pending = (pending_rows, ids)
     return SamplingMetadata.build(params=params, prompt_token_ids=prompts,
                                   output_token_ids=outputs, generators=row_generators,
-                                  vocab_size=vocab_size, device=device)
+                                  vocab_size=vocab_size, device=device,
+                                  pending_token_ids=pending)
 
 
 def _logprobs(

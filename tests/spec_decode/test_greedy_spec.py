@@ -101,3 +101,24 @@ def test_the_draft_must_share_the_target_vocabulary(target_dir, tiny_checkpoint)
     other = tiny_checkpoint("llama", vocab_size=200)
     with pytest.raises(ValueError, match=r"vocabulary of 200 tokens but the target model .* has 384"):
         LLM(str(target_dir), speculative_model=str(other), num_speculative_tokens=2)
+
+
+def test_penalties_and_min_tokens_see_the_proposals_as_output(target_dir, prompts):
+    """Each verified row is sampled as if the proposals before it were output already:
+    penalised greedy decoding, and stop tokens held back by min_tokens, give the plain
+    engine's tokens. The target drafts for itself, so proposals reach every row."""
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, repetition_penalty=2.0,
+                             frequency_penalty=0.5, presence_penalty=0.5, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=12,
+                             stop_token_ids=list(range(8, 384, 3)))]
+    requests = [{"prompt_token_ids": p} for p in prompts[:2]]
+    engine = dict(block_size=8, max_model_len=128, max_num_seqs=8)
+    want = [o.outputs[0].token_ids for o in LLM(str(target_dir), **engine).generate(
+        requests, params, use_tqdm=False)]
+    llm = LLM(str(target_dir), **engine, speculative_model=str(target_dir),
+              num_speculative_tokens=4)
+    got = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
+    assert got == want
+    assert len(want[1]) >= 12  # min_tokens held the stop tokens back that long
+    stats = stats_of(llm)
+    assert stats.num_accepted_tokens > 2 * stats.num_drafts  # long accepted runs

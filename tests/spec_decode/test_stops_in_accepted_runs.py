@@ -52,7 +52,7 @@ def test_eos_inside_an_accepted_run_ends_the_output(plain, speculative, monkeypa
     assert any(eos in run[:-1] for run in runs)
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2, 5, 9, 10, 17])
+@pytest.mark.parametrize("max_tokens", [1, 5, 9, 10])
 def test_max_tokens_is_never_exceeded(plain, speculative, max_tokens):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     want = completion(plain, CODE, params)
