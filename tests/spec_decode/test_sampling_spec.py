@@ -59,3 +59,20 @@ def test_logprobs_of_accepted_runs_equal_those_without_speculation(target_dir, d
                 assert g_position[token].rank == entry.rank
                 assert g_position[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+
+
+def test_n_seeded_choices_speculate_as_separate_requests(target_dir, draft_dir, prompts):
+    """``n = 3`` with a seed: each choice is the request its own seed (seed + index) gives
+    alone, speculation or not."""
+    engine = dict(block_size=8, max_model_len=128, max_num_seqs=8)
+    llm = LLM(str(target_dir), speculative_model=str(draft_dir), num_speculative_tokens=3,
+              **engine)
+    request = [{"prompt_token_ids": prompts[0]}]
+    together = llm.generate(request, SamplingParams(n=3, seed=5, temperature=0.8, max_tokens=16,
+                                                    ignore_eos=True), use_tqdm=False)[0]
+    for choice in together.outputs:
+        alone = llm.generate(request, SamplingParams(seed=5 + choice.index, temperature=0.8,
+                                                     max_tokens=16, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+        assert choice.token_ids == alone.token_ids
+    assert len({tuple(c.token_ids) for c in together.outputs}) > 1
