@@ -262,14 +262,16 @@ class DraftModel:
 class _DecodePlan:
     """The inputs of every iteration of the draft loop, computed once: iteration ``j``
     (1-based) feeds each of the first ``m`` requests its proposal ``j`` at position
-    ``last + j``."""
+    ``last + j``. Positions a request never reaches (past its own count, which may run
+    past its block table) get a slot of its last table column: computed, never used."""
 
     def __init__(self, batch: InputBatch, rows: np.ndarray, last: np.ndarray, steps: int,
                  block_size: int) -> None:
         self.positions = last[None, :] + np.arange(1, steps + 1)[:, None]  # [steps, n]
         blocks = batch.block_table[rows]  # [n, max_blocks]
-        self.slots = (np.take_along_axis(blocks, (self.positions // block_size).T, axis=1).T
-                      .astype(np.int64) * block_size + self.positions % block_size)
+        columns = np.minimum(self.positions // block_size, blocks.shape[1] - 1)
+        self.slots = (np.take_along_axis(blocks, columns.T, axis=1).T.astype(np.int64)
+                      * block_size + self.positions % block_size)
         width = -(-int(self.positions.max() + 1) // block_size)
         self.block_tables = blocks[:, :width]
         self.index = np.arange(len(rows) + 1, dtype=np.int64)

@@ -122,3 +122,22 @@ def test_penalties_and_min_tokens_see_the_proposals_as_output(target_dir, prompt
     assert len(want[1]) >= 12  # min_tokens held the stop tokens back that long
     stats = stats_of(llm)
     assert stats.num_accepted_tokens > 2 * stats.num_drafts  # long accepted runs
+
+
+def test_a_request_at_the_end_of_its_context_drafts_beside_one_drafting_more(
+    target_dir, draft_dir, hf_model
+):
+    """A request near max_model_len proposes fewer tokens than one with room, in the same
+    draft loop; both keep HF's tokens up to the context's end."""
+    long_prompt = random_prompts(1, 50, 50, seed=11)[0]
+    short_prompt = random_prompts(1, 5, 5, seed=12)[0]
+    llm = LLM(str(target_dir), block_size=8, max_model_len=64, max_num_seqs=8,
+              **proposer("draft", draft_dir, 8))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in (long_prompt, short_prompt)],
+                           params, use_tqdm=False)
+    long_out, short_out = (o.outputs[0] for o in outputs)
+    assert len(long_out.token_ids) == 64 - 50 and long_out.finish_reason == "length"
+    assert long_out.token_ids == hf_greedy(hf_model, long_prompt, 64 - 50)
+    assert short_out.token_ids == hf_greedy(hf_model, short_prompt, 40)
+    assert_pool_whole(llm)
