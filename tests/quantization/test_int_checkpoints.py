@@ -7,7 +7,6 @@ weights, in float32."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,11 @@ from pagedllm import LLM
 from pagedllm.worker import kv_allocator
 from tests.engine.conftest import hf_greedy, random_prompts
 from tests.quantization.int_checkpoints import hf_on_dequantized, read_tensors, write_awq, write_gptq
-from tests.quantization.test_fp8_checkpoints import engine_greedy, runner_model
+from tests.quantization.test_fp8_checkpoints import (
+    engine_greedy,
+    runner_model,
+    with_quantization_config,
+)
 from tests.utils import make_tiny_checkpoint
 
 # Inputs of 128 and 256 columns: groups of 32, 64 and 128 all fit.
@@ -183,14 +186,6 @@ def test_dummy_4bit_weights_are_random_in_the_dummy_range_and_generate(sources):
     weight = dequantize(down.qweight, down.scales, down.zeros, 4, 128, 256, torch.float32)
     assert weight.abs().max() <= 1e-3 and weight.std() > 3e-4
     assert len(engine_greedy(llm, [[5, 6, 7]], 4)[0]) == 4
-
-
-def with_quantization_config(src: Path, dst: Path, edit) -> Path:
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    edit(config["quantization_config"])
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 @pytest.mark.parametrize("writer, edit, message", [
