@@ -87,6 +87,11 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "pagedllm:num_preemptions": ("vllm:num_preemptions",),
     "pagedllm:prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "pagedllm:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "pagedllm:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "pagedllm:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "pagedllm:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "pagedllm:spec_decode_num_accepted_tokens_per_pos": (
+        "vllm:spec_decode_num_accepted_tokens_per_pos",),
 }
 METRICS_COMPAT_CHOICES = ("vllm",)
 

@@ -16,7 +16,9 @@ DOC = REPO / "docs" / "deploy.md"
 def _documented(family: str) -> str:
     """A family's name as the docs write it: counters with ``_total``."""
     counters = ("prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
-                "prefix_cache_queries", "prefix_cache_hits")
+                "prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts",
+                "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                "spec_decode_num_accepted_tokens_per_pos")
     return family + "_total" if family.split(":")[1] in counters else family
 
 

@@ -1,5 +1,5 @@
 """A server with speculative decoding answers as one without it, streams accepted runs,
-and reports acceptance in /metrics and in its stats line."""
+and reports acceptance in /metrics (under vLLM's names too) and in its stats line."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_ngram_speculation_serves_the_same_tokens_and_reports_acceptance(
         want = plain.post("/v1/completions", json=body).json()["choices"][0]
     with started_server(server_model_dir, tmp_path_factory, "speculative",
                         "--speculative-method", "ngram", "--num-speculative-tokens", "4",
-                        "--log-stats-interval", "0.5") as remote:
+                        "--log-stats-interval", "0.5", "--metrics-compat", "vllm") as remote:
         with httpx.Client(base_url=remote.base_url, timeout=60) as c:
             got = c.post("/v1/completions", json=body).json()["choices"][0]
             with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
@@ -36,5 +36,10 @@ def test_ngram_speculation_serves_the_same_tokens_and_reports_acceptance(
         assert drafts > 0 and accepted > 0
         assert remote.metric("pagedllm:spec_decode_num_draft_tokens_total") >= accepted
         assert remote.metric("pagedllm:spec_decode_num_accepted_tokens_per_pos_total",
+                             position="0") > 0
+        # vLLM's dashboards read the same counters under vLLM's names.
+        assert remote.metric("vllm:spec_decode_num_drafts_total") == drafts
+        assert remote.metric("vllm:spec_decode_num_accepted_tokens_total") == accepted
+        assert remote.metric("vllm:spec_decode_num_accepted_tokens_per_pos_total",
                              position="0") > 0
         assert wait_for(lambda: "Speculative acceptance rate: " in remote.log(), timeout=10)

@@ -56,9 +56,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                             "generation_tokens_total, request_success_total, "
                             "time_to_first_token_seconds, time_per_output_token_seconds, "
                             "e2e_request_latency_seconds, request_queue_time_seconds, "
-                            "num_preemptions_total, prefix_cache_queries_total and "
-                            "prefix_cache_hits_total from pagedllm: to vllm: (default: none, "
-                            "pagedllm: names only).")
+                            "num_preemptions_total, prefix_cache_queries_total, "
+                            "prefix_cache_hits_total and the speculative-decoding counters "
+                            "spec_decode_num_drafts_total, spec_decode_num_draft_tokens_total, "
+                            "spec_decode_num_accepted_tokens_total and "
+                            "spec_decode_num_accepted_tokens_per_pos_total from pagedllm: to "
+                            "vllm: (default: none, pagedllm: names only).")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="On SIGTERM, seconds in-flight requests may take to finish before "
                             "they are aborted.")
