@@ -250,6 +250,20 @@ def test_kv_cache_on_the_cpu_from_kv_cache_memory_gb():
     assert check.status == "FAIL" and "lower --max-model-len to 4672" in check.fix
 
 
+def test_a_draft_models_kv_shares_the_blocks_and_the_count_says_so():
+    """The demo model (6 layers x 2 KV heads x 64, float32: 96 KiB a 16-token block) with
+    its draft (3 layers, the same heads: 48 KiB more) in 1 GiB: 7,281 blocks of 144 KiB
+    instead of 10,922 of 96 KiB."""
+    plain = doctor.check_kv_cache(_args("--kv-cache-memory-gb", "1"),
+                                  doctor.check_model(_args())[1], NO_CUDA)
+    args = _args("--kv-cache-memory-gb", "1", "--speculative-model", "pagedllm-demo-draft",
+                 "--num-speculative-tokens", "3")
+    check = doctor.check_kv_cache(args, doctor.check_model(args)[1], NO_CUDA)
+    assert "174752 tokens in 10922 blocks" in plain.detail
+    assert "116496 tokens in 7281 blocks of 0.14 MiB" in check.detail
+    assert "(target and draft model)" in check.detail
+
+
 def test_the_command_exits_1_on_a_failure_and_prints_the_fix(capsys):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

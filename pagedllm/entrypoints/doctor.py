@@ -353,15 +353,22 @@ def check_kv_cache(args: argparse.Namespace, model_dir: Path | None, cuda) -> Ch
     block_size, max_model_len = cache.block_size, model.max_model_len
     dtype = _resolved_dtype_name(args, device, model.hf_config)
     element = kv.DTYPE_BYTES[dtype]
-    per_block = kv.block_bytes(num_layers=model.num_layers, block_size=block_size,
-                               num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                               element_size=kv.kv_element_size(cache.cache_dtype, dtype))
+    # A draft model's K/V share each block with the target's (speculative decoding).
+    spec = config.speculative_config
+    draft = spec.draft_model_config if spec is not None else None
+    models = [model] if draft is None else [model, draft]
+    per_block = sum(kv.block_bytes(num_layers=m.num_layers, block_size=block_size,
+                                   num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                                   element_size=kv.kv_element_size(cache.cache_dtype, dtype))
+                    for m in models)
     if cache.num_kv_blocks is not None:
         available, source = cache.num_kv_blocks * per_block, f"--num-kv-blocks {cache.num_kv_blocks}"
     elif device == "cuda":
         _, total = cuda.mem_get_info(0)
         storage = model.quant_config.storage() if model.quant_config else (None, -1)
         weights = kv.weight_bytes(model.hf_config, element, *storage)
+        if draft is not None:
+            weights += kv.weight_bytes(draft.hf_config, element)
         available = kv.gpu_kv_bytes(total, cache.gpu_memory_utilization, weights)
         source = (f"--gpu-memory-utilization {cache.gpu_memory_utilization} of "
                   f"{total / _GIB:.1f} GiB less {weights / _GIB:.2f} GiB of {dtype}"
@@ -378,7 +385,8 @@ def check_kv_cache(args: argparse.Namespace, model_dir: Path | None, cuda) -> Ch
     max_num_seqs = config.scheduler_config.max_num_seqs
     detail = (f"{max(available, 0) / _GIB:.2f} GiB ({source}) hold {tokens} tokens in "
               f"{blocks} blocks of {per_block / 2**20:.2f} MiB"
-              f"{' (fp8 KV cache)' if cache.cache_dtype == 'fp8' else ''}; at --max-model-len "
+              f"{' (fp8 KV cache)' if cache.cache_dtype == 'fp8' else ''}"
+              f"{' (target and draft model)' if draft is not None else ''}; at --max-model-len "
               f"{max_model_len}, {concurrency} requests fit at once (--max-num-seqs "
               f"{max_num_seqs}); the largest --max-model-len that fits is {largest_len}")
     if concurrency < 1:
