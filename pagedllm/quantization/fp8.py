@@ -23,6 +23,8 @@ import functools
 
 import torch
 
+from pagedllm.layers.triton_ops import quantize_rows_fp8, use_fused_ops
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Scales never reach zero (an all-zero row quantizes to zeros with this scale).
@@ -60,8 +62,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """``x @ dequant(weight).T + bias`` with ``x`` quantized per token, or with the static
     ``input_scale`` when given; ``x [T, K]`` in the model's dtype, ``weight [N, K]``
     float8_e4m3fn, ``weight_scale [N, 1]`` float32. Returns ``[T, N]`` in ``x``'s dtype."""
-    from pagedllm.layers.triton_ops import quantize_rows_fp8, use_fused_ops
-
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     quantize = quantize_rows_fp8 if use_fused_ops(x2) else quantize_rows

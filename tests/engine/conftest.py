@@ -11,12 +11,16 @@ from tests.utils import make_tiny_checkpoint
 VOCAB_SIZE = 384
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("engine"), "llama",
-                                vocab_size=VOCAB_SIZE, max_position_embeddings=256)
+def make_tiny_model(root):
+    """A tiny random Llama checkpoint under ``root`` with a real tokenizer of its vocabulary."""
+    path = make_tiny_checkpoint(root, "llama", vocab_size=VOCAB_SIZE, max_position_embeddings=256)
     make_tiny_tokenizer(path, vocab_size=VOCAB_SIZE)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("engine"))
 
 
 @pytest.fixture(scope="session")

@@ -137,21 +137,31 @@ def _write(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quant_config:
             shutil.copy(src / name, dst / name)
 
 
+def _quantized(src: Path, bits: int, group_size: int, act_order: bool, sym: bool, seed: int):
+    """``src``'s tensors other than the decoder projections, and ``(module, weight,
+    Quantized)`` for each projection; projections reading one input (q/k/v, gate/up) share
+    one group assignment, as a fused product needs."""
+    tensors = read_tensors(src)
+    out = {n: t for n, t in tensors.items() if not (".layers." in n and n.endswith("_proj.weight"))}
+    shared: dict[tuple[str, str], torch.Tensor] = {}
+    projections = []
+    for module, weight in _projections(tensors):
+        layer, _, proj = module.rpartition(".")
+        key = (layer.rsplit(".", 1)[0], _SHARED_INPUT[proj])
+        if key not in shared:
+            shared[key] = _groups(weight.shape[1], group_size, act_order, seed + len(shared))
+        projections.append((module, weight, quantize(weight, bits, shared[key], sym)))
+    return out, projections
+
+
 def write_gptq(src: Path, dst: Path, *, bits: int = 4, group_size: int = 128,
                desc_act: bool = False, sym: bool = True, checkpoint_format: str = "gptq",
                seed: int = 0) -> dict[str, Quantized]:
     """``src`` quantized into the GPTQ layout at ``dst``; returns each projection's
     ``Quantized``."""
-    tensors = read_tensors(src)
-    out = {n: t for n, t in tensors.items() if not (".layers." in n and n.endswith("_proj.weight"))}
-    shared: dict[tuple[str, str], torch.Tensor] = {}
+    out, projections = _quantized(src, bits, group_size, desc_act, sym, seed)
     result = {}
-    for module, weight in _projections(tensors):
-        layer, _, proj = module.rpartition(".")
-        key = (layer.rsplit(".", 1)[0], _SHARED_INPUT[proj])
-        if key not in shared:
-            shared[key] = _groups(weight.shape[1], group_size, desc_act, seed + len(shared))
-        q = quantize(weight, bits, shared[key], sym)
+    for module, _, q in projections:
         stored_zeros = q.zeros - 1 if checkpoint_format == "gptq" else q.zeros
         out[f"{module}.qweight"] = _pack_gptq_dim0(q.codes.t(), bits)
         out[f"{module}.qzeros"] = _pack_gptq_dim0(stored_zeros, bits).t().contiguous()
@@ -167,11 +177,9 @@ def write_gptq(src: Path, dst: Path, *, bits: int = 4, group_size: int = 128,
 
 def write_awq(src: Path, dst: Path, *, group_size: int = 128) -> dict[str, Quantized]:
     """``src`` quantized into AutoAWQ's gemm layout (4-bit, zero points) at ``dst``."""
-    tensors = read_tensors(src)
-    out = {n: t for n, t in tensors.items() if not (".layers." in n and n.endswith("_proj.weight"))}
+    out, projections = _quantized(src, 4, group_size, False, False, 0)
     result = {}
-    for module, weight in _projections(tensors):
-        q = quantize(weight, 4, _groups(weight.shape[1], group_size, False, 0), symmetric=False)
+    for module, _, q in projections:
         out[f"{module}.qweight"] = _pack_awq_dim1(q.codes.t())
         out[f"{module}.qzeros"] = _pack_awq_dim1(q.zeros.t())
         out[f"{module}.scales"] = q.scales.t().contiguous()
@@ -192,16 +200,9 @@ def write_compressed_tensors(src: Path, dst: Path, *, group_size: int = 32,
     group``, which llm-compressor 0.14 no longer writes but earlier versions did)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    tensors = read_tensors(src)
-    out = {n: t for n, t in tensors.items() if not (".layers." in n and n.endswith("_proj.weight"))}
-    shared: dict[tuple[str, str], torch.Tensor] = {}
+    out, projections = _quantized(src, 4, group_size, act_order, symmetric, seed)
     result = {}
-    for module, weight in _projections(tensors):
-        layer, _, proj = module.rpartition(".")
-        key = (layer.rsplit(".", 1)[0], _SHARED_INPUT[proj])
-        if key not in shared:
-            shared[key] = _groups(weight.shape[1], group_size, act_order, seed + len(shared))
-        q = quantize(weight, 4, shared[key], symmetric)
+    for module, weight, q in projections:
         q.scales = q.scales.float()  # compressed-tensors stores scales in the model's dtype
         out[f"{module}.weight_packed"] = pack_to_int32((q.codes - 8).to(torch.int8), 4)
         out[f"{module}.weight_scale"] = q.scales.contiguous()

@@ -8,18 +8,12 @@ import json
 import pytest
 import torch
 
-from tests.tokenizer_utils import make_tiny_tokenizer
-from tests.utils import make_tiny_checkpoint
-
-VOCAB_SIZE = 384
+from tests.engine.conftest import VOCAB_SIZE, make_tiny_model
 
 
 @pytest.fixture(scope="session")
 def target_dir(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("target"), "llama",
-                                vocab_size=VOCAB_SIZE, max_position_embeddings=256)
-    make_tiny_tokenizer(path, vocab_size=VOCAB_SIZE)
-    return path
+    return make_tiny_model(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="session")
