@@ -165,6 +165,11 @@ class ModelConfig:
             return 1 if hf.get("multi_query", True) else self.num_attention_heads
         return hf.get("num_key_value_heads") or self.num_attention_heads
 
+    def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
+        """KV heads one tensor-parallel rank holds (and caches): its share, or one
+        replicated head when the ranks outnumber them."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
+
     @property
     def head_dim(self) -> int:
         return self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.num_attention_heads
@@ -418,6 +423,70 @@ def check_fp8_kv_cache_device(device: str) -> None:
         )
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split over processes (``pagedllm.distributed``).
+
+    ``tensor_parallel_size`` ranks each hold a part of every layer; the engine core
+    drives them through ``distributed_executor_backend``: "mp" (worker processes on this
+    host, the default) or "ray" (Ray actors placed on the nodes of a Ray cluster, found at
+    ``ray_address``, default ``$RAY_ADDRESS`` or a cluster started on this host).
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got "
+                             f"{self.tensor_parallel_size}.")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"--pipeline-parallel-size {self.pipeline_parallel_size} is not supported by "
+                "pagedllm yet: split the model with --tensor-parallel-size alone (over the "
+                "nodes of a Ray cluster with --distributed-executor-backend ray).")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"--distributed-executor-backend must be one of "
+                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {backend!r}.")
+        if backend is None and self.world_size > 1:
+            self.distributed_executor_backend = "mp"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Raise ValueError, saying what to change, when the model cannot be split over
+        ``tensor_parallel_size`` ranks: its attention heads, KV heads or MLP width do not
+        divide, or its weights are in a format whose split is not implemented."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        heads, kv_heads = model.num_attention_heads, model.num_kv_heads
+        hint = "pick a --tensor-parallel-size that divides it"
+        if heads % tp:
+            raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's "
+                             f"{heads} attention heads: {hint}.")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"--tensor-parallel-size {tp} and the model's {kv_heads} KV heads "
+                             "neither divide the other: " + hint + " or is a multiple of it.")
+        intermediate = model.hf_config.get("intermediate_size")
+        if intermediate and intermediate % tp:
+            raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's MLP "
+                             f"width (intermediate_size {intermediate}): {hint}.")
+        quant = model.quant_config
+        if quant is not None and quant.storage()[0] != "fp8":
+            raise ValueError(f"{quant.method} integer weights cannot be split over "
+                             f"tensor-parallel ranks yet: serve an unquantized or FP8 "
+                             "checkpoint, or drop --tensor-parallel-size.")
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -425,9 +494,15 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device: str = "cpu"
     speculative_config: SpeculativeConfig | None = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         check_device(self.device)
+        self.parallel_config.check_model(self.model_config)
+        if self.parallel_config.tensor_parallel_size > 1 and self.speculative_config is not None \
+                and self.speculative_config.method == "draft_model":
+            raise ValueError("A draft model cannot run with --tensor-parallel-size > 1 yet: "
+                             "use --speculative-method ngram, or drop one of the two.")
         spec = self.speculative_config
         if spec is not None:
             if self.scheduler_config.async_scheduling:

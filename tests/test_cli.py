@@ -63,11 +63,11 @@ def test_text_prompt_without_a_tokenizer_points_to_prompt_token_ids(config_only_
 
 
 def test_refused_feature_exits_with_a_clear_message():
-    result = pagedllm("generate", "x", "--tensor-parallel-size", "2")
+    result = pagedllm("generate", "x", "--enable-lora")
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "error: --tensor-parallel-size 2 (tensor_parallel_size=2) is not supported by pagedllm "
-        "yet: drop --tensor-parallel-size (the tensor_parallel_size keyword in Python).")
+        "error: --enable-lora (enable_lora=True) is not supported by pagedllm "
+        "yet: drop --enable-lora (the enable_lora keyword in Python).")
 
 
 @pytest.mark.parametrize("command", [["generate", "x"], ["serve", "--host", "127.0.0.1"]])

@@ -98,8 +98,8 @@ def test_bfloat16_below_compute_capability_8_warns():
 
 
 def test_a_refused_flag_fails_the_flags_check():
-    flags = doctor.check_flags(_args("--tensor-parallel-size", "2"))
-    assert flags.status == "FAIL" and "--tensor-parallel-size 2" in flags.detail
+    flags = doctor.check_flags(_args("--pipeline-parallel-size", "2"))
+    assert flags.status == "FAIL" and "--pipeline-parallel-size 2" in flags.detail
 
 
 def test_an_uncached_hub_model_warns_online_and_fails_offline(monkeypatch, tmp_path):
@@ -186,9 +186,26 @@ def test_a_tiny_dev_shm_warns(monkeypatch):
     assert doctor.check_shm(_args()).status == "PASS"
 
 
-def test_nccl_is_skipped_with_the_reason():
-    check = doctor.check_nccl(_args())
-    assert check.status == "SKIP" and "not implemented" in check.detail
+def test_nccl_checks_the_gpus_tensor_parallelism_needs():
+    assert doctor.check_nccl(_args(), _fake_cuda()).status == "SKIP"
+    tp2 = _args("--tensor-parallel-size", "2")
+    short = doctor.check_nccl(tp2, _fake_cuda(count=1))
+    assert short.status == "FAIL" and "needs 2 GPUs and 1" in short.detail
+    no_p2p = _fake_cuda(count=2)
+    no_p2p.can_device_access_peer = lambda i, j: False
+    warned = doctor.check_nccl(tp2, no_p2p)
+    assert warned.status == "WARN" and "NCCL_P2P_DISABLE=1" in warned.fix
+    both = _fake_cuda(count=2)
+    both.can_device_access_peer = lambda i, j: True
+    assert doctor.check_nccl(tp2, both).status == "PASS"
+
+
+def test_tensor_parallelism_on_gpus_fails_a_small_dev_shm():
+    from pagedllm.distributed import checks
+
+    message = checks.shm_problem(64 << 20, 2)
+    assert "64 MiB" in message and "--ipc=host" in message
+    assert checks.shm_problem(16 << 30, 2) is None
 
 
 def test_a_port_in_use_fails():

@@ -1,7 +1,7 @@
 """Engine arguments: one definition shared by the offline ``LLM(...)`` and the CLI flags.
 
 Each field is a keyword of ``LLM(...)`` and a ``--kebab-case`` flag of ``pagedllm``. Features
-that other parts of the roadmap bring (tensor parallelism, LoRA) are refused with a clear message instead of being silently ignored.
+that other parts of the roadmap bring (pipeline parallelism, LoRA) are refused with a clear message instead of being silently ignored.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from dataclasses import dataclass, fields
 
 from pagedllm.config import (
     SPECULATIVE_METHODS,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -23,7 +25,6 @@ from pagedllm.config import (
 # Options users of vLLM-class engines pass that this engine does not implement yet:
 # name -> the value that means "off" (accepted), anything else is refused.
 _NOT_YET_SUPPORTED = {
-    "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
     "enable_lora": False,
     "cpu_offload_gb": 0,
@@ -97,6 +98,10 @@ class EngineArgs:
     ngram_prompt_lookup_max: int | None = None
     speculative_disable_by_batch_size: int | None = None
     speculative_config: dict | str | None = None
+    # Parallelism (see ParallelConfig).
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    ray_address: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -148,8 +153,14 @@ class EngineArgs:
             async_scheduling=(device == "cuda" and speculative_config is None
                               if self.async_scheduling is None else self.async_scheduling),
         )
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            ray_address=self.ray_address,
+        )
         return EngineConfig(model_config, cache_config, scheduler_config, device=device,
-                            speculative_config=speculative_config)
+                            speculative_config=speculative_config,
+                            parallel_config=parallel_config)
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         """``--speculative-config`` (a dict, or its JSON text) merged with the individual
@@ -247,8 +258,21 @@ class EngineArgs:
                                 "float8_e4m3fn with per-layer k/v scales (1.0 unless the "
                                 "checkpoint has them), twice the tokens of a bf16 cache (GPUs of "
                                 "compute capability 8.9+, or the CPU).")
-        group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help=argparse.SUPPRESS)
-        group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help=argparse.SUPPRESS)
+        parallel = parser.add_argument_group("parallelism")
+        parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                              help="Split every layer over this many GPUs (CPU processes on "
+                                   "the CPU): attention heads, MLP columns and the vocabulary, "
+                                   "with an all-reduce after attention and after the MLP.")
+        parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                              help=argparse.SUPPRESS)
+        parallel.add_argument("--distributed-executor-backend", default=None,
+                              choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+                              help="mp: one worker process per GPU on this host (the default "
+                                   "with --tensor-parallel-size > 1); ray: Ray actors placed on "
+                                   "the nodes of a Ray cluster.")
+        parallel.add_argument("--ray-address", default=None,
+                              help="The Ray cluster's address (default: $RAY_ADDRESS, else the "
+                                   "cluster running on this machine, else a new local one).")
         group.add_argument("--enable-lora", action="store_true", default=False, help=argparse.SUPPRESS)
         group.add_argument("--cpu-offload-gb", type=float, default=0, help=argparse.SUPPRESS)
 

@@ -103,6 +103,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs.setsockopt(zmq.LINGER, 10_000)
     outputs.connect(output_address)
     exit_code = 0
+    core = None
     try:
         try:
             core = _build_core(config)
@@ -128,6 +129,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             outputs.send(pickle.dumps((ERROR, _describe(exc))))
             exit_code = 1
     finally:
+        if core is not None:
+            core.shutdown()
         inputs.close(linger=0)
         outputs.close()
         context.term()

@@ -10,10 +10,13 @@ input preparation, launch) runs while the device computes step N-1. The schedule
 step N with placeholders for step N-1's tokens (see scheduler.py); outputs come back one
 call later, and the call that finds nothing to schedule drains the step in flight.
 
-Structured outputs: a step with constrained rows launches its forward pass, then asks for
-their token bitmask (``grammar_bitmask``) before sampling. The step in flight is
-resolved first, so every grammar has taken the previous step's tokens; the masks are
-filled on the host while the device runs this step's forward pass.
+Structured outputs: the runner asks about a step's constrained rows through
+``StepGrammars`` (``structured/manager.py``). Most rows are sampled without a mask and
+their tokens checked when the step's ids are read, before the grammars take them; a row
+whose token is refused gets a bitmask and is drawn again. Rows masked before sampling
+(logprobs; top-k, top-p, min-p) ask for their bitmask after the forward pass is launched:
+the step in flight is resolved first, so every grammar has taken the previous step's
+tokens, and the masks are filled on the host while the device runs the forward pass.
 
 Speculative decoding (synchronous steps only): with the n-gram method the engine core
 proposes each decoding request's next tokens from its own token ids after every step
@@ -25,15 +28,16 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.distributed.executor import make_model_runner
 from pagedllm.spec_decode.ngram import NgramProposer
-from pagedllm.structured.manager import StructuredOutputManager
+from pagedllm.structured.manager import StepGrammars, StructuredOutputManager
 from pagedllm.worker.async_output import AsyncStepOutput
-from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +49,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         start = time.perf_counter()
-        self.model_runner = ModelRunner(config)
+        # The ModelRunner, or with tensor parallelism the executor driving the ranks.
+        self.model_runner = make_model_runner(config)
+        if hasattr(self.model_runner, "shutdown"):
+            self._finalizer = weakref.finalize(self, self.model_runner.shutdown)
         self.num_kv_blocks = self.model_runner.initialize_kv_cache()
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks,
@@ -75,6 +82,11 @@ class EngineCore:
             self.num_kv_tokens / config.model_config.max_model_len,
             "on" if config.scheduler_config.async_scheduling else "off",
         )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (idempotent)."""
+        if hasattr(self, "_finalizer"):
+            self._finalizer()
 
     @property
     def num_kv_tokens(self) -> int:
@@ -145,15 +157,8 @@ class EngineCore:
                 outputs.extend(self.scheduler.update_from_output(
                     previous_output, previous_launched.get()))
 
-        def grammar_bitmask(request_ids: list[str], allocate):
-            resolve_in_flight()  # the grammars take the previous step's tokens first
-            requests = self.scheduler.requests
-            out = allocate(len(request_ids), self.structured.bitmask_width)
-            self.structured.fill_bitmask(
-                [getattr(requests.get(r), "grammar", None) for r in request_ids], out)
-            return out
-
-        launched = self.model_runner.execute_model_async(scheduler_output, grammar_bitmask)
+        grammar = StepGrammars(self.structured, self.scheduler.requests, resolve_in_flight)
+        launched = self.model_runner.execute_model_async(scheduler_output, grammar)
         if scheduler_output.is_empty and self.scheduler.num_waiting_for_grammar:
             time.sleep(GRAMMAR_POLL_S)  # nothing runs until a constraint has compiled
         if not self.async_scheduling:

@@ -12,7 +12,9 @@ SKIP (not applicable), with the fix under every WARN and FAIL:
   not cached is a WARN (serve downloads it), a FAIL with ``HF_HUB_OFFLINE`` set;
 - tokenizer, chat template, tool parser: a missing template is a WARN (chat endpoints then
   answer 400), as is a ``--tool-call-parser`` whose markers the template never mentions;
-- shm: the size of ``/dev/shm`` (WARN under 1 GiB); nccl: SKIP until tensor parallelism exists;
+- shm: the size of ``/dev/shm`` (WARN under 1 GiB; FAIL under it with
+  ``--tensor-parallel-size`` above 1 on GPUs); nccl: enough GPUs for
+  ``--tensor-parallel-size`` and peer-to-peer access between them;
 - port: a bind test on ``--host``/``--port``;
 - kv cache: whether ``--max-num-seqs`` requests of ``--max-model-len`` tokens fit the KV
   budget, with the largest concurrency and ``--max-model-len`` that fit, from the engine's
@@ -38,8 +40,8 @@ from pathlib import Path
 from pagedllm.config import FP8_MIN_CAPABILITY, normalize_kv_cache_dtype
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
-SHM_PATH = "/dev/shm"
-SHM_MIN_BYTES = 1 << 30
+from pagedllm.distributed.checks import MIN_SHM_BYTES as SHM_MIN_BYTES
+from pagedllm.distributed.checks import SHM_PATH, shm_problem
 BF16_MIN_CAPABILITY = (8, 0)
 _GIB = 1 << 30
 
@@ -305,9 +307,9 @@ def check_shm(args: argparse.Namespace, path: str = SHM_PATH) -> Check:
                      "processes through it", "mount a tmpfs on /dev/shm (--ipc=host in Docker)")
     size = stat.f_blocks * stat.f_frsize
     detail = f"{path} is {size / _GIB:.2f} GiB"
-    if tp > 1:
-        detail += (f" (--tensor-parallel-size {tp} is refused: tensor parallelism is not "
-                   "implemented yet)")
+    if tp > 1 and shm_problem(size, tp):
+        return Check("shm", FAIL, shm_problem(size, tp), "run the container with --ipc=host or "
+                     "--shm-size=16g (Kubernetes: a memory-backed emptyDir on /dev/shm)")
     if size < SHM_MIN_BYTES:
         return Check("shm", WARN, detail + ", under 1 GiB: a process that runs out of it dies "
                      "with a bus error", "run the container with --ipc=host or "
@@ -315,10 +317,31 @@ def check_shm(args: argparse.Namespace, path: str = SHM_PATH) -> Check:
     return Check("shm", PASS, detail)
 
 
-def check_nccl(args: argparse.Namespace) -> Check:
-    return Check("nccl", SKIP, "no NCCL peer-to-peer test: tensor parallelism is not "
-                 "implemented yet (--tensor-parallel-size above 1 is refused), so one process "
-                 "uses one GPU")
+def check_nccl(args: argparse.Namespace, cuda) -> Check:
+    """GPUs enough for --tensor-parallel-size on this host, and peer-to-peer access between
+    them (``cuda`` is ``torch.cuda``, a stand-in in tests)."""
+    tp = getattr(args, "tensor_parallel_size", 1) or 1
+    if tp == 1:
+        return Check("nccl", SKIP, "--tensor-parallel-size 1: one process uses one GPU")
+    if getattr(args, "distributed_executor_backend", None) == "ray":
+        return Check("nccl", SKIP, "--distributed-executor-backend ray: Ray places the ranks "
+                     "on the cluster's GPUs")
+    if not cuda.is_available():
+        return Check("nccl", SKIP, f"no GPU: the {tp} ranks run on the CPU (gloo)")
+    count = cuda.device_count()
+    if count < tp:
+        return Check("nccl", FAIL, f"--tensor-parallel-size {tp} needs {tp} GPUs and {count} "
+                     "are visible", "lower --tensor-parallel-size, or check "
+                     "CUDA_VISIBLE_DEVICES")
+    blocked = [(i, j) for i in range(tp) for j in range(tp)
+               if i != j and not cuda.can_device_access_peer(i, j)]
+    if blocked and os.environ.get("NCCL_P2P_DISABLE") != "1":
+        i, j = blocked[0]
+        return Check("nccl", WARN, f"GPUs {i} and {j} have no peer-to-peer access: NCCL goes "
+                     "through host memory", "if start-up hangs, set NCCL_P2P_DISABLE=1 (slower "
+                     "all-reduces, but no hang)")
+    return Check("nccl", PASS, f"{tp} GPUs with peer-to-peer access" if not blocked
+                 else f"{tp} GPUs; NCCL_P2P_DISABLE=1: all-reduces through host memory")
 
 
 def check_port(args: argparse.Namespace) -> Check:
@@ -344,7 +367,7 @@ def check_kv_cache(args: argparse.Namespace, model_dir: Path | None, cuda) -> Ch
         return Check("kv cache", SKIP, "--device cuda but no GPU is visible")
     try:
         engine_args = EngineArgs.from_cli_args(argparse.Namespace(
-            **{**vars(args), "model": str(model_dir), "tensor_parallel_size": 1}))
+            **{**vars(args), "model": str(model_dir)}))
         engine_args.device = "cpu"  # the GPU itself is the gpu check's; the sizing is below
         config = engine_args.create_engine_config()
     except (ValueError, TypeError) as exc:
@@ -357,8 +380,10 @@ def check_kv_cache(args: argparse.Namespace, model_dir: Path | None, cuda) -> Ch
     spec = config.speculative_config
     draft = spec.draft_model_config if spec is not None else None
     models = [model] if draft is None else [model, draft]
+    # With tensor parallelism: one rank's share of the weights and of the KV heads.
+    tp = config.parallel_config.tensor_parallel_size
     per_block = sum(kv.block_bytes(num_layers=m.num_layers, block_size=block_size,
-                                   num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                                   num_kv_heads=m.kv_heads_per_rank(tp), head_dim=m.head_dim,
                                    element_size=kv.kv_element_size(cache.cache_dtype, dtype))
                     for m in models)
     if cache.num_kv_blocks is not None:
@@ -369,10 +394,12 @@ def check_kv_cache(args: argparse.Namespace, model_dir: Path | None, cuda) -> Ch
         weights = kv.weight_bytes(model.hf_config, element, *storage)
         if draft is not None:
             weights += kv.weight_bytes(draft.hf_config, element)
+        weights //= tp
         available = kv.gpu_kv_bytes(total, cache.gpu_memory_utilization, weights)
         source = (f"--gpu-memory-utilization {cache.gpu_memory_utilization} of "
                   f"{total / _GIB:.1f} GiB less {weights / _GIB:.2f} GiB of {dtype}"
-                  f"{' + ' + storage[0] if storage[0] else ''} weights, before "
+                  f"{' + ' + storage[0] if storage[0] else ''} weights"
+                  f"{f' (one of {tp} tensor-parallel ranks)' if tp > 1 else ''}, before "
                   "activations and CUDA graphs")
     else:
         available = kv.cpu_kv_bytes(cache.kv_cache_memory_gb)
@@ -420,7 +447,7 @@ def run_checks(args: argparse.Namespace, cuda=None, shm_path: str = SHM_PATH) ->
     checks.append(check_tokenizer(args, model_dir))
     checks.extend(check_chat_template(args, model_dir))
     checks.append(check_shm(args, shm_path))
-    checks.append(check_nccl(args))
+    checks.append(check_nccl(args, cuda))
     checks.append(check_port(args))
     checks.append(check_kv_cache(args, model_dir, cuda))
     return checks

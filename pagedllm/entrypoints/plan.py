@@ -37,7 +37,8 @@ tokens/s / per-replica output tokens/s); GPUs = replicas x tp; cost per day = GP
 per hour x 24; cost per million tokens = cost per day / (requests per day x tokens per
 request / 1e6), for output tokens and for all (input + output) tokens. Peak requests/s is
 ``--peak-rps``, else requests per day / 86400 x ``--peak-factor``. TP above 1 is a
-projection: the engine does not implement tensor parallelism yet.
+projection: per-GPU throughput under tensor parallelism is not measured yet, so a replica
+of ``tp`` GPUs is credited with ``tp`` times one GPU's memory and speed.
 
 Recommended: the cheapest plan per day that fits, has a known cost and does not miss a
 latency target, preferring plans whose targets are known to hold.
@@ -278,7 +279,7 @@ def plan_candidate(profile: Profile, hf_config: dict, candidate: Candidate,
                       candidate.max_num_seqs)
     notes = []
     if candidate.tp > 1:
-        notes.append("projection: tensor parallelism is not implemented in the engine yet")
+        notes.append("projection: tensor-parallel throughput is projected, not measured")
     if not fits:
         notes.append(f"does not fit: {weights / _GIB:.1f} GiB of weights leave "
                      f"{max(available, 0) / _GIB:.1f} GiB, less than one request of "

@@ -87,8 +87,9 @@ def linear_and_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``norm(proj(x), residual)``: the normalised sum and the sum. For a decode step of a
     few sequences on CUDA the norm runs at the end of the projection's small-batch product
-    (one launch for both; the same roundings as the two kernels)."""
-    if (proj.weight is not None and use_small_batch_matmul(x, proj.weight)
+    (one launch for both; the same roundings as the two kernels); not for a row-parallel
+    projection, whose ranks' products are summed before the norm."""
+    if (proj.weight is not None and not proj.reduces and use_small_batch_matmul(x, proj.weight)
             and norm.weight.dtype == x.dtype and not norm.weight_offset):
         return small_batch_matmul(x, proj.weight, proj.bias,
                                   norm=(norm.weight, norm.eps, residual),

@@ -16,14 +16,27 @@ float32 ``weight_scale [out, 1]`` and, with static activation scales, a float32
 ``pagedllm.quantization.int_weights`` (rows are output channels there too, so shards are
 row blocks), and with act-order the ``act_perm`` of its input columns. ``Linear.load``
 fills all of them from checkpoint tensors, converting each format's tensors.
+
+Tensor parallelism (``pagedllm.distributed``): a ``parallel="column"`` projection holds
+its rank's output rows (each shard of a fused one split on its own, in whole heads), a
+``parallel="row"`` one its rank's input columns and sums the ranks' partial products
+(adding the bias once, after the sum); ``load`` takes the full checkpoint tensor, or a
+``CheckpointSlice`` of it, and reads only the rank's part. With one rank (or
+``parallel=None``) a layer holds everything, as it always did. ``VocabParallelEmbedding``
+and an LM head made with ``parallel="vocab"`` split the vocabulary rows
+(``sharding.vocab_range``); ``gather_logits`` joins the ranks' logits.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed import sharding
+from pagedllm.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp
 from pagedllm.layers.int_matmul import int_linear
 from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
 from pagedllm.quantization import int_weights
@@ -64,8 +77,29 @@ class Linear(nn.Module):
     None, ``int_scheme`` says the bits and groups of ``qweight``/``scales``/``zeros``, and
     the product is ``layers.int_matmul.int_linear``."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 parallel: str | None = None, unit: int = 1) -> None:
+        """``input_size``/``output_size``: the checkpoint's (all ranks'); ``parallel``:
+        None (every rank holds the whole weight), "column" (output rows split in whole
+        ``unit``s), "row" (input columns split) or "vocab" (output rows split as the
+        vocabulary, padded; see ``sharding.vocab_range``)."""
         super().__init__()
+        tp = get_tp()
+        self.parallel = parallel if tp.size > 1 else None
+        # The checkpoint rows or columns this rank holds: (dim, start, length), or None.
+        self.tp_part: tuple[int, int, int] | None = None
+        if self.parallel == "column":
+            start, output_size = sharding.shard_range(output_size, unit, tp.rank, tp.size)
+            self.tp_part = (0, start, output_size)
+        elif self.parallel == "vocab":
+            start, length, output_size = sharding.vocab_range(output_size, tp.rank, tp.size)
+            self.tp_part = (0, start, length)
+        elif self.parallel == "row":
+            start, input_size = sharding.shard_range(input_size, unit, tp.rank, tp.size)
+            self.tp_part = (1, start, input_size)
+        elif self.parallel is not None:
+            raise ValueError(f"parallel must be None, 'column', 'row' or 'vocab', got "
+                             f"{parallel!r}.")
         self.input_size = input_size
         self.output_size = output_size
         self.weight = _frozen(torch.empty(output_size, input_size))
@@ -79,12 +113,24 @@ class Linear(nn.Module):
         self._preset: frozenset[str] = frozenset()
         self._g_idx: dict[str | None, torch.Tensor] = {}
 
+    @property
+    def reduces(self) -> bool:
+        """Whether the output is a sum over the tensor-parallel ranks (row-parallel)."""
+        return self.parallel == "row"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.reduces else self.bias
         if self.int_scheme is not None:
-            return int_linear(x, self.qweight, self.scales, self.zeros,
-                              bits=self.int_scheme.bits, group_size=self.int_scheme.group_size,
-                              in_features=self.input_size, bias=self.bias, perm=self.act_perm)
-        return linear(x, self.weight, self.bias, self.weight_scale, self.input_scale)
+            out = int_linear(x, self.qweight, self.scales, self.zeros,
+                             bits=self.int_scheme.bits, group_size=self.int_scheme.group_size,
+                             in_features=self.input_size, bias=bias, perm=self.act_perm)
+        else:
+            out = linear(x, self.weight, bias, self.weight_scale, self.input_scale)
+        if self.reduces:
+            out = all_reduce(out)
+            if self.bias is not None:
+                out += self.bias
+        return out
 
     def make_int(self, scheme: IntWeightScheme) -> None:
         """Replace the weight by the parameters an integer-weight checkpoint of ``scheme``
@@ -175,7 +221,11 @@ class Linear(nn.Module):
         integer-weight checkpoint's tensors are converted to the stored layout first.
         Raises ValueError when the parameter or shard is unknown or the shape does not
         match.
+
+        With tensor parallelism ``tensor`` is the checkpoint's whole tensor (or a
+        ``CheckpointSlice`` of it): only this rank's part is read (``_rank_part``).
         """
+        tensor = self._rank_part(param_name, tensor, shard)
         if self.int_scheme is not None and param_name in int_weights.checkpoint_names(
                 self.int_scheme):
             rows = self._rows(self.scales, shard).shape[0]
@@ -223,6 +273,31 @@ class Linear(nn.Module):
             raise ValueError(f"This layer is not fused; it has no shard {shard!r}.")
         return param.data
 
+    def _part(self, shard: str | None) -> tuple[int, int, int] | None:
+        """(dim, start, length) of the checkpoint tensor ``shard`` this rank holds."""
+        return self.tp_part
+
+    def _rank_part(self, param_name: str, tensor, shard: str | None) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor for ``param_name``: a row-parallel
+        weight's input columns; a column-parallel weight's, bias's or per-channel scale's
+        output rows (padded with zeros to the rank's rows for the vocabulary). Scales of
+        one value, static input scales and a row-parallel bias are whole on every rank."""
+        part = self._part(shard)
+        if part is None or self.int_scheme is not None:
+            return sharding.read(tensor)
+        dim, start, length = part
+        if dim == 1:
+            return sharding.narrow(tensor, 1, start, length) if param_name == "weight" \
+                else sharding.read(tensor)
+        if param_name not in ("weight", "bias", "weight_scale") or (
+                param_name == "weight_scale" and math.prod(tensor.shape) == 1):
+            return sharding.read(tensor)
+        rows = sharding.narrow(tensor, 0, start, length)
+        padded = self.output_size if shard is None else length
+        if rows.shape[0] < padded:  # the last vocabulary part
+            rows = torch.cat([rows, rows.new_zeros(padded - rows.shape[0], *rows.shape[1:])])
+        return rows
+
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
                 f"{self._format_repr()}")
@@ -238,11 +313,31 @@ class Linear(nn.Module):
 
 
 class FusedLinear(Linear):
-    """One matmul whose output is the concatenation of named shards, in declaration order."""
+    """One matmul whose output is the concatenation of named shards, in declaration order.
 
-    def __init__(self, input_size: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+    ``shard_sizes`` are the checkpoint's; column-parallel (``parallel="column"``), each
+    shard is split over the ranks on its own, in whole ``units[shard]`` rows (default 1),
+    and ``shard_sizes`` become this rank's."""
+
+    def __init__(self, input_size: int, shard_sizes: dict[str, int], bias: bool = False,
+                 parallel: str | None = None, units: dict[str, int] | None = None) -> None:
+        tp = get_tp()
+        self_checkpoint_sizes = dict(shard_sizes)
+        parts: dict[str, tuple[int, int, int]] = {}
+        if parallel == "column" and tp.size > 1:
+            units = units or {}
+            for name, size in shard_sizes.items():
+                start, length = sharding.shard_range(size, units.get(name, 1), tp.rank, tp.size)
+                parts[name] = (0, start, length)
+            shard_sizes = {name: part[2] for name, part in parts.items()}
+        elif parallel not in (None, "column"):
+            raise ValueError(f"A fused projection is column-parallel or not, got {parallel!r}.")
         super().__init__(input_size, sum(shard_sizes.values()), bias)
+        self.parallel = "column" if parts else None
+        self._shard_parts = parts
         self.shard_sizes = dict(shard_sizes)
+        # The shards' rows in the checkpoint (all ranks'); shard_sizes are this rank's.
+        self.checkpoint_shard_sizes = self_checkpoint_sizes
         self.shard_offsets: dict[str, int] = {}
         offset = 0
         for name, size in self.shard_sizes.items():
@@ -257,24 +352,71 @@ class FusedLinear(Linear):
     def _shards(self) -> list[str | None]:
         return list(self.shard_sizes)
 
+    def _part(self, shard: str | None) -> tuple[int, int, int] | None:
+        if not self._shard_parts or shard not in self._shard_parts:
+            return None
+        return self._shard_parts[shard]
+
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, shards={self.shard_sizes}, bias={self.bias is not None}"
                 f"{self._format_repr()}")
 
 
 class Embedding(nn.Module):
-    """Token id -> row of ``weight: [num_embeddings, embedding_dim]``."""
+    """Token id -> row of ``weight: [num_embeddings, embedding_dim]``.
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    ``parallel=True`` with several tensor-parallel ranks: each rank holds its part of the
+    vocabulary (``sharding.vocab_range``, zero rows padding the last part), looks up the
+    ids that fall in it, and the ranks' rows are summed."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, parallel: bool = False) -> None:
         super().__init__()
+        tp = get_tp()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.weight = nn.Parameter(
-            torch.empty(num_embeddings, embedding_dim), requires_grad=False
-        )
+        rows = num_embeddings
+        self.vocab_part: tuple[int, int] | None = None  # (start, length) when split
+        if parallel and tp.size > 1:
+            start, length, rows = sharding.vocab_range(num_embeddings, tp.rank, tp.size)
+            self.vocab_part = (start, length)
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.vocab_part is None:
+            return F.embedding(input_ids, self.weight)
+        start, length = self.vocab_part
+        local = input_ids - start
+        outside = (local < 0) | (local >= length)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
+
+    def reads(self, param_name: str) -> bool:
+        return param_name == "weight"
+
+    def load(self, param_name: str, tensor, shard: str | None = None) -> str:
+        """Copy the checkpoint's ``weight`` (this rank's vocabulary rows of it)."""
+        if param_name != "weight" or shard is not None:
+            raise ValueError(f"An embedding has only a weight, not {param_name!r}.")
+        if self.vocab_part is None:
+            rows = sharding.read(tensor)
+        else:
+            start, length = self.vocab_part
+            rows = sharding.narrow(tensor, 0, start, length)
+            rows = torch.cat([rows, rows.new_zeros(self.weight.shape[0] - length,
+                                                   *rows.shape[1:])])
+        if tuple(rows.shape) != tuple(self.weight.shape):
+            raise ValueError(f"Expected shape {tuple(self.weight.shape)}, got "
+                             f"{tuple(rows.shape)}.")
+        self.weight.data.copy_(rows)
+        return "weight"
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+def gather_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The whole vocabulary's logits ``[N, vocab_size]`` from each rank's part (the
+    identity with one rank)."""
+    if get_tp().size == 1:
+        return logits
+    return all_gather_last_dim(logits)[:, :vocab_size]

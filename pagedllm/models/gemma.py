@@ -107,7 +107,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, cfg: GemmaArchConfig) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel=True)
         self.embed_scale = cfg.hidden_size ** 0.5
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_parameters,
                                           cfg.max_position_embeddings)

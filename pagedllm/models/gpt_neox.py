@@ -203,6 +203,7 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
 
     family = "gpt_neox"
     model_class = GPTNeoXModel
+    tensor_parallel = False
     checkpoint_renames = ((r"^gpt_neox\.", "model."), (r"^embed_out\.", "lm_head."))
 
     @classmethod

@@ -45,11 +45,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed import sharding
+from pagedllm.distributed.parallel_state import get_tp
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.fused_moe import FusedMoE, MoEBlock
 from pagedllm.layers.layernorm import RMSNorm, linear_and_norm
-from pagedllm.layers.linear import Embedding, FusedLinear, Linear, linear
+from pagedllm.layers.linear import Embedding, FusedLinear, Linear, gather_logits, linear
 from pagedllm.layers.rotary import (
     RotaryEmbedding,
     rope_parameters_from_hf,
@@ -165,26 +167,34 @@ def _sliding_windows(hf: dict, family: str, num_layers: int) -> tuple[int | None
 
 
 class LlamaAttentionBlock(nn.Module):
-    """Projections, optional q/k norm and rope around the paged ``Attention`` layer."""
+    """Projections, optional q/k norm and rope around the paged ``Attention`` layer.
+
+    With tensor parallelism each rank holds its query heads and the KV heads they read
+    (``sharding.shard_range`` in whole heads): qkv is column-parallel, o_proj
+    row-parallel."""
 
     def __init__(self, cfg: LlamaArchConfig, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        tp_size = get_tp().size
+        self.num_heads = cfg.num_heads // tp_size
+        self.num_kv_heads = max(1, cfg.num_kv_heads // tp_size)
         self.head_dim = cfg.head_dim
         self.rotary_dim = cfg.rotary_dim or cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = FusedLinear(
-            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, cfg.qkv_bias
+            cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.qkv_bias,
+            parallel="column", units=dict.fromkeys("qkv", cfg.head_dim),
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias, parallel="row",
+                             unit=cfg.head_dim)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
         self.qk_norm = cfg.qk_norm
         self.attn = Attention(
-            cfg.num_heads, cfg.head_dim, cfg.num_kv_heads,
+            self.num_heads, cfg.head_dim, self.num_kv_heads,
             scale=cfg.attn_scale or cfg.head_dim**-0.5,
             layer_idx=layer_idx,
             sliding_window=cfg.sliding_windows[layer_idx],
@@ -214,8 +224,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaArchConfig, size: int | None = None) -> None:
         super().__init__()
         size = size or cfg.intermediate_size
-        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": size, "up": size}, cfg.mlp_bias)
-        self.down_proj = Linear(size, cfg.hidden_size, cfg.mlp_bias)
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": size, "up": size}, cfg.mlp_bias,
+                                        parallel="column")
+        self.down_proj = Linear(size, cfg.hidden_size, cfg.mlp_bias, parallel="row")
         self.act = GatedActivation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,7 +299,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaArchConfig) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel=True)
         self.rotary_emb = RotaryEmbedding(
             cfg.rotary_dim or cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings
         )
@@ -312,6 +323,10 @@ class LlamaForCausalLM(nn.Module):
     Positions are absolute token indices within each token's own sequence; which tokens
     belong together, and the KV cache, come from the forward context. ``compute_logits``
     maps selected hidden rows to float32 logits over the vocabulary.
+
+    Tensor parallelism (``tensor_parallel`` families): attention heads, MLP columns and the
+    vocabulary are split over the ranks (see the layers), the hidden states are whole on
+    every rank after each block's sum, and so are the logits.
     """
 
     family = "llama"
@@ -323,15 +338,24 @@ class LlamaForCausalLM(nn.Module):
     # Patterns of checkpoint names this class does not load (a vision tower beside the text
     # decoder), matched at the start of the name as stored.
     checkpoint_ignored: tuple[str, ...] = ()
+    # Whether the family's layers split over tensor-parallel ranks (its own layers do).
+    tensor_parallel = True
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
         self.config = self.arch_config(hf_config)
+        tp_size = get_tp().size
+        if tp_size > 1 and (self.config.num_experts or not self.tensor_parallel):
+            what = "mixture-of-experts layers" if self.config.num_experts else "layers"
+            raise ValueError(f"{type(self).__name__}'s {what} cannot be split over "
+                             f"{tp_size} tensor-parallel ranks yet: drop "
+                             "--tensor-parallel-size.")
         self.model = self.model_class(self.config)
         self.lm_head = (
             None
             if self.config.tie_word_embeddings
-            else Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+            else Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
+                        parallel="vocab")
         )
 
     @classmethod
@@ -345,7 +369,7 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden] -> [N, vocab]`` in the activation dtype (the sampler widens them
         to float32 where its arithmetic needs it; its argmax kernels read them as they are)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden_states, weight)
+        return gather_logits(linear(hidden_states, weight), self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into this model's parameters.
@@ -382,15 +406,17 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
             if name.endswith(_KV_SCALE_SUFFIXES):
-                self._load_kv_scale(name, tensor)
+                self._load_kv_scale(name, sharding.read(tensor))
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")
             if ".mlp.experts." in name:
-                loaded.update(self._load_expert(name, tensor))
+                loaded.update(self._load_expert(name, sharding.read(tensor)))
                 continue
             target, shard = _fused_target(name)
             module_name, _, param_name = target.rpartition(".")
             module = self._linear(module_name)
+            if module is None:
+                tensor = sharding.read(tensor)
             if not (target in params or (module is not None and module.reads(param_name))):
                 unexpected.append(name)
                 continue
@@ -443,13 +469,14 @@ class LlamaForCausalLM(nn.Module):
                              "describe these weights.") from exc
         return [(f"{module_name}.{param}", part) for param, part in filled]
 
-    def _linear(self, module_name: str) -> Linear | None:
-        """The projection called ``module_name``, or None when there is none."""
+    def _linear(self, module_name: str) -> Linear | Embedding | None:
+        """The projection (or embedding) called ``module_name``, which loads its own
+        tensors (its rank's part of them), or None when there is none."""
         try:
             module = self.get_submodule(module_name)
         except AttributeError:
             return None
-        return module if isinstance(module, Linear) else None
+        return module if isinstance(module, (Linear, Embedding)) else None
 
     def projections(self) -> Iterator[tuple[Linear, list[str]]]:
         """Each projection inside the decoder layers with the checkpoint module names it
@@ -495,9 +522,11 @@ def _shard_parts(module: Linear | None, param_name: str, shard: str | None,
     """``[(shard, tensor)]``; a checkpoint that stores a fused projection whole (Phi-3's
     ``qkv_proj`` and ``gate_up_proj``) is cut into its shards' rows, in shard order."""
     if shard is None and isinstance(module, FusedLinear) and param_name in ("weight", "bias"):
-        sizes = list(module.shard_sizes.values())
+        tensor = sharding.read(tensor)
+        sizes = list(module.checkpoint_shard_sizes.values())
         if tensor.shape[0] != sum(sizes):
-            raise ValueError(f"{param_name} of {module.shard_sizes} expects {sum(sizes)} rows, "
+            raise ValueError(f"{param_name} of {module.checkpoint_shard_sizes} expects "
+                             f"{sum(sizes)} rows, "
                              f"got shape {tuple(tensor.shape)}.")
         return list(zip(module.shard_sizes, tensor.split(sizes)))
     return [(shard, tensor)]

@@ -10,6 +10,11 @@ every parameter is allocated once, directly where it will live, and never initia
 * ``load_format`` "dummy": random weights at the real shapes, uniform in [-1e-3, 1e-3]
   with RMSNorm weights 1, drawn on the device from ``model_config.seed`` — for
   benchmarks of large shapes with no checkpoint.
+
+With tensor parallelism each rank builds only its part of every split layer, and the
+checkpoint's tensors reach ``load_weights`` unread (``sharding.CheckpointSlice``): each
+layer reads the rows or columns it holds, so a rank never holds the whole model in
+memory. (Dummy weights are drawn per rank at the rank's shapes.)
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import get_tp
+from pagedllm.distributed.sharding import CheckpointSlice
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import Linear
 from pagedllm.models.registry import get_model_class
@@ -81,13 +88,15 @@ def load_model(
     if model_config.load_format == "dummy":
         fill_dummy_weights(model, model_config.seed)
     else:
-        model.load_weights(iter_safetensors(model_config.path))
+        model.load_weights(iter_safetensors(model_config.path, lazy=get_tp().size > 1))
     if quant is not None:
         quantize_model(model, quant, "after_load")
         if device.type == "cuda":
             torch.cuda.empty_cache()  # weights replaced at load go back to the pool
     held = weight_memory(model)
-    logger.info("Model weights: %s (%s%s)",
+    tp = get_tp()
+    logger.info("Model weights%s: %s (%s%s)",
+                f" of tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
                 f"{held / 2**30:.2f} GiB" if held >= 2**30 else f"{held / 2**20:.2f} MiB",
                 str(dtype).replace("torch.", ""),
                 f", {quant.method} projections" if quant is not None else "")
@@ -121,14 +130,16 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor of the checkpoint, read lazily file by file."""
+def iter_safetensors(path: Path, lazy: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
+    """``(name, tensor)`` for every tensor of the checkpoint, file by file; with ``lazy``
+    each tensor is a ``CheckpointSlice``, read only where the model asks."""
     from safetensors import safe_open
 
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, CheckpointSlice(handle, name) if lazy else handle.get_tensor(name)
 
 
 @torch.no_grad()

@@ -140,6 +140,7 @@ class OPTForCausalLM(LlamaForCausalLM):
 
     family = "opt"
     model_class = OPTModel
+    tensor_parallel = False
     checkpoint_renames = ((r"^decoder\.", "model.decoder."),)
 
     def __init__(self, hf_config: dict) -> None:

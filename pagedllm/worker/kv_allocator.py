@@ -10,7 +10,8 @@ Either memory-based sizing stops at what ``max_num_seqs`` requests of ``max_mode
 tokens can ever use: the cache is zeroed up front, so a surplus would only cost start-up
 time (and, on a GPU, memory other processes could use).
 
-One block holds ``block_size`` tokens of K and V for every layer::
+One block holds ``block_size`` tokens of K and V for every layer (of this rank's KV heads
+with tensor parallelism; every rank holds the same block ids)::
 
     bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
 
@@ -61,8 +62,9 @@ def bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
     models = [config.model_config]
     if spec is not None and spec.draft_model_config is not None:
         models.append(spec.draft_model_config)
+    tp = config.parallel_config.tensor_parallel_size
     return sum(block_bytes(num_layers=m.num_layers, block_size=config.cache_config.block_size,
-                           num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                           num_kv_heads=m.kv_heads_per_rank(tp), head_dim=m.head_dim,
                            element_size=dtype.itemsize) for m in models)
 
 
@@ -239,9 +241,10 @@ def allocate_kv_caches(
     config: EngineConfig, num_blocks: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor of ``dtype`` per
-    layer, zeroed."""
+    layer, zeroed; ``num_kv_heads`` are this tensor-parallel rank's."""
     import torch
 
     m = config.model_config
-    shape = (2, num_blocks, config.cache_config.block_size, m.num_kv_heads, m.head_dim)
+    kv_heads = m.kv_heads_per_rank(config.parallel_config.tensor_parallel_size)
+    shape = (2, num_blocks, config.cache_config.block_size, kv_heads, m.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(m.num_layers)]

@@ -24,13 +24,22 @@ verification step replays a captured graph only when it is one request's (the si
 prompt graphs serve its ``k + 1`` tokens); batches of several verifying requests run
 eagerly. The draft's one-token decodes replay its own captured graphs.
 
-Constrained rows (structured outputs): after the forward pass is launched, the runner asks
-the engine for those rows' token bitmask (``grammar_bitmask``, filled on the host while
-the device computes) and the sampler masks their logits before anything else.
+Constrained rows (structured outputs), check-then-mask: such a row is sampled without its
+token mask, and when the step's ids are read the engine's grammars check the sampled
+tokens (``grammar.check``); only the rows whose token is refused get a bitmask, and are
+drawn again under it with the noise of their first draw, which gives the token masking
+first would have given (``Sampler.redraw``). The check runs before any later step's
+forward pass reads the ids: with asynchronous scheduling the next launch reads the step's
+ids first (the one device-to-host copy it makes anyway, earlier), and a step with refused
+rows copies their new ids too. Rows whose sampling reads the masked distribution before
+the draw (logprobs; top-k, top-p, min-p) are masked first instead: after the forward pass
+is launched, the runner asks the engine for their bitmask (``grammar``, filled on the host
+while the device computes) and the sampler masks their logits before anything else.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from typing import Callable
@@ -40,6 +49,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import min_over_ranks
 from pagedllm.layers.attention.backend import AttentionMetadata, set_forward_context
 from pagedllm.layers.attention.kv_quant import kv_cache_torch_dtype
 from pagedllm.layers.attention.selector import attention_backend_name
@@ -47,6 +57,7 @@ from pagedllm.layers.sampler import (
     LogprobsTensors,
     RowCounts,
     Sampler,
+    SamplerOutput,
     SamplingMetadata,
     TokenCounts,
     compute_prompt_logprobs,
@@ -110,6 +121,8 @@ class ModelRunner:
         # Pinned host buffers of the constrained rows' bitmasks (CUDA; made on first need).
         self._bitmask_buffers: list[torch.Tensor] | None = None
         self._next_bitmask_buffer = 0
+        # The last launched step, while its rows sampled without a mask await their check.
+        self._unchecked: AsyncStepOutput | None = None
         if self.device.type == "cuda":
             self._readback = SampledIdsReadback(config.scheduler_config.max_num_seqs)
 
@@ -146,6 +159,8 @@ class ModelRunner:
         num_blocks = determine_num_blocks(
             self.config, self.kv_cache_dtype, self.device, self._profile_run, reserved_bytes=reserved
         )
+        # Tensor-parallel ranks hold the same block ids: the smallest rank's count for all.
+        num_blocks = min_over_ranks(num_blocks, self.device)
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, self.kv_cache_dtype, self.device)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks, self.kv_caches[0].dtype)
@@ -241,7 +256,7 @@ class ModelRunner:
     def execute_model_async(
         self,
         scheduler_output: SchedulerOutput,
-        grammar_bitmask: Callable[[list[str], Callable], np.ndarray] | None = None,
+        grammar: Callable[[list[str], Callable], np.ndarray] | None = None,
     ) -> AsyncStepOutput:
         """Launch one step; its output is read when ``get()`` is called on the result.
 
@@ -249,11 +264,13 @@ class ModelRunner:
         taken before the scheduler plans the step after next: at most one launched step
         may be unresolved when a step is launched (an older one is resolved here).
 
-        ``grammar_bitmask(request_ids, allocate)``: the allowed next tokens of the step's
+        ``grammar(request_ids, allocate)``: the allowed next tokens of the step's
         constrained sampling rows, written into ``allocate(rows, words)`` (an int32 host
         array the runner provides, pinned on CUDA; see ``pagedllm.structured``) and
         returned; asked once the forward pass is launched, it may resolve the step
-        launched before.
+        launched before. When it also has ``check(request_ids, token_ids, allocate)``
+        (``StepGrammars``), rows that allow it are checked after sampling instead
+        (check-then-mask, see the module's docstring).
         """
         self._update_states(scheduler_output)
         while len(self._unresolved) > 1:
@@ -262,12 +279,14 @@ class ModelRunner:
             return AsyncStepOutput.ready(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         inputs = self.input_batch.prepare(scheduler_output.num_scheduled_tokens,
                                           scheduler_output.spec_token_ids)
+        if self._unchecked is not None:  # its ids feed this forward pass: check them first
+            self._unchecked.get()
         hidden_states, logits_indices = self._run_model(inputs)
 
         prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
         if self.speculative:
             return AsyncStepOutput.ready(self._speculative_step(
-                scheduler_output, inputs, hidden_states, prompt_logprobs, grammar_bitmask))
+                scheduler_output, inputs, hidden_states, prompt_logprobs, grammar))
         states = [inputs.states[i] for i in inputs.sample_req_indices]
         if not states:
             return AsyncStepOutput.ready(ModelRunnerOutput(
@@ -276,10 +295,8 @@ class ModelRunner:
             ))
         rows = hidden_states if logits_indices is None else hidden_states[logits_indices]
         logits = self.model.compute_logits(rows)
-        metadata = self._sampling_metadata(states, grammar_bitmask)
-        out = self.sampler(logits, metadata)
+        out, check = self._sample(logits, states, grammar)
         sampled = out.sampled_token_ids
-        metadata.record_sampled(sampled)
         self.input_batch.mark_pending(states)
         self._last_sampled = sampled
 
@@ -287,19 +304,76 @@ class ModelRunner:
             while self._unresolved[0] is not result:
                 self._unresolved[0].get()  # resolve in launch order
             self._unresolved.popleft()
+            if check is not None:
+                if self._unchecked is result:
+                    self._unchecked = None
+                token_ids = check(token_ids)
             return self._step_output(inputs, states, token_ids, out.logprobs, prompt_logprobs)
 
         read = self._readback.start(sampled) if self._readback is not None else sampled.tolist
         result = AsyncStepOutput(read, finish)
         self._unresolved.append(result)
+        if check is not None:
+            self._unchecked = result
         return result
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        states: list[CachedRequestState],
+        grammar: Callable[[list[str], Callable], np.ndarray] | None,
+    ) -> tuple[SamplerOutput, Callable[[list[int]], list[int]] | None]:
+        """One token per state's row of ``logits``, and ``check(token_ids)`` when rows were
+        sampled without their grammar mask: it takes the step's sampled ids once read on
+        the host and returns them final (``_check_sampled``); it must run once, before any
+        later step's forward pass or sampling."""
+        masked, checked = self._constrained_rows(states, grammar)
+        metadata = self._sampling_metadata(states, grammar, masked)
+        metadata.keep_draw = bool(checked)
+        out = self.sampler(logits, metadata)
+        if not checked:
+            metadata.record_sampled(out.sampled_token_ids)
+            return out, None
+        return out, functools.partial(self._check_sampled, states, checked, out, metadata,
+                                      grammar.check)
+
+    @torch.inference_mode()
+    def _check_sampled(
+        self,
+        states: list[CachedRequestState],
+        rows: list[int],
+        out: SamplerOutput,
+        metadata: SamplingMetadata,
+        check: Callable,
+        token_ids: list[int],
+    ) -> list[int]:
+        """Check-then-mask: ``token_ids`` (the step's sampled ids, on the host) with the
+        tokens that the grammars of ``rows`` (sampled without their mask) refuse replaced
+        by draws under their mask (``Sampler.redraw``). The ids on the device are corrected
+        in place (later steps read them as pending tokens) and counted for the penalties."""
+        refused, bitmask = check([states[j].request_id for j in rows],
+                                 [token_ids[j] for j in rows], self._bitmask_buffer)
+        sampled = out.sampled_token_ids
+        if refused:
+            redrawn = [rows[i] for i in refused]
+            index = torch.tensor(redrawn, dtype=torch.long).to(self.device, non_blocking=True)
+            tokens = self.sampler.redraw(
+                out.draw, index, torch.from_numpy(bitmask).to(self.device, non_blocking=True))
+            sampled.index_copy_(0, index, tokens)
+            for j, token in zip(redrawn, tokens.tolist()):  # the step's one extra copy
+                token_ids[j] = token
+        metadata.record_sampled(sampled)
+        out.draw = None  # the step's logits and noise, no longer needed
+        return token_ids
 
     def _sampling_metadata(
         self,
         states: list[CachedRequestState],
-        grammar_bitmask: Callable[[list[str], Callable], np.ndarray] | None,
+        grammar: Callable[[list[str], Callable], np.ndarray] | None,
+        masked: list[int],
     ) -> SamplingMetadata:
-        """The metadata of one sampled row per state (its last computed token's)."""
+        """The metadata of one sampled row per state (its last computed token's); the
+        ``masked`` rows get their grammar's bitmask."""
         return SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
@@ -309,7 +383,7 @@ class ModelRunner:
             device=self.device,
             pending_token_ids=self._pending_for_sampling(states),
             counts=self._token_counts_for(states),
-            grammar=self._grammar_rows(states, grammar_bitmask),
+            grammar=self._grammar_rows(states, masked, grammar),
         )
 
     def _speculative_step(
@@ -318,7 +392,7 @@ class ModelRunner:
         inputs: StepInputs,
         hidden_states: torch.Tensor,
         prompt_logprobs: dict[str, list[LogprobsEntry | None]],
-        grammar_bitmask: Callable[[list[str], Callable], np.ndarray] | None,
+        grammar: Callable[[list[str], Callable], np.ndarray] | None,
     ) -> ModelRunnerOutput:
         """Sample a step of a speculative engine and read its tokens: verifying requests
         through the rejection sampler, the others as usual; append them; then let the
@@ -332,10 +406,11 @@ class ModelRunner:
             states = [inputs.states[i] for i in plain]
             rows = torch.from_numpy(inputs.query_start_loc[np.asarray(plain) + 1] - 1)
             logits = self.model.compute_logits(hidden_states[rows.to(self.device)])
-            metadata = self._sampling_metadata(states, grammar_bitmask)
-            out = self.sampler(logits, metadata)
-            metadata.record_sampled(out.sampled_token_ids)
-            for j, (i, token) in enumerate(zip(plain, out.sampled_token_ids.tolist())):
+            out, check = self._sample(logits, states, grammar)
+            token_ids = out.sampled_token_ids.tolist()
+            if check is not None:
+                token_ids = check(token_ids)
+            for j, (i, token) in enumerate(zip(plain, token_ids)):
                 sampled[i] = [token]
                 k = inputs.states[i].sampling_params.logprobs
                 if k is not None and out.logprobs is not None:
@@ -379,20 +454,39 @@ class ModelRunner:
         """The draft model's hidden states over ``inputs`` (see ``DraftModel.propose``)."""
         return self._run_model(inputs, self.drafter, pending)[0]
 
+    def _constrained_rows(
+        self,
+        states: list[CachedRequestState],
+        grammar: Callable[[list[str], Callable], np.ndarray] | None,
+    ) -> tuple[list[int], list[int]]:
+        """The constrained sampling rows: (masked before sampling, checked after). A row is
+        checked when the engine can check tokens and nothing before its draw reads the
+        masked distribution (logprobs are of it; top-k, top-p and min-p select from it)."""
+        if not self.input_batch.num_constrained:
+            return [], []
+        can_check = hasattr(grammar, "check")
+        masked: list[int] = []
+        checked: list[int] = []
+        for j, state in enumerate(states):
+            p = state.sampling_params
+            if p.structured_outputs is not None:
+                fast = can_check and p.logprobs is None and not p.filters_tokens
+                (checked if fast else masked).append(j)
+        return masked, checked
+
     def _grammar_rows(
         self,
         states: list[CachedRequestState],
-        grammar_bitmask: Callable[[list[str], Callable], np.ndarray] | None,
+        rows: list[int],
+        grammar: Callable[[list[str], Callable], np.ndarray] | None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(sampling rows, their bitmask) on the device for the constrained rows, if any."""
-        if not self.input_batch.num_constrained:
-            return None
-        rows = [j for j, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
+        """(sampling rows, their bitmask) on the device for the constrained ``rows`` to mask
+        before sampling, if any."""
         if not rows:
             return None
-        if grammar_bitmask is None:
-            raise ValueError("A step with constrained rows needs grammar_bitmask.")
-        bitmask = grammar_bitmask([states[j].request_id for j in rows], self._bitmask_buffer)
+        if grammar is None:
+            raise ValueError("A step with constrained rows needs grammar.")
+        bitmask = grammar([states[j].request_id for j in rows], self._bitmask_buffer)
         # Asynchronous copies: a blocking one would wait for this step's forward pass.
         return (torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True),
                 torch.from_numpy(bitmask).to(self.device, non_blocking=True))
@@ -401,7 +495,8 @@ class ModelRunner:
         """A host array ``[num_rows, width]`` int32 to fill a step's bitmask into. On CUDA
         it is pinned (the copy to the device is a DMA, not a staging copy) and two take
         turns: a step's copy is done before the step after next fills its buffer, since the
-        runner has read the step's sampled ids by then."""
+        runner has read the step's sampled ids by then (and a check's copy is waited for
+        with the ids it redraws)."""
         if self.device.type != "cuda":
             return np.empty((num_rows, width), dtype=np.int32)
         rows = self.config.scheduler_config.max_num_seqs

@@ -177,8 +177,8 @@ def test_invalid_sampling_params_name_the_parameter(bad):
 
 
 def test_unsupported_engine_features_are_refused(tiny_model_dir):
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(str(tiny_model_dir), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="enable_lora"):
+        LLM(str(tiny_model_dir), enable_lora=True)
     with pytest.raises(TypeError, match="Unknown engine argument"):
         LLM(str(tiny_model_dir), not_an_option=True)
 

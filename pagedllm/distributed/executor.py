@@ -1,0 +1,272 @@
+"""The engine core's model runner when the model is split over tensor-parallel ranks.
+
+``make_model_runner(config)`` gives the engine core what executes its steps: with one
+rank the ``ModelRunner`` itself, in this process; with several a ``MultiprocExecutor``,
+which has the runner's interface (``initialize_kv_cache``, ``execute_model_async``,
+``dtype``, ``kv_cache_dtype``, ``shutdown``) and drives one worker per rank
+(``worker.py``): local processes ("mp"), or Ray actors ("ray", ``ray_executor.py``).
+
+The scheduler stays single, in the engine core. Each step's plan is pickled once and
+sent to every rank; rank 0's output comes back (every rank samples the same tokens, see
+``worker.py``). The engine never waits on a rank without also watching the others: a rank
+that dies, or reports an error, fails the engine at once with a ``WorkerError`` naming
+it, and the other ranks are stopped, so a dead rank cannot leave the engine hanging in
+a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import signal
+import socket
+from collections import deque
+from multiprocessing.connection import Connection, wait
+from typing import Callable
+
+import numpy as np
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.worker import ConstrainedRequests
+
+logger = logging.getLogger(__name__)
+
+# Seconds a rank may take to stop before it is killed.
+STOP_GRACE_S = 5.0
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel rank died or failed; the engine cannot go on."""
+
+
+def make_model_runner(config: EngineConfig):
+    """The ``ModelRunner`` (one rank) or the executor of the configured backend."""
+    parallel = config.parallel_config
+    if parallel.world_size == 1:
+        from pagedllm.worker.model_runner import ModelRunner
+
+        return ModelRunner(config)
+    from pagedllm.distributed.checks import check_parallel_start
+
+    check_parallel_start(config)
+    if parallel.distributed_executor_backend == "ray":
+        from pagedllm.distributed.ray_executor import RayWorkers
+
+        return MultiprocExecutor(config, RayWorkers(config))
+    return MultiprocExecutor(config, LocalWorkers(config))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for the ranks' rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class _RemoteStep:
+    """A launched step whose output rank 0 sends; ``get()`` reads it (in launch order)."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self._executor = executor
+        self._output: ModelRunnerOutput | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._output is not None
+
+    def get(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._executor._next_output()
+        return self._output
+
+
+class _ReadyStep(_RemoteStep):
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self._output = output
+
+
+class MultiprocExecutor:
+    """Drives ``workers`` (one connection per rank, rank 0 first; see ``LocalWorkers``
+    and ``RayWorkers``): sends each message to every rank, reads rank 0's answers, and
+    watches every rank while it waits."""
+
+    def __init__(self, config: EngineConfig, workers) -> None:
+        self.config = config
+        self.workers = workers
+        self.connections: list[Connection] = workers.connections
+        self._outputs: deque[ModelRunnerOutput] = deque()
+        self._constrained = ConstrainedRequests()
+        self._closed = False
+        try:
+            info = self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.dtype = info["dtype"]
+        self.kv_cache_dtype = info["kv_cache_dtype"]
+        logger.info("%d tensor-parallel ranks ready (%s backend).", len(self.connections),
+                    config.parallel_config.distributed_executor_backend)
+
+    # -- the runner's interface -----------------------------------------------------------
+    def initialize_kv_cache(self) -> int:
+        self._send(("kv",))
+        return self._receive(0, "kv")[1]
+
+    def execute_model_async(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: Callable[[list[str], Callable], np.ndarray] | None = None,
+    ) -> _RemoteStep:
+        """Send the step to every rank; serve rank 0's bitmask requests until it has
+        launched a step with constrained requests; ``get()`` on the result reads the
+        step's output."""
+        self._send(("step", scheduler_output))
+        if self._constrained.update(scheduler_output):
+            while True:
+                message = self._receive(0, "bitmask", "launched")
+                if message[0] == "launched":
+                    break
+                bitmask = grammar_bitmask(
+                    message[1], lambda rows, width: np.empty((rows, width), dtype=np.int32))
+                self._send(("bitmask", np.ascontiguousarray(bitmask)))
+        if scheduler_output.is_empty:
+            return _ReadyStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+        return _RemoteStep(self)
+
+    def shutdown(self) -> None:
+        """Stop every rank (politely, then by force); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.connections:
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+        self.workers.stop(STOP_GRACE_S)
+
+    # -- messages ---------------------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.connections):
+            try:
+                conn.send_bytes(payload)
+            except OSError as exc:
+                self._fail(f"tensor-parallel rank {rank} is gone ({exc})")
+
+    def _wait_ready(self) -> dict:
+        """Rank 0's start-up report, once every rank has sent its own."""
+        infos: dict[int, dict] = {}
+        while len(infos) < len(self.connections):
+            for ready in wait([*self.connections, *self.workers.sentinels]):
+                if ready not in self.connections:
+                    self._check(ready)
+                rank = self.connections.index(ready)
+                message = self._read(rank)
+                if message[0] != "ready":
+                    self._fail(f"tensor-parallel rank {rank} sent {message[0]!r} at start-up")
+                infos[rank] = message[1]
+        return infos[0]
+
+    def _next_output(self) -> ModelRunnerOutput:
+        if not self._outputs:
+            self._receive(0, "output", keep_outputs=False)
+        return self._outputs.popleft()
+
+    def _receive(self, rank: int, *tags: str, keep_outputs: bool = True) -> tuple:
+        """The next message from ``rank`` whose tag is one of ``tags`` (rank 0's step
+        outputs that come first are kept for ``_next_output``), watching every rank for
+        failures meanwhile."""
+        conn = self.connections[rank]
+        while True:
+            for ready in wait([*self.connections, *self.workers.sentinels]):
+                if ready is not conn:
+                    self._check(ready)
+            if not conn.poll():
+                continue
+            message = self._read(rank)
+            if message[0] == "output":
+                self._outputs.append(message[1])
+                if "output" in tags:
+                    return message
+                continue
+            if message[0] in tags:
+                return message
+            self._fail(f"tensor-parallel rank {rank} sent {message[0]!r} where the engine "
+                       f"expected {' or '.join(tags)}")
+
+    def _check(self, ready) -> None:
+        """A connection or process sentinel other than the one waited on is ready: a
+        rank's error report, its end, or its process's exit."""
+        if ready in self.connections:
+            rank = self.connections.index(ready)
+            if rank == 0:
+                return  # read by the caller
+            self._read(rank)
+            self._fail(f"tensor-parallel rank {rank} sent a message out of turn")
+        rank = self.workers.sentinels.index(ready)
+        if self.connections[rank].poll():
+            self._read(rank)  # its last words: an error report, or the end of the pipe
+        self._fail(f"tensor-parallel rank {rank} exited ({self.workers.describe_exit(rank)})")
+
+    def _read(self, rank: int) -> tuple:
+        try:
+            message = self.connections[rank].recv()
+        except (EOFError, OSError):
+            self._fail(f"tensor-parallel rank {rank} died "
+                       f"({self.workers.describe_exit(rank)})")
+        if message[0] == "error":
+            _, kind, text = message
+            if kind == "ValueError":
+                self.shutdown()
+                raise ValueError(text)
+            self._fail(f"tensor-parallel rank {rank} failed: {kind}: {text}")
+        return message
+
+    def _fail(self, reason: str) -> None:
+        self.shutdown()
+        raise WorkerError(f"The engine stops: {reason}.")
+
+
+class LocalWorkers:
+    """One spawned process per rank on this host (``--distributed-executor-backend
+    mp``), rank r on CUDA device r (of those visible), connected by pipes."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedllm.distributed.worker import run_worker
+
+        context = multiprocessing.get_context("spawn")
+        size = config.parallel_config.tensor_parallel_size
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.processes: list[multiprocessing.Process] = []
+        self.connections: list[Connection] = []
+        for rank in range(size):
+            ours, theirs = context.Pipe(duplex=True)
+            process = context.Process(
+                target=run_worker, name=f"pagedllm-tp-rank-{rank}", daemon=True,
+                args=(theirs, rank, size, init_method, config,
+                      rank if config.device == "cuda" else None))
+            process.start()
+            theirs.close()
+            self.processes.append(process)
+            self.connections.append(ours)
+        self.sentinels = [process.sentinel for process in self.processes]
+
+    def describe_exit(self, rank: int) -> str:
+        process = self.processes[rank]
+        process.join(1.0)
+        code = process.exitcode
+        if code is None:
+            return "still running"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    def stop(self, grace_s: float) -> None:
+        for process in self.processes:
+            process.join(grace_s)
+            if process.is_alive():
+                process.kill()
+                process.join(1.0)

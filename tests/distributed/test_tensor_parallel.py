@@ -1,0 +1,100 @@
+"""Tensor parallelism on the CPU (gloo): greedy tokens at TP=2 (and TP=4, where KV heads
+are replicated) equal HF transformers' in float32 with batching, chunked prefill,
+prefix-cache hits and preemption in one run; seeded sampling equals TP=1; a dead rank
+fails the engine within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.executor import WorkerError
+from tests.engine.conftest import VOCAB_SIZE, hf_greedy, random_prompts
+from tests.tokenizer_utils import make_tiny_tokenizer
+from tests.utils import make_tiny_checkpoint
+
+MAX_NEW = 8
+# name -> (family, tensor-parallel size, config overrides)
+CASES = {
+    "llama_tp2": ("llama", 2, dict(attention_bias=True)),
+    "qwen3_tp2_tied": ("qwen3", 2, dict(tie_word_embeddings=True)),
+    "qwen2_tp4_replicated_kv_heads": ("qwen2", 4, dict()),
+}
+
+
+def _checkpoint(root, family: str, **overrides):
+    path = make_tiny_checkpoint(root, family, vocab_size=VOCAB_SIZE, max_position_embeddings=256,
+                                **overrides)
+    make_tiny_tokenizer(path, vocab_size=VOCAB_SIZE)
+    return path
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tensor_parallel_greedy_tokens_equal_hf(case, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    family, tp, overrides = CASES[case]
+    path = _checkpoint(tmp_path, family, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    stems = random_prompts(2, 17, 24, seed=100)
+    prompts = [stems[i % 2][: 9 + 2 * i] + random_prompts(1, 1, 6, seed=200 + i)[0]
+               for i in range(6)]
+    want = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    # 8 blocks of 8 tokens for six requests of up to 40 tokens: preemption; a budget of 9
+    # tokens a step: chunked prefill; shared stems: prefix-cache hits.
+    llm = LLM(str(path), tensor_parallel_size=tp, block_size=8, num_kv_blocks=8,
+              max_model_len=48, max_num_batched_tokens=9)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == want
+        scheduler = llm.llm_engine.engine_core.scheduler
+        assert scheduler.num_preemptions_total > 0
+        assert scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
+        if case == "llama_tp2":  # seeded sampling draws the same tokens as one rank does
+            sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=MAX_NEW, seed=7)
+            one = LLM(str(path), block_size=8, num_kv_blocks=64, max_model_len=48)
+            assert ([o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], sampled, use_tqdm=False)]
+                == [o.outputs[0].token_ids for o in one.generate(
+                    [{"prompt_token_ids": p} for p in prompts], sampled, use_tqdm=False)])
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_a_killed_rank_fails_the_engine_within_seconds(tmp_path) -> None:
+    path = _checkpoint(tmp_path, "llama")
+    llm = LLM(str(path), tensor_parallel_size=2, max_model_len=256)
+    workers = llm.llm_engine.engine_core.model_runner.workers
+    victim = workers.processes[1]
+    killer = threading.Timer(1.0, os.kill, (victim.pid, signal.SIGKILL))
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    start = time.monotonic()
+    killer.start()
+    with pytest.raises(WorkerError, match="rank 1 .*SIGKILL"):
+        for _ in range(100):  # far more work than the second before the kill
+            llm.generate([{"prompt_token_ids": [5] * 40}] * 4, params, use_tqdm=False)
+    assert time.monotonic() - start < 15
+    assert not any(p.is_alive() for p in workers.processes)
+
+
+def test_a_rank_start_up_error_reaches_the_caller(tmp_path) -> None:
+    path = _checkpoint(tmp_path, "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=48)
+    with pytest.raises(ValueError, match="mixture-of-experts layers cannot be split"):
+        LLM(str(path), tensor_parallel_size=2)
+
+
+def test_sizes_that_do_not_divide_the_heads_are_refused_before_any_rank_starts(tmp_path):
+    path = _checkpoint(tmp_path, "llama")  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        LLM(str(path), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline-parallel-size 2 .* not supported"):
+        LLM(str(path), pipeline_parallel_size=2)
