@@ -98,3 +98,85 @@ def test_sizes_that_do_not_divide_the_heads_are_refused_before_any_rank_starts(t
         LLM(str(path), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline-parallel-size 2 .* not supported"):
         LLM(str(path), pipeline_parallel_size=2)
+
+
+def test_constrained_and_free_requests_with_asynchronous_scheduling_at_tp2(tmp_path) -> None:
+    """The ranks take the constrained rows' bitmask from the engine and keep a step in
+    flight: constrained outputs are members of their choice, free ones equal TP=1's."""
+    from pagedllm.structured import StructuredOutputsParams
+
+    path = _checkpoint(tmp_path, "llama")
+    prompts = random_prompts(4, 5, 12, seed=9)
+    free = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    choices = ["alpha", "beta", "gamma delta"]
+    constrained = SamplingParams(temperature=1.0, seed=3, max_tokens=20,
+                                 structured_outputs=StructuredOutputsParams(choice=choices))
+    one = LLM(str(path), max_model_len=128)
+    want = [o.outputs[0].token_ids for o in one.generate(
+        [{"prompt_token_ids": p} for p in prompts], free, use_tqdm=False)]
+    llm = LLM(str(path), tensor_parallel_size=2, max_model_len=128, async_scheduling=True)
+    try:
+        requests = [{"prompt_token_ids": p} for p in prompts for _ in range(2)]
+        outputs = llm.generate(requests, [free, constrained] * len(prompts), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs[::2]] == want
+        assert all(o.outputs[0].text in choices for o in outputs[1::2])
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_fp8_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path) -> None:
+    """Per-channel FP8 weights split with their scales (column-parallel: the rows' scales;
+    row-parallel: every scale), a static input scale on every rank."""
+    from tests.quantization.test_fp8_checkpoints import (
+        dequantized_hf_reference,
+        write_plain_fp8_checkpoint,
+    )
+
+    src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128)
+    fp8_dir = write_plain_fp8_checkpoint(src, tmp_path / "fp8", per_channel=True, static=True)
+    prompts = random_prompts(3, 3, 20, seed=4, vocab=256)
+    llm = LLM(str(fp8_dir), tensor_parallel_size=2, dtype="float32", block_size=8,
+              max_model_len=128)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        assert got == dequantized_hf_reference(fp8_dir, src, prompts, 10)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_each_rank_reads_only_its_part_of_the_checkpoint(tmp_path, monkeypatch) -> None:
+    """Rank 1 of 2, built in this process: its layers hold its heads, columns and
+    vocabulary rows of the checkpoint's tensors, and no projection, embedding or head
+    tensor is read whole."""
+    from safetensors import safe_open
+
+    from pagedllm.config import ModelConfig
+    from pagedllm.distributed import parallel_state, sharding
+    from pagedllm.models.loader import load_model
+
+    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=251, num_key_value_heads=2)
+    read_whole = []
+    full = sharding.CheckpointSlice.full
+    monkeypatch.setattr(sharding.CheckpointSlice, "full",
+                        lambda self: read_whole.append(self.shape) or full(self))
+    monkeypatch.setattr(parallel_state, "_TP", parallel_state.TensorParallelGroup(1, 2))
+    model = load_model(ModelConfig(str(path)), "cpu", torch.float32)
+    assert all(len(shape) == 1 for shape in read_whole)  # the norms alone
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        w = {name: f.get_tensor(name) for name in f.keys()}
+    layer = model.model.layers[0]
+    qkv = layer.self_attn.qkv_proj.weight
+    head = 16  # 64 hidden / 4 heads: rank 1 holds q heads 2-3 and KV head 1
+    assert torch.equal(qkv[:32], w["model.layers.0.self_attn.q_proj.weight"][32:64])
+    assert torch.equal(qkv[32:48], w["model.layers.0.self_attn.k_proj.weight"][head:2 * head])
+    assert torch.equal(qkv[48:], w["model.layers.0.self_attn.v_proj.weight"][head:2 * head])
+    assert torch.equal(layer.self_attn.o_proj.weight,
+                       w["model.layers.0.self_attn.o_proj.weight"][:, 32:64])
+    assert torch.equal(layer.mlp.down_proj.weight, w["model.layers.0.mlp.down_proj.weight"][:, 64:])
+    # 251 rows in parts of 126: rank 1 holds rows 126-250 and one zero row.
+    embed = model.model.embed_tokens.weight
+    assert embed.shape[0] == 126 and torch.equal(embed[:125], w["model.embed_tokens.weight"][126:])
+    assert not embed[125].any()
+    assert torch.equal(model.lm_head.weight[:125], w["lm_head.weight"][126:])
