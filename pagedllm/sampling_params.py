@@ -118,6 +118,11 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     @property
+    def filters_tokens(self) -> bool:
+        """Whether top-k, top-p or min-p removes tokens before a random draw."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    @property
     def speculation_blocker(self) -> str | None:
         """Why a request with these parameters decodes without speculation (a speculative
         engine runs it token by token, as without speculation), or None if it may speculate."""

@@ -19,8 +19,11 @@ requests.
 
 ``--structured-output json`` runs pagedllm twice on the same requests, unconstrained and
 then with every request constrained to a JSON schema (``structured_workload.py``), and
-reports the ratio and the host time spent filling token masks (per step, per masked row).
-Constraints need a tokenizer: give a config-only model one with ``--tokenizer``.
+reports the ratio and the host time spent on the constrained rows (checking sampled tokens
+and filling token masks: per step, per output token, and the share of checked tokens the
+grammars refused). The grammar backend (the tokenizer's token trie) is built before the
+timed run, as a server builds it once. Constraints need a tokenizer: give a config-only
+model one with ``--tokenizer``.
 
 With speculative decoding flags the speculative engine runs the workload, then the same
 engine without speculation runs it again; the speculative record adds the acceptance,
@@ -284,8 +287,10 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
     params = [_sampling_params(r, args) for r in requests]
     if constrained:
         params = [p.clone(structured_outputs=constraint_for(i)) for i, p in enumerate(params)]
-        mask_start = (core.structured.mask_seconds, core.structured.num_mask_rows,
-                      core.structured.num_mask_steps)
+        structured = core.structured
+        structured.backend()  # once per engine, not per workload
+        mask_start = (structured.mask_seconds, structured.num_mask_rows,
+                      structured.num_mask_steps, structured.num_checked_rows)
     timer = StepTimer(llm) if step_timing else None
     start = time.perf_counter()
     if timer is None:
@@ -308,14 +313,15 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         extra["step_timing"] = timer.summary()
         print(format_summary(extra["step_timing"]), flush=True)
     if constrained:
-        structured = core.structured
         mask_s = structured.mask_seconds - mask_start[0]
         rows = structured.num_mask_rows - mask_start[1]
         steps = structured.num_mask_steps - mask_start[2]
+        checked = structured.num_checked_rows - mask_start[3]
         extra.update(structured_output="json", mask_host_s=reported_seconds(mask_s),
-                     mask_steps=steps, mask_rows=rows,
+                     mask_steps=steps, mask_rows=rows, checked_rows=checked,
+                     refused_fraction=round(rows / checked, 4) if checked else None,
                      mask_ms_per_step=round(1e3 * mask_s / max(steps, 1), 4),
-                     mask_us_per_row=round(1e6 * mask_s / max(rows, 1), 2))
+                     mask_us_per_token=round(1e6 * mask_s / max(output_tokens, 1), 2))
     return {
         "backend": "pagedllm+json" if constrained else "pagedllm",
         "num_prompts": len(requests),
@@ -434,8 +440,10 @@ def _row(r: dict) -> str:
                 f"{r['prompt_tokens']} sent; prefix-cache hit rate "
                 f"{100 * r['prefix_cache_hit_rate']:.1f}%")
     if "constrained_ratio" in r:
-        note = (f"{r['constrained_ratio']}x unconstrained; masks {r['mask_ms_per_step']} ms/step "
-                f"on the host, {r['mask_us_per_row']} us/row")
+        refused = ("" if r.get("refused_fraction") is None
+                   else f", {100 * r['refused_fraction']:.1f}% of checked tokens refused")
+        note = (f"{r['constrained_ratio']}x unconstrained; constraints {r['mask_ms_per_step']} "
+                f"ms/step on the host, {r['mask_us_per_token']} us/token{refused}")
     if "speculative" in r:
         spec = r["speculative"]
         note = (f"{spec['measured_speedup']}x without speculation; K={spec['num_speculative_tokens']}, "

@@ -25,6 +25,17 @@ from one seed drawn from its generator per sampled token, so seeded rows stay in
 of the batch (the tokens differ from the torch path's for the same seed). Greedy rows take
 ``triton_ops.greedy_argmax`` there, the same tokens as ``argmax`` in a fraction of the time.
 
+Check-then-mask (structured outputs): a constrained row may be sampled without its token
+mask (``SamplingMetadata.keep_draw``); the sampler then keeps the step's draw (``Draw``:
+the logits after penalties and the race's noise), and a row whose token the grammar
+refuses is drawn again under its mask with the same noise (``Sampler.redraw``). The race
+over the allowed tokens with the noise of the first draw picks the token that masking
+first would have picked: when the first winner is allowed it also wins among the allowed
+tokens, so the token, and how far a seeded generator advances, are the same either way.
+That holds because everything before the race (penalties, ``min_tokens``, temperature)
+acts token by token and commutes with the mask; top-k, top-p and min-p depend on the whole
+distribution, so rows with them are masked first.
+
 Everything per row is a tensor built once per step by ``SamplingMetadata.build``; the
 forward pass is vectorised over rows and never syncs with the host, except for drawing
 ``q`` row by row for seeded requests. The penalties' token counts live on the device from
@@ -93,6 +104,8 @@ class SamplingMetadata:
     # t % 32 of word t // 32 for token t). None when no row is constrained.
     grammar_rows: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
+    # Keep the step's ``Draw`` (rows sampled without their grammar mask, to be checked).
+    keep_draw: bool = False
 
     def record_sampled(self, token_ids: torch.Tensor) -> None:
         """Count the step's sampled ids (int64 ``[B]``) into the table the penalties read
@@ -351,9 +364,23 @@ class LogprobsTensors:
 
 
 @dataclass
+class Draw:
+    """How a step's rows were drawn, kept to draw some again under a token mask
+    (``Sampler.redraw``): ``logits`` ``[B, V]`` after the penalties and ``min_tokens``
+    (what greedy rows took the argmax of and random rows raced over), the step's metadata,
+    and the race's noise: Exp(1) draws ``[B, V]`` (torch), or one seed per row ``[B]``
+    (the Gumbel kernel); None when every row is greedy."""
+
+    logits: torch.Tensor
+    meta: SamplingMetadata
+    noise: torch.Tensor | None
+
+
+@dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None  # set when any row asked for logprobs
+    draw: Draw | None = None  # set when ``SamplingMetadata.keep_draw``
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
@@ -409,25 +436,47 @@ class Sampler(nn.Module):
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
         logits = penalized_logits(logits, meta)
-        greedy = None
-        if not meta.all_random:
-            greedy = (triton_ops.greedy_argmax(logits) if use_fused_ops(logits)
-                      else logits.argmax(dim=-1))
+        greedy = None if meta.all_random else _argmax(logits)
+        noise = None
         if meta.all_greedy:
             sampled = greedy
         else:
-            sampled = self._sample_random(logits, meta)
+            sampled, noise = self._sample_random(logits, meta)
             if greedy is not None:
                 sampled = torch.where(meta.greedy_mask, greedy, sampled)
 
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        draw = Draw(logits=logits, meta=meta, noise=noise) if meta.keep_draw else None
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, draw=draw)
 
     @staticmethod
-    def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """One draw per row from its filtered, temperature-scaled distribution.
+    def redraw(draw: Draw, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (int64 ``[R]``) of a kept draw drawn again with the tokens
+        ``bitmask`` (int32 ``[R, W]``, as in ``apply_token_bitmask``) disallows removed, with
+        the noise of their first draw -> int64 ``[R]``: the tokens the step would have
+        sampled with the mask applied first. Rows must not filter (top-k, top-p, min-p)."""
+        masked = masked_rows(draw.logits, rows, bitmask)
+        meta = draw.meta
+        if meta.all_greedy:
+            return _argmax(masked)
+        temperature = meta.temperature.index_select(0, rows)
+        noise = draw.noise.index_select(0, rows)
+        if noise.dim() == 1:  # the Gumbel kernel's row seeds
+            sampled = triton_ops.gumbel_sample(masked, temperature, noise)
+        else:
+            probs = (masked.float() / temperature.unsqueeze(-1)).softmax(dim=-1)
+            sampled = probs.div_(noise).argmax(dim=-1)
+        if meta.greedy_mask is not None:
+            sampled = torch.where(meta.greedy_mask.index_select(0, rows), _argmax(masked), sampled)
+        return sampled
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, meta: SamplingMetadata
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draw per row from its filtered, temperature-scaled distribution, and the
+        race's noise (see ``Draw``).
 
         On a GPU every batch draws with the Gumbel kernel from one seed per row, the
         filters (top-k, top-p, min-p, on the scaled logits) only masking tokens of the raw
@@ -439,9 +488,16 @@ class Sampler(nn.Module):
                 logits = logits.float()
                 removed = _filter(logits / meta.temperature.unsqueeze(-1), meta) == _NEG_INF
                 logits = logits.masked_fill(removed, _NEG_INF)
-            return triton_ops.gumbel_sample(logits, meta.temperature, _row_seeds(logits, meta))
+            seeds = _row_seeds(logits, meta)
+            return triton_ops.gumbel_sample(logits, meta.temperature, seeds), seeds
         probs = sampling_probs(logits, meta)
-        return probs.div_(exponential_noise(probs, meta.generators)).argmax(dim=-1)
+        noise = exponential_noise(probs, meta.generators)
+        return probs.div_(noise).argmax(dim=-1), noise
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely token (int64 ``[B]``): the greedy choice."""
+    return triton_ops.greedy_argmax(logits) if use_fused_ops(logits) else logits.argmax(dim=-1)
 
 
 def penalized_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -505,11 +561,16 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     ``bitmask`` is int32 ``[len(rows), W]`` with ``32 * W >= V``: token ``t`` of row ``i``
     is allowed when bit ``t % 32`` of ``bitmask[i, t // 32]`` is set.
     """
+    return logits.index_copy(0, rows, masked_rows(logits, rows, bitmask))
+
+
+def masked_rows(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of ``logits`` (``[len(rows), V]``, a copy) with the tokens ``bitmask``
+    disallows set to -inf (``bitmask`` as in ``apply_token_bitmask``)."""
     vocab = logits.shape[-1]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    masked = logits.index_select(0, rows).masked_fill(~allowed, _NEG_INF)
-    return logits.index_copy(0, rows, masked)
+    return logits.index_select(0, rows).masked_fill(~allowed, _NEG_INF)
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -7,8 +7,12 @@ request gets its own ``Grammar`` (a matcher's state) from it. The engine only ev
   compiler's message),
 - ``compile(params)`` in a worker thread, once per distinct constraint (``params.key``),
 - ``new_grammar(compiled)`` per request,
-- ``fill_bitmasks([(grammar, row)], bitmask)`` for a step's constrained rows: bit ``t`` of
-  row ``r`` (word ``t // 32``, bit ``t % 32``, int32 words) says token ``t`` is allowed,
+- ``Grammar.is_allowed(token)`` for a token sampled without a mask (check-then-mask: most
+  samples are allowed, and checking one token costs microseconds where a mask costs the
+  whole vocabulary),
+- ``fill_bitmasks([(grammar, row)], bitmask)`` for the constrained rows that need a mask:
+  bit ``t`` of row ``r`` (word ``t // 32``, bit ``t % 32``, int32 words) says token ``t``
+  is allowed,
 - ``Grammar.accept_tokens`` / ``rollback`` / ``is_terminated`` as tokens are sampled.
 
 So another backend (xgrammar) plugs in here without the scheduler or the runner changing.
@@ -31,6 +35,11 @@ class Grammar(ABC):
     def accept_tokens(self, token_ids: list[int]) -> bool:
         """Advance over sampled tokens; False if one is not allowed (the grammar is then
         in an error state and terminated)."""
+
+    @abstractmethod
+    def is_allowed(self, token_id: int) -> bool:
+        """Whether ``token_id`` may come next (the state does not change): the bit
+        ``fill_bitmasks`` writes for it, while the grammar is not terminated."""
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:

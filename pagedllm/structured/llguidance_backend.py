@@ -87,6 +87,9 @@ class LLGuidanceGrammar(Grammar):
     def accept_tokens(self, token_ids: list[int]) -> bool:
         return self.matcher.consume_tokens(token_ids)
 
+    def is_allowed(self, token_id: int) -> bool:
+        return self.matcher.validate_tokens([token_id]) == 1
+
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 

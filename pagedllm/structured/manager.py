@@ -5,9 +5,19 @@ Lifecycle of a constrained request::
 
     EngineCore.add_request ──> attach(): request.grammar = RequestGrammar(compile future)
     scheduler: WAITING_FOR_GRAMMAR until request.grammar.ready, then WAITING as usual
-    each step: fill_bitmask(rows) ──> the runner masks those rows' logits, then samples
+    each step, per constrained row (``StepGrammars``, the runner's questions):
+      check-then-mask: the runner samples the row unmasked; check_tokens(rows, sampled)
+          asks the grammar whether the token is allowed, and fills a bitmask only for
+          the rows it refuses, which the runner draws again under their mask
+      mask first (rows with logprobs, top-k, top-p or min-p): fill_bitmask(rows) ──>
+          the runner masks those rows' logits, then samples
     scheduler.update_from_output: request.grammar.accept_token(token) for each token
     request.grammar.is_terminated() ──> the request finishes with "stop"
+
+Both ways sample the masked distribution: a row's first draw is kept when its grammar
+allows it, and a refused one is drawn again under the mask with the same noise, so the
+token is the one masking first would give (see ``pagedllm.layers.sampler.Sampler.redraw``).
+Checking a token costs microseconds, a mask the whole vocabulary.
 
 Compilation runs in a thread pool (llguidance releases the GIL), so a slow constraint never
 stalls the step loop; compiled constraints are cached by ``StructuredOutputsParams.key``
@@ -75,6 +85,11 @@ class RequestGrammar:
         """Whether the next token is constrained (compiled, past the reasoning, not done)."""
         return self.grammar is not None and not self._gate and not self.grammar.is_terminated()
 
+    def allows(self, token_id: int) -> bool:
+        """Whether ``token_id`` may come next: any token while the constraint is not active
+        (as its bitmask row then says), else the grammar's answer. The state does not change."""
+        return not self.active or self.grammar.is_allowed(token_id)
+
     def accept_token(self, token_id: int) -> None:
         if self._gate:
             keep = len(self._gate) - 1  # the last len(gate) tokens are all a match needs
@@ -98,9 +113,10 @@ class StructuredOutputManager:
     """Compiles constraints for the engine core and builds each step's bitmask.
 
     ``make_backend`` builds the backend (it loads a tokenizer: called once, lazily, in the
-    compile thread). ``mask_seconds``, ``num_mask_steps`` and ``num_mask_rows`` add up the
-    host time spent building bitmasks, the steps that asked for one and the rows filled,
-    for benchmarks.
+    compile thread). For benchmarks: ``mask_seconds`` adds up the host time spent on the
+    constrained rows (checks and bitmasks), ``num_mask_steps`` the calls that checked or
+    masked rows (one per step, two in a step that does both), ``num_checked_rows`` the
+    sampled tokens checked and ``num_mask_rows`` the bitmask rows filled.
     """
 
     def __init__(self, make_backend: Callable[[], GrammarBackend], num_threads: int = 2) -> None:
@@ -113,6 +129,7 @@ class StructuredOutputManager:
         self.mask_seconds = 0.0
         self.num_mask_steps = 0
         self.num_mask_rows = 0
+        self.num_checked_rows = 0
 
     def backend(self) -> GrammarBackend:
         with self._backend_lock:
@@ -148,7 +165,29 @@ class StructuredOutputManager:
         for token ``t``. A row whose grammar is not active (a ``None`` entry is a request
         gone since the step was planned) allows everything."""
         start = time.perf_counter()
-        backend = self.backend()
+        self._fill(grammars, out)
+        self.mask_seconds += time.perf_counter() - start
+        self.num_mask_steps += 1
+
+    def check_tokens(self, grammars: list[RequestGrammar | None], token_ids: list[int],
+                     allocate: Callable[[int, int], np.ndarray]) -> tuple[list[int], np.ndarray | None]:
+        """Check-then-mask: the indices of the sampled ``token_ids`` their ``grammars``
+        refuse, and those rows' bitmask (``allocate(len(refused), bitmask_width)``, filled
+        as ``fill_bitmask`` does; None when nothing is refused). A grammar that is not
+        active (or ``None``) allows any token. The grammars have not taken the tokens."""
+        start = time.perf_counter()
+        refused = [i for i, (grammar, token) in enumerate(zip(grammars, token_ids, strict=True))
+                   if grammar is not None and not grammar.allows(token)]
+        bitmask = None
+        if refused:
+            bitmask = allocate(len(refused), self.bitmask_width)
+            self._fill([grammars[i] for i in refused], bitmask)
+        self.mask_seconds += time.perf_counter() - start
+        self.num_mask_steps += 1
+        self.num_checked_rows += len(token_ids)
+        return refused, bitmask
+
+    def _fill(self, grammars: list[RequestGrammar | None], out: np.ndarray) -> None:
         rows = []
         for i, grammar in enumerate(grammars):
             if grammar is not None and grammar.active:
@@ -156,10 +195,46 @@ class StructuredOutputManager:
             else:
                 out[i] = -1
         if rows:
-            backend.fill_bitmasks(rows, out)
-        self.mask_seconds += time.perf_counter() - start
-        self.num_mask_steps += 1
+            self.backend().fill_bitmasks(rows, out)
         self.num_mask_rows += len(rows)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StepGrammars:
+    """The engine's answers to the model runner about a step's constrained rows, by request
+    id (``requests``: the scheduler's live requests; a request gone since the step was
+    planned allows everything).
+
+    - ``bitmask(request_ids, allocate)`` (also the object's call, for runners that only
+      mask): the rows to mask before sampling. ``resolve_in_flight`` runs first, so the
+      grammars have taken the step before's tokens.
+    - ``check(request_ids, token_ids, allocate)``: rows sampled without their mask, when
+      their ids are read (before any later step's forward pass); the grammars have taken
+      every earlier step's tokens, not these. See ``StructuredOutputManager.check_tokens``.
+    """
+
+    __slots__ = ("_manager", "_requests", "_resolve_in_flight")
+
+    def __init__(self, manager: StructuredOutputManager, requests: dict,
+                 resolve_in_flight: Callable[[], None]) -> None:
+        self._manager = manager
+        self._requests = requests
+        self._resolve_in_flight = resolve_in_flight
+
+    def _grammars(self, request_ids: list[str]) -> list[RequestGrammar | None]:
+        requests = self._requests
+        return [getattr(requests.get(r), "grammar", None) for r in request_ids]
+
+    def bitmask(self, request_ids: list[str], allocate: Callable[[int, int], np.ndarray]) -> np.ndarray:
+        self._resolve_in_flight()
+        out = allocate(len(request_ids), self._manager.bitmask_width)
+        self._manager.fill_bitmask(self._grammars(request_ids), out)
+        return out
+
+    __call__ = bitmask
+
+    def check(self, request_ids: list[str], token_ids: list[int],
+              allocate: Callable[[int, int], np.ndarray]) -> tuple[list[int], np.ndarray | None]:
+        return self._manager.check_tokens(self._grammars(request_ids), token_ids, allocate)

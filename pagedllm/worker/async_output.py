@@ -53,7 +53,8 @@ class AsyncStepOutput:
     """The ``ModelRunnerOutput`` of a launched step; ``get()`` blocks until it is ready.
 
     ``finish`` turns the step's sampled ids (``None`` when the step samples nothing) into
-    the output; it runs once, on the first ``get()``.
+    the output; it runs once, on the first ``get()``, and is dropped then with what it
+    holds (a step's logits, kept for a check of its constrained rows).
     """
 
     def __init__(
@@ -79,4 +80,5 @@ class AsyncStepOutput:
         if self._output is None:
             ids = None if self._read_ids is None else self._read_ids()
             self._output = self._finish(ids)
+            self._read_ids = self._finish = None
         return self._output

@@ -234,8 +234,9 @@ def test_run_profile_attributes_events_to_the_step_they_start_in() -> None:
 
 def test_structured_output_run_beside_the_unconstrained_one(tmp_path) -> None:
     """``--structured-output json``: the same requests constrained, the same number of
-    tokens generated (the schemas never end early), the ratio and the mask time recorded;
-    the config-only checkpoint gets a tokenizer of its vocabulary from bench_tokenizer."""
+    tokens generated (the schemas never end early), the ratio and the constraints' host
+    time recorded; the config-only checkpoint gets a tokenizer of its vocabulary from
+    bench_tokenizer."""
     from pagedllm.benchmarks import bench_tokenizer
     from pagedllm.engine.tokenizer import Tokenizer
 
@@ -256,7 +257,11 @@ def test_structured_output_run_beside_the_unconstrained_one(tmp_path) -> None:
     assert constrained["output_tokens"] == free["output_tokens"]
     assert constrained["constrained_ratio"] == round(
         constrained["output_tok_s"] / free["output_tok_s"], 3)
-    assert constrained["mask_rows"] == constrained["output_tokens"]
+    # Every token is checked; only the refused ones cost a mask.
+    assert constrained["checked_rows"] == constrained["output_tokens"]
+    assert 0 < constrained["mask_rows"] < constrained["checked_rows"]
+    assert constrained["refused_fraction"] == round(
+        constrained["mask_rows"] / constrained["checked_rows"], 4)
     assert constrained["mask_host_s"] > 0 and constrained["mask_steps"] > 0
 
 

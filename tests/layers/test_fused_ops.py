@@ -11,6 +11,8 @@ from pagedllm.layers import triton_ops
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.sampler import Draw, Sampler, SamplingMetadata, masked_rows
+from pagedllm.sampling_params import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -315,3 +317,29 @@ def test_fp8_row_quantization_kernel_equals_quantize_rows(static):
     want_q, want_scale = quantize_rows(x, input_scale)
     assert torch.equal(got_scale, want_scale.contiguous())
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_gumbel_redraw_under_a_mask_is_the_masked_draw() -> None:
+    """Check-then-mask on the Gumbel path: a row's draw, kept when the mask allows it and
+    drawn again under the mask from the same seed otherwise, is the masked row's draw."""
+    rows, vocab = 16, 300
+    logits = _rand(rows, vocab, seed=4) * 3
+    gen = torch.Generator().manual_seed(5)
+    allowed = torch.rand(rows, vocab, generator=gen) < 0.2
+    bits = torch.zeros(rows, 320, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    words = (bits.view(rows, 10, 32) << torch.arange(32)).sum(-1)
+    bitmask = (words - (words >= 2**31).long() * 2**32).int().to(DEVICE)
+    params = [SamplingParams(temperature=0.5 + i / rows) for i in range(rows)]
+    meta = SamplingMetadata.build(params, [[1]] * rows, [[]] * rows, [None] * rows, vocab, DEVICE)
+    seeds = torch.randint(0, 2**31 - 1, (rows,), generator=gen).to(DEVICE)
+    every_row = torch.arange(rows, device=DEVICE)
+    first = triton_ops.gumbel_sample(logits, meta.temperature, seeds).cpu()
+    want = triton_ops.gumbel_sample(masked_rows(logits, every_row, bitmask), meta.temperature,
+                                    seeds).cpu()
+    refused = (~allowed[torch.arange(rows), first]).nonzero().flatten()
+    assert 0 < len(refused) < rows
+    got = first.clone()
+    got[refused] = Sampler.redraw(Draw(logits=logits, meta=meta, noise=seeds),
+                                  refused.to(DEVICE), bitmask[refused.to(DEVICE)]).cpu()
+    assert torch.equal(got, want)

@@ -356,3 +356,60 @@ def test_cuda_fused_sampling_is_seeded_per_row_and_follows_the_distribution():
         return sampler(logits, meta).sampled_token_ids[-1].item()
 
     assert len({seeded_row_token(n) for n in (1, 2, 7)}) == 1
+
+
+def random_bitmask(rows: int, seed: int, vocab: int = V) -> torch.Tensor:
+    """Int32 bitmask rows allowing a random quarter of the tokens, at least one each."""
+    allowed = torch.rand(rows, vocab, generator=torch.Generator().manual_seed(seed)) < 0.25
+    allowed[:, seed % vocab] = True
+    bits = torch.zeros(rows, (vocab + 31) // 32 * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    words = (bits.view(rows, -1, 32) << torch.arange(32)).sum(-1)  # in [0, 2^32)
+    return (words - (words >= 2**31).long() * 2**32).int()
+
+
+def allowed_by(bitmask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return ((bitmask.gather(1, (tokens // 32).unsqueeze(1)).squeeze(1) >> (tokens % 32)) & 1).bool()
+
+
+def test_check_then_mask_draws_the_token_masking_first_draws():
+    """A row sampled without its mask, kept if the mask allows its token and drawn again
+    under the mask otherwise (with the noise of its first draw), gets the token that
+    masking before sampling gives: greedy and random rows, seeded and not, with penalties,
+    min_tokens and temperatures; seeded generators end in the same state."""
+    rows = 24
+    eos = frozenset({3})
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.6][i % 4],
+                             seed=i if i % 3 == 0 else None,
+                             repetition_penalty=1.4 if i % 5 == 0 else 1.0,
+                             frequency_penalty=0.5 if i % 7 == 0 else 0.0,
+                             min_tokens=4 if i % 2 else 0).clone(eos_token_ids=eos)
+              for i in range(rows)]
+    outputs = [[(i * 7 + k) % V for k in range(i % 4)] for i in range(rows)]
+    for step in range(5):
+        logits = random_logits(rows, seed=50 + step)
+        bitmask = random_bitmask(rows, seed=step)
+        every_row = torch.arange(rows)
+
+        def run(mask_first: bool):
+            torch.manual_seed(step)  # the unseeded rows' noise
+            gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed + step)
+                    for p in params]
+            meta = build(params, outputs=outputs, generators=gens)
+            if mask_first:
+                meta.grammar_rows, meta.grammar_bitmask = every_row, bitmask
+                return sampler(logits, meta).sampled_token_ids, gens
+            meta.keep_draw = True
+            out = sampler(logits, meta)
+            tokens = out.sampled_token_ids.clone()
+            refused = (~allowed_by(bitmask, tokens)).nonzero().flatten()
+            assert len(refused) > 0
+            tokens[refused] = sampler.redraw(out.draw, refused, bitmask[refused])
+            return tokens, gens
+
+        want, want_gens = run(mask_first=True)
+        got, got_gens = run(mask_first=False)
+        assert torch.equal(got, want)
+        assert allowed_by(bitmask, got).all()
+        for a, b in zip(got_gens, want_gens):
+            assert a is None or torch.equal(a.get_state(), b.get_state())

@@ -187,6 +187,64 @@ def test_prefix_cache_hit_leaves_the_constrained_output_unchanged(llm, greedy_ex
     assert first["json"] == again["json"] == greedy_expected["json"]
 
 
+# -- check-then-mask -------------------------------------------------------------------------
+def mask_counters(llm) -> tuple[int, int]:
+    structured = llm.llm_engine.engine_core.structured
+    return structured.num_checked_rows, structured.num_mask_rows
+
+
+def test_checked_rows_cost_a_mask_only_when_refused_and_keep_the_masked_tokens(llm):
+    """Constrained rows are sampled without their mask and their tokens checked; only a
+    refused token costs a bitmask. The greedy tokens are those of masking first (which
+    requests asking for logprobs take)."""
+    def run(**extra):
+        before = mask_counters(llm)
+        requests, params = [], []
+        for constraint in CONSTRAINTS.values():
+            for prompt in PROMPTS:
+                requests.append({"prompt_token_ids": prompt})
+                params.append(SamplingParams(temperature=0.0, max_tokens=60,
+                                             structured_outputs=constraint, **extra))
+        tokens = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
+        checked, masked = (after - b for after, b in zip(mask_counters(llm), before))
+        return tokens, checked, masked, sum(map(len, tokens))
+
+    tokens, checked, masked, num_tokens = run()
+    assert checked == num_tokens and 0 < masked < checked
+    masked_first, checked, masked, num_tokens = run(logprobs=0)
+    assert checked == 0 and masked == num_tokens
+    assert tokens == masked_first
+
+
+def test_seeded_sampling_with_checks_reproduces_and_equals_masking_first(tiny_model_dir, llm):
+    """Seeded requests at temperature 1, with penalties and min_tokens: the same tokens run
+    after run, with preemption and asynchronous scheduling or without, and the tokens of
+    masking first (a refused row is drawn again with the noise of its first draw)."""
+    schema = SCHEMAS["person"]
+    constraint = StructuredOutputsParams(json=schema)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured_outputs=constraint,
+                             repetition_penalty=1.2 if i % 2 else 1.0,
+                             presence_penalty=0.5 if i % 3 == 0 else 0.0, min_tokens=i)
+              for i in range(8)]
+    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(8)]
+
+    def run(engine, **extra):
+        return [o.outputs[0] for o in engine.generate(
+            prompts, [p.clone(**extra) for p in params], use_tqdm=False)]
+
+    preempting = make_llm(tiny_model_dir, **ENGINE_SETUPS["preempting"])
+    checked = run(llm)
+    tokens = [c.token_ids for c in checked]
+    assert [c.token_ids for c in run(llm)] == tokens
+    assert [c.token_ids for c in run(preempting)] == tokens
+    assert preempting.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+    assert [c.token_ids for c in run(llm, logprobs=0)] == tokens
+    assert len(set(map(tuple, tokens))) == len(tokens)
+    for completion in checked:
+        if completion.finish_reason == "stop":
+            jsonschema.validate(json.loads(completion.text), schema)
+
+
 # -- errors ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("constraint, message", [
     (dict(json={"type": "object", "properties": {"a": {"type": "wat"}}}), "wat"),
