@@ -74,7 +74,8 @@ else
     HF_PROMPTS=${HF_PROMPTS:-64} HF_LIMIT_S=${HF_LIMIT_S:-35}
     LIMIT_SYNC=${LIMIT_SYNC:-60}
     LAT_ARGS=()
-    LIMIT_TESTS=${LIMIT_TESTS:-80} LIMIT_KERNELS=40 LIMIT_W1=${LIMIT_W1:-220} LIMIT_LAT=60 LIMIT_SMALL=50
+    LIMIT_TESTS=${LIMIT_TESTS:-80} LIMIT_KERNELS=40 LIMIT_W1=${LIMIT_W1:-220}
+    LIMIT_LAT=${LIMIT_LAT:-60} LIMIT_SMALL=50
     LIMIT_FP8_KERNELS=${LIMIT_FP8_KERNELS:-150}
     LIMIT_AB=${LIMIT_AB:-200} LIMIT_STRUCTURED=${LIMIT_STRUCTURED:-240}
 fi
@@ -139,12 +140,13 @@ step fp8 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-f
     "${LAT_ARGS[@]}" --quantization fp8 --output-json "$OUT/fp8-latency-$BIG.json"
 
 step w4a16 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
-    "${LAT_ARGS[@]}" --quantization gptq --output-json "$OUT/w4a16-latency-$BIG.json"
+    "${LAT_ARGS[@]}" --quantization gptq --step-timing --torch-profile \
+    --output-json "$OUT/w4a16-latency-$BIG.json"
 step w4a16 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
     "${W1_ARGS[@]}" --quantization gptq --output-json "$OUT/w4a16-w1-$BIG.json"
 
 step moe "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$MOE" --load-format dummy \
-    "${LAT_ARGS[@]}" --output-json "$OUT/moe-latency-$MOE.json"
+    "${LAT_ARGS[@]}" --step-timing --torch-profile --output-json "$OUT/moe-latency-$MOE.json"
 step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE" --load-format dummy \
     "${W1_ARGS[@]}" --output-json "$OUT/moe-w1-$MOE.json"
 step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
