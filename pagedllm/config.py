@@ -250,6 +250,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" | "priority" (lower value first, then arrival)
     # Plan and launch step N+1 before reading step N's sampled ids (engine_core.py).
     async_scheduling: bool = False
+    # Pipeline stages: up to this many steps in flight, each on other requests (a request
+    # is planned again once its step is back; see scheduler.py).
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -430,10 +433,12 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 class ParallelConfig:
     """How the model is split over processes (``pagedllm.distributed``).
 
-    ``tensor_parallel_size`` ranks each hold a part of every layer; the engine core
-    drives them through ``distributed_executor_backend``: "mp" (worker processes on this
-    host, the default) or "ray" (Ray actors placed on the nodes of a Ray cluster, found at
-    ``ray_address``, default ``$RAY_ADDRESS`` or a cluster started on this host).
+    ``tensor_parallel_size`` ranks each hold a part of every layer of their pipeline
+    stage, and ``pipeline_parallel_size`` stages each hold a run of the decoder layers; the
+    engine core drives the ``tp * pp`` ranks through ``distributed_executor_backend``: "mp"
+    (worker processes on this host, the default) or "ray" (Ray actors placed on the nodes
+    of a Ray cluster, found at ``ray_address``, default ``$RAY_ADDRESS`` or a cluster
+    started on this host).
     """
 
     tensor_parallel_size: int = 1
@@ -442,14 +447,10 @@ class ParallelConfig:
     ray_address: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor-parallel-size must be >= 1, got "
-                             f"{self.tensor_parallel_size}.")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(
-                f"--pipeline-parallel-size {self.pipeline_parallel_size} is not supported by "
-                "pagedllm yet: split the model with --tensor-parallel-size alone (over the "
-                "nodes of a Ray cluster with --distributed-executor-backend ray).")
+        for flag, size in (("--tensor-parallel-size", self.tensor_parallel_size),
+                           ("--pipeline-parallel-size", self.pipeline_parallel_size)):
+            if size < 1:
+                raise ValueError(f"{flag} must be >= 1, got {size}.")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"--distributed-executor-backend must be one of "
@@ -465,7 +466,10 @@ class ParallelConfig:
         """Raise ValueError, saying what to change, when the model cannot be split over
         ``tensor_parallel_size`` ranks: its attention heads, KV heads or MLP width do not
         divide, or its weights are in a format whose split is not implemented."""
-        tp = self.tensor_parallel_size
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if pp > model.num_layers:
+            raise ValueError(f"--pipeline-parallel-size {pp} exceeds the model's "
+                             f"{model.num_layers} layers: each stage needs one.")
         if tp == 1:
             return
         heads, kv_heads = model.num_attention_heads, model.num_kv_heads
@@ -499,10 +503,20 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_device(self.device)
         self.parallel_config.check_model(self.model_config)
-        if self.parallel_config.tensor_parallel_size > 1 and self.speculative_config is not None \
+        parallel = self.parallel_config
+        if parallel.tensor_parallel_size > 1 and self.speculative_config is not None \
                 and self.speculative_config.method == "draft_model":
             raise ValueError("A draft model cannot run with --tensor-parallel-size > 1 yet: "
                              "use --speculative-method ngram, or drop one of the two.")
+        if parallel.pipeline_parallel_size > 1:
+            if self.speculative_config is not None:
+                raise ValueError("Speculative decoding cannot run with "
+                                 "--pipeline-parallel-size > 1 yet: drop one of the two.")
+            if not self.scheduler_config.async_scheduling:
+                raise ValueError("--pipeline-parallel-size > 1 keeps a step in flight per "
+                                 "stage, which is asynchronous scheduling: drop "
+                                 "--no-async-scheduling.")
+            self.scheduler_config.pipeline_parallel_size = parallel.pipeline_parallel_size
         spec = self.speculative_config
         if spec is not None:
             if self.scheduler_config.async_scheduling:

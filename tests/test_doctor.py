@@ -98,8 +98,8 @@ def test_bfloat16_below_compute_capability_8_warns():
 
 
 def test_a_refused_flag_fails_the_flags_check():
-    flags = doctor.check_flags(_args("--pipeline-parallel-size", "2"))
-    assert flags.status == "FAIL" and "--pipeline-parallel-size 2" in flags.detail
+    flags = doctor.check_flags(_args("--enable-lora"))
+    assert flags.status == "FAIL" and "--enable-lora" in flags.detail
 
 
 def test_an_uncached_hub_model_warns_online_and_fails_offline(monkeypatch, tmp_path):

@@ -35,6 +35,11 @@ already reach ``max_tokens``. A request that stops on a stop token in step N was
 scheduled in step N+1; that token is dropped. A request preempted with a token in flight
 keeps it and is re-admitted only once it is back, so a recompute sees every token.
 
+Pipeline parallelism (``pipeline_parallel_size`` > 1): the engine keeps up to that many
+steps in flight, one per stage, and a request with a token in flight is not planned again
+until that step's output is back (its token is the first stage's next input, and it comes
+from the last stage), so the steps in flight run on disjoint requests.
+
 Speculative decoding: a decoding request with proposed tokens (``spec_token_ids``, from
 the n-gram proposer or the draft model) is scheduled as its last token plus ``k`` of them,
 ``k`` capped by the budget and by ``max_tokens`` (a step yields at most ``k + 1`` tokens,
@@ -132,6 +137,7 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.pipeline_parallel_size = scheduler_config.pipeline_parallel_size
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_kv_blocks,
@@ -270,12 +276,14 @@ class Scheduler:
         cached = plan.cached_reqs
         num_scheduled = plan.num_scheduled_tokens
         lookahead = plan.num_lookahead
+        one_step_each = self.pipeline_parallel_size > 1
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             placeholders = request.num_output_placeholders
-            if placeholders and len(request.output_token_ids) + placeholders >= request.max_tokens:
-                i += 1  # the tokens in flight reach max_tokens: nothing more to sample
+            if placeholders and (one_step_each or len(request.output_token_ids) + placeholders
+                                 >= request.max_tokens):
+                i += 1  # its step in flight comes first, or its tokens reach max_tokens
                 continue
             end = len(request.all_token_ids) + placeholders
             num_tokens = end - request.num_computed_tokens

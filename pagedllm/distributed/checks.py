@@ -41,7 +41,7 @@ def check_parallel_start(config: EngineConfig) -> None:
     """Raise ValueError for a start that cannot work (too few GPUs, too little
     ``/dev/shm`` for NCCL); warn about GPUs without peer-to-peer access. NVLink multicast
     (NVLS) stays off unless the environment turns it on."""
-    size = config.parallel_config.tensor_parallel_size
+    size = config.parallel_config.world_size
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if config.device != "cuda":
         return
@@ -50,9 +50,10 @@ def check_parallel_start(config: EngineConfig) -> None:
     local = config.parallel_config.distributed_executor_backend == "mp"
     count = torch.cuda.device_count()
     if local and count < size:
-        raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs on this host and "
-                         f"torch sees {count}: lower it, or check CUDA_VISIBLE_DEVICES (across "
-                         "machines, use --distributed-executor-backend ray).")
+        raise ValueError(f"{size} ranks (--tensor-parallel-size x --pipeline-parallel-size) "
+                         f"need {size} GPUs on this host and torch sees {count}: lower the "
+                         "sizes, or check CUDA_VISIBLE_DEVICES (across machines, use "
+                         "--distributed-executor-backend ray).")
     problem = shm_problem(shm_size(), size)
     if problem is not None:
         raise ValueError(problem)

@@ -1,4 +1,5 @@
-"""The engine core's model runner when the model is split over tensor-parallel ranks.
+"""The engine core's model runner when the model is split over ranks (tensor-parallel
+ranks, pipeline stages).
 
 ``make_model_runner(config)`` gives the engine core what executes its steps: with one
 rank the ``ModelRunner`` itself, in this process; with several a ``MultiprocExecutor``,
@@ -7,8 +8,9 @@ which has the runner's interface (``initialize_kv_cache``, ``execute_model_async
 (``worker.py``): local processes ("mp"), or Ray actors ("ray", ``ray_executor.py``).
 
 The scheduler stays single, in the engine core. Each step's plan is pickled once and
-sent to every rank; rank 0's output comes back (every rank samples the same tokens, see
-``worker.py``). The engine never waits on a rank without also watching the others: a rank
+sent to every rank; the reporting rank's output comes back (the ranks sample the same
+tokens, see ``worker.py``), and the grammar questions it asks while it launches or reads
+a step are answered from the engine's grammars, to every sampling rank. The engine never waits on a rank without also watching the others: a rank
 that dies, or reports an error, fails the engine at once with a ``WorkerError`` naming
 it, and the other ranks are stopped, so a dead rank cannot leave the engine hanging in
 a collective.
@@ -29,7 +31,7 @@ import numpy as np
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagedllm.distributed.worker import ConstrainedRequests
+from pagedllm.distributed.worker import reporting_rank
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ STOP_GRACE_S = 5.0
 
 
 class WorkerError(RuntimeError):
-    """A tensor-parallel rank died or failed; the engine cannot go on."""
+    """A rank died or failed; the engine cannot go on."""
 
 
 def make_model_runner(config: EngineConfig):
@@ -97,7 +99,12 @@ class MultiprocExecutor:
         self.workers = workers
         self.connections: list[Connection] = workers.connections
         self._outputs: deque[ModelRunnerOutput] = deque()
-        self._constrained = ConstrainedRequests()
+        self.reporter = reporting_rank(config)
+        # The last stage's ranks, which sample and so take the grammars' answers.
+        self._sampling = range(self.reporter, len(self.connections))
+        # The grammars of the latest step (structured outputs), which answer the
+        # reporting rank's questions.
+        self._grammars = None
         self._closed = False
         try:
             info = self._wait_ready()
@@ -106,31 +113,23 @@ class MultiprocExecutor:
             raise
         self.dtype = info["dtype"]
         self.kv_cache_dtype = info["kv_cache_dtype"]
-        logger.info("%d tensor-parallel ranks ready (%s backend).", len(self.connections),
+        logger.info("%d ranks ready (%s backend).", len(self.connections),
                     config.parallel_config.distributed_executor_backend)
 
     # -- the runner's interface -----------------------------------------------------------
     def initialize_kv_cache(self) -> int:
         self._send(("kv",))
-        return self._receive(0, "kv")[1]
+        return self._receive(self.reporter, "kv")[1]
 
-    def execute_model_async(
-        self,
-        scheduler_output: SchedulerOutput,
-        grammar_bitmask: Callable[[list[str], Callable], np.ndarray] | None = None,
-    ) -> _RemoteStep:
-        """Send the step to every rank; serve rank 0's bitmask requests until it has
-        launched a step with constrained requests; ``get()`` on the result reads the
+    def execute_model_async(self, scheduler_output: SchedulerOutput,
+                            grammars: Callable | None = None) -> _RemoteStep:
+        """Send the step to every rank and wait until the reporting rank has launched it
+        (answering its grammar questions meanwhile); ``get()`` on the result reads the
         step's output."""
+        if grammars is not None:
+            self._grammars = grammars
         self._send(("step", scheduler_output))
-        if self._constrained.update(scheduler_output):
-            while True:
-                message = self._receive(0, "bitmask", "launched")
-                if message[0] == "launched":
-                    break
-                bitmask = grammar_bitmask(
-                    message[1], lambda rows, width: np.empty((rows, width), dtype=np.int32))
-                self._send(("bitmask", np.ascontiguousarray(bitmask)))
+        self._receive(self.reporter, "launched")
         if scheduler_output.is_empty:
             return _ReadyStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         return _RemoteStep(self)
@@ -148,16 +147,30 @@ class MultiprocExecutor:
         self.workers.stop(STOP_GRACE_S)
 
     # -- messages ---------------------------------------------------------------------------
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: tuple, ranks: range | None = None) -> None:
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self.connections):
+        for rank in ranks if ranks is not None else range(len(self.connections)):
             try:
-                conn.send_bytes(payload)
+                self.connections[rank].send_bytes(payload)
             except OSError as exc:
-                self._fail(f"tensor-parallel rank {rank} is gone ({exc})")
+                self._fail(f"rank {rank} is gone ({exc})")
+
+    def _answer(self, method: str, args: tuple) -> None:
+        """Answer the reporting rank's grammar question to every sampling rank."""
+        def allocate(rows: int, width: int) -> np.ndarray:
+            return np.empty((rows, width), dtype=np.int32)
+
+        grammars = self._grammars
+        if method == "bitmask":
+            answer = np.ascontiguousarray(getattr(grammars, "bitmask", grammars)(*args, allocate))
+        elif method == "check":
+            answer = grammars.check(*args, allocate)
+        else:
+            self._fail(f"rank {self.reporter} asked the grammars {method!r}")
+        self._send(("result", answer), self._sampling)
 
     def _wait_ready(self) -> dict:
-        """Rank 0's start-up report, once every rank has sent its own."""
+        """The reporting rank's start-up report, once every rank has sent its own."""
         infos: dict[int, dict] = {}
         while len(infos) < len(self.connections):
             for ready in wait([*self.connections, *self.workers.sentinels]):
@@ -166,19 +179,19 @@ class MultiprocExecutor:
                 rank = self.connections.index(ready)
                 message = self._read(rank)
                 if message[0] != "ready":
-                    self._fail(f"tensor-parallel rank {rank} sent {message[0]!r} at start-up")
+                    self._fail(f"rank {rank} sent {message[0]!r} at start-up")
                 infos[rank] = message[1]
-        return infos[0]
+        return infos[self.reporter]
 
     def _next_output(self) -> ModelRunnerOutput:
         if not self._outputs:
-            self._receive(0, "output", keep_outputs=False)
+            self._receive(self.reporter, "output")
         return self._outputs.popleft()
 
-    def _receive(self, rank: int, *tags: str, keep_outputs: bool = True) -> tuple:
-        """The next message from ``rank`` whose tag is one of ``tags`` (rank 0's step
-        outputs that come first are kept for ``_next_output``), watching every rank for
-        failures meanwhile."""
+    def _receive(self, rank: int, *tags: str) -> tuple:
+        """The next message from ``rank`` whose tag is one of ``tags`` (the step outputs
+        that come first are kept for ``_next_output``, the grammar questions answered),
+        watching every rank for failures meanwhile."""
         conn = self.connections[rank]
         while True:
             for ready in wait([*self.connections, *self.workers.sentinels]):
@@ -192,9 +205,12 @@ class MultiprocExecutor:
                 if "output" in tags:
                     return message
                 continue
+            if message[0] == "call":
+                self._answer(message[1], message[2])
+                continue
             if message[0] in tags:
                 return message
-            self._fail(f"tensor-parallel rank {rank} sent {message[0]!r} where the engine "
+            self._fail(f"rank {rank} sent {message[0]!r} where the engine "
                        f"expected {' or '.join(tags)}")
 
     def _check(self, ready) -> None:
@@ -202,27 +218,27 @@ class MultiprocExecutor:
         rank's error report, its end, or its process's exit."""
         if ready in self.connections:
             rank = self.connections.index(ready)
-            if rank == 0:
+            if rank == self.reporter:
                 return  # read by the caller
             self._read(rank)
-            self._fail(f"tensor-parallel rank {rank} sent a message out of turn")
+            self._fail(f"rank {rank} sent a message out of turn")
         rank = self.workers.sentinels.index(ready)
         if self.connections[rank].poll():
             self._read(rank)  # its last words: an error report, or the end of the pipe
-        self._fail(f"tensor-parallel rank {rank} exited ({self.workers.describe_exit(rank)})")
+        self._fail(f"rank {rank} exited ({self.workers.describe_exit(rank)})")
 
     def _read(self, rank: int) -> tuple:
         try:
             message = self.connections[rank].recv()
         except (EOFError, OSError):
-            self._fail(f"tensor-parallel rank {rank} died "
+            self._fail(f"rank {rank} died "
                        f"({self.workers.describe_exit(rank)})")
         if message[0] == "error":
             _, kind, text = message
             if kind == "ValueError":
                 self.shutdown()
                 raise ValueError(text)
-            self._fail(f"tensor-parallel rank {rank} failed: {kind}: {text}")
+            self._fail(f"rank {rank} failed: {kind}: {text}")
         return message
 
     def _fail(self, reason: str) -> None:
@@ -238,7 +254,7 @@ class LocalWorkers:
         from pagedllm.distributed.worker import run_worker
 
         context = multiprocessing.get_context("spawn")
-        size = config.parallel_config.tensor_parallel_size
+        size = config.parallel_config.world_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.processes: list[multiprocessing.Process] = []
         self.connections: list[Connection] = []

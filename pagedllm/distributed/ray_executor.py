@@ -74,7 +74,7 @@ class RayWorkers:
         self._ray = ray
         self._remove_placement_group = remove_placement_group
         parallel = config.parallel_config
-        size = parallel.tensor_parallel_size
+        size = parallel.world_size
         address = parallel.ray_address or os.environ.get("RAY_ADDRESS")
         if not ray.is_initialized():
             try:
@@ -87,9 +87,9 @@ class RayWorkers:
         resource = "GPU" if config.device == "cuda" else "CPU"
         have = ray.cluster_resources().get(resource, 0)
         if have < size:
-            raise ValueError(f"--tensor-parallel-size {size} needs {size} {resource}s in the Ray "
-                             f"cluster, which has {have:g}: add nodes (ray start --address ...) "
-                             "or lower the size.")
+            raise ValueError(f"{size} ranks (--tensor-parallel-size x --pipeline-parallel-size) "
+                             f"need {size} {resource}s in the Ray cluster, which has {have:g}: "
+                             "add nodes (ray start --address ...) or lower the sizes.")
         self._group = placement_group([{resource: 1}] * size, strategy="PACK")
         self.actors = []
         self.connections: list[Connection] = []

@@ -1,27 +1,33 @@
-"""One tensor-parallel rank: a process (or Ray actor) that runs a ``ModelRunner`` on its
-part of the model, driven by the engine core's messages.
+"""One rank: a process (or Ray actor) that runs a ``ModelRunner`` on its part of the
+model (its tensor-parallel share of its pipeline stage's layers), driven by the engine
+core's messages.
 
 Every rank runs every step the same way: the same plan, the same inputs, the same whole
-logits (gathered over the vocabulary), the same sampler with the same seeded generators
-and the same global seed. So every rank samples the same tokens and keeps the same
-request state, and no sampled id needs to cross between ranks; only rank 0 reports.
+logits (gathered over the vocabulary) on the last stage, the same sampler with the same
+seeded generators and the same global seed. So the last stage's ranks sample the same
+tokens, and the earlier stages receive them from it (``parallel_state.recv_sampled_ids``);
+every rank keeps the same request state. The first rank of the last stage reports (the
+"reporting rank"); the last stage's ranks are the "sampling ranks".
 
 Messages, pickled, over one duplex connection per rank (``multiprocessing.connection``:
 a pipe for local processes, a socket for Ray actors). Engine -> rank:
 
-* ``("kv",)``: size (the minimum over the ranks) and allocate the KV cache; rank 0
-  answers ``("kv", num_blocks)``;
-* ``("step", SchedulerOutput)``: launch the step; rank 0 answers each step that computed
-  tokens with ``("output", ModelRunnerOutput)`` once its sampled ids are read (in launch
-  order; with asynchronous scheduling one step stays in flight, as in ``EngineCore``);
-* ``("bitmask", array)``: the constrained rows' token bitmask rank 0 asked for;
+* ``("kv",)``: size (the minimum over the ranks) and allocate the KV cache; the
+  reporting rank answers ``("kv", num_blocks)``;
+* ``("step", SchedulerOutput)``: launch the step; the reporting rank answers
+  ``("launched",)`` once it has, and each step that computed tokens with ``("output",
+  ModelRunnerOutput)`` once its sampled ids are read, in launch order (a rank keeps as
+  many steps in flight as the engine does: ``steps_in_flight``);
+* ``("result", value)`` (sampling ranks): the engine's answer to the grammar question the
+  reporting rank asked;
 * ``("stop",)``.
 
-Rank -> engine: ``("ready", info)`` from each rank at start; rank 0's answers above, plus,
-in a step with constrained requests (``ConstrainedRequests``), ``("bitmask", request_ids)``
-when the runner asks for their masks (after sending the outputs of older steps, which the
-engine reads first) and ``("launched",)`` when the step is launched; ``("error", kind,
-text)`` from any rank that fails. A connection that closes is a rank that died.
+Rank -> engine: ``("ready", info)`` from each rank at start; the reporting rank's answers
+above, and ``("call", method, args)`` when its runner asks the step's grammars
+(structured outputs: ``bitmask`` or ``check``, see ``pagedllm.structured.manager``), before
+which it sends the outputs of older steps (the engine's grammars take them first);
+``("error", kind, text)`` from any rank that fails. A connection that closes is a rank
+that died.
 """
 
 from __future__ import annotations
@@ -32,26 +38,63 @@ import traceback
 from collections import deque
 from multiprocessing.connection import Connection
 
+import numpy as np
+
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
-class ConstrainedRequests:
-    """The running requests with structured outputs, tracked from the plans alone, so the
-    engine and every rank agree on which steps may ask for a bitmask."""
+def reporting_rank(config: EngineConfig) -> int:
+    """The rank whose outputs the engine reads: the first of the last pipeline stage."""
+    parallel = config.parallel_config
+    return parallel.world_size - parallel.tensor_parallel_size
 
-    def __init__(self) -> None:
-        self._ids: set[str] = set()
 
-    def update(self, so: SchedulerOutput) -> bool:
-        """Take one step's plan; whether it schedules a constrained request."""
-        self._ids -= so.finished_req_ids
-        self._ids -= so.preempted_req_ids
-        self._ids.update(new.request_id for new in so.scheduled_new_reqs
-                         if new.sampling_params.structured_outputs is not None)
-        return bool(self._ids) and any(r in self._ids for r in so.num_scheduled_tokens)
+def steps_in_flight(config: EngineConfig) -> int:
+    """Steps the engine keeps launched before it reads the oldest one's output: the
+    pipeline's stages (each stage works on another step), else 1 with asynchronous
+    scheduling, else 0."""
+    parallel = config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        return parallel.pipeline_parallel_size
+    return 1 if config.scheduler_config.async_scheduling else 0
+
+
+class _GrammarProxy:
+    """The runner's view of a step's grammars on a rank: the reporting rank forwards each
+    question to the engine, and every sampling rank takes the engine's answer."""
+
+    def __init__(self, conn: Connection, asks: bool, flush) -> None:
+        self._conn, self._asks, self._flush = conn, asks, flush
+
+    def _ask(self, method: str, *args):
+        if self._asks:
+            if method == "bitmask":
+                self._flush()  # the engine's grammars take the older steps' tokens first
+            self._conn.send(("call", method, args))
+        tag, result = self._conn.recv()
+        if tag != "result":
+            raise RuntimeError(f"Expected the engine's answer to {method!r}, got {tag!r}.")
+        return result
+
+    @staticmethod
+    def _copy(array: np.ndarray | None, allocate):
+        if array is None:
+            return None
+        out = allocate(*array.shape)
+        out[...] = array
+        return out
+
+    def bitmask(self, request_ids: list[str], allocate):
+        return self._copy(self._ask("bitmask", request_ids), allocate)
+
+    __call__ = bitmask
+
+    def check(self, request_ids: list[str], token_ids: list[int], allocate):
+        refused, bitmask = self._ask("check", request_ids, token_ids)
+        return refused, self._copy(bitmask, allocate)
 
 
 def run_worker(conn: Connection, rank: int, world_size: int, init_method: str,
@@ -71,29 +114,34 @@ def run_worker(conn: Connection, rank: int, world_size: int, init_method: str,
             pass
         raise SystemExit(1) from None
     finally:
-        from pagedllm.distributed.parallel_state import destroy_tensor_parallel
+        from pagedllm.distributed.parallel_state import destroy_distributed
 
-        destroy_tensor_parallel()
+        destroy_distributed()
 
 
 def _serve(conn: Connection, rank: int, world_size: int, init_method: str,
            config: EngineConfig, device_index: int | None) -> None:
     import torch
 
-    from pagedllm.distributed.parallel_state import init_tensor_parallel
+    from pagedllm.distributed.parallel_state import init_distributed
     from pagedllm.worker.model_runner import ModelRunner
 
     if config.device == "cuda":
         torch.cuda.set_device(device_index or 0)
     else:  # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    init_tensor_parallel(rank, world_size, init_method, config.device)
+    init_distributed(rank, world_size, config.parallel_config.tensor_parallel_size,
+                     init_method, config.device)
     runner = ModelRunner(config)
     conn.send(("ready", {"dtype": runner.dtype, "kv_cache_dtype": runner.kv_cache_dtype}))
-    reports = rank == 0
-    constrained = ConstrainedRequests()
+    reports = rank == reporting_rank(config)
+    # The last pipeline stage reads each step's ids as soon as it has launched it (the
+    # engine waits for them to plan the step's requests again); the others keep as many
+    # steps in flight as the engine.
+    last_stage = rank >= reporting_rank(config)
+    depth = steps_in_flight(config)
+    keep = 0 if last_stage and config.parallel_config.pipeline_parallel_size > 1 else depth
     unresolved: deque = deque()  # launched steps that computed tokens, oldest first
-    async_scheduling = config.scheduler_config.async_scheduling
 
     def resolve(keep: int) -> None:
         while len(unresolved) > keep:
@@ -101,17 +149,7 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str,
             if reports:
                 conn.send(("output", output))
 
-    def grammar_bitmask(request_ids: list[str], allocate):
-        if reports:
-            resolve(0)  # the engine reads the older steps' outputs before it fills masks
-            conn.send(("bitmask", request_ids))
-        tag, bitmask = conn.recv()
-        if tag != "bitmask":
-            raise RuntimeError(f"Expected the step's bitmask from the engine, got {tag!r}.")
-        out = allocate(*bitmask.shape)
-        out[...] = bitmask
-        return out
-
+    grammars = _GrammarProxy(conn, reports, lambda: resolve(0))
     while True:
         message = conn.recv()
         tag = message[0]
@@ -123,12 +161,11 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str,
                 conn.send(("kv", num_blocks))
         elif tag == "step":
             so: SchedulerOutput = message[1]
-            may_ask = constrained.update(so)
-            launched = runner.execute_model_async(so, grammar_bitmask)
-            if may_ask and reports:
+            launched = runner.execute_model_async(so, grammars)
+            if reports:
                 conn.send(("launched",))
             if not so.is_empty:
                 unresolved.append(launched)
-            resolve(1 if async_scheduling and not so.is_empty else 0)
+            resolve(keep if not so.is_empty else 0)
         else:
             raise RuntimeError(f"Unknown message {tag!r} from the engine.")

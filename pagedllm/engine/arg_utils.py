@@ -25,7 +25,6 @@ from pagedllm.config import (
 # Options users of vLLM-class engines pass that this engine does not implement yet:
 # name -> the value that means "off" (accepted), anything else is refused.
 _NOT_YET_SUPPORTED = {
-    "pipeline_parallel_size": 1,
     "enable_lora": False,
     "cpu_offload_gb": 0,
 }
@@ -100,6 +99,7 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     # Parallelism (see ParallelConfig).
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     ray_address: str | None = None
 
@@ -149,12 +149,14 @@ class EngineArgs:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
             # Speculative steps are synchronous: a step's token count is known only once
-            # its drafts are verified.
-            async_scheduling=(device == "cuda" and speculative_config is None
+            # its drafts are verified. Pipeline stages keep steps in flight: asynchronous.
+            async_scheduling=((device == "cuda" and speculative_config is None)
+                              or self.pipeline_parallel_size > 1
                               if self.async_scheduling is None else self.async_scheduling),
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             ray_address=self.ray_address,
         )
@@ -264,7 +266,9 @@ class EngineArgs:
                                    "the CPU): attention heads, MLP columns and the vocabulary, "
                                    "with an all-reduce after attention and after the MLP.")
         parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                              help=argparse.SUPPRESS)
+                              help="Split the decoder layers into this many stages (GPUs, or "
+                                   "nodes with Ray), each working on another step; combines "
+                                   "with --tensor-parallel-size (tp x pp ranks).")
         parallel.add_argument("--distributed-executor-backend", default=None,
                               choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                               help="mp: one worker process per GPU on this host (the default "

@@ -18,6 +18,9 @@ whose token is refused gets a bitmask and is drawn again. Rows masked before sam
 the step in flight is resolved first, so every grammar has taken the previous step's
 tokens, and the masks are filled on the host while the device runs the forward pass.
 
+Pipeline parallelism keeps up to one step in flight per stage (``_pipelined_step``), each
+on other requests, so every stage works on some step while the last one samples.
+
 Speculative decoding (synchronous steps only): with the n-gram method the engine core
 proposes each decoding request's next tokens from its own token ids after every step
 (``spec_decode/ngram.py``); with a draft model the model runner proposes them at the end of
@@ -29,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import deque
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
@@ -70,6 +74,9 @@ class EngineCore:
                 "" if spec.disable_by_batch_size is None
                 else f", none above {spec.disable_by_batch_size} running requests")
         self.async_scheduling = config.scheduler_config.async_scheduling
+        # Pipeline parallelism: the steps in flight (one per stage at most), oldest first.
+        self.pipeline_depth = config.parallel_config.pipeline_parallel_size
+        self._pipeline: deque[tuple[SchedulerOutput, AsyncStepOutput]] = deque()
         self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None
         self.structured = StructuredOutputManager(self._make_grammar_backend)
         logger.info(
@@ -147,6 +154,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; returns what each request produced (with asynchronous scheduling:
         in the previous step)."""
+        if self.pipeline_depth > 1:
+            return self._pipelined_step()
         scheduler_output = self.scheduler.schedule()
         outputs = self.scheduler.take_unstepped_outputs()
 
@@ -170,4 +179,29 @@ class EngineCore:
         resolve_in_flight()
         if not scheduler_output.is_empty:
             self._in_flight = (scheduler_output, launched)
+        return outputs
+
+    def _pipelined_step(self) -> list[EngineCoreOutput]:
+        """Pipeline parallelism: launch a step while up to ``pipeline_depth - 1`` earlier
+        ones are still in the stages; a full pipeline first gives back its oldest step, so
+        that step's requests can be planned again (the scheduler plans none with a step in
+        flight, so a request's grammar has always taken its tokens before it is planned)."""
+        outputs: list[EngineCoreOutput] = []
+
+        def resolve_oldest() -> None:
+            done_output, done_launched = self._pipeline.popleft()
+            outputs.extend(self.scheduler.update_from_output(done_output, done_launched.get()))
+
+        if len(self._pipeline) >= self.pipeline_depth:
+            resolve_oldest()
+        scheduler_output = self.scheduler.schedule()
+        outputs.extend(self.scheduler.take_unstepped_outputs())
+        grammar = StepGrammars(self.structured, self.scheduler.requests, lambda: None)
+        launched = self.model_runner.execute_model_async(scheduler_output, grammar)
+        if not scheduler_output.is_empty:
+            self._pipeline.append((scheduler_output, launched))
+        elif self._pipeline:
+            resolve_oldest()  # nothing new to plan: the oldest step's requests are next
+        elif self.scheduler.num_waiting_for_grammar:
+            time.sleep(GRAMMAR_POLL_S)
         return outputs

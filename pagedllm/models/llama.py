@@ -46,7 +46,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import sharding
-from pagedllm.distributed.parallel_state import get_tp
+from pagedllm.distributed.parallel_state import (
+    get_pp,
+    get_tp,
+    recv_from_previous_stage,
+    send_to_next_stage,
+)
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.fused_moe import FusedMoE, MoEBlock
@@ -296,24 +301,59 @@ class LlamaDecoderLayer(nn.Module):
         return linear_and_norm(self.mlp(hidden), self.mlp.down_proj, next_norm, residual)
 
 
+class LayerOfAnotherStage(nn.Module):
+    """A decoder layer another pipeline stage holds. The first layer after this stage's
+    keeps its ``input_layernorm``: this stage's last layer ends with it."""
+
+    def __init__(self, cfg: LlamaArchConfig, keep_input_norm: bool) -> None:
+        super().__init__()
+        if keep_input_norm:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
 class LlamaModel(nn.Module):
+    """The decoder. With pipeline parallelism this stage holds layers ``start .. end``
+    (``PipelineStage.layer_range``): the first stage embeds the tokens, every later one
+    receives the previous stage's normalised hidden states and residual stream, every
+    stage but the last sends its own on, and the last ends with the final norm."""
+
     def __init__(self, cfg: LlamaArchConfig) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel=True)
+        pp = get_pp()
+        self.start, self.end = pp.layer_range(cfg.num_layers)
+        self.first, self.last = pp.is_first, pp.is_last
+        self.hidden_size = cfg.hidden_size
+        # The last stage's tied LM head reads the embedding too.
+        self.embed_tokens = (Embedding(cfg.vocab_size, cfg.hidden_size, parallel=True)
+                             if pp.is_first or (pp.is_last and cfg.tie_word_embeddings)
+                             else None)
         self.rotary_emb = RotaryEmbedding(
             cfg.rotary_dim or cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # The norm each layer ends with (a plain tuple: the modules are registered above).
-        self._norms_after = (*(layer.input_layernorm for layer in self.layers[1:]), self.norm)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i) if self.start <= i < self.end
+            else LayerOfAnotherStage(cfg, keep_input_norm=i == self.end)
+            for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last else None
+        # This stage's layers and the norm each ends with (plain tuples: the modules are
+        # registered above).
+        self._local = tuple(self.layers[self.start:self.end])
+        self._norms_after = tuple(self.layers[i + 1].input_layernorm if i + 1 < cfg.num_layers
+                                  else self.norm for i in range(self.start, self.end))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        residual = self.embed_tokens(input_ids)
+        if self.first:
+            residual = self.embed_tokens(input_ids)
+            hidden = self.layers[0].input_layernorm(residual)
+        else:
+            norm = self._local[0].input_layernorm.weight
+            hidden, residual = recv_from_previous_stage(
+                2, (positions.shape[0], self.hidden_size), norm.dtype, positions.device)
         cos, sin = self.rotary_emb(positions, residual.dtype)
-        hidden = self.layers[0].input_layernorm(residual)
-        for layer, next_norm in zip(self.layers, self._norms_after):
+        for layer, next_norm in zip(self._local, self._norms_after):
             hidden, residual = layer(hidden, residual, cos, sin, next_norm)
+        if not self.last:
+            send_to_next_stage(hidden, residual)
         return hidden
 
 
@@ -344,16 +384,19 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
         self.config = self.arch_config(hf_config)
-        tp_size = get_tp().size
+        tp_size, pp = get_tp().size, get_pp()
         if tp_size > 1 and (self.config.num_experts or not self.tensor_parallel):
             what = "mixture-of-experts layers" if self.config.num_experts else "layers"
             raise ValueError(f"{type(self).__name__}'s {what} cannot be split over "
                              f"{tp_size} tensor-parallel ranks yet: drop "
                              "--tensor-parallel-size.")
+        if pp.num_stages > 1 and (self.config.num_experts or self.model_class is not LlamaModel):
+            raise ValueError(f"{type(self).__name__} cannot be split into pipeline stages yet: "
+                             "drop --pipeline-parallel-size.")
         self.model = self.model_class(self.config)
         self.lm_head = (
             None
-            if self.config.tie_word_embeddings
+            if self.config.tie_word_embeddings or not pp.is_last
             else Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
                         parallel="vocab")
         )
@@ -418,7 +461,8 @@ class LlamaForCausalLM(nn.Module):
             if module is None:
                 tensor = sharding.read(tensor)
             if not (target in params or (module is not None and module.reads(param_name))):
-                unexpected.append(name)
+                if not self._held_by_another_stage(target):
+                    unexpected.append(name)
                 continue
             for shard, part in _shard_parts(module, param_name, shard, tensor):
                 try:
@@ -448,6 +492,17 @@ class LlamaForCausalLM(nn.Module):
                 f"{_preview(missing)}."
             )
 
+
+    def _held_by_another_stage(self, target: str) -> bool:
+        """Whether the parameter ``target`` belongs to another pipeline stage's part of the
+        model (a layer, the embedding, the final norm or the LM head it holds)."""
+        pp = get_pp()
+        if pp.num_stages == 1:
+            return False
+        match = re.match(r"model\.layers\.(\d+)\.", target)
+        if match:
+            return isinstance(self.model.layers[int(match.group(1))], LayerOfAnotherStage)
+        return target.startswith(("model.embed_tokens.", "model.norm.", "lm_head."))
 
     def _load_expert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, str]]:
         """An expert tensor (``model.layers.N.mlp.experts.<rest>``) into its layer's
@@ -505,6 +560,8 @@ class LlamaForCausalLM(nn.Module):
         except (ValueError, IndexError):
             raise ValueError(f"Checkpoint tensor {name}: a KV-cache scale outside the "
                              "decoder layers.") from None
+        if isinstance(layer, LayerOfAnotherStage):
+            return
         if tensor.numel() != 1:
             raise ValueError(f"Checkpoint tensor {name}: a KV-cache scale must be one value "
                              f"(per tensor), got shape {tuple(tensor.shape)}.")

@@ -63,7 +63,9 @@ def bytes_per_block(config: EngineConfig, dtype: torch.dtype) -> int:
     if spec is not None and spec.draft_model_config is not None:
         models.append(spec.draft_model_config)
     tp = config.parallel_config.tensor_parallel_size
-    return sum(block_bytes(num_layers=m.num_layers, block_size=config.cache_config.block_size,
+    stages = config.parallel_config.pipeline_parallel_size
+    return sum(block_bytes(num_layers=-(-m.num_layers // stages),  # the largest stage's
+                           block_size=config.cache_config.block_size,
                            num_kv_heads=m.kv_heads_per_rank(tp), head_dim=m.head_dim,
                            element_size=dtype.itemsize) for m in models)
 
@@ -241,10 +243,15 @@ def allocate_kv_caches(
     config: EngineConfig, num_blocks: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor of ``dtype`` per
-    layer, zeroed; ``num_kv_heads`` are this tensor-parallel rank's."""
+    layer, zeroed; ``num_kv_heads`` are this tensor-parallel rank's, and the layers of
+    other pipeline stages get an empty tensor."""
     import torch
+
+    from pagedllm.distributed.parallel_state import get_pp
 
     m = config.model_config
     kv_heads = m.kv_heads_per_rank(config.parallel_config.tensor_parallel_size)
     shape = (2, num_blocks, config.cache_config.block_size, kv_heads, m.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(m.num_layers)]
+    start, end = get_pp().layer_range(m.num_layers)
+    return [torch.zeros(shape if start <= i < end else (0,), dtype=dtype, device=device)
+            for i in range(m.num_layers)]

@@ -49,7 +49,12 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
-from pagedllm.distributed.parallel_state import min_over_ranks
+from pagedllm.distributed.parallel_state import (
+    get_pp,
+    min_over_ranks,
+    recv_sampled_ids,
+    send_sampled_ids,
+)
 from pagedllm.layers.attention.backend import AttentionMetadata, set_forward_context
 from pagedllm.layers.attention.kv_quant import kv_cache_torch_dtype
 from pagedllm.layers.attention.selector import attention_backend_name
@@ -129,11 +134,13 @@ class ModelRunner:
     @property
     def cuda_graphs_enabled(self) -> bool:
         """Decode and single-prompt steps replay CUDA graphs: on CUDA with the (graph-safe)
-        Triton attention backend, unless ``enforce_eager``."""
+        Triton attention backend, unless ``enforce_eager`` or pipeline parallelism (whose
+        stages hand hidden states over outside the graphs: eager steps)."""
         return (
             self.device.type == "cuda"
             and not self.config.model_config.enforce_eager
             and attention_backend_name(self.device) == "triton"
+            and get_pp().num_stages == 1
         )
 
     # -- KV cache -----------------------------------------------------------------------
@@ -167,7 +174,8 @@ class ModelRunner:
         models = [(self.model, self.kv_caches)]
         if self.drafter is not None:
             models.append((self.drafter.model, self.drafter.kv_caches))
-        if self.device.type == "cuda" and attention_backend_name(self.device) == "triton":
+        if (self.device.type == "cuda" and attention_backend_name(self.device) == "triton"
+                and get_pp().num_stages == 1):
             for model, kv_caches in models:
                 warm_up_kernels(
                     model, self.sampler, kv_caches,
@@ -234,10 +242,12 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device)
         with set_forward_context(None, []):
             hidden = self.model(input_ids, positions)
-        logits = self.model.compute_logits(hidden[-sched.max_num_seqs:])
         if self.drafter is not None:
             self.drafter.profile_run(num_tokens)
         self.token_counts = TokenCounts(sched.max_num_seqs, self.vocab_size, self.device)
+        if not get_pp().is_last:
+            return  # the last pipeline stage samples
+        logits = self.model.compute_logits(hidden[-sched.max_num_seqs:])
         rows = logits.shape[0]
         params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1,
                                  frequency_penalty=0.1, presence_penalty=0.1)] * rows
@@ -282,6 +292,8 @@ class ModelRunner:
         if self._unchecked is not None:  # its ids feed this forward pass: check them first
             self._unchecked.get()
         hidden_states, logits_indices = self._run_model(inputs)
+        if not get_pp().is_last:
+            return self._take_sampled_ids(inputs)
 
         prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
         if self.speculative:
@@ -308,6 +320,8 @@ class ModelRunner:
                 if self._unchecked is result:
                     self._unchecked = None
                 token_ids = check(token_ids)
+            if get_pp().num_stages > 1:  # the earlier stages' inputs need the ids
+                send_sampled_ids(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
             return self._step_output(inputs, states, token_ids, out.logprobs, prompt_logprobs)
 
         read = self._readback.start(sampled) if self._readback is not None else sampled.tolist
@@ -315,6 +329,32 @@ class ModelRunner:
         self._unresolved.append(result)
         if check is not None:
             self._unchecked = result
+        return result
+
+    def _take_sampled_ids(self, inputs: StepInputs) -> AsyncStepOutput:
+        """A step on an earlier pipeline stage: its sampled ids come from the last stage
+        once it has read them (``finish`` there); the step's output describes them as the
+        last stage's does, without logprobs (only the last stage's output is reported)."""
+        states = [inputs.states[i] for i in inputs.sample_req_indices]
+        if not states:
+            return AsyncStepOutput.ready(ModelRunnerOutput(
+                req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]))
+        ids, wait = recv_sampled_ids(len(states), self.device)
+        self.input_batch.mark_pending(states)
+        self._last_sampled = ids
+
+        def read() -> list[int]:
+            wait()
+            return ids.tolist()
+
+        def finish(token_ids: list[int] | None) -> ModelRunnerOutput:
+            while self._unresolved[0] is not result:
+                self._unresolved[0].get()  # resolve in launch order
+            self._unresolved.popleft()
+            return self._step_output(inputs, states, token_ids, None, {})
+
+        result = AsyncStepOutput(read, finish)
+        self._unresolved.append(result)
         return result
 
     def _sample(

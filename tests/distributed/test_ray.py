@@ -41,5 +41,5 @@ def test_ray_actors_run_tp2_with_hf_greedy_tokens(ray_cluster, tmp_path) -> None
 
 def test_a_cluster_too_small_is_refused_with_what_to_do(ray_cluster, tmp_path) -> None:
     path = _checkpoint(tmp_path, "llama")
-    with pytest.raises(ValueError, match="needs 4 CPUs in the Ray cluster, which has 2"):
+    with pytest.raises(ValueError, match="need 4 CPUs in the Ray cluster, which has 2"):
         LLM(str(path), tensor_parallel_size=4, distributed_executor_backend="ray")

@@ -1,7 +1,7 @@
-"""Tensor parallelism on the CPU (gloo): greedy tokens at TP=2 (and TP=4, where KV heads
-are replicated) equal HF transformers' in float32 with batching, chunked prefill,
-prefix-cache hits and preemption in one run; seeded sampling equals TP=1; a dead rank
-fails the engine within seconds."""
+"""Tensor and pipeline parallelism on the CPU (gloo): greedy tokens at TP=2, PP=2 and
+TP=2 x PP=2 equal HF transformers' in float32 with batching, chunked prefill, prefix-cache
+hits and preemption in one run; seeded sampling equals one rank's; pipeline stages keep
+steps in flight; a dead rank fails the engine within seconds."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from tests.tokenizer_utils import make_tiny_tokenizer
 from tests.utils import make_tiny_checkpoint
 
 MAX_NEW = 8
-# name -> (family, tensor-parallel size, config overrides)
+# name -> (family, tensor-parallel size, pipeline stages, config overrides)
 CASES = {
-    "llama_tp2": ("llama", 2, dict(attention_bias=True)),
-    "qwen3_tp2_tied": ("qwen3", 2, dict(tie_word_embeddings=True)),
-    "qwen2_tp4_replicated_kv_heads": ("qwen2", 4, dict()),
+    "llama_tp2": ("llama", 2, 1, dict(attention_bias=True)),
+    "qwen2_pp2": ("qwen2", 1, 2, dict(num_hidden_layers=3)),
+    "qwen3_tp2_pp2_tied": ("qwen3", 2, 2, dict(tie_word_embeddings=True)),
 }
 
 
@@ -39,7 +39,7 @@ def _checkpoint(root, family: str, **overrides):
 def test_tensor_parallel_greedy_tokens_equal_hf(case, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    family, tp, overrides = CASES[case]
+    family, tp, pp, overrides = CASES[case]
     path = _checkpoint(tmp_path, family, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     stems = random_prompts(2, 17, 24, seed=100)
@@ -48,13 +48,21 @@ def test_tensor_parallel_greedy_tokens_equal_hf(case, tmp_path) -> None:
     want = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     # 8 blocks of 8 tokens for six requests of up to 40 tokens: preemption; a budget of 9
     # tokens a step: chunked prefill; shared stems: prefix-cache hits.
-    llm = LLM(str(path), tensor_parallel_size=tp, block_size=8, num_kv_blocks=8,
-              max_model_len=48, max_num_batched_tokens=9)
+    llm = LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, block_size=8,
+              num_kv_blocks=8, max_model_len=48, max_num_batched_tokens=9)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                               use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == want
+        engine = llm.llm_engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        done, most_in_flight = {}, 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    done[int(output.request_id)] = output.outputs[0].token_ids
+            most_in_flight = max(most_in_flight, len(engine.engine_core._pipeline))
+        assert [done[i] for i in range(len(prompts))] == want
+        assert most_in_flight == (pp if pp > 1 else 0)  # every stage had a step
         scheduler = llm.llm_engine.engine_core.scheduler
         assert scheduler.num_preemptions_total > 0
         assert scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
@@ -92,12 +100,14 @@ def test_a_rank_start_up_error_reaches_the_caller(tmp_path) -> None:
         LLM(str(path), tensor_parallel_size=2)
 
 
-def test_sizes_that_do_not_divide_the_heads_are_refused_before_any_rank_starts(tmp_path):
+def test_sizes_that_do_not_fit_the_model_are_refused_before_any_rank_starts(tmp_path):
     path = _checkpoint(tmp_path, "llama")  # 4 heads, 2 KV heads
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
         LLM(str(path), tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="pipeline-parallel-size 2 .* not supported"):
-        LLM(str(path), pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline-parallel-size 3 exceeds the model's 2 layers"):
+        LLM(str(path), pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="drop --no-async-scheduling"):
+        LLM(str(path), pipeline_parallel_size=2, async_scheduling=False)
 
 
 def test_constrained_and_free_requests_with_asynchronous_scheduling_at_tp2(tmp_path) -> None:
@@ -180,3 +190,32 @@ def test_each_rank_reads_only_its_part_of_the_checkpoint(tmp_path, monkeypatch) 
     assert embed.shape[0] == 126 and torch.equal(embed[:125], w["model.embed_tokens.weight"][126:])
     assert not embed[125].any()
     assert torch.equal(model.lm_head.weight[:125], w["lm_head.weight"][126:])
+
+
+def test_replicated_kv_heads_and_pipeline_stages_hold_their_parts(tmp_path, monkeypatch) -> None:
+    """Rank 3 of 4 over 2 KV heads holds query head 3 and KV head 1 (which query heads 2
+    and 3 read); stage 1 of 2 holds the second layer, the final norm and the LM head, and
+    nothing of the first layer or the embedding."""
+    from safetensors import safe_open
+
+    from pagedllm.config import ModelConfig
+    from pagedllm.distributed import parallel_state
+    from pagedllm.models.loader import load_model
+
+    path = make_tiny_checkpoint(tmp_path, "llama", num_key_value_heads=2)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        w = {name: f.get_tensor(name) for name in f.keys()}
+    monkeypatch.setattr(parallel_state, "_TP", parallel_state.TensorParallelGroup(3, 4))
+    qkv = load_model(ModelConfig(str(path)), "cpu", torch.float32).model.layers[1] \
+        .self_attn.qkv_proj.weight
+    assert torch.equal(qkv[:16], w["model.layers.1.self_attn.q_proj.weight"][48:64])
+    assert torch.equal(qkv[16:32], w["model.layers.1.self_attn.k_proj.weight"][16:32])
+    monkeypatch.setattr(parallel_state, "_TP", parallel_state.TensorParallelGroup())
+    monkeypatch.setattr(parallel_state, "_PP", parallel_state.PipelineStage(1, 2, 1, 1))
+    model = load_model(ModelConfig(str(path)), "cpu", torch.float32)
+    names = {name for name, _ in model.named_parameters()}
+    assert model.model.embed_tokens is None and not any(".layers.0." in n for n in names)
+    assert torch.equal(model.model.layers[1].mlp.down_proj.weight,
+                       w["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(model.lm_head.weight, w["lm_head.weight"])
+    assert torch.equal(model.model.norm.weight, w["model.norm.weight"])
