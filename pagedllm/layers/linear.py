@@ -85,6 +85,7 @@ class Linear(nn.Module):
         vocabulary, padded; see ``sharding.vocab_range``)."""
         super().__init__()
         tp = get_tp()
+        self._checkpoint_sizes = (output_size, input_size)
         self.parallel = parallel if tp.size > 1 else None
         # The checkpoint rows or columns this rank holds: (dim, start, length), or None.
         self.tp_part: tuple[int, int, int] | None = None
@@ -268,6 +269,12 @@ class Linear(nn.Module):
         rows.copy_(tensor)
         return param_name
 
+    def checkpoint_shape(self, param_name: str, shard: str | None = None) -> tuple[int, ...]:
+        """The shape of the checkpoint tensor (all ranks' rows and columns) that fills
+        ``param_name``, "weight" or "bias" (the rows of ``shard`` of a fused projection)."""
+        output_size, input_size = self._checkpoint_sizes
+        return (output_size, input_size) if param_name == "weight" else (output_size,)
+
     def _rows(self, param: nn.Parameter, shard: str | None) -> torch.Tensor:
         if shard is not None:
             raise ValueError(f"This layer is not fused; it has no shard {shard!r}.")
@@ -344,6 +351,12 @@ class FusedLinear(Linear):
             self.shard_offsets[name] = offset
             offset += size
 
+    def checkpoint_shape(self, param_name: str, shard: str | None = None) -> tuple[int, ...]:
+        if shard not in self.checkpoint_shard_sizes:
+            raise ValueError(f"Unknown shard {shard!r}; this layer has {list(self.shard_sizes)}.")
+        rows = self.checkpoint_shard_sizes[shard]
+        return (rows, self.input_size) if param_name == "weight" else (rows,)
+
     def _rows(self, param: nn.Parameter, shard: str | None) -> torch.Tensor:
         if shard not in self.shard_sizes:
             raise ValueError(f"Unknown shard {shard!r}; this layer has {list(self.shard_sizes)}.")
@@ -392,6 +405,11 @@ class Embedding(nn.Module):
 
     def reads(self, param_name: str) -> bool:
         return param_name == "weight"
+
+    def checkpoint_shape(self, param_name: str = "weight", shard: str | None = None
+                         ) -> tuple[int, ...]:
+        """The checkpoint's ``weight`` shape (the whole vocabulary)."""
+        return (self.num_embeddings, self.embedding_dim)
 
     def load(self, param_name: str, tensor, shard: str | None = None) -> str:
         """Copy the checkpoint's ``weight`` (this rank's vocabulary rows of it)."""

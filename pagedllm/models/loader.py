@@ -14,12 +14,14 @@ every parameter is allocated once, directly where it will live, and never initia
 With tensor parallelism each rank builds only its part of every split layer, and the
 checkpoint's tensors reach ``load_weights`` unread (``sharding.CheckpointSlice``): each
 layer reads the rows or columns it holds, so a rank never holds the whole model in
-memory. (Dummy weights are drawn per rank at the rank's shapes.)
+memory. Dummy weights are the same at every split: each rank draws a split tensor whole
+from the tensor's own seed and keeps its part (``fill_dummy_weights``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -32,7 +34,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import get_tp
 from pagedllm.distributed.sharding import CheckpointSlice
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.linear import Embedding, FusedLinear, Linear
 from pagedllm.models.registry import get_model_class
 from pagedllm.quantization import int_weights
 from pagedllm.quantization.apply import quantize_model
@@ -145,41 +147,82 @@ def iter_safetensors(path: Path, lazy: bool = False
 @torch.no_grad()
 def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     """Uniform [-1e-3, 1e-3] in every parameter, 1 in RMSNorm weights; deterministic in
-    ``seed`` for a given device. FP8 weights (an FP8 checkpoint's shapes) hold the same
-    range as FP8 values times their scales: uniform [-448, 448] with weight scales
-    1e-3 / 448, and static input scales 1 / 448. Integer weights hold uniform random
-    values around a middle zero point, scaled to the same range
-    (``int_weights.fill_dummy``)."""
+    ``seed`` for a given device, and the same at every tensor-parallel size and pipeline
+    split. FP8 weights (an FP8 checkpoint's shapes) hold the same range as FP8 values times
+    their scales: uniform [-448, 448] with weight scales 1e-3 / 448, and static input
+    scales 1 / 448. Integer weights hold uniform random values around a middle zero point,
+    scaled to the same range (``int_weights.fill_dummy``).
+
+    Each value is a function of the checkpoint tensor it stands for and ``seed`` only:
+    every tensor is drawn from a generator seeded by ``seed`` and the parameter's name
+    (plus the shard for the q/k/v and gate/up rows of a fused projection), and a split
+    layer's tensor is drawn whole, at its checkpoint shape, one at a time on the device,
+    then cut to this rank's part by the layer's ``load`` exactly as a checkpoint's would
+    be (vocabulary parts padded with zeros). Names carry the global layer index, so a
+    pipeline stage draws its layers' values as the whole model does."""
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    generators: dict[torch.device, torch.Generator] = {}
-
-    def generator_for(device: torch.device) -> torch.Generator:
-        if device not in generators:
-            generators[device] = torch.Generator(device=device).manual_seed(seed)
-        return generators[device]
-
-    packed = set()
-    for module in model.modules():
+    draws = _DummyDraws(seed)
+    filled: set[int] = set()
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
         if isinstance(module, Linear) and module.int_scheme is not None:
             int_weights.fill_dummy(module.qweight, module.scales, module.zeros,
                                    module.int_scheme.bits, DUMMY_WEIGHT_RANGE,
-                                   generator_for(module.qweight.device))
-            packed.update(id(p) for p in (module.qweight, module.scales, module.zeros))
+                                   draws.generator(prefix + "qweight", None,
+                                                   module.qweight.device))
+            filled.update(id(p) for p in (module.qweight, module.scales, module.zeros))
+        elif isinstance(module, (Linear, Embedding)):
+            shards = list(module.shard_sizes) if isinstance(module, FusedLinear) else [None]
+            for param_name in ("weight", "bias"):
+                param = getattr(module, param_name, None)
+                if param is None:
+                    continue
+                for shard in shards:
+                    whole = draws.tensor(prefix + param_name, shard,
+                                         module.checkpoint_shape(param_name, shard),
+                                         param.dtype, param.device)
+                    module.load(param_name, whole, shard)
+                    del whole
+                filled.add(id(param))
     for name, param in model.named_parameters():
-        if id(param) in packed:
+        if id(param) in filled:
             continue
         if id(param) in norm_weights:
             param.fill_(1.0)
-            continue
-        if name.endswith(".weight_scale"):
+        elif name.endswith(".weight_scale"):
             param.fill_(DUMMY_WEIGHT_RANGE / FP8_MAX)
-            continue
-        if name.endswith(".input_scale"):
+        elif name.endswith(".input_scale"):
             param.fill_(1.0 / FP8_MAX)
-            continue
-        generator = generator_for(param.device)
-        if param.dtype == FP8_DTYPE:
-            values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-            param.copy_(values.uniform_(-FP8_MAX, FP8_MAX, generator=generator))
+        elif param.dtype == FP8_DTYPE:
+            param.copy_(draws.tensor(name, None, param.shape, param.dtype, param.device))
         else:
-            param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+            param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE,
+                           generator=draws.generator(name, None, param.device))
+
+
+class _DummyDraws:
+    """Dummy values per checkpoint tensor: one generator per device, seeded again for each
+    tensor from the run's seed, the tensor's name and its shard (a stable hash, the same
+    in every process)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, name: str, shard: str | None, device: torch.device) -> torch.Generator:
+        key = f"{self.seed}/{name}/{shard or ''}".encode()
+        tensor_seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device].manual_seed(tensor_seed >> 1)
+
+    def tensor(self, name: str, shard: str | None, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+        """The values of ``name`` (its ``shard``) at ``shape``: uniform [-1e-3, 1e-3] in
+        ``dtype``, or FP8 values uniform [-448, 448]."""
+        generator = self.generator(name, shard, device)
+        if dtype == FP8_DTYPE:
+            values = torch.empty(shape, dtype=torch.float32, device=device)
+            return values.uniform_(-FP8_MAX, FP8_MAX, generator=generator).to(FP8_DTYPE)
+        values = torch.empty(shape, dtype=dtype, device=device)
+        return values.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
