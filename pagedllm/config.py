@@ -480,15 +480,12 @@ class ParallelConfig:
         if kv_heads % tp and tp % kv_heads:
             raise ValueError(f"--tensor-parallel-size {tp} and the model's {kv_heads} KV heads "
                              "neither divide the other: " + hint + " or is a multiple of it.")
-        intermediate = model.hf_config.get("intermediate_size")
-        if intermediate and intermediate % tp:
-            raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's MLP "
-                             f"width (intermediate_size {intermediate}): {hint}.")
-        quant = model.quant_config
-        if quant is not None and quant.storage()[0] != "fp8":
-            raise ValueError(f"{quant.method} integer weights cannot be split over "
-                             f"tensor-parallel ranks yet: serve an unquantized or FP8 "
-                             "checkpoint, or drop --tensor-parallel-size.")
+        for field in ("intermediate_size", "moe_intermediate_size",
+                      "shared_expert_intermediate_size"):
+            width = model.hf_config.get(field)
+            if width and width % tp:
+                raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's MLP "
+                                 f"width ({field} {width}): {hint}.")
 
 
 @dataclass

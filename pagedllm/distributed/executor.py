@@ -23,6 +23,7 @@ import multiprocessing
 import pickle
 import signal
 import socket
+import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Callable
@@ -134,8 +135,9 @@ class MultiprocExecutor:
             return _ReadyStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         return _RemoteStep(self)
 
-    def shutdown(self) -> None:
-        """Stop every rank (politely, then by force); idempotent."""
+    def shutdown(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop every rank (given ``grace_s`` seconds to finish, then by force);
+        idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -144,7 +146,7 @@ class MultiprocExecutor:
                 conn.send(("stop",))
             except OSError:
                 pass
-        self.workers.stop(STOP_GRACE_S)
+        self.workers.stop(grace_s)
 
     # -- messages ---------------------------------------------------------------------------
     def _send(self, message: tuple, ranks: range | None = None) -> None:
@@ -236,13 +238,13 @@ class MultiprocExecutor:
         if message[0] == "error":
             _, kind, text = message
             if kind == "ValueError":
-                self.shutdown()
+                self.shutdown(grace_s=0.0)  # the others wait for it in vain
                 raise ValueError(text)
             self._fail(f"rank {rank} failed: {kind}: {text}")
         return message
 
     def _fail(self, reason: str) -> None:
-        self.shutdown()
+        self.shutdown(grace_s=0.0)
         raise WorkerError(f"The engine stops: {reason}.")
 
 
@@ -281,8 +283,11 @@ class LocalWorkers:
         return f"exit code {code}"
 
     def stop(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` seconds in all for the ranks to exit, then kill the rest."""
+        deadline = time.monotonic() + grace_s
         for process in self.processes:
-            process.join(grace_s)
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
             if process.is_alive():
                 process.kill()
                 process.join(1.0)

@@ -229,12 +229,17 @@ class Linear(nn.Module):
         tensor = self._rank_part(param_name, tensor, shard)
         if self.int_scheme is not None and param_name in int_weights.checkpoint_names(
                 self.int_scheme):
-            rows = self._rows(self.scales, shard).shape[0]
+            # Converted at the checkpoint's shape, then split (packed words and groups).
+            part = self._part(shard)
+            rows, in_features = self._rows(self.scales, shard).shape[0], self.input_size
+            if part is not None:
+                rows, in_features = self.checkpoint_shape("weight", shard)
             param_name, tensor = int_weights.convert(
-                self.int_scheme, param_name, tensor.to(self.scales.device), rows,
-                self.input_size)
+                self.int_scheme, param_name, tensor.to(self.scales.device), rows, in_features)
             if param_name is None:
                 return None
+            if part is not None:
+                tensor = int_weights.rank_part(self.int_scheme, param_name, tensor, *part)
             if param_name == "g_idx":
                 self._g_idx[shard] = tensor
                 return None
@@ -290,7 +295,7 @@ class Linear(nn.Module):
         output rows (padded with zeros to the rank's rows for the vocabulary). Scales of
         one value, static input scales and a row-parallel bias are whole on every rank."""
         part = self._part(shard)
-        if part is None or self.int_scheme is not None:
+        if part is None or self.int_scheme is not None:  # integer weights: split in load
             return sharding.read(tensor)
         dim, start, length = part
         if dim == 1:

@@ -385,9 +385,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = self.arch_config(hf_config)
         tp_size, pp = get_tp().size, get_pp()
-        if tp_size > 1 and (self.config.num_experts or not self.tensor_parallel):
-            what = "mixture-of-experts layers" if self.config.num_experts else "layers"
-            raise ValueError(f"{type(self).__name__}'s {what} cannot be split over "
+        if tp_size > 1 and not self.tensor_parallel:
+            raise ValueError(f"{type(self).__name__}'s layers cannot be split over "
                              f"{tp_size} tensor-parallel ranks yet: drop "
                              "--tensor-parallel-size.")
         if pp.num_stages > 1 and (self.config.num_experts or self.model_class is not LlamaModel):

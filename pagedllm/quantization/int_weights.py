@@ -40,6 +40,8 @@ column order: the same weights, and the same product, as dequantizing the checkp
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -147,6 +149,33 @@ def convert(scheme: IntWeightScheme, name: str, tensor: torch.Tensor, rows: int,
         if layout == "gptq":  # the historical format stores zero - 1 (wrapping)
             zeros = (zeros + 1) & ((1 << bits) - 1)
     return "zeros", zeros.to(torch.uint8)
+
+
+def rank_part(scheme: IntWeightScheme, param: str, tensor: torch.Tensor, dim: int,
+              start: int, length: int) -> torch.Tensor:
+    """A tensor-parallel rank's part of a converted tensor (``param`` as ``convert``
+    returns it) of a projection split along ``dim`` (0: output rows, 1: input columns)
+    at ``start .. start + length``. Input columns split in whole packed words and whole
+    groups; an act-order (``g_idx``) projection is not split along its inputs. Raises
+    ValueError saying what to change otherwise."""
+    if dim == 0:
+        return tensor if param == "g_idx" else tensor.narrow(0, start, length)
+    per_word, group = values_per_word(scheme.bits), scheme.group_size
+    unit = per_word if group == -1 else math.lcm(per_word, group)
+    if start % unit or length % unit:
+        raise ValueError(f"the tensor-parallel split gives each rank {length} input columns, "
+                         f"which is not a whole number of {scheme.bits}-bit words and groups of "
+                         f"{group}: pick another --tensor-parallel-size.")
+    if param == "qweight":
+        return tensor.narrow(1, start // per_word, length // per_word)
+    if param == "g_idx":
+        local = tensor.narrow(0, start, length) - (start // group if group > 0 else 0)
+        if group > 0 and not torch.equal(local, torch.arange(length, device=local.device) // group):
+            raise ValueError("act-order (desc_act / actorder) weights cannot be split over "
+                             "tensor-parallel ranks along their inputs: serve a checkpoint "
+                             "quantized without act-order, or drop --tensor-parallel-size.")
+        return local
+    return tensor if group == -1 else tensor.narrow(1, start // group, length // group)
 
 
 def _expect(name: str, tensor: torch.Tensor, shape: tuple[int, ...],

@@ -23,6 +23,8 @@ MAX_NEW = 8
 # name -> (family, tensor-parallel size, pipeline stages, config overrides)
 CASES = {
     "llama_tp2": ("llama", 2, 1, dict(attention_bias=True)),
+    "qwen2_moe_tp2_shared_expert": ("qwen2_moe", 2, 1, dict(num_hidden_layers=3,
+                                                            mlp_only_layers=[1])),
     "qwen2_pp2": ("qwen2", 1, 2, dict(num_hidden_layers=3)),
     "qwen3_tp2_pp2_tied": ("qwen3", 2, 2, dict(tie_word_embeddings=True)),
 }
@@ -94,9 +96,8 @@ def test_a_killed_rank_fails_the_engine_within_seconds(tmp_path) -> None:
 
 
 def test_a_rank_start_up_error_reaches_the_caller(tmp_path) -> None:
-    path = _checkpoint(tmp_path, "qwen3_moe", num_experts=4, num_experts_per_tok=2,
-                       moe_intermediate_size=48)
-    with pytest.raises(ValueError, match="mixture-of-experts layers cannot be split"):
+    path = _checkpoint(tmp_path, "gpt_neox")
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM's layers cannot be split"):
         LLM(str(path), tensor_parallel_size=2)
 
 
@@ -219,3 +220,27 @@ def test_replicated_kv_heads_and_pipeline_stages_hold_their_parts(tmp_path, monk
                        w["model.layers.1.mlp.down_proj.weight"])
     assert torch.equal(model.lm_head.weight, w["lm_head.weight"])
     assert torch.equal(model.model.norm.weight, w["model.norm.weight"])
+
+
+def test_gptq_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path) -> None:
+    """4-bit weights split after conversion: column-parallel rows, row-parallel whole
+    packed words and groups of 32; act-order weights are refused along their inputs."""
+    from tests.quantization.int_checkpoints import hf_on_dequantized, write_gptq
+
+    src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128,
+                               hidden_size=128, intermediate_size=256)
+    quantized = write_gptq(src, tmp_path / "gptq", bits=4, group_size=32)
+    prompts = random_prompts(3, 3, 20, seed=6, vocab=256)
+    reference = hf_on_dequantized(src, quantized)
+    llm = LLM(str(tmp_path / "gptq"), tensor_parallel_size=2, dtype="float32", block_size=8,
+              max_model_len=128)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        assert got == [hf_greedy(reference, p, 10) for p in prompts]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    write_gptq(src, tmp_path / "act-order", bits=4, group_size=32, desc_act=True)
+    with pytest.raises(ValueError, match="act-order .* cannot be split over tensor-parallel"):
+        LLM(str(tmp_path / "act-order"), tensor_parallel_size=2, dtype="float32")

@@ -6,6 +6,10 @@ projection: the layout newer checkpoints save (``experts.gate_up_proj``,
 ``experts.down_proj``). Checkpoints with one tensor per expert (``experts.N.w1/w3/w2``
 in Mixtral, ``experts.N.gate_proj/up_proj/down_proj`` in Qwen3-MoE) are copied into
 their expert's rows at load.
+
+With tensor parallelism every rank holds every expert, each with its share of the
+intermediate width (``I / tp`` gate, up and down columns, split like a dense MLP's), and
+``MoEBlock`` sums the ranks' outputs.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed import sharding
+from pagedllm.distributed.parallel_state import all_reduce, get_tp
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.fused_moe.routing import select_experts
 from pagedllm.layers.fused_moe.torch_ref import fused_moe_dense, fused_moe_reference
@@ -42,6 +48,10 @@ class FusedMoE(nn.Module):
                              f"of experts ({num_experts}).")
         self.num_experts = num_experts
         self.top_k = top_k
+        tp = get_tp()
+        # This rank's intermediate columns of each expert (start, length).
+        self.tp_part = sharding.shard_range(intermediate_size, 1, tp.rank, tp.size)
+        intermediate_size = self.tp_part[1]
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
         self.act = GatedActivation(hidden_act)
@@ -71,8 +81,14 @@ class FusedMoE(nn.Module):
         ``gate_up_proj``, ...) into its rows; returns the parts it filled. Raises
         ValueError on an unknown name, expert or shape."""
         parts = name.split(".")
+        tensor = sharding.read(tensor)
         if len(parts) == 1 and name in STACKED_TENSORS:
             param = getattr(self, STACKED_TENSORS[name])
+            if name == "down_proj":
+                tensor = self._rank_columns(tensor)
+            else:  # [E, 2I, H]: this rank's gate rows, then its up rows
+                gate, up = tensor.chunk(2, dim=1)
+                tensor = torch.cat([self._rank_rows(gate, 1), self._rank_rows(up, 1)], dim=1)
             _copy(param.data, tensor)
             return [(p, part) for p, part in self.load_parts()
                     if p == STACKED_TENSORS[name]]
@@ -87,11 +103,21 @@ class FusedMoE(nn.Module):
         rows = getattr(self, param_name).data[expert]
         size = self.intermediate_size
         if shard == "gate":
-            rows = rows[:size]
+            rows, tensor = rows[:size], self._rank_rows(tensor, 0)
         elif shard == "up":
-            rows = rows[size:]
+            rows, tensor = rows[size:], self._rank_rows(tensor, 0)
+        else:
+            tensor = self._rank_columns(tensor)
         _copy(rows, tensor)
         return [(param_name, f"{expert}:{shard or 'down'}")]
+
+    def _rank_rows(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's intermediate rows (along ``dim``) of a gate or up weight."""
+        return tensor.narrow(dim, *self.tp_part)
+
+    def _rank_columns(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's intermediate columns (the last dimension) of a down weight."""
+        return tensor.narrow(-1, *self.tp_part)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, "
@@ -117,4 +143,4 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.gate.weight)
-        return self.experts(x, router_logits)
+        return all_reduce(self.experts(x, router_logits))
