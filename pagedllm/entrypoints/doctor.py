@@ -380,9 +380,11 @@ def check_kv_cache(args: argparse.Namespace, model_dir: Path | None, cuda) -> Ch
     spec = config.speculative_config
     draft = spec.draft_model_config if spec is not None else None
     models = [model] if draft is None else [model, draft]
-    # With tensor parallelism: one rank's share of the weights and of the KV heads.
-    tp = config.parallel_config.tensor_parallel_size
-    per_block = sum(kv.block_bytes(num_layers=m.num_layers, block_size=block_size,
+    # With parallelism: one rank's share of the weights, of the KV heads (tensor-parallel)
+    # and of the layers (the largest pipeline stage's).
+    tp, pp = (config.parallel_config.tensor_parallel_size,
+              config.parallel_config.pipeline_parallel_size)
+    per_block = sum(kv.block_bytes(num_layers=-(-m.num_layers // pp), block_size=block_size,
                                    num_kv_heads=m.kv_heads_per_rank(tp), head_dim=m.head_dim,
                                    element_size=kv.kv_element_size(cache.cache_dtype, dtype))
                     for m in models)
@@ -394,12 +396,12 @@ def check_kv_cache(args: argparse.Namespace, model_dir: Path | None, cuda) -> Ch
         weights = kv.weight_bytes(model.hf_config, element, *storage)
         if draft is not None:
             weights += kv.weight_bytes(draft.hf_config, element)
-        weights //= tp
+        weights //= tp * pp
         available = kv.gpu_kv_bytes(total, cache.gpu_memory_utilization, weights)
         source = (f"--gpu-memory-utilization {cache.gpu_memory_utilization} of "
                   f"{total / _GIB:.1f} GiB less {weights / _GIB:.2f} GiB of {dtype}"
                   f"{' + ' + storage[0] if storage[0] else ''} weights"
-                  f"{f' (one of {tp} tensor-parallel ranks)' if tp > 1 else ''}, before "
+                  f"{f' (one of {tp * pp} ranks)' if tp * pp > 1 else ''}, before "
                   "activations and CUDA graphs")
     else:
         available = kv.cpu_kv_bytes(cache.kv_cache_memory_gb)
