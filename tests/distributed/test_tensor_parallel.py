@@ -224,7 +224,7 @@ def test_replicated_kv_heads_and_pipeline_stages_hold_their_parts(tmp_path, monk
 
 def test_gptq_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path) -> None:
     """4-bit weights split after conversion: column-parallel rows, row-parallel whole
-    packed words and groups of 32; act-order weights are refused along their inputs."""
+    packed words and groups of 32."""
     from tests.quantization.int_checkpoints import hf_on_dequantized, write_gptq
 
     src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128,
@@ -241,6 +241,19 @@ def test_gptq_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path) -
         assert got == [hf_greedy(reference, p, 10) for p in prompts]
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+
+def test_act_order_4bit_weights_are_refused_along_their_inputs(tmp_path, monkeypatch) -> None:
+    from pagedllm.config import ModelConfig
+    from pagedllm.distributed import parallel_state
+    from pagedllm.models.loader import load_model
+    from tests.quantization.int_checkpoints import write_gptq
+
+    src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128,
+                               hidden_size=128, intermediate_size=256)
     write_gptq(src, tmp_path / "act-order", bits=4, group_size=32, desc_act=True)
+    monkeypatch.setattr(parallel_state, "_TP", parallel_state.TensorParallelGroup(1, 2))
     with pytest.raises(ValueError, match="act-order .* cannot be split over tensor-parallel"):
-        LLM(str(tmp_path / "act-order"), tensor_parallel_size=2, dtype="float32")
+        load_model(ModelConfig(str(tmp_path / "act-order"), dtype="float32"), "cpu",
+                   torch.float32)
