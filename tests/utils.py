@@ -206,3 +206,13 @@ def make_kv_caches(
     with ``fill`` (NaN by default, so a read of an unwritten slot poisons the output)."""
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     return [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def token_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """The int32 token bitmask (``[rows, ceil(V / 32)]``, bit ``t % 32`` of word ``t // 32``
+    for token ``t``) of a bool ``[rows, V]`` tensor of allowed tokens."""
+    rows, vocab = allowed.shape
+    bits = torch.zeros(rows, (vocab + 31) // 32 * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    words = (bits.view(rows, -1, 32) << torch.arange(32)).sum(-1)  # in [0, 2^32)
+    return (words - (words >= 2**31).long() * 2**32).int()

@@ -13,6 +13,7 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.sampler import Draw, Sampler, SamplingMetadata, masked_rows
 from pagedllm.sampling_params import SamplingParams
+from tests.utils import token_bitmask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -326,10 +327,7 @@ def test_gumbel_redraw_under_a_mask_is_the_masked_draw() -> None:
     logits = _rand(rows, vocab, seed=4) * 3
     gen = torch.Generator().manual_seed(5)
     allowed = torch.rand(rows, vocab, generator=gen) < 0.2
-    bits = torch.zeros(rows, 320, dtype=torch.int64)
-    bits[:, :vocab] = allowed.long()
-    words = (bits.view(rows, 10, 32) << torch.arange(32)).sum(-1)
-    bitmask = (words - (words >= 2**31).long() * 2**32).int().to(DEVICE)
+    bitmask = token_bitmask(allowed).to(DEVICE)
     params = [SamplingParams(temperature=0.5 + i / rows) for i in range(rows)]
     meta = SamplingMetadata.build(params, [[1]] * rows, [[]] * rows, [None] * rows, vocab, DEVICE)
     seeds = torch.randint(0, 2**31 - 1, (rows,), generator=gen).to(DEVICE)

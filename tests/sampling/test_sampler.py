@@ -7,6 +7,7 @@ import torch
 
 from pagedllm.layers.sampler import Sampler, SamplingMetadata, apply_penalties
 from pagedllm.sampling_params import SamplingParams
+from tests.utils import token_bitmask
 
 V = 32
 sampler = Sampler()
@@ -362,10 +363,7 @@ def random_bitmask(rows: int, seed: int, vocab: int = V) -> torch.Tensor:
     """Int32 bitmask rows allowing a random quarter of the tokens, at least one each."""
     allowed = torch.rand(rows, vocab, generator=torch.Generator().manual_seed(seed)) < 0.25
     allowed[:, seed % vocab] = True
-    bits = torch.zeros(rows, (vocab + 31) // 32 * 32, dtype=torch.int64)
-    bits[:, :vocab] = allowed.long()
-    words = (bits.view(rows, -1, 32) << torch.arange(32)).sum(-1)  # in [0, 2^32)
-    return (words - (words >= 2**31).long() * 2**32).int()
+    return token_bitmask(allowed)
 
 
 def allowed_by(bitmask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
