@@ -49,15 +49,7 @@
 # Files under $OUT: log.txt (everything printed), steps.txt, one JSON per step, the report.
 set -u -o pipefail
 
-PY=${PYTHON:-python3}
-OUT=${OUT:-$(mktemp -d)}
-DRY=${GPU_BENCH_DRY:-0}
-DATE=$(date -u +%Y-%m-%d)
-LOG="$OUT/log.txt"
-mkdir -p "$OUT"
-: >"$LOG"
-: >"$OUT/steps.txt"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/gpu_bench_common.sh"  # PY OUT DRY DATE LOG, step NAME LIMIT_S COMMAND...
 
 if [ "$DRY" = "1" ]; then
     BIG=pagedllm-demo SMALL=pagedllm-demo MOE=pagedllm-demo MOE_SMALL=pagedllm-demo
@@ -83,19 +75,6 @@ fi
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
 STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync fp8 w4a16 moe structured ab}
 read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
-
-# step NAME LIMIT_S COMMAND...: run with a time limit, output to the terminal and the log.
-step() {
-    local name=$1 limit=$2
-    shift 2
-    case " $STEPS " in *" $name "*) ;; *) echo "=== $name: not selected" | tee -a "$LOG"; return ;; esac
-    echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
-    local start=$SECONDS
-    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    echo "$name $rc $((SECONDS - start))" >>"$OUT/steps.txt"
-    echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$LOG"
-}
 
 {
     echo "date $DATE, dry=$DRY, python $($PY -c 'import sys; print(sys.version.split()[0])')"

@@ -95,6 +95,13 @@ def result_record(**fields) -> dict:
     }
 
 
+def parallel_sizes(config) -> dict:
+    """The record fields naming how an engine of ``config`` (an ``EngineConfig``) is split."""
+    parallel = config.parallel_config
+    return {"tensor_parallel_size": parallel.tensor_parallel_size,
+            "pipeline_parallel_size": parallel.pipeline_parallel_size}
+
+
 def write_json(path: str | None, records: dict | list) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

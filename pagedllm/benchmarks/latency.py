@@ -36,6 +36,7 @@ import time
 from pagedllm.benchmarks.common import (
     host_table,
     kernel_table,
+    parallel_sizes,
     reported_seconds,
     result_record,
     synthetic_requests,
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                          "--speculative-model DRAFT or --speculative-method ngram.")
     llm = LLM(**vars(engine_args))
     config = llm.llm_engine.config
-    common = dict(model=config.model_config.path.name, device=config.device)
+    common = dict(model=config.model_config.path.name, device=config.device,
+                  **parallel_sizes(config))
     records = []
     if args.workload in ("L1", "all"):
         records.append(result_record(workload="L1", **common, **measure_decode_latency(llm, args)))
@@ -251,7 +253,8 @@ def _run_speculative(args: argparse.Namespace, engine_args: EngineArgs) -> list[
         raise ValueError("Speculative decoding does not change P1 (prefill): run L1.")
     plain = LLM(**vars(without_speculation(engine_args)))
     config = plain.llm_engine.config
-    common = dict(model=config.model_config.path.name, device=config.device)
+    common = dict(model=config.model_config.path.name, device=config.device,
+                  **parallel_sizes(config))
     ks = args.speculative_k_values or [
         engine_args.create_engine_config().speculative_config.num_speculative_tokens]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)

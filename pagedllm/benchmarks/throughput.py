@@ -44,6 +44,7 @@ import time
 from pagedllm.benchmarks.common import (
     SyntheticRequest,
     kernel_table,
+    parallel_sizes,
     parse_range,
     reported_seconds,
     result_record,
@@ -147,7 +148,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     records: list[dict] = []
 
     def keep(record: dict) -> None:
-        record = result_record(workload="throughput", **common, **record)
+        split = parallel_sizes(config) if record["backend"].startswith("pagedllm") else {}
+        record = result_record(workload="throughput", **common, **split, **record)
         records.append(record)
         print(_row(record), flush=True)
         _write(args.output_json, records)
