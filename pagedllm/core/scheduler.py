@@ -35,10 +35,12 @@ already reach ``max_tokens``. A request that stops on a stop token in step N was
 scheduled in step N+1; that token is dropped. A request preempted with a token in flight
 keeps it and is re-admitted only once it is back, so a recompute sees every token.
 
-Pipeline parallelism (``pipeline_parallel_size`` > 1): the engine keeps up to that many
-steps in flight, one per stage, and a request with a token in flight is not planned again
-until that step's output is back (its token is the first stage's next input, and it comes
-from the last stage), so the steps in flight run on disjoint requests.
+Pipeline parallelism (``pipeline_parallel_size`` M > 1): the engine keeps up to M steps in
+flight, one per stage, and a request with a token in flight is not planned again until
+that step's output is back (its token is the first stage's next input, and it comes from
+the last stage), so the steps in flight run on disjoint requests. A step takes at most
+``ceil(max_num_seqs / M)`` requests, so the running requests split into M micro-batches
+that keep every stage busy.
 
 Speculative decoding: a decoding request with proposed tokens (``spec_token_ids``, from
 the n-gram proposer or the draft model) is scheduled as its last token plus ``k`` of them,
@@ -138,6 +140,8 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.pipeline_parallel_size = scheduler_config.pipeline_parallel_size
+        # Requests one step may take: a micro-batch of the running ones with stages.
+        self.max_step_reqs = -(-self.max_num_seqs // self.pipeline_parallel_size)
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_kv_blocks,
@@ -277,8 +281,9 @@ class Scheduler:
         num_scheduled = plan.num_scheduled_tokens
         lookahead = plan.num_lookahead
         one_step_each = self.pipeline_parallel_size > 1
+        max_step_reqs = self.max_step_reqs
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and len(num_scheduled) < max_step_reqs:
             request = running[i]
             placeholders = request.num_output_placeholders
             if placeholders and (one_step_each or len(request.output_token_ids) + placeholders
@@ -319,7 +324,8 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         waiting, kv = self.waiting, self.kv_cache_manager
-        while waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+        while (waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs
+               and len(plan.num_scheduled_tokens) < self.max_step_reqs):
             request = waiting.peek()
             if request.num_output_placeholders:
                 return  # preempted while a step samples for it: re-admit once that is back

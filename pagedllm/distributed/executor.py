@@ -101,6 +101,7 @@ class MultiprocExecutor:
         self.connections: list[Connection] = workers.connections
         self._outputs: deque[ModelRunnerOutput] = deque()
         self.reporter = reporting_rank(config)
+        self._pipelined = config.parallel_config.pipeline_parallel_size > 1
         # The last stage's ranks, which sample and so take the grammars' answers.
         self._sampling = range(self.reporter, len(self.connections))
         # The grammars of the latest step (structured outputs), which answer the
@@ -124,13 +125,14 @@ class MultiprocExecutor:
 
     def execute_model_async(self, scheduler_output: SchedulerOutput,
                             grammars: Callable | None = None) -> _RemoteStep:
-        """Send the step to every rank and wait until the reporting rank has launched it
-        (answering its grammar questions meanwhile); ``get()`` on the result reads the
-        step's output."""
+        """Send the step to every rank and, without pipeline stages, wait until the
+        reporting rank has launched it (answering its grammar questions meanwhile);
+        ``get()`` on the result reads the step's output (answering them too)."""
         if grammars is not None:
             self._grammars = grammars
         self._send(("step", scheduler_output))
-        self._receive(self.reporter, "launched")
+        if not self._pipelined:
+            self._receive(self.reporter, "launched")
         if scheduler_output.is_empty:
             return _ReadyStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         return _RemoteStep(self)

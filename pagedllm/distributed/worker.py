@@ -14,10 +14,12 @@ a pipe for local processes, a socket for Ray actors). Engine -> rank:
 
 * ``("kv",)``: size (the minimum over the ranks) and allocate the KV cache; the
   reporting rank answers ``("kv", num_blocks)``;
-* ``("step", SchedulerOutput)``: launch the step; the reporting rank answers
-  ``("launched",)`` once it has, and each step that computed tokens with ``("output",
-  ModelRunnerOutput)`` once its sampled ids are read, in launch order (a rank keeps as
-  many steps in flight as the engine does: ``steps_in_flight``);
+* ``("step", SchedulerOutput)``: launch the step; the reporting rank answers each step
+  that computed tokens with ``("output", ModelRunnerOutput)`` once its sampled ids are
+  read, in launch order (a rank keeps as many steps in flight as the engine does:
+  ``steps_in_flight``), and, without pipeline stages, ``("launched",)`` once it has
+  launched the step and sent the older steps' outputs (with stages the engine does not
+  wait: the next step goes to the first stage while the last one still works);
 * ``("result", value)`` (sampling ranks): the engine's answer to the grammar question the
   reporting rank asked;
 * ``("stop",)``.
@@ -25,7 +27,8 @@ a pipe for local processes, a socket for Ray actors). Engine -> rank:
 Rank -> engine: ``("ready", info)`` from each rank at start; the reporting rank's answers
 above, and ``("call", method, args)`` when its runner asks the step's grammars
 (structured outputs: ``bitmask`` or ``check``, see ``pagedllm.structured.manager``), before
-which it sends the outputs of older steps (the engine's grammars take them first);
+which it sends the outputs of older steps (the engine's grammars take them first). A
+rank waiting for an answer keeps the steps that arrive meanwhile for later (``Inbox``);
 ``("error", kind, text)`` from any rank that fails. A connection that closes is a rank
 that died.
 """
@@ -62,22 +65,38 @@ def steps_in_flight(config: EngineConfig) -> int:
     return 1 if config.scheduler_config.async_scheduling else 0
 
 
+class Inbox:
+    """The engine's messages to a rank, in order; ``result`` takes the next answer to a
+    grammar question and keeps the messages before it (later steps) for ``next``."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._kept: deque[tuple] = deque()
+
+    def next(self) -> tuple:
+        return self._kept.popleft() if self._kept else self._conn.recv()
+
+    def result(self):
+        while True:
+            message = self._conn.recv()
+            if message[0] == "result":
+                return message[1]
+            self._kept.append(message)
+
+
 class _GrammarProxy:
     """The runner's view of a step's grammars on a rank: the reporting rank forwards each
     question to the engine, and every sampling rank takes the engine's answer."""
 
-    def __init__(self, conn: Connection, asks: bool, flush) -> None:
-        self._conn, self._asks, self._flush = conn, asks, flush
+    def __init__(self, conn: Connection, inbox: Inbox, asks: bool, flush) -> None:
+        self._conn, self._inbox, self._asks, self._flush = conn, inbox, asks, flush
 
     def _ask(self, method: str, *args):
         if self._asks:
             if method == "bitmask":
                 self._flush()  # the engine's grammars take the older steps' tokens first
             self._conn.send(("call", method, args))
-        tag, result = self._conn.recv()
-        if tag != "result":
-            raise RuntimeError(f"Expected the engine's answer to {method!r}, got {tag!r}.")
-        return result
+        return self._inbox.result()
 
     @staticmethod
     def _copy(array: np.ndarray | None, allocate):
@@ -149,9 +168,11 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str,
             if reports:
                 conn.send(("output", output))
 
-    grammars = _GrammarProxy(conn, reports, lambda: resolve(0))
+    inbox = Inbox(conn)
+    grammars = _GrammarProxy(conn, inbox, reports, lambda: resolve(0))
+    acknowledges = reports and config.parallel_config.pipeline_parallel_size == 1
     while True:
-        message = conn.recv()
+        message = inbox.next()
         tag = message[0]
         if tag == "stop":
             return
@@ -162,10 +183,10 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str,
         elif tag == "step":
             so: SchedulerOutput = message[1]
             launched = runner.execute_model_async(so, grammars)
-            if reports:
-                conn.send(("launched",))
             if not so.is_empty:
                 unresolved.append(launched)
             resolve(keep if not so.is_empty else 0)
+            if acknowledges:
+                conn.send(("launched",))
         else:
             raise RuntimeError(f"Unknown message {tag!r} from the engine.")

@@ -111,9 +111,11 @@ def test_sizes_that_do_not_fit_the_model_are_refused_before_any_rank_starts(tmp_
         LLM(str(path), pipeline_parallel_size=2, async_scheduling=False)
 
 
-def test_constrained_and_free_requests_with_asynchronous_scheduling_at_tp2(tmp_path) -> None:
-    """The ranks take the constrained rows' bitmask from the engine and keep a step in
-    flight: constrained outputs are members of their choice, free ones equal TP=1's."""
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_constrained_and_free_requests_with_steps_in_flight(tmp_path, tp, pp) -> None:
+    """The sampling ranks take the constrained rows' grammar answers from the engine while
+    steps are in flight (asynchronous scheduling; pipeline stages): constrained outputs are
+    members of their choice, free ones equal one rank's."""
     from pagedllm.structured import StructuredOutputsParams
 
     path = _checkpoint(tmp_path, "llama")
@@ -125,7 +127,8 @@ def test_constrained_and_free_requests_with_asynchronous_scheduling_at_tp2(tmp_p
     one = LLM(str(path), max_model_len=128)
     want = [o.outputs[0].token_ids for o in one.generate(
         [{"prompt_token_ids": p} for p in prompts], free, use_tqdm=False)]
-    llm = LLM(str(path), tensor_parallel_size=2, max_model_len=128, async_scheduling=True)
+    llm = LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, max_model_len=128,
+              async_scheduling=True)
     try:
         requests = [{"prompt_token_ids": p} for p in prompts for _ in range(2)]
         outputs = llm.generate(requests, [free, constrained] * len(prompts), use_tqdm=False)
