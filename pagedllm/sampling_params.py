@@ -10,6 +10,8 @@ Semantics (vLLM's, which OpenAI clients expect):
   (0 = off) subtract from the logits of tokens seen in the output.
 - ``stop`` strings end generation when they appear in the decoded text; the text is cut
   before the stop string unless ``include_stop_str_in_output``.
+- ``detokenize=False``: outputs carry token ids and empty text, and logprobs no decoded
+  tokens; nothing is decoded for the request (stop strings, which live in text, are refused).
 - ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before this many output tokens.
 - ``logprobs = k`` returns, per output token, the sampled token's logprob plus the top k;
   ``prompt_logprobs = k`` does the same for every prompt token (the first is None).
@@ -50,6 +52,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine from the tokenizer/generation config; not a user knob.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
@@ -105,6 +108,11 @@ class SamplingParams:
             raise bad("seed", self.seed, "an integer or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "a non-empty string or a list of non-empty strings")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                f"Stop strings {self.stop} are matched in the decoded text, but detokenize=False: "
+                "use stop_token_ids instead, or leave detokenize on."
+            )
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
             raise bad("structured_outputs", self.structured_outputs,
                       "a StructuredOutputsParams, a dict of its fields, or None")

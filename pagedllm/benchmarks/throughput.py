@@ -2,9 +2,11 @@
 
 W1 of the project's benchmarks is ``--num-prompts 256 --input-len 100:1024
 --output-len 100:1024 --seed 0 --ignore-eos``: random-token prompts, temperature 1. Output
-tokens per wall second include prefill. Those lengths are the defaults; on a model whose
-context is shorter than the longest request (2,048 tokens), the defaulted ranges are scaled
-down together until it fits, and a line says so. Lengths given that do not fit are refused.
+tokens per wall second include prefill. Requests ask for token ids only
+(``detokenize=False``: nothing reads the text; ``--detokenize`` decodes it). Those lengths
+are the defaults; on a model whose context is shorter than the longest request (2,048
+tokens), the defaulted ranges are scaled down together until it fits, and a line says so.
+Lengths given that do not fit are refused.
 
 ``--backend`` takes one name or a comma-separated list, run in one process on the same
 requests: ``pagedllm``, ``hf`` (transformers ``generate`` in static batches) and ``hf-cb``
@@ -87,6 +89,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="Generate exactly the output length (default on).")
     parser.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
+    parser.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=False,
+                        help="Decode each output's text (default off: the benchmark reads token "
+                             "counts only, so requests ask for token ids, detokenize=False).")
     parser.add_argument("--hf-num-prompts", type=int, default=None,
                         help="Run the HF peers on the first N requests only (pagedllm runs them "
                              "too; default: all of them).")
@@ -257,7 +262,7 @@ def _workload_args(args: argparse.Namespace) -> dict:
     return {"num_prompts": args.num_prompts, "input_len": list(args.input_len),
             "output_len": list(args.output_len), "seed": args.seed,
             "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-            "prefix_len": args.prefix_len,
+            "detokenize": args.detokenize, "prefix_len": args.prefix_len,
             "structured_output": args.structured_output}
 
 
@@ -413,7 +418,7 @@ def _sampling_params(request: SyntheticRequest, args: argparse.Namespace):
     from pagedllm import SamplingParams
 
     return SamplingParams(max_tokens=request.output_len, ignore_eos=args.ignore_eos,
-                          temperature=args.temperature)
+                          temperature=args.temperature, detokenize=args.detokenize)
 
 
 def _add_ratios(records: list[dict]) -> None:

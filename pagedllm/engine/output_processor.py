@@ -4,8 +4,9 @@ Owns, per user request, the detokenizer of each of its ``n`` sequences. Stop str
 found here (they live in text, not tokens): a sequence that hits one is finished here and
 its core request is returned in ``requests_to_abort`` so the core frees its blocks at once.
 
-Without a tokenizer (``skip_tokenizer_init``) outputs carry token ids and empty text, and
-logprobs carry no decoded tokens.
+Without a tokenizer (``skip_tokenizer_init``), or for a request with ``detokenize=False``,
+outputs carry token ids and empty text, logprobs carry no decoded tokens, and nothing is
+decoded.
 
 Output kinds: ``"final"`` (one ``RequestOutput`` when every sequence is done; the offline
 API), ``"delta"`` (new text and tokens since the last output; streaming), ``"cumulative"``.
@@ -39,6 +40,10 @@ class _NoTextDetokenizer:
         return ""
 
 
+def _no_text(token_id: int) -> None:
+    return None
+
+
 @dataclass
 class _SequenceState:
     index: int
@@ -69,6 +74,7 @@ class _RequestState:
     num_sent_prompt_logprobs: int = 0
     num_cached_tokens: int = 0
     first_token_time: float | None = None
+    decode: bool = True  # text and decoded logprob tokens (a tokenizer and detokenize=True)
 
     @property
     def finished(self) -> bool:
@@ -94,10 +100,11 @@ class OutputProcessor:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}.")
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        decode = self.tokenizer is not None and params.detokenize
         sequences = [
             _SequenceState(
                 index=i,
-                detokenizer=_NoTextDetokenizer() if self.tokenizer is None else IncrementalDetokenizer(
+                detokenizer=_NoTextDetokenizer() if not decode else IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
@@ -106,8 +113,9 @@ class OutputProcessor:
                 ),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
-                # Nobody reads the text before the end and no stop string needs it: decode once.
-                detokenize_at_end=output_kind == "final" and not params.stop,
+                # When nobody reads the text before the end and no stop string needs it, it
+                # is decoded once, at the end (without text, nothing is decoded at all).
+                detokenize_at_end=not decode or (output_kind == "final" and not params.stop),
                 stop_token_ids=self._stop_token_ids(params),
             )
             for i in range(params.n)
@@ -116,6 +124,7 @@ class OutputProcessor:
             request_id, prompt, prompt_token_ids, params, output_kind, sequences,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+            decode=decode,
         )
         self._requests[request_id] = state
         for seq in sequences:
@@ -159,18 +168,21 @@ class OutputProcessor:
             if entry is None:  # aborted by the user meanwhile
                 continue
             state, seq = entry
-            touched[state.request_id] = state
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None and seq.index == 0:
                 state.prompt_logprobs.extend(
-                    None if e is None else self._to_logprob_dict(e) for e in out.new_prompt_logprobs
+                    None if e is None else self._to_logprob_dict(e, state.decode)
+                    for e in out.new_prompt_logprobs
                 )
             if out.new_token_ids and state.first_token_time is None:
                 state.first_token_time = now
-            if self._update_sequence(seq, out):
+            if self._update_sequence(seq, out, state.decode):
                 to_abort.append(out.request_id)
             if seq.finish_reason is not None:
                 self._children.pop(out.request_id, None)
+            # A "final" request has nothing to hand out until one of its sequences ends.
+            if state.output_kind != "final" or seq.finish_reason is not None:
+                touched[state.request_id] = state
 
         results = []
         for state in touched.values():
@@ -182,7 +194,7 @@ class OutputProcessor:
         return results, to_abort
 
     # -- helpers ------------------------------------------------------------------------
-    def _update_sequence(self, seq: _SequenceState, out: EngineCoreOutput) -> bool:
+    def _update_sequence(self, seq: _SequenceState, out: EngineCoreOutput, decode: bool) -> bool:
         """Apply one core output; True if a stop string ended a sequence the core still runs.
 
         Several new tokens (speculative decoding) go to the detokenizer one at a time when
@@ -196,7 +208,7 @@ class OutputProcessor:
             seq.token_ids.extend(new_token_ids)
             if out.new_logprobs and seq.logprobs is not None:
                 for entry in out.new_logprobs[:len(new_token_ids)]:
-                    seq.logprobs.append(self._to_logprob_dict(entry))
+                    seq.logprobs.append(self._to_logprob_dict(entry, decode))
                     seq.cumulative_logprob += entry[1][0]
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_str
@@ -228,17 +240,16 @@ class OutputProcessor:
         return (out.finish_reason == "stop" and bool(seq.token_ids)
                 and seq.token_ids[-1] in seq.stop_token_ids)
 
-    def _to_logprob_dict(self, entry: LogprobsEntry) -> dict[int, Logprob]:
+    def _to_logprob_dict(self, entry: LogprobsEntry, decode: bool) -> dict[int, Logprob]:
         token_ids, logprobs, sampled_rank = entry
-        result = {token_ids[0]: Logprob(logprobs[0], sampled_rank, self._decode_one(token_ids[0]))}
+        decode_one = self._decode_one if decode else _no_text
+        result = {token_ids[0]: Logprob(logprobs[0], sampled_rank, decode_one(token_ids[0]))}
         for rank, (tid, lp) in enumerate(zip(token_ids[1:], logprobs[1:]), start=1):
             if tid not in result:
-                result[tid] = Logprob(lp, rank, self._decode_one(tid))
+                result[tid] = Logprob(lp, rank, decode_one(tid))
         return result
 
-    def _decode_one(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
+    def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _make_output(self, state: _RequestState) -> RequestOutput | None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine import output_processor
 from tests.engine.conftest import random_prompts
 
 
@@ -148,6 +149,26 @@ def test_prompt_logprobs_are_reported_once_when_preemption_recomputes_them(
         got = [out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
         assert got == pytest.approx([ref[i - 1, ids[i]].item() for i in range(1, len(ids))],
                                     abs=1e-4)
+
+
+def test_detokenize_false_gives_the_token_ids_and_no_text_without_decoding(llm, prompt,
+                                                                         monkeypatch):
+    greedy = dict(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    with_text = run(llm, [prompt], **greedy)[0].outputs[0]
+
+    def decode(*args, **kwargs):
+        raise AssertionError("text decoded for a request that asked for token ids only")
+
+    monkeypatch.setattr(output_processor, "IncrementalDetokenizer", decode)
+    monkeypatch.setattr(llm.llm_engine.output_processor, "_decode_one", decode)
+    ids_only = run(llm, [prompt], **greedy, detokenize=False)[0].outputs[0]
+    assert with_text.text and ids_only.text == ""
+    assert ids_only.token_ids == with_text.token_ids
+    assert [{t: lp.logprob for t, lp in entry.items()} for entry in ids_only.logprobs] == [
+        {t: lp.logprob for t, lp in entry.items()} for entry in with_text.logprobs]
+    assert all(lp.decoded_token is None for entry in ids_only.logprobs for lp in entry.values())
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop=["x"], detokenize=False)
 
 
 def test_text_prompt_round_trips_through_the_tokenizer(llm):
