@@ -27,6 +27,14 @@ grammars refused). The grammar backend (the tokenizer's token trie) is built bef
 timed run, as a server builds it once. Constraints need a tokenizer: give a config-only
 model one with ``--tokenizer``.
 
+``--shapes IN/OUTxREQUESTS,...`` runs several fixed-length workloads one after another on
+one engine, started and warmed up once (one record each, with its ``shape``), in place of
+``--num-prompts``, ``--input-len`` and ``--output-len``: TensorRT-LLM's table of shapes in
+one process (``scripts/gpu_bench_trtllm.sh``).
+
+    pagedllm bench throughput --model llama-3.1-8b --load-format dummy \\
+        --shapes 128/128x30000,2048/128x3000 --quantization fp8 --kv-cache-dtype fp8
+
 With speculative decoding flags the speculative engine runs the workload, then the same
 engine without speculation runs it again; the speculative record adds the acceptance,
 the tokens a decode step yields, the step costs and the measured speedup (see
@@ -72,6 +80,24 @@ def parse_backends(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"128/128x30000,2048/128x3000"`` -> ``[(128, 128, 30000), (2048, 128, 3000)]``:
+    prompt tokens, output tokens and requests of each workload."""
+    shapes = []
+    for item in text.split(","):
+        lengths, _, count = item.strip().partition("x")
+        prompt_len, _, output_len = lengths.partition("/")
+        try:
+            shape = (int(prompt_len), int(output_len), int(count))
+        except ValueError:
+            shape = (0, 0, 0)
+        if min(shape) < 1:
+            raise ValueError(f"--shapes takes 'IN/OUTxREQUESTS' items, comma-separated "
+                             f"(e.g. 128/128x30000,2048/128x3000), got {item!r}.")
+        shapes.append(shape)
+    return shapes
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", type=parse_backends, default="pagedllm",
                         help="pagedllm | hf | hf-cb, or a comma-separated list run side by side.")
@@ -82,6 +108,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=parse_range, default=None,
                         help="Output length in tokens, 'LOW:HIGH' (uniform) or one number "
                              "(default: 100:1024, scaled down to fit a shorter context).")
+    parser.add_argument("--shapes", type=parse_shapes, default=None,
+                        help="Several fixed-length workloads, run in turn on one engine (one "
+                             "record each), in place of --num-prompts, --input-len and "
+                             "--output-len: 'IN/OUTxREQUESTS,...', e.g. 128/128x30000,2048/128x3000.")
     parser.add_argument("--prefix-len", type=int, default=0,
                         help="Tokens of a random prefix shared by every prompt, ahead of its own "
                              "--input-len tokens; the report adds prompt tokens computed against "
@@ -128,6 +158,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     backends = args.backend if isinstance(args.backend, list) else parse_backends(args.backend)
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()
+    if args.shapes:
+        return _run_shapes(args, backends, engine_args, config)
     model_config = config.model_config
     args.input_len, args.output_len, note = fit_lengths(
         args.input_len, args.output_len, model_config.max_model_len)
@@ -188,14 +220,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             full = _run_pagedllm(llm, requests, args, step_timing=args.step_timing,
                                  constrained=True)
             full["constrained_ratio"] = round(full["output_tok_s"] / records[-1]["output_tok_s"], 3)
-        if args.profile_prefill_steps > 0:
-            full["prefill_profile"] = _profile_steps(
-                llm, requests, args, args.profile_prefill_steps, after_prompts=False)
-        if args.profile_decode_steps > 0:
-            full["decode_profile"] = _profile_steps(
-                llm, requests, args, args.profile_decode_steps, after_prompts=True)
-        if args.profile_run:
-            full["run_profile"] = _profile_run(llm, requests, args)
+        _add_profiles(llm, requests, args, full)
         keep(full)
         del llm
         gc.collect()
@@ -209,6 +234,54 @@ def run(args: argparse.Namespace) -> list[dict]:
                       f"{r.get('ratio_vs_hf_cb', '-')}x HF continuous batching")
     _write(args.output_json, records)
     return records
+
+
+def _run_shapes(args: argparse.Namespace, backends: list[str], engine_args: EngineArgs,
+                config) -> list[dict]:
+    """``--shapes``: each fixed-length workload in turn on one engine; one record each."""
+    if backends != ["pagedllm"] or is_speculative(engine_args) or args.prefix_len \
+            or args.structured_output != "none":
+        raise ValueError("--shapes runs pagedllm alone: without --backend peers, speculative "
+                         "decoding, --prefix-len or --structured-output.")
+    model_config = config.model_config
+    for prompt_len, output_len, _ in args.shapes:  # all refused before the engine starts
+        fit_lengths((prompt_len, prompt_len), (output_len, output_len), model_config.max_model_len)
+    from pagedllm import LLM
+
+    llm = LLM(**vars(engine_args))
+    _warm_up(llm)
+    records: list[dict] = []
+    print(_header(), flush=True)
+    for prompt_len, output_len, count in args.shapes:
+        shape = argparse.Namespace(**{**vars(args), "num_prompts": count,
+                                      "input_len": (prompt_len, prompt_len),
+                                      "output_len": (output_len, output_len)})
+        requests = synthetic_requests(count, shape.input_len, shape.output_len,
+                                      model_config.vocab_size, args.seed)
+        record = _run_pagedllm(llm, requests, shape, step_timing=args.step_timing)
+        _add_profiles(llm, requests, shape, record)
+        records.append(result_record(
+            workload="throughput", model=model_config.path.name, device=config.device,
+            workload_args=_workload_args(shape), shape=f"{prompt_len}/{output_len}",
+            **parallel_sizes(config), **record))
+        print(_row(records[-1]), flush=True)
+        _write(args.output_json, records)
+    del llm
+    gc.collect()
+    return records
+
+
+def _add_profiles(llm, requests: list[SyntheticRequest], args: argparse.Namespace,
+                  record: dict) -> None:
+    """The profiles asked for, each of the workload submitted again, into ``record``."""
+    if args.profile_prefill_steps > 0:
+        record["prefill_profile"] = _profile_steps(
+            llm, requests, args, args.profile_prefill_steps, after_prompts=False)
+    if args.profile_decode_steps > 0:
+        record["decode_profile"] = _profile_steps(
+            llm, requests, args, args.profile_decode_steps, after_prompts=True)
+    if args.profile_run:
+        record["run_profile"] = _profile_run(llm, requests, args)
 
 
 def fit_lengths(input_len: tuple[int, int] | None, output_len: tuple[int, int] | None,
@@ -442,6 +515,8 @@ def _row(r: dict) -> str:
     if "error" in r:
         return f"{r['backend']:>9} {r['num_prompts']:>9} {'-':>11} {'-':>10} {'-':>13}  {r['error']}"
     note = "stopped at the time limit" if r.get("truncated") else ""
+    if "shape" in r:
+        note = f"shape {r['shape']} (prompt/output tokens)"
     if "prefix_cache_hit_rate" in r:
         note = (f"prompt tokens computed {r['prompt_tokens_computed']} of "
                 f"{r['prompt_tokens']} sent; prefix-cache hit rate "

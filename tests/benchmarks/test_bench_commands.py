@@ -75,6 +75,32 @@ def test_throughput_profiles_prompt_and_decode_steps_after_the_measured_run(
     assert "aten::" in record["prefill_profile"]
 
 
+def test_shapes_run_fixed_length_workloads_on_one_engine_one_record_each(
+    checkpoint, tmp_path
+) -> None:
+    out = tmp_path / "shapes.json"
+    args = _args(throughput, ["--model", str(checkpoint), "--load-format", "dummy",
+                              "--shapes", "4/6x3,9/2x2", "--max-model-len", "32",
+                              "--num-kv-blocks", "64", "--block-size", "8",
+                              "--output-json", str(out)])
+    throughput.run(args)
+    records = json.loads(out.read_text())
+    assert [(r["shape"], r["num_prompts"], r["prompt_tokens"], r["output_tokens"])
+            for r in records] == [("4/6", 3, 12, 18), ("9/2", 2, 18, 4)]
+    assert records[1]["workload_args"]["input_len"] == [9, 9]
+    assert not records[0]["workload_args"]["detokenize"]  # nothing reads the text
+    with pytest.raises(ValueError, match="--output-len 30 does not fit"):
+        throughput.run(_args(throughput, ["--model", str(checkpoint), "--load-format", "dummy",
+                                          "--shapes", "4/6x3,9/30x2", "--max-model-len", "32"]))
+    with pytest.raises(ValueError, match="pagedllm alone"):
+        throughput.run(_args(throughput, ["--model", str(checkpoint), "--shapes", "4/6x3",
+                                          "--backend", "hf,pagedllm"]))
+    assert throughput.parse_shapes("128/128x30000, 2048/128x3000") == [
+        (128, 128, 30000), (2048, 128, 3000)]
+    with pytest.raises(ValueError, match="IN/OUTxREQUESTS"):
+        throughput.parse_shapes("128x30000")
+
+
 def test_unknown_backend_is_refused_naming_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="pagedllm, hf, hf-cb"):
         throughput.parse_backends("hf,vllm")
