@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 # Targets on the H200 (BENCHMARKS.md): (field, direction, value).
@@ -253,10 +254,23 @@ def main() -> int:
         print(f"{workload:>8} {r['model']:>14} {cell('output_tok_s'):>13} "
               f"{cell('ratio_vs_hf_static'):>12} {cell('ratio_vs_hf_cb'):>8} "
               f"{cell('ms_per_token'):>9} {cell('prompt_tok_s'):>13}  {verdict}")
-    steps = args.dir / "steps.txt"
+    print_steps(args.dir)
+    return 0
+
+
+def dispatch(commands: dict, usage: str) -> int:
+    """``script.py COMMAND ARGS...``: run ``commands[COMMAND](ARGS)``, or print ``usage``."""
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print(usage)
+        return 2
+    return commands[sys.argv[1]](sys.argv[2:])
+
+
+def print_steps(directory: Path) -> None:
+    """The run's ``steps.txt`` on one line: each step's name, exit code and seconds."""
+    steps = directory / "steps.txt"
     if steps.is_file():
         print("steps (name, exit code, seconds): " + "; ".join(steps.read_text().split("\n")).strip("; "))
-    return 0
 
 
 if __name__ == "__main__":

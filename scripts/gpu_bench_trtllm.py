@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench_report import _commit, _gpu  # noqa: E402 - the report's helpers, one place
+from gpu_bench_report import _commit, _gpu, dispatch, print_steps  # noqa: E402 - one place
 
 # TensorRT-LLM's performance overview, PyTorch backend, Llama-3.1-8B FP8 on one H200,
 # max throughput: shape (prompt/output tokens) -> (requests, output tokens per second).
@@ -119,7 +119,8 @@ def collect(directory: Path, dtypes: list[str], scale: float, dry: bool, meta: d
             if dry:
                 record[dtype]["shape_run"] = row["shape"]
         if "fp8" in ours and "bf16" in ours:
-            record["fp8_vs_bf16"] = round(ours["fp8"]["output_tok_s"] / ours["bf16"]["output_tok_s"], 3)
+            fp8, bf16 = ours["fp8"]["output_tok_s"], ours["bf16"]["output_tok_s"]
+            record["fp8_vs_bf16"] = round(fp8 / bf16, 3)
         records.append(record)
     return records
 
@@ -172,20 +173,9 @@ def report(argv: list[str]) -> int:
     print(f"TRT-LLM ran {', '.join(f'{s} x {TRTLLM[s][0]:,}' for s in TRTLLM)} requests "
           "(FP8 weights and cache, its PyTorch backend); target: at least 1.0x on every shape"
           + (" (a dry run judges nothing)" if dry else ""))
-    steps = args.dir / "steps.txt"
-    if steps.is_file():
-        print("steps (name, exit code, seconds): "
-              + "; ".join(steps.read_text().split("\n")).strip("; "))
+    print_steps(args.dir)
     return 0
 
 
-def main() -> int:
-    commands = {"plan": plan, "report": report}
-    if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        print(__doc__)
-        return 2
-    return commands[sys.argv[1]](sys.argv[2:])
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(dispatch({"plan": plan, "report": report}, __doc__))

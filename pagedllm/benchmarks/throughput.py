@@ -111,7 +111,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="Several fixed-length workloads, run in turn on one engine (one "
                              "record each), in place of --num-prompts, --input-len and "
-                             "--output-len: 'IN/OUTxREQUESTS,...', e.g. 128/128x30000,2048/128x3000.")
+                             "--output-len: 'IN/OUTxREQUESTS,...', e.g. "
+                             "128/128x30000,2048/128x3000.")
     parser.add_argument("--prefix-len", type=int, default=0,
                         help="Tokens of a random prefix shared by every prompt, ahead of its own "
                              "--input-len tokens; the report adds prompt tokens computed against "

@@ -11,7 +11,8 @@ PROMPT = [5, 6, 7]
 
 def _step(processor: OutputProcessor, tokens: dict[str, int], finished: bool = False):
     outputs, to_abort = processor.process_outputs([
-        EngineCoreOutput(request_id=rid, new_token_ids=[t], finish_reason="length" if finished else None)
+        EngineCoreOutput(request_id=rid, new_token_ids=[t],
+                         finish_reason="length" if finished else None)
         for rid, t in tokens.items()])
     assert to_abort == []
     return outputs
@@ -25,7 +26,8 @@ def test_a_final_request_gives_one_output_once_every_sequence_has_ended(tokenize
     [output] = _step(processor, {"1_r": 43}, finished=True)
     assert output.finished and not processor.has_unfinished_requests()
     assert [c.token_ids for c in output.outputs] == [[40, 42], [41, 43]]
-    assert [c.text for c in output.outputs] == [tokenizer.decode([40, 42]), tokenizer.decode([41, 43])]
+    assert [c.text for c in output.outputs] == [tokenizer.decode([40, 42]),
+                                                tokenizer.decode([41, 43])]
 
 
 def test_streamed_token_ids_without_text_when_detokenize_is_off(tokenizer) -> None:
