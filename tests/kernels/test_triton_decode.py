@@ -277,7 +277,7 @@ def test_split_count_and_batch_size_compile_no_new_variant(monkeypatch) -> None:
         tables = step.metadata.block_tables  # padded to 16 blocks, as a real step's
         step.metadata = dataclasses.replace(step.metadata, block_tables=torch.nn.functional.pad(
             tables, (0, -tables.shape[1] % 16)))
-        for num_splits in (1, 2, 3, 4, 5, 7, 8, 16, 17, 32, 48, 64):
+        for num_splits in (1, 2, 3, 16, 17, 64):  # powers of two and not, low and high
             _run(step, num_splits=num_splits, block_n=16, max_seq_len=4096)
             (one_pass if num_splits == 1 else split).add(keys.keys.pop())
     assert len(one_pass) == 1 and len(split) == 1 and one_pass != split

@@ -1,5 +1,5 @@
 """``pagedllm serve --tensor-parallel-size 2``: the OpenAI client gets the same greedy text
-as from one rank; a rank that dies fails the in-flight request, turns /health red and
+as the offline engine on one rank; a rank that dies fails the in-flight request, turns /health red and
 makes the server exit non-zero, within seconds."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.server.conftest import MODEL_NAME, RemoteServer, wait_for
+from pagedllm import LLM, SamplingParams
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, RemoteServer, wait_for
 from tests.server.test_engine_failure import engine_core_pid
 
 
@@ -25,15 +26,13 @@ def rank_pids(core_pid: int) -> list[int]:
 
 def test_tp2_server_answers_then_fails_loudly_when_a_rank_dies(server_model_dir, tmp_path):
     request = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=0)
-    one = RemoteServer(server_model_dir, tmp_path / "tp1.log")
-    try:
-        want = openai.OpenAI(base_url=one.api_url, api_key="x").completions.create(**request)
-    finally:
-        one.stop()
+    one = LLM(str(server_model_dir), max_model_len=MAX_MODEL_LEN)
+    want = one.generate(request["prompt"], SamplingParams(max_tokens=12, temperature=0),
+                        use_tqdm=False)[0].outputs[0].text
     remote = RemoteServer(server_model_dir, tmp_path / "tp2.log", "--tensor-parallel-size", "2")
     try:
         client = openai.OpenAI(base_url=remote.api_url, api_key="x")
-        assert client.completions.create(**request).choices[0].text == want.choices[0].text
+        assert client.completions.create(**request).choices[0].text == want
         result = {}
 
         def long_request() -> None:

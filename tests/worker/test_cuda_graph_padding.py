@@ -109,8 +109,8 @@ def triton_llm_factory(monkeypatch, tmp_path):
 def test_padded_decode_forward_gives_the_eager_greedy_tokens(triton_llm_factory) -> None:
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 120 + 4 for j in range(3 + 4 * i)]}
                for i in range(5)]
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True)
-              for i in range(5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True)
+              for i in range(5)]  # decode batches of 5, 4, 3, 2, 1
     eager = triton_llm_factory()
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 
@@ -138,7 +138,7 @@ def test_padded_prompt_forward_gives_the_eager_greedy_tokens(triton_llm_factory,
     shared = [(5 * j) % 120 + 4 for j in range(24)]  # 3 blocks of 8: cached after the first
     prompts = [[(7 * j) % 120 + 4 for j in range(3)], shared + [9, 10],
                shared + [(11 * j) % 120 + 4 for j in range(17)], list(range(4, 44))]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     overrides = {} if chunk is None else dict(max_num_batched_tokens=chunk)
 
     def run(llm: LLM) -> list[list[int]]:
