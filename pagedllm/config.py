@@ -457,6 +457,9 @@ class ParallelConfig:
                              f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {backend!r}.")
         if backend is None and self.world_size > 1:
             self.distributed_executor_backend = "mp"
+        if self.ray_address is not None and self.distributed_executor_backend != "ray":
+            raise ValueError("--ray-address names a Ray cluster for --distributed-executor-backend "
+                             "ray: add that flag, or drop --ray-address.")
 
     @property
     def world_size(self) -> int:

@@ -47,7 +47,7 @@ class WorkerError(RuntimeError):
 def make_model_runner(config: EngineConfig):
     """The ``ModelRunner`` (one rank) or the executor of the configured backend."""
     parallel = config.parallel_config
-    if parallel.world_size == 1:
+    if parallel.world_size == 1 and parallel.distributed_executor_backend != "ray":
         from pagedllm.worker.model_runner import ModelRunner
 
         return ModelRunner(config)
@@ -166,7 +166,7 @@ class MultiprocExecutor:
 
         grammars = self._grammars
         if method == "bitmask":
-            answer = np.ascontiguousarray(getattr(grammars, "bitmask", grammars)(*args, allocate))
+            answer = np.ascontiguousarray(grammars.bitmask(*args, allocate))
         elif method == "check":
             answer = grammars.check(*args, allocate)
         else:

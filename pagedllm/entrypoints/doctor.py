@@ -41,7 +41,7 @@ from pagedllm.config import FP8_MIN_CAPABILITY, normalize_kv_cache_dtype
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 from pagedllm.distributed.checks import MIN_SHM_BYTES as SHM_MIN_BYTES
-from pagedllm.distributed.checks import SHM_PATH, shm_problem
+from pagedllm.distributed.checks import SHM_PATH, shm_problem, shm_size
 BF16_MIN_CAPABILITY = (8, 0)
 _GIB = 1 << 30
 
@@ -300,15 +300,14 @@ def check_chat_template(args: argparse.Namespace, model_dir: Path | None) -> lis
 
 def check_shm(args: argparse.Namespace, path: str = SHM_PATH) -> Check:
     tp = getattr(args, "tensor_parallel_size", 1) or 1
-    try:
-        stat = os.statvfs(path)
-    except OSError:
+    size = shm_size(path)
+    if size is None:
         return Check("shm", WARN, f"{path} does not exist: PyTorch shares tensors between "
                      "processes through it", "mount a tmpfs on /dev/shm (--ipc=host in Docker)")
-    size = stat.f_blocks * stat.f_frsize
     detail = f"{path} is {size / _GIB:.2f} GiB"
-    if tp > 1 and shm_problem(size, tp):
-        return Check("shm", FAIL, shm_problem(size, tp), "run the container with --ipc=host or "
+    problem = shm_problem(size, tp) if tp > 1 else None
+    if problem is not None:
+        return Check("shm", FAIL, problem, "run the container with --ipc=host or "
                      "--shm-size=16g (Kubernetes: a memory-backed emptyDir on /dev/shm)")
     if size < SHM_MIN_BYTES:
         return Check("shm", WARN, detail + ", under 1 GiB: a process that runs out of it dies "

@@ -334,7 +334,7 @@ class FusedLinear(Linear):
     def __init__(self, input_size: int, shard_sizes: dict[str, int], bias: bool = False,
                  parallel: str | None = None, units: dict[str, int] | None = None) -> None:
         tp = get_tp()
-        self_checkpoint_sizes = dict(shard_sizes)
+        checkpoint_sizes = dict(shard_sizes)
         parts: dict[str, tuple[int, int, int]] = {}
         if parallel == "column" and tp.size > 1:
             units = units or {}
@@ -349,7 +349,7 @@ class FusedLinear(Linear):
         self._shard_parts = parts
         self.shard_sizes = dict(shard_sizes)
         # The shards' rows in the checkpoint (all ranks'); shard_sizes are this rank's.
-        self.checkpoint_shard_sizes = self_checkpoint_sizes
+        self.checkpoint_shard_sizes = checkpoint_sizes
         self.shard_offsets: dict[str, int] = {}
         offset = 0
         for name, size in self.shard_sizes.items():

@@ -109,6 +109,8 @@ def test_sizes_that_do_not_fit_the_model_are_refused_before_any_rank_starts(tmp_
         LLM(str(path), pipeline_parallel_size=3)
     with pytest.raises(ValueError, match="drop --no-async-scheduling"):
         LLM(str(path), pipeline_parallel_size=2, async_scheduling=False)
+    with pytest.raises(ValueError, match="--ray-address names a Ray cluster"):
+        LLM(str(path), tensor_parallel_size=2, ray_address="10.0.0.1:6379")
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
