@@ -35,6 +35,11 @@
 #            (qwen3-30b-a3b): the report sets Mixtral's W1 beside llama-3.1-8b's of the same
 #            run (target: at least 0.6x); and scripts/bench_fused_moe.py: the grouped MoE
 #            GEMM against the loop over experts at both models' expert shapes
+#   serve    the HTTP path beside the offline engine on both models (scripts/gpu_bench_serve.py):
+#            bench throughput, then pagedllm serve and bench serve (streaming, all at once)
+#            on the same $SERVE_ARGS workload (1,000 requests of 1,024 prompt and 128 output
+#            tokens); target HTTP >= 0.97x offline; the CPU seconds of the API process, the
+#            engine core and the client, and (py-spy on PATH) the API process's profile
 #   ab       for each setting in $GPU_BENCH_AB (space-separated VAR=value, e.g.
 #            "PAGEDLLM_DECODE_LONGEST_FIRST=0 PAGEDLLM_DECODE_TILE=32,2,2"), L1 and W1 on llama-3.1-8b with
 #            the setting, beside the same commands without it, into $OUT/ab.txt
@@ -58,7 +63,8 @@ if [ "$DRY" = "1" ]; then
     HF_PROMPTS=4 HF_LIMIT_S=30
     LAT_ARGS=(--input-len 16 --output-len 8 --prefill-len 64 --num-iters 2 --num-iters-warmup 1)
     LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120 LIMIT_SYNC=300
-    LIMIT_AB=300 LIMIT_STRUCTURED=300 LIMIT_FP8_KERNELS=0
+    LIMIT_AB=300 LIMIT_STRUCTURED=300 LIMIT_FP8_KERNELS=0 LIMIT_SERVE=300
+    SERVE_ARGS=(--num-prompts 8 --input-len 16 --output-len 8)
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b MOE=mixtral-8x7b MOE_SMALL=qwen3-30b-a3b
     read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine}"
@@ -69,11 +75,12 @@ else
     LIMIT_TESTS=${LIMIT_TESTS:-80} LIMIT_KERNELS=40 LIMIT_W1=${LIMIT_W1:-220}
     LIMIT_LAT=${LIMIT_LAT:-60} LIMIT_SMALL=50
     LIMIT_FP8_KERNELS=${LIMIT_FP8_KERNELS:-150}
-    LIMIT_AB=${LIMIT_AB:-200} LIMIT_STRUCTURED=${LIMIT_STRUCTURED:-240}
+    LIMIT_AB=${LIMIT_AB:-200} LIMIT_STRUCTURED=${LIMIT_STRUCTURED:-240} LIMIT_SERVE=${LIMIT_SERVE:-300}
+    SERVE_ARGS=(--num-prompts 1000 --input-len 1024 --output-len 128 --py-spy-seconds 15)
 fi
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
-STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync fp8 w4a16 moe structured ab}
+STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync fp8 w4a16 moe structured serve ab}
 read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
 
 {
@@ -145,6 +152,12 @@ for model in "$BIG" "$SMALL"; do
     step structured "$LIMIT_STRUCTURED" $PY -m pagedllm.benchmarks.throughput --model "$model" \
         --load-format dummy "${W1_ARGS[@]}" "${tokenizer[@]}" --structured-output json --step-timing \
         --output-json "$OUT/structured-w1-$model.json"
+done
+
+for model in "$BIG" "$SMALL"; do
+    step serve "$LIMIT_SERVE" $PY scripts/gpu_bench_serve.py --model "$model" "${SERVE_ARGS[@]}" \
+        --out "$OUT"
+    [ "$BIG" != "$SMALL" ] || break
 done
 
 # ab_run LABEL DIR [VAR=value ...]: L1 and W1 of the package in DIR, with the settings,

@@ -186,6 +186,20 @@ def _moe(directory: Path, model: str, small: str, meta: dict, dense_w1: dict) ->
     return records
 
 
+def _serve(directory: Path, models: tuple[str, ...], meta: dict) -> list[dict]:
+    """The serve step's records (scripts/gpu_bench_serve.py), without the nested bench
+    records and profile (they stay in serve-<model>.json)."""
+    records = []
+    for model in models:
+        for row in _load(directory / f"serve-{model}.json") or []:
+            summary = {k: v for k, v in row.items() if k not in ("offline", "http", "profiles")}
+            records.append({**_base("serve", model, meta), **summary,
+                            "output_tok_s": row["http_output_tok_s"],
+                            "target": f"http_vs_offline >= {row['target']}",
+                            "target_met": row["met"]})
+    return records
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, required=True)
@@ -231,6 +245,8 @@ def main() -> int:
     records += _w4a16(args.dir, args.big, meta,
                       {"W1": records[0], "L1": records[1], "P1": records[2]})
     records += _moe(args.dir, args.moe, args.moe_small, meta, records[0])
+    served = _serve(args.dir, (args.big, args.small), meta)
+    records += served
     name = f"{args.date}-{'dry' if dry else 'h200'}.json"
     (args.dir / name).write_text(json.dumps(records, indent=2) + "\n")
 
@@ -254,6 +270,11 @@ def main() -> int:
         print(f"{workload:>8} {r['model']:>14} {cell('output_tok_s'):>13} "
               f"{cell('ratio_vs_hf_static'):>12} {cell('ratio_vs_hf_cb'):>8} "
               f"{cell('ms_per_token'):>9} {cell('prompt_tok_s'):>13}  {verdict}")
+    if served:
+        from gpu_bench_serve import table
+
+        print("\nHTTP (bench serve) beside offline (bench throughput), same workload:")
+        print(table(served))
     print_steps(args.dir)
     return 0
 

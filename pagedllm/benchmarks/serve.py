@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import math
 import random
 import time
@@ -82,6 +81,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None, help="Write the result record here.")
 
 
+_JSON = {"Content-Type": "application/json"}
+
+
 @dataclass
 class RequestResult:
     ok: bool
@@ -104,45 +106,45 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--vocab-size must be >= 1, got {args.vocab_size}.")
 
 
-def _httpx():
+def _aiohttp():
     try:
-        import httpx
+        import aiohttp
     except ImportError:
-        raise ValueError("pagedllm bench serve needs httpx: pip install 'pagedllm[bench]'.") from None
-    return httpx
+        raise ValueError("pagedllm bench serve needs aiohttp: pip install 'pagedllm[bench]'.") from None
+    return aiohttp
 
 
 async def _token_pool(client, base_url: str, model: str, seed: int) -> list[int]:
     """Distinct token ids the server's tokenizer produces for ordinary text."""
     rng = random.Random(seed)
     text = " ".join(rng.choice(_WORDS) for _ in range(2000))
-    response = await client.post(f"{base_url}/tokenize", json={
-        "model": model, "prompt": text, "add_special_tokens": False})
-    if response.status_code == 400:
-        raise ValueError(f"The server cannot tokenize ({response.json()['error']['message']}): "
-                         "pass --vocab-size N, the model's vocabulary size.")
-    response.raise_for_status()
-    pool = sorted(set(response.json()["tokens"]))
+    async with client.post(f"{base_url}/tokenize", json={
+            "model": model, "prompt": text, "add_special_tokens": False}) as response:
+        if response.status == 400:
+            raise ValueError(f"The server cannot tokenize ({(await response.json())['error']['message']}): "
+                             "pass --vocab-size N, the model's vocabulary size.")
+        response.raise_for_status()
+        pool = sorted(set((await response.json())["tokens"]))
     if not pool:
         raise ValueError("The server's /tokenize returned no tokens; cannot build prompts.")
     return pool
 
 
-async def _one_request(client, url: str, payload: dict, prompt_len: int) -> RequestResult:
+async def _one_request(client, url: str, body: bytes, prompt_len: int) -> RequestResult:
     result = RequestResult(ok=False, prompt_len=prompt_len)
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", url, json=payload) as response:
-            if response.status_code != 200:
-                body = await response.aread()
-                result.error = f"HTTP {response.status_code}: {body[:200]!r}"
+        async with client.post(url, data=body, headers=_JSON) as response:
+            if response.status != 200:
+                body = await response.read()
+                result.error = f"HTTP {response.status}: {body[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
+            async for line in response.content:  # one line each, C-parsed
+                if not line.startswith(b"data: "):
                     continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
+                data = line[len(b"data: "):].rstrip()
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -176,15 +178,15 @@ def _stats(values: list[float], scale: float = 1000.0) -> dict:
 
 
 async def benchmark(args: argparse.Namespace) -> dict:
-    httpx = _httpx()
+    aiohttp = _aiohttp()
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits,
-                                 headers=headers) as client:
-        models = await client.get(f"{base_url}/v1/models")
-        models.raise_for_status()
-        model = args.model or models.json()["data"][0]["id"]
+    connector = aiohttp.TCPConnector(limit=0)  # no cap on connections
+    async with aiohttp.ClientSession(connector=connector, headers=headers, read_bufsize=2**20,
+                                     timeout=aiohttp.ClientTimeout(total=None, connect=30.0)) as client:
+        async with client.get(f"{base_url}/v1/models") as models:
+            models.raise_for_status()
+            model = args.model or (await models.json())["data"][0]["id"]
         if args.vocab_size is not None:
             pool = list(range(args.vocab_size))
         else:
@@ -199,7 +201,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
                          rng.randint(*args.output_len)))
         url = f"{base_url}/v1/completions"
 
-        def payload(prompt: list[int], output_len: int, index: int = 0) -> dict:
+        def payload(prompt: list[int], output_len: int, index: int = 0) -> bytes:
             body = {"model": model, "prompt": prompt, "max_tokens": output_len,
                     "temperature": args.temperature, "ignore_eos": args.ignore_eos,
                     "stream": True, "stream_options": {"include_usage": True}}
@@ -207,7 +209,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
                 name, schema = schemas[index % len(schemas)]
                 body["response_format"] = {"type": "json_schema",
                                            "json_schema": {"name": name, "schema": schema}}
-            return body
+            return json.dumps(body).encode()
 
         schemas = list(SCHEMAS.items())
         warmup = await _one_request(client, url, payload(work[0][0], 4), len(work[0][0]))
@@ -216,19 +218,23 @@ async def benchmark(args: argparse.Namespace) -> dict:
 
         semaphore = asyncio.Semaphore(args.max_concurrency or len(work))
 
-        async def limited(prompt: list[int], output_len: int, index: int) -> RequestResult:
+        # Bodies are encoded before the clock starts: the run times the server, not json.
+        bodies = [payload(prompt, output_len, index)
+                  for index, (prompt, output_len) in enumerate(work)]
+
+        async def limited(body: bytes, prompt_len: int) -> RequestResult:
             async with semaphore:
-                return await _one_request(client, url, payload(prompt, output_len, index),
-                                          len(prompt))
+                return await _one_request(client, url, body, prompt_len)
 
         print(f"Model {model}: {args.num_prompts} requests, request rate {args.request_rate}, "
               f"max concurrency {args.max_concurrency or 'unlimited'}")
         arrivals = random.Random(args.seed + 1)
         tasks = []
         cache_before = await _prefix_cache_counters(client, base_url)
+        start_time = time.time()
         start = time.perf_counter()
-        for index, (prompt, output_len) in enumerate(work):
-            tasks.append(asyncio.create_task(limited(prompt, output_len, index)))
+        for body, (prompt, _) in zip(bodies, work):
+            tasks.append(asyncio.create_task(limited(body, len(prompt))))
             if math.isfinite(args.request_rate):
                 await asyncio.sleep(arrivals.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
@@ -237,21 +243,22 @@ async def benchmark(args: argparse.Namespace) -> dict:
     cache = None
     if cache_before is not None and cache_after is not None:
         cache = tuple(after - before for before, after in zip(cache_before, cache_after))
-    return summarize(args, model, results, duration, cache)
+    return summarize(args, model, results, duration, cache, start_time)
 
 
 async def _prefix_cache_counters(client, base_url: str) -> tuple[float, float] | None:
     """pagedllm's (prefix-cache queries, hits) totals from ``/metrics``; None when the
     server does not export them."""
     try:
-        response = await client.get(f"{base_url}/metrics")
+        async with client.get(f"{base_url}/metrics") as response:
+            if response.status != 200:
+                return None
+            text = await response.text()
     except Exception:  # noqa: BLE001 - a server without /metrics
-        return None
-    if response.status_code != 200:
         return None
     totals = {"pagedllm:prefix_cache_queries_total": 0.0, "pagedllm:prefix_cache_hits_total": 0.0}
     found = set()
-    for line in response.text.splitlines():
+    for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in totals:
             totals[name] += float(line.rsplit(" ", 1)[1])
@@ -262,8 +269,9 @@ async def _prefix_cache_counters(client, base_url: str) -> tuple[float, float] |
 
 
 def summarize(args: argparse.Namespace, model: str, results: list[RequestResult], duration: float,
-              cache: tuple[float, float] | None = None) -> dict:
-    """The record of a run; ``cache``: the server's prefix-cache (queries, hits) during it."""
+              cache: tuple[float, float] | None = None, start_time: float | None = None) -> dict:
+    """The record of a run; ``cache``: the server's prefix-cache (queries, hits) during it;
+    ``start_time``: when the first request was sent (Unix seconds)."""
     ok = [r for r in results if r.ok]
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
@@ -275,7 +283,7 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
         input_len=list(args.input_len), output_len=list(args.output_len),
         request_rate=None if math.isinf(args.request_rate) else args.request_rate,
         max_concurrency=args.max_concurrency, structured_output=args.structured_output,
-        duration_s=duration,
+        duration_s=duration, start_time=start_time,
         completed=len(ok), failed=len(failures), first_errors=failures[:3],
         total_input_tokens=input_tokens, total_output_tokens=output_tokens,
         request_throughput=round(len(ok) / duration, 3),
@@ -322,7 +330,6 @@ def _print(record: dict) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     _check_args(args)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     record = asyncio.run(benchmark(args))
     _print(record)
     write_json(args.output_json, record)

@@ -30,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -79,11 +80,15 @@ class RequestStream:
         self.request_id = request_id
         self.n = n
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._waiter: asyncio.Future | None = None  # set while the consumer waits
         self.finished = False
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -91,13 +96,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
-            following = self._queue.get_nowait()
-            if isinstance(following, BaseException):
-                self._queue.put_nowait(following)  # raised on the next call
-                break
-            item = _merge_deltas(item, following)
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        item = self._items.popleft()
+        while (not isinstance(item, BaseException) and not item.finished and self._items
+               and not isinstance(self._items[0], BaseException)):  # an error: the next call
+            item = _merge_deltas(item, self._items.popleft())
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -284,14 +289,17 @@ class AsyncEngine:
                 if to_abort:
                     self._client.abort_requests(to_abort)
                 now = time.monotonic()
+                new_tokens = 0
                 for output in outputs:
                     stream = self._streams.get(output.request_id)
                     if stream is None:
                         continue
-                    self._record(output, now)
+                    new_tokens += self._record(output, now)
                     stream._put(output)
                     if output.finished:
                         self._drop(output.request_id)
+                if new_tokens and self.metrics is not None:
+                    self.metrics.on_new_tokens(new_tokens)
                 if result.stats is not None:
                     self._num_running = result.stats.num_running
                 if self.metrics is not None:
@@ -304,10 +312,12 @@ class AsyncEngine:
             logger.exception("The output loop failed")
             self._fail_all(EngineDeadError(f"The engine's output loop failed: {exc!r}"))
 
-    def _record(self, output: RequestOutput, now: float) -> None:
+    def _record(self, output: RequestOutput, now: float) -> int:
+        """Update the request's timing and metrics; returns its new tokens (the caller
+        counts them once per step)."""
         timing = self._timings.get(output.request_id)
         if timing is None or self.metrics is None:
-            return
+            return 0
         new_tokens = 0
         for completion in output.outputs:
             new_tokens += len(completion.token_ids)
@@ -318,13 +328,13 @@ class AsyncEngine:
         if new_tokens and timing.first_token_time is None:
             timing.first_token_time = now
             self.metrics.on_first_token(timing.num_prompt_tokens, now - timing.arrival_time)
-        self.metrics.on_new_tokens(new_tokens)
         if output.finished:
             longest = max(timing.tokens_per_sequence)
             tpot = None
             if timing.first_token_time is not None and longest > 1:
                 tpot = (now - timing.first_token_time) / (longest - 1)
             self.metrics.on_request_finished(now - timing.arrival_time, tpot)
+        return new_tokens
 
     def _fail_all(self, error: EngineDeadError) -> None:
         logger.error("%s", error)

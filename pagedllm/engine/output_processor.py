@@ -75,10 +75,11 @@ class _RequestState:
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     decode: bool = True  # text and decoded logprob tokens (a tokenizer and detokenize=True)
+    num_finished: int = 0  # sequences whose finish_reason is set
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences)
+        return self.num_finished == len(self.sequences)
 
 
 class OutputProcessor:
@@ -179,6 +180,7 @@ class OutputProcessor:
             if self._update_sequence(seq, out, state.decode):
                 to_abort.append(out.request_id)
             if seq.finish_reason is not None:
+                state.num_finished += 1
                 self._children.pop(out.request_id, None)
             # A "final" request has nothing to hand out until one of its sequences ends.
             if state.output_kind != "final" or seq.finish_reason is not None:

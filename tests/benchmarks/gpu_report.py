@@ -3,6 +3,7 @@ for the tests of the report's steps."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -28,3 +29,11 @@ def run_report(directory: Path, *args: str, dry: bool = False) -> tuple[list[dic
         check=True, capture_output=True, text=True, env={"PAGEDLLM_COMMIT": "abc"})
     name = f"{DATE}-{'dry' if dry else 'h200'}.json"
     return json.loads((directory / name).read_text()), result.stdout
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module, for tests of its functions."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

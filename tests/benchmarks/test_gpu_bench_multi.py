@@ -5,7 +5,6 @@ their parallel layout."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,16 +13,11 @@ from pathlib import Path
 import pytest
 
 from pagedllm.benchmarks import throughput
+from tests.benchmarks.gpu_report import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = REPO / "scripts" / "gpu_bench_multi.py"
 
-
-def _helper():
-    spec = importlib.util.spec_from_file_location("gpu_bench_multi", HELPER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run(tp: int, sequences: list[tuple[list[int], list[dict[int, float]]]]) -> dict:
@@ -36,7 +30,7 @@ def _run(tp: int, sequences: list[tuple[list[int], list[dict[int, float]]]]) -> 
 
 
 def test_divergences_pass_only_as_near_ties_and_never_when_exact() -> None:
-    compare_runs = _helper().compare_runs
+    compare_runs = load_script("gpu_bench_multi").compare_runs
     same = ([3, 4], [{3: -1.0, 9: -2.0}, {4: -1.0, 8: -3.0}])
     reference = _run(1, [same, ([5, 6], [{5: -1.000, 7: -1.005}, {6: -1.0}]),
                          ([5, 6], [{5: -1.0, 7: -1.5}, {6: -1.0}])])

@@ -39,10 +39,13 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# One encoder for every event (json.dumps with options builds a new one per call).
+_SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(payload: dict | str) -> str:
     """One server-sent event: ``data: <json>`` and a blank line."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
-                                                               separators=(",", ":"))
+    data = payload if isinstance(payload, str) else _SSE_JSON.encode(payload)
     return f"data: {data}\n\n"
 
 

@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""The HTTP path beside the offline engine, on one workload, in one run (gpu_bench.sh's
+``serve`` step).
+
+    python scripts/gpu_bench_serve.py --model qwen3-0.6b --out DIR [--py-spy-seconds 20]
+
+1. ``pagedllm bench throughput`` on the workload (offline, token ids only);
+2. ``pagedllm serve MODEL --load-format dummy`` started on a free port, and ``pagedllm bench
+   serve`` with the same workload against it (streaming, all requests at once); the
+   seconds of CPU the API process, its engine-core process and the benchmark client used
+   during the run are read from ``/proc``; with ``--py-spy-seconds`` (and ``py-spy`` on
+   PATH), those three processes are sampled that long, from ``--py-spy-delay-s`` into the
+   run, and the frames that took the most samples are kept;
+3. ``DIR/serve-<model>.json``: both records, ``http_vs_offline`` (output tok/s ratio; the
+   target is 0.97), the CPU seconds per process and the profile summary. A short table is
+   printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+TARGET = 0.97
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of process ``pid`` (0.0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (all its threads' children)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with code {server.returncode} while starting")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"the server was not healthy after {timeout_s:.0f} s")
+
+
+def summarize_profile(raw: str, top: int = 25) -> dict:
+    """py-spy's raw (collapsed) stacks: the share of samples in each frame (inclusive) and
+    at the top of the stack (self), most first."""
+    inclusive: collections.Counter = collections.Counter()
+    own: collections.Counter = collections.Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        total += int(count)
+        for frame in set(frames):
+            inclusive[frame] += int(count)
+        own[frames[-1]] += int(count)
+
+    def shares(counter: collections.Counter) -> list[list]:
+        return [[frame, round(n / total, 4)] for frame, n in counter.most_common(top)]
+
+    return {"samples": total, "inclusive": shares(inclusive) if total else [],
+            "self": shares(own) if total else []}
+
+
+def _bench_process(kind: str, args: argparse.Namespace, extra: list[str], out: Path,
+                   share: tuple[int, int] = (0, 1)) -> subprocess.Popen:
+    """``pagedllm bench KIND`` on the workload; ``share`` (i, n): the i-th of n equal parts."""
+    index, parts = share
+    num_prompts = args.num_prompts // parts + (index < args.num_prompts % parts)
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", kind,
+               "--num-prompts", str(num_prompts), "--input-len", args.input_len,
+               "--output-len", args.output_len, "--temperature", "0", "--output-json", str(out),
+               *extra]
+    print("+", " ".join(command[2:]), flush=True)
+    return subprocess.Popen(command)
+
+
+def _bench_result(process: subprocess.Popen, out: Path) -> dict:
+    if process.wait() != 0:
+        raise RuntimeError(f"{' '.join(map(str, process.args[2:4]))} exited with code "
+                           f"{process.returncode}")
+    record = json.loads(out.read_text())
+    return record[-1] if isinstance(record, list) else record
+
+
+def _merge(records: list[dict]) -> dict:
+    """Several clients' runs as one: tokens from the first start to the last end; the latency figures
+    are the first client's (each client sends the same mix)."""
+    if len(records) == 1:
+        return records[0]
+    merged = dict(records[0])
+    merged["duration_s"] = round(max(r["start_time"] + r["duration_s"] for r in records)
+                                 - min(r["start_time"] for r in records), 6)
+    for key in ("completed", "failed", "total_input_tokens", "total_output_tokens"):
+        merged[key] = sum(r[key] for r in records)
+    merged["output_throughput"] = round(merged["total_output_tokens"] / merged["duration_s"], 2)
+    merged["clients"] = len(records)
+    return merged
+
+
+def _bench(kind: str, args: argparse.Namespace, extra: list[str], out: Path) -> dict:
+    return _bench_result(_bench_process(kind, args, extra, out), out)
+
+
+def run(args: argparse.Namespace) -> dict:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    engine = ["--load-format", "dummy", *args.engine_args.split()]
+    offline = _bench("throughput", args, ["--model", args.model, *engine], scratch / "offline.json")
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", args.model, *engine,
+         "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"],
+        start_new_session=True)
+    try:
+        wait_healthy(port, server, args.startup_timeout_s)
+        cores = children(server.pid)  # the engine core (and multiprocessing's helper)
+        before = {"api": cpu_seconds(server.pid), "core": sum(map(cpu_seconds, cores))}
+        client_before = _children_cpu()
+        clients = [
+            _bench_process("serve", args, ["--port", str(port), "--vocab-size", str(args.vocab_size),
+                                           "--seed", str(i)],
+                           scratch / f"http{i}.json", share=(i, args.clients))
+            for i in range(args.clients)]
+        profiles = {name: _start_profile(pid, args, scratch / f"{name}.raw")
+                    for name, pid in (("api", server.pid), ("core", cores[-1]),
+                                      ("client", clients[0].pid))}
+        http = _merge([_bench_result(c, scratch / f"http{i}.json") for i, c in enumerate(clients)])
+        cpu = {"api": round(cpu_seconds(server.pid) - before["api"], 2),
+               "core": round(sum(map(cpu_seconds, cores)) - before["core"], 2)}
+        cpu["client"] = round(_children_cpu() - client_before, 2)
+        profile_summary = {name: _finish_profile(profile, scratch / f"{name}.raw")
+                           for name, profile in profiles.items()}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+    ratio = round(http["output_throughput"] / offline["output_tok_s"], 3)
+    record = {
+        "workload": "serve-vs-offline", "model": args.model, "num_prompts": args.num_prompts,
+        "input_len": args.input_len, "output_len": args.output_len,
+        "engine_args": args.engine_args, "clients": args.clients,
+        "offline_output_tok_s": offline["output_tok_s"],
+        "http_output_tok_s": http["output_throughput"], "http_vs_offline": ratio,
+        "target": TARGET, "met": ratio >= TARGET, "duration_s": http["duration_s"],
+        "cpu_seconds": cpu, "ttft_ms": http["ttft_ms"], "tpot_ms": http["tpot_ms"],
+        "itl_ms": http["itl_ms"], "failed": http["failed"], "profiles": profile_summary,
+        "offline": offline, "http": http,
+    }
+    (out_dir / f"serve-{Path(args.model).name}.json").write_text(json.dumps(record, indent=1))
+    print(table([record]))
+    return record
+
+
+def _children_cpu() -> float:
+    usage = os.times()
+    return usage.children_user + usage.children_system
+
+
+def _start_profile(pid: int, args: argparse.Namespace, raw: Path) -> subprocess.Popen | None:
+    spy = shutil.which("py-spy")
+    if not args.py_spy_seconds or spy is None:
+        return None
+    return subprocess.Popen(
+        ["bash", "-c", f"sleep {args.py_spy_delay_s}; exec {spy} record -p {pid} "
+         f"-d {args.py_spy_seconds} -r 100 --nonblocking -f raw -o {raw}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _finish_profile(profile: subprocess.Popen | None, raw: Path) -> dict | None:
+    if profile is None:
+        return None
+    try:
+        _, err = profile.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        profile.kill()
+        return {"error": "py-spy did not finish"}
+    if not raw.is_file():
+        return {"error": (err or "no profile written").strip()[-300:]}
+    return summarize_profile(raw.read_text())
+
+
+def table(records: list[dict]) -> str:
+    lines = [f"{'model':<16} {'offline tok/s':>14} {'HTTP tok/s':>11} {'ratio':>6} "
+             f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16}  CPU s (api / core / client)"]
+    for r in records:
+        cpu = r["cpu_seconds"]
+        lines.append(
+            f"{r['model']:<16} {r['offline_output_tok_s']:>14.0f} {r['http_output_tok_s']:>11.0f} "
+            f"{r['http_vs_offline']:>6.3f} "
+            f"{r['ttft_ms']['median']:>8.0f}/{r['ttft_ms']['p99']:<8.0f} "
+            f"{r['tpot_ms']['median']:>7.1f}/{r['tpot_ms']['p99']:<8.1f} "
+            f"{cpu.get('api', 0):.1f} / {cpu.get('core', 0):.1f} / {cpu.get('client', 0):.1f}"
+            f"{'' if r['met'] else '  (target ' + str(TARGET) + ')'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="Prompts are token ids in [0, N) (the served config-only models "
+                             "have no tokenizer; default: config.json's vocab_size).")
+    parser.add_argument("--out", required=True, help="Directory of the record.")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--input-len", default="1024")
+    parser.add_argument("--output-len", default="128")
+    parser.add_argument("--engine-args", default="", help="More engine flags, for both paths.")
+    parser.add_argument("--clients", type=int, default=1,
+                        help="bench serve processes sharing the requests (one client process "
+                             "can be the limit on a fast engine).")
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--py-spy-seconds", type=int, default=0)
+    parser.add_argument("--py-spy-delay-s", type=float, default=5.0,
+                        help="Seconds after the benchmark starts before sampling.")
+    args = parser.parse_args(argv)
+    if args.vocab_size is None:
+        from pagedllm.config import resolve_model_path
+
+        config = Path(resolve_model_path(args.model)) / "config.json"
+        args.vocab_size = json.loads(config.read_text())["vocab_size"]
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
