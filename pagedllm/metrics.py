@@ -1,8 +1,11 @@
 """Prometheus metrics of the server and the periodic stats log line.
 
-Every metric lives in the API process (the core sends a ``SchedulerStats`` snapshot with
-each step), so no multiprocess mode is needed. Names follow vLLM's, with a ``model_name``
-label on all of them::
+Every metric lives in the API processes (the core sends a ``SchedulerStats`` snapshot with
+each step to each of them). With one API process, a plain registry; with several
+(``--api-server-count``), the counters and histograms each process observes are written
+to files in a directory they share (Prometheus's multiprocess mode) and every scrape, in
+whichever process, sums them, while the gauges of the core's snapshot are the same in all.
+Names follow vLLM's, with a ``model_name`` label on all of them::
 
     pagedllm:num_requests_running            gauge    core requests in the running batch
     pagedllm:num_requests_waiting            gauge    core requests queued or preempted
@@ -18,9 +21,11 @@ label on all of them::
     pagedllm:num_preemptions_total           counter  preemptions (recompute)
     pagedllm:num_requests_rejected_total     counter  requests refused with a 503 because the
                                                       waiting queue was full (--max-num-waiting)
-    pagedllm:api_server_requests             gauge    user requests the API process holds any
+    pagedllm:api_server_requests             gauge    user requests the API processes hold any
                                                       state of (streams, detokenizers, deadlines);
-                                                      0 when none is open
+                                                      0 when none is open (with several
+                                                      processes, each one's count as of its
+                                                      last refresh, summed)
     pagedllm:prompt_tokens_total             counter  prompt tokens of requests that got a first token
     pagedllm:generation_tokens_total         counter  tokens generated
     pagedllm:request_success_total           counter  finished sequences, by finished_reason
@@ -55,12 +60,14 @@ the older ``vllm:gpu_cache_usage_perc``).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import (
-    CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics,
+    CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics,
+    multiprocess, values,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -163,6 +170,8 @@ class _SchedulerCollector:
             for position, accepted in enumerate(spec.accepted_per_position):
                 family.add_metric([*values, str(position)], accepted)
             yield family
+        if self.metrics.multiprocess_dir is not None:
+            return  # the processes' counts, summed from their files
         tracked = self.metrics.tracked_requests
         yield gauge("pagedllm:api_server_requests",
                     "User requests the API process holds any state of.",
@@ -201,17 +210,31 @@ class KVCacheShape:
 class ServerMetrics:
     """The server's metrics registry, fed by the async engine.
 
-    ``compat``: None, or ``"vllm"`` to also export ``VLLM_NAMES``."""
+    ``compat``: None, or ``"vllm"`` to also export ``VLLM_NAMES``; ``multiprocess_dir``: the
+    directory the API processes share when there are several (None: one process)."""
 
-    def __init__(self, model_name: str, compat: str | None = None) -> None:
+    def __init__(self, model_name: str, compat: str | None = None,
+                 multiprocess_dir: str | None = None) -> None:
         if compat not in (None, *METRICS_COMPAT_CHOICES):
             raise ValueError(f"Unknown metrics compatibility {compat!r}: choose one of "
                              f"{', '.join(METRICS_COMPAT_CHOICES)}.")
         # ``*_created`` series only add noise to a single long-lived server process.
         disable_created_metrics()
         self.model_name = model_name
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)
+        # The metrics themselves: in the registry, or (several processes) in the files.
+        metric_registry: CollectorRegistry | None = self.registry
+        self._files: multiprocess.MultiProcessCollector | None = None
+        if multiprocess_dir is None:
+            ProcessCollector(registry=self.registry)
+        else:
+            # prometheus_client picks its value store from this variable; our metrics are
+            # built below, after it is set.
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = multiprocess_dir
+            values.ValueClass = values.get_value_class()
+            self._files = multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)
+            metric_registry = None
         self.scheduler_stats: SchedulerStats | None = None
         # Set once the engine is ready (``on_engine_ready``).
         self.kv_cache: KVCacheShape | None = None
@@ -225,36 +248,41 @@ class ServerMetrics:
 
         labels = ["model_name"]
         prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed.", labels,
-                                registry=self.registry)
+                                registry=metric_registry)
         generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", labels,
-                                    registry=self.registry)
+                                    registry=metric_registry)
         success = Counter(
             "pagedllm:request_success", "Finished sequences, by finished_reason.",
-            ["model_name", "finished_reason"], registry=self.registry,
+            ["model_name", "finished_reason"], registry=metric_registry,
         )
         ttft = Histogram(
             "pagedllm:time_to_first_token_seconds", "Time to first token, seconds.", labels,
-            buckets=_TTFT_BUCKETS, registry=self.registry,
+            buckets=_TTFT_BUCKETS, registry=metric_registry,
         )
         tpot = Histogram(
             "pagedllm:time_per_output_token_seconds",
             "Mean time per output token after the first, per request, seconds.", labels,
-            buckets=_TPOT_BUCKETS, registry=self.registry,
+            buckets=_TPOT_BUCKETS, registry=metric_registry,
         )
         rejected = Counter(
             "pagedllm:num_requests_rejected",
             "Requests refused with a 503 because the waiting queue was full.", labels,
-            registry=self.registry,
+            registry=metric_registry,
         )
         e2e = Histogram(
             "pagedllm:e2e_request_latency_seconds", "End-to-end request latency, seconds.", labels,
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            buckets=_LATENCY_BUCKETS, registry=metric_registry,
         )
         queue = Histogram(
             "pagedllm:request_queue_time_seconds",
             "Time from arrival to first scheduling, seconds.", labels,
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            buckets=_LATENCY_BUCKETS, registry=metric_registry,
         )
+        self._tracked_gauge = None
+        if multiprocess_dir is not None:
+            self._tracked_gauge = Gauge(
+                "pagedllm:api_server_requests", "User requests the API processes hold any state of.",
+                labels, registry=None, multiprocess_mode="livesum").labels(model_name)
         self._prompt_tokens = prompt_tokens.labels(model_name)
         self._generation_tokens = generation_tokens.labels(model_name)
         self._success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
@@ -264,8 +292,9 @@ class ServerMetrics:
         self._rejected = rejected.labels(model_name)
         self._queue = queue.labels(model_name)
         if compat == "vllm":
-            sources = [scheduler_collector, prompt_tokens, generation_tokens, success, ttft, tpot,
-                       e2e, queue]
+            sources = [scheduler_collector, *([self._files] if self._files is not None else
+                                              [prompt_tokens, generation_tokens, success, ttft,
+                                               tpot, e2e, queue])]
             self.registry.register(_RenamedCollector(sources, VLLM_NAMES))
 
     # -- engine hooks -------------------------------------------------------------------
@@ -301,9 +330,27 @@ class ServerMetrics:
         if tpot_s is not None:
             self._tpot.observe(tpot_s)
 
+    def refresh_tracked_requests(self) -> None:
+        """Write this process's count of requests it holds state of to the shared files
+        (several processes; the scrape sums them)."""
+        if self._tracked_gauge is not None and self.tracked_requests is not None:
+            self._tracked_gauge.set(self.tracked_requests())
+
+    def token_totals(self) -> tuple[float, float]:
+        """Prompt and generated tokens so far, over every API process."""
+        if self._files is None:
+            return self.num_prompt_tokens, self.num_generation_tokens
+        totals = {"pagedllm:prompt_tokens": 0.0, "pagedllm:generation_tokens": 0.0}
+        for family in self._files.collect():
+            if family.name in totals:
+                totals[family.name] = sum(sample.value for sample in family.samples
+                                          if sample.name.endswith("_total"))
+        return totals["pagedllm:prompt_tokens"], totals["pagedllm:generation_tokens"]
+
     # -- exposition ---------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
+        self.refresh_tracked_requests()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
@@ -324,8 +371,9 @@ class StatsLogger:
         m = self.metrics
         now = time.monotonic()
         elapsed = max(now - self._last_time, 1e-6)
-        prompt = m.num_prompt_tokens - self._last_prompt
-        generation = m.num_generation_tokens - self._last_generation
+        prompt_total, generation_total = m.token_totals()
+        prompt = prompt_total - self._last_prompt
+        generation = generation_total - self._last_generation
         stats = m.scheduler_stats
         queries = stats.prefix_cache_queries if stats else 0
         hits = stats.prefix_cache_hits if stats else 0
@@ -333,7 +381,7 @@ class StatsLogger:
         waiting = stats.num_waiting if stats else 0
         usage = stats.kv_cache_usage if stats else 0.0
         self._last_time = now
-        self._last_prompt, self._last_generation = m.num_prompt_tokens, m.num_generation_tokens
+        self._last_prompt, self._last_generation = prompt_total, generation_total
         interval_queries, interval_hits = queries - self._last_queries, hits - self._last_hits
         self._last_queries, self._last_hits = queries, hits
         spec = self._spec_interval(stats.spec_decoding if stats else None)

@@ -38,8 +38,9 @@
 #   serve    the HTTP path beside the offline engine on both models (scripts/gpu_bench_serve.py):
 #            bench throughput, then pagedllm serve and bench serve (streaming, all at once)
 #            on the same $SERVE_ARGS workload (1,000 requests of 1,024 prompt and 128 output
-#            tokens); target HTTP >= 0.97x offline; the CPU seconds of the API process, the
-#            engine core and the client, and (py-spy on PATH) the API process's profile
+#            tokens), with one API server process and with two (--api-server-count); target
+#            HTTP >= 0.97x offline; the CPU seconds of the API processes, the engine core and
+#            the client, and (py-spy on PATH) their profiles
 #   ab       for each setting in $GPU_BENCH_AB (space-separated VAR=value, e.g.
 #            "PAGEDLLM_DECODE_LONGEST_FIRST=0 PAGEDLLM_DECODE_TILE=32,2,2"), L1 and W1 on llama-3.1-8b with
 #            the setting, beside the same commands without it, into $OUT/ab.txt
@@ -64,7 +65,7 @@ if [ "$DRY" = "1" ]; then
     LAT_ARGS=(--input-len 16 --output-len 8 --prefill-len 64 --num-iters 2 --num-iters-warmup 1)
     LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120 LIMIT_SYNC=300
     LIMIT_AB=300 LIMIT_STRUCTURED=300 LIMIT_FP8_KERNELS=0 LIMIT_SERVE=300
-    SERVE_ARGS=(--num-prompts 8 --input-len 16 --output-len 8)
+    SERVE_ARGS=(--num-prompts 8 --input-len 16 --output-len 8 --api-server-counts 1,2)
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b MOE=mixtral-8x7b MOE_SMALL=qwen3-30b-a3b
     read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine}"
@@ -76,7 +77,8 @@ else
     LIMIT_LAT=${LIMIT_LAT:-60} LIMIT_SMALL=50
     LIMIT_FP8_KERNELS=${LIMIT_FP8_KERNELS:-150}
     LIMIT_AB=${LIMIT_AB:-200} LIMIT_STRUCTURED=${LIMIT_STRUCTURED:-240} LIMIT_SERVE=${LIMIT_SERVE:-300}
-    SERVE_ARGS=(--num-prompts 1000 --input-len 1024 --output-len 128 --py-spy-seconds 15)
+    SERVE_ARGS=(--num-prompts 1000 --input-len 1024 --output-len 128 --api-server-counts 1,2
+                --py-spy-seconds 8)
 fi
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers

@@ -11,8 +11,10 @@
    during the run are read from ``/proc``; with ``--py-spy-seconds`` (and ``py-spy`` on
    PATH), those three processes are sampled that long, from ``--py-spy-delay-s`` into the
    run, and the frames that took the most samples are kept;
-3. ``DIR/serve-<model>.json``: both records, ``http_vs_offline`` (output tok/s ratio; the
-   target is 0.97), the CPU seconds per process and the profile summary. A short table is
+3. ``DIR/serve-<model>.json``: a list with one record per ``--api-server-counts`` value
+   (each a server of that many API processes against the one offline run): both bench
+   records, ``http_vs_offline`` (output tok/s ratio; the target is 0.97), the CPU seconds
+   (all API processes together) and the profile summary (API process 0). A short table is
    printed last.
 """
 
@@ -140,22 +142,51 @@ def _bench(kind: str, args: argparse.Namespace, extra: list[str], out: Path) -> 
     return _bench_result(_bench_process(kind, args, extra, out), out)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> list[dict]:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     engine = ["--load-format", "dummy", *args.engine_args.split()]
     offline = _bench("throughput", args, ["--model", args.model, *engine], scratch / "offline.json")
+    records = [_serve_run(args, engine, offline, count, scratch / f"count{count}")
+               for count in args.api_server_counts]
+    (out_dir / f"serve-{Path(args.model).name}.json").write_text(json.dumps(records, indent=1))
+    print(table(records))
+    return records
 
+
+def server_processes(pid: int) -> tuple[list[int], int | None]:
+    """A running ``pagedllm serve``'s API processes (``pid`` first) and its engine core:
+    of ``pid``'s children started by multiprocessing's spawn, the core is the oldest."""
+    spawned = []
+    for child in children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            started = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            spawned.append((started, child))
+    spawned.sort()
+    core = spawned[0][1] if spawned else None
+    return [pid, *(child for _, child in spawned[1:])], core
+
+
+def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count: int,
+               scratch: Path) -> dict:
+    """One server with ``count`` API processes, loaded by bench serve: its record."""
+    scratch.mkdir()
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", args.model, *engine,
-         "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"],
+         "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
+         "--api-server-count", str(count)],
         start_new_session=True)
     try:
         wait_healthy(port, server, args.startup_timeout_s)
-        cores = children(server.pid)  # the engine core (and multiprocessing's helper)
-        before = {"api": cpu_seconds(server.pid), "core": sum(map(cpu_seconds, cores))}
+        apis, core = server_processes(server.pid)
+        assert core is not None and len(apis) == count, (apis, core)
+        before = {"api": sum(map(cpu_seconds, apis)), "core": cpu_seconds(core)}
         client_before = _children_cpu()
         clients = [
             _bench_process("serve", args, ["--port", str(port), "--vocab-size", str(args.vocab_size),
@@ -163,12 +194,12 @@ def run(args: argparse.Namespace) -> dict:
                            scratch / f"http{i}.json", share=(i, args.clients))
             for i in range(args.clients)]
         profiles = {name: _start_profile(pid, args, scratch / f"{name}.raw")
-                    for name, pid in (("api", server.pid), ("core", cores[-1]),
+                    for name, pid in (("api", server.pid), ("core", core),
                                       ("client", clients[0].pid))}
         http = _merge([_bench_result(c, scratch / f"http{i}.json") for i, c in enumerate(clients)])
-        cpu = {"api": round(cpu_seconds(server.pid) - before["api"], 2),
-               "core": round(sum(map(cpu_seconds, cores)) - before["core"], 2)}
-        cpu["client"] = round(_children_cpu() - client_before, 2)
+        cpu = {"api": round(sum(map(cpu_seconds, apis)) - before["api"], 2),
+               "core": round(cpu_seconds(core) - before["core"], 2),
+               "client": round(_children_cpu() - client_before, 2)}
         profile_summary = {name: _finish_profile(profile, scratch / f"{name}.raw")
                            for name, profile in profiles.items()}
     finally:
@@ -178,10 +209,10 @@ def run(args: argparse.Namespace) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
     ratio = round(http["output_throughput"] / offline["output_tok_s"], 3)
-    record = {
+    return {
         "workload": "serve-vs-offline", "model": args.model, "num_prompts": args.num_prompts,
         "input_len": args.input_len, "output_len": args.output_len,
-        "engine_args": args.engine_args, "clients": args.clients,
+        "engine_args": args.engine_args, "api_server_count": count, "clients": args.clients,
         "offline_output_tok_s": offline["output_tok_s"],
         "http_output_tok_s": http["output_throughput"], "http_vs_offline": ratio,
         "target": TARGET, "met": ratio >= TARGET, "duration_s": http["duration_s"],
@@ -189,9 +220,6 @@ def run(args: argparse.Namespace) -> dict:
         "itl_ms": http["itl_ms"], "failed": http["failed"], "profiles": profile_summary,
         "offline": offline, "http": http,
     }
-    (out_dir / f"serve-{Path(args.model).name}.json").write_text(json.dumps(record, indent=1))
-    print(table([record]))
-    return record
 
 
 def _children_cpu() -> float:
@@ -223,12 +251,13 @@ def _finish_profile(profile: subprocess.Popen | None, raw: Path) -> dict | None:
 
 
 def table(records: list[dict]) -> str:
-    lines = [f"{'model':<16} {'offline tok/s':>14} {'HTTP tok/s':>11} {'ratio':>6} "
+    lines = [f"{'model':<16} {'API':>3} {'offline tok/s':>14} {'HTTP tok/s':>11} {'ratio':>6} "
              f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16}  CPU s (api / core / client)"]
     for r in records:
         cpu = r["cpu_seconds"]
         lines.append(
-            f"{r['model']:<16} {r['offline_output_tok_s']:>14.0f} {r['http_output_tok_s']:>11.0f} "
+            f"{r['model']:<16} {r.get('api_server_count', 1):>3} "
+            f"{r['offline_output_tok_s']:>14.0f} {r['http_output_tok_s']:>11.0f} "
             f"{r['http_vs_offline']:>6.3f} "
             f"{r['ttft_ms']['median']:>8.0f}/{r['ttft_ms']['p99']:<8.0f} "
             f"{r['tpot_ms']['median']:>7.1f}/{r['tpot_ms']['p99']:<8.1f} "
@@ -248,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", default="1024")
     parser.add_argument("--output-len", default="128")
     parser.add_argument("--engine-args", default="", help="More engine flags, for both paths.")
+    parser.add_argument("--api-server-counts", default=[1],
+                        type=lambda text: [int(n) for n in text.split(",")],
+                        help="Comma-separated --api-server-count values: one server each, "
+                             "against the one offline run (default: 1).")
     parser.add_argument("--clients", type=int, default=1,
                         help="bench serve processes sharing the requests (one client process "
                              "can be the limit on a fast engine).")

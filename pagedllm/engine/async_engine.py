@@ -37,7 +37,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError, EngineStartupError
+from pagedllm.engine.core_client import (
+    CoreHandle, EngineCoreClient, EngineDeadError, EngineStartupError,
+)
 from pagedllm.engine.core_process import CoreInfo
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import InputProcessor, PromptType
@@ -146,19 +148,31 @@ class AsyncEngine:
 
     @classmethod
     async def start(cls, config: EngineConfig, metrics: ServerMetrics | None = None,
-                    log_level: str = "INFO", **limits) -> "AsyncEngine":
-        """Load the tokenizer, start the core process and wait until it is ready.
+                    log_level: str = "INFO", num_api_servers: int = 1,
+                    **limits) -> "AsyncEngine":
+        """Load the tokenizer, start the core process and wait until it is ready (with room
+        for ``num_api_servers`` API processes: the others ``attach``).
 
         With ``skip_tokenizer_init`` (token-id mode) no tokenizer is loaded: ``tokenizer`` is
         None, prompts must be token ids and outputs carry empty text. Raises
         ``EngineStartupError`` (or ``ValueError`` for a bad tokenizer) with a message that
         says what to change.
         """
-        model_config = config.model_config
-        tokenizer = None if model_config.skip_tokenizer_init else Tokenizer.from_pretrained(
-            model_config.tokenizer_path, revision=model_config.revision)
-        client = await EngineCoreClient.start(config, log_level=log_level)
+        tokenizer = _load_tokenizer(config)
+        client = await EngineCoreClient.start(config, log_level=log_level,
+                                              num_api_servers=num_api_servers)
         return cls(config, client, tokenizer, metrics, **limits)
+
+    @classmethod
+    async def attach(cls, config: EngineConfig, handle: CoreHandle,
+                     metrics: ServerMetrics | None = None, **limits) -> "AsyncEngine":
+        """This API process's engine over a core another process started (``start``)."""
+        return cls(config, EngineCoreClient.attach(handle), _load_tokenizer(config), metrics,
+                   **limits)
+
+    def core_handle(self, index: int) -> CoreHandle:
+        """What API process ``index`` passes to ``attach``."""
+        return self._client.handle(index)
 
     @property
     def info(self) -> CoreInfo:
@@ -174,8 +188,8 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Core requests submitted and not running (queued, preempted, or not yet seen by
-        the core)."""
+        """This process's core requests submitted and not running (queued, preempted, or not
+        yet seen by the core)."""
         return max(0, self.output_processor.num_unfinished_sequences() - self._num_running)
 
     def num_tracked_requests(self) -> int:
@@ -300,8 +314,7 @@ class AsyncEngine:
                         self._drop(output.request_id)
                 if new_tokens and self.metrics is not None:
                     self.metrics.on_new_tokens(new_tokens)
-                if result.stats is not None:
-                    self._num_running = result.stats.num_running
+                self._num_running = result.num_running
                 if self.metrics is not None:
                     self.metrics.on_step(result.stats, result.queue_times)
         except asyncio.CancelledError:
@@ -360,6 +373,14 @@ class AsyncEngine:
         except asyncio.CancelledError:
             pass
         await self._client.shutdown()
+
+
+def _load_tokenizer(config: EngineConfig) -> Tokenizer | None:
+    """The model's tokenizer; None in token-id mode (``skip_tokenizer_init``)."""
+    model_config = config.model_config
+    if model_config.skip_tokenizer_init:
+        return None
+    return Tokenizer.from_pretrained(model_config.tokenizer_path, revision=model_config.revision)
 
 
 def _merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:

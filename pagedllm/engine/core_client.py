@@ -8,6 +8,11 @@ The core process is started with the ``spawn`` method (a fresh interpreter: no i
 threads, locks or CUDA state) and is not a daemon, so it may itself start processes.
 It stops when told to, when its parent dies (it polls for that), or, as a last resort,
 when ``shutdown`` terminates it.
+
+API process 0 starts the core (``start``, with room for ``num_api_servers`` processes);
+the others attach to it (``attach``, from the ``CoreHandle`` process 0 gives them). An
+attached client never stops the core: its ``shutdown`` only closes its sockets, and it
+learns that the core died from the core's process id.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import pickle
 import shutil
 import tempfile
 import weakref
+from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -44,15 +51,44 @@ class EngineDeadError(RuntimeError):
     """The engine core process failed or exited while the server was running."""
 
 
-class EngineCoreClient:
-    """Owns the core process and the two sockets to it. Use ``await start(config)``."""
+@dataclass(frozen=True)
+class CoreHandle:
+    """What another API process needs to attach to a running core (picklable)."""
 
-    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
-        self.config = config
-        self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-ipc-")
-        os.chmod(self._ipc_dir, 0o700)
-        self.input_address = f"ipc://{self._ipc_dir}/input"
-        self.output_address = f"ipc://{self._ipc_dir}/output"
+    ipc_dir: str
+    index: int  # the attaching process's place among the API processes (1, 2, ...)
+    core_pid: int
+    info: CoreInfo
+
+
+def _addresses(ipc_dir: str, index: int) -> tuple[str, str]:
+    """API process ``index``'s (input, output) addresses."""
+    return f"ipc://{ipc_dir}/input-{index}", f"ipc://{ipc_dir}/output-{index}"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return state not in ("Z", "X")
+
+
+class EngineCoreClient:
+    """This API process's two sockets to the core, and the core process itself in process 0.
+    Use ``await start(config)`` or ``attach(handle)``."""
+
+    def __init__(self, ipc_dir: str, index: int) -> None:
+        self.index = index
+        self._ipc_dir = ipc_dir
+        self.input_address, self.output_address = _addresses(ipc_dir, index)
 
         self._sync_context = zmq.Context()
         self._input = self._sync_context.socket(zmq.PUSH)
@@ -65,26 +101,55 @@ class EngineCoreClient:
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(self.output_address)
 
-        context = multiprocessing.get_context("spawn")
-        self.process = context.Process(
-            target=run_engine_core, name="pagedllm-engine-core",
-            args=(config, self.input_address, self.output_address, log_level),
-        )
+        self.process: multiprocessing.Process | None = None  # process 0 only
+        self._core_pid: int | None = None
         self.info: CoreInfo | None = None
         self._closed = False
-        self._finalizer = weakref.finalize(self, _cleanup, self.process, self._ipc_dir)
+        self._finalizer: weakref.finalize | None = None
 
     @classmethod
-    async def start(cls, config: EngineConfig, log_level: str = "INFO") -> "EngineCoreClient":
-        """Start the core process and wait until it is ready; raises ``EngineStartupError``."""
-        client = cls(config, log_level)
+    async def start(cls, config: EngineConfig, log_level: str = "INFO",
+                    num_api_servers: int = 1) -> "EngineCoreClient":
+        """Start the core process (with a socket pair for each of ``num_api_servers``
+        processes) and wait until it is ready; raises ``EngineStartupError``."""
+        ipc_dir = tempfile.mkdtemp(prefix="pagedllm-ipc-")
+        os.chmod(ipc_dir, 0o700)
+        client = cls(ipc_dir, 0)
+        inputs, outputs = zip(*(_addresses(ipc_dir, i) for i in range(num_api_servers)))
+        client.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="pagedllm-engine-core",
+            args=(config, list(inputs), list(outputs), log_level),
+        )
+        client._finalizer = weakref.finalize(client, _cleanup, client.process, ipc_dir)
         client.process.start()
+        client._core_pid = client.process.pid
         try:
             client.info = await client._wait_ready()
         except BaseException:
             client.close()
             raise
         return client
+
+    @classmethod
+    def attach(cls, handle: CoreHandle) -> "EngineCoreClient":
+        """This process's client of a core another API process started (it is ready)."""
+        client = cls(handle.ipc_dir, handle.index)
+        client._core_pid = handle.core_pid
+        client.info = handle.info
+        return client
+
+    def handle(self, index: int) -> CoreHandle:
+        """What API process ``index`` needs to ``attach`` (process 0, once ready)."""
+        assert self.info is not None and self._core_pid is not None
+        return CoreHandle(self._ipc_dir, index, self._core_pid, self.info)
+
+    def _core_alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        return self._core_pid is not None and _pid_alive(self._core_pid)
+
+    def _exit_code(self) -> str:
+        return "unknown" if self.process is None else str(self.process.exitcode)
 
     async def _wait_ready(self) -> CoreInfo:
         while True:
@@ -95,7 +160,7 @@ class EngineCoreClient:
                 if tag == ERROR:
                     raise EngineStartupError(payload)
                 raise EngineStartupError(f"The engine core sent {tag!r} before it was ready.")
-            if not self.process.is_alive():
+            if not self._core_alive():
                 raise EngineStartupError(
                     f"The engine core process exited with code {self.process.exitcode} before it "
                     "was ready (its log above says why; a code of -9 usually means it ran out of "
@@ -104,7 +169,7 @@ class EngineCoreClient:
 
     # -- to the core --------------------------------------------------------------------
     def add_requests(self, requests: list[Request]) -> None:
-        self._send(ADD, requests)
+        self._send(ADD, (self.index, requests))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -127,17 +192,18 @@ class EngineCoreClient:
                 if tag == ERROR:
                     raise EngineDeadError(f"The engine core failed: {payload}")
                 raise EngineDeadError(f"Unexpected message {tag!r} from the engine core.")
-            if not self.process.is_alive():
+            if not self._core_alive():
                 raise EngineDeadError(
-                    f"The engine core process exited unexpectedly (code {self.process.exitcode})."
+                    f"The engine core process exited unexpectedly (code {self._exit_code()})."
                 )
 
     # -- shutdown -----------------------------------------------------------------------
     async def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Ask the core to stop, wait for it, and terminate it if it does not."""
+        """Ask the core to stop, wait for it, and terminate it if it does not (process 0;
+        an attached client only closes its sockets)."""
         if self._closed:
             return
-        if self.process.is_alive():
+        if self.process is not None and self.process.is_alive():
             try:
                 self._send(SHUTDOWN, None)
             except zmq.ZMQError:
@@ -155,7 +221,8 @@ class EngineCoreClient:
         self._output.close(linger=0)
         self._sync_context.term()
         self._async_context.term()
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
 
 def _cleanup(process: multiprocessing.Process, ipc_dir: str) -> None:

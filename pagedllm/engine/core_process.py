@@ -3,12 +3,19 @@
 The server runs the core here so that HTTP, JSON, tokenization and detokenization (all in
 the API process) never hold the GIL the model loop needs::
 
-    API process (EngineCoreClient)                     core process (this module)
-      PUSH  ── ("add", [Request]) ("abort", [ids]) ("shutdown", None) ──>  PULL
-      PULL  <── ("ready", CoreInfo) ("outputs", StepResult) ("error", str) ──  PUSH
+    API process i (EngineCoreClient)                      core process (this module)
+      PUSH  ── ("add", (i, [Request])) ("abort", [ids]) ("shutdown", None) ──>  PULL
+      PULL  <── ("ready", CoreInfo) ("outputs", StepResult) ("error", str) ──  PUSH i
 
-Both sockets are ZMQ ``ipc://`` endpoints inside a private (0700) temporary directory the
-API process creates and binds, so only the same user can reach them. Messages are pickled
+With ``--api-server-count N`` there are N API processes: the core's one PULL socket takes
+every process's messages, and it has one PUSH socket per process. Each step's outputs go
+to the process that added the request (``ADD`` names it); the scheduler stats go to all.
+``READY`` goes to process 0 (which started the core); ``ERROR`` to all; ``SHUTDOWN`` comes
+from process 0 only.
+
+All sockets are ZMQ ``ipc://`` endpoints inside a private (0700) temporary directory
+process 0 creates; each API process binds its own pair, so only the same user can reach
+them. Messages are pickled
 tuples of the plain dataclasses in ``pagedllm.core`` (no tensors ever cross): pickle
 because ``Request`` and ``SamplingParams`` are ordinary Python objects the core already
 uses, with no schema to keep in step.
@@ -85,11 +92,16 @@ class StepResult:
     # Seconds from arrival to first scheduling, one per core request first scheduled
     # in this step.
     queue_times: list[float] = field(default_factory=list)
+    # Requests of the receiving API process in the running batch (all of them when there
+    # is one API process).
+    num_running: int = 0
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
-                    log_level: str = "INFO") -> None:
-    """Process entry point: build the core, report ready (or the error), then serve steps."""
+def run_engine_core(config: EngineConfig, input_addresses: list[str],
+                    output_addresses: list[str], log_level: str = "INFO") -> None:
+    """Process entry point: build the core, report ready (or the error), then serve steps.
+
+    One input and one output address per API process, in the processes' order."""
     import zmq
 
     # Ctrl-C reaches the whole process group; the API process decides when the core stops.
@@ -98,10 +110,20 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                         format="%(levelname)s %(name)s [engine core]: %(message)s")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
-    outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.LINGER, 10_000)
-    outputs.connect(output_address)
+    for address in input_addresses:
+        inputs.connect(address)
+    outputs = []
+    for address in output_addresses:
+        socket = context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 10_000)
+        socket.setsockopt(zmq.SNDHWM, 0)  # a process still starting gets its messages later
+        socket.connect(address)
+        outputs.append(socket)
+
+    def to_all(message: bytes) -> None:
+        for socket in outputs:
+            socket.send(message)
+
     exit_code = 0
     core = None
     try:
@@ -109,7 +131,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             core = _build_core(config)
         except BaseException as exc:  # noqa: BLE001 - every startup failure must reach the parent
             logger.error("Engine core failed to start:\n%s", traceback.format_exc())
-            outputs.send(pickle.dumps((ERROR, _describe(exc))))
+            to_all(pickle.dumps((ERROR, _describe(exc))))
             exit_code = 1
             return
         info = CoreInfo(
@@ -121,18 +143,19 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             max_model_len=config.model_config.max_model_len,
             kv_cache_dtype=core.kv_cache_dtype,
         )
-        outputs.send(pickle.dumps((READY, info)))
+        outputs[0].send(pickle.dumps((READY, info)))
         try:
             _CoreLoop(core, inputs, outputs).run()
         except BaseException as exc:  # noqa: BLE001
             logger.error("Engine core failed:\n%s", traceback.format_exc())
-            outputs.send(pickle.dumps((ERROR, _describe(exc))))
+            to_all(pickle.dumps((ERROR, _describe(exc))))
             exit_code = 1
     finally:
         if core is not None:
             core.shutdown()
         inputs.close(linger=0)
-        outputs.close()
+        for socket in outputs:
+            socket.close()
         context.term()
         if exit_code:
             sys.exit(exit_code)
@@ -162,6 +185,8 @@ class _CoreLoop:
         self.poller.register(inputs, zmq.POLLIN)
         # Core requests not scheduled yet, for their queue time (arrival -> first scheduled).
         self.unscheduled: dict[str, Request] = {}
+        # With several API processes: each unfinished core request's process.
+        self.owners: dict[str, int] = {}
         self.parent = multiprocessing.parent_process()
         self.parent_pid = os.getppid()
         self.next_parent_check = time.monotonic() + BUSY_PARENT_CHECK_S
@@ -179,7 +204,7 @@ class _CoreLoop:
                     logger.warning("The API process is gone; the engine core stops.")
                     return
             elif changed:
-                self._send([])
+                self._send(None)
 
     # -- messages -----------------------------------------------------------------------
     def _handle_messages(self, block: bool) -> tuple[bool, bool]:
@@ -197,30 +222,54 @@ class _CoreLoop:
             tag, payload = pickle.loads(self.inputs.recv())
             timeout_ms = 0
             if tag == ADD:
-                for request in payload:
+                client, requests = payload
+                for request in requests:
                     self.core.add_request(request)
                     self.unscheduled[request.request_id] = request
+                    if len(self.outputs) > 1:
+                        self.owners[request.request_id] = client
             elif tag == ABORT:
                 self.core.abort_requests(payload)
                 for request_id in payload:
                     self.unscheduled.pop(request_id, None)
+                    self.owners.pop(request_id, None)
             elif tag == SHUTDOWN:
                 return False, changed
             else:
                 raise RuntimeError(f"Unknown message {tag!r} from the API process.")
             changed = True
 
-    def _send(self, step_outputs: list[EngineCoreOutput]) -> None:
-        result = StepResult(step_outputs, self.core.get_stats(), self._collect_queue_times())
-        self.outputs.send(pickle.dumps((OUTPUTS, result), protocol=pickle.HIGHEST_PROTOCOL))
+    def _send(self, step_outputs: list[EngineCoreOutput] | None) -> None:
+        """A step's outputs (None: a stats-only message), each to its API process."""
+        stats = self.core.get_stats()
+        queue_times = self._collect_queue_times()
+        if len(self.outputs) == 1:
+            result = StepResult(step_outputs or [], stats, queue_times[0], stats.num_running)
+            self.outputs[0].send(pickle.dumps((OUTPUTS, result), protocol=pickle.HIGHEST_PROTOCOL))
+            return
+        per_client: list[list[EngineCoreOutput]] = [[] for _ in self.outputs]
+        for output in step_outputs or []:
+            owner = self.owners.get(output.request_id, 0)
+            per_client[owner].append(output)
+            if output.finish_reason is not None:
+                self.owners.pop(output.request_id, None)
+        running = [0] * len(self.outputs)
+        for request in self.core.scheduler.running:
+            running[self.owners.get(request.request_id, 0)] += 1
+        for client, socket in enumerate(self.outputs):
+            result = StepResult(per_client[client], stats, queue_times[client], running[client])
+            socket.send(pickle.dumps((OUTPUTS, result), protocol=pickle.HIGHEST_PROTOCOL))
 
-    def _collect_queue_times(self) -> list[float]:
+    def _collect_queue_times(self) -> list[list[float]]:
+        """Per API process, the queue times of its requests first scheduled since the last
+        call."""
+        times: list[list[float]] = [[] for _ in self.outputs]
         if not self.unscheduled:
-            return []
-        times = []
+            return times
         for request_id, request in list(self.unscheduled.items()):
             if request.first_scheduled_time is not None:
-                times.append(max(0.0, request.first_scheduled_time - request.arrival_time))
+                times[self.owners.get(request_id, 0)].append(
+                    max(0.0, request.first_scheduled_time - request.arrival_time))
                 del self.unscheduled[request_id]
             elif request.is_finished():
                 del self.unscheduled[request_id]

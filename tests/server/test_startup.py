@@ -48,6 +48,9 @@ def test_unimplemented_flag_exits_nonzero_naming_it(server_model_dir):
     (["--port", "0"], "--port must be in 1..65535"),
     (["--api-key", " "], "--api-key is empty"),
     (["a-model", "--model", "another"], "The model is given twice"),
+    (["--api-server-count", "0"], "--api-server-count must be >= 1"),
+    (["--api-server-count", "3", "--max-num-waiting", "2"],
+     "split between the 3 API server processes: give at least 3"),
 ])
 def test_serve_flags_are_checked_with_clear_messages(flags, expected):
     with pytest.raises(ValueError, match=expected):

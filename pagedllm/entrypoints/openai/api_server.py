@@ -29,9 +29,12 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import multiprocessing
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 
 import uvicorn
@@ -47,6 +50,7 @@ from pagedllm.engine.arg_utils import EngineArgs, HelpFormatter
 from pagedllm.engine.async_engine import (
     AsyncEngine, EngineDeadError, EngineStartupError, RequestTimeoutError,
 )
+from pagedllm.engine.core_client import CoreHandle
 from pagedllm.entrypoints.openai.cli_args import add_serve_args, validate_serve_args
 from pagedllm.entrypoints.openai.protocol import (
     INTERNAL_ERROR_MESSAGE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -342,24 +346,73 @@ async def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; returns the process exit status."""
     validate_serve_args(args)
     engine_args = EngineArgs.from_cli_args(args)
-    chat_template = load_chat_template(args.chat_template)
+    load_chat_template(args.chat_template)  # a bad template fails before the model loads
     config = engine_args.create_engine_config()
-    served_names = args.served_model_name or [args.model or DEFAULT_MODEL]
     sock = _bind(args.host, args.port)
-
-    metrics = ServerMetrics(served_names[0], compat=args.metrics_compat)
-    log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    count = args.api_server_count
+    metrics_dir = tempfile.mkdtemp(prefix="pagedllm-metrics-") if count > 1 else None
+    metrics = ServerMetrics(_served_names(args)[0], compat=args.metrics_compat,
+                            multiprocess_dir=metrics_dir)
+    log_level = str(logging.getLevelName(logging.getLogger().getEffectiveLevel()))
     try:
-        engine = await AsyncEngine.start(config, metrics, log_level=str(log_level),
-                                         max_num_waiting=args.max_num_waiting,
-                                         request_timeout_s=args.request_timeout)
+        engine = await AsyncEngine.start(config, metrics, log_level=log_level,
+                                         num_api_servers=count, **_engine_limits(args))
     except EngineStartupError as exc:
         sock.close()
         print(f"error: the engine could not start: {exc}", file=sys.stderr)
         return 1
-    models = OpenAIServingModels(served_names, str(config.model_config.path),
+    info = engine.info
+    url = display_url(args.host, args.port)
+    logger.info(
+        "pagedllm %s serving %s at %sv1 (model %s, %s on %s); KV cache (%s): %d blocks x %d "
+        "tokens = %d tokens; max concurrency at max_model_len=%d: %.2fx%s%s",
+        pagedllm.__version__, ", ".join(_served_names(args)), url, info.model,
+        info.dtype, info.device, info.kv_cache_dtype, info.num_kv_blocks, info.block_size,
+        info.num_kv_tokens, info.max_model_len, info.max_concurrency,
+        "; API key required" if args.api_key else "",
+        f"; {count} API server processes" if count > 1 else "",
+    )
+    if not args.disable_web_ui:
+        logger.info("Playground: open %s in a browser", url)
+    context = multiprocessing.get_context("spawn")
+    others = [context.Process(target=_run_attached, name=f"pagedllm-api-server-{index}",
+                              args=(args, config, engine.core_handle(index), sock, metrics_dir,
+                                    log_level))
+              for index in range(1, count)]
+    for process in others:
+        process.start()
+    try:
+        return await _serve_app(args, config, engine, metrics, sock, others)
+    finally:
+        _stop_processes(others, args.shutdown_timeout)
+        await engine.shutdown()
+        sock.close()
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+        logger.info("pagedllm server stopped.")
+
+
+def _served_names(args: argparse.Namespace) -> list[str]:
+    return args.served_model_name or [args.model or DEFAULT_MODEL]
+
+
+def _engine_limits(args: argparse.Namespace) -> dict:
+    """The AsyncEngine's limits of one API process (the waiting bound is split between
+    the processes)."""
+    waiting = args.max_num_waiting
+    return {"max_num_waiting": None if waiting is None else waiting // args.api_server_count,
+            "request_timeout_s": args.request_timeout}
+
+
+async def _serve_app(args: argparse.Namespace, config, engine: AsyncEngine,
+                     metrics: ServerMetrics, sock: socket.socket,
+                     others: list[multiprocessing.Process], attached: bool = False) -> int:
+    """Serve HTTP on ``sock`` until SIGTERM/SIGINT, the core's death (status 1), the exit
+    of another API process (``others``, process 0 only; status 1 unless it exited 0), or,
+    in an ``attached`` process, the death of process 0 (status 1). Returns the exit status."""
+    models = OpenAIServingModels(_served_names(args), str(config.model_config.path),
                                  config.model_config.max_model_len)
-    app = build_app(engine, models, metrics, chat_template, args.api_key,
+    app = build_app(engine, models, metrics, load_chat_template(args.chat_template), args.api_key,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     web_ui=not args.disable_web_ui,
                     limits=RequestLimits(max_request_body_bytes=args.max_request_body_bytes,
@@ -372,31 +425,23 @@ async def serve(args: argparse.Namespace) -> int:
 
     exit_code = 0
 
-    def on_engine_dead(error: EngineDeadError) -> None:
+    def stop(message: str, status: int = 1) -> None:
         nonlocal exit_code
-        exit_code = 1
-        logger.error("The engine core is dead: the server stops and exits with status 1.")
+        exit_code = exit_code or status
+        (logger.error if status else logger.info)(
+            "%s: the server stops and exits with status %d.", message, status)
         server.should_exit = True
 
-    engine.on_dead = on_engine_dead
+    engine.on_dead = lambda error: stop("The engine core is dead")
     info = engine.info
     metrics.on_engine_ready(KVCacheShape(dtype=info.kv_cache_dtype, num_blocks=info.num_kv_blocks,
                                          block_size=info.block_size))
-    url = display_url(args.host, args.port)
-    logger.info(
-        "pagedllm %s serving %s at %sv1 (model %s, %s on %s); KV cache (%s): %d blocks x %d "
-        "tokens = %d tokens; max concurrency at max_model_len=%d: %.2fx%s",
-        pagedllm.__version__, ", ".join(served_names), url, info.model,
-        info.dtype, info.device, info.kv_cache_dtype, info.num_kv_blocks, info.block_size,
-        info.num_kv_tokens,
-        info.max_model_len, info.max_concurrency, "; API key required" if args.api_key else "",
-    )
-    if not args.disable_web_ui:
-        logger.info("Playground: open %s in a browser", url)
-    stats_task = None
-    if not args.disable_log_stats:
-        stats_task = asyncio.get_running_loop().create_task(
-            _log_stats(StatsLogger(metrics), args.log_stats_interval))
+    parent = multiprocessing.parent_process() if attached else None
+    tasks = [asyncio.get_running_loop().create_task(
+        _watch(others, parent, stop, metrics, lambda: server.should_exit))]
+    if not args.disable_log_stats and not attached:
+        tasks.append(asyncio.get_running_loop().create_task(
+            _log_stats(StatsLogger(metrics), args.log_stats_interval)))
 
     # uvicorn re-raises the signal that stopped it once it is done; these handlers make that
     # a no-op, so a graceful shutdown ends with status 0 instead of death by signal.
@@ -405,12 +450,71 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         await server.serve(sockets=[sock])
     finally:
-        if stats_task is not None:
-            stats_task.cancel()
-        await engine.shutdown()
-        sock.close()
-        logger.info("pagedllm server stopped.")
+        for task in tasks:
+            task.cancel()
     return exit_code
+
+
+async def _watch(others: list[multiprocessing.Process], parent, stop,
+                 metrics: ServerMetrics, exiting) -> None:
+    """Every half second: stop if another API process exited (process 0) or process 0
+    (``parent``, in an attached process) died; refresh this process's share of the
+    metrics. Once this server is ``exiting()``, SIGTERM the ``others``, so they finish
+    their requests while this one finishes its own."""
+    while True:
+        await asyncio.sleep(0.5)
+        metrics.refresh_tracked_requests()
+        if exiting():
+            _signal_once(others)
+            return
+        for process in others:
+            if not process.is_alive():
+                stop(f"API server process {process.name} exited with code {process.exitcode}",
+                     status=1 if process.exitcode else 0)
+                return
+        if parent is not None and not parent.is_alive():
+            stop("API server process 0 is gone")
+            return
+
+
+def _signal_once(processes: list[multiprocessing.Process]) -> None:
+    """SIGTERM each live process that has not had it (a second one would make uvicorn
+    drop its in-flight requests)."""
+    for process in processes:
+        if process.is_alive() and not getattr(process, "terminated", False):
+            process.terminated = True
+            process.terminate()
+
+
+def _stop_processes(processes: list[multiprocessing.Process], timeout_s: float) -> None:
+    """SIGTERM each (once; they finish in-flight requests for up to ``timeout_s``), then
+    kill what is left."""
+    _signal_once(processes)
+    deadline = time.monotonic() + timeout_s + 5.0
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(1.0)
+
+
+def _run_attached(args: argparse.Namespace, config, handle: CoreHandle, sock: socket.socket,
+                  metrics_dir: str, log_level: str) -> None:
+    """Entry point of API process ``handle.index`` (spawned by process 0): serve on the
+    shared socket through the running core; exits 1 if the core or process 0 dies."""
+    logging.basicConfig(level=log_level,
+                        format=f"%(levelname)s %(name)s [api server {handle.index}]: %(message)s")
+
+    async def main() -> int:
+        metrics = ServerMetrics(_served_names(args)[0], compat=args.metrics_compat,
+                                multiprocess_dir=metrics_dir)
+        engine = await AsyncEngine.attach(config, handle, metrics, **_engine_limits(args))
+        try:
+            return await _serve_app(args, config, engine, metrics, sock, [], attached=True)
+        finally:
+            await engine.shutdown()
+
+    sys.exit(_run_loop(main()))
 
 
 async def _log_stats(stats_logger: StatsLogger, interval_s: float) -> None:
@@ -421,15 +525,19 @@ async def _log_stats(stats_logger: StatsLogger, interval_s: float) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Synchronous entry point (uses uvloop when installed)."""
+    return _run_loop(serve(args))
+
+
+def _run_loop(coroutine) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(args))
+        return asyncio.run(coroutine)
     if sys.version_info >= (3, 11):
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(serve(args))
+            return runner.run(coroutine)
     uvloop.install()
-    return asyncio.run(serve(args))
+    return asyncio.run(coroutine)
 
 
 def main(argv: list[str] | None = None) -> int:

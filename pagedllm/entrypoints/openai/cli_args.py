@@ -31,6 +31,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="Interface to listen on (default: 0.0.0.0, all of them; 127.0.0.1 for "
                             "this machine only).")
     group.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    group.add_argument("--api-server-count", type=int, default=1,
+                       help="API server processes sharing the port and the one engine core "
+                            "(HTTP, JSON, streaming and detokenization spread over them; more "
+                            "than 1 pays on a fast engine whose one API process is busy; "
+                            "default 1). --max-num-waiting is split evenly between them.")
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                        help="Require 'Authorization: Bearer KEY' on every path but /health, "
                             f"/metrics, /version and / (default: ${API_KEY_ENV}; unset = no key).")
@@ -135,6 +140,12 @@ def validate_serve_args(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}.")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}.")
+    if args.max_num_waiting is not None and 1 <= args.max_num_waiting < args.api_server_count:
+        raise ValueError(f"--max-num-waiting ({args.max_num_waiting}) is split between the "
+                         f"{args.api_server_count} API server processes: give at least "
+                         f"{args.api_server_count}, or fewer processes.")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}.")
     if args.max_num_waiting is not None and args.max_num_waiting < 1:
