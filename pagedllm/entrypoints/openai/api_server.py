@@ -20,6 +20,12 @@ with a generic message; its traceback stays in the server's log.
 
 A client that disconnects aborts its request at once: streaming responses notice through
 the ASGI disconnect event, non-streaming ones race the handler against it.
+
+With ``--api-server-count N``, this process (process 0) starts the core, then N-1 more API
+processes (``_run_attached``) that accept on the same socket and attach to the core. On
+SIGTERM it passes the signal on, so all of them drain at once, and stops the core last. If
+one of them exits non-zero, process 0 stops with status 1. An attached process stops when
+the core or process 0 dies.
 """
 
 from __future__ import annotations
