@@ -14,14 +14,17 @@
 3. ``DIR/serve-<model>.json``: a list with one record per ``--api-server-counts`` value
    (each a server of that many API processes against the one offline run): both bench
    records, ``http_vs_offline`` (output tok/s ratio; the target is 0.97), the CPU seconds
-   (all API processes together) and the profile summary (API process 0). A short table is
-   printed last.
+   (all API processes together), the profile summary (API process 0), and the steps of
+   both runs (``bench throughput --step-timing`` offline; the server's core writes its own
+   when ``PAGEDLLM_CORE_STEP_TIMING_JSON`` names a file): per step kind, how many and their
+   mean milliseconds, and the seconds all steps took. A short table is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +36,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from pagedllm.engine.core_process import STEP_TIMING_ENV
 
 TARGET = 0.97
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -147,7 +152,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     engine = ["--load-format", "dummy", *args.engine_args.split()]
-    offline = _bench("throughput", args, ["--model", args.model, *engine], scratch / "offline.json")
+    offline = _bench("throughput", args, ["--model", args.model, *engine, "--step-timing"],
+                     scratch / "offline.json")
     records = [_serve_run(args, engine, offline, count, scratch / f"count{count}")
                for count in args.api_server_counts]
     (out_dir / f"serve-{Path(args.model).name}.json").write_text(json.dumps(records, indent=1))
@@ -177,11 +183,12 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
     """One server with ``count`` API processes, loaded by bench serve: its record."""
     scratch.mkdir()
     port = free_port()
+    core_timing = scratch / "core-steps.json"
     server = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", args.model, *engine,
          "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
          "--api-server-count", str(count)],
-        start_new_session=True)
+        start_new_session=True, env={**os.environ, STEP_TIMING_ENV: str(core_timing)})
     try:
         wait_healthy(port, server, args.startup_timeout_s)
         apis, core = server_processes(server.pid)
@@ -203,11 +210,13 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
         profile_summary = {name: _finish_profile(profile, scratch / f"{name}.raw")
                            for name, profile in profiles.items()}
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
+        server.send_signal(signal.SIGTERM)  # it stops the others and the core (which then
+        try:                                # writes its step timing)
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)  # whatever is left of the session
     ratio = round(http["output_throughput"] / offline["output_tok_s"], 3)
     return {
         "workload": "serve-vs-offline", "model": args.model, "num_prompts": args.num_prompts,
@@ -218,8 +227,24 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
         "target": TARGET, "met": ratio >= TARGET, "duration_s": http["duration_s"],
         "cpu_seconds": cpu, "ttft_ms": http["ttft_ms"], "tpot_ms": http["tpot_ms"],
         "itl_ms": http["itl_ms"], "failed": http["failed"], "profiles": profile_summary,
+        "steps": {"offline": _steps(offline.get("step_timing")),
+                  "server_core": _steps(_read_json(core_timing).get("step_timing"))},
         "offline": offline, "http": http,
     }
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _steps(summary: dict | None) -> dict | None:
+    """Per step kind, the number of steps and their mean milliseconds; and the seconds all
+    steps took (the core's busy time, startup warm-up excluded)."""
+    if not summary:
+        return None
+    kinds = {kind: {"steps": row["steps"], "ms": row["total_ms"]} for kind, row in summary.items()}
+    busy = sum(row["steps"] * row["total_ms"] for row in summary.values()) / 1e3
+    return {**kinds, "busy_s": round(busy, 3)}
 
 
 def _children_cpu() -> float:
@@ -263,6 +288,18 @@ def table(records: list[dict]) -> str:
             f"{r['tpot_ms']['median']:>7.1f}/{r['tpot_ms']['p99']:<8.1f} "
             f"{cpu.get('api', 0):.1f} / {cpu.get('core', 0):.1f} / {cpu.get('client', 0):.1f}"
             f"{'' if r['met'] else '  (target ' + str(TARGET) + ')'}")
+    for r in records:
+        steps = r.get("steps") or {}
+        cells = []
+        for name in ("offline", "server_core"):
+            run = steps.get(name)
+            if run:
+                kinds = ", ".join(f"{v['steps']} {k} x {v['ms']:.2f} ms" for k, v in run.items()
+                                  if k != "busy_s")
+                cells.append(f"{name}: {kinds}; busy {run['busy_s']:.2f} s")
+        if cells:
+            lines.append(f"  steps ({r['model']}, {r.get('api_server_count', 1)} API): "
+                         + " | ".join(cells))
     return "\n".join(lines)
 
 

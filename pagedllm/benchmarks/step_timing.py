@@ -1,6 +1,7 @@
 """Where a step's wall time goes, host side versus waiting for the device.
 
-``StepTimer(llm)`` wraps, on one engine instance only, the calls a step is made of and
+``StepTimer(llm)`` (or ``StepTimer(core=engine_core)``, the server's core process, which
+has no front end) wraps, on one engine instance only, the calls a step is made of and
 times each with the host clock (a few ``perf_counter`` calls per step: noise below 0.1%)::
 
     schedule      Scheduler.schedule
@@ -31,8 +32,9 @@ PHASES = ("schedule", "prepare", "forward", "sample", "wait", "update", "output"
 class StepTimer:
     """Context manager: times the phases of every step the engine runs inside it."""
 
-    def __init__(self, llm) -> None:
-        self.engine = llm.llm_engine
+    def __init__(self, llm=None, *, core=None) -> None:
+        self.core = core if llm is None else llm.llm_engine.engine_core
+        self.output_processor = None if llm is None else llm.llm_engine.output_processor
         self.totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.counts: dict[str, int] = defaultdict(int)
         self._restore: list[tuple[object, str]] = []
@@ -40,14 +42,15 @@ class StepTimer:
         self._in_execute = False
 
     def __enter__(self) -> "StepTimer":
-        core = self.engine.engine_core
+        core = self.core
         runner = core.model_runner
         self._wrap(core.scheduler, "schedule", "schedule", classify=True)
         self._wrap(runner.input_batch, "update", "prepare")
         self._wrap(runner.input_batch, "prepare", "prepare")
         self._wrap(runner, "_run_model", "forward")
         self._wrap(core.scheduler, "update_from_output", "update")
-        self._wrap(self.engine.output_processor, "process_outputs", "output")
+        if self.output_processor is not None:
+            self._wrap(self.output_processor, "process_outputs", "output")
         self._wrap(runner, "execute_model_async", "_execute")
         self._wrap_wait()
         return self

@@ -34,6 +34,8 @@ Loop invariants:
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import multiprocessing
 import os
@@ -145,7 +147,8 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str],
         )
         outputs[0].send(pickle.dumps((READY, info)))
         try:
-            _CoreLoop(core, inputs, outputs).run()
+            with _step_timing(core):
+                _CoreLoop(core, inputs, outputs).run()
         except BaseException as exc:  # noqa: BLE001
             logger.error("Engine core failed:\n%s", traceback.format_exc())
             to_all(pickle.dumps((ERROR, _describe(exc))))
@@ -159,6 +162,29 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str],
         context.term()
         if exit_code:
             sys.exit(exit_code)
+
+
+# A JSON path: the core times the phases of its steps (benchmarks/step_timing.py) and
+# writes their means there when it stops, with the seconds its steps took in all.
+STEP_TIMING_ENV = "PAGEDLLM_CORE_STEP_TIMING_JSON"
+
+
+@contextlib.contextmanager
+def _step_timing(core):
+    path = os.environ.get(STEP_TIMING_ENV)
+    if not path:
+        yield
+        return
+    from pagedllm.benchmarks.step_timing import StepTimer
+
+    with StepTimer(core=core) as timer:
+        try:
+            yield
+        finally:
+            summary = timer.summary()
+            steps_s = sum(row["steps"] * row["total_ms"] for row in summary.values()) / 1e3
+            with open(path, "w") as file:
+                json.dump({"step_timing": summary, "steps_s": round(steps_s, 6)}, file)
 
 
 def _build_core(config: EngineConfig):

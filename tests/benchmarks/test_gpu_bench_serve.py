@@ -37,6 +37,9 @@ def test_serve_beside_offline_on_the_demo_model(tmp_path) -> None:
         record["http_output_tok_s"] / record["offline_output_tok_s"], 3)
     assert record["met"] == (record["http_vs_offline"] >= 0.97)
     assert record["cpu_seconds"]["api"] > 0 and record["cpu_seconds"]["client"] > 0
+    for run in ("offline", "server_core"):  # both runs' steps, timed
+        steps = record["steps"][run]
+        assert steps["busy_s"] > 0 and steps["decode"]["steps"] >= 3, (run, steps)
     assert record["clients"] == 2 and record["profiles"] == {
         "api": None, "core": None, "client": None}  # no --py-spy-seconds
     assert "pagedllm-demo" in result.stdout.splitlines()[-1]
