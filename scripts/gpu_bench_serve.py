@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,16 +36,23 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pagedllm.distributed.executor import free_port
 from pagedllm.engine.core_process import STEP_TIMING_ENV
 
 TARGET = 0.97
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _stat(pid: int) -> list[str]:
+    """``/proc/PID/stat``'s fields after the command name (state first); OSError once the
+    process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds of process ``pid`` (0.0 once it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = _stat(pid)
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
@@ -61,12 +67,6 @@ def children(pid: int) -> list[int]:
         except OSError:
             continue
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float) -> None:
@@ -168,7 +168,7 @@ def server_processes(pid: int) -> tuple[list[int], int | None]:
     for child in children(pid):
         try:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            started = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[19])
+            started = int(_stat(child)[19])  # start time
         except OSError:
             continue
         if b"spawn_main" in cmdline:

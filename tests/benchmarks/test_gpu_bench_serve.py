@@ -59,7 +59,7 @@ def test_clients_merge_over_their_common_window() -> None:
     assert (merged["completed"], merged["failed"], merged["total_output_tokens"]) == (5, 1, 500)
     assert merged["output_throughput"] == round(500 / 12.0, 2)
     assert merged["ttft_ms"] == {"median": 1} and merged["clients"] == 2
-    assert helper._merge([first]) is first
+    assert helper._merge([first]) == first  # one client: its record as it is
 
 
 def test_profile_summary_shares_frames_inclusive_and_at_the_top() -> None:

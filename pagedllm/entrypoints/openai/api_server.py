@@ -352,7 +352,7 @@ async def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; returns the process exit status."""
     validate_serve_args(args)
     engine_args = EngineArgs.from_cli_args(args)
-    load_chat_template(args.chat_template)  # a bad template fails before the model loads
+    chat_template = load_chat_template(args.chat_template)  # fails before the model loads
     config = engine_args.create_engine_config()
     sock = _bind(args.host, args.port)
     count = args.api_server_count
@@ -388,7 +388,7 @@ async def serve(args: argparse.Namespace) -> int:
     for process in others:
         process.start()
     try:
-        return await _serve_app(args, config, engine, metrics, sock, others)
+        return await _serve_app(args, config, engine, metrics, sock, chat_template, others)
     finally:
         _stop_processes(others, args.shutdown_timeout)
         await engine.shutdown()
@@ -411,14 +411,14 @@ def _engine_limits(args: argparse.Namespace) -> dict:
 
 
 async def _serve_app(args: argparse.Namespace, config, engine: AsyncEngine,
-                     metrics: ServerMetrics, sock: socket.socket,
+                     metrics: ServerMetrics, sock: socket.socket, chat_template: str | None,
                      others: list[multiprocessing.Process], attached: bool = False) -> int:
     """Serve HTTP on ``sock`` until SIGTERM/SIGINT, the core's death (status 1), the exit
     of another API process (``others``, process 0 only; status 1 unless it exited 0), or,
     in an ``attached`` process, the death of process 0 (status 1). Returns the exit status."""
     models = OpenAIServingModels(_served_names(args), str(config.model_config.path),
                                  config.model_config.max_model_len)
-    app = build_app(engine, models, metrics, load_chat_template(args.chat_template), args.api_key,
+    app = build_app(engine, models, metrics, chat_template, args.api_key,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     web_ui=not args.disable_web_ui,
                     limits=RequestLimits(max_request_body_bytes=args.max_request_body_bytes,
@@ -442,9 +442,11 @@ async def _serve_app(args: argparse.Namespace, config, engine: AsyncEngine,
     info = engine.info
     metrics.on_engine_ready(KVCacheShape(dtype=info.kv_cache_dtype, num_blocks=info.num_kv_blocks,
                                          block_size=info.block_size))
-    parent = multiprocessing.parent_process() if attached else None
-    tasks = [asyncio.get_running_loop().create_task(
-        _watch(others, parent, stop, metrics, lambda: server.should_exit))]
+    tasks = []
+    if others or attached:  # several API processes
+        parent = multiprocessing.parent_process() if attached else None
+        tasks.append(asyncio.get_running_loop().create_task(
+            _watch(others, parent, stop, metrics, lambda: server.should_exit)))
     if not args.disable_log_stats and not attached:
         tasks.append(asyncio.get_running_loop().create_task(
             _log_stats(StatsLogger(metrics), args.log_stats_interval)))
@@ -516,7 +518,8 @@ def _run_attached(args: argparse.Namespace, config, handle: CoreHandle, sock: so
                                 multiprocess_dir=metrics_dir)
         engine = await AsyncEngine.attach(config, handle, metrics, **_engine_limits(args))
         try:
-            return await _serve_app(args, config, engine, metrics, sock, [], attached=True)
+            return await _serve_app(args, config, engine, metrics, sock,
+                                    load_chat_template(args.chat_template), [], attached=True)
         finally:
             await engine.shutdown()
 
