@@ -4,7 +4,8 @@ Each program owns one row (RMSNorm: one token, or one token's head for per-head 
 rotary: one token with all its heads; SiLU-and-mul: one ``BLOCK`` slice of one token), so
 no kernel depends on another program's output and all of them can be captured in a CUDA
 graph; the row argmax is the exception, two launches, the second reading the first's
-per-part winners. Offsets are computed in int64.
+per-part winners, and the small-batch product, whose last program to finish a column
+block (or the launch) does its final step. Offsets are computed in int64.
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ def small_batch_matmul_kernel(
     M, N, K, stride_xm, stride_wn, stride_om,
     norm_weight_ptr, residual_ptr, normed_ptr, residual_out_ptr, counter_ptr,
     stride_rm, eps, weight_scale_ptr, input_scale_ptr,
+    zeros_ptr, perm_ptr, stride_sn, partial_ptr, k_per_split,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -208,22 +210,34 @@ def small_batch_matmul_kernel(
     FP8: tl.constexpr,
     STATIC_INPUT: tl.constexpr,
     AMAX_BLOCK: tl.constexpr,
+    INT_BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
-    output columns over the whole of ``K`` (no split, so no second pass and no atomics).
+    output columns and ``K`` slice (``SPLIT`` slices of ``k_per_split`` inputs, a multiple
+    of ``BLOCK_K``; one slice: the whole of ``K``).
 
     ``USE_DOT``: tensor-core tiles of ``BLOCK_M`` (>= 16) rows; else ``BLOCK_M == 1`` and
     the products accumulate lane-wise in float32 and are summed once at the end. Rows of
     ``weight`` past ``N`` read row ``N - 1`` and are never stored.
+
+    ``SPLIT > 1``: each program stores its slice's float32 sums in ``partial``
+    (``[SPLIT, M, N]``, ``[SPLIT, M, 2N]`` gated) and counts its arrival on
+    ``counter[1 + n-block]``; the last of a column block's programs resets that counter,
+    adds the ``SPLIT`` sums in slice order (the result does not depend on which program
+    came last) and finishes the columns as one program would: scales, bias, activation,
+    store, norm. So a narrow output still spreads over every SM, in one launch.
 
     ``SILU_GATED``: ``weight`` is ``[gate; up]`` (``2N`` rows) and the program multiplies its
     columns of both, storing ``silu(gate) * up`` rounded as ``silu_and_mul_kernel`` rounds
     the two products (an MLP's gate/up projection with its activation, ``N`` wide).
 
     ``NORM_BLOCK > 0``: the RMSNorm with residual that follows the product rides on it. The
-    program that finishes last (an arrival count on ``counter``, reset by that program)
-    normalises the ``M`` rows of ``out + residual`` as ``rms_norm_kernel`` does, into
-    ``normed`` and ``residual_out`` (``[M, N]``, contiguous; ``NORM_BLOCK >= N``).
+    program that finishes the last column block (an arrival count on ``counter[0]``, reset
+    by that program) normalises the ``M`` rows of ``out + residual`` as ``rms_norm_kernel``
+    does, into ``normed`` and ``residual_out`` (``[M, N]``, contiguous; ``NORM_BLOCK >= N``).
 
     ``FP8``: FP8 W8A8 (``pagedllm.quantization.fp8``). ``weight`` is float8_e4m3fn with
     ``weight_scale`` (float32, one per row); each row of ``x`` is quantized here as
@@ -232,15 +246,26 @@ def small_batch_matmul_kernel(
     ``STATIC_INPUT``: every row of ``x`` is quantized with the one float32 at
     ``input_scale_ptr`` instead (static activation scales). ``AMAX_BLOCK``: the columns
     the largest-magnitude pass reads at once (wide for one row: few dependent loads).
+
+    ``INT_BITS`` (4 or 8): integer weights in the stored layout of
+    ``pagedllm.quantization.int_weights`` (W4A16, W8A16): ``weight`` is the packed
+    ``qweight [N, K / (32 / INT_BITS)]``, ``weight_scale`` the ``scales`` and ``zeros``
+    the zero points (``[N, K / GROUP]``, row stride ``stride_sn``); ``BLOCK_K`` divides
+    ``GROUP`` and ``K``. A weight is ``(q - zero) * scale``: ``q - zero`` exact in float32
+    (``q`` becomes a float by its bits, ``2^23 + q``, with no conversion instruction), times
+    the scale in float32, rounded to ``x``'s dtype for tensor cores and kept in float32
+    lane-wise. ``HAS_PERM``: act-order, stored column ``k`` multiplies ``x[perm[k]]``.
     """
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = n < N
-    w_rows = weight_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+    n_rows = tl.minimum(n, N - 1).to(tl.int64)
+    w_rows = weight_ptr + n_rows[:, None] * stride_wn
+    up_rows = w_rows + N * stride_wn
     m = tl.arange(0, BLOCK_M)
     m_valid = m < M
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
-    up_rows = w_rows + N * stride_wn
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
@@ -255,9 +280,27 @@ def small_batch_matmul_kernel(
             xa = tl.load(x_rows + k[None, :], mask=m_valid[:, None] & (k < K)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), 1))
         x_scale = tl.maximum(amax / 448.0, 1e-12)
-    for k0 in range(0, K, BLOCK_K):
+    else:
+        x_scale = tl.full([BLOCK_M], 1.0, tl.float32)  # unused
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
+        if HAS_PERM:
+            columns = tl.load(perm_ptr + k)
+        else:
+            columns = k
+        if INT_BITS > 0:
+            w = _int_weight_tile(w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, k0,
+                                 INT_BITS, GROUP, BLOCK_N, BLOCK_K, USE_DOT,
+                                 x_ptr.dtype.element_ty)
+            if SILU_GATED:
+                w_up = _int_weight_tile(up_rows, weight_scale_ptr + N * stride_sn,
+                                        zeros_ptr + N * stride_sn, n_rows, stride_sn, k0,
+                                        INT_BITS, GROUP, BLOCK_N, BLOCK_K, USE_DOT,
+                                        x_ptr.dtype.element_ty)
+            x_mask = m_valid[:, None]
+        elif EVEN_K:
             w = tl.load(w_rows + k[None, :])
             if SILU_GATED:
                 w_up = tl.load(up_rows + k[None, :])
@@ -268,7 +311,7 @@ def small_batch_matmul_kernel(
             if SILU_GATED:
                 w_up = tl.load(up_rows + k[None, :], mask=k_valid[None, :], other=0.0)
             x_mask = m_valid[:, None] & k_valid[None, :]
-        x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
+        x = tl.load(x_rows + columns[None, :], mask=x_mask, other=0.0)
         if FP8:
             x = tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
         if USE_DOT:
@@ -285,6 +328,75 @@ def small_batch_matmul_kernel(
     else:
         out = tl.sum(acc, 1)[None, :]
         up = tl.sum(acc_up, 1)[None, :]
+    if SPLIT == 1:
+        _small_batch_finish(
+            out, up, m, n, m_valid, n_valid, M, N, out_ptr, stride_om, bias_ptr,
+            weight_scale_ptr, x_scale, norm_weight_ptr, residual_ptr,
+            normed_ptr, residual_out_ptr, counter_ptr, stride_rm, eps,
+            HAS_BIAS, SILU_GATED, NORM_BLOCK, FP8)
+    else:
+        # Every program's partial sums, then the column block's last program finishes.
+        width = 2 * N if SILU_GATED else N
+        slot = partial_ptr + m.to(tl.int64)[:, None] * width + n[None, :]
+        valid = m_valid[:, None] & n_valid[None, :]
+        tl.store(slot + split * M * width, out, mask=valid)
+        if SILU_GATED:
+            tl.store(slot + split * M * width + N, up, mask=valid)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + 1 + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.store(counter_ptr + 1 + pid, 0)
+            out = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(0, SPLIT):
+                out += tl.load(slot + s * M * width, mask=valid, other=0.0, cache_modifier=".cg")
+                if SILU_GATED:
+                    up += tl.load(slot + s * M * width + N, mask=valid, other=0.0,
+                                  cache_modifier=".cg")
+            _small_batch_finish(
+                out, up, m, n, m_valid, n_valid, M, N, out_ptr, stride_om, bias_ptr,
+                weight_scale_ptr, x_scale, norm_weight_ptr, residual_ptr,
+                normed_ptr, residual_out_ptr, counter_ptr, stride_rm, eps,
+                HAS_BIAS, SILU_GATED, NORM_BLOCK, FP8)
+
+
+@triton.jit
+def _int_weight_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ROUND: tl.constexpr, dtype: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weights ``(q - zero) * scale`` of inputs ``k0`` onwards
+    (one group: ``BLOCK_K`` divides ``GROUP``) from the packed rows at ``q_rows``: float32,
+    or rounded once to ``dtype`` with ``ROUND``. Each packed word is loaded once and its
+    values unpacked in registers, in ``k`` order."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    words = tl.load(q_rows + word[None, :])
+    shifts = tl.arange(0, PER_WORD) * BITS
+    q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
+    group = k0 // GROUP
+    scale = tl.load(scales_ptr + n_rows * stride_sn + group).to(tl.float32)
+    zero = tl.load(zeros_ptr + n_rows * stride_sn + group).to(tl.float32)
+    # The bits of 2^23 + q as a float32: exact, and cheaper than an int-to-float conversion.
+    centred = (q | 0x4B000000).to(tl.float32, bitcast=True) - (zero + 8388608.0)[:, None]
+    w = centred * scale[:, None]
+    if ROUND:
+        w = w.to(dtype)
+    return w
+
+
+@triton.jit
+def _small_batch_finish(
+    out, up, m, n, m_valid, n_valid, M, N, out_ptr, stride_om, bias_ptr, weight_scale_ptr,
+    x_scale, norm_weight_ptr, residual_ptr, normed_ptr, residual_out_ptr, counter_ptr,
+    stride_rm, eps,
+    HAS_BIAS: tl.constexpr,
+    SILU_GATED: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """A column block's float32 sums -> its outputs: the FP8 scales, the bias, the SiLU
+    gate, the store, and (``NORM_BLOCK``) the norm by the last column block to arrive."""
     if FP8:
         w_scale = tl.load(weight_scale_ptr + tl.minimum(n, N - 1))
         out = out * x_scale[:, None] * w_scale[None, :]

@@ -14,13 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.linear import Linear
-from pagedllm.layers.triton_ops import (
-    rms_norm,
-    small_batch_matmul,
-    use_fused_ops,
-    use_small_batch_matmul,
-)
+from pagedllm.layers.linear import Linear, small_batch_product
+from pagedllm.layers.triton_ops import rms_norm, use_fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -89,10 +84,8 @@ def linear_and_norm(
     few sequences on CUDA the norm runs at the end of the projection's small-batch product
     (one launch for both; the same roundings as the two kernels); not for a row-parallel
     projection, whose ranks' products are summed before the norm."""
-    if (proj.weight is not None and not proj.reduces and use_small_batch_matmul(x, proj.weight)
-            and norm.weight.dtype == x.dtype and not norm.weight_offset):
-        return small_batch_matmul(x, proj.weight, proj.bias,
-                                  norm=(norm.weight, norm.eps, residual),
-                                  weight_scale=proj.weight_scale,
-                                  input_scale=proj.input_scale)
+    if not proj.reduces and norm.weight.dtype == x.dtype and not norm.weight_offset:
+        fused = small_batch_product(proj, x, proj.bias, norm=(norm.weight, norm.eps, residual))
+        if fused is not None:
+            return fused
     return norm(proj(x), residual)

@@ -38,7 +38,12 @@ from torch import nn
 from pagedllm.distributed import sharding
 from pagedllm.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp
 from pagedllm.layers.int_matmul import int_linear
-from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
+from pagedllm.layers.triton_ops import (
+    IntWeights,
+    small_batch_matmul,
+    small_batch_matmul_config,
+    use_small_batch_matmul,
+)
 from pagedllm.quantization import int_weights
 from pagedllm.quantization.checkpoint import IntWeightScheme
 from pagedllm.quantization.fp8 import FP8_DTYPE, fp8_linear, quantize_rows
@@ -59,6 +64,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight_scale is not None:
         return fp8_linear(x, weight, weight_scale, bias, input_scale)
     return F.linear(x, weight, bias)
+
+
+def small_batch_product(proj: Linear, x: torch.Tensor, bias: torch.Tensor | None, *,
+                        silu_gated: bool = False,
+                        norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """``x @ proj.weight.T + bias`` on the small-batch kernel (``small_batch_matmul``, with
+    ``silu_gated`` or ``norm`` riding on it), for every weight format: bf16/fp16, FP8 and
+    packed integers. None where that kernel does not take the product (not CUDA, more rows
+    than ``gemv_max_rows``, integer groups no tile fits): the caller multiplies."""
+    scheme = proj.int_scheme
+    if scheme is None:
+        if not use_small_batch_matmul(x, proj.weight):
+            return None
+        return small_batch_matmul(x, proj.weight, bias, silu_gated=silu_gated, norm=norm,
+                                  weight_scale=proj.weight_scale, input_scale=proj.input_scale)
+    group = proj.input_size if scheme.group_size == -1 else scheme.group_size
+    if not use_small_batch_matmul(x, proj.qweight) or small_batch_matmul_config(
+            x.shape[0], proj.qweight.shape[0], proj.input_size, int_bits=scheme.bits,
+            group=group) is None:
+        return None
+    ints = IntWeights(proj.scales, proj.zeros, scheme.bits, scheme.group_size, proj.act_perm)
+    return small_batch_matmul(x, proj.qweight, bias, silu_gated=silu_gated, norm=norm,
+                              int_weights=ints)
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -121,11 +150,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.reduces else self.bias
-        if self.int_scheme is not None:
+        out = small_batch_product(self, x, bias)
+        if out is None and self.int_scheme is not None:
             out = int_linear(x, self.qweight, self.scales, self.zeros,
                              bits=self.int_scheme.bits, group_size=self.int_scheme.group_size,
                              in_features=self.input_size, bias=bias, perm=self.act_perm)
-        else:
+        elif out is None:
             out = linear(x, self.weight, bias, self.weight_scale, self.input_scale)
         if self.reduces:
             out = all_reduce(out)

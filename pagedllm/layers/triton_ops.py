@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -279,12 +281,12 @@ def gemv_max_rows() -> int:
 def use_small_batch_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when ``x @ weight.T`` should run as ``small_batch_matmul``: a CUDA half-precision
     ``[M, K]`` input with ``1 <= M <= gemv_max_rows()`` and a row-major weight of its dtype,
-    or an FP8 weight on a GPU with FP8 tensor cores."""
+    an FP8 weight on a GPU with FP8 tensor cores, or packed integer weights (int32)."""
     return (
         x.dim() == 2
         and 1 <= x.shape[0] <= gemv_max_rows()
         and x.dtype in (torch.float16, torch.bfloat16)
-        and (weight.dtype == x.dtype
+        and (weight.dtype in (x.dtype, torch.int32)
              or (weight.dtype == torch.float8_e4m3fn and fp8_dot_supported(x.device)))
         and weight.stride(-1) == 1
         and use_fused_ops(x)
@@ -299,13 +301,41 @@ def fp8_dot_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+class GemvTile(NamedTuple):
+    """Launch shape of ``small_batch_matmul``: ``block_n`` output columns and ``block_k``
+    inputs per step, tensor-core tiles of 16 rows (``use_dot``) or one row lane-wise, and
+    ``split`` slices of ``K`` per column block (split-K, finished inside the launch)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+    split: int = 1
+
+
+@dataclass(frozen=True)
+class IntWeights:
+    """What an integer-weight product needs besides the packed ``qweight``: the stored
+    layout's ``scales`` and ``zeros`` (``[N, groups]``), the bits, the group size (-1: one
+    group per row) and an act-order ``perm`` of the input columns
+    (``pagedllm.quantization.int_weights``)."""
+
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group_size: int
+    perm: torch.Tensor | None = None
+
+
 GEMV_FP8_TILE_ENV = "PAGEDLLM_GEMV_FP8_TILE"
+GEMV_INT_TILE_ENV = "PAGEDLLM_GEMV_INT_TILE"
 
 
 @functools.cache
-def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False
-                              ) -> tuple[int, int, int, int, bool]:
-    """``(BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot)`` of ``small_batch_matmul``.
+def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False, int_bits: int = 0,
+                              group: int = 0) -> GemvTile | None:
+    """The tile of ``small_batch_matmul`` for ``rows x k @ k x n``.
 
     From timings on an H200 of Llama-3.1-8B's one-row projections, back to back inside a CUDA
     graph with the weights out of L2 (``scripts/check_kernels_gpu.py --gemv-graph``), all
@@ -313,50 +343,98 @@ def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False
     cuBLAS's 12.6, down 30.9 against 31.3), 64 x 512 up to 16k (qkv 15.1 against 15.3),
     and narrow 128-wide K tiles with many programs above (gate/up 58.1 against 64.9; the
     LM head). ``--gemv-sweep`` gave the same order at 4 and 8 rows. ``fp8``: FP8 weights,
-    whose tiles ``_fp8_tile`` holds.
+    whose tiles ``_fp8_tile`` holds; ``int_bits``: packed integer weights in groups of
+    ``group`` inputs (``_int_tile``; None when no tile fits the groups).
 
-    ``PAGEDLLM_GEMV_TILE="BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma"`` overrides it for
-    every weight, ``PAGEDLLM_GEMV_FP8_TILE`` for FP8 weights only (``fma`` only for one
-    row), to measure candidates on whole workloads.
+    ``PAGEDLLM_GEMV_TILE="BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma[,SPLIT]"`` overrides
+    it for every weight, ``PAGEDLLM_GEMV_FP8_TILE`` for FP8 weights only and
+    ``PAGEDLLM_GEMV_INT_TILE`` for integer ones (``fma`` only for one row), to measure
+    candidates on whole workloads.
     """
-    for env in ((GEMV_FP8_TILE_ENV, GEMV_TILE_ENV) if fp8 else (GEMV_TILE_ENV,)):
+    envs = (GEMV_TILE_ENV,)
+    if fp8:
+        envs = (GEMV_FP8_TILE_ENV, GEMV_TILE_ENV)
+    elif int_bits:
+        envs = (GEMV_INT_TILE_ENV, GEMV_TILE_ENV)
+    for env in envs:
         value = os.environ.get(env, "").strip()
         if value:
-            return _parse_tile(env, value, rows)
+            tile = _parse_tile(env, value, rows)
+            if int_bits and not _int_tile_fits(tile, k, group):
+                return None
+            return tile
     if fp8:
         return _fp8_tile(rows, n, k)
+    if int_bits:
+        return _int_tile(rows, n, k, group)
     if n <= 4096:
-        return 32, 512, 4, 3, True
+        return GemvTile(32, 512, 4, 3, True)
     if n < 16384:
-        return 64, 512, 4, 3, True
-    return 64, 128, 4, 3, True
+        return GemvTile(64, 512, 4, 3, True)
+    return GemvTile(64, 128, 4, 3, True)
 
 
-def _fp8_tile(rows: int, n: int, k: int) -> tuple[int, int, int, int, bool]:
+def _fp8_tile(rows: int, n: int, k: int) -> GemvTile:
     """FP8 weights (``--gemv-fp8-sweep`` on an H200, Llama-3.1-8B's projections in CUDA
     graphs, weights out of L2): one row multiplies lane-wise in narrow 16-wide tiles (qkv
     13.8 us against bf16's 15.1, o_proj 12.5, down 39.9) except the wide gate/up (tensor
     cores, 128 x 256: 37.5 against 59.8); several rows take tensor-core tiles."""
     if n >= 16384:
-        return 128, 256, 4 if rows == 1 else 8, 3, True
+        return GemvTile(128, 256, 4 if rows == 1 else 8, 3, True)
     if rows == 1:
-        return 16, 512, 8 if k > 8192 else 4, 1 if k <= 8192 else 3, False
+        return GemvTile(16, 512, 8 if k > 8192 else 4, 1 if k <= 8192 else 3, False)
     if k > 8192:
-        return 32, 1024, 4, 3, True
-    return (64, 512, 8, 3, True) if n > 4096 else (32, 512, 4, 3, True)
+        return GemvTile(32, 1024, 4, 3, True)
+    return GemvTile(64, 512, 8, 3, True) if n > 4096 else GemvTile(32, 512, 4, 3, True)
 
 
-def _parse_tile(env: str, value: str, rows: int) -> tuple[int, int, int, int, bool]:
+# Programs per SM a split-K launch aims for: enough to hide the latency of the loads.
+_INT_PROGRAMS_PER_SM = 4
+
+
+def _int_tile(rows: int, n: int, k: int, group: int) -> GemvTile | None:
+    """Integer weights: 128-input steps (a group of the usual checkpoints; the largest
+    power of two up to 128 that divides the group and ``K``), 32 columns lane-wise for one
+    row and 64 on tensor cores for several, and ``K`` split until the launch reaches
+    ``_INT_PROGRAMS_PER_SM`` programs per SM of an H200 (132), each slice at least four
+    steps long."""
+    block_k = next((b for b in (128, 64, 32, 16) if k % b == 0 and group % b == 0), None)
+    if block_k is None:
+        return None
+    block_n, use_dot = (32, False) if rows == 1 else (64, True)
+    steps = k // block_k
+    blocks = -(-n // block_n)
+    split = 1
+    for s in range(1, steps // 4 + 1):
+        if steps % s == 0:
+            split = s
+            if blocks * s >= _INT_PROGRAMS_PER_SM * 132:
+                break
+    return GemvTile(block_n, block_k, 4, 3, use_dot, split)
+
+
+def _int_tile_fits(tile: GemvTile, k: int, group: int) -> bool:
+    """Whether ``tile`` tiles integer weights of ``K`` inputs in groups of ``group``: its
+    steps lie in one group and its slices hold whole steps."""
+    return (k % tile.block_k == 0 and group % tile.block_k == 0
+            and (k // tile.block_k) % tile.split == 0)
+
+
+def _parse_tile(env: str, value: str, rows: int) -> GemvTile:
     try:
-        *ints, mode = value.split(",")
-        block_n, block_k, num_warps, num_stages = (int(v) for v in ints)
-    except ValueError:
+        fields = value.split(",")
+        mode = fields[4]
+        block_n, block_k, num_warps, num_stages, *split = (int(v) for v in fields[:4] + fields[5:])
+        if len(split) > 1:
+            raise ValueError
+    except (ValueError, IndexError):
         raise ValueError(f"{env}={value!r}: give BLOCK_N,BLOCK_K,num_warps,"
-                         "num_stages,dot|fma (e.g. 32,256,4,4,dot).") from None
-    if mode not in ("dot", "fma") or min(block_n, block_k) < 16:
-        raise ValueError(f"{env}={value!r}: the mode is dot or fma and the "
-                         "blocks are powers of two >= 16.")
-    return block_n, block_k, num_warps, num_stages, mode == "dot" or rows > 1
+                         "num_stages,dot|fma[,SPLIT] (e.g. 32,256,4,4,dot).") from None
+    if mode not in ("dot", "fma") or min(block_n, block_k) < 16 or (split and split[0] < 1):
+        raise ValueError(f"{env}={value!r}: the mode is dot or fma, the "
+                         "blocks are powers of two >= 16 and SPLIT is at least 1.")
+    return GemvTile(block_n, block_k, num_warps, num_stages, mode == "dot" or rows > 1,
+                    split[0] if split else 1)
 
 
 def small_batch_matmul(
@@ -368,14 +446,17 @@ def small_batch_matmul(
     norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
     weight_scale: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
+    int_weights: IntWeights | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T + bias`` for ``x: [M, K]`` with ``M <= 16``, ``weight: [N, K]`` -> ``[M, N]``.
 
     A decode step of a few sequences is a matrix-vector product per layer: its time is the
     time to read the weight once, and BLAS libraries split ``K`` into a second reduction
     pass for the narrow shapes. Here one program owns ``BLOCK_N`` output columns over the
-    whole of ``K``, accumulating in float32; a row's result does not depend on the other
-    rows of the batch.
+    whole of ``K`` or, for narrow outputs, over one of ``split`` slices of it, the slices'
+    sums added in a fixed order by the column block's last program in the same launch;
+    products accumulate in float32, and a row's result does not depend on the other rows
+    of the batch.
 
     ``silu_gated=True``: ``weight`` stacks ``[gate; up]`` (``2N`` rows) and the result is
     ``silu_and_mul(x @ weight.T + bias)``, ``[M, N]``: the activation of an MLP rides on its
@@ -390,11 +471,17 @@ def small_batch_matmul(
     product is FP8 W8A8, ``x``'s rows quantized per token inside the kernel
     (``pagedllm.quantization.fp8``); the result is in ``x``'s dtype. ``input_scale`` (one
     float32, with ``weight_scale``): ``x`` is quantized with that static scale instead.
+
+    ``int_weights``: ``weight`` is the packed int32 ``qweight`` of integer weights (W4A16,
+    W8A16), dequantized in the kernel as the loads stream in. Raises ValueError when no
+    tile fits its groups (``small_batch_matmul_config`` returns None: use the
+    ``int_matmul`` path).
     """
     k = _kernels()
     rows, in_features = x.shape
     out_features = weight.shape[0] // 2 if silu_gated else weight.shape[0]
-    if rows > 16 or weight.shape[1] != in_features or (silu_gated and weight.shape[0] % 2):
+    packed = (in_features * int_weights.bits + 31) // 32 if int_weights else in_features
+    if rows > 16 or weight.shape[1] != packed or (silu_gated and weight.shape[0] % 2):
         raise ValueError(f"small_batch_matmul takes [M <= 16, K] @ [N, K].T (N even when "
                          f"silu_gated), got {tuple(x.shape)} and {tuple(weight.shape)}.")
     if x.stride(-1) != 1:
@@ -408,40 +495,72 @@ def small_batch_matmul(
         if residual.stride(-1) != 1:
             residual = residual.contiguous()
         normed, residual_out = torch.empty_like(out), torch.empty_like(out)
-        norm_args = (norm_weight, residual, normed, residual_out,
-                     arrival_counters(x.device, 1), residual.stride(0), eps)
+        norm_args = (norm_weight, residual, normed, residual_out)
+        norm_strides = (residual.stride(0), eps)
     else:
-        norm_args = (weight, weight, out, out, out, 0, 0.0)  # unused
+        norm_args, norm_strides = (weight, weight, out, out), (0, 0.0)  # unused
     if weight_scale is not None and (weight_scale.numel() != weight.shape[0]
                                      or weight_scale.dtype != torch.float32):
         raise ValueError(f"weight_scale must hold one float32 scale per weight row "
                          f"({weight.shape[0]}), got {tuple(weight_scale.shape)} {weight_scale.dtype}.")
+    if int_weights is None:
+        tile = GemvTile(*small_batch_matmul_config(
+            rows, weight.shape[0], in_features, **({"fp8": True} if weight_scale is not None else {})))
+        group = 0
+    else:
+        group = in_features if int_weights.group_size == -1 else int_weights.group_size
+        tile = small_batch_matmul_config(rows, weight.shape[0], in_features,
+                                         int_bits=int_weights.bits, group=group)
+        if tile is None:
+            raise ValueError(f"no small-batch tile fits K={in_features} in groups of {group}.")
+        tile = GemvTile(*tile)
+        if int_weights.scales.stride() != int_weights.zeros.stride() or (
+                int_weights.scales.stride(-1) != 1):
+            raise ValueError("scales and zeros must be contiguous [N, groups] tensors of one "
+                             "shape.")
     if rows == 0:
         return out if norm is None else (normed, residual_out)
-    block_n, block_k, num_warps, num_stages, use_dot = small_batch_matmul_config(
-        rows, weight.shape[0], in_features, fp8=weight_scale is not None
-    )
+    block_n = tile.block_n
     if silu_gated:  # two weight tiles per program: the same bytes in flight as the plain tile
         block_n = max(16, block_n // 2)
-    k.small_batch_matmul_kernel[(k.cdiv(out_features, block_n),)](
-        x, weight, bias if bias is not None else weight, out,
+    blocks = k.cdiv(out_features, block_n)
+    steps = k.cdiv(in_features, tile.block_k)
+    if steps % tile.split:
+        raise ValueError(f"tile {tile}: SPLIT must divide the {steps} steps of K={in_features}.")
+    partial = out
+    if tile.split > 1:
+        width = 2 * out_features if silu_gated else out_features
+        partial = torch.empty((tile.split, rows, width), dtype=torch.float32, device=x.device)
+    if int_weights is None:
+        scale_args = (weight_scale if weight_scale is not None else out,
+                      input_scale if input_scale is not None else out, out, out, 0)
+    else:
+        perm = int_weights.perm
+        scale_args = (int_weights.scales, out, int_weights.zeros,
+                      perm if perm is not None else out, int_weights.scales.stride(0))
+    k.small_batch_matmul_kernel[(blocks, tile.split)](
+        x, weight, bias if bias is not None else out, out,
         rows, out_features, in_features, x.stride(0), weight.stride(0), out.stride(0),
-        *norm_args,
-        weight_scale if weight_scale is not None else out,
-        input_scale if input_scale is not None else out,
-        BLOCK_M=16 if use_dot else 1,
+        *norm_args, arrival_counters(x.device, 1 + blocks), *norm_strides,
+        *scale_args, partial, steps // tile.split * tile.block_k,
+        BLOCK_M=16 if tile.use_dot else 1,
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_K=tile.block_k,
         HAS_BIAS=bias is not None,
-        EVEN_K=in_features % block_k == 0,
-        USE_DOT=use_dot,
+        EVEN_K=in_features % tile.block_k == 0,
+        USE_DOT=tile.use_dot,
         SILU_GATED=silu_gated,
         NORM_BLOCK=k.next_power_of_2(out_features) if norm is not None else 0,
         FP8=weight_scale is not None,
         STATIC_INPUT=input_scale is not None,
         # One row: the whole row (up to 8k columns) in one or two loads; else the K tile.
-        AMAX_BLOCK=block_k if use_dot else max(block_k, min(8192, k.next_power_of_2(in_features))),
-        num_warps=num_warps,
-        num_stages=num_stages,
+        AMAX_BLOCK=(tile.block_k if tile.use_dot
+                    else max(tile.block_k, min(8192, k.next_power_of_2(in_features)))),
+        INT_BITS=int_weights.bits if int_weights is not None else 0,
+        GROUP=group,
+        HAS_PERM=int_weights is not None and int_weights.perm is not None,
+        SPLIT=tile.split,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return out if norm is None else (normed, residual_out)

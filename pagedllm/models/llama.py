@@ -56,14 +56,20 @@ from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.fused_moe import FusedMoE, MoEBlock
 from pagedllm.layers.layernorm import RMSNorm, linear_and_norm
-from pagedllm.layers.linear import Embedding, FusedLinear, Linear, gather_logits, linear
+from pagedllm.layers.linear import (
+    Embedding,
+    FusedLinear,
+    Linear,
+    gather_logits,
+    linear,
+    small_batch_product,
+)
 from pagedllm.layers.rotary import (
     RotaryEmbedding,
     rope_parameters_from_hf,
     rotary_dims,
     rotate_leading,
 )
-from pagedllm.layers.triton_ops import small_batch_matmul, use_small_batch_matmul
 from pagedllm.models.moe_config import moe_fields
 
 # (fused module, checkpoint module, shard) — a checkpoint name containing ".{checkpoint
@@ -237,14 +243,13 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The activation before ``down_proj`` (the decoder layer applies ``down_proj``
         together with the norm after it)."""
-        gate_up = self.gate_up_proj
-        if (self.act.is_silu and gate_up.weight is not None
-                and use_small_batch_matmul(x, gate_up.weight)):
+        if self.act.is_silu:
             # A decode step of a few sequences: the activation rides on the gate/up product.
-            return small_batch_matmul(x, gate_up.weight, gate_up.bias, silu_gated=True,
-                                      weight_scale=gate_up.weight_scale,
-                                      input_scale=gate_up.input_scale)
-        return self.act(gate_up(x))
+            fused = small_batch_product(self.gate_up_proj, x, self.gate_up_proj.bias,
+                                        silu_gated=True)
+            if fused is not None:
+                return fused
+        return self.act(self.gate_up_proj(x))
 
 
 class SharedExpertMoE(MoEBlock):

@@ -127,6 +127,9 @@ def test_greedy_argmax_is_torch_argmax_with_ties_across_parts(dtype) -> None:
 SMALL_BATCH_TILES = {
     "dot": (32, 64, 4, 2, True),
     "fma": (32, 64, 4, 2, False),
+    # K in slices, finished by each column block's last program (split-K).
+    "dot-split": (32, 64, 4, 2, True, 2),
+    "fma-split": (32, 64, 4, 2, False, 4),
 }
 
 
@@ -139,11 +142,14 @@ DOT_DTYPE = torch.float16 if INTERPRETED else torch.bfloat16
     ("dot", torch.float16),
     pytest.param("dot", torch.bfloat16, marks=pytest.mark.skipif(INTERPRETED, reason="interpreter")),
     ("fma", torch.bfloat16),
+    ("dot-split", torch.float16),
+    ("fma-split", torch.bfloat16),
 ])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_small_batch_matmul_equals_linear(monkeypatch, mode, dtype, rows) -> None:
-    """Uneven N and K (a partial column block and a partial K tile), with and without a bias."""
-    if mode == "fma" and rows > 1:
+    """Uneven N and K (a partial column block and a partial K tile, the last slice of a
+    split K partial), with and without a bias."""
+    if mode.startswith("fma") and rows > 1:
         pytest.skip("the lane-wise path serves one row")
     monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, fp8=False: SMALL_BATCH_TILES[mode])
     x = _rand(rows, 200, dtype=dtype, seed=8)
@@ -172,7 +178,8 @@ def test_linear_layers_send_small_batches_to_the_matmul_kernel(monkeypatch) -> N
     calls = []
     monkeypatch.setattr(triton_ops, "use_fused_ops", lambda x: True)  # as on a GPU
     monkeypatch.setattr(linear_module, "small_batch_matmul",
-                        lambda x, w, b: calls.append(x.shape[0]) or triton_ops.small_batch_matmul(x, w, b))
+                        lambda x, w, b, **kw: calls.append(x.shape[0])
+                        or triton_ops.small_batch_matmul(x, w, b, **kw))
     layer = Linear(64, 32).to(DEVICE, DOT_DTYPE)
     layer.weight.data = _rand(32, 64, dtype=DOT_DTYPE, seed=13)
     small, large = _rand(4, 64, dtype=DOT_DTYPE, seed=14), _rand(40, 64, dtype=DOT_DTYPE, seed=15)
@@ -218,10 +225,11 @@ def test_llama_mlp_of_a_small_batch_runs_on_the_matmul_kernel_with_the_norm_afte
     assert kernels == [(192, 64), (64, 96)]  # gate/up with SiLU, then down with the norm
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_small_batch_matmul_with_norm_is_the_product_then_rms_norm_to_the_bit(monkeypatch, rows) -> None:
-    """The last program normalises every row; the counter is reset for the next launch."""
-    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, fp8=False: SMALL_BATCH_TILES["dot"])
+@pytest.mark.parametrize("rows, mode", [(1, "dot"), (3, "dot"), (3, "dot-split")])
+def test_small_batch_matmul_with_norm_is_the_product_then_rms_norm_to_the_bit(monkeypatch, rows,
+                                                                              mode) -> None:
+    """The last program normalises every row; the counters are reset for the next launch."""
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, fp8=False: SMALL_BATCH_TILES[mode])
     x = _rand(rows, 96, dtype=DOT_DTYPE, seed=27)
     weight = _rand(72, 96, dtype=DOT_DTYPE, seed=28) * 0.2  # three programs of 32 columns
     norm_weight = _rand(72, dtype=DOT_DTYPE, seed=29)
@@ -232,16 +240,20 @@ def test_small_batch_matmul_with_norm_is_the_product_then_rms_norm_to_the_bit(mo
         got = triton_ops.small_batch_matmul(x, weight, norm=(norm_weight, 1e-6, residual))
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert not triton_ops.arrival_counters(x.device, 1).any()
+    if mode == "dot-split":  # the slices' sums are added in a fixed order: the same bits
+        monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, fp8=False: SMALL_BATCH_TILES["dot"])
+        whole = triton_ops.small_batch_matmul(x, weight)
+        torch.testing.assert_close(whole, product, rtol=2e-3, atol=2e-3)
     with pytest.raises(ValueError, match="residual of its shape"):
         triton_ops.small_batch_matmul(x, weight, norm=(norm_weight, 1e-6, residual[:, :8]))
 
 
-@pytest.mark.parametrize("mode, rows", [("dot", 1), ("dot", 3), ("fma", 1)])
+@pytest.mark.parametrize("mode, rows", [("dot", 1), ("dot", 3), ("fma", 1), ("fma-split", 1)])
 def test_silu_gated_small_batch_matmul_is_silu_and_mul_of_the_product(monkeypatch, mode, rows) -> None:
     """``[gate; up]`` weights with a bias and an uneven K: the same values, and the same
     roundings, as the product followed by ``silu_and_mul``."""
     monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, fp8=False: SMALL_BATCH_TILES[mode])
-    dtype = DOT_DTYPE if mode == "dot" else torch.bfloat16
+    dtype = DOT_DTYPE if mode.startswith("dot") else torch.bfloat16
     x = _rand(rows, 200, dtype=dtype, seed=24)
     weight = _rand(2 * 45, 200, dtype=dtype, seed=25) * 0.2
     bias = _rand(2 * 45, dtype=dtype, seed=26)
@@ -256,7 +268,7 @@ def test_silu_gated_small_batch_matmul_is_silu_and_mul_of_the_product(monkeypatc
         triton_ops.small_batch_matmul(x, weight[:89], silu_gated=True)
 
 
-@pytest.mark.parametrize("mode, rows", [("dot", 1), ("dot", 5), ("fma", 1)])
+@pytest.mark.parametrize("mode, rows", [("dot", 1), ("dot", 5), ("fma", 1), ("fma-split", 1)])
 def test_fp8_small_batch_matmul_is_the_w8a8_product(monkeypatch, mode, rows) -> None:
     """FP8 weights with row scales: each input row quantized in the kernel as
     ``quantize_rows`` quantizes it, the FP8 products summed in float32 and scaled: the

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.layers import int_matmul
+from pagedllm.layers import int_matmul, triton_ops
+from pagedllm.layers import linear as linear_module
 from pagedllm.layers.int_matmul import IntTile, int_dequantize, int_linear, int_matmul_config
+from pagedllm.layers.triton_ops import GemvTile, IntWeights
 from pagedllm.quantization.int_weights import (
     dequantize,
     int_linear_reference,
@@ -37,10 +39,12 @@ def packed_projection(n: int, k: int, bits: int, group_size: int, seed: int,
             None if perm is None else perm.to(DEVICE))
 
 
-def _reference(x, qweight, scales, zeros, bits, group_size, bias=None, perm=None):
-    """The reference's weights (dequantized, rounded once to ``x``'s dtype, back in input
-    order) times ``x`` in float32."""
-    weight = dequantize(qweight, scales, zeros, bits, group_size, x.shape[1], x.dtype).float()
+def _reference(x, qweight, scales, zeros, bits, group_size, bias=None, perm=None,
+               weight_dtype=None):
+    """The reference's weights (dequantized, rounded once to ``x``'s dtype or to
+    ``weight_dtype``, back in input order) times ``x`` in float32."""
+    weight = dequantize(qweight, scales, zeros, bits, group_size, x.shape[1],
+                        weight_dtype or x.dtype).float()
     if perm is not None:
         weight[:, perm.long()] = weight.clone()
     out = x.float() @ weight.T
@@ -135,3 +139,97 @@ def test_prompt_sized_steps_dequantize_once_then_multiply(monkeypatch):
     got = int_linear(x, qweight, scales, zeros, bits=4, group_size=32, in_features=64, perm=perm)
     torch.testing.assert_close(got.float(), _reference(x, qweight, scales, zeros, 4, 32, perm=perm),
                                rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("rows, tile", [
+    (1, GemvTile(32, 32, 4, 2, False)),      # one row, lane-wise, the whole of K
+    (1, GemvTile(32, 16, 4, 2, False, 4)),   # one row, K in four slices
+    (3, GemvTile(32, 32, 4, 2, True, 2)),    # tensor-core tiles, two slices
+])
+@pytest.mark.parametrize("bits, group_size, act_order", [
+    (4, 32, False), (4, 64, True), (4, -1, False), (8, 32, True)])
+def test_small_batch_kernel_takes_integer_weights(monkeypatch, rows, tile, bits, group_size,
+                                                  act_order):
+    """Decode batches of a few rows: the small-batch kernel dequantizes the packed words as
+    they stream in, plain, with a bias, with the SiLU gate of ``[gate; up]`` and with the
+    norm riding on it, and equals the dequantized product (lane-wise, the weights stay in
+    float32: the product of the float32 weights)."""
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda *a, **kw: tile)
+    n, k = 48, 128
+    qweight, scales, zeros, perm = packed_projection(2 * n, k, bits, group_size, seed=rows,
+                                                     act_order=act_order)
+    ints = IntWeights(scales, zeros, bits, group_size, perm)
+    gen = torch.Generator().manual_seed(200 + rows)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, DTYPE)
+    bias = torch.randn(2 * n, generator=gen).to(DEVICE, DTYPE)
+    want = _reference(x, qweight, scales, zeros, bits, group_size, bias, perm,
+                      weight_dtype=None if tile.use_dot else torch.float32)
+    got = triton_ops.small_batch_matmul(x, qweight, bias, int_weights=ints)
+    assert got.dtype == DTYPE and got.shape == (rows, 2 * n)
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+
+    gate, up = want.to(DTYPE).float().chunk(2, dim=-1)
+    gated = (torch.nn.functional.silu(gate).to(DTYPE).float() * up)
+    got = triton_ops.small_batch_matmul(x, qweight, bias, silu_gated=True, int_weights=ints)
+    torch.testing.assert_close(got.float(), gated, rtol=4e-3, atol=4e-3)
+
+    norm_weight = torch.randn(2 * n, generator=gen).to(DEVICE, DTYPE)
+    residual = torch.randn(rows, 2 * n, generator=gen).to(DEVICE, DTYPE)
+    product = triton_ops.small_batch_matmul(x, qweight, int_weights=ints)
+    want_normed, want_sum = triton_ops.rms_norm(product, norm_weight, 1e-6, residual)
+    normed, summed = triton_ops.small_batch_matmul(x, qweight, norm=(norm_weight, 1e-6, residual),
+                                                   int_weights=ints)
+    assert torch.equal(summed, want_sum) and torch.equal(normed, want_normed)
+    assert not triton_ops.arrival_counters(x.device, 1).any()  # every counter reset
+
+
+def test_small_batch_integer_tiles_fit_the_groups_and_split_narrow_outputs():
+    # Llama-3.1-8B's projections in groups of 128, one row: steps of one group, K split
+    # until the launch fills the GPU, each slice whole steps.
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        tile = triton_ops.small_batch_matmul_config(1, n, k, int_bits=4, group=128)
+        assert tile.block_k == 128 and not tile.use_dot
+        assert (k // tile.block_k) % tile.split == 0 and k // tile.block_k // tile.split >= 4
+    assert triton_ops.small_batch_matmul_config(1, 4096, 14336, int_bits=4, group=128).split > 1
+    assert triton_ops.small_batch_matmul_config(4, 4096, 4096, int_bits=4, group=128).use_dot
+    assert triton_ops.small_batch_matmul_config(1, 64, 100, int_bits=4, group=100) is None
+
+
+def test_int_llama_mlp_of_one_row_runs_on_the_small_batch_kernel(monkeypatch):
+    """A decode step of one sequence through a 4-bit Llama MLP: gate/up with the SiLU riding
+    on it, then down with the norm after it, two launches of the small-batch kernel, and
+    the layers' values (the dequantized weights' products)."""
+    from pagedllm.layers.layernorm import RMSNorm, linear_and_norm
+    from pagedllm.models.llama import LlamaArchConfig, LlamaMLP
+    from pagedllm.quantization.checkpoint import IntWeightScheme
+
+    hf = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+              num_attention_heads=4, hidden_act="silu")
+    scheme = IntWeightScheme("gptq", bits=4, group_size=32)
+    mlp = LlamaMLP(LlamaArchConfig.from_hf(hf, "llama")).to(DEVICE, DTYPE)
+    dense = {}
+    for name, proj, (n, k) in (("gate_up", mlp.gate_up_proj, (192, 64)),
+                               ("down", mlp.down_proj, (64, 96))):
+        proj.make_int(scheme)
+        proj.qweight.data, proj.scales.data, proj.zeros.data, _ = packed_projection(
+            n, k, 4, 32, seed=n)
+        dense[name] = dequantize(proj.qweight, proj.scales, proj.zeros, 4, 32, k,
+                                 torch.float32)
+    norm = RMSNorm(64, eps=1e-5).to(DEVICE, DTYPE)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE, DTYPE)
+    residual = torch.randn(1, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE, DTYPE)
+    gate, up = (x.float() @ dense["gate_up"].T).to(DTYPE).float().chunk(2, -1)
+    activated = (torch.nn.functional.silu(gate).to(DTYPE).float() * up).to(DTYPE)
+    want_sum = ((activated.float() @ dense["down"].T).to(DTYPE) + residual).float()
+    launches = []
+    monkeypatch.setattr(triton_ops, "use_fused_ops", lambda t: True)  # as on a GPU
+    real = triton_ops.small_batch_matmul
+    monkeypatch.setattr(linear_module, "small_batch_matmul",
+                        lambda x, w, *a, **kw: launches.append(tuple(w.shape)) or real(x, w, *a, **kw))
+    monkeypatch.setattr(int_matmul, "int_matmul", lambda *a, **k: pytest.fail("split-K tiles"))
+    monkeypatch.setattr(triton_ops, "rms_norm", lambda *a, **k: pytest.fail("a second launch"))
+    normed, summed = linear_and_norm(mlp(x), mlp.down_proj, norm, residual)
+    assert launches == [(192, 8), (64, 12)]  # packed words: 8 values a word
+    torch.testing.assert_close(summed.float(), want_sum, rtol=1e-2, atol=1e-2)
+    want = want_sum * torch.rsqrt(want_sum.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(normed.float(), want, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Time the small-batch product (``triton_ops.small_batch_matmul``) on quantized weights
+over its tiles, split-K included, on Llama-3.1-8B's four layer projections, as a decode
+step runs them: back to back inside a CUDA graph, cycling over enough weight copies that
+none is in L2.
+
+    python scripts/gemv_quant_sweep.py --out gemv_quant.json [--kinds int4,fp8] \
+        [--rows 1,4] [--budget-s 300]
+
+Kinds: ``int4`` (GPTQ-style 4-bit weights in groups of 128, symmetric zero points, the
+stored layout of ``pagedllm.quantization.int_weights``) and ``fp8`` (W8A8, one scale per
+row). For each kind, projection and row count it times the bf16 weights' configured tile,
+the path the kind took before the small-batch kernel served it (``int4``: the split-K
+``int_matmul`` tiles; ``fp8``: the configured tile without split-K), the kind's configured
+tile, then a grid of candidates (likeliest first, until the projection's share of the
+budget runs out).
+Each candidate's output is checked once against the dequantized weights' product
+(``max_rel_err``: the largest difference over the largest output). Prints a table last
+(configured, best, before, bf16, in microseconds a launch) and writes every row as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from check_kernels_gpu import GEMV_SHAPES, graph_us_per_launch  # noqa: E402
+
+from pagedllm.layers import int_matmul, triton_ops  # noqa: E402
+from pagedllm.layers.triton_ops import GemvTile, IntWeights  # noqa: E402
+from pagedllm.quantization.fp8 import dequantize_rows, quantize_rows  # noqa: E402
+from pagedllm.quantization.int_weights import dequantize, pack_rows  # noqa: E402
+
+DEVICE = torch.device("cuda")
+DTYPE = torch.bfloat16
+GROUP = 128
+L2_FLUSH_BYTES = 400_000_000
+
+
+def splits(steps: int) -> list[int]:
+    """Slice counts that cut ``steps`` K steps into whole slices of at least two steps."""
+    return [s for s in (1, 2, 4, 7, 8, 14) if steps % s == 0 and steps // s >= 2]
+
+
+def candidates(kind: str, rows: int, k: int) -> list[GemvTile]:
+    """The grid for ``kind`` at ``rows`` rows and ``K = k``, likeliest first."""
+    tiles: list[GemvTile] = []
+    if kind == "int4":
+        if rows == 1:
+            tiles += [GemvTile(n, 128, w, 3, False, s) for s in splits(k // 128)
+                      for n in (32, 16, 64) for w in (4, 8)]
+            tiles += [GemvTile(n, 64, 4, 3, False, s) for s in splits(k // 64) for n in (32, 64)]
+        tiles += [GemvTile(n, 128, w, 3, True, s) for s in splits(k // 128)
+                  for n in (64, 32, 128) for w in (4, 8)]
+    else:
+        if rows == 1:
+            tiles += [GemvTile(n, 512, w, st, False, s) for s in splits(k // 512)
+                      for n in (16, 32) for w in (4, 8) for st in (3, 1)]
+        tiles += [GemvTile(n, bk, w, 3, True, s) for bk in (256, 512) for s in splits(k // bk)
+                  for n in (32, 64, 128) for w in (4, 8) if n * bk <= 65536]
+    return tiles
+
+
+def int4_weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, IntWeights]:
+    codes = torch.randint(0, 16, (n, k), generator=gen, device=DEVICE)
+    scales = (torch.rand(n, k // GROUP, generator=gen, device=DEVICE) * 0.002 + 0.001).to(DTYPE)
+    zeros = torch.full((n, k // GROUP), 8, dtype=torch.uint8, device=DEVICE)
+    return pack_rows(codes, 4), IntWeights(scales, zeros, 4, GROUP)
+
+
+def sweep(kinds: list[str], row_counts: list[int], budget_s: float,
+          save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    share = budget_s / (len(kinds) * 4)  # each kind and projection gets its share
+    configured = triton_ops.small_batch_matmul_config
+    gen = torch.Generator(device=DEVICE).manual_seed(45)
+    try:
+        for kind in kinds:
+            for name, n, k in GEMV_SHAPES[:4]:
+                deadline = time.monotonic() + share
+                bytes_per_weight = 0.5 if kind == "int4" else 1.0
+                copies = max(2, -(-L2_FLUSH_BYTES // int(n * k * bytes_per_weight)))
+                bf16 = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
+                        for _ in range(max(2, -(-L2_FLUSH_BYTES // (n * k * 2))))]
+                if kind == "int4":
+                    weights = [int4_weights(n, k, gen) for _ in range(copies)]
+                    ref_weight = dequantize(weights[0][0], weights[0][1].scales,
+                                            weights[0][1].zeros, 4, GROUP, k, torch.float32)
+
+                    def op(w, x):
+                        return triton_ops.small_batch_matmul(x, w[0], int_weights=w[1])
+
+                    def before(w, x):
+                        tile = int_matmul.int_matmul_config(16, n, k, GROUP)
+                        return int_matmul.int_matmul(x, w[0], w[1].scales, w[1].zeros, tile,
+                                                     bits=4, group_size=GROUP)
+                else:
+                    weights = [quantize_rows(w) for w in bf16]
+                    weights = (weights * (copies // len(weights) + 1))[:copies]
+                    ref_weight = dequantize_rows(*weights[0])
+
+                    def op(w, x):
+                        return triton_ops.small_batch_matmul(x, w[0], weight_scale=w[1])
+
+                    before = None
+                for m in row_counts:
+                    x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
+                    want = x.float() @ ref_weight.T
+                    if kind == "fp8":
+                        xq, x_scale = quantize_rows(x)
+                        want = dequantize_rows(xq, x_scale) @ ref_weight.T
+
+                    def timed(label: str, fn, tile: GemvTile | None = None) -> None:
+                        row: dict[str, Any] = dict(kind=kind, shape=name, rows=m, impl=label)
+                        if tile is not None:
+                            row["tile"] = list(tile)
+                            triton_ops.small_batch_matmul_config = (
+                                lambda *a, t=tile, **kw: t)
+                        try:
+                            got = fn(weights[0], x).float()
+                            row["max_rel_err"] = ((got - want).abs().max()
+                                                  / want.abs().max()).item()
+                            row["us"] = graph_us_per_launch(lambda w: fn(w, x), weights)
+                            row["tb_s"] = n * k * bytes_per_weight / row["us"] / 1e6
+                        except Exception as exc:  # e.g. too much shared memory for the stages
+                            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                        finally:
+                            triton_ops.small_batch_matmul_config = configured
+                        results.append(row)
+
+                    bf16_row: dict[str, Any] = dict(kind=kind, shape=name, rows=m, impl="bf16")
+                    bf16_row["us"] = graph_us_per_launch(
+                        lambda w: triton_ops.small_batch_matmul(x, w), bf16)
+                    results.append(bf16_row)
+                    if before is not None:
+                        timed("before", before)
+                    elif m == 1:  # FP8 one row: the configured tile without split-K
+                        tile = triton_ops.small_batch_matmul_config(m, n, k, fp8=True)
+                        timed("before", op, GemvTile(*tile[:5]))
+                    timed("configured", op)
+                    for tile in candidates(kind, m, k):
+                        if time.monotonic() > deadline:
+                            break
+                        timed("tile", op, tile)
+                    save(results)
+                del bf16, weights
+                torch.cuda.empty_cache()
+    finally:
+        triton_ops.small_batch_matmul_config = configured
+    return results
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print(f"\n{'kind':5} {'projection':10} {'rows':>4} {'bf16':>7} {'before':>7} "
+          f"{'config':>7} {'best':>7} {'TB/s':>5} {'err':>8}  best tile")
+    for key in dict.fromkeys((r["kind"], r["shape"], r["rows"]) for r in results):
+        mine = [r for r in results if (r["kind"], r["shape"], r["rows"]) == key]
+        pick = {r["impl"]: r.get("us", float("nan")) for r in mine if r["impl"] != "tile"}
+        tiles = sorted((r for r in mine if "us" in r and r["impl"] in ("tile", "configured")),
+                       key=lambda r: r["us"])
+        if not tiles:
+            continue
+        best = tiles[0]
+        print(f"{key[0]:5} {key[1]:10} {key[2]:4} {pick.get('bf16', float('nan')):7.1f} "
+              f"{pick.get('before', float('nan')):7.1f} {pick.get('configured', float('nan')):7.1f} "
+              f"{best['us']:7.1f} {best['tb_s']:5.2f} {best['max_rel_err']:8.1e}  "
+              f"{best.get('tile', 'configured')}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON rows")
+    parser.add_argument("--kinds", default="int4,fp8", help="int4, fp8 or both")
+    parser.add_argument("--rows", default="1,4", help="decode batch sizes, e.g. 1,4")
+    parser.add_argument("--budget-s", type=float, default=300.0,
+                        help="seconds after which no new candidate tile starts")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gemv_quant_sweep.py needs a CUDA GPU; on the CPU run `pytest tests/layers`.")
+        return 2
+    kinds = [kind for kind in args.kinds.split(",") if kind]
+    if set(kinds) - {"int4", "fp8"}:
+        parser.error(f"--kinds takes int4 and fp8, got {args.kinds!r}")
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows),
+                                       indent=1) + "\n")
+
+    results = sweep(kinds, [int(r) for r in args.rows.split(",")], args.budget_s, save)
+    save(results)
+    print_table(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

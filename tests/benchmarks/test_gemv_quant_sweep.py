@@ -1,0 +1,25 @@
+"""The quantized small-batch sweep's candidate tiles all fit the shapes it times (so the
+GPU run spends its budget on timings, not on launches refused for their shape)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.layers.triton_ops import _int_tile_fits
+from tests.benchmarks.gpu_report import load_script
+
+sweep = load_script("gemv_quant_sweep")
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_every_candidate_tiles_the_projection(kind, rows):
+    for _, n, k in sweep.GEMV_SHAPES[:4]:
+        tiles = sweep.candidates(kind, rows, k)
+        assert tiles and len(set(tiles)) == len(tiles)
+        for tile in tiles:
+            assert (k // tile.block_k) % tile.split == 0 and k // tile.block_k // tile.split >= 2
+            assert tile.use_dot or rows == 1  # lane-wise tiles serve one row
+            if kind == "int4":
+                assert _int_tile_fits(tile, k, sweep.GROUP)
+        assert any(t.split > 1 for t in tiles)  # split-K is in the grid
