@@ -4,8 +4,8 @@ over its tiles, split-K included, on Llama-3.1-8B's four layer projections, as a
 step runs them: back to back inside a CUDA graph, cycling over enough weight copies that
 none is in L2.
 
-    python scripts/gemv_quant_sweep.py --out gemv_quant.json [--kinds int4,fp8] \
-        [--rows 1,4] [--budget-s 300]
+    python scripts/gemv_quant_sweep.py --out gemv_quant.json [--kinds int4,fp8|none] \
+        [--rows 1,4] [--budget-s 300] [--int-gemm-rows 64,128,256]
 
 Kinds: ``int4`` (GPTQ-style 4-bit weights in groups of 128, symmetric zero points, the
 stored layout of ``pagedllm.quantization.int_weights``) and ``fp8`` (W8A8, one scale per
@@ -17,6 +17,9 @@ budget runs out).
 Each candidate's output is checked once against the dequantized weights' product
 (``max_rel_err``: the largest difference over the largest output). Prints a table last
 (configured, best, before, bf16, in microseconds a launch) and writes every row as JSON.
+
+``--int-gemm-rows`` times the larger decode batches of 4-bit weights the same way: the
+``int_matmul`` tiles (whole ``K``, tensor cores) against cuBLAS on the bf16 weights.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_kernels_gpu import GEMV_SHAPES, graph_us_per_launch  # noqa: E402
 
 from pagedllm.layers import int_matmul, triton_ops  # noqa: E402
+from pagedllm.layers.int_matmul import IntTile  # noqa: E402
 from pagedllm.layers.triton_ops import GemvTile, IntWeights  # noqa: E402
 from pagedllm.quantization.fp8 import dequantize_rows, quantize_rows  # noqa: E402
 from pagedllm.quantization.int_weights import dequantize, pack_rows  # noqa: E402
@@ -68,6 +72,62 @@ def candidates(kind: str, rows: int, k: int) -> list[GemvTile]:
         tiles += [GemvTile(n, bk, w, 3, True, s) for bk in (256, 512) for s in splits(k // bk)
                   for n in (32, 64, 128) for w in (4, 8) if n * bk <= 65536]
     return tiles
+
+
+def int_gemm_candidates(rows: int) -> list[IntTile]:
+    """``int_matmul`` tiles for a decode batch of ``rows`` rows (whole ``K``, tensor cores),
+    likeliest first."""
+    tiles = [IntTile(bm, bn, bk, 1, w, st) for bm, bn, bk, w in (
+        (64, 128, 128, 4), (128, 128, 64, 8), (64, 256, 64, 8), (128, 256, 64, 8),
+        (128, 64, 128, 4), (64, 64, 128, 4), (128, 128, 128, 8), (32, 128, 128, 4))
+        for st in (3, 4) if bm <= max(32, rows)]
+    return tiles
+
+
+def int_gemm_sweep(row_counts: list[int], budget_s: float,
+                   save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Large decode batches on 4-bit weights: ``int_matmul``'s configured tile and the
+    candidates, beside cuBLAS on the bf16 weights, per projection and batch."""
+    results: list[dict[str, Any]] = []
+    share = budget_s / 4
+    gen = torch.Generator(device=DEVICE).manual_seed(46)
+    for name, n, k in GEMV_SHAPES[:4]:
+        deadline = time.monotonic() + share
+        copies = max(2, -(-L2_FLUSH_BYTES // (n * k // 2)))
+        weights = [int4_weights(n, k, gen) for _ in range(copies)]
+        bf16 = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
+                for _ in range(max(2, -(-L2_FLUSH_BYTES // (n * k * 2))))]
+        ref_weight = dequantize(weights[0][0], weights[0][1].scales, weights[0][1].zeros, 4,
+                                GROUP, k, torch.float32)
+        for m in row_counts:
+            x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
+            want = x.float() @ ref_weight.T
+            results.append(dict(kind="int4-gemm", shape=name, rows=m, impl="bf16",
+                                us=graph_us_per_launch(lambda w: torch.nn.functional.linear(x, w),
+                                                       bf16)))
+            configured = int_matmul.int_matmul_config(m, n, k, GROUP)
+            for label, tile in [("configured", configured)] + [
+                    ("tile", t) for t in int_gemm_candidates(m) if t != configured]:
+                if label == "tile" and time.monotonic() > deadline:
+                    break
+                row: dict[str, Any] = dict(kind="int4-gemm", shape=name, rows=m, impl=label,
+                                           tile=list(tile.__dict__.values()))
+
+                def op(w, t=tile):
+                    return int_matmul.int_matmul(x, w[0], w[1].scales, w[1].zeros, t, bits=4,
+                                                 group_size=GROUP)
+                try:
+                    got = op(weights[0]).float()
+                    row["max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
+                    row["us"] = graph_us_per_launch(op, weights)
+                    row["tb_s"] = n * k * 0.5 / row["us"] / 1e6
+                except Exception as exc:  # e.g. too much shared memory for the stages
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                results.append(row)
+            save(results)
+        del weights, bf16
+        torch.cuda.empty_cache()
+    return results
 
 
 def int4_weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, IntWeights]:
@@ -152,7 +212,7 @@ def sweep(kinds: list[str], row_counts: list[int], budget_s: float,
                             break
                         timed("tile", op, tile)
                     save(results)
-                del bf16, weights
+                bf16 = weights = None  # free the copies before the next shape
                 torch.cuda.empty_cache()
     finally:
         triton_ops.small_batch_matmul_config = configured
@@ -183,11 +243,15 @@ def main() -> int:
     parser.add_argument("--rows", default="1,4", help="decode batch sizes, e.g. 1,4")
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="seconds after which no new candidate tile starts")
+    parser.add_argument("--int-gemm-rows", default="",
+                        help="also time int_matmul's tiles on 4-bit weights at these decode "
+                             "batch sizes, e.g. 64,128,256 (with --int-gemm-budget-s)")
+    parser.add_argument("--int-gemm-budget-s", type=float, default=200.0)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gemv_quant_sweep.py needs a CUDA GPU; on the CPU run `pytest tests/layers`.")
         return 2
-    kinds = [kind for kind in args.kinds.split(",") if kind]
+    kinds = [kind for kind in args.kinds.split(",") if kind and kind != "none"]
     if set(kinds) - {"int4", "fp8"}:
         parser.error(f"--kinds takes int4 and fp8, got {args.kinds!r}")
 
@@ -196,7 +260,12 @@ def main() -> int:
         args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows),
                                        indent=1) + "\n")
 
-    results = sweep(kinds, [int(r) for r in args.rows.split(",")], args.budget_s, save)
+    results = sweep(kinds, [int(r) for r in args.rows.split(",") if r], args.budget_s, save) \
+        if kinds else []
+    if args.int_gemm_rows:
+        done = list(results)
+        results += int_gemm_sweep([int(r) for r in args.int_gemm_rows.split(",")],
+                                  args.int_gemm_budget_s, lambda rows: save(done + rows))
     save(results)
     print_table(results)
     return 0

@@ -2,9 +2,9 @@
 
 One kernel serves prompt steps, large decode batches and small ones: each program
 multiplies a ``BLOCK_M x BLOCK_N`` output tile over one ``K / SPLIT`` slice of the inputs,
-dequantizing its ``BLOCK_N x BLOCK_K`` weight tiles in registers (each packed word is
-loaded once and unpacked there; the scale and zero point of the tile's group once per
-row). With
+dequantizing its ``BLOCK_N x BLOCK_K`` weight tiles in registers (``int_weight_tile``, which
+the small-batch kernel of ``_triton_ops_kernels`` shares: each packed word is loaded once
+and unpacked there; the scale and zero point of the tile's group once per row). With
 ``SPLIT > 1`` (small batches, few output tiles) the slices' float32 partial sums go to a
 ``[SPLIT, M, N]`` buffer that the caller adds up in a fixed order.
 """
@@ -15,6 +15,31 @@ import triton
 import triton.language as tl
 
 cdiv = triton.cdiv
+
+
+@triton.jit
+def int_weight_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, ROUND: tl.constexpr, dtype: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weights ``(q - zero) * scale`` of inputs ``k0`` onwards
+    (one group: ``BLOCK_K`` divides ``GROUP``) from the packed rows at ``q_rows``: float32,
+    or rounded once to ``dtype`` with ``ROUND``. Each packed word is loaded once and its
+    values unpacked in registers, in ``k`` order."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    words = tl.load(q_rows + word[None, :])
+    shifts = tl.arange(0, PER_WORD) * BITS
+    q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
+    group = k0 // GROUP
+    scale = tl.load(scales_ptr + n_rows * stride_sn + group).to(tl.float32)
+    zero = tl.load(zeros_ptr + n_rows * stride_sn + group).to(tl.float32)
+    # The bits of 2^23 + q as a float32: exact, and cheaper than an int-to-float conversion.
+    centred = (q | 0x4B000000).to(tl.float32, bitcast=True) - (zero + 8388608.0)[:, None]
+    w = centred * scale[:, None]
+    if ROUND:
+        w = w.to(dtype)
+    return w
 
 
 @triton.jit
@@ -46,16 +71,12 @@ def int_matmul_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    PER_WORD: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_rows = tl.minimum(m, M - 1).to(tl.int64)
     n_rows = tl.minimum(n, N - 1).to(tl.int64)
     x_rows = x_ptr + m_rows[:, None] * stride_xm
     q_rows = qweight_ptr + n_rows[:, None] * stride_qn
-    s_rows = scales_ptr + n_rows * stride_sn
-    z_rows = zeros_ptr + n_rows * stride_sn
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
@@ -68,15 +89,8 @@ def int_matmul_kernel(
         else:
             columns = k
         x = tl.load(x_rows + columns[None, :])
-        # Each packed word once; its PER_WORD values unpacked in registers, in k order.
-        word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-        words = tl.load(q_rows + word[None, :])
-        shifts = tl.arange(0, PER_WORD) * BITS
-        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
-        group = k0 // GROUP
-        scale = tl.load(s_rows + group).to(tl.float32)
-        zero = tl.load(z_rows + group).to(tl.int32)
-        w = ((q - zero[:, None]).to(tl.float32) * scale[:, None]).to(x.dtype)
+        w = int_weight_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0, BITS, GROUP,
+                            BLOCK_N, BLOCK_K, True, x.dtype)
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w))
         else:
@@ -107,18 +121,10 @@ def int_dequantize_kernel(
     above's and the torch reference's rounding). ``BLOCK_K`` divides ``GROUP``."""
     pid_n = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
-    PER_WORD: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_rows = tl.minimum(n, N - 1).to(tl.int64)
-    word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-    words = tl.load(qweight_ptr + n_rows[:, None] * stride_qn + word[None, :])
-    shifts = tl.arange(0, PER_WORD) * BITS
-    q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
-    group = k0 // GROUP
-    scale = tl.load(scales_ptr + n_rows * stride_sn + group).to(tl.float32)
-    zero = tl.load(zeros_ptr + n_rows * stride_sn + group).to(tl.int32)
-    w = (q - zero[:, None]).to(tl.float32) * scale[:, None]
+    w = int_weight_tile(qweight_ptr + n_rows[:, None] * stride_qn, scales_ptr, zeros_ptr, n_rows,
+                        stride_sn, k0, BITS, GROUP, BLOCK_N, BLOCK_K, False, tl.float32)
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + n_rows[:, None] * stride_on + k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=(n < N)[:, None])

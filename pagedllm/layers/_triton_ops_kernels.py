@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedllm.layers._int_matmul_kernels import int_weight_tile
+
 cdiv = triton.cdiv
 next_power_of_2 = triton.next_power_of_2
 
@@ -291,11 +293,11 @@ def small_batch_matmul_kernel(
         else:
             columns = k
         if INT_BITS > 0:
-            w = _int_weight_tile(w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, k0,
+            w = int_weight_tile(w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, k0,
                                  INT_BITS, GROUP, BLOCK_N, BLOCK_K, USE_DOT,
                                  x_ptr.dtype.element_ty)
             if SILU_GATED:
-                w_up = _int_weight_tile(up_rows, weight_scale_ptr + N * stride_sn,
+                w_up = int_weight_tile(up_rows, weight_scale_ptr + N * stride_sn,
                                         zeros_ptr + N * stride_sn, n_rows, stride_sn, k0,
                                         INT_BITS, GROUP, BLOCK_N, BLOCK_K, USE_DOT,
                                         x_ptr.dtype.element_ty)
@@ -358,31 +360,6 @@ def small_batch_matmul_kernel(
                 weight_scale_ptr, x_scale, norm_weight_ptr, residual_ptr,
                 normed_ptr, residual_out_ptr, counter_ptr, stride_rm, eps,
                 HAS_BIAS, SILU_GATED, NORM_BLOCK, FP8)
-
-
-@triton.jit
-def _int_weight_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0,
-                     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ROUND: tl.constexpr, dtype: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_K]`` weights ``(q - zero) * scale`` of inputs ``k0`` onwards
-    (one group: ``BLOCK_K`` divides ``GROUP``) from the packed rows at ``q_rows``: float32,
-    or rounded once to ``dtype`` with ``ROUND``. Each packed word is loaded once and its
-    values unpacked in registers, in ``k`` order."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-    words = tl.load(q_rows + word[None, :])
-    shifts = tl.arange(0, PER_WORD) * BITS
-    q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
-    group = k0 // GROUP
-    scale = tl.load(scales_ptr + n_rows * stride_sn + group).to(tl.float32)
-    zero = tl.load(zeros_ptr + n_rows * stride_sn + group).to(tl.float32)
-    # The bits of 2^23 + q as a float32: exact, and cheaper than an int-to-float conversion.
-    centred = (q | 0x4B000000).to(tl.float32, bitcast=True) - (zero + 8388608.0)[:, None]
-    w = centred * scale[:, None]
-    if ROUND:
-        w = w.to(dtype)
-    return w
 
 
 @triton.jit

@@ -23,3 +23,11 @@ def test_every_candidate_tiles_the_projection(kind, rows):
             if kind == "int4":
                 assert _int_tile_fits(tile, k, sweep.GROUP)
         assert any(t.split > 1 for t in tiles)  # split-K is in the grid
+
+
+@pytest.mark.parametrize("rows", [64, 128, 256])
+def test_int_gemm_candidates_tile_the_projections(rows):
+    tiles = sweep.int_gemm_candidates(rows)
+    assert tiles and all(t.split == 1 and t.block_m <= rows for t in tiles)
+    for _, n, k in sweep.GEMV_SHAPES[:4]:
+        assert all(k % t.block_k == 0 and sweep.GROUP % t.block_k == 0 for t in tiles)
