@@ -12,8 +12,8 @@ stored layout of ``pagedllm.quantization.int_weights``) and ``fp8`` (W8A8, one s
 row). For each kind, projection and row count it times the bf16 weights' configured tile,
 the path the kind took before the small-batch kernel served it (``int4``: the split-K
 ``int_matmul`` tiles; ``fp8``: the configured tile without split-K), the kind's configured
-tile, then a grid of candidates (likeliest first, until the projection's share of the
-budget runs out).
+tile, then a grid of candidates (likeliest first, until the case's share of the budget
+runs out).
 Each candidate's output is checked once against the dequantized weights' product
 (``max_rel_err``: the largest difference over the largest output). Prints a table last
 (configured, best, before, bf16, in microseconds a launch) and writes every row as JSON.
@@ -140,13 +140,12 @@ def int4_weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, In
 def sweep(kinds: list[str], row_counts: list[int], budget_s: float,
           save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
-    share = budget_s / (len(kinds) * 4)  # each kind and projection gets its share
+    share = budget_s / (len(kinds) * 4 * len(row_counts))  # each case gets its share
     configured = triton_ops.small_batch_matmul_config
     gen = torch.Generator(device=DEVICE).manual_seed(45)
     try:
         for kind in kinds:
             for name, n, k in GEMV_SHAPES[:4]:
-                deadline = time.monotonic() + share
                 bytes_per_weight = 0.5 if kind == "int4" else 1.0
                 copies = max(2, -(-L2_FLUSH_BYTES // int(n * k * bytes_per_weight)))
                 bf16 = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
@@ -173,6 +172,7 @@ def sweep(kinds: list[str], row_counts: list[int], budget_s: float,
 
                     before = None
                 for m in row_counts:
+                    deadline = time.monotonic() + share
                     x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
                     want = x.float() @ ref_weight.T
                     if kind == "fp8":

@@ -23,14 +23,19 @@ def int_weight_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0,
                     BLOCK_K: tl.constexpr, ROUND: tl.constexpr, dtype: tl.constexpr):
     """The ``[BLOCK_N, BLOCK_K]`` weights ``(q - zero) * scale`` of inputs ``k0`` onwards
     (one group: ``BLOCK_K`` divides ``GROUP``) from the packed rows at ``q_rows``: float32,
-    or rounded once to ``dtype`` with ``ROUND``. Each packed word is loaded once and its
-    values unpacked in registers, in ``k`` order."""
+    or rounded once to ``dtype`` with ``ROUND``. Each packed word is loaded once, then
+    repeated in registers once per value it holds (``tl.interleave``, which keeps the
+    copies in the thread that loaded it: no exchange between threads), and each copy
+    shifted to its value, in ``k`` order."""
     PER_WORD: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
+    DOUBLINGS: tl.constexpr = 3 if BITS == 4 else 2  # log2(PER_WORD): 4 or 8 bits
     word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-    words = tl.load(q_rows + word[None, :])
-    shifts = tl.arange(0, PER_WORD) * BITS
-    q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
+    q = tl.load(q_rows + word[None, :])
+    for _ in tl.static_range(DOUBLINGS):
+        q = tl.interleave(q, q)
+    shifts = (tl.arange(0, BLOCK_K) % PER_WORD) * BITS
+    q = (q >> shifts[None, :]) & MASK
     group = k0 // GROUP
     scale = tl.load(scales_ptr + n_rows * stride_sn + group).to(tl.float32)
     zero = tl.load(zeros_ptr + n_rows * stride_sn + group).to(tl.float32)

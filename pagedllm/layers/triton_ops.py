@@ -375,33 +375,42 @@ def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False, int_
 
 
 def _fp8_tile(rows: int, n: int, k: int) -> GemvTile:
-    """FP8 weights (``--gemv-fp8-sweep`` on an H200, Llama-3.1-8B's projections in CUDA
-    graphs, weights out of L2): one row multiplies lane-wise in narrow 16-wide tiles (qkv
-    13.8 us against bf16's 15.1, o_proj 12.5, down 39.9) except the wide gate/up (tensor
-    cores, 128 x 256: 37.5 against 59.8); several rows take tensor-core tiles."""
+    """FP8 weights (``scripts/gemv_quant_sweep.py`` on an H200, Llama-3.1-8B's projections
+    in CUDA graphs, weights out of L2): one row multiplies lane-wise in narrow 16-wide
+    tiles, K split in two for the narrow outputs (o_proj 9.3 us against 10.4 whole and
+    bf16's 11.3; down 21.7 against 28.8 and 30.9), except the wide gate/up (tensor cores,
+    128 x 256: 37.3 against bf16's 56.6); several rows take tensor-core tiles, o_proj's
+    split in four (13.5 against 16.9 whole)."""
+    steps = -(-k // 512)
     if n >= 16384:
         return GemvTile(128, 256, 4 if rows == 1 else 8, 3, True)
     if rows == 1:
-        return GemvTile(16, 512, 8 if k > 8192 else 4, 1 if k <= 8192 else 3, False)
+        if n > 4096 and k <= 8192:
+            return GemvTile(16, 512, 4, 1, False)
+        return GemvTile(16, 512, 4, 3, False, 2 if steps % 2 == 0 else 1)
     if k > 8192:
         return GemvTile(32, 1024, 4, 3, True)
-    return GemvTile(64, 512, 8, 3, True) if n > 4096 else GemvTile(32, 512, 4, 3, True)
+    if n > 4096:
+        return GemvTile(64, 512, 8, 3, True)
+    return GemvTile(128, 256, 8, 3, True, 4 if -(-k // 256) % 4 == 0 else 1)
 
 
 # Programs per SM a split-K launch aims for: enough to hide the latency of the loads.
-_INT_PROGRAMS_PER_SM = 4
+_INT_PROGRAMS_PER_SM = 3
 
 
 def _int_tile(rows: int, n: int, k: int, group: int) -> GemvTile | None:
-    """Integer weights: 128-input steps (a group of the usual checkpoints; the largest
-    power of two up to 128 that divides the group and ``K``), 32 columns lane-wise for one
-    row and 64 on tensor cores for several, and ``K`` split until the launch reaches
+    """Integer weights (``scripts/gemv_quant_sweep.py`` on an H200, Llama-3.1-8B's
+    projections in groups of 128): one row lane-wise in 32 x 64 tiles, several rows on
+    tensor cores in 128 x 128 tiles; the steps are the largest power of two up to that
+    which divides the group and ``K``, and ``K`` is split until the launch reaches
     ``_INT_PROGRAMS_PER_SM`` programs per SM of an H200 (132), each slice at least four
     steps long."""
-    block_k = next((b for b in (128, 64, 32, 16) if k % b == 0 and group % b == 0), None)
+    block_n, block_k, use_dot = (32, 64, False) if rows == 1 else (128, 128, True)
+    block_k = next((b for b in (128, 64, 32, 16)
+                    if b <= block_k and k % b == 0 and group % b == 0), None)
     if block_k is None:
         return None
-    block_n, use_dot = (32, False) if rows == 1 else (64, True)
     steps = k // block_k
     blocks = -(-n // block_n)
     split = 1
