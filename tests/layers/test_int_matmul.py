@@ -189,7 +189,7 @@ def test_small_batch_integer_tiles_fit_the_groups_and_split_narrow_outputs():
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
         tile = triton_ops.small_batch_matmul_config(1, n, k, int_bits=4, group=128)
         assert 128 % tile.block_k == 0 and not tile.use_dot
-        assert (k // tile.block_k) % tile.split == 0 and k // tile.block_k // tile.split >= 4
+        assert (k // tile.block_k) % tile.split == 0 and k // tile.block_k // tile.split >= 2
     assert triton_ops.small_batch_matmul_config(1, 4096, 14336, int_bits=4, group=128).split > 1
     assert triton_ops.small_batch_matmul_config(4, 4096, 4096, int_bits=4, group=128).use_dot
     assert triton_ops.small_batch_matmul_config(1, 64, 100, int_bits=4, group=100) is None
