@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from pagedllm.layers.fused_moe import MoEBlock, select_experts
+from pagedllm.layers.fused_moe.tiles import (DEFAULT_TILES, TILE_ENV, TUNED_TILES,
+                                              MoeTile, choose_tile, parse_tile, row_bucket)
 from pagedllm.layers.fused_moe.torch_ref import fused_moe_dense, fused_moe_reference
 from pagedllm.layers.fused_moe.triton_moe import fused_moe_triton, sort_slots_by_expert
 
@@ -83,29 +85,97 @@ def test_sorted_slots_group_each_expert_in_padded_blocks() -> None:
     assert all(s == pad for s in slots.tolist()[8:])
 
 
-@pytest.mark.parametrize("num_tokens, top_k, tile, dtype", [
-    (1, 2, None, torch.float32), (7, 2, (16, 32, 16), torch.float32),
-    (13, 3, (16, 16, 32), torch.float32), (9, 2, (16, 32, 32), torch.bfloat16)])
-def test_triton_grouped_gemm_matches_the_torch_reference(num_tokens, top_k, tile,
-                                                         dtype) -> None:
-    pytest.importorskip("triton")
-    from tests.triton_interpreter import interpret_without_cuda
+def test_fewer_slots_than_experts_bound_the_list_by_the_slots() -> None:
+    ids = torch.tensor([[3, 1]], device=DEVICE)
+    slots, block_expert = sort_slots_by_expert(ids, num_experts=5, block_m=4)
+    # Two slots reach at most two experts: two blocks, not five.
+    assert slots.tolist() == [1, 2, 2, 2, 0, 2, 2, 2]
+    assert block_expert.tolist() == [1, 3]
 
-    interpret_without_cuda()
+
+def _moe_inputs(num_tokens: int, top_k: int, dtype: torch.dtype = torch.float32):
+    """``(x, w13, w2, weights, ids)`` over 5 experts, expert 4 left without tokens."""
     num_experts, hidden, inter = 5, 40, 24  # widths that do not fill a tile
     x = _rand(num_tokens, hidden, seed=5)
     w13 = _rand(num_experts, 2 * inter, hidden, seed=6, scale=hidden ** -0.5)
     w2 = _rand(num_experts, hidden, inter, seed=7, scale=inter ** -0.5)
     logits = _rand(num_tokens, num_experts, seed=8)
-    logits[:, 4] = -1e4  # expert 4 gets no tokens
+    logits[:, 4] = -1e4
     weights, ids = select_experts(logits, top_k, renormalize=False)
-    x, w13, w2 = (t.to(dtype) for t in (x, w13, w2))
+    return (*(t.to(dtype) for t in (x, w13, w2)), weights, ids)
+
+
+@pytest.mark.parametrize("num_tokens, top_k, tile, dtype", [
+    (1, 2, None, torch.float32), (7, 2, MoeTile(16, 32, 16), torch.float32),
+    (13, 3, MoeTile(16, 16, 32, group_m=1), torch.float32),
+    (9, 2, MoeTile(16, 32, 32), torch.bfloat16),
+    # Several row blocks per expert, a last group of row blocks shorter than GROUP_M.
+    (21, 2, MoeTile(32, 16, 64, group_m=4, num_warps=8, num_stages=2), torch.float32)])
+def test_triton_grouped_gemm_matches_the_torch_reference(num_tokens, top_k, tile,
+                                                         dtype) -> None:
+    x, w13, w2, weights, ids = _moe_inputs(num_tokens, top_k, dtype)
     got = fused_moe_triton(x, w13, w2, weights, ids, tile=tile)
     want = fused_moe_reference(x, w13, w2, weights, ids)
     assert got.dtype == dtype
     # bf16: the products accumulate in another order than BLAS's (a rounding step apart).
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_the_environment_tile_sorts_and_multiplies_with_its_own_block_m(monkeypatch) -> None:
+    # BLOCK_M 32 pads each expert's run to 32 slots; a sort padded to any other size would
+    # hand the kernel blocks of mixed experts and give another result.
+    monkeypatch.setenv(TILE_ENV, "32,16,16,2,4,2")
+    assert choose_tile(24, 40, 5, 26) == MoeTile(32, 16, 16, group_m=2, num_warps=4,
+                                                 num_stages=2)
+    x, w13, w2, weights, ids = _moe_inputs(13, 2)
+    torch.testing.assert_close(fused_moe_triton(x, w13, w2, weights, ids),
+                               fused_moe_reference(x, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_environment_tile_takes_five_or_six_integers_and_rejects_the_rest() -> None:
+    assert parse_tile("128,128,64,8,3") == MoeTile(128, 128, 64, group_m=8, num_warps=8,
+                                                   num_stages=3)
+    assert parse_tile(" 64,128,64,16,4,4") == MoeTile(64, 128, 64, group_m=16, num_warps=4,
+                                                      num_stages=4)
+    assert parse_tile(MoeTile(64, 128, 32, 4, 8, 2).spec()) == MoeTile(64, 128, 32, 4, 8, 2)
+    for bad in ("128,128,64", "128,128,64,8,3,3,1", "128,x,64,8,3", "128;128;64;8;3",
+                "48,128,64,8,3", "8,128,64,8,3", "128,128,64,6,3", "128,128,64,8,0",
+                "128,128,64,0,8,3"):
+        with pytest.raises(ValueError, match=f"{TILE_ENV}=.*give BLOCK_M,BLOCK_N,BLOCK_K"):
+            parse_tile(bad)
+
+
+def test_a_malformed_environment_tile_fails_the_call(monkeypatch) -> None:
+    monkeypatch.setenv(TILE_ENV, "64,64")
+    with pytest.raises(ValueError, match="it has 2 values"):
+        choose_tile(14336, 4096, 8, 4096)
+
+
+def test_larger_buckets_get_larger_tiles(monkeypatch) -> None:
+    monkeypatch.delenv(TILE_ENV, raising=False)
+    experts = 8
+    assert [row_bucket(rows * experts, experts) for rows in (0.125, 16, 17, 64, 256, 1024,
+                                                             1025)] == \
+        ["<=16", "<=16", "<=64", "<=64", "<=256", "<=1024", ">1024"]
+    tiles = [choose_tile(14336, 4096, experts, rows * experts)
+             for rows in (1, 16, 64, 256, 1024, 4096)]
+    assert tiles == [DEFAULT_TILES[b]
+                     for b in ("<=16", "<=16", "<=64", "<=256", "<=1024", ">1024")]
+    areas = [t.block_m * t.block_n for t in tiles]
+    assert areas == sorted(areas) and areas[-1] >= 4 * areas[0]
+    assert [t.block_m for t in tiles] == sorted(t.block_m for t in tiles)
+    assert tiles[0].block_m == 16 and tiles[-1].block_m >= 128 and tiles[-1].num_warps == 8
+
+
+def test_a_tuned_tile_replaces_the_default_for_its_shape_and_bucket_only(monkeypatch) -> None:
+    monkeypatch.delenv(TILE_ENV, raising=False)
+    tuned = MoeTile(64, 256, 64, group_m=16, num_warps=8, num_stages=4)
+    monkeypatch.setitem(TUNED_TILES, (768, 2048, 128), {"<=256": tuned})
+    assert choose_tile(768, 2048, 128, 4096 * 8) == tuned
+    assert choose_tile(768, 2048, 128, 64 * 8) == DEFAULT_TILES["<=16"]
+    assert choose_tile(768, 4096, 128, 4096 * 8) == DEFAULT_TILES["<=256"]
 
 
 def test_the_dense_form_for_cuda_graphs_equals_the_reference() -> None:

@@ -3,7 +3,8 @@
 ``routing.py`` picks each token's experts and weights, ``torch_ref.py`` is the exact
 reference (the CPU path and what the kernel is tested against), ``triton_moe.py`` is the
 CUDA path (tokens sorted by expert, one grouped GEMM over all experts per projection),
-``layer.py`` holds the stacked expert weights and loads them from checkpoints.
+``tiles.py`` picks that GEMM's tile per layer shape and batch, ``layer.py`` holds the
+stacked expert weights and loads them from checkpoints.
 """
 
 from pagedllm.layers.fused_moe.layer import FusedMoE, MoEBlock

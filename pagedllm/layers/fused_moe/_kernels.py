@@ -1,11 +1,15 @@
 """The grouped GEMM behind ``triton_moe.py`` (imported only when a CUDA tensor needs it).
 
-One launch multiplies every expert's rows: program ``(m, n)`` owns ``BLOCK_M`` slots of
-the expert-sorted list (all routed to the one expert ``block_expert[m]``; a negative id
-marks a block past the end, which does nothing) and ``BLOCK_N`` output columns. A slot is
-a flat ``token * top_k + choice`` index; pad slots (``>= num_slots``) are masked. Rows of
-``a`` are read at ``slot // A_DIV`` and results written at row ``slot`` of ``c``. Offsets
-are computed in int64; accumulation is float32.
+One launch multiplies every expert's rows: a program owns row block ``m``, ``BLOCK_M``
+slots of the expert-sorted list (all routed to the one expert ``block_expert[m]``; a
+negative id marks a block past the end, which does nothing), and column block ``n``,
+``BLOCK_N`` output columns. The grid is one-dimensional, ``num_blocks * cdiv(N, BLOCK_N)``
+programs taken in groups of ``GROUP_M`` row blocks: within a group the row block varies
+fastest, then the column block, so programs running together share an expert's weight
+columns and the group's activation rows in L2. A slot is a flat ``token * top_k + choice``
+index; pad slots (``>= num_slots``) are masked. Rows of ``a`` are read at
+``slot // A_DIV`` and results written at row ``slot`` of ``c``. Offsets are computed in
+int64; accumulation is float32.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Slot and block counts change with every batch size: not specialised on, so one compiled
+# kernel serves every batch.
+@triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, block_expert_ptr,
-    num_slots, N, K,
+    num_slots, num_blocks, N, K,
     stride_am, stride_be, stride_bn, stride_cm,
     A_DIV: tl.constexpr,
     GATED: tl.constexpr,
@@ -26,13 +32,18 @@ def moe_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``c[slot, n] = (a[slot // A_DIV] @ b[e, n]^T)``; with ``GATED`` b holds ``2N`` rows
     and ``c = silu(gate) * up`` of its halves; with ``WEIGHTED`` each row is multiplied by
     ``weights[slot]``. ``DOT_F32``: products of float32 operands at full precision (no
     TF32), for float32 models and under the interpreter (whose bfloat16 dot is wrong)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid = tl.program_id(0)
+    programs_per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // programs_per_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % programs_per_group) % group_rows
+    pid_n = (pid % programs_per_group) // group_rows
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert >= 0:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

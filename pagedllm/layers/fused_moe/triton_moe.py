@@ -7,8 +7,10 @@ expert and each expert's run padded to a multiple of ``BLOCK_M`` (pad slots hold
     sorted slots: [ e0 e0 e0 pad | e1 e1 e1 e1 | e3 pad pad pad | (unused) ... ]
     block expert: [     0        |      1      |       3        |  -1 ...    ]
 
-The list has a fixed upper size (``slots + E * (BLOCK_M - 1)``, rounded to a block), so
-no step needs the counts on the host and the launches can be captured in a CUDA graph.
+The list has a fixed upper size (``slots + min(E, slots) * (BLOCK_M - 1)``, rounded to a
+block: at most ``min(E, slots)`` experts have slots), so no step needs the counts on the
+host and the launches can be captured in a CUDA graph. ``BLOCK_M`` and the rest of the
+tile come from ``tiles.choose_tile`` before the sort, and both GEMMs use that one tile.
 The first GEMM computes ``silu(gate) * up`` per slot with gate and up in one program,
 the second the down projection times the slot's routing weight (float32 rows); the
 combine sums each token's ``top_k`` rows and casts once, as ``torch_ref`` does.
@@ -22,6 +24,7 @@ import os
 import torch
 
 from pagedllm.core.kv_cache import cdiv
+from pagedllm.layers.fused_moe.tiles import MoeTile, choose_tile
 
 
 @functools.cache
@@ -38,7 +41,7 @@ def sort_slots_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     flat = topk_ids.flatten().to(torch.int64)
     num_slots = flat.numel()
     device = flat.device
-    length = cdiv(num_slots + num_experts * (block_m - 1), block_m) * block_m
+    length = cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m) * block_m
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -56,42 +59,38 @@ def sort_slots_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_slots, block_expert
 
 
-def _tile(rows: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): short blocks when few slots go to each expert."""
-    return (16, 64, 64) if rows <= 64 else (64, 64, 32)
-
-
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                     tile: MoeTile | None = None) -> torch.Tensor:
     """Same arguments and result as ``torch_ref.fused_moe_reference`` with SiLU (the
-    only activation this kernel computes)."""
+    only activation this kernel computes). ``tile`` (for sweeps and tests) replaces
+    ``choose_tile``'s, the environment's included."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
-    block_m, block_n, block_k = tile or _tile(num_slots)
+    tile = tile or choose_tile(inter, hidden, num_experts, num_slots)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    sorted_slots, block_expert = sort_slots_by_expert(topk_ids, num_experts, block_m)
+    sorted_slots, block_expert = sort_slots_by_expert(topk_ids, num_experts, tile.block_m)
     num_blocks = block_expert.numel()
     dot_f32 = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
     kernel = _kernels().moe_gemm_kernel
     activated = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
-    kernel[(num_blocks, cdiv(inter, block_n))](
+    meta = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    kernel[(num_blocks * cdiv(inter, tile.block_n),)](
         x, w13, activated, topk_weights, sorted_slots, block_expert,
-        num_slots, inter, hidden,
+        num_slots, num_blocks, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
-        A_DIV=top_k, GATED=True, WEIGHTED=False, DOT_F32=dot_f32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        A_DIV=top_k, GATED=True, WEIGHTED=False, DOT_F32=dot_f32, **meta,
     )
     weights = topk_weights.flatten().float().contiguous()
     rows = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
-    kernel[(num_blocks, cdiv(hidden, block_n))](
+    kernel[(num_blocks * cdiv(hidden, tile.block_n),)](
         activated, w2, rows, weights, sorted_slots, block_expert,
-        num_slots, hidden, inter,
+        num_slots, num_blocks, hidden, inter,
         activated.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
-        A_DIV=1, GATED=False, WEIGHTED=True, DOT_F32=dot_f32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        A_DIV=1, GATED=False, WEIGHTED=True, DOT_F32=dot_f32, **meta,
     )
     return rows.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
