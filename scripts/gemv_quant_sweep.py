@@ -75,12 +75,13 @@ def candidates(kind: str, rows: int, k: int) -> list[GemvTile]:
 
 
 def int_gemm_candidates(rows: int) -> list[IntTile]:
-    """``int_matmul`` tiles for a decode batch of ``rows`` rows (whole ``K``, tensor cores),
-    likeliest first."""
-    tiles = [IntTile(bm, bn, bk, 1, w, st) for bm, bn, bk, w in (
-        (64, 128, 128, 4), (128, 128, 64, 8), (64, 256, 64, 8), (128, 256, 64, 8),
-        (128, 64, 128, 4), (64, 64, 128, 4), (128, 128, 128, 8), (32, 128, 128, 4))
-        for st in (3, 4) if bm <= max(32, rows)]
+    """``int_matmul`` tiles for a decode batch of ``rows`` rows (tensor cores; ``K`` whole or
+    split in two or four for the narrow tiles), likeliest first."""
+    tiles = [IntTile(64, 64, 128, s, 4, st) for s in (2, 4) for st in (4, 3)]
+    tiles += [IntTile(bm, bn, bk, 1, w, st) for bm, bn, bk, w in (
+        (64, 64, 128, 4), (64, 128, 128, 4), (128, 128, 64, 8), (64, 256, 64, 8),
+        (128, 256, 64, 8), (128, 64, 128, 4), (128, 128, 128, 8), (32, 128, 128, 4))
+        for st in (4, 3) if bm <= max(32, rows)]
     return tiles
 
 

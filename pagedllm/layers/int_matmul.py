@@ -7,12 +7,14 @@ elsewhere.
 dequantizes the whole weight and multiplies (exact, and the fallback for shapes that do
 not tile). By the step's rows:
 
-* decode batches of 1 to 16 rows: ``int_matmul`` with 16-row tiles and ``K`` split into
-  ``SPLIT`` slices (split-K), so a narrow output still spreads over every SM; the float32
-  partial sums are added in a fixed order (the result does not depend on timing);
-* 17 to ``DEQUANTIZE_ROWS`` rows (large decode batches): ``int_matmul`` with ``BLOCK_M x
-  128`` output tiles over the whole of ``K``, the weight dequantized in registers as it
-  streams in;
+* decode batches of 1 to 16 rows: the small-batch product of ``triton_ops`` up to
+  ``gemv_max_rows`` rows (the layers call it, with the SiLU and the norm riding on it),
+  else ``int_matmul`` with 16-row tiles and ``K`` split into ``SPLIT`` slices (split-K),
+  so a narrow output still spreads over every SM; the float32 partial sums are added in
+  a fixed order (the result does not depend on timing);
+* 17 to ``DEQUANTIZE_ROWS`` rows (large decode batches): ``int_matmul`` with 64- or
+  128-row output tiles, the weight dequantized in registers as it streams in, ``K`` split
+  when the output tiles alone would leave SMs idle;
 * more rows (prompts): ``int_dequantize`` writes the weight in the activation dtype once,
   and BLAS multiplies.
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -80,11 +82,26 @@ def int_matmul_config(rows: int, n: int, k: int, group_size: int,
         wanted = max(1, (2 * sm_count) // -(-n // block_n))
         split = max(s for s in range(1, min(wanted, steps) + 1) if steps % s == 0)
         return IntTile(16, block_n, block_k, split, num_warps=4, num_stages=4)
-    block_k = next((b for b in _BLOCK_KS[1:] if k % b == 0 and group % b == 0), None)
+    # Larger batches (``scripts/gemv_quant_sweep.py --int-gemm-rows`` on an H200, Llama-3.1-8B
+    # in groups of 128): 64 x 64 tiles over 128-input steps (qkv at 64 rows 40.5 us against
+    # 74.8 for 64 x 128 x 64), the wide gate/up 64 x 128, and 128 x 128 with 8 warps from
+    # 65 rows on (223.6 against 254.5 at 256 rows); K split while the output tiles alone
+    # give fewer than two programs per SM (down: 64 tiles at 64 rows).
+    block_k = next((b for b in _BLOCK_KS if k % b == 0 and group % b == 0), None)
     if block_k is None:
         return None
-    block_m = 32 if rows <= 32 else 64
-    return IntTile(block_m, 128, block_k, 1, num_warps=4, num_stages=3)
+    if n >= 16384 and rows > 64:
+        block_k = 64 if block_k == 128 else block_k
+        tile = IntTile(128, 128, block_k, 1, num_warps=8, num_stages=4)
+    elif n >= 16384:
+        tile = IntTile(64, 128, block_k, 1, num_warps=4, num_stages=3)
+    else:
+        tile = IntTile(64, 64, block_k, 1, num_warps=4, num_stages=4 if rows <= 64 else 3)
+    steps = k // tile.block_k
+    programs = -(-rows // tile.block_m) * -(-n // tile.block_n)
+    wanted = max(1, (2 * sm_count) // programs)
+    split = max(s for s in range(1, min(wanted, steps) + 1) if steps % s == 0 and steps >= 4 * s)
+    return replace(tile, split=split)
 
 
 def _parse_tile(value: str) -> IntTile:

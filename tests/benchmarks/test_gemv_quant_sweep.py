@@ -28,6 +28,7 @@ def test_every_candidate_tiles_the_projection(kind, rows):
 @pytest.mark.parametrize("rows", [64, 128, 256])
 def test_int_gemm_candidates_tile_the_projections(rows):
     tiles = sweep.int_gemm_candidates(rows)
-    assert tiles and all(t.split == 1 and t.block_m <= rows for t in tiles)
+    assert tiles and all(t.block_m <= rows for t in tiles) and len(set(tiles)) == len(tiles)
     for _, n, k in sweep.GEMV_SHAPES[:4]:
-        assert all(k % t.block_k == 0 and sweep.GROUP % t.block_k == 0 for t in tiles)
+        assert all(k % t.block_k == 0 and sweep.GROUP % t.block_k == 0
+                   and (k // t.block_k) % t.split == 0 for t in tiles)

@@ -92,7 +92,8 @@ def test_tiles_fit_the_groups_and_split_small_batches():
     assert decode.block_m == 16 and decode.split > 1 and 128 % decode.block_k == 0
     assert (14336 // decode.block_k) % decode.split == 0
     batch = int_matmul_config(128, 4096, 14336, 128, 132)
-    assert batch.split == 1 and batch.block_m == 64
+    assert batch.block_m == 64 and (14336 // batch.block_k) % batch.split == 0
+    assert int_matmul_config(128, 28672, 4096, 128, 132).split == 1  # wide: tiles enough
     assert int_matmul_config(16, 64, 352, -1, 132).block_k == 32  # per channel: K's divisor
     assert int_matmul_config(16, 64, 100, 100, 132) is None  # no tile divides 100
 
