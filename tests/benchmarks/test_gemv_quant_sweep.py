@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.layers.triton_ops import _int_tile_fits
-from tests.benchmarks.gpu_report import load_script
+from tests.triton_interpreter import interpret_without_cuda
+
+interpret_without_cuda()  # the script imports Triton kernels: as the kernel tests do
+
+from pagedllm.layers.triton_ops import _int_tile_fits  # noqa: E402
+from tests.benchmarks.gpu_report import load_script  # noqa: E402
 
 sweep = load_script("gemv_quant_sweep")
 
