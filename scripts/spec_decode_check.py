@@ -2,9 +2,9 @@
 
 The bundled demo model decodes the same prompts (text windows of ``--prompt-files``, or
 random tokens) greedily without speculation, with its draft (``pagedllm-demo-draft``) and
-with n-gram lookup, one request at a time (verification steps of one request: on CUDA
-the captured prompt graphs) and all together (eager verification of several); every
-speculative output must equal the plain one. A seeded sampled request must also
+with n-gram lookup, one request at a time and all together (on CUDA, verification steps
+replay the captured verify graphs, padded to a captured batch size, and the draft's
+catch-up its own); every speculative output must equal the plain one. A seeded sampled request must also
 reproduce its tokens, alone and in a batch. Exits 1 on a difference.
 
     python scripts/spec_decode_check.py --device cuda --prompt-files held_out/*.py

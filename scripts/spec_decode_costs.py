@@ -11,6 +11,10 @@ with the target. From those costs, the speedup an acceptance rate ``a`` would gi
 
 Dummy weights decide nothing here but the costs: the draft proposes K tokens every step
 whatever the target accepts. Prints a table and writes the records to ``--output-json``.
+Each record's ``target_forwards`` counts how the speculative engine's target forwards ran
+in the timed run: replays of its ``verify`` graphs (steps of requests computing 1 to K + 1
+tokens), ``decode`` or ``prompt`` graphs, or ``eager`` (the steps with several prompts,
+or CUDA graphs off).
 
     python scripts/spec_decode_costs.py --model llama-3.1-8b --draft llama-3.2-1b \\
         --load-format dummy --batch-sizes 1,8,32,128 --k 4 --output-json costs.json
@@ -22,6 +26,7 @@ import argparse
 import json
 import statistics
 import time
+from collections import Counter
 
 ACCEPTANCE_RATES = (0.5, 0.7, 0.9)
 
@@ -46,6 +51,31 @@ def measure(llm, batch: int, input_len: int, output_len: int, seed: int, costs=N
     end = time.monotonic()
     return 1e3 * statistics.median(
         (end - o.metrics["first_token_time"]) / (output_len - 1) for o in outputs)
+
+
+class TargetForwards:
+    """Context manager: counts the target forwards of a speculative engine by how they ran
+    (the kind of graph replayed, or ``eager``)."""
+
+    def __init__(self, llm) -> None:
+        self.runner = llm.llm_engine.engine_core.model_runner
+        self.counts: Counter[str] = Counter()
+
+    def __enter__(self) -> "TargetForwards":
+        runner, original = self.runner, self.runner._run_model
+
+        def run_model(inputs, drafter=None, pending=None):
+            if drafter is None:
+                graphs = runner.graph_runner
+                key = graphs.graph_for(inputs) if graphs is not None else None
+                self.counts[key[0] if key is not None else "eager"] += 1
+            return original(inputs, drafter, pending)
+
+        runner._run_model = run_model
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.runner._run_model  # back to the class attribute
 
 
 def main() -> None:
@@ -78,12 +108,13 @@ def main() -> None:
         for llm in (plain, speculative):  # warm-up: every kernel variant of this batch
             measure(llm, batch, args.input_len, 8, seed=1)
         target_ms = measure(plain, batch, args.input_len, args.output_len, seed=2)
-        with StepCosts(speculative) as timer:
+        with StepCosts(speculative) as timer, TargetForwards(speculative) as forwards:
             measure(speculative, batch, args.input_len, args.output_len, seed=2)
         costs = timer.summary()
         step_ms = costs["proposal_ms"] + costs["verification_ms"]
         record = {"batch_size": batch, "k": args.k, "target_step_ms": round(target_ms, 3),
                   **costs, "verification_over_decode": round(costs["verification_ms"] / target_ms, 3),
+                  "target_forwards": dict(forwards.counts),
                   "predicted_speedup": {str(a): round(
                       expected_length(a, args.k) * target_ms / step_ms, 3)
                       for a in ACCEPTANCE_RATES}}

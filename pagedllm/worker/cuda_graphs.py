@@ -1,13 +1,19 @@
 """CUDA graphs: the model's forward captured once per step shape, replayed with new inputs.
 
-Two kinds of step are captured, each padded up to the smallest captured size:
+Three kinds of step are captured, each padded up to the smallest captured size:
 
 * decode (every scheduled request computes exactly one token), shaped by its batch size:
   1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs`` (at most 512), ``capture_sizes``;
 * a single prompt (one request, a prefill or a chunk of one, 2 to 512 tokens), shaped by
   its token count: 16, 32, 64, 96, 128, 192, 256, 384, 512 up to the step's token
   budget, ``prompt_capture_sizes``. An eager forward of a short prompt is bound by the
-  host's launches (tens of milliseconds for a 32-layer model); a replay is one launch.
+  host's launches (tens of milliseconds for a 32-layer model); a replay is one launch;
+* verify (speculative decoding: every request computes 1 to ``W`` tokens, some more
+  than 1; ``W = verify_width``: K + 1 for the target, 2 for the draft's catch-up), shaped
+  by its batch size: ``capture_sizes`` of at most ``max_num_batched_tokens // W``
+  requests, ``verify_capture_sizes``. An eager verification of several requests pays the
+  host's launches as a short prompt does. Without speculation (``verify_width`` 0) none
+  is captured.
 
 A decode step of ``n`` requests replays size ``>= n``, rows ``n..size-1`` padding::
 
@@ -28,9 +34,43 @@ attend to slots that hold stale values, through block-table columns past the rea
 (ids left by earlier steps, or 0: always valid block indices), so a prompt only replays
 when ``context + Q <= max_model_len`` (the table's width).
 
+A verify step of ``m`` requests replays batch size ``B >= m``: request ``b`` owns rows
+``b*W .. b*W + W - 1`` (``query_start_loc = [0, W, 2W, ..., B*W]``, constant), first
+``W - q`` padding rows, then its ``q`` real tokens; requests ``m..B-1`` are padding::
+
+    request b          b < m (real)                             b >= m (padding)
+    rows               W - q padding, then the q real tokens    W padding
+    input_ids          0 on padding rows, then the tokens'      0
+    positions          0 on padding rows, then the tokens'      0
+    slot_mapping       -1 on padding rows, then the tokens'     -1  (no KV write)
+    seq_lens           its context length, unchanged            W   (context 0)
+    block_tables       the step's row                           stale ids or 0
+
+With its ``seq_len`` unchanged and ``W`` query rows, a request's rows sit at positions
+``seq_len - W .. seq_len - 1``: the real tokens at their own, the padding rows at the
+positions of the last ``W - q`` context tokens before them. The real rows attend to
+exactly the keys an eager step gives them, and no attention program of a real request
+reads a key at or past ``seq_len`` (a query tile's keys end at its last row's position),
+so no stale slot or stale block-table column is ever read for a real row. The padding
+rows attend to the request's real context (their outputs are never read) and write no
+KV. A padding request attends only within its own block-table row (stale ids or 0:
+valid blocks) and writes nothing. The step replays only when every ``seq_len >= W``
+(a padding row needs a context position; fewer tokens than ``W`` in all is a short
+prompt, which runs as before). The graph ends with a gather of the real rows (their padded
+row numbers are a fourth row of the token buffer), so a replay returns the step's hidden
+states in its own order, like an eager forward. A step with every request at ``W``
+tokens (every request verifying K proposals) pads no row; plain decodes, shorter proposal
+runs and short prompt chunks beside them pad. A step of one-token requests only is a
+decode step; one request's ``2..W`` tokens replay verify size 1 (fewer rows than the
+smallest prompt graph).
+
 The Triton attention backend decides every launch from host integers fixed at capture:
-``num_actual_tokens = size``, ``max_query_len`` (1 or ``Q``) and ``max_seq_len =
-max_model_len``, an upper bound of every context, so one graph serves any context length.
+``num_actual_tokens = size`` (``B*W`` for verify), ``max_query_len`` (1, ``Q`` or ``W``)
+and ``max_seq_len = max_model_len``, an upper bound of every context, so one graph serves
+any context length. The prompt and verify graphs hold no decode sequence (no query length
+1 in their constant ``query_start_loc``): they run the varlen prefill kernel alone, whose
+grid ``(tokens // BLOCK_Q + seqs, kv_heads)`` and tile sizes (from ``max_query_len``)
+come from those integers and whose programs find their sequence on the device.
 For decodes that bound only picks the number of split-K partitions (the most,
 ``MAX_SPLITS``, for a long ``max_model_len`` and a small batch); each sequence cuts its own
 context into that many partitions of whole tiles, sized on the device from its
@@ -52,10 +92,12 @@ a replay computes, without a GPU (tests of the padding).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -87,22 +129,35 @@ def prompt_capture_sizes(max_num_batched_tokens: int, max_model_len: int) -> lis
     return [s for s in PROMPT_CAPTURE_SIZES if s <= cap]
 
 
+def verify_capture_sizes(max_num_seqs: int, width: int, max_num_batched_tokens: int) -> list[int]:
+    """Verify batch sizes to capture for requests of ``width`` rows each: the decode sizes
+    of at most ``max_num_batched_tokens // width`` requests (a step's token budget, padded
+    rows counted), that largest count included; none for ``width < 2`` (no speculation)."""
+    if width < 2:
+        return []
+    cap = min(max_num_seqs, max_num_batched_tokens // width)
+    return capture_sizes(cap) if cap >= 1 else []
+
+
 def padded_size(num_tokens: int, sizes: list[int]) -> int | None:
     """The smallest of ``sizes`` (ascending) holding ``num_tokens``; None if none does."""
     i = bisect.bisect_left(sizes, num_tokens)
     return sizes[i] if i < len(sizes) else None
 
 
-DECODE, PROMPT = "decode", "prompt"
-GraphKey = tuple[str, int]  # (DECODE or PROMPT, captured size in tokens)
+DECODE, PROMPT, VERIFY = "decode", "prompt", "verify"
+# (DECODE, requests = tokens), (PROMPT, tokens) or (VERIFY, requests of verify_width rows).
+GraphKey = tuple[str, int]
 
 
 class CudaGraphRunner:
-    """Captures and replays the model's forward for decode batches and single prompts (see
-    the module docstring).
+    """Captures and replays the model's forward for decode batches, single prompts and
+    verify batches (see the module docstring).
 
     ``kv_caches`` must be the engine's final cache tensors: their addresses are baked into
-    the graphs. ``max_num_batched_tokens`` bounds the prompt sizes (0: decodes only).
+    the graphs. ``max_num_batched_tokens`` bounds the prompt sizes and the verify batches
+    (0: decodes only); ``verify_width`` (``W``, 0: none) is the most tokens a request
+    computes in a verify step.
     """
 
     def __init__(
@@ -115,6 +170,7 @@ class CudaGraphRunner:
         block_size: int,
         device: torch.device,
         max_num_batched_tokens: int = 0,
+        verify_width: int = 0,
         use_graphs: bool = True,
     ) -> None:
         self.model = model
@@ -122,7 +178,9 @@ class CudaGraphRunner:
         self.sizes = {
             DECODE: capture_sizes(max_num_seqs),
             PROMPT: prompt_capture_sizes(max_num_batched_tokens, max_model_len),
+            VERIFY: verify_capture_sizes(max_num_seqs, verify_width, max_num_batched_tokens),
         }
+        self.verify_width = verify_width if self.sizes[VERIFY] else 0
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = torch.device(device)
@@ -134,8 +192,9 @@ class CudaGraphRunner:
         blocks_per_seq = -(-max_model_len // block_size)
         max_blocks = -(-blocks_per_seq // 16) * 16
         max_seqs = self.sizes[DECODE][-1]
-        # Device inputs: [input_ids; positions; slot_mapping] in one buffer, one copy a step.
-        self._tokens = torch.zeros(3, max_tokens, dtype=torch.int64, device=self.device)
+        # Device inputs, one copy a step: [input_ids; positions; slot_mapping; verify
+        # steps' gather rows (the padded row of each real token)].
+        self._tokens = torch.zeros(4, max_tokens, dtype=torch.int64, device=self.device)
         self._tokens[2].fill_(-1)
         self._seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)
         self._decode_query_start_loc = torch.arange(max_seqs + 1, dtype=torch.int32, device=self.device)
@@ -143,9 +202,10 @@ class CudaGraphRunner:
             size: torch.tensor([0, size], dtype=torch.int32, device=self.device)
             for size in self.sizes[PROMPT]
         }
+        self._verify_query_start_loc = self._decode_query_start_loc * self.verify_width
         self._block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=self.device)
         pin = self.device.type == "cuda"
-        self._host_tokens = torch.zeros(3, max_tokens, dtype=torch.int64, pin_memory=pin)
+        self._host_tokens = torch.zeros(4, max_tokens, dtype=torch.int64, pin_memory=pin)
         self._host_seq_lens = torch.zeros(max_seqs, dtype=torch.int32, pin_memory=pin)
         self._host_blocks = torch.zeros(max_seqs * max_blocks, dtype=torch.int32, pin_memory=pin)
         self._np_tokens = self._host_tokens.numpy()
@@ -164,17 +224,29 @@ class CudaGraphRunner:
     @property
     def max_tokens(self) -> int:
         """The most tokens any captured step holds."""
-        return max([self.sizes[DECODE][-1], *self.sizes[PROMPT]])
+        return max(self.num_tokens((kind, sizes[-1]))
+                   for kind, sizes in self.sizes.items() if sizes)
+
+    def num_tokens(self, key: GraphKey) -> int:
+        """The rows of the graph ``key``'s forward."""
+        kind, size = key
+        return size * self.verify_width if kind == VERIFY else size
 
     def graph_for(self, inputs: StepInputs) -> GraphKey | None:
         """The captured step that serves ``inputs``: a pure-decode step (one token per
-        request) within the largest decode size, or one request's prompt tokens (2 or
-        more) within the largest prompt size whose padded length stays within
+        request) within the largest decode size; a verify step (every request computing 1
+        to ``verify_width`` tokens and holding at least ``verify_width`` with its context)
+        within the largest verify size; else one request's prompt tokens (2 or more)
+        within the largest prompt size whose padded length stays within
         ``max_model_len``; None otherwise."""
         n = inputs.num_tokens
         if inputs.max_query_len == 1:
             size = padded_size(n, self.sizes[DECODE])
             return None if size is None else (DECODE, size)
+        if inputs.max_query_len <= self.verify_width:
+            size = padded_size(len(inputs.seq_lens), self.sizes[VERIFY])
+            if size is not None and int(inputs.seq_lens.min()) >= self.verify_width:
+                return VERIFY, size
         if len(inputs.seq_lens) != 1:
             return None
         size = padded_size(n, self.sizes[PROMPT])
@@ -196,10 +268,9 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         reserved_before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        keys = [(kind, size) for kind in (DECODE, PROMPT) for size in self.sizes[kind]]
-        for key in sorted(keys, key=lambda k: (-k[1], k[0])):
-            # The warm-up reads the buffers: a prompt of Q tokens, or empty decode rows.
-            self._seq_lens[:1].fill_(key[1] if key[0] == PROMPT else 0)
+        keys = [(kind, size) for kind, sizes in self.sizes.items() for size in sizes]
+        for key in sorted(keys, key=lambda k: (-self.num_tokens(k), k[0])):
+            self._fill_padding(key)  # the warm-up reads the buffers
             self._forward(key)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -209,40 +280,62 @@ class CudaGraphRunner:
             self._outputs[key] = output
         torch.cuda.synchronize(self.device)
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
-        prompts = self.sizes[PROMPT]
+        prompts, verifies = self.sizes[PROMPT], self.sizes[VERIFY]
         logger.info(
-            "Captured CUDA graphs for %d decode batch sizes (1..%d) and %d prompt lengths "
-            "(%s) in %.1f s, %.0f MiB",
+            "Captured CUDA graphs for %d decode batch sizes (1..%d), %d prompt lengths (%s) "
+            "and %d verify batch sizes (%s) in %.1f s, %.0f MiB",
             len(self.sizes[DECODE]), self.max_size, len(prompts),
-            f"{prompts[0]}..{prompts[-1]}" if prompts else "none",
+            f"{prompts[0]}..{prompts[-1]}" if prompts else "none", len(verifies),
+            f"1..{verifies[-1]} x {self.verify_width} tokens" if verifies else "none",
             time.perf_counter() - start, self.pool_bytes / 2**20,
         )
+
+    def _fill_padding(self, key: GraphKey) -> None:
+        """Device buffers holding a step of padding only: a prompt of ``Q`` tokens with no
+        context, padding verify requests (``W`` tokens, no context) or empty decode rows;
+        no KV slot, gather rows 0."""
+        kind, size = key
+        self._tokens[:2].zero_()
+        self._tokens[2].fill_(-1)
+        self._tokens[3].zero_()
+        if kind == PROMPT:
+            self._seq_lens[:1].fill_(size)
+        else:
+            self._seq_lens[:size].fill_(self.verify_width if kind == VERIFY else 0)
 
     def _attention_metadata(self, key: GraphKey) -> AttentionMetadata:
         metadata = self._metadata.get(key)
         if metadata is None:
             kind, size = key
-            seqs = size if kind == DECODE else 1
+            seqs = 1 if kind == PROMPT else size
+            width = {DECODE: 1, PROMPT: size, VERIFY: self.verify_width}[kind]
+            query_start_loc = (self._prompt_query_start_loc[size] if kind == PROMPT else
+                               (self._verify_query_start_loc if kind == VERIFY else
+                                self._decode_query_start_loc)[: size + 1])
             metadata = AttentionMetadata(
-                num_actual_tokens=size,
-                slot_mapping=self._tokens[2, :size],
-                query_start_loc=(self._decode_query_start_loc[: size + 1] if kind == DECODE
-                                 else self._prompt_query_start_loc[size]),
+                num_actual_tokens=self.num_tokens(key),
+                slot_mapping=self._tokens[2, : self.num_tokens(key)],
+                query_start_loc=query_start_loc,
                 seq_lens=self._seq_lens[:seqs],
                 block_tables=self._block_tables[:seqs],
-                max_query_len=1 if kind == DECODE else size,
+                max_query_len=width,
                 max_seq_len=self.max_model_len,
                 block_size=self.block_size,
-                query_start_loc_cpu=list(range(size + 1)) if kind == DECODE else [0, size],
+                query_start_loc_cpu=list(range(0, seqs * width + 1, width)),
                 seq_lens_cpu=[self.max_model_len] * seqs,
             )
             self._metadata[key] = metadata
         return metadata
 
     def _forward(self, key: GraphKey) -> torch.Tensor:
-        size = key[1]
+        """The padded forward of ``key``'s rows; for a verify step its hidden states
+        gathered into the real tokens' order (rows past them: copies of row 0)."""
+        rows = self.num_tokens(key)
         with set_forward_context(self._attention_metadata(key), self.kv_caches):
-            return self.model(self._tokens[0, :size], self._tokens[1, :size])
+            hidden_states = self.model(self._tokens[0, :rows], self._tokens[1, :rows])
+        if key[0] == VERIFY:
+            return hidden_states.index_select(0, self._tokens[3, :rows])
+        return hidden_states
 
     # -- one step ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -254,41 +347,71 @@ class CudaGraphRunner:
         """Hidden states ``[n, hidden]`` of the step's ``n`` tokens (see ``graph_for``).
 
         ``fill_input_ids(input_ids, inputs)``, if given, may rewrite the staged input ids
-        on the device before the replay (ids known only on the device).
+        on the device before the replay (ids known only on the device); in a padded verify
+        step it gets every row and ``inputs`` with its pending tokens' indices moved to
+        their padded rows.
         """
         key = self.graph_for(inputs)
         if key is None:
             raise ValueError(
                 f"No captured graph serves this step: decodes of at most {self.max_size} "
-                f"requests or one prompt of 2..{max(self.sizes[PROMPT], default=0)} tokens."
+                f"requests, verify steps of at most {max(self.sizes[VERIFY], default=0)} "
+                f"requests of 1..{self.verify_width} tokens, or one prompt of "
+                f"2..{max(self.sizes[PROMPT], default=0)} tokens."
             )
         n = inputs.num_tokens
-        self._stage(inputs, key)
+        padded_rows = self._stage(inputs, key)
         if fill_input_ids is not None:
-            fill_input_ids(self._tokens[0, :n], inputs)
+            input_ids, step = self._tokens[0, :n], inputs
+            if padded_rows is not None:
+                input_ids = self._tokens[0, : self.num_tokens(key)]
+                if len(inputs.pending_token_indices):
+                    step = dataclasses.replace(
+                        inputs, pending_token_indices=padded_rows[inputs.pending_token_indices])
+            fill_input_ids(input_ids, step)
         if self.use_graphs:
             self._graphs[key].replay()
             return self._outputs[key][:n]
         return self._forward(key)[:n]
 
-    def _stage(self, inputs: StepInputs, key: GraphKey) -> None:
-        """Fill the host buffers (real rows, then padding) and copy them to the device."""
+    def _stage(self, inputs: StepInputs, key: GraphKey) -> np.ndarray | None:
+        """Fill the host buffers (real rows, then padding) and copy them to the device;
+        returns the padded row of each real token of a verify step (None otherwise)."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have left the buffers
         kind, size = key
         n = inputs.num_tokens
+        rows = self.num_tokens(key)
         tokens, seq_lens = self._np_tokens, self._np_seq_lens
-        tokens[0, :n] = inputs.input_ids
-        tokens[1, :n] = inputs.positions
-        tokens[2, :n] = inputs.slot_mapping
-        tokens[0:2, n:size] = 0
-        tokens[2, n:size] = -1
         seqs = len(inputs.seq_lens)
-        seq_lens[:seqs] = inputs.seq_lens
-        if kind == DECODE:
-            seq_lens[seqs:size] = 0
-        else:  # the padding tokens extend the prompt
-            seq_lens[0] += size - n
+        padded_rows = None
+        if kind == VERIFY:
+            per_request = self.verify_width
+            # Request b's q tokens go to the last q of its rows b*W .. b*W + W - 1.
+            ends = inputs.query_start_loc[1:]
+            query_lens = np.diff(inputs.query_start_loc)
+            shift = np.arange(1, seqs + 1) * per_request - ends
+            padded_rows = np.arange(n) + np.repeat(shift, query_lens)
+            tokens[0:2, :rows] = 0
+            tokens[2, :rows] = -1
+            tokens[0, padded_rows] = inputs.input_ids
+            tokens[1, padded_rows] = inputs.positions
+            tokens[2, padded_rows] = inputs.slot_mapping
+            tokens[3, :n] = padded_rows
+            tokens[3, n:rows] = 0
+            seq_lens[:seqs] = inputs.seq_lens
+            seq_lens[seqs:size] = per_request
+        else:
+            tokens[0, :n] = inputs.input_ids
+            tokens[1, :n] = inputs.positions
+            tokens[2, :n] = inputs.slot_mapping
+            tokens[0:2, n:size] = 0
+            tokens[2, n:size] = -1
+            seq_lens[:seqs] = inputs.seq_lens
+            if kind == DECODE:
+                seq_lens[seqs:size] = 0
+            else:  # the padding tokens extend the prompt
+                seq_lens[0] += size - n
         width = inputs.block_tables.shape[1]
         self._np_blocks[: seqs * width].reshape(seqs, width)[:] = inputs.block_tables
         self._tokens.copy_(self._host_tokens, non_blocking=True)
@@ -298,3 +421,4 @@ class CudaGraphRunner:
         )
         if self._copied is not None:
             self._copied.record()
+        return padded_rows

@@ -23,6 +23,12 @@ The first proposal comes from the catch-up forward's last row, so ``k`` proposal
 (the scheduler allocated them: ``num_lookahead_tokens``); those of proposals the target
 accepts count toward ``draft_end`` at the next step, the others are overwritten.
 
+Once a request's prompt is in, its catch-up computes 1 or 2 tokens
+(``MAX_CATCH_UP_TOKENS``): the token the step sampled, after the last proposal when the
+target accepted them all (the draft loop wrote the K/V of every proposal but the last).
+On CUDA such a catch-up replays the draft's verify graphs of 2 rows a request
+(``cuda_graphs.py``); a longer one (a prompt chunk beside) runs eagerly.
+
 A random request's proposals are drawn from the draft's distribution processed exactly
 as the target's is (penalties counting the earlier proposals, temperature, top-k, top-p,
 min-p), with the request's own generator; those distributions are kept for the
@@ -48,6 +54,10 @@ from pagedllm.models.loader import load_model
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from pagedllm.worker.kv_allocator import allocate_kv_caches
 
+# The most tokens a request's catch-up forward computes once its prompt is in (see the
+# module docstring): the rows a request gets in the draft's verify graphs.
+MAX_CATCH_UP_TOKENS = 2
+
 # forward(inputs, pending_ids) -> hidden states [T, hidden] of the draft over ``inputs``,
 # its pending tokens' ids read from ``pending_ids`` (by ``pending_sample_rows``).
 Forward = Callable[[StepInputs, "torch.Tensor | None"], torch.Tensor]
@@ -67,7 +77,7 @@ class DraftModel:
         self.vocab_size = self.model_config.vocab_size
         self.model = load_model(self.model_config, device, dtype)
         self.kv_caches: list[torch.Tensor] = []
-        self.graph_runner = None  # CudaGraphRunner of the draft's decodes, set by the runner
+        self.graph_runner = None  # CudaGraphRunner of the draft's forwards, set by the runner
         # request id -> [n, V] float32: the distributions its last proposals were drawn from
         # (random requests only).
         self._probs: dict[str, torch.Tensor] = {}

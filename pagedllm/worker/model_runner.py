@@ -7,7 +7,8 @@ draws exactly what it would have drawn.
 
 On CUDA a pure-decode step, or a step of one request's prompt of up to 512 tokens, replays
 a captured CUDA graph (``cuda_graphs.py``); other prefill and mixed steps run eagerly,
-their inputs copied through persistent pinned buffers (``device_inputs.py``). Either way the step's only host sync is reading the sampled ids.
+their inputs copied through persistent pinned buffers (``device_inputs.py``). Either way
+the step's only host sync is reading the sampled ids.
 
 ``execute_model_async`` launches a step and returns before its ids are read
 (``async_output.py``), so the engine can schedule and launch the next step meanwhile. The
@@ -20,9 +21,14 @@ Speculative decoding: every step is resolved before ``execute_model_async`` retu
 engine runs such steps synchronously). A request verifying proposals gets its ``k + 1``
 rows sampled by the rejection sampler (``verification.py``); the others sample as usual;
 then the draft model, if any, catches up and proposes (``draft_model.py``). On CUDA a
-verification step replays a captured graph only when it is one request's (the single
-prompt graphs serve its ``k + 1`` tokens); batches of several verifying requests run
-eagerly. The draft's one-token decodes replay its own captured graphs.
+verification step replays the target's verify graphs when every request computes 1 to
+``k + 1`` tokens (``k = num_speculative_tokens``): requests verifying fewer proposals,
+decoding without any, or computing a prompt chunk of at most ``k + 1`` tokens ride along,
+padded to ``k + 1`` rows; batches above the largest verify size, and steps with a longer
+prompt chunk, run eagerly (or replay a prompt graph when the step is one request's). The
+draft's catch-up forward replays its own verify graphs of 2 rows a request (the sampled
+token, and the last proposal when all were accepted) once its requests' prompts are in,
+and its one-token decodes its decode graphs.
 
 Constrained rows (structured outputs), check-then-mask: such a row is sampled without its
 token mask, and when the step's ids are read the engine's grammars check the sampled
@@ -70,9 +76,15 @@ from pagedllm.layers.sampler import (
 from pagedllm.models.loader import load_model, resolve_dtype
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.async_output import AsyncStepOutput, SampledIdsReadback
-from pagedllm.worker.cuda_graphs import CudaGraphRunner, capture_sizes, prompt_capture_sizes
+from pagedllm.worker.cuda_graphs import (
+    VERIFY,
+    CudaGraphRunner,
+    capture_sizes,
+    prompt_capture_sizes,
+    verify_capture_sizes,
+)
 from pagedllm.worker.device_inputs import DeviceInputBuffers
-from pagedllm.worker.draft_model import DraftModel
+from pagedllm.worker.draft_model import MAX_CATCH_UP_TOKENS, DraftModel
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from pagedllm.worker.kv_allocator import allocate_kv_caches, determine_num_blocks
 from pagedllm.worker.verification import verify_proposals
@@ -132,10 +144,17 @@ class ModelRunner:
             self._readback = SampledIdsReadback(config.scheduler_config.max_num_seqs)
 
     @property
+    def verify_width(self) -> int:
+        """Rows a request computes in a verification step: ``k + 1`` (0: no speculation)."""
+        spec = self.config.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens + 1
+
+    @property
     def cuda_graphs_enabled(self) -> bool:
-        """Decode and single-prompt steps replay CUDA graphs: on CUDA with the (graph-safe)
-        Triton attention backend, unless ``enforce_eager`` or pipeline parallelism (whose
-        stages hand hidden states over outside the graphs: eager steps)."""
+        """Decode, single-prompt and verification steps replay CUDA graphs: on CUDA with
+        the (graph-safe) Triton attention backend, unless ``enforce_eager`` or pipeline
+        parallelism (whose stages hand hidden states over outside the graphs: eager
+        steps)."""
         return (
             self.device.type == "cuda"
             and not self.config.model_config.enforce_eager
@@ -151,18 +170,17 @@ class ModelRunner:
 
         The graphs' memory pool is reserved in the sizing, so the cache, the activations
         of the largest eager step and the graphs together stay within
-        ``gpu_memory_utilization``.
+        ``gpu_memory_utilization``. With speculative decoding the target's verify graphs
+        (``k + 1`` rows a request) and the draft's (its catch-up forward,
+        ``MAX_CATCH_UP_TOKENS`` rows a request) are captured beside the others.
         """
         use_graphs = self.cuda_graphs_enabled
         sched = self.config.scheduler_config
         model_config = self.config.model_config
         reserved = 0
         if use_graphs:
-            largest = max([capture_sizes(sched.max_num_seqs)[-1], *prompt_capture_sizes(
-                sched.max_num_batched_tokens, model_config.max_model_len)])
-            reserved = self._graph_memory_estimate(largest)
-            if self.drafter is not None:
-                reserved += self._graph_memory_estimate(largest, self.drafter.model)
+            reserved = sum(self._graph_memory_estimate(model, width)
+                           for model, width in self._graphed_models())
         num_blocks = determine_num_blocks(
             self.config, self.kv_cache_dtype, self.device, self._profile_run, reserved_bytes=reserved
         )
@@ -184,24 +202,18 @@ class ModelRunner:
                     block_size=self.block_size, vocab_size=self.vocab_size, device=self.device,
                 )
         if use_graphs:
-            graph_runners = [CudaGraphRunner(
-                model, kv_caches,
-                max_num_seqs=sched.max_num_seqs,
-                max_model_len=model_config.max_model_len,
-                block_size=self.block_size,
-                device=self.device,
-                max_num_batched_tokens=sched.max_num_batched_tokens,
-            ) for model, kv_caches in models]
+            graph_runners = self.make_graph_runners()
             for runner in graph_runners:
                 runner.capture()
-            self.graph_runner = graph_runners[0]
-            if self.drafter is not None:
-                self.drafter.graph_runner = graph_runners[1]
             if self.speculative:
+                verify_sizes = self.graph_runner.sizes[VERIFY]
                 logger.info(
-                    "Speculative decoding with CUDA graphs: a step verifying one request's "
-                    "proposals replays the prompt graphs; steps verifying several run eagerly%s.",
-                    "; the draft model's decodes replay its own graphs" if self.drafter else "")
+                    "Speculative decoding with CUDA graphs: verification steps of up to %d "
+                    "requests of 1..%d tokens replay the verify graphs; larger ones, and "
+                    "steps with longer prompt chunks, run eagerly%s.",
+                    max(verify_sizes, default=0), self.verify_width,
+                    "; the draft model's catch-up and decodes replay its own graphs"
+                    if self.drafter else "")
             pool_bytes = sum(runner.pool_bytes for runner in graph_runners)
             if pool_bytes > reserved:
                 logger.warning(
@@ -211,13 +223,48 @@ class ModelRunner:
                 )
         return num_blocks
 
+    def _graphed_models(self) -> list[tuple[torch.nn.Module, int]]:
+        """The models whose forwards replay CUDA graphs, each with the rows a request
+        computes in its verify graphs: the target's ``k + 1`` (0: no speculation), the
+        draft's catch-up ``MAX_CATCH_UP_TOKENS``."""
+        graphed = [(self.model, self.verify_width)]
+        if self.drafter is not None:
+            graphed.append((self.drafter.model, MAX_CATCH_UP_TOKENS))
+        return graphed
+
+    def make_graph_runners(self, use_graphs: bool = True) -> list[CudaGraphRunner]:
+        """Make the graph runners of the target and the draft over their KV caches (not
+        captured yet) and route their steps through them; ``use_graphs=False`` runs the
+        same padded forwards eagerly (tests without a GPU)."""
+        sched = self.config.scheduler_config
+        caches = [self.kv_caches] + ([self.drafter.kv_caches] if self.drafter is not None else [])
+        runners = [CudaGraphRunner(
+            model, kv_caches,
+            max_num_seqs=sched.max_num_seqs,
+            max_model_len=self.config.model_config.max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            verify_width=width,
+            use_graphs=use_graphs,
+        ) for (model, width), kv_caches in zip(self._graphed_models(), caches)]
+        self.graph_runner = runners[0]
+        if self.drafter is not None:
+            self.drafter.graph_runner = runners[1]
+        return runners
+
     @torch.inference_mode()
-    def _graph_memory_estimate(self, num_tokens: int, model: torch.nn.Module | None = None) -> int:
-        """Bytes to keep free for the graphs' pool of ``model`` (default: the target): the
-        activations of one eager forward of ``num_tokens`` tokens (what the largest graph
-        holds), with a 50% + 64 MiB margin for the split-K scratch and the smaller graphs'
-        outputs."""
-        model = self.model if model is None else model
+    def _graph_memory_estimate(self, model: torch.nn.Module, verify_width: int) -> int:
+        """Bytes to keep free for the graphs' pool of ``model``, whose verify graphs hold
+        ``verify_width`` rows a request: the activations of one eager forward of the
+        largest graph's tokens, with a 50% + 64 MiB margin for the split-K scratch and the
+        decode and prompt graphs' outputs, plus the verify graphs' outputs (each keeps its
+        ``[B * verify_width, hidden]`` rows)."""
+        sched = self.config.scheduler_config
+        verify_rows = [b * verify_width for b in verify_capture_sizes(
+            sched.max_num_seqs, verify_width, sched.max_num_batched_tokens)]
+        num_tokens = max([capture_sizes(sched.max_num_seqs)[-1], *prompt_capture_sizes(
+            sched.max_num_batched_tokens, self.config.model_config.max_model_len), *verify_rows])
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -225,10 +272,11 @@ class ModelRunner:
         positions = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with set_forward_context(None, []):
             hidden = model(input_ids, positions)
+        row_bytes = hidden.shape[-1] * hidden.element_size()
         del hidden
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - base
-        return int(activations * 1.5) + (64 << 20)
+        return int(activations * 1.5) + (64 << 20) + sum(verify_rows) * row_bytes
 
     @torch.inference_mode()
     def _profile_run(self) -> None:

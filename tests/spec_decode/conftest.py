@@ -19,9 +19,14 @@ def target_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def draft_dir(target_dir, tmp_path_factory):
     """The target without its last layer: a cheaper model that agrees with it often."""
+    return without_last_layer(target_dir, tmp_path_factory.mktemp("draft"))
+
+
+def without_last_layer(target_dir, out):
+    """Write the checkpoint at ``target_dir`` without its last layer into ``out``."""
     from safetensors.torch import load_file, save_file
 
-    out = tmp_path_factory.mktemp("draft")
+    out.mkdir(parents=True, exist_ok=True)
     config = json.loads((target_dir / "config.json").read_text())
     last = config["num_hidden_layers"] - 1
     config["num_hidden_layers"] = last

@@ -2,17 +2,25 @@
 
 A CUDA graph replays a fixed shape. A decode batch's padding rows carry slot -1 (no KV
 write) and context length 0 (attention reads nothing and writes zeros); a single prompt's
-padding tokens follow its real ones, so causality hides them. These tests pin that
+padding tokens follow its real ones, so causality hides them; a verify step's requests
+get padding rows before their real ones (at context positions, slot -1) up to ``K + 1``
+rows each, and padding requests of ``K + 1`` rows fill the batch. These tests pin that
 contract on the kernels and on the whole engine, running the padded forward eagerly
 (``use_graphs=False``), which is what a replay computes.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
+import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.attention.backend import set_forward_context
+from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
 from pagedllm.layers.attention.triton_decode import paged_decode_attention
 from pagedllm.worker.cuda_graphs import (
@@ -20,9 +28,12 @@ from pagedllm.worker.cuda_graphs import (
     capture_sizes,
     padded_size,
     prompt_capture_sizes,
+    verify_capture_sizes,
 )
+from pagedllm.worker.input_batch import StepInputs
 from tests.kernels.paged_batch import DEVICE, TOLERANCE, make_step, reference_attention
-from tests.utils import make_attention_metadata
+from tests.spec_decode.conftest import without_last_layer
+from tests.utils import make_attention_metadata, make_tiny_checkpoint
 
 DECODES = ((5, 1), (17, 1), (2, 1))  # (cached tokens, new tokens) per sequence
 
@@ -38,6 +49,11 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs() -> None:
     ]
     assert prompt_capture_sizes(2048, 131072) == [16, 32, 64, 96, 128, 192, 256, 384, 512]
     assert prompt_capture_sizes(100, 64) == [16, 32, 64]  # a prompt never exceeds the model
+    # Verify batches of K + 1 rows a request, within the token budget.
+    assert verify_capture_sizes(256, 5, 8192) == capture_sizes(256)
+    assert verify_capture_sizes(512, 5, 2048) == capture_sizes(409)  # 409 x 5 <= 2048
+    assert verify_capture_sizes(100, 1, 8192) == []  # no speculation
+    assert verify_capture_sizes(8, 5, 4) == []
 
 
 def _padded_decode_metadata(step, size: int, max_seq_len: int):
@@ -89,8 +105,6 @@ def test_padding_sequences_write_no_kv_and_attend_to_nothing(num_splits) -> None
 @pytest.fixture
 def triton_llm_factory(monkeypatch, tmp_path):
     """LLMs on the tiny checkpoint whose attention runs the Triton backend."""
-    from tests.utils import make_tiny_checkpoint
-
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
     checkpoints = {}
 
@@ -167,3 +181,138 @@ def test_padded_prompt_forward_gives_the_eager_greedy_tokens(triton_llm_factory,
         assert ("prompt", 64) in [key for key, _ in prompt_steps]  # 40 tokens padded to 64
     else:
         assert all(key[1] == 16 for key, _ in prompt_steps)  # chunks of at most 16 tokens
+
+
+# -- verify steps (speculative decoding) ----------------------------------------------------
+
+
+class _AttentionOnly(nn.Module):
+    """One paged attention layer whose queries, keys and values are looked up by token id
+    (random tables): a model whose hidden states are the attention's output."""
+
+    def __init__(self, vocab_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
+                 head_dim: int = 16) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.q = torch.randn(vocab_size, num_heads * head_dim, generator=g)
+        self.k = torch.randn(vocab_size, num_kv_heads * head_dim, generator=g)
+        self.v = torch.randn(vocab_size, num_kv_heads * head_dim, generator=g)
+        self.attn = Attention(num_heads, head_dim, num_kv_heads, 0.25, layer_idx=0)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.q[input_ids], self.k[input_ids], self.v[input_ids])
+
+
+def _step_inputs(step, input_ids: torch.Tensor) -> StepInputs:
+    """``StepInputs`` of a ``make_step`` step whose tokens have ``input_ids``."""
+    md = step.metadata
+    qsl = np.asarray(md.query_start_loc_cpu)
+    seq_lens = np.asarray(md.seq_lens_cpu)
+    positions = np.concatenate([np.arange(s - (qsl[b + 1] - qsl[b]), s)
+                                for b, s in enumerate(seq_lens)])
+    num_seqs = len(seq_lens)
+    empty = np.zeros(0, dtype=np.int64)
+    return StepInputs(
+        req_ids=[str(b) for b in range(num_seqs)], states=[], input_ids=input_ids.numpy(),
+        positions=positions, slot_mapping=md.slot_mapping.numpy(), query_start_loc=qsl,
+        seq_lens=seq_lens, block_tables=md.block_tables.numpy(),
+        max_query_len=md.max_query_len, sample_req_indices=list(range(num_seqs)),
+        logits_indices=qsl[1:] - 1, pending_token_indices=empty, pending_sample_rows=empty,
+    )
+
+
+def test_verify_steps_route_by_query_lengths_and_context() -> None:
+    """Every request 1..K+1 tokens and each at least K+1 in all: a verify step, its batch
+    padded up; one-token steps stay decodes, a longer chunk is a prompt or eager."""
+    runner = CudaGraphRunner(_AttentionOnly(), [], max_num_seqs=12, max_model_len=64,
+                             block_size=4, device=DEVICE, max_num_batched_tokens=48,
+                             verify_width=4)
+    assert runner.sizes["verify"] == [1, 2, 4, 8, 12]  # 12 x 4 = 48 tokens
+
+    def key(*seqs):
+        step = make_step(seqs)
+        input_ids = torch.zeros(step.query.shape[0], dtype=torch.long)
+        return runner.graph_for(_step_inputs(step, input_ids))
+
+    assert key((5, 4), (9, 4), (2, 4)) == ("verify", 4)  # uniform: every request verifies K
+    assert key((5, 4), (9, 1), (2, 2)) == ("verify", 4)  # a decode and a shorter run beside
+    assert key((5, 1), (9, 1)) == ("decode", 2)
+    assert key((5, 4), (0, 5)) is None  # a 5-token chunk beside: eager
+    assert key((0, 3), (6, 4)) is None  # 3 tokens in all: no context position for a pad row
+    assert key((0, 3)) == ("prompt", 16)
+    assert key(*[(3, 2)] * 13) is None  # more requests than the largest verify batch
+
+
+@pytest.mark.parametrize("seqs", [((6, 3), (2, 1), (9, 2)), ((6, 3), (12, 3), (3, 3))],
+                         ids=["mixed-lengths", "uniform"])
+def test_verify_padding_leaves_real_rows_and_the_kv_cache_as_eager(seqs, monkeypatch) -> None:
+    """A verify step padded to a batch of 4 requests of 3 rows gives its real rows the
+    eager step's attention output, and leaves the KV cache as the eager step does, bit
+    for bit: padding rows write nothing. Unwritten cache slots hold NaN, so a padding row
+    that reached a real row, or a real row that read a slot past its sequence, would show."""
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
+    step = make_step(seqs, block_size=4, seed=5)
+    model = _AttentionOnly()
+    input_ids = torch.randint(1, 64, (step.query.shape[0],),
+                              generator=torch.Generator().manual_seed(1))
+    inputs = _step_inputs(step, input_ids)
+    eager_cache = step.kv_cache.clone()
+    with set_forward_context(step.metadata, [eager_cache]):
+        want = model(input_ids, torch.from_numpy(inputs.positions))
+
+    runner = CudaGraphRunner(model, [step.kv_cache], max_num_seqs=8, max_model_len=32,
+                             block_size=4, device=DEVICE, max_num_batched_tokens=32,
+                             verify_width=3, use_graphs=False)
+    assert runner.graph_for(inputs) == ("verify", 4)
+    got = runner.run(inputs)
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+    assert torch.equal(step.kv_cache.nan_to_num(7.0), eager_cache.nan_to_num(7.0))
+
+
+def test_padded_verify_steps_give_the_plain_greedy_tokens(monkeypatch, tmp_path) -> None:
+    """Speculative decoding with a draft model, three requests verifying at once: the
+    target's verification steps run padded (3 requests up to a batch of 4, with and
+    without shorter rows beside full ones) and so does the draft's catch-up forward (2
+    rows a request). The greedy tokens equal the plain engine's, and the KV caches of
+    target and draft equal those of the same speculative engine run eagerly (to the
+    rounding of another attention backend): padding rows wrote nothing."""
+    target = make_tiny_checkpoint(tmp_path, "llama", vocab_size=128, max_position_embeddings=128)
+    draft = without_last_layer(target, tmp_path / "draft")
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 120 + 4 for j in range(3 + 2 * i)]}
+               for i in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (5, 4, 6)]
+    kwargs = dict(block_size=8, max_model_len=64, max_num_seqs=4, seed=0, enforce_eager=True)
+    spec = dict(speculative_model=str(draft), num_speculative_tokens=2)
+
+    def greedy(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def caches(llm: LLM) -> list[torch.Tensor]:
+        runner = llm.llm_engine.engine_core.model_runner
+        return runner.kv_caches + runner.drafter.kv_caches
+
+    # The references run the torch backend (fast on the CPU); the padded engine the kernels.
+    want = greedy(LLM(str(target), **kwargs))
+    eager = LLM(str(target), **kwargs, **spec)
+    assert greedy(eager) == want
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
+    padded = LLM(str(target), **kwargs, **spec)
+    runner = padded.llm_engine.engine_core.model_runner
+    served = Counter()
+    for name, graph_runner in zip(("target", "draft"), runner.make_graph_runners(use_graphs=False)):
+        def counting_run(inputs, fill=None, name=name, graph_runner=graph_runner,
+                         run=graph_runner.run):
+            key = graph_runner.graph_for(inputs)
+            if key[0] == "verify":
+                full = inputs.num_tokens == len(inputs.seq_lens) * graph_runner.verify_width
+                key += (len(inputs.seq_lens), "full" if full else "mixed")
+            served[(name, *key)] += 1
+            return run(inputs, fill)
+
+        graph_runner.run = counting_run
+    assert greedy(padded) == want
+    assert served[("target", "verify", 4, 3, "full")] > 0  # 3 requests padded up to 4
+    assert served[("target", "verify", 4, 3, "mixed")] > 0  # shorter rows beside full ones
+    assert any(key[:2] == ("draft", "verify") for key in served)
+    for got_cache, want_cache in zip(caches(padded), caches(eager)):
+        torch.testing.assert_close(got_cache, want_cache, rtol=1e-5, atol=1e-5)

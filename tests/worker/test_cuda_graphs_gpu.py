@@ -1,4 +1,5 @@
-"""On a GPU: decode steps replay CUDA graphs, and greedy tokens equal the eager engine's."""
+"""On a GPU: decode, prompt and verification steps replay CUDA graphs, and greedy tokens
+equal the eager engine's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.worker.cuda_graphs import capture_sizes
+from tests.spec_decode.conftest import without_last_layer
 from tests.utils import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -74,6 +76,45 @@ def test_single_prompts_replay_prompt_graphs_and_give_the_eager_greedy_tokens(tm
     want = run(LLM(str(path), enforce_eager=True, **kwargs))
     assert got == want
     assert {("prompt", 16), ("prompt", 64), ("prompt", 128)} <= set(keys)
+
+
+def test_verification_steps_replay_verify_graphs_and_give_the_plain_greedy_tokens(tmp_path) -> None:
+    """Speculative decoding with a draft model: steps verifying several requests replay the
+    target's verify graphs (batches padded up, requests with fewer proposals or none padded
+    to K + 1 rows) and the draft's catch-up forwards its own (2 rows a request); greedy
+    tokens equal the plain eager engine's."""
+    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=256)
+    draft = without_last_layer(path, tmp_path / "draft")
+    prompts = [{"prompt_token_ids": [(5 * i + 11 * j) % 240 + 8 for j in range(4 + 9 * i)]}
+               for i in range(7)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True)
+              for i in range(7)]
+    kwargs = dict(dtype="float32", max_model_len=160, max_num_seqs=8, block_size=16,
+                  device="cuda")
+    eager = LLM(str(path), enforce_eager=True, **kwargs)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+
+    graphed = LLM(str(path), speculative_model=str(draft), num_speculative_tokens=3, **kwargs)
+    runner = graphed.llm_engine.engine_core.model_runner
+    verify_sizes = sorted(size for kind, size in runner.graph_runner._graphs if kind == "verify")
+    assert verify_sizes == capture_sizes(8)
+    assert any(kind == "verify" for kind, _ in runner.drafter.graph_runner._graphs)
+    keys = {"target": [], "draft": []}
+    for name, graph_runner in (("target", runner.graph_runner),
+                               ("draft", runner.drafter.graph_runner)):
+        def recording_run(inputs, fill=None, name=name, graph_runner=graph_runner,
+                          run=graph_runner.run):
+            keys[name].append((graph_runner.graph_for(inputs), len(inputs.seq_lens)))
+            return run(inputs, fill)
+
+        graph_runner.run = recording_run
+    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert any(key == ("verify", 8) and n == 7 for key, n in keys["target"])  # 7 padded to 8
+    assert any(key[0] == "verify" and n > 1 for key, n in keys["draft"])
+    stats = graphed.llm_engine.engine_core.scheduler.spec_decoding_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 def test_async_scheduling_on_cuda_matches_sync_for_sampling_and_preemption(tmp_path) -> None:
