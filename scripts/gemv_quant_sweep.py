@@ -50,6 +50,21 @@ GROUP = 128
 L2_FLUSH_BYTES = 400_000_000
 
 
+def measure(row: dict[str, Any], op: Callable[[Any], torch.Tensor], weights: list,
+            want: torch.Tensor, weight_bytes: float) -> dict[str, Any]:
+    """Fill ``row`` with ``op``'s error on the first weight copy against ``want`` (the
+    largest difference over the largest output) and its microseconds a launch over all
+    copies in a CUDA graph, or with the error that stopped it; returns ``row``."""
+    try:
+        got = op(weights[0]).float()
+        row["max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
+        row["us"] = graph_us_per_launch(op, weights)
+        row["tb_s"] = weight_bytes / row["us"] / 1e6
+    except Exception as exc:  # e.g. too much shared memory for the stages
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return row
+
+
 def splits(steps: int) -> list[int]:
     """Slice counts that cut ``steps`` K steps into whole slices of at least two steps."""
     return [s for s in (1, 2, 4, 7, 8, 14) if steps % s == 0 and steps // s >= 2]
@@ -117,14 +132,7 @@ def int_gemm_sweep(row_counts: list[int], budget_s: float,
                 def op(w, t=tile):
                     return int_matmul.int_matmul(x, w[0], w[1].scales, w[1].zeros, t, bits=4,
                                                  group_size=GROUP)
-                try:
-                    got = op(weights[0]).float()
-                    row["max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
-                    row["us"] = graph_us_per_launch(op, weights)
-                    row["tb_s"] = n * k * 0.5 / row["us"] / 1e6
-                except Exception as exc:  # e.g. too much shared memory for the stages
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                results.append(row)
+                results.append(measure(row, op, weights, want, n * k * 0.5))
             save(results)
         del weights, bf16
         torch.cuda.empty_cache()
@@ -187,13 +195,8 @@ def sweep(kinds: list[str], row_counts: list[int], budget_s: float,
                             triton_ops.small_batch_matmul_config = (
                                 lambda *a, t=tile, **kw: t)
                         try:
-                            got = fn(weights[0], x).float()
-                            row["max_rel_err"] = ((got - want).abs().max()
-                                                  / want.abs().max()).item()
-                            row["us"] = graph_us_per_launch(lambda w: fn(w, x), weights)
-                            row["tb_s"] = n * k * bytes_per_weight / row["us"] / 1e6
-                        except Exception as exc:  # e.g. too much shared memory for the stages
-                            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                            measure(row, lambda w: fn(w, x), weights, want,
+                                    n * k * bytes_per_weight)
                         finally:
                             triton_ops.small_batch_matmul_config = configured
                         results.append(row)
