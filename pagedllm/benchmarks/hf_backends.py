@@ -155,6 +155,27 @@ def run_hf_continuous(model, requests: list[SyntheticRequest], time_limit_s: flo
     raise RuntimeError("transformers' continuous batching did not run: " + " | ".join(errors))
 
 
+def _workload_hints(model, requests: list[SyntheticRequest]) -> dict:
+    """On the CPU, the manager's ``workload_hints`` (the longest prompt and output, the
+    request count), where this transformers takes them: without them it sizes its static
+    tensors from the host's free memory, gigabytes for a toy model, which costs a
+    benchmark on a small model most of its time. On a GPU the manager sizes from the
+    device's memory as a user's run does, and gets no hints (so GPU figures stay
+    comparable across runs)."""
+    if model.device.type != "cpu":
+        return {}
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+    except ImportError:
+        return {}
+    if "workload_hints" not in inspect.signature(model.init_continuous_batching).parameters:
+        return {}
+    return {"workload_hints": WorkloadHints(
+        max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
+        max_generated_length=max(r.output_len for r in requests),
+        num_requests=len(requests))}
+
+
 @torch.no_grad()
 def _run_continuous_once(model, requests: list[SyntheticRequest], time_limit_s: float) -> dict:
     """One run; on the time limit, tokens of unfinished requests are counted when the
@@ -166,7 +187,8 @@ def _run_continuous_once(model, requests: list[SyntheticRequest], time_limit_s: 
         do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
         max_new_tokens=max(r.output_len for r in requests), pad_token_id=0, eos_token_id=None,
     )
-    manager = model.init_continuous_batching(generation_config=config)
+    manager = model.init_continuous_batching(generation_config=config,
+                                             **_workload_hints(model, requests))
     add_params = inspect.signature(manager.add_request).parameters
     finished: dict[str, int] = {}
     count = "finished requests"
