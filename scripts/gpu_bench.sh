@@ -27,14 +27,19 @@
 #            tests/quantization/test_fp8_kv_cache.py on the GPU (greedy tokens against HF
 #            with FP8 keys and values, held-out perplexity within 1%); and
 #            check_kernels_gpu.py --fp8-kv (the kernels over an FP8 cache at real sizes
-#            against the torch reference; decode over bf16 and FP8 caches by tile)
+#            against the torch reference; decode over bf16 and FP8 caches by tile); and
+#            scripts/gemv_quant_sweep.py --kinds fp8 (the small-batch product's tiles)
 #   w4a16    W1 and L1/P1 on llama-3.1-8b with dummy 4-bit weights (--quantization gptq
-#            --load-format dummy: groups of 128, the W4A16 kernel of layers/int_matmul.py);
-#            the report sets each beside the bf16 record of the w1 and latency steps
+#            --load-format dummy: groups of 128, the W4A16 kernels of layers/int_matmul.py
+#            and the small-batch product); the report sets each beside the bf16 record of
+#            the w1 and latency steps; and scripts/gemv_quant_sweep.py --kinds int4 (the
+#            small-batch and int_matmul tiles, in CUDA graphs)
+#   spec     scripts/spec_decode_costs.py: verification and draft costs of llama-3.1-8b with
+#            llama-3.2-1b (K = 4) against a decode step, at batch 1, 8, 32 and 128
 #   moe      L1, P1 and W1 on $MOE (mixtral-8x7b, dummy bf16) and W1 on $MOE_SMALL
 #            (qwen3-30b-a3b): the report sets Mixtral's W1 beside llama-3.1-8b's of the same
-#            run (target: at least 0.6x); and scripts/bench_fused_moe.py: the grouped MoE
-#            GEMM against the loop over experts at both models' expert shapes
+#            run (target: at least 0.6x); and scripts/bench_fused_moe.py --sweep: the grouped
+#            MoE GEMM's tiles against the loop over experts at both models' expert shapes
 #   serve    the HTTP path beside the offline engine on both models (scripts/gpu_bench_serve.py):
 #            bench throughput, then pagedllm serve and bench serve (streaming, all at once)
 #            on the same $SERVE_ARGS workload (1,000 requests of 1,024 prompt and 128 output
@@ -64,7 +69,7 @@ if [ "$DRY" = "1" ]; then
     HF_PROMPTS=4 HF_LIMIT_S=30
     LAT_ARGS=(--input-len 16 --output-len 8 --prefill-len 64 --num-iters 2 --num-iters-warmup 1)
     LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120 LIMIT_SYNC=300
-    LIMIT_AB=300 LIMIT_STRUCTURED=300 LIMIT_FP8_KERNELS=0 LIMIT_SERVE=300
+    LIMIT_AB=300 LIMIT_STRUCTURED=300 LIMIT_FP8_KERNELS=0 LIMIT_SERVE=300 LIMIT_SWEEP=0
     SERVE_ARGS=(--num-prompts 8 --input-len 16 --output-len 8 --api-server-counts 1,2)
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b MOE=mixtral-8x7b MOE_SMALL=qwen3-30b-a3b
@@ -75,14 +80,14 @@ else
     LAT_ARGS=()
     LIMIT_TESTS=${LIMIT_TESTS:-80} LIMIT_KERNELS=40 LIMIT_W1=${LIMIT_W1:-220}
     LIMIT_LAT=${LIMIT_LAT:-60} LIMIT_SMALL=50
-    LIMIT_FP8_KERNELS=${LIMIT_FP8_KERNELS:-150}
+    LIMIT_FP8_KERNELS=${LIMIT_FP8_KERNELS:-150} LIMIT_SWEEP=${LIMIT_SWEEP:-200}
     LIMIT_AB=${LIMIT_AB:-200} LIMIT_STRUCTURED=${LIMIT_STRUCTURED:-240} LIMIT_SERVE=${LIMIT_SERVE:-300}
     SERVE_ARGS=(--num-prompts 1000 --input-len 1024 --output-len 128 --api-server-counts 1,2
                 --py-spy-seconds 8)
 fi
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
-STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync fp8 w4a16 moe structured serve ab}
+STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync fp8 w4a16 spec moe structured serve ab}
 read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
 
 {
@@ -126,12 +131,25 @@ if [ "$DRY" != "1" ]; then
 fi
 step fp8 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
     "${LAT_ARGS[@]}" --quantization fp8 --output-json "$OUT/fp8-latency-$BIG.json"
+if [ "$DRY" != "1" ]; then
+    step fp8 "$LIMIT_SWEEP" $PY scripts/gemv_quant_sweep.py --kinds fp8 --rows 1,4 \
+        --budget-s 100 --out "$OUT/gemv-fp8.json"
+fi
 
 step w4a16 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
     "${LAT_ARGS[@]}" --quantization gptq --step-timing --torch-profile \
     --output-json "$OUT/w4a16-latency-$BIG.json"
 step w4a16 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
     "${W1_ARGS[@]}" --quantization gptq --output-json "$OUT/w4a16-w1-$BIG.json"
+if [ "$DRY" != "1" ]; then
+    step w4a16 "$LIMIT_SWEEP" $PY scripts/gemv_quant_sweep.py --kinds int4 --rows 1,4 \
+        --budget-s 100 --int-gemm-rows 64,256 --int-gemm-budget-s 60 --out "$OUT/gemv-int4.json"
+fi
+
+if [ "$DRY" != "1" ]; then
+    step spec "$LIMIT_SWEEP" $PY scripts/spec_decode_costs.py --model "$BIG" --draft llama-3.2-1b \
+        --load-format dummy --batch-sizes 1,8,32,128 --k 4 --output-json "$OUT/spec-costs.json"
+fi
 
 step moe "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$MOE" --load-format dummy \
     "${LAT_ARGS[@]}" --step-timing --torch-profile --output-json "$OUT/moe-latency-$MOE.json"
@@ -140,7 +158,8 @@ step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE" --load
 step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
     --load-format dummy "${W1_ARGS[@]}" --output-json "$OUT/moe-w1-$MOE_SMALL.json"
 if [ "$DRY" != "1" ]; then
-    step moe "$LIMIT_LAT" $PY scripts/bench_fused_moe.py
+    step moe "$LIMIT_SWEEP" $PY scripts/bench_fused_moe.py --sweep --budget-s 120 \
+        --out "$OUT/moe-tiles.json"
 fi
 
 for model in "$BIG" "$SMALL"; do
