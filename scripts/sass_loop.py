@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Compile the small-batch product's kernel for Hopper (sm_90) on any machine, no GPU
+needed, and count the machine instructions of its main loop: what a weight costs in
+instructions, the bound of the quantized decode products (docs/benchmarks.md, "Quantized
+decode of a few sequences").
+
+    python scripts/sass_loop.py --tile 64,64,4,3,fma,8 --int-bits 4 [--print-loop]
+
+``--tile BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma[,SPLIT]`` as
+``PAGEDLLM_GEMV_TILE`` takes it; ``--int-bits 4|8`` for packed integer weights (groups of
+``--group``), ``--fp8`` for FP8 weights, neither for bf16. Arguments are compiled with the
+16-byte alignment a real launch of contiguous tensors gets. Prints the loop's instruction
+count, instructions per weight (per thread: the tile's weights over the threads), and the
+most frequent opcodes; ``--print-loop`` the loop itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from pagedllm.layers import _triton_ops_kernels as kernels  # noqa: E402
+from pagedllm.layers.triton_ops import GEMV_TILE_ENV, _parse_tile  # noqa: E402
+
+# Arguments a real launch passes as 16-byte aligned pointers or multiples of 16.
+ALIGNED = ("x_ptr", "weight_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn",
+           "stride_om", "norm_weight_ptr", "residual_ptr", "normed_ptr", "residual_out_ptr",
+           "counter_ptr", "stride_rm", "weight_scale_ptr", "input_scale_ptr", "zeros_ptr",
+           "perm_ptr", "partial_ptr", "k_per_split")
+
+
+def compile_kernel(tile, int_bits: int, group: int, fp8: bool):
+    """The compiled kernel (``triton.compile``'s result) for sm_90."""
+    weight = "*i32" if int_bits else ("*fp8e4nv" if fp8 else "*bf16")
+    signature = dict(
+        x_ptr="*bf16", weight_ptr=weight, bias_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32",
+        K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", norm_weight_ptr="*bf16",
+        residual_ptr="*bf16", normed_ptr="*bf16", residual_out_ptr="*bf16", counter_ptr="*i32",
+        stride_rm="i32", eps="fp32", weight_scale_ptr="*bf16" if int_bits else "*fp32",
+        input_scale_ptr="*fp32", zeros_ptr="*u8", perm_ptr="*i32", stride_sn="i32",
+        partial_ptr="*fp32", k_per_split="i32",
+    )
+    constants = dict(
+        BLOCK_M=16 if tile.use_dot else 1, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        HAS_BIAS=False, EVEN_K=True, USE_DOT=tile.use_dot, SILU_GATED=False, NORM_BLOCK=0,
+        FP8=fp8, STATIC_INPUT=False, AMAX_BLOCK=tile.block_k, INT_BITS=int_bits,
+        GROUP=group if int_bits else 0, HAS_PERM=False, SPLIT=tile.split,
+    )
+    signature.update({name: "constexpr" for name in constants})
+    names = list(kernels.small_batch_matmul_kernel.arg_names)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
+    source = ASTSource(fn=kernels.small_batch_matmul_kernel, signature=signature,
+                       constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
+
+
+def sass(compiled) -> list[tuple[int, str]]:
+    """``(address, instruction)`` of the compiled kernel's machine code (cuobjdump)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        Path(cubin).write_bytes(compiled.asm["cubin"])
+        text = subprocess.run([str(tool), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    found = (re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines())
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in found if m]
+
+
+def main_loop(code: list[tuple[int, str]]) -> list[str]:
+    """The instructions of the longest backward branch's body: the loop over ``K``."""
+    spans = []
+    for address, text in code:
+        target = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            spans.append((int(target.group(1), 16), address))
+    if not spans:
+        raise SystemExit("no loop found in the kernel's machine code")
+    lo, hi = max(spans, key=lambda span: span[1] - span[0])
+    return [text for address, text in code if lo <= address <= hi]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tile", required=True, help="BLOCK_N,BLOCK_K,warps,stages,dot|fma[,SPLIT]")
+    parser.add_argument("--int-bits", type=int, choices=(0, 4, 8), default=0)
+    parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--print-loop", action="store_true")
+    args = parser.parse_args(argv)
+    tile = _parse_tile(GEMV_TILE_ENV, args.tile, rows=1)
+    loop = main_loop(sass(compile_kernel(tile, args.int_bits, args.group, args.fp8)))
+    opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in loop)
+    rows = 16 if tile.use_dot else 1
+    weights_per_thread = tile.block_n * tile.block_k / (32 * tile.num_warps)
+    result = dict(instructions=len(loop), per_weight=len(loop) / weights_per_thread,
+                  rows=rows, opcodes=dict(opcodes.most_common()))
+    print(f"loop: {len(loop)} instructions, {result['per_weight']:.2f} per weight "
+          f"({weights_per_thread:.0f} weights a thread an iteration)")
+    print("  " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(12)))
+    if args.print_loop:
+        print("\n".join(loop))
+    return result
+
+
+if __name__ == "__main__":
+    main()
