@@ -75,9 +75,10 @@ def candidates(kind: str, rows: int, k: int) -> list[GemvTile]:
     tiles: list[GemvTile] = []
     if kind == "int4":
         if rows == 1:
+            tiles += [GemvTile(n, 64, 4, 3, False, s) for s in splits(k // 64)
+                      for n in (64, 128, 32)]
             tiles += [GemvTile(n, 128, w, 3, False, s) for s in splits(k // 128)
-                      for n in (32, 16, 64) for w in (4, 8)]
-            tiles += [GemvTile(n, 64, 4, 3, False, s) for s in splits(k // 64) for n in (32, 64)]
+                      for n in (128, 64, 32) for w in (4, 8)]
         tiles += [GemvTile(n, 128, w, 3, True, s) for s in splits(k // 128)
                   for n in (64, 32, 128) for w in (4, 8)]
     else:

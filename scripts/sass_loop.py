@@ -11,13 +11,15 @@ decode of a few sequences").
 ``--group``), ``--fp8`` for FP8 weights, neither for bf16. Arguments are compiled with the
 16-byte alignment a real launch of contiguous tensors gets. Prints the loop's instruction
 count, instructions per weight (per thread: the tile's weights over the threads), and the
-most frequent opcodes; ``--print-loop`` the loop itself.
+most frequent opcodes; ``--print-loop`` the loop itself, ``--json`` the counts as JSON.
+It compiles whatever ``TRITON_INTERPRET`` says (the variable is dropped).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -26,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--print-loop", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the counts as JSON last")
     args = parser.parse_args(argv)
     tile = _parse_tile(GEMV_TILE_ENV, args.tile, rows=1)
     loop = main_loop(sass(compile_kernel(tile, args.int_bits, args.group, args.fp8)))
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
     print("  " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(12)))
     if args.print_loop:
         print("\n".join(loop))
+    if args.json:
+        print(json.dumps(result))
     return result
 
 

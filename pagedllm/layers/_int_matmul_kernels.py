@@ -55,6 +55,46 @@ def int_weight_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0,
 
 
 @triton.jit
+def int_row_products(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0, x, one_bits,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """``sum_k (q[n, k] - zero[n]) * scale[n] * x[k]`` over inputs ``k0 .. k0 + BLOCK_K``
+    (one group: ``BLOCK_K`` divides ``GROUP``) for one row ``x`` (``[1, BLOCK_K]``,
+    float32): ``[BLOCK_N]`` float32, from the packed rows at ``q_rows``.
+
+    Three instructions a weight: each (interleaved, as ``int_weight_tile`` does) copy of a
+    word is shifted so its value lands in the top ``BITS`` bits of a float32 mantissa, one
+    ``and``/``or`` with ``one_bits`` (the bits of 1.0, in a register) makes the float
+    ``v = 1 + q / 2^BITS`` (exact), and a multiply-add takes it. The zero point and the
+    scale come once per row and tile: ``sum (q - zero) x = 2^BITS (sum v x - sum x) -
+    zero sum x``. Both sums carry ``sum |x|`` at float32's precision and the difference is
+    scaled by 2^BITS, so the result is within about 2^(BITS + 1 - 24) ``sum |x|`` of the
+    exact one (a few times the error of summing ``(q - zero) x`` directly): far under the
+    output's rounding."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    DOUBLINGS: tl.constexpr = 3 if BITS == 4 else 2  # log2(PER_WORD): 4 or 8 bits
+    FIELD: tl.constexpr = 23 - BITS  # the value's lowest bit in the mantissa
+    word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    q = tl.load(q_rows + word[None, :]).to(tl.uint32, bitcast=True)
+    for _ in tl.static_range(DOUBLINGS):
+        q = tl.interleave(q, q)
+    # One shift per copy (left or right: a constant for each register) brings the value
+    # at bits BITS * j to bits FIELD .. 22.
+    left = FIELD - (tl.arange(0, BLOCK_K) % PER_WORD) * BITS
+    up = tl.maximum(left, 0).to(tl.uint32)[None, :]
+    down = tl.maximum(-left, 0).to(tl.uint32)[None, :]
+    moved = tl.where(left[None, :] >= 0, q << up, q >> down)
+    field: tl.constexpr = ((1 << BITS) - 1) << FIELD
+    v = ((moved & field) | one_bits).to(tl.float32, bitcast=True)
+    sum_vx = tl.sum(v * x, 1)
+    sum_x = tl.sum(x, 1)
+    group = k0 // GROUP
+    scale = tl.load(scales_ptr + n_rows * stride_sn + group).to(tl.float32)
+    zero = tl.load(zeros_ptr + n_rows * stride_sn + group).to(tl.float32)
+    return scale * ((sum_vx - sum_x) * (1 << BITS) - zero * sum_x)
+
+
+@triton.jit
 def int_matmul_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, out_ptr,
     M, N, k_per_split, stride_xm, stride_qn, stride_sn, stride_om, stride_os,

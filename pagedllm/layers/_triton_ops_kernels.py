@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedllm.layers._int_matmul_kernels import int_weight_tile
+from pagedllm.layers._int_matmul_kernels import int_row_products, int_weight_tile
 
 cdiv = triton.cdiv
 next_power_of_2 = triton.next_power_of_2
@@ -253,10 +253,10 @@ def small_batch_matmul_kernel(
     ``pagedllm.quantization.int_weights`` (W4A16, W8A16): ``weight`` is the packed
     ``qweight [N, K / (32 / INT_BITS)]``, ``weight_scale`` the ``scales`` and ``zeros``
     the zero points (``[N, K / GROUP]``, row stride ``stride_sn``); ``BLOCK_K`` divides
-    ``GROUP`` and ``K``. A weight is ``(q - zero) * scale``: ``q - zero`` exact in float32
-    (``q`` becomes a float by its bits, ``2^23 + q``, with no conversion instruction), times
-    the scale in float32, rounded to ``x``'s dtype for tensor cores and kept in float32
-    lane-wise. ``HAS_PERM``: act-order, stored column ``k`` multiplies ``x[perm[k]]``.
+    ``GROUP`` and ``K``. On tensor cores a weight is ``(q - zero) * scale``
+    (``int_weight_tile``) rounded to ``x``'s dtype; one row sums ``(q - zero) * x`` per
+    column and tile and scales the sum (``int_row_products``: three instructions a weight).
+    ``HAS_PERM``: act-order, stored column ``k`` multiplies ``x[perm[k]]``.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -268,8 +268,14 @@ def small_batch_matmul_kernel(
     m = tl.arange(0, BLOCK_M)
     m_valid = m < M
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    # Integer weights, one row: sums per column (int_row_products), else lane-wise sums.
+    INT_ROWS: tl.constexpr = INT_BITS > 0 and not USE_DOT
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    elif INT_ROWS:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        # The bits of 1.0f in a register (M >> 31 is 0): one and/or instruction, not two.
+        one_bits = ((M >> 31) | 0x3F800000).to(tl.uint32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros_like(acc)
@@ -292,41 +298,53 @@ def small_batch_matmul_kernel(
             columns = tl.load(perm_ptr + k)
         else:
             columns = k
-        if INT_BITS > 0:
-            w = int_weight_tile(w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, k0,
-                                 INT_BITS, GROUP, BLOCK_N, BLOCK_K, USE_DOT,
-                                 x_ptr.dtype.element_ty)
+        if INT_ROWS:
+            x = tl.load(x_rows + columns[None, :], mask=m_valid[:, None], other=0.0).to(tl.float32)
+            acc += int_row_products(w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, k0,
+                                    x, one_bits, INT_BITS, GROUP, BLOCK_N, BLOCK_K)
             if SILU_GATED:
-                w_up = int_weight_tile(up_rows, weight_scale_ptr + N * stride_sn,
-                                        zeros_ptr + N * stride_sn, n_rows, stride_sn, k0,
-                                        INT_BITS, GROUP, BLOCK_N, BLOCK_K, USE_DOT,
-                                        x_ptr.dtype.element_ty)
-            x_mask = m_valid[:, None]
-        elif EVEN_K:
-            w = tl.load(w_rows + k[None, :])
-            if SILU_GATED:
-                w_up = tl.load(up_rows + k[None, :])
-            x_mask = m_valid[:, None]
+                acc_up += int_row_products(up_rows, weight_scale_ptr + N * stride_sn,
+                                           zeros_ptr + N * stride_sn, n_rows, stride_sn, k0, x,
+                                           one_bits, INT_BITS, GROUP, BLOCK_N, BLOCK_K)
         else:
-            k_valid = k < K
-            w = tl.load(w_rows + k[None, :], mask=k_valid[None, :], other=0.0)
-            if SILU_GATED:
-                w_up = tl.load(up_rows + k[None, :], mask=k_valid[None, :], other=0.0)
-            x_mask = m_valid[:, None] & k_valid[None, :]
-        x = tl.load(x_rows + columns[None, :], mask=x_mask, other=0.0)
-        if FP8:
-            x = tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
-        if USE_DOT:
-            acc += tl.dot(x, tl.trans(w))
-            if SILU_GATED:
-                acc_up += tl.dot(x, tl.trans(w_up))
-        else:
-            acc += w.to(tl.float32) * x.to(tl.float32)
-            if SILU_GATED:
-                acc_up += w_up.to(tl.float32) * x.to(tl.float32)
+            if INT_BITS > 0:
+                w = int_weight_tile(w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, k0,
+                                     INT_BITS, GROUP, BLOCK_N, BLOCK_K, USE_DOT,
+                                     x_ptr.dtype.element_ty)
+                if SILU_GATED:
+                    w_up = int_weight_tile(up_rows, weight_scale_ptr + N * stride_sn,
+                                            zeros_ptr + N * stride_sn, n_rows, stride_sn, k0,
+                                            INT_BITS, GROUP, BLOCK_N, BLOCK_K, USE_DOT,
+                                            x_ptr.dtype.element_ty)
+                x_mask = m_valid[:, None]
+            elif EVEN_K:
+                w = tl.load(w_rows + k[None, :])
+                if SILU_GATED:
+                    w_up = tl.load(up_rows + k[None, :])
+                x_mask = m_valid[:, None]
+            else:
+                k_valid = k < K
+                w = tl.load(w_rows + k[None, :], mask=k_valid[None, :], other=0.0)
+                if SILU_GATED:
+                    w_up = tl.load(up_rows + k[None, :], mask=k_valid[None, :], other=0.0)
+                x_mask = m_valid[:, None] & k_valid[None, :]
+            x = tl.load(x_rows + columns[None, :], mask=x_mask, other=0.0)
+            if FP8:
+                x = tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+            if USE_DOT:
+                acc += tl.dot(x, tl.trans(w))
+                if SILU_GATED:
+                    acc_up += tl.dot(x, tl.trans(w_up))
+            else:
+                acc += w.to(tl.float32) * x.to(tl.float32)
+                if SILU_GATED:
+                    acc_up += w_up.to(tl.float32) * x.to(tl.float32)
     if USE_DOT:
         out = acc
         up = acc_up
+    elif INT_ROWS:
+        out = acc[None, :]
+        up = acc_up[None, :]
     else:
         out = tl.sum(acc, 1)[None, :]
         up = tl.sum(acc_up, 1)[None, :]

@@ -4,23 +4,34 @@ each weight costs, so the count is checked where it cannot drift unseen."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
-from tests.benchmarks.gpu_report import load_script
+from tests.benchmarks.gpu_report import REPO
 
 pytest.importorskip("triton")
-sass_loop = load_script("sass_loop")
+
+
+def sass_loop(args: list[str]) -> dict:
+    """The script's counts, from its own process (kernels imported by other tests here
+    may be the interpreter's)."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "sass_loop.py"), *args,
+                           "--json"], capture_output=True, text=True, check=True, timeout=300)
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 @pytest.mark.parametrize("args, weights_per_thread, bound", [
-    # 4-bit, one row, lane-wise: unpack (shift, mask, the float's bits), q - zero, the
-    # scale, one multiply-add a weight; 7.7 instructions a weight when written.
-    (["--tile", "64,64,4,3,fma,8", "--int-bits", "4"], 32, 9.0),
+    # 4-bit, one row: a shift and one and/or make each weight a float, a multiply-add
+    # takes it; 6.2 instructions a weight with the rest (7.7 before int_row_products).
+    (["--tile", "64,64,4,3,fma,8", "--int-bits", "4"], 32, 7.0),
     # FP8, one row: two weights converted by one instruction; 3.6 when written.
     (["--tile", "16,512,4,3,fma,2", "--fp8"], 64, 4.5),
 ])
 def test_the_loop_costs_one_multiply_add_and_few_instructions_a_weight(args, weights_per_thread,
                                                                         bound):
-    result = sass_loop.main(args)
-    assert result["opcodes"]["FFMA"] == weights_per_thread
+    result = sass_loop(args)
+    assert weights_per_thread <= result["opcodes"]["FFMA"] <= weights_per_thread + 4
     assert result["per_weight"] < bound
