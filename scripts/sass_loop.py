@@ -107,10 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     tile = _parse_tile(GEMV_TILE_ENV, args.tile, rows=1)
     loop = main_loop(sass(compile_kernel(tile, args.int_bits, args.group, args.fp8)))
     opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in loop)
-    rows = 16 if tile.use_dot else 1
     weights_per_thread = tile.block_n * tile.block_k / (32 * tile.num_warps)
     result = dict(instructions=len(loop), per_weight=len(loop) / weights_per_thread,
-                  rows=rows, opcodes=dict(opcodes.most_common()))
+                  opcodes=dict(opcodes.most_common()))
     print(f"loop: {len(loop)} instructions, {result['per_weight']:.2f} per weight "
           f"({weights_per_thread:.0f} weights a thread an iteration)")
     print("  " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(12)))

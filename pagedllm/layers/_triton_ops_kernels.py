@@ -307,14 +307,14 @@ def small_batch_matmul_kernel(
                                            zeros_ptr + N * stride_sn, n_rows, stride_sn, k0, x,
                                            one_bits, INT_BITS, GROUP, BLOCK_N, BLOCK_K)
         else:
-            if INT_BITS > 0:
+            if INT_BITS > 0:  # tensor cores: weights rounded to x's dtype
                 w = int_weight_tile(w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, k0,
-                                     INT_BITS, GROUP, BLOCK_N, BLOCK_K, USE_DOT,
+                                     INT_BITS, GROUP, BLOCK_N, BLOCK_K, True,
                                      x_ptr.dtype.element_ty)
                 if SILU_GATED:
                     w_up = int_weight_tile(up_rows, weight_scale_ptr + N * stride_sn,
                                             zeros_ptr + N * stride_sn, n_rows, stride_sn, k0,
-                                            INT_BITS, GROUP, BLOCK_N, BLOCK_K, USE_DOT,
+                                            INT_BITS, GROUP, BLOCK_N, BLOCK_K, True,
                                             x_ptr.dtype.element_ty)
                 x_mask = m_valid[:, None]
             elif EVEN_K:

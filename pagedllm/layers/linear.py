@@ -40,8 +40,8 @@ from pagedllm.distributed.parallel_state import all_gather_last_dim, all_reduce,
 from pagedllm.layers.int_matmul import int_linear
 from pagedllm.layers.triton_ops import (
     IntWeights,
+    int_small_batch_tile,
     small_batch_matmul,
-    small_batch_matmul_config,
     use_small_batch_matmul,
 )
 from pagedllm.quantization import int_weights
@@ -80,12 +80,11 @@ def small_batch_product(proj: Linear, x: torch.Tensor, bias: torch.Tensor | None
             return None
         return small_batch_matmul(x, proj.weight, bias, silu_gated=silu_gated, norm=norm,
                                   weight_scale=proj.weight_scale, input_scale=proj.input_scale)
-    group = proj.input_size if scheme.group_size == -1 else scheme.group_size
-    if not use_small_batch_matmul(x, proj.qweight) or small_batch_matmul_config(
-            x.shape[0], proj.qweight.shape[0], proj.input_size, int_bits=scheme.bits,
-            group=group) is None:
+    if not use_small_batch_matmul(x, proj.qweight):
         return None
     ints = IntWeights(proj.scales, proj.zeros, scheme.bits, scheme.group_size, proj.act_perm)
+    if int_small_batch_tile(x.shape[0], proj.qweight.shape[0], proj.input_size, ints) is None:
+        return None
     return small_batch_matmul(x, proj.qweight, bias, silu_gated=silu_gated, norm=norm,
                               int_weights=ints)
 

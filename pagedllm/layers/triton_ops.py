@@ -415,6 +415,13 @@ def _int_tile(rows: int, n: int, k: int, group: int) -> GemvTile | None:
     return GemvTile(64, block_k, 4, 3, use_dot, split)
 
 
+def int_small_batch_tile(rows: int, n: int, k: int, ints: IntWeights) -> GemvTile | None:
+    """The small-batch tile of ``rows x k @ k x n`` over the integer weights ``ints``, or
+    None when no tile fits their groups (the caller takes ``int_matmul``'s path)."""
+    group = k if ints.group_size == -1 else ints.group_size
+    return small_batch_matmul_config(rows, n, k, int_bits=ints.bits, group=group)
+
+
 def _int_tile_fits(tile: GemvTile, k: int, group: int) -> bool:
     """Whether ``tile`` tiles integer weights of ``K`` inputs in groups of ``group``: its
     steps lie in one group and its slices hold whole steps."""
@@ -511,8 +518,7 @@ def small_batch_matmul(
         group = 0
     else:
         group = in_features if int_weights.group_size == -1 else int_weights.group_size
-        tile = small_batch_matmul_config(rows, weight.shape[0], in_features,
-                                         int_bits=int_weights.bits, group=group)
+        tile = int_small_batch_tile(rows, weight.shape[0], in_features, int_weights)
         if tile is None:
             raise ValueError(f"no small-batch tile fits K={in_features} in groups of {group}.")
         tile = GemvTile(*tile)
