@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--print-loop", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the counts as JSON last")
     args = parser.parse_args(argv)
+    if args.fp8 and args.int_bits:
+        parser.error("--fp8 and --int-bits name two weight formats: give one.")
     tile = _parse_tile(GEMV_TILE_ENV, args.tile, rows=1)
     loop = main_loop(sass(compile_kernel(tile, args.int_bits, args.group, args.fp8)))
     opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in loop)
