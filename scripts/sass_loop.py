@@ -61,6 +61,8 @@ def compile_kernel(tile, int_bits: int, group: int, fp8: bool):
         FP8=fp8, STATIC_INPUT=False, AMAX_BLOCK=tile.block_k, INT_BITS=int_bits,
         GROUP=group if int_bits else 0, HAS_PERM=False, SPLIT=tile.split,
     )
+    if not tile.use_dot:  # a launch for one row passes M = 1, which Triton makes a constant
+        constants["M"] = 1
     signature.update({name: "constexpr" for name in constants})
     names = list(kernels.small_batch_matmul_kernel.arg_names)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}

@@ -274,8 +274,9 @@ def small_batch_matmul_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     elif INT_ROWS:
         acc = tl.zeros([BLOCK_N], tl.float32)
-        # The bits of 1.0f in a register (M >> 31 is 0): one and/or instruction, not two.
-        one_bits = ((M >> 31) | 0x3F800000).to(tl.uint32)
+        # The bits of 1.0f in a register (K >> 31 is 0; K is never specialized to a
+        # constant as M == 1 is): one and/or instruction, not two.
+        one_bits = ((K >> 31) | 0x3F800000).to(tl.uint32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros_like(acc)

@@ -397,22 +397,31 @@ def _fp8_tile(rows: int, n: int, k: int) -> GemvTile:
 
 def _int_tile(rows: int, n: int, k: int, group: int) -> GemvTile | None:
     """Integer weights (``scripts/gemv_quant_sweep.py`` on an H200, Llama-3.1-8B's
-    projections in groups of 128, inside CUDA graphs, weights out of L2): one row
-    lane-wise in 64 x 64 tiles (qkv 14.4 us against bf16's 15.0, o_proj 10.5 against 11.5,
-    gate/up 49.7 against 63.8, down 29.1 against 31.4), several rows on tensor cores in
-    64 x 128 tiles (qkv 18.2 against 15.7 at 4 rows); the steps are the largest power of
-    two up to that which divides the group and ``K``. Narrow outputs split ``K`` in eight
-    slices, wide ones (gate/up) in four, each slice at least two steps long."""
-    block_k, use_dot = (64, False) if rows == 1 else (128, True)
+    projections in groups of 128, inside CUDA graphs, weights out of L2).
+
+    One row, lane-wise (``int_row_products``), ``K`` in eight slices: 128 x 128 tiles
+    (qkv 9.5 us with 8 warps against bf16's 15.0, o_proj 7.8 against 11.6, gate/up 30.5
+    with 4 warps against 64.7); a long ``K`` (down, 14,336) in 64 x 64 tiles and slices of
+    1,024 inputs (22.0 against 31.9). Several rows on tensor cores in 64 x 128 tiles (qkv
+    18.2 against 15.7 at 4 rows), narrow outputs in eight slices, wide ones (gate/up) in
+    four. The steps are the largest power of two up to the tile's which divides the group
+    and ``K``; each slice is at least two steps long."""
+    if rows == 1:
+        long_k = k > 8192
+        block_n, block_k = (64, 64) if long_k else (128, 128)
+        warps = 8 if block_n == 128 and n <= 8192 else 4
+        wanted = k // 1024 if long_k else 8
+    else:
+        block_n, block_k, warps = 64, 128, 4
+        blocks = -(-n // block_n)
+        wanted = 8 if blocks < 200 else 4 if blocks < 1000 else 1
     block_k = next((b for b in (128, 64, 32, 16)
                     if b <= block_k and k % b == 0 and group % b == 0), None)
     if block_k is None:
         return None
     steps = k // block_k
-    blocks = -(-n // 64)
-    wanted = 8 if blocks < 200 else 4 if blocks < 1000 else 1
     split = max(s for s in range(1, wanted + 1) if steps % s == 0 and (s == 1 or steps >= 2 * s))
-    return GemvTile(64, block_k, 4, 3, use_dot, split)
+    return GemvTile(block_n, block_k, warps, 3, rows > 1, split)
 
 
 def int_small_batch_tile(rows: int, n: int, k: int, ints: IntWeights) -> GemvTile | None:
