@@ -131,14 +131,6 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
     @property
-    def speculation_blocker(self) -> str | None:
-        """Why a request with these parameters decodes without speculation (a speculative
-        engine runs it token by token, as without speculation), or None if it may speculate."""
-        if self.structured_outputs is not None:
-            return "structured outputs"
-        return None
-
-    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 

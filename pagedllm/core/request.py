@@ -67,8 +67,7 @@ class Request:
         "all_token_ids", "output_token_ids", "num_computed_tokens", "num_cached_tokens",
         "status", "stop_reason", "max_tokens", "stop_token_ids", "block_hashes",
         "num_preemptions", "first_scheduled_time", "use_prefix_cache", "cache_salt",
-        "num_output_placeholders", "num_prompt_logprobs_reported", "grammar",
-        "spec_token_ids", "can_speculate",
+        "num_output_placeholders", "num_prompt_logprobs_reported", "grammar", "spec_token_ids",
     )
 
     def __init__(
@@ -122,7 +121,6 @@ class Request:
         self.grammar = None
         # Proposed next tokens, consumed by the next step that schedules the request.
         self.spec_token_ids: list[int] = []
-        self.can_speculate = sampling_params.speculation_blocker is None
 
     # -- token accounting ---------------------------------------------------------------
     @property

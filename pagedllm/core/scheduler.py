@@ -45,7 +45,8 @@ that keep every stage busy.
 Speculative decoding: a decoding request with proposed tokens (``spec_token_ids``, from
 the n-gram proposer or the draft model) is scheduled as its last token plus ``k`` of them,
 ``k`` capped by the budget and by ``max_tokens`` (a step yields at most ``k + 1`` tokens,
-so no step computes a token past ``max_tokens``). ``update_from_output`` gets the accepted
+so no step computes a token past ``max_tokens``), and for a request with an output
+constraint cut at the first proposal its grammar refuses. ``update_from_output`` gets the accepted
 run (1 to ``k + 1`` tokens) and moves ``num_computed_tokens`` back by the rejected ones; their
 KV slots stay allocated and are overwritten by later tokens. With a draft model, a step
 that samples for a request also allocates the slots of the drafts the model writes after
@@ -378,12 +379,17 @@ class Scheduler:
         outputs, self._unstepped_outputs = self._unstepped_outputs, []
         return outputs
 
-    @staticmethod
-    def _take_spec_tokens(request: Request, spec: list[int], budget: int, plan: _StepPlan) -> int:
+    def _take_spec_tokens(self, request: Request, spec: list[int], budget: int,
+                          plan: _StepPlan) -> int:
         """How many of the request's proposals this step verifies (recorded in ``plan``):
-        all, but within the budget beside its own token and with ``k + 1`` tokens at most
-        left to reach ``max_tokens``."""
-        k = min(len(spec), budget - 1, request.max_tokens - len(request.output_token_ids) - 1)
+        all, but within the budget beside its own token, with ``k + 1`` tokens at most
+        left to reach ``max_tokens``, and, under an output constraint, none after the first
+        the grammar refuses (see ``proposals_to_verify``)."""
+        k = len(spec)
+        if request.grammar is not None:
+            drawn = self.uses_draft_model and not request.sampling_params.greedy
+            k = proposals_to_verify(request.grammar.num_allowed(spec), k, drawn)
+        k = min(k, budget - 1, request.max_tokens - len(request.output_token_ids) - 1)
         if k <= 0:
             return 0
         plan.spec_token_ids[request.request_id] = spec if k == len(spec) else spec[:k]
@@ -396,7 +402,7 @@ class Scheduler:
         request's ``end`` (it samples), fewer near ``max_tokens`` (the draft never proposes
         a token the request cannot keep), 0 otherwise."""
         step_end = request.num_computed_tokens + num_tokens
-        if step_end < end or not request.can_speculate:
+        if step_end < end:
             return 0
         last_useful = request.num_prompt_tokens + request.max_tokens - 1
         return max(0, min(lookahead, last_useful - step_end))
@@ -569,6 +575,17 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
+
+
+def proposals_to_verify(num_allowed: int, num_proposed: int, drawn: bool) -> int:
+    """How many of a constrained request's ``num_proposed`` proposals to verify, the first
+    ``num_allowed`` of them allowed by its grammar: those, plus the first refused one when
+    the proposals were ``drawn`` from the draft's distribution. The target rejects a
+    refused proposal always (its mask gives it probability 0), and the rejection draws
+    from the residual of the target's and the draft's distributions; cutting the refused
+    proposal would draw from the target's instead, which is the same only for a point
+    mass (n-gram lookup, greedy drafting)."""
+    return num_allowed + 1 if drawn and num_allowed < num_proposed else num_allowed
 
 
 def _step_start(so: SchedulerOutput, request_id: str) -> int:

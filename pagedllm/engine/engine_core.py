@@ -24,7 +24,8 @@ on other requests, so every stage works on some step while the last one samples.
 Speculative decoding (synchronous steps only): with the n-gram method the engine core
 proposes each decoding request's next tokens from its own token ids after every step
 (``spec_decode/ngram.py``); with a draft model the model runner proposes them at the end of
-the step. Either way the proposals wait on the request for the next step to verify.
+the step. Either way the proposals wait on the request for the next step to verify (a
+constrained request's cut at the first token its grammar refuses, by the scheduler).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class EngineCore:
         if not scheduler.speculates(len(scheduler.running)):
             return
         for request in scheduler.running:
-            if request.can_speculate and request.num_computed_tokens == request.num_tokens - 1:
+            if request.num_computed_tokens == request.num_tokens - 1:
                 request.spec_token_ids = self.ngram.propose(request.request_id,
                                                             request.all_token_ids)
         if len(self.ngram) > 2 * len(scheduler.requests) + 64:

@@ -9,7 +9,8 @@ request gets its own ``Grammar`` (a matcher's state) from it. The engine only ev
 - ``new_grammar(compiled)`` per request,
 - ``Grammar.is_allowed(token)`` for a token sampled without a mask (check-then-mask: most
   samples are allowed, and checking one token costs microseconds where a mask costs the
-  whole vocabulary),
+  whole vocabulary), and ``Grammar.num_allowed(tokens)`` for proposed tokens (speculative
+  decoding cuts a proposal at the first token the grammar refuses),
 - ``fill_bitmasks([(grammar, row)], bitmask)`` for the constrained rows that need a mask:
   bit ``t`` of row ``r`` (word ``t // 32``, bit ``t % 32``, int32 words) says token ``t``
   is allowed,
@@ -42,8 +43,14 @@ class Grammar(ABC):
         ``fill_bitmasks`` writes for it, while the grammar is not terminated."""
 
     @abstractmethod
+    def num_allowed(self, token_ids: list[int]) -> int:
+        """How many leading tokens of ``token_ids`` may come next, one after the other
+        (the state does not change)."""
+
+    @abstractmethod
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens (rejected speculative tokens)."""
+        """Undo the last ``num_tokens`` accepted tokens (possible in any state but an
+        error: accept only allowed tokens before rolling back)."""
 
     @abstractmethod
     def is_terminated(self) -> bool:

@@ -90,6 +90,9 @@ class LLGuidanceGrammar(Grammar):
     def is_allowed(self, token_id: int) -> bool:
         return self.matcher.validate_tokens([token_id]) == 1
 
+    def num_allowed(self, token_ids: list[int]) -> int:
+        return self.matcher.validate_tokens(token_ids)
+
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 

@@ -11,6 +11,10 @@ Lifecycle of a constrained request::
           the rows it refuses, which the runner draws again under their mask
       mask first (rows with logprobs, top-k, top-p or min-p): fill_bitmask(rows) ──>
           the runner masks those rows' logits, then samples
+      speculating: the scheduler cuts the proposals at the first token the grammar
+          refuses (num_allowed); fill_verify_bitmask gives each verification row the
+          state after the proposals before it, and the rejection sampler judges the
+          masked distributions
     scheduler.update_from_output: request.grammar.accept_token(token) for each token
     request.grammar.is_terminated() ──> the request finishes with "stop"
 
@@ -55,9 +59,13 @@ class RequestGrammar:
 
     With ``reasoning_end_token_ids`` the constraint starts after the output has produced
     that token sequence; tokens before it (and the sequence itself) are free.
+
+    Speculative decoding looks ahead without committing: ``num_allowed`` counts the
+    proposals the constraint allows in a row, and ``checkpoint`` / ``restore`` bracket
+    accepting proposals (allowed ones only) to read the states after them.
     """
 
-    __slots__ = ("_future", "_backend", "grammar", "error", "_gate", "_recent")
+    __slots__ = ("_future", "_backend", "grammar", "error", "_gate", "_recent", "_num_taken")
 
     def __init__(self, future: Future, backend: Callable[[], GrammarBackend],
                  reasoning_end_token_ids: list[int] | None) -> None:
@@ -67,6 +75,7 @@ class RequestGrammar:
         self.error: str | None = None
         self._gate = list(reasoning_end_token_ids or [])
         self._recent: list[int] = []
+        self._num_taken = 0  # tokens the grammar has accepted
 
     @property
     def ready(self) -> bool:
@@ -90,17 +99,55 @@ class RequestGrammar:
         (as its bitmask row then says), else the grammar's answer. The state does not change."""
         return not self.active or self.grammar.is_allowed(token_id)
 
+    def num_allowed(self, token_ids: list[int]) -> int:
+        """How many leading tokens of ``token_ids`` may come next one after the other: the
+        reasoning before the constraint takes any, then the grammar decides (none after the
+        output is complete). The state does not change."""
+        if self.error is not None:
+            return 0
+        free = 0  # tokens the reasoning takes
+        if self._gate:
+            recent, closed = self._recent, False
+            while free < len(token_ids) and not closed:
+                recent, closed = self._gate_step(recent, token_ids[free])
+                free += 1
+            if not closed:
+                return len(token_ids)
+        if self.grammar is None:
+            return len(token_ids)
+        return free + self.grammar.num_allowed(token_ids[free:])
+
     def accept_token(self, token_id: int) -> None:
         if self._gate:
-            keep = len(self._gate) - 1  # the last len(gate) tokens are all a match needs
-            self._recent = [*(self._recent[-keep:] if keep else ()), token_id]
-            if self._recent == self._gate:
+            self._recent, closed = self._gate_step(self._recent, token_id)
+            if closed:
                 self._gate = []
             return
-        if self.grammar is not None and not self.grammar.accept_tokens([token_id]):
+        if self.grammar is None:
+            return
+        self._num_taken += 1
+        if not self.grammar.accept_tokens([token_id]):
             self.error = self.grammar.error or f"token {token_id} is not allowed"
             logger.error("A constrained request sampled a token its grammar refuses: %s",
                          self.error)
+
+    def _gate_step(self, recent: list[int], token_id: int) -> tuple[list[int], bool]:
+        """The reasoning's last tokens after ``token_id`` (a new list), and whether they
+        end the reasoning."""
+        keep = len(self._gate) - 1  # the last len(gate) tokens are all a match needs
+        recent = [*(recent[-keep:] if keep else ()), token_id]
+        return recent, recent == self._gate
+
+    def checkpoint(self) -> tuple:
+        """The state now, for ``restore`` after accepting tokens ``allows`` let through."""
+        return self._gate, self._recent, self._num_taken
+
+    def restore(self, checkpoint: tuple) -> None:
+        """Back to the state ``checkpoint`` saw: the grammar rolls back what it took since."""
+        gate, recent, num_taken = checkpoint
+        if self._num_taken > num_taken:
+            self.grammar.rollback(self._num_taken - num_taken)
+        self._gate, self._recent, self._num_taken = gate, recent, num_taken
 
     def is_terminated(self) -> bool:
         """The output is complete (nothing but EOS may follow), or the grammar failed."""
@@ -187,6 +234,39 @@ class StructuredOutputManager:
         self.num_checked_rows += len(token_ids)
         return refused, bitmask
 
+    def fill_verify_bitmask(self, grammars: list[RequestGrammar | None],
+                            proposals: list[list[int]], out: np.ndarray) -> None:
+        """Write the allowed tokens of a speculative step's verification rows into ``out``
+        (``[sum(len(p) + 1), bitmask_width]``): request ``i``'s ``len(proposals[i]) + 1``
+        rows together, in order, its row ``j`` the state after its first ``j`` proposals.
+        The grammars end in the state they started in. A row after a proposal the grammar
+        refuses allows everything: the rejection sampler never reads past a refused
+        proposal (its probability under the mask is 0). Rows of a step position are
+        filled together, one bitmask call per position."""
+        start = time.perf_counter()
+        out[:] = -1
+        row_starts = np.cumsum([0] + [len(p) + 1 for p in proposals]).tolist()
+        checkpoints = [(g, g.checkpoint()) for g in grammars if g is not None]
+        advancing = [i for i, g in enumerate(grammars) if g is not None]
+        try:
+            for j in range(max((len(p) for p in proposals), default=0) + 1):
+                rows = [(grammars[i].grammar, row_starts[i] + j) for i in advancing
+                        if grammars[i].active]
+                if rows:
+                    self.backend().fill_bitmasks(rows, out)
+                self.num_mask_rows += len(rows)
+                still = []
+                for i in advancing:
+                    if j < len(proposals[i]) and grammars[i].allows(proposals[i][j]):
+                        grammars[i].accept_token(proposals[i][j])
+                        still.append(i)
+                advancing = still
+        finally:
+            for grammar, checkpoint in checkpoints:
+                grammar.restore(checkpoint)
+        self.mask_seconds += time.perf_counter() - start
+        self.num_mask_steps += 1
+
     def _fill(self, grammars: list[RequestGrammar | None], out: np.ndarray) -> None:
         rows = []
         for i, grammar in enumerate(grammars):
@@ -213,6 +293,9 @@ class StepGrammars:
     - ``check(request_ids, token_ids, allocate)``: rows sampled without their mask, when
       their ids are read (before any later step's forward pass); the grammars have taken
       every earlier step's tokens, not these. See ``StructuredOutputManager.check_tokens``.
+    - ``verify_bitmask(request_ids, proposals, allocate)``: the verification rows of
+      requests checking proposals (speculative steps, which are never asynchronous). See
+      ``StructuredOutputManager.fill_verify_bitmask``.
     """
 
     __slots__ = ("_manager", "_requests", "_resolve_in_flight")
@@ -238,3 +321,9 @@ class StepGrammars:
     def check(self, request_ids: list[str], token_ids: list[int],
               allocate: Callable[[int, int], np.ndarray]) -> tuple[list[int], np.ndarray | None]:
         return self._manager.check_tokens(self._grammars(request_ids), token_ids, allocate)
+
+    def verify_bitmask(self, request_ids: list[str], proposals: list[list[int]],
+                       allocate: Callable[[int, int], np.ndarray]) -> np.ndarray:
+        out = allocate(sum(len(p) + 1 for p in proposals), self._manager.bitmask_width)
+        self._manager.fill_verify_bitmask(self._grammars(request_ids), proposals, out)
+        return out

@@ -180,7 +180,7 @@ class DraftModel:
         """How many tokens to propose for a request that sampled: ``num_lookahead``, but no
         more than its KV slots past its last token hold, nor than it can still keep."""
         params = state.sampling_params
-        if not num_lookahead or params.speculation_blocker is not None:
+        if not num_lookahead:
             return 0
         last = state.num_tokens - 1
         room = state.num_blocks * self.block_size - last

@@ -20,7 +20,9 @@ device, so no step waits for the previous one's ids.
 Speculative decoding: every step is resolved before ``execute_model_async`` returns (the
 engine runs such steps synchronously). A request verifying proposals gets its ``k + 1``
 rows sampled by the rejection sampler (``verification.py``); the others sample as usual;
-then the draft model, if any, catches up and proposes (``draft_model.py``). On CUDA a
+then the draft model, if any, catches up and proposes (``draft_model.py``). The
+verification rows of a constrained request are masked first, each by its grammar's state
+after the proposals before it (``StepGrammars.verify_bitmask``). On CUDA a
 verification step replays the target's verify graphs when every request computes 1 to
 ``k + 1`` tokens (``k = num_speculative_tokens``): requests verifying fewer proposals,
 decoding without any, or computing a prompt chunk of at most ``k + 1`` tokens ride along,
@@ -506,7 +508,8 @@ class ModelRunner:
         if verifying:
             runs, verified_logprobs = verify_proposals(
                 self.model.compute_logits, hidden_states, inputs, verifying, spec,
-                self.generators, self._draft_probs, self.vocab_size)
+                self.generators, self._draft_probs, self.vocab_size,
+                functools.partial(self._verify_bitmask, grammar))
             for i, run in zip(verifying, runs):
                 sampled[i] = run
             logprobs.update(verified_logprobs)
@@ -578,6 +581,22 @@ class ModelRunner:
         # Asynchronous copies: a blocking one would wait for this step's forward pass.
         return (torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True),
                 torch.from_numpy(bitmask).to(self.device, non_blocking=True))
+
+    def _verify_bitmask(self, grammar, request_ids: list[str],
+                        proposals: list[list[int]]) -> torch.Tensor:
+        """The verification rows' bitmask of constrained requests checking ``proposals``
+        (see ``StepGrammars.verify_bitmask``), on the device."""
+        if not hasattr(grammar, "verify_bitmask"):
+            raise ValueError("A speculative step with constrained requests needs "
+                             "grammar.verify_bitmask.")
+        bitmask = grammar.verify_bitmask(request_ids, proposals, self._verify_bitmask_buffer)
+        return torch.from_numpy(bitmask).to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _verify_bitmask_buffer(num_rows: int, width: int) -> np.ndarray:
+        """A host array for a verification bitmask (up to ``(k + 1) x max_num_seqs`` rows:
+        a fresh one; speculative steps read their ids before the next step's)."""
+        return np.empty((num_rows, width), dtype=np.int32)
 
     def _bitmask_buffer(self, num_rows: int, width: int) -> np.ndarray:
         """A host array ``[num_rows, width]`` int32 to fill a step's bitmask into. On CUDA

@@ -4,7 +4,9 @@ tokens it keeps.
 
 Row ``j`` of a request judges its proposal ``j + 1`` (the last row gives the token after
 all of them), so each row is sampled as if the proposals before it were output already:
-its penalties and ``min_tokens`` count them.
+its penalties and ``min_tokens`` count them, and under an output constraint its logits are
+masked by the grammar's state after them (the masked logits are the raw ones, as in
+``sampler.py``: logprobs are of the masked distribution).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from pagedllm.core.outputs import LogprobsEntry
 from pagedllm.layers.rejection_sampler import verify
-from pagedllm.layers.sampler import SamplingMetadata, gather_logprobs
+from pagedllm.layers.sampler import SamplingMetadata, apply_token_bitmask, gather_logprobs
 from pagedllm.worker.input_batch import CachedRequestState, StepInputs
 
 
@@ -29,15 +31,23 @@ def verify_proposals(
     generators: dict[str, torch.Generator],
     draft_probs: Callable[[str], torch.Tensor | None],
     vocab_size: int,
+    grammar_bitmask: Callable[[list[str], list[list[int]]], torch.Tensor],
 ) -> tuple[list[list[int]], dict[str, list[LogprobsEntry]]]:
     """The tokens each of the step's requests ``indices`` (into ``inputs``) keeps, and the
-    logprobs of those tokens for the requests that ask for them."""
+    logprobs of those tokens for the requests that ask for them.
+
+    ``grammar_bitmask(request_ids, proposals)``: the bitmask of the constrained requests'
+    verification rows (theirs only, in order; int32 ``[rows, words]`` on the device), asked
+    only when the step has some."""
     device = hidden_states.device
     states = [inputs.states[i] for i in indices]
     drafts = [spec_token_ids[s.request_id] for s in states]
     starts = inputs.query_start_loc[indices]
     rows = np.concatenate([np.arange(start, start + len(d) + 1) for start, d in zip(starts, drafts)])
     logits = compute_logits(hidden_states[torch.from_numpy(rows).to(device)])
+    constrained = [n for n, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
+    if constrained:
+        logits = _masked(logits, states, drafts, constrained, grammar_bitmask)
     meta = _row_metadata(states, drafts, generators, vocab_size, device)
     runs = verify(
         logits, meta, drafts,
@@ -46,6 +56,22 @@ def verify_proposals(
         generators=[generators.get(s.request_id) for s in states],
     )
     return runs, _logprobs(logits, states, drafts, runs)
+
+
+def _masked(
+    logits: torch.Tensor,
+    states: list[CachedRequestState],
+    drafts: list[list[int]],
+    constrained: list[int],
+    grammar_bitmask: Callable[[list[str], list[list[int]]], torch.Tensor],
+) -> torch.Tensor:
+    """``logits`` with the rows of the ``constrained`` requests (indices into ``states``)
+    masked by their grammars."""
+    starts = np.cumsum([0] + [len(d) + 1 for d in drafts])
+    rows = np.concatenate([np.arange(starts[n], starts[n + 1]) for n in constrained])
+    bitmask = grammar_bitmask([states[n].request_id for n in constrained],
+                              [drafts[n] for n in constrained])
+    return apply_token_bitmask(logits, torch.from_numpy(rows).to(logits.device), bitmask)
 
 
 def _row_metadata(

@@ -5,6 +5,11 @@ position (``P[t]``), a proposer drawing from other distributions (``Q[t]``), and
 sequences of 3 tokens generated step by step with 3 proposals a step: the tokens at each
 position, and the pairs at positions 0 and 1, must follow ``P`` by a chi-square test.
 The same test run with a deliberately wrong acceptance rule must fail it.
+
+Under an output constraint (a toy grammar allowing a few tokens at each position), the
+target's distributions are masked, proposals are cut as the scheduler cuts them
+(``proposals_to_verify``), and the tokens must follow the masked ``P``; cutting drawn
+proposals before the refused one, which is wrong, must fail the test.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.core.scheduler import proposals_to_verify
 from pagedllm.layers import rejection_sampler
 from pagedllm.layers.rejection_sampler import rejection_sample, verify
 from pagedllm.layers.sampler import SamplingMetadata
@@ -28,11 +34,27 @@ def distributions(seed: int) -> torch.Tensor:
 P, Q = distributions(1), distributions(2)
 
 
-def generate(point_mass: bool, seed: int = 0) -> torch.Tensor:
+# The toy grammar: position t allows the tokens of ALLOWED[t]; the proposer's Q puts most
+# of its mass elsewhere.
+ALLOWED = torch.zeros(LENGTH + K, V, dtype=torch.bool)
+ALLOWED[:, :3] = True
+ALLOWED[1] = torch.tensor([False, True, True, False, True, False])
+
+
+def masked(probs: torch.Tensor) -> torch.Tensor:
+    allowed = probs * ALLOWED[:probs.shape[0]]
+    return allowed / allowed.sum(dim=-1, keepdim=True)
+
+
+def generate(point_mass: bool, seed: int = 0, constrained: bool = False,
+             cut=proposals_to_verify) -> torch.Tensor:
     """``[TRIALS, LENGTH]`` tokens, each trial decoded with speculation until it has
     ``LENGTH`` tokens. ``point_mass``: the proposer always proposes ``argmax Q[t]`` and the
-    sampler is told nothing about its distribution (as with n-gram lookup)."""
+    sampler is told nothing about its distribution (as with n-gram lookup).
+    ``constrained``: the target's distributions masked by ``ALLOWED``, and each trial's
+    proposals cut to ``cut(num_allowed, K, drawn)``."""
     gen = torch.Generator().manual_seed(seed)
+    target_probs = masked(P) if constrained else P
     outputs: list[list[int]] = [[] for _ in range(TRIALS)]
     while True:
         active = [i for i, out in enumerate(outputs) if len(out) < LENGTH]
@@ -45,14 +67,19 @@ def generate(point_mass: bool, seed: int = 0) -> torch.Tensor:
             drafts = q.argmax(dim=-1)
         else:
             drafts = torch.multinomial(q.reshape(-1, V), 1, generator=gen).view(len(active), K)
-        target = P[pos[:, None] + torch.arange(K + 1)].reshape(-1, V)
+        num_draft = [K] * len(active)
+        if constrained:
+            allowed = ALLOWED[draft_pos, drafts].long().cumprod(dim=-1).sum(dim=-1).tolist()
+            num_draft = [cut(a, K, not point_mass) for a in allowed]
+        keep = torch.arange(K)[None, :] < torch.tensor(num_draft)[:, None]  # [n, K]
+        rows = torch.cat([pos[i] + torch.arange(k + 1) for i, k in enumerate(num_draft)])
         runs = rejection_sample(
-            target_probs=target,
-            draft_probs=None if point_mass else q.reshape(-1, V),
-            draft_token_ids=drafts.reshape(-1),
-            num_draft=[K] * len(active),
-            uniform=torch.rand(len(active) * K, generator=gen),
-            noise=torch.empty(len(active) * (K + 1), V).exponential_(generator=gen),
+            target_probs=target_probs[rows],
+            draft_probs=None if point_mass else q[keep],
+            draft_token_ids=drafts[keep],
+            num_draft=num_draft,
+            uniform=torch.rand(sum(num_draft), generator=gen),
+            noise=torch.empty(len(rows), V).exponential_(generator=gen),
         )
         for i, run in zip(active, runs):
             assert 1 <= len(run) <= K + 1
@@ -62,9 +89,14 @@ def generate(point_mass: bool, seed: int = 0) -> torch.Tensor:
 
 def chi_square_p_value(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
     """P-value of Pearson's chi-square test of counts ``observed`` against the
-    probabilities ``expected_probs`` (cells with expected count under 5 pooled)."""
+    probabilities ``expected_probs`` (cells with expected count under 5 pooled; a count in
+    a cell of probability 0 gives 0)."""
     expected = expected_probs.double().flatten() * observed.sum()
     observed = observed.double().flatten()
+    impossible = expected == 0
+    if observed[impossible].any():
+        return 0.0
+    expected, observed = expected[~impossible], observed[~impossible]
     small = expected < 5
     if small.any():
         expected = torch.cat([expected[~small], expected[small].sum().view(1)])
@@ -74,12 +106,13 @@ def chi_square_p_value(observed: torch.Tensor, expected_probs: torch.Tensor) -> 
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
-def p_values(tokens: torch.Tensor) -> list[float]:
-    """One test per position, and one of the joint pairs at positions 0 and 1."""
-    values = [chi_square_p_value(torch.bincount(tokens[:, t], minlength=V), P[t])
+def p_values(tokens: torch.Tensor, target: torch.Tensor = P) -> list[float]:
+    """One test per position, and one of the joint pairs at positions 0 and 1, against
+    the target's per-position distributions ``target``."""
+    values = [chi_square_p_value(torch.bincount(tokens[:, t], minlength=V), target[t])
               for t in range(LENGTH)]
     pairs = torch.bincount(tokens[:, 0] * V + tokens[:, 1], minlength=V * V)
-    values.append(chi_square_p_value(pairs, P[0][:, None] * P[1][None, :]))
+    values.append(chi_square_p_value(pairs, target[0][:, None] * target[1][None, :]))
     return values
 
 
@@ -96,6 +129,18 @@ def test_output_follows_the_target_distribution(point_mass):
 def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch, wrong_rule):
     monkeypatch.setattr(rejection_sampler, "acceptance_probability", wrong_rule)
     assert min(p_values(generate(point_mass=False))) < 1e-6
+
+
+@pytest.mark.parametrize("point_mass", [False, True], ids=["draft-distribution", "point-mass"])
+def test_constrained_output_follows_the_masked_target_distribution(point_mass):
+    tokens = generate(point_mass, constrained=True)
+    assert ALLOWED[torch.arange(LENGTH), tokens].all()
+    assert min(p_values(tokens, masked(P))) > 1e-3
+
+
+def test_cutting_drawn_proposals_before_the_refused_one_fails_the_same_test():
+    tokens = generate(point_mass=False, constrained=True, cut=lambda allowed, k, drawn: allowed)
+    assert min(p_values(tokens, masked(P))) < 1e-6
 
 
 def _meta(params: list[SamplingParams], drafts: list[list[int]], vocab: int,
