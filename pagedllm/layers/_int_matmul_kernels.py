@@ -11,10 +11,65 @@ and unpacked there; the scale and zero point of the tile's group once per row). 
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 cdiv = triton.cdiv
+
+# Paired half-precision arithmetic is PTX (inline assembly), which the interpreter cannot
+# run: under TRITON_INTERPRET weight tiles take the float32 path, which gives the same
+# weights bit for bit.
+PAIRED_HALVES = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def slot_shift(column, BITS: tl.constexpr):
+    """The bit offset of the value of ``column`` (within its word's run) in a stored word:
+    4-bit words keep values ``2p`` and ``2p + 1`` in slots ``p`` and ``p + 4``
+    (``int_weights.stored_slots``), 8-bit words keep their values in order."""
+    if BITS == 4:
+        return ((column // 2) + 4 * (column % 2)) * 4
+    else:
+        return column * BITS
+
+
+@triton.jit
+def paired_weight_tile(q, scale, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       dtype: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` 4-bit weights ``(q - zero) * scale`` in ``dtype``
+    (bfloat16 or float16, as ``scale``) from the packed words ``q`` (``[BLOCK_N, BLOCK_K /
+    8]``), two weights per instruction: a word shifted by ``4p`` holds values ``2p`` and
+    ``2p + 1`` in bits 0-3 and 16-19 (the stored slots); one ``lop3`` makes them the
+    half-precision numbers ``B + q`` (``B`` = 128 in bfloat16, 1024 in float16, whose
+    last mantissa bits are 0), one paired subtraction of ``B + zero`` leaves ``q - zero``
+    (exact), one paired multiplication rounds ``(q - zero) * scale`` once: the float32
+    path's weights exactly."""
+    q = q.to(tl.uint32, bitcast=True)
+    q = tl.interleave(q, q)
+    q = tl.interleave(q, q)  # [BLOCK_N, BLOCK_K / 2]: copy p of each word at 4j + p
+    pairs = q >> ((tl.arange(0, BLOCK_K // 2) % 4) * 4).to(tl.uint32)[None, :]
+    scale_bits = scale.to(tl.uint16, bitcast=True).to(tl.uint32)
+    if dtype == tl.bfloat16:
+        base_zero = 0x4300 | zero.to(tl.uint32)  # bfloat16 bits of 128 + zero
+        base_zeros = ((base_zero << 16) | base_zero)[:, None]
+        scales = ((scale_bits << 16) | scale_bits)[:, None]
+        low, high = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; "
+            "sub.rn.bf16x2 t, t, $3; mul.rn.bf16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r,r", [pairs, base_zeros, scales], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=1)
+    else:
+        base_zero = 0x6400 | zero.to(tl.uint32)  # float16 bits of 1024 + zero
+        base_zeros = ((base_zero << 16) | base_zero)[:, None]
+        scales = ((scale_bits << 16) | scale_bits)[:, None]
+        low, high = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; "
+            "sub.rn.f16x2 t, t, $3; mul.rn.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r,r", [pairs, base_zeros, scales], dtype=(tl.float16, tl.float16),
+            is_pure=True, pack=1)
+    return tl.interleave(low, high)
 
 
 @triton.jit
@@ -27,28 +82,36 @@ def int_weight_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0,
     repeated in registers once per value it holds (``tl.interleave``, which keeps the
     copies in the thread that loaded it: no exchange between threads; twice as fast on an
     H200 as unpacking into a third dimension and reshaping), and each copy shifted to its
-    value, in ``k`` order. Tiles of 16 inputs unpack through the reshape: the interleaved
-    form gave wrong products there on an H200 (Triton 3.6), though right under the
-    interpreter."""
+    value's slot, in ``k`` order. Tiles of 16 inputs unpack through the reshape: the
+    interleaved form gave wrong products there on an H200 (Triton 3.6), though right
+    under the interpreter. Rounded 4-bit tiles of 32 inputs or more in bfloat16 or
+    float16 (scales in the same dtype) are made two weights at a time
+    (``paired_weight_tile``), on the GPU."""
     PER_WORD: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     DOUBLINGS: tl.constexpr = 3 if BITS == 4 else 2  # log2(PER_WORD): 4 or 8 bits
     word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
     q = tl.load(q_rows + word[None, :])
+    group = k0 // GROUP
+    scale = tl.load(scales_ptr + n_rows * stride_sn + group)
+    zero = tl.load(zeros_ptr + n_rows * stride_sn + group)
+    PAIRED: tl.constexpr = (PAIRED_HALVES and ROUND and BITS == 4 and BLOCK_K >= 32
+                            and (dtype == tl.bfloat16 or dtype == tl.float16)
+                            and scales_ptr.dtype.element_ty == dtype)
+    if PAIRED:
+        return paired_weight_tile(q, scale, zero, BLOCK_N, BLOCK_K, dtype)
     if BLOCK_K >= 32:
         for _ in tl.static_range(DOUBLINGS):
             q = tl.interleave(q, q)
-        shifts = (tl.arange(0, BLOCK_K) % PER_WORD) * BITS
+        shifts = slot_shift(tl.arange(0, BLOCK_K) % PER_WORD, BITS)
         q = (q >> shifts[None, :]) & MASK
     else:
-        shifts = tl.arange(0, PER_WORD) * BITS
+        shifts = slot_shift(tl.arange(0, PER_WORD), BITS)
         q = tl.reshape((q[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
-    group = k0 // GROUP
-    scale = tl.load(scales_ptr + n_rows * stride_sn + group).to(tl.float32)
-    zero = tl.load(zeros_ptr + n_rows * stride_sn + group).to(tl.float32)
     # The bits of 2^23 + q as a float32: exact, and cheaper than an int-to-float conversion.
-    centred = (q | 0x4B000000).to(tl.float32, bitcast=True) - (zero + 8388608.0)[:, None]
-    w = centred * scale[:, None]
+    centred = ((q | 0x4B000000).to(tl.float32, bitcast=True)
+               - (zero.to(tl.float32) + 8388608.0)[:, None])
+    w = centred * scale.to(tl.float32)[:, None]
     if ROUND:
         w = w.to(dtype)
     return w
@@ -80,7 +143,7 @@ def int_row_products(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0, x, on
         q = tl.interleave(q, q)
     # One shift per copy (left or right: a constant for each register) brings the value
     # at bits BITS * j to bits FIELD .. 22.
-    left = FIELD - (tl.arange(0, BLOCK_K) % PER_WORD) * BITS
+    left = FIELD - slot_shift(tl.arange(0, BLOCK_K) % PER_WORD, BITS)
     up = tl.maximum(left, 0).to(tl.uint32)[None, :]
     down = tl.maximum(-left, 0).to(tl.uint32)[None, :]
     moved = tl.where(left[None, :] >= 0, q << up, q >> down)
@@ -176,7 +239,8 @@ def int_dequantize_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_rows = tl.minimum(n, N - 1).to(tl.int64)
     w = int_weight_tile(qweight_ptr + n_rows[:, None] * stride_qn, scales_ptr, zeros_ptr, n_rows,
-                        stride_sn, k0, BITS, GROUP, BLOCK_N, BLOCK_K, False, tl.float32)
+                        stride_sn, k0, BITS, GROUP, BLOCK_N, BLOCK_K, True,
+                        out_ptr.dtype.element_ty)
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + n_rows[:, None] * stride_on + k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=(n < N)[:, None])

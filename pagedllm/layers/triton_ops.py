@@ -400,15 +400,15 @@ def _int_tile(rows: int, n: int, k: int, group: int) -> GemvTile | None:
     projections in groups of 128, inside CUDA graphs, weights out of L2).
 
     One row, lane-wise (``int_row_products``), ``K`` in eight slices: 128 x 128 tiles
-    (qkv 9.5 us with 8 warps against bf16's 15.0, o_proj 7.8 against 11.6, gate/up 30.5
-    with 4 warps against 64.7); a long ``K`` (down, 14,336) in 64 x 64 tiles and slices of
-    1,024 inputs (22.0 against 31.9). Several rows on tensor cores in 64 x 128 tiles (qkv
+    (qkv 9.1 us with 8 warps against bf16's 15.0, o_proj 7.8 against 11.5, gate/up 29.1
+    with 4 warps against 63.6); a long ``K`` (down, 14,336) in 64 x 128 tiles and slices
+    of 1,024 inputs (18.1 against 32.4). Several rows on tensor cores in 64 x 128 tiles (qkv
     18.2 against 15.7 at 4 rows), narrow outputs in eight slices, wide ones (gate/up) in
     four. The steps are the largest power of two up to the tile's which divides the group
     and ``K``; each slice is at least two steps long."""
     if rows == 1:
         long_k = k > 8192
-        block_n, block_k = (64, 64) if long_k else (128, 128)
+        block_n, block_k = (64, 128) if long_k else (128, 128)
         warps = 8 if block_n == 128 and n <= 8192 else 4
         wanted = k // 1024 if long_k else 8
     else:

@@ -4,10 +4,16 @@ format, the conversions into it, and the exact torch reference product.
 Stored layout (one projection, ``N`` output rows, ``K`` input columns, ``b`` bits, ``P =
 32 // b`` values per word, groups of ``G`` input columns, ``g = ceil(K / G)`` groups)::
 
-    qweight  int32 [N, ceil(K / P)]  value k of row n in word k // P, bits b*(k % P) upwards
+    qweight  int32 [N, ceil(K / P)]  value k of row n in word k // P, in slot
+                                     stored_slots(b)[k % P] (bits b * slot upwards)
     scales   model dtype [N, g]      scale of group k // G of row n
     zeros    uint8 [N, g]            unsigned zero point of the same group
     w[n, k] = (q[n, k] - zeros[n, k // G]) * scales[n, k // G]
+
+4-bit words hold their eight values in the slot order 0 2 4 6 1 3 5 7 (AWQ's): values
+``2p`` and ``2p + 1`` sit 16 bits apart (slots ``p`` and ``p + 4``), so one shift and one
+mask put a pair into the two halves of a register, as two half-precision numbers for the
+GPU kernels' paired arithmetic. 8-bit words hold their four values in order.
 
 Rows are output channels, so the shards of a fused projection (q/k/v, gate/up) are blocks
 of rows of every tensor. Checkpoint layouts, converted tensor by tensor at load:
@@ -15,11 +21,11 @@ of rows of every tensor. Checkpoint layouts, converted tensor by tensor at load:
 =====================  ==========================================  ======================
 checkpoint             weights                                     zero points
 =====================  ==========================================  ======================
-compressed-tensors     ``weight_packed [N, K/P]``: this layout     ``weight_zero_point``
-(pack-quantized)       (values stored with offset ``2**(b-1)``)    packed along N; none
-                       ``weight_scale [N, g]``                     when symmetric: 2**(b-1)
-GPTQ (``gptq``,        ``qweight [K/P, N]``: packed along K, the   ``qzeros [g, N/P]``
-``gptq_v2``)           transpose of this layout; ``scales [g, N]``  packed along N; ``gptq``
+compressed-tensors     ``weight_packed [N, K/P]``: packed along K  ``weight_zero_point``
+(pack-quantized)       in order (values stored with offset         packed along N; none
+                       ``2**(b-1)``); ``weight_scale [N, g]``      when symmetric: 2**(b-1)
+GPTQ (``gptq``,        ``qweight [K/P, N]``: packed along K in     ``qzeros [g, N/P]``
+``gptq_v2``)           order, transposed; ``scales [g, N]``        packed along N; ``gptq``
                                                                    stores zero - 1
 AWQ (``gemm``)         ``qweight [K, N/8]``: packed along N in     ``qzeros [g, N/8]``, the
                        the order 0 2 4 6 1 3 5 7; ``scales [g, N]``  same order
@@ -47,13 +53,20 @@ import torch.nn.functional as F
 
 from pagedllm.quantization.checkpoint import IntWeightScheme
 
-# AutoAWQ packs the 4-bit values of columns 0..7 into nibbles 0..7 in the column order
-# 0 2 4 6 1 3 5 7, so column j sits in nibble _AWQ_NIBBLE_OF_COLUMN[j].
-_AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
+# AutoAWQ packs the 4-bit values of columns 0..7 into slots 0..7 in the column order
+# 0 2 4 6 1 3 5 7, so column j sits in slot _AWQ_SLOT_OF_COLUMN[j]; the stored layout
+# does the same.
+_AWQ_SLOT_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def values_per_word(bits: int) -> int:
     return 32 // bits
+
+
+def stored_slots(bits: int) -> tuple[int, ...]:
+    """The slot of each of a stored word's values, in column order (see the module
+    docstring): AWQ's order for 4 bits, in order for 8."""
+    return _AWQ_SLOT_OF_COLUMN if bits == 4 else tuple(range(values_per_word(bits)))
 
 
 def num_groups(in_features: int, group_size: int) -> int:
@@ -62,27 +75,41 @@ def num_groups(in_features: int, group_size: int) -> int:
 
 
 def unpack_rows(packed: torch.Tensor, bits: int, columns: int,
-                nibble_of_column: tuple[int, ...] | None = None) -> torch.Tensor:
+                slot_of_column: tuple[int, ...] | None = None) -> torch.Tensor:
     """int32 ``[R, W]`` packed along its rows -> int32 ``[R, columns]`` of unsigned values;
-    column ``j`` of a word's run is value ``nibble_of_column[j]`` (default: ``j``)."""
+    column ``j`` of a word's run is in slot ``slot_of_column[j]`` (default: slot ``j``, a
+    checkpoint's order; ``stored_slots(bits)`` reads the stored layout)."""
     per_word = values_per_word(bits)
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
     values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    if nibble_of_column is not None:
-        values = values[..., list(nibble_of_column)]
+    if slot_of_column is not None:
+        values = values[..., list(slot_of_column)]
     return values.reshape(packed.shape[0], packed.shape[1] * per_word)[:, :columns]
 
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """int ``[R, C]`` of unsigned ``bits``-bit values -> int32 ``[R, ceil(C / P)]``, value
-    ``k`` in word ``k // P`` at bits ``bits * (k % P)`` (the stored layout)."""
+    """int ``[R, C]`` of unsigned ``bits``-bit values -> int32 ``[R, ceil(C / P)]`` in the
+    stored layout: value ``k`` in word ``k // P``, slot ``stored_slots(bits)[k % P]``."""
     per_word = values_per_word(bits)
     rows, columns = values.shape
     padded = -(-columns // per_word) * per_word
     wide = F.pad(values.to(torch.int64), (0, padded - columns))
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
+    shifts = bits * torch.tensor(stored_slots(bits), dtype=torch.int64, device=values.device)
     words = (wide.reshape(rows, padded // per_word, per_word) << shifts).sum(-1)
     return (words - ((words >> 31) << 32)).to(torch.int32)  # the same 32 bits, signed
+
+
+def to_stored_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words packed along their rows with values in order -> the same values in the
+    stored layout's slots (a new tensor; word by word, no unpacking)."""
+    slots = stored_slots(bits)
+    if slots == tuple(range(len(slots))):
+        return words.contiguous()
+    mask = (1 << bits) - 1
+    out = torch.zeros_like(words, memory_format=torch.contiguous_format)
+    for column, slot in enumerate(slots):
+        out |= ((words >> (bits * column)) & mask) << (bits * slot)
+    return out
 
 
 # Checkpoint parameter name -> stored parameter, per layout.
@@ -131,20 +158,20 @@ def convert(scheme: IntWeightScheme, name: str, tensor: torch.Tensor, rows: int,
     if param == "qweight":
         if layout == "compressed-tensors":
             _expect(name, tensor, (rows, -(-in_features // per_word)), torch.int32)
-            return "qweight", tensor
+            return "qweight", to_stored_words(tensor, bits)
         if layout == "awq":
             _expect(name, tensor, (in_features, -(-rows // per_word)), torch.int32)
-            values = unpack_rows(tensor, bits, rows, _AWQ_NIBBLE_OF_COLUMN)
+            values = unpack_rows(tensor, bits, rows, _AWQ_SLOT_OF_COLUMN)
             return "qweight", pack_rows(values.t(), bits)
         _expect(name, tensor, (-(-in_features // per_word), rows), torch.int32)
-        return "qweight", tensor.t()
+        return "qweight", to_stored_words(tensor.t(), bits)
     # Zero points, packed along the output rows in every layout.
     if layout == "compressed-tensors":
         _expect(name, tensor, (-(-rows // per_word), groups), torch.int32)
         zeros = unpack_rows(tensor.t(), bits, rows).t()
     else:
         _expect(name, tensor, (groups, -(-rows // per_word)), torch.int32)
-        order = _AWQ_NIBBLE_OF_COLUMN if layout == "awq" else None
+        order = _AWQ_SLOT_OF_COLUMN if layout == "awq" else None
         zeros = unpack_rows(tensor, bits, rows, order).t()
         if layout == "gptq":  # the historical format stores zero - 1 (wrapping)
             zeros = (zeros + 1) & ((1 << bits) - 1)
@@ -207,7 +234,7 @@ def act_order_permutation(g_idx: torch.Tensor, group_size: int) -> torch.Tensor 
 def permute_columns(qweight: torch.Tensor, bits: int, in_features: int,
                     perm: torch.Tensor) -> torch.Tensor:
     """``qweight`` with column ``perm[j]`` moved to ``j`` (re-packed)."""
-    values = unpack_rows(qweight, bits, in_features)
+    values = unpack_rows(qweight, bits, in_features, stored_slots(bits))
     return pack_rows(values[:, perm.to(qweight.device)], bits)
 
 
@@ -215,7 +242,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
     """``[N, in_features]`` weights in ``dtype``: ``(q - zero) * scale`` in float32, rounded
     once."""
-    values = unpack_rows(qweight, bits, in_features)
+    values = unpack_rows(qweight, bits, in_features, stored_slots(bits))
     size = in_features if group_size == -1 else group_size
     rows, groups = scales.shape
     if in_features % size == 0:  # whole groups: broadcast rather than gather

@@ -146,7 +146,9 @@ def test_packed_weights_are_kept_packed_and_the_lm_head_in_the_model_dtype(sourc
     assert qkv.qweight.shape == (128 + 64 + 64, 128 // 8)
     prefix = "model.layers.1.self_attn"
     codes = torch.cat([quantized[f"{prefix}.{p}_proj"].codes for p in "qkv"])
-    unpacked = (qkv.qweight.unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=torch.int32)) & 0xF
+    # The stored slots of a word's eight values: 0 2 4 6 1 3 5 7 (int_weights.stored_slots).
+    slots = (qkv.qweight.unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=torch.int32)) & 0xF
+    unpacked = slots[..., [0, 4, 1, 5, 2, 6, 3, 7]]
     assert torch.equal(unpacked.reshape(256, 128).long(), codes)
     assert model.lm_head.weight.dtype == torch.float32
     assert model.model.embed_tokens.weight.dtype == torch.float32
