@@ -111,8 +111,11 @@ def test_greedy_tokens_equal_hf_with_fp8_keys_and_values(prompts, monkeypatch, a
     """Shared prefixes (cache hits), a 24-token step budget (chunks) and 20 blocks of 8
     tokens for 7 requests of up to 96 tokens (preemption), all at once."""
     want = hf_fp8_kv_greedy(prompts, MAX_NEW, monkeypatch)
+    # float32 as the reference, on any device (a GPU's default would be the checkpoint's
+    # half precision, whose tokens part from float32's).
     llm = LLM(kv_cache_dtype="fp8", block_size=8, num_kv_blocks=20, max_num_batched_tokens=24,
-              max_model_len=128, async_scheduling=async_scheduling, enforce_eager=True)
+              max_model_len=128, async_scheduling=async_scheduling, enforce_eager=True,
+              dtype="float32")
     _set_scales(llm)
     assert llm.llm_engine.engine_core.model_runner.kv_caches[0].dtype == FP8
     assert _greedy(llm, prompts[:1]) == want[:1]  # its full blocks stay cached
