@@ -256,9 +256,12 @@ class StructuredOutputManager:
                     self.backend().fill_bitmasks(rows, out)
                 self.num_mask_rows += len(rows)
                 still = []
-                for i in advancing:
-                    if j < len(proposals[i]) and grammars[i].allows(proposals[i][j]):
-                        grammars[i].accept_token(proposals[i][j])
+                for i in advancing:  # a complete output takes nothing more (allows
+                    # would say any token: its rows are not constrained)
+                    grammar = grammars[i]
+                    if (j < len(proposals[i]) and not grammar.is_terminated()
+                            and grammar.allows(proposals[i][j])):
+                        grammar.accept_token(proposals[i][j])
                         still.append(i)
                 advancing = still
         finally:

@@ -102,3 +102,18 @@ def test_verification_rows_mask_as_the_states_after_the_proposals_before_them(ma
     np.testing.assert_array_equal(mask(manager, g), before[0])  # the grammars are as they were
     np.testing.assert_array_equal(mask(manager, other), before[1])
     assert g.num_allowed(ids("bcx")) == 3
+
+
+def test_proposals_past_a_complete_output_leave_the_grammar_unharmed(manager, ids):
+    """A drawn proposal kept past the end of the output (the scheduler keeps the first
+    refused one) is never accepted: its row and the next allow everything."""
+    g = grammar(manager, "[a-c]{3}x")
+    g.accept_token(ids("a")[0])
+    proposals = [ids("bcxa")]
+    out = np.zeros((5, manager.bitmask_width), dtype=np.int32)
+    manager.fill_verify_bitmask([g], proposals, out)
+    np.testing.assert_array_equal(
+        out[:4], np.stack(reference_rows(manager, "[a-c]{3}x", None, ids("a"), ids("bcx"))))
+    assert (out[3:] == -1).all()  # complete after "x": nothing is constrained
+    assert g.error is None and not g.is_terminated()
+    assert g.num_allowed(ids("bcx")) == 3
