@@ -46,12 +46,13 @@ Speculative decoding: a decoding request with proposed tokens (``spec_token_ids`
 the n-gram proposer or the draft model) is scheduled as its last token plus ``k`` of them,
 ``k`` capped by the budget and by ``max_tokens`` (a step yields at most ``k + 1`` tokens,
 so no step computes a token past ``max_tokens``), and for a request with an output
-constraint cut at the first proposal its grammar refuses. ``update_from_output`` gets the accepted
-run (1 to ``k + 1`` tokens) and moves ``num_computed_tokens`` back by the rejected ones; their
-KV slots stay allocated and are overwritten by later tokens. With a draft model, a step
-that samples for a request also allocates the slots of the drafts the model writes after
-it (``num_lookahead_tokens``), so the draft's K/V always land in the request's own blocks.
-Above ``disable_by_batch_size`` running requests a step speculates for nobody.
+constraint cut at the first proposal its grammar refuses (``proposals_to_verify``).
+``update_from_output`` gets the accepted run (1 to ``k + 1`` tokens) and moves
+``num_computed_tokens`` back by the rejected ones; their KV slots stay allocated and are
+overwritten by later tokens. With a draft model, a step that samples for a request also
+allocates the slots of the drafts the model writes after it (``num_lookahead_tokens``), so
+the draft's K/V always land in the request's own blocks. Above ``disable_by_batch_size``
+running requests a step speculates for nobody.
 
 For the model runner: ``finished_req_ids`` holds the requests finished or aborted since
 the last step, ``preempted_req_ids`` those preempted in this step. The runner forgets
