@@ -90,9 +90,21 @@ def result_record(**fields) -> dict:
     return {
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),
-        "command": " ".join(["pagedllm", *sys.argv[1:]]),
+        "command": recorded_command(sys.argv[1:]),
         **fields,
     }
+
+
+def recorded_command(args: list[str]) -> str:
+    """The command line a record names: ``pagedllm`` and ``args``, absolute paths cut to
+    their file names (a record says what ran, not on which machine's directories)."""
+    def portable(arg: str) -> str:
+        flag, equals, value = arg.rpartition("=") if arg.startswith("--") else ("", "", arg)
+        if value.startswith("/"):
+            value = Path(value).name
+        return f"{flag}{equals}{value}"
+
+    return " ".join(["pagedllm", *map(portable, args)])
 
 
 def parallel_sizes(config) -> dict:

@@ -310,3 +310,12 @@ def test_throughput_with_a_shared_prefix_serves_it_from_the_prefix_cache(checkpo
     assert 0 < record["prefix_cache_hit_rate"] <= 1
     requests = throughput.synthetic_requests(3, (4, 9), (2, 4), 128, 0, prefix_len=64)
     assert all(r.prompt_token_ids[:64] == requests[0].prompt_token_ids[:64] for r in requests)
+
+
+def test_records_name_files_not_the_machines_directories():
+    from pagedllm.benchmarks.common import recorded_command
+
+    command = recorded_command(["bench", "latency", "--prompt-files", "/data/held_out/a.py",
+                                "--output-json=/out/run/lat.json", "--model", "m"])
+    assert command == ("pagedllm bench latency --prompt-files a.py --output-json=lat.json "
+                       "--model m")
