@@ -120,12 +120,17 @@ def test_shapes_that_do_not_tile_take_the_reference(monkeypatch):
                                rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(
+    torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                             reason="the interpreter truncates to bfloat16"))])
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (8, -1)])
-def test_int_dequantize_writes_the_references_weights(bits, group_size):
-    qweight, scales, zeros, _ = packed_projection(40, 128, bits, group_size, seed=5)
+def test_int_dequantize_writes_the_references_weights(bits, group_size, dtype):
+    """Bit for bit; on a GPU 4-bit tiles are made in half-precision pairs."""
+    qweight, scales, zeros, _ = packed_projection(40, 128, bits, group_size, seed=5,
+                                                  dtype=dtype)
     got = int_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size,
-                         in_features=128, dtype=DTYPE)
-    want = dequantize(qweight, scales, zeros, bits, group_size, 128, DTYPE)
+                         in_features=128, dtype=dtype)
+    want = dequantize(qweight, scales, zeros, bits, group_size, 128, dtype)
     assert torch.equal(got, want)
 
 
