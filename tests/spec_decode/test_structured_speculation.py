@@ -1,8 +1,8 @@
 """Requests with an output constraint speculate like the others: their proposals are cut
 at the first token the grammar refuses, every verification row is masked by the grammar's
 state after the proposals before it, and the output is the one the engine gives without
-speculation (greedy, with logprobs), or a seeded draw that keeps its constraint and does
-not depend on its batch."""
+speculation (greedy, with logprobs, under chunked prefill and preemption too), or a
+seeded draw that keeps its constraint and does not depend on its batch."""
 
 from __future__ import annotations
 
@@ -46,9 +46,14 @@ def verified(monkeypatch) -> list[dict[str, int]]:
     return steps
 
 
+# A budget of 7 tokens chunks every prompt; 12 blocks of 8 tokens force preemption.
+TIGHT = dict(ENGINE, max_num_batched_tokens=7, num_kv_blocks=12, max_model_len=96)
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["roomy", "chunked-preempting"])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_constrained_greedy_output_is_the_one_without_speculation(target_dir, draft_dir,
-                                                                  method, verified):
+                                                                  method, tight, verified):
     prompts = [{"prompt_token_ids": p} for p in repetitive_prompts(4, seed=2)]
     plain = LLM(str(target_dir), **ENGINE)
     free_run = plain.generate(prompts[2:3], SamplingParams(temperature=0.0, max_tokens=6,
@@ -58,15 +63,17 @@ def test_constrained_greedy_output_is_the_one_without_speculation(target_dir, dr
     gated = StructuredOutputsParams(regex="[a-c]{2,6}", reasoning_end_token_ids=free_run[2:4])
     params = [
         SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
-        SamplingParams(temperature=0.0, max_tokens=100, logprobs=2,
+        SamplingParams(temperature=0.0, max_tokens=64, logprobs=2,
                        structured_outputs=StructuredOutputsParams(regex=REGEX)),
         SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=gated),
         SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
     ]
     want = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
     verified.clear()
-    llm = LLM(str(target_dir), **ENGINE, **proposer(method, draft_dir))
+    llm = LLM(str(target_dir), **(TIGHT if tight else ENGINE), **proposer(method, draft_dir))
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    if tight:
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
     got = [o.outputs[0] for o in outputs]
     for g, w in zip(got, want):
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
