@@ -24,6 +24,16 @@ cdiv = triton.cdiv
 PAIRED_HALVES = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
+# Two 4-bit weights in bfloat16 or float16 (``paired_weight_tile``): $2 the shifted word,
+# $3 the pair B + zero, $4 the pair of scales; B's bits are the lop3's last constant.
+_PAIR_ASM_BF16 = tl.constexpr(
+    "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; "
+    "sub.rn.bf16x2 t, t, $3; mul.rn.bf16x2 t, t, $4; mov.b32 {$0, $1}, t; }")
+_PAIR_ASM_F16 = tl.constexpr(
+    "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; "
+    "sub.rn.f16x2 t, t, $3; mul.rn.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }")
+
+
 @triton.jit
 def slot_shift(column, BITS: tl.constexpr):
     """The bit offset of the value of ``column`` (within its word's run) in a stored word:
@@ -51,24 +61,14 @@ def paired_weight_tile(q, scale, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.conste
     q = tl.interleave(q, q)  # [BLOCK_N, BLOCK_K / 2]: copy p of each word at 4j + p
     pairs = q >> ((tl.arange(0, BLOCK_K // 2) % 4) * 4).to(tl.uint32)[None, :]
     scale_bits = scale.to(tl.uint16, bitcast=True).to(tl.uint32)
-    if dtype == tl.bfloat16:
-        base_zero = 0x4300 | zero.to(tl.uint32)  # bfloat16 bits of 128 + zero
-        base_zeros = ((base_zero << 16) | base_zero)[:, None]
-        scales = ((scale_bits << 16) | scale_bits)[:, None]
-        low, high = tl.inline_asm_elementwise(
-            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; "
-            "sub.rn.bf16x2 t, t, $3; mul.rn.bf16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r,r,r", [pairs, base_zeros, scales], dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True, pack=1)
-    else:
-        base_zero = 0x6400 | zero.to(tl.uint32)  # float16 bits of 1024 + zero
-        base_zeros = ((base_zero << 16) | base_zero)[:, None]
-        scales = ((scale_bits << 16) | scale_bits)[:, None]
-        low, high = tl.inline_asm_elementwise(
-            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; "
-            "sub.rn.f16x2 t, t, $3; mul.rn.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r,r,r", [pairs, base_zeros, scales], dtype=(tl.float16, tl.float16),
-            is_pure=True, pack=1)
+    BF16: tl.constexpr = dtype == tl.bfloat16
+    BASE: tl.constexpr = 0x4300 if BF16 else 0x6400  # the bits of B
+    base_zero = BASE | zero.to(tl.uint32)  # the bits of B + zero
+    base_zeros = ((base_zero << 16) | base_zero)[:, None]
+    scales = ((scale_bits << 16) | scale_bits)[:, None]
+    low, high = tl.inline_asm_elementwise(
+        _PAIR_ASM_BF16 if BF16 else _PAIR_ASM_F16, "=h,=h,r,r,r", [pairs, base_zeros, scales],
+        dtype=(dtype.value, dtype.value), is_pure=True, pack=1)
     return tl.interleave(low, high)
 
 
