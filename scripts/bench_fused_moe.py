@@ -12,7 +12,7 @@ row counts on the host, with events over many calls. Candidates run tile by tile
 all (shape, tokens) pairs, so a budget cut leaves every pair with the same tiles timed.
 All rows go to FILE.json; the last lines printed are a table per (shape, tokens):
 configured ms, best tile and its ms, loop ms. A best tile is pinned for a run with
-``PAGEDLLM_MOE_TILE`` or for good in ``tiles.TUNED_TILES``.
+``PAGEDLLM_MOE_TILE`` or for good in ``tiles.DEFAULT_TILES``.
 
 ``--tiny`` (automatic without CUDA) sweeps small shapes with a few tiles, under Triton's
 interpreter on the CPU, timed by the host clock: a check that the sweep runs end to end,
@@ -135,7 +135,7 @@ class Case:
         self.x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
         self.weights, self.ids = select_experts(self.x @ layer["router"].T, top_k, renormalize)
         self.rows_per_expert = tokens * top_k / experts
-        self.configured = choose_tile(inter, hidden, experts, tokens * top_k)
+        self.configured = choose_tile(experts, tokens * top_k)
         self.info = dict(shape=name, experts=experts, top_k=top_k, hidden=hidden, inter=inter,
                          dtype=str(dtype).removeprefix("torch."), tokens=tokens,
                          rows_per_expert=self.rows_per_expert,

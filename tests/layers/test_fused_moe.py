@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.layers.fused_moe import MoEBlock, select_experts
-from pagedllm.layers.fused_moe.tiles import (DEFAULT_TILES, TILE_ENV, TUNED_TILES,
+from pagedllm.layers.fused_moe.tiles import (DEFAULT_TILES, TILE_ENV,
                                               MoeTile, choose_tile, parse_tile, row_bucket)
 from pagedllm.layers.fused_moe.torch_ref import fused_moe_dense, fused_moe_reference
 from pagedllm.layers.fused_moe.triton_moe import fused_moe_triton, sort_slots_by_expert
@@ -126,7 +126,7 @@ def test_the_environment_tile_sorts_and_multiplies_with_its_own_block_m(monkeypa
     # BLOCK_M 32 pads each expert's run to 32 slots; a sort padded to any other size would
     # hand the kernel blocks of mixed experts and give another result.
     monkeypatch.setenv(TILE_ENV, "32,16,16,2,4,2")
-    assert choose_tile(24, 40, 5, 26) == MoeTile(32, 16, 16, group_m=2, num_warps=4,
+    assert choose_tile(5, 26) == MoeTile(32, 16, 16, group_m=2, num_warps=4,
                                                  num_stages=2)
     x, w13, w2, weights, ids = _moe_inputs(13, 2)
     torch.testing.assert_close(fused_moe_triton(x, w13, w2, weights, ids),
@@ -150,7 +150,7 @@ def test_the_environment_tile_takes_five_or_six_integers_and_rejects_the_rest() 
 def test_a_malformed_environment_tile_fails_the_call(monkeypatch) -> None:
     monkeypatch.setenv(TILE_ENV, "64,64")
     with pytest.raises(ValueError, match="it has 2 values"):
-        choose_tile(14336, 4096, 8, 4096)
+        choose_tile(8, 4096)
 
 
 def test_larger_buckets_get_larger_tiles(monkeypatch) -> None:
@@ -159,7 +159,7 @@ def test_larger_buckets_get_larger_tiles(monkeypatch) -> None:
     assert [row_bucket(rows * experts, experts) for rows in (0.125, 16, 17, 64, 256, 1024,
                                                              1025)] == \
         ["<=16", "<=16", "<=64", "<=64", "<=256", "<=1024", ">1024"]
-    tiles = [choose_tile(14336, 4096, experts, rows * experts)
+    tiles = [choose_tile(experts, rows * experts)
              for rows in (1, 16, 64, 256, 1024, 4096)]
     assert tiles == [DEFAULT_TILES[b]
                      for b in ("<=16", "<=16", "<=64", "<=256", "<=1024", ">1024")]
@@ -167,15 +167,6 @@ def test_larger_buckets_get_larger_tiles(monkeypatch) -> None:
     assert areas == sorted(areas) and areas[-1] >= 4 * areas[0]
     assert [t.block_m for t in tiles] == sorted(t.block_m for t in tiles)
     assert tiles[0].block_m == 16 and tiles[-1].block_m >= 128 and tiles[-1].num_warps == 8
-
-
-def test_a_tuned_tile_replaces_the_default_for_its_shape_and_bucket_only(monkeypatch) -> None:
-    monkeypatch.delenv(TILE_ENV, raising=False)
-    tuned = MoeTile(64, 256, 64, group_m=16, num_warps=8, num_stages=4)
-    monkeypatch.setitem(TUNED_TILES, (768, 2048, 128), {"<=256": tuned})
-    assert choose_tile(768, 2048, 128, 4096 * 8) == tuned
-    assert choose_tile(768, 2048, 128, 64 * 8) == DEFAULT_TILES["<=16"]
-    assert choose_tile(768, 4096, 128, 4096 * 8) == DEFAULT_TILES["<=256"]
 
 
 def test_the_dense_form_for_cuda_graphs_equals_the_reference() -> None:

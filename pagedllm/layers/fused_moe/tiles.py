@@ -11,14 +11,12 @@ before the sort. The choice, first match wins:
 
 1. ``PAGEDLLM_MOE_TILE="BLOCK_M,BLOCK_N,BLOCK_K[,GROUP_M],num_warps,num_stages"``, for
    every call (for sweeps and trials; a malformed value raises ValueError);
-2. ``TUNED_TILES[(N, K, E)][bucket]``, tiles measured on a GPU for one layer shape;
-3. ``DEFAULT_TILES[bucket]``.
+2. ``DEFAULT_TILES[bucket]``.
 
-``N`` is the expert intermediate width this rank holds (``w13`` is ``[E, 2N, K]``), ``K``
-the hidden size, ``E`` the number of experts. The bucket is that of the average slots an
-expert receives, ``tokens * top_k / E``: ``"<=16"``, ``"<=64"``, ``"<=256"``, ``"<=1024"``
-or ``">1024"``. ``scripts/bench_fused_moe.py --sweep`` times candidate tiles per shape and
-token count; a tile that beats the default for one shape goes into ``TUNED_TILES``.
+The bucket is that of the average slots an expert receives, ``tokens * top_k / E``
+(``E`` experts): ``"<=16"``, ``"<=64"``, ``"<=256"``, ``"<=1024"`` or ``">1024"``.
+``scripts/bench_fused_moe.py --sweep`` times candidate tiles per expert shape and token
+count against these.
 """
 
 from __future__ import annotations
@@ -79,9 +77,6 @@ DEFAULT_TILES: dict[str, MoeTile] = {
 }
 assert tuple(DEFAULT_TILES) == BUCKETS
 
-# (N, K, E) -> bucket -> tile measured on a GPU; buckets left out use DEFAULT_TILES.
-TUNED_TILES: dict[tuple[int, int, int], dict[str, MoeTile]] = {}
-
 
 def row_bucket(num_slots: int, num_experts: int) -> str:
     """The bucket of ``num_slots / num_experts`` average slots per expert."""
@@ -92,14 +87,13 @@ def row_bucket(num_slots: int, num_experts: int) -> str:
     return BUCKETS[-1]
 
 
-def choose_tile(n: int, k: int, num_experts: int, num_slots: int) -> MoeTile:
-    """The tile for a layer with ``w13 [num_experts, 2n, k]`` over ``num_slots`` (token,
-    choice) slots, in the order the module docstring gives."""
+def choose_tile(num_experts: int, num_slots: int) -> MoeTile:
+    """The tile for ``num_slots`` (token, choice) slots over ``num_experts`` experts, in
+    the order the module docstring gives."""
     spec = os.environ.get(TILE_ENV)
     if spec:
         return parse_tile(spec)
-    bucket = row_bucket(num_slots, num_experts)
-    return TUNED_TILES.get((n, k, num_experts), {}).get(bucket, DEFAULT_TILES[bucket])
+    return DEFAULT_TILES[row_bucket(num_slots, num_experts)]
 
 
 @functools.cache

@@ -70,7 +70,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
-    tile = tile or choose_tile(inter, hidden, num_experts, num_slots)
+    tile = tile or choose_tile(num_experts, num_slots)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     sorted_slots, block_expert = sort_slots_by_expert(topk_ids, num_experts, tile.block_m)
     num_blocks = block_expert.numel()
