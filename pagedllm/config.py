@@ -504,10 +504,6 @@ class EngineConfig:
         check_device(self.device)
         self.parallel_config.check_model(self.model_config)
         parallel = self.parallel_config
-        if parallel.tensor_parallel_size > 1 and self.speculative_config is not None \
-                and self.speculative_config.method == "draft_model":
-            raise ValueError("A draft model cannot run with --tensor-parallel-size > 1 yet: "
-                             "use --speculative-method ngram, or drop one of the two.")
         if parallel.pipeline_parallel_size > 1:
             if self.speculative_config is not None:
                 raise ValueError("Speculative decoding cannot run with "
@@ -519,13 +515,13 @@ class EngineConfig:
             self.scheduler_config.pipeline_parallel_size = parallel.pipeline_parallel_size
         spec = self.speculative_config
         if spec is not None:
-            if self.scheduler_config.async_scheduling:
-                raise ValueError(
-                    "Asynchronous scheduling cannot be combined with speculative decoding yet "
-                    "(a step's token count is known only once its drafts are verified): drop "
-                    "--async-scheduling, or pass --no-async-scheduling."
-                )
             spec.resolve_draft(self.model_config)
+            if spec.draft_model_config is not None:
+                try:  # each rank runs its share of the draft too
+                    parallel.check_model(spec.draft_model_config)
+                except ValueError as exc:
+                    raise ValueError(f"The draft model {spec.draft_model_config.path.name}: "
+                                     f"{exc}") from None
         if self.cache_config.cache_dtype == "fp8":
             check_fp8_kv_cache_device(self.device)
 

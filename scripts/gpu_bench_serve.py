@@ -12,7 +12,8 @@
    PATH), those three processes are sampled that long, from ``--py-spy-delay-s`` into the
    run, and the frames that took the most samples are kept;
 3. ``DIR/serve-<model>.json``: a list with one record per ``--api-server-counts`` value
-   (each a server of that many API processes against the one offline run): both bench
+   and round (each a server of that many API processes against the round's offline run;
+   ``--rounds N`` repeats 1 and 2, interleaved, and prints the medians): both bench
    records, ``http_vs_offline`` (output tok/s ratio; the target is 0.97), the CPU seconds
    (all API processes together), the profile summary (API process 0), and the steps of
    both runs (``bench throughput --step-timing`` offline; the server's core writes its own
@@ -29,6 +30,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,13 +154,32 @@ def run(args: argparse.Namespace) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     engine = ["--load-format", "dummy", *args.engine_args.split()]
-    offline = _bench("throughput", args, ["--model", args.model, *engine, "--step-timing"],
-                     scratch / "offline.json")
-    records = [_serve_run(args, engine, offline, count, scratch / f"count{count}")
-               for count in args.api_server_counts]
+    records = []
+    for round_ in range(args.rounds):
+        offline = _bench("throughput", args, ["--model", args.model, *engine, "--step-timing"],
+                         scratch / f"offline{round_}.json")
+        for count in args.api_server_counts:
+            record = _serve_run(args, engine, offline, count, scratch / f"r{round_}-count{count}")
+            records.append({**record, "round": round_})
     (out_dir / f"serve-{Path(args.model).name}.json").write_text(json.dumps(records, indent=1))
     print(table(records))
+    if args.rounds > 1:
+        print(median_table(records))
     return records
+
+
+def median_table(records: list[dict]) -> str:
+    """Per API-process count over the rounds: the median offline and HTTP throughput and
+    their ratio (each round's offline run sits just before its servers)."""
+    lines = [f"{'model':<16} {'API':>3} {'rounds':>6} {'median offline':>15} "
+             f"{'median HTTP':>12} {'ratio':>6}"]
+    for count in sorted({r["api_server_count"] for r in records}):
+        rows = [r for r in records if r["api_server_count"] == count]
+        offline = statistics.median(r["offline_output_tok_s"] for r in rows)
+        http = statistics.median(r["http_output_tok_s"] for r in rows)
+        lines.append(f"{rows[0]['model']:<16} {count:>3} {len(rows):>6} {offline:>15.0f} "
+                     f"{http:>12.0f} {http / offline:>6.3f}")
+    return "\n".join(lines)
 
 
 def server_processes(pid: int) -> tuple[list[int], int | None]:
@@ -318,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                         type=lambda text: [int(n) for n in text.split(",")],
                         help="Comma-separated --api-server-count values: one server each, "
                              "against the one offline run (default: 1).")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="Rounds of the offline run and the servers, interleaved (a small "
+                             "model's figures move from run to run); the medians are printed "
+                             "last.")
     parser.add_argument("--clients", type=int, default=1,
                         help="bench serve processes sharing the requests (one client process "
                              "can be the limit on a fast engine).")

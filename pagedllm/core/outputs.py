@@ -60,6 +60,9 @@ class SchedulerOutput:
     # for (fewer where its KV slots or max_tokens end sooner); 0: no draft model, or no
     # speculation this step.
     num_lookahead_tokens: int = 0
+    # Whether the step speculates (its requests may verify proposals and get new ones):
+    # such a step is resolved before the next one is planned or launched.
+    speculative: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -33,7 +33,9 @@ output is back. A decoding request then has a placeholder, so it is scheduled on
 token (the model runner feeds it the id sampled on the device), unless the tokens in flight
 already reach ``max_tokens``. A request that stops on a stop token in step N was also
 scheduled in step N+1; that token is dropped. A request preempted with a token in flight
-keeps it and is re-admitted only once it is back, so a recompute sees every token.
+keeps it and is re-admitted only once it is back, so a recompute sees every token. A step
+that speculates is planned with no step in flight (the engine resolves it first), so a
+request verifying proposals never has a placeholder.
 
 Pipeline parallelism (``pipeline_parallel_size`` M > 1): the engine keeps up to M steps in
 flight, one per stage, and a request with a token in flight is not planned again until
@@ -459,6 +461,7 @@ class Scheduler:
             preempted_req_ids=plan.preempted_req_ids,
             spec_token_ids=plan.spec_token_ids,
             num_lookahead_tokens=plan.num_lookahead,
+            speculative=plan.speculate,
         )
 
     # -- after the forward pass ---------------------------------------------------------

@@ -189,6 +189,10 @@ class MultiprocExecutor:
 
     def _next_output(self) -> ModelRunnerOutput:
         if not self._outputs:
+            if not self._pipelined:
+                # A launched step's output comes before its "launched" answer unless the
+                # ranks keep it in flight until the next step: ask for it now.
+                self._send(("flush",))
             self._receive(self.reporter, "output")
         return self._outputs.popleft()
 

@@ -17,9 +17,12 @@ a pipe for local processes, a socket for Ray actors). Engine -> rank:
 * ``("step", SchedulerOutput)``: launch the step; the reporting rank answers each step
   that computed tokens with ``("output", ModelRunnerOutput)`` once its sampled ids are
   read, in launch order (a rank keeps as many steps in flight as the engine does:
-  ``steps_in_flight``), and, without pipeline stages, ``("launched",)`` once it has
-  launched the step and sent the older steps' outputs (with stages the engine does not
-  wait: the next step goes to the first stage while the last one still works);
+  ``steps_in_flight``, and none after a speculative step), and, without pipeline stages,
+  ``("launched",)`` once it has launched the step and sent the older steps' outputs
+  (with stages the engine does not wait: the next step goes to the first stage while the
+  last one still works);
+* ``("flush",)``: send the outputs of the steps kept in flight now (the engine reads a
+  step before launching the next one: it is about to speculate);
 * ``("result", value)`` (sampling ranks): the engine's answer to the grammar question the
   reporting rank asked;
 * ``("stop",)``.
@@ -185,8 +188,11 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str,
             launched = runner.execute_model_async(so, grammars)
             if not so.is_empty:
                 unresolved.append(launched)
-            resolve(keep if not so.is_empty else 0)
+            # The engine reads a speculative step's output before it plans the next one.
+            resolve(0 if so.is_empty or so.speculative else keep)
             if acknowledges:
                 conn.send(("launched",))
+        elif tag == "flush":
+            resolve(0)
         else:
             raise RuntimeError(f"Unknown message {tag!r} from the engine.")

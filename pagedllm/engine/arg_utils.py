@@ -148,10 +148,8 @@ class EngineArgs:
             max_model_len=model_config.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
-            # Speculative steps are synchronous: a step's token count is known only once
-            # its drafts are verified. Pipeline stages keep steps in flight: asynchronous.
-            async_scheduling=((device == "cuda" and speculative_config is None)
-                              or self.pipeline_parallel_size > 1
+            # Pipeline stages keep steps in flight: asynchronous.
+            async_scheduling=(device == "cuda" or self.pipeline_parallel_size > 1
                               if self.async_scheduling is None else self.async_scheduling),
         )
         parallel_config = ParallelConfig(
@@ -243,11 +241,10 @@ class EngineArgs:
                                 "no text (automatic when the model directory has no tokenizer).")
         group.add_argument("--enforce-eager", action="store_true", default=False,
                            help="Run every step eagerly (no CUDA graphs for decode steps).")
-        # Accepted so the refusal message is clear rather than argparse's "unrecognized".
         group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                            help="Schedule and launch each step before the previous step's sampled "
                                 "ids are read, hiding host work behind the GPU (default: on with "
-                                "CUDA, off on the CPU).")
+                                "CUDA, off on the CPU). Steps that speculate run synchronously.")
         group.add_argument("--quantization", "-q", default=None,
                            help="fp8: the decoder's projections in FP8 with per-channel weight "
                                 "and per-token activation scales, computed at load from the "

@@ -21,11 +21,14 @@ tokens, and the masks are filled on the host while the device runs the forward p
 Pipeline parallelism keeps up to one step in flight per stage (``_pipelined_step``), each
 on other requests, so every stage works on some step while the last one samples.
 
-Speculative decoding (synchronous steps only): with the n-gram method the engine core
-proposes each decoding request's next tokens from its own token ids after every step
-(``spec_decode/ngram.py``); with a draft model the model runner proposes them at the end of
-the step. Either way the proposals wait on the request for the next step to verify (a
-constrained request's cut at the first token its grammar refuses, by the scheduler).
+Speculative decoding: with the n-gram method the engine core proposes each decoding
+request's next tokens from its own token ids after every step (``spec_decode/ngram.py``);
+with a draft model the model runner proposes them at the end of the step. Either way the
+proposals wait on the request for the next step to verify (a constrained request's cut at
+the first token its grammar refuses, by the scheduler). A step that speculates runs
+synchronously, the step in flight resolved before it is planned; with asynchronous
+scheduling the steps that do not (above ``disable_by_batch_size`` running requests) keep
+one in flight as usual.
 """
 
 from __future__ import annotations
@@ -141,9 +144,10 @@ class EngineCore:
         )
 
     def _propose_ngrams(self) -> None:
-        """N-gram proposals for every running request whose next step is a decode."""
+        """N-gram proposals (with that method) for every running request whose next step
+        is a decode with all its tokens known."""
         scheduler = self.scheduler
-        if not scheduler.speculates(len(scheduler.running)):
+        if self.ngram is None or not scheduler.speculates(len(scheduler.running)):
             return
         for request in scheduler.running:
             if request.num_computed_tokens == request.num_tokens - 1:
@@ -154,28 +158,35 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; returns what each request produced (with asynchronous scheduling:
-        in the previous step)."""
+        in the previous step, unless this step speculates)."""
         if self.pipeline_depth > 1:
             return self._pipelined_step()
-        scheduler_output = self.scheduler.schedule()
-        outputs = self.scheduler.take_unstepped_outputs()
+        scheduler = self.scheduler
+        outputs: list[EngineCoreOutput] = []
 
         def resolve_in_flight() -> None:
             if self._in_flight is not None:
                 previous_output, previous_launched = self._in_flight
                 self._in_flight = None
-                outputs.extend(self.scheduler.update_from_output(
+                outputs.extend(scheduler.update_from_output(
                     previous_output, previous_launched.get()))
 
-        grammar = StepGrammars(self.structured, self.scheduler.requests, resolve_in_flight)
+        # A step that speculates is planned from every token (proposals follow a request's
+        # last token, and a step's count is known once verified): it runs synchronously.
+        speculates = scheduler.speculates(scheduler.num_running)
+        if speculates and self._in_flight is not None:
+            resolve_in_flight()
+            self._propose_ngrams()
+        scheduler_output = scheduler.schedule()
+        outputs.extend(scheduler.take_unstepped_outputs())
+        grammar = StepGrammars(self.structured, scheduler.requests, resolve_in_flight)
         launched = self.model_runner.execute_model_async(scheduler_output, grammar)
-        if scheduler_output.is_empty and self.scheduler.num_waiting_for_grammar:
+        if scheduler_output.is_empty and scheduler.num_waiting_for_grammar:
             time.sleep(GRAMMAR_POLL_S)  # nothing runs until a constraint has compiled
-        if not self.async_scheduling:
+        if not self.async_scheduling or scheduler_output.speculative:
             if not scheduler_output.is_empty:
-                outputs.extend(self.scheduler.update_from_output(scheduler_output, launched.get()))
-                if self.ngram is not None:
-                    self._propose_ngrams()
+                outputs.extend(scheduler.update_from_output(scheduler_output, launched.get()))
+                self._propose_ngrams()
             return outputs
         resolve_in_flight()
         if not scheduler_output.is_empty:

@@ -8,7 +8,7 @@ both per block. Invariant: at the end of every step, a scheduled request's draft
 exact at its positions below ``draft_end`` (``CachedRequestState``), which is never behind
 what the target has computed; so a prefix-cache hit serves the draft as well.
 
-After each step (``propose``)::
+After a step that verifies proposals or proposes (``propose``)::
 
     catch-up forward   one forward over every scheduled request's tokens from draft_end
                        to what the target computed: a prompt chunk, or the accepted
@@ -17,6 +17,11 @@ After each step (``propose``)::
                        the previous proposal on the device; positions, slots and block
                        tables of every iteration are computed once, up front, and each
                        iteration takes a slice (requests proposing fewer drop off the end)
+
+A step that neither verifies nor proposes (speculation off for it, above
+``disable_by_batch_size``) runs the draft over the target's own inputs instead
+(``follow``): it reads no sampled id, so such a step can stay in flight under
+asynchronous scheduling.
 
 The first proposal comes from the catch-up forward's last row, so ``k`` proposals cost
 ``k`` draft forwards. The proposals' K/V land in the request's slots past its last token
@@ -84,7 +89,8 @@ class DraftModel:
 
     def _draft_config(self) -> EngineConfig:
         return EngineConfig(self.model_config, self.config.cache_config,
-                            self.config.scheduler_config, device=self.config.device)
+                            self.config.scheduler_config, device=self.config.device,
+                            parallel_config=self.config.parallel_config)
 
     def allocate_kv_cache(self, num_blocks: int, cache_dtype: torch.dtype) -> None:
         self.kv_caches = allocate_kv_caches(self._draft_config(), num_blocks, cache_dtype,
@@ -147,6 +153,18 @@ class DraftModel:
         for state, n in zip(proposing, counts):
             state.num_draft_kv = n - 1
         return drafted
+
+    def follow(self, inputs: StepInputs, forward: Callable[[], torch.Tensor]) -> None:
+        """A step that neither verifies nor proposes (speculation off for it): the draft
+        computes the step's tokens as the target did, ``forward()`` running it over the
+        target's ``inputs``, so its K/V keep up without waiting for the step's sampled ids
+        (the next step computes the sampled token in both models). Keeps the invariant:
+        ``draft_end`` is never below a step's start (a proposing step leaves it at the
+        request's tokens), so after this it is at least the step's end."""
+        forward()
+        for state, end in zip(inputs.states, inputs.seq_lens.tolist()):
+            state.draft_end = max(state.draft_end, end)
+            state.num_draft_kv = 0  # proposals never verified: later tokens overwrite them
 
     def _catch_up_spans(
         self,

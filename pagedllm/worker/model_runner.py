@@ -17,10 +17,13 @@ next step's decodes then take their input ids from this step's sampled ids on th
 outputs (penalties, ``min_tokens``) takes the host's tokens plus the pending ones on the
 device, so no step waits for the previous one's ids.
 
-Speculative decoding: every step is resolved before ``execute_model_async`` returns (the
-engine runs such steps synchronously). A request verifying proposals gets its ``k + 1``
-rows sampled by the rejection sampler (``verification.py``); the others sample as usual;
-then the draft model, if any, catches up and proposes (``draft_model.py``). The
+Speculative decoding: a step that verifies proposals or has the draft model propose is
+resolved before ``execute_model_async`` returns (the engine runs such steps
+synchronously). A request verifying proposals gets its ``k + 1`` rows sampled by the
+rejection sampler (``verification.py``); the others sample as usual; then the draft model,
+if any, catches up and proposes (``draft_model.py``). A step without speculation (above
+``disable_by_batch_size``) is launched as any other, and the draft model runs over the
+same inputs after the target (``DraftModel.follow``), so it may stay in flight. The
 verification rows of a constrained request are masked first, each by its grammar's state
 after the proposals before it (``StepGrammars.verify_bitmask``). On CUDA a
 verification step replays the target's verify graphs when every request computes 1 to
@@ -346,11 +349,13 @@ class ModelRunner:
             return self._take_sampled_ids(inputs)
 
         prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
-        if self.speculative:
+        if scheduler_output.spec_token_ids or scheduler_output.num_lookahead_tokens:
             return AsyncStepOutput.ready(self._speculative_step(
                 scheduler_output, inputs, hidden_states, prompt_logprobs, grammar))
+        pending = self._last_sampled  # the previous step's ids: this step's pending tokens
         states = [inputs.states[i] for i in inputs.sample_req_indices]
         if not states:
+            self._draft_follows(inputs, pending)
             return AsyncStepOutput.ready(ModelRunnerOutput(
                 req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids],
                 prompt_logprobs=prompt_logprobs,
@@ -375,6 +380,7 @@ class ModelRunner:
             return self._step_output(inputs, states, token_ids, out.logprobs, prompt_logprobs)
 
         read = self._readback.start(sampled) if self._readback is not None else sampled.tolist
+        self._draft_follows(inputs, pending)
         result = AsyncStepOutput(read, finish)
         self._unresolved.append(result)
         if check is not None:
@@ -535,6 +541,13 @@ class ModelRunner:
             req_ids=inputs.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, spec_token_ids=proposals,
         )
+
+    def _draft_follows(self, inputs: StepInputs, pending: torch.Tensor | None) -> None:
+        """A step that neither verifies nor proposes: the draft model, if any, computes the
+        step's tokens as the target did (``DraftModel.follow``), its pending tokens read
+        from ``pending`` (the previous step's sampled ids)."""
+        if self.drafter is not None:
+            self.drafter.follow(inputs, functools.partial(self._draft_forward, inputs, pending))
 
     def _draft_probs(self, request_id: str) -> torch.Tensor | None:
         """The distributions the request's proposals were drawn from (None: n-gram lookup

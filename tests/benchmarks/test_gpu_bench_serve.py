@@ -62,6 +62,17 @@ def test_clients_merge_over_their_common_window() -> None:
     assert helper._merge([first]) == first  # one client: its record as it is
 
 
+def test_rounds_are_summed_up_by_their_medians() -> None:
+    helper = load_script("gpu_bench_serve")
+    rows = [{"model": "small", "api_server_count": count, "offline_output_tok_s": offline,
+             "http_output_tok_s": http}
+            for count, offline, http in [(1, 100.0, 80.0), (2, 100.0, 99.0), (1, 140.0, 90.0),
+                                         (2, 140.0, 120.0), (1, 120.0, 85.0), (2, 120.0, 110.0)]]
+    one, two = helper.median_table(rows).splitlines()[1:]
+    assert one.split() == ["small", "1", "3", "120", "85", f"{85 / 120:.3f}"]
+    assert two.split() == ["small", "2", "3", "120", "110", f"{110 / 120:.3f}"]
+
+
 def test_profile_summary_shares_frames_inclusive_and_at_the_top() -> None:
     raw = ("main (a.py:1);loop (a.py:2);send (b.py:3) 6\n"
            "main (a.py:1);loop (a.py:2) 2\n"

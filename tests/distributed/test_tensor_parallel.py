@@ -262,3 +262,27 @@ def test_act_order_4bit_weights_are_refused_along_their_inputs(tmp_path, monkeyp
     with pytest.raises(ValueError, match="act-order .* cannot be split over tensor-parallel"):
         load_model(ModelConfig(str(tmp_path / "act-order"), dtype="float32"), "cpu",
                    torch.float32)
+
+
+def test_a_draft_model_speculates_on_every_rank_beside_steps_in_flight(tmp_path) -> None:
+    """Each rank runs its share of the draft: a draft that is the target itself has every
+    proposal accepted, also after steps without speculation kept in flight (above the
+    batch limit); greedy tokens equal HF's."""
+    from transformers import AutoModelForCausalLM
+
+    path = _checkpoint(tmp_path, "llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts(4, 5, 16, seed=21)
+    lengths = [3, 6, 9, 14]
+    want = [hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
+    llm = LLM(str(path), tensor_parallel_size=2, max_model_len=64, async_scheduling=True,
+              speculative_model=str(path), num_speculative_tokens=3,
+              speculative_disable_by_batch_size=2)
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == want
+        stats = llm.llm_engine.engine_core.scheduler.spec_decoding_stats
+        assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    finally:
+        llm.llm_engine.engine_core.shutdown()

@@ -97,6 +97,58 @@ def test_a_batch_mixing_speculating_and_plain_requests(target_dir, draft_dir, pr
     assert_pool_whole(llm)
 
 
+def in_flight_after_each_step(llm: LLM) -> list[bool]:
+    """Records, after every engine step, whether a step was left in flight."""
+    core = llm.llm_engine.engine_core
+    record: list[bool] = []
+    step = core.step
+
+    def recording_step():
+        outputs = step()
+        record.append(core._in_flight is not None)
+        return outputs
+
+    core.step = recording_step
+    return record
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_asynchronous_scheduling_beside_speculation(target_dir, draft_dir, prompts, expected,
+                                                    method):
+    """Above --speculative-disable-by-batch-size the steps stay in flight; once few enough
+    requests run, the steps speculate synchronously. Greedy tokens stay HF's across the
+    switches, under chunked prefill and preemption."""
+    llm = LLM(str(target_dir), block_size=8, max_model_len=64, max_num_seqs=8,
+              num_kv_blocks=16, max_num_batched_tokens=16, async_scheduling=True,
+              speculative_disable_by_batch_size=3, **proposer(method, draft_dir, 3))
+    in_flight = in_flight_after_each_step(llm)
+    lengths = [6, 10, 14, MAX_NEW, MAX_NEW, MAX_NEW]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        want[:n] for want, n in zip(expected, lengths)]
+    assert any(in_flight) and not all(in_flight)
+    assert stats_of(llm).num_drafts > 0
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+    assert_pool_whole(llm)
+
+
+def test_the_draft_keeps_up_through_steps_without_speculation(target_dir, prompts):
+    """A draft that is the target itself proposes the target's own tokens, so all of them
+    are accepted, as long as the steps without speculation (in flight, above the batch
+    limit) keep the draft's KV cache current."""
+    llm = LLM(str(target_dir), block_size=8, max_model_len=128, max_num_seqs=8,
+              async_scheduling=True, speculative_disable_by_batch_size=2,
+              speculative_model=str(target_dir), num_speculative_tokens=3)
+    in_flight = in_flight_after_each_step(llm)
+    lengths = [4, 8, 12, 16, 20, MAX_NEW]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = stats_of(llm)
+    assert any(in_flight) and stats.num_drafts >= 3
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
 def test_the_draft_must_share_the_target_vocabulary(target_dir, tiny_checkpoint):
     other = tiny_checkpoint("llama", vocab_size=200)
     with pytest.raises(ValueError, match=r"vocabulary of 200 tokens but the target model .* has 384"):

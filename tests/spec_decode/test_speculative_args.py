@@ -34,11 +34,10 @@ def test_flags_and_the_json_form_give_the_same_config():
     assert (ngram.method, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == ("ngram", 2, 3)
 
 
-def test_speculation_turns_asynchronous_scheduling_off_and_refuses_it_when_asked():
-    assert not config(speculative_method="ngram", num_speculative_tokens=2,
-                      device="cpu").scheduler_config.async_scheduling
-    with pytest.raises(ValueError, match="Asynchronous scheduling cannot be combined"):
-        config(speculative_method="ngram", num_speculative_tokens=2, async_scheduling=True)
+def test_speculation_keeps_the_asynchronous_scheduling_asked_for():
+    for asked in (True, False):
+        assert config(speculative_method="ngram", num_speculative_tokens=2,
+                      async_scheduling=asked).scheduler_config.async_scheduling is asked
 
 
 @pytest.mark.parametrize("kwargs, message", [
