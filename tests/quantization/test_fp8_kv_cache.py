@@ -1,5 +1,6 @@
 """``--kv-cache-dtype fp8`` end to end on the demo model: greedy tokens equal HF transformers'
-with every layer's keys (after the rope) and values quantized to FP8 the same way, through
+(up to a tie of its top logits) with every layer's keys (after the rope) and values
+quantized to FP8 the same way, through
 prefix-cache hits, chunked prefill and preemption; per-layer scales reach the kernels;
 held-out perplexity moves by under 1%; bad values and old GPUs are refused."""
 
@@ -59,9 +60,15 @@ def _fake_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x.float() / scale).clamp(-448.0, 448.0).to(FP8).float().mul(scale).to(x.dtype)
 
 
-def hf_fp8_kv_greedy(prompts, max_new_tokens, monkeypatch) -> list[list[int]]:
+# Logits this close to the largest are a tie: a key one rounding step of FP8 away (a GPU's
+# float32 arithmetic differs from the CPU's in the last bits) may pick either token.
+TIE = 1e-2
+
+
+def hf_fp8_kv_greedy(prompts, max_new_tokens, monkeypatch) -> list[list[tuple[int, set]]]:
     """HF transformers' greedy tokens with each layer's rotated keys and its values stored
-    as an FP8 cache of that layer's scales stores them (quantized, then read back)."""
+    as an FP8 cache of that layer's scales stores them (quantized, then read back): per
+    prompt, each step's (token, tokens tied with it)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama
 
@@ -82,13 +89,28 @@ def hf_fp8_kv_greedy(prompts, max_new_tokens, monkeypatch) -> list[list[int]]:
         return [_greedy_without_cache(model, p, max_new_tokens) for p in prompts]
 
 
-def _greedy_without_cache(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy tokens, each from a full forward pass (the prompts start with <|bos|>, id 0,
-    which ``generate`` would take for padding)."""
-    ids = list(prompt)
+def _greedy_without_cache(model, prompt: list[int], max_new_tokens: int
+                          ) -> list[tuple[int, set]]:
+    """Greedy steps, each from a full forward pass (the prompts start with <|bos|>, id 0,
+    which ``generate`` would take for padding): (token, tokens within ``TIE`` of it)."""
+    ids, steps = list(prompt), []
     for _ in range(max_new_tokens):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        token = int(logits.argmax())
+        steps.append((token, set(torch.nonzero(logits >= logits[token] - TIE).flatten().tolist())))
+        ids.append(token)
+    return steps
+
+
+def assert_greedy_matches(got: list[list[int]], want: list[list[tuple[int, set]]]) -> None:
+    """Each request's tokens are HF's, up to a step where HF's top logits tie and the
+    engine took another of the tied tokens (after which the two texts part)."""
+    for tokens, steps in zip(got, want, strict=True):
+        assert len(tokens) == len(steps)
+        for token, (hf_token, tied) in zip(tokens, steps):
+            if token != hf_token:
+                assert token in tied, (tokens, [t for t, _ in steps])
+                break
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -118,8 +140,8 @@ def test_greedy_tokens_equal_hf_with_fp8_keys_and_values(prompts, monkeypatch, a
               dtype="float32")
     _set_scales(llm)
     assert llm.llm_engine.engine_core.model_runner.kv_caches[0].dtype == FP8
-    assert _greedy(llm, prompts[:1]) == want[:1]  # its full blocks stay cached
-    assert _greedy(llm, prompts[1:]) == want[1:]
+    assert_greedy_matches(_greedy(llm, prompts[:1]), want[:1])  # its full blocks stay cached
+    assert_greedy_matches(_greedy(llm, prompts[1:]), want[1:])
     scheduler = llm.llm_engine.engine_core.scheduler
     assert scheduler.num_preemptions_total > 0
     assert scheduler.kv_cache_manager.prefix_cache_stats.hits >= 4 * 48
