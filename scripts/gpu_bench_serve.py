@@ -239,6 +239,7 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)  # whatever is left of the session
     ratio = round(http["output_throughput"] / offline["output_tok_s"], 3)
+    core_steps = _read_json(core_timing)
     return {
         "workload": "serve-vs-offline", "model": args.model, "num_prompts": args.num_prompts,
         "input_len": args.input_len, "output_len": args.output_len,
@@ -249,7 +250,9 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
         "cpu_seconds": cpu, "ttft_ms": http["ttft_ms"], "tpot_ms": http["tpot_ms"],
         "itl_ms": http["itl_ms"], "failed": http["failed"], "profiles": profile_summary,
         "steps": {"offline": _steps(offline.get("step_timing")),
-                  "server_core": _steps(_read_json(core_timing).get("step_timing"))},
+                  "server_core": _steps(core_steps.get("step_timing"))},
+        "timeline": {"offline": offline.get("step_timeline"),
+                     "server_core": core_steps.get("timeline")},
         "offline": offline, "http": http,
     }
 
@@ -321,6 +324,12 @@ def table(records: list[dict]) -> str:
         if cells:
             lines.append(f"  steps ({r['model']}, {r.get('api_server_count', 1)} API): "
                          + " | ".join(cells))
+        for name, t in (r.get("timeline") or {}).items():
+            if t:
+                lines.append(f"  timeline ({r['model']}, {r.get('api_server_count', 1)} API, "
+                             f"{name}): {t['requests_added']} added by {t['last_add_s']:.2f} s, "
+                             f"steps {t['first_step_s']:.2f} -> {t['last_output_s']:.2f} s, "
+                             f"busy {t['steps_busy_s']:.2f} s, idle {t['idle_s']:.2f} s")
     return "\n".join(lines)
 
 

@@ -13,6 +13,11 @@ times each with the host clock (a few ``perf_counter`` calls per step: noise bel
     update        Scheduler.update_from_output
     output        front end: detokenization, stop checks, RequestOutputs
 
+``timeline()`` places the run in time, in seconds from the first request added: when the
+last request was added, when the first step with work was scheduled, and when the last
+step's output was taken; with the steps' summed time, what is left of that span is the
+time the loop had no step running (waiting for requests or for its consumers).
+
 On a GPU, ``wait`` is the device time the host could not hide; when it is near zero the
 step is bound by host work. With asynchronous scheduling a step waits for the previous
 step's ids, after launching its own. Steps are split into pure-decode steps (one token per
@@ -40,6 +45,11 @@ class StepTimer:
         self._restore: list[tuple[object, str]] = []
         self._kind = "other"
         self._in_execute = False
+        # perf_counter stamps of the timeline: first and last request added, first step
+        # with work scheduled, last step output taken.
+        self._adds: list[float] = []
+        self._first_step: float | None = None
+        self._last_update: float | None = None
 
     def __enter__(self) -> "StepTimer":
         core = self.core
@@ -53,7 +63,32 @@ class StepTimer:
             self._wrap(self.output_processor, "process_outputs", "output")
         self._wrap(runner, "execute_model_async", "_execute")
         self._wrap_wait()
+        self._stamp(core, "add_request", self._adds.append)
         return self
+
+    def _stamp(self, obj: object, name: str, record) -> None:
+        original = getattr(obj, name)
+
+        def stamped(*args, **kwargs):
+            record(time.perf_counter())
+            return original(*args, **kwargs)
+
+        setattr(obj, name, stamped)
+        self._restore.append((obj, name))
+
+    def timeline(self) -> dict:
+        """Seconds from the first request added (see the module docstring); the steps'
+        summed time and the span's rest, idle."""
+        if not self._adds or self._first_step is None:
+            return {}
+        zero = self._adds[0]
+        busy = sum(row["steps"] * row["total_ms"] for row in self.summary().values()) / 1e3
+        span = self._last_update - self._first_step
+        return {"requests_added": len(self._adds),
+                "last_add_s": round(self._adds[-1] - zero, 4),
+                "first_step_s": round(self._first_step - zero, 4),
+                "last_output_s": round(self._last_update - zero, 4),
+                "steps_busy_s": round(busy, 4), "idle_s": round(span - busy, 4)}
 
     def __exit__(self, *exc) -> None:
         for obj, name in reversed(self._restore):
@@ -89,11 +124,15 @@ class StepTimer:
                 result = original(*args, **kwargs)
             finally:
                 self._in_execute = outer
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
             if classify:
                 self._kind = _step_kind(result)
                 self.counts[self._kind] += 1
-            totals[self._kind][phase] += elapsed
+                if self._first_step is None and self._kind != "empty":
+                    self._first_step = start
+            elif phase == "update":
+                self._last_update = end
+            totals[self._kind][phase] += end - start
             return result
 
         setattr(obj, name, timed)

@@ -392,6 +392,7 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
                      prefix_cache_hit_rate=round(hits / queries, 4) if queries else 0.0)
     if timer is not None:
         extra["step_timing"] = timer.summary()
+        extra["step_timeline"] = timer.timeline()
         print(format_summary(extra["step_timing"]), flush=True)
     if constrained:
         mask_s = structured.mask_seconds - mask_start[0]

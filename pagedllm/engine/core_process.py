@@ -165,7 +165,8 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str],
 
 
 # A JSON path: the core times the phases of its steps (benchmarks/step_timing.py) and
-# writes their means there when it stops, with the seconds its steps took in all.
+# writes their means there when it stops, with the seconds its steps took in all and the
+# run's timeline.
 STEP_TIMING_ENV = "PAGEDLLM_CORE_STEP_TIMING_JSON"
 
 
@@ -184,7 +185,8 @@ def _step_timing(core):
             summary = timer.summary()
             steps_s = sum(row["steps"] * row["total_ms"] for row in summary.values()) / 1e3
             with open(path, "w") as file:
-                json.dump({"step_timing": summary, "steps_s": round(steps_s, 6)}, file)
+                json.dump({"step_timing": summary, "steps_s": round(steps_s, 6),
+                           "timeline": timer.timeline()}, file)
 
 
 def _build_core(config: EngineConfig):

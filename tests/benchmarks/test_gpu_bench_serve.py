@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.gpu_report import load_script, run_report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +42,11 @@ def test_serve_beside_offline_on_the_demo_model(tmp_path) -> None:
     for run in ("offline", "server_core"):  # both runs' steps, timed
         steps = record["steps"][run]
         assert steps["busy_s"] > 0 and steps["decode"]["steps"] >= 3, (run, steps)
+        timeline = record["timeline"][run]  # the server's core also had warm-up requests
+        assert timeline["requests_added"] >= 6, timeline
+        assert 0 <= timeline["first_step_s"] < timeline["last_output_s"], timeline
+        assert timeline["steps_busy_s"] + timeline["idle_s"] == pytest.approx(
+            timeline["last_output_s"] - timeline["first_step_s"], abs=1e-3)
     assert record["clients"] == 2 and record["profiles"] == {
         "api": None, "core": None, "client": None}  # no --py-spy-seconds
     assert "pagedllm-demo" in result.stdout.splitlines()[-1]
