@@ -299,7 +299,7 @@ def _run_speculative(args: argparse.Namespace, engine_args: EngineArgs) -> list[
         records.append(result_record(workload="L1", **common, **spec_figures,
                                      prompt_files=args.prompt_files, speculative=report))
         write_json(args.output_json, records)
-        del speculative
+        del speculative, costs  # both hold the engine: its memory goes back before the next K
         gc.collect()
     print(format_table(reports))
     write_json(args.output_json, records)

@@ -80,12 +80,14 @@ class StepCosts:
     proposals."""
 
     def __init__(self, llm) -> None:
+        # Holds the engine: drop this object with the engine, or its memory stays taken.
         self.core = llm.llm_engine.engine_core
         self.runner = self.core.model_runner
         self.totals: dict[str, float] = defaultdict(float)
         self._restore: list[tuple[object, str]] = []
         self._decode = False
         self._sync = self.runner.device.type == "cuda"
+        self._drafts = self.runner.drafter is not None
 
     def __enter__(self) -> "StepCosts":
         self._wrap(self.core.scheduler, "schedule", self._on_schedule)
@@ -155,7 +157,7 @@ class StepCosts:
         steps = max(t["decode_steps"], 1)
         proposal = t["proposal"]
         # The ngram lookup runs after the runner's step; the draft phase inside it.
-        verification = t["runner"] - (proposal if self.runner.drafter is not None else 0.0)
+        verification = t["runner"] - (proposal if self._drafts else 0.0)
         forwards = t["draft_forwards"]
         return {
             "decode_steps": int(t["decode_steps"]),

@@ -438,7 +438,7 @@ def _run_speculative(engine_args: EngineArgs, requests: list[SyntheticRequest],
     spec["speculative"] = {"method": spec_config.method,
                            "num_speculative_tokens": spec_config.num_speculative_tokens,
                            **acceptance(before, stats), **costs.summary()}
-    del llm
+    del llm, costs  # both hold the engine: its GPU memory goes back before the next one
     gc.collect()
     plain_llm = LLM(**vars(without_speculation(engine_args)))
     _warm_up(plain_llm)

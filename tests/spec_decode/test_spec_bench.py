@@ -25,6 +25,26 @@ def text_file(target_dir, tmp_path_factory):
     return path
 
 
+@pytest.fixture
+def engines_alive(monkeypatch) -> list[list[bool]]:
+    """At each engine built, which engines built before are still alive (on a GPU an engine
+    left alive keeps its memory, and the next one does not fit)."""
+    import weakref
+
+    import pagedllm
+
+    built, alive = [], []
+
+    class Tracked(pagedllm.LLM):
+        def __init__(self, *args, **kwargs) -> None:
+            alive.append([ref() is not None for ref in built])
+            super().__init__(*args, **kwargs)
+            built.append(weakref.ref(self.llm_engine.engine_core))
+
+    monkeypatch.setattr(pagedllm, "LLM", Tracked)
+    return alive
+
+
 def engine_flags(target_dir) -> list[str]:
     return ["--model", str(target_dir), "--max-model-len", "96", "--num-kv-blocks", "64",
             "--block-size", "8", "--max-num-seqs", "4"]
@@ -32,7 +52,7 @@ def engine_flags(target_dir) -> list[str]:
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_latency_reports_acceptance_step_costs_and_speedups_per_k(
-    target_dir, draft_dir, text_file, tmp_path, proposer
+    target_dir, draft_dir, text_file, tmp_path, proposer, engines_alive
 ):
     out = tmp_path / "l1.json"
     spec, ks = ((["--speculative-method", "ngram"], [1, 3]) if proposer == "ngram"
@@ -43,6 +63,8 @@ def test_latency_reports_acceptance_step_costs_and_speedups_per_k(
         "--num-iters-warmup", "0", "--prompt-files", str(text_file), "--output-json", str(out)]))
     records = json.loads(out.read_text())
     assert [r["speculative"]["num_speculative_tokens"] for r in records] == ks
+    # The plain engine serves every K; each speculative one is gone before the next.
+    assert engines_alive == [[]] + [[True] + [False] * i for i in range(len(ks))]
     for record in records:
         s = record["speculative"]
         assert record["prompt_files"] == [str(text_file)]
@@ -72,13 +94,15 @@ def test_latency_refuses_k_values_without_speculation(target_dir):
         latency.run(_args(latency, engine_flags(target_dir) + ["--speculative-k-values", "2"]))
 
 
-def test_throughput_runs_the_workload_with_and_without_speculation(target_dir, tmp_path):
+def test_throughput_runs_the_workload_with_and_without_speculation(target_dir, tmp_path,
+                                                                   engines_alive):
     out = tmp_path / "w1.json"
     throughput.run(_args(throughput, engine_flags(target_dir) + [
         "--speculative-method", "ngram", "--num-speculative-tokens", "3", "--num-prompts", "4",
         "--input-len", "8:16", "--output-len", "12:20", "--temperature", "0",
         "--output-json", str(out)]))
     plain, spec = json.loads(out.read_text())
+    assert engines_alive == [[], [False]]  # the speculative engine is gone first
     assert (plain["backend"], spec["backend"]) == ("pagedllm", "pagedllm+spec")
     assert plain["output_tokens"] == spec["output_tokens"]
     s = spec["speculative"]
