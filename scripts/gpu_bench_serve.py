@@ -329,7 +329,9 @@ def table(records: list[dict]) -> str:
                 lines.append(f"  timeline ({r['model']}, {r.get('api_server_count', 1)} API, "
                              f"{name}): {t['requests_added']} added by {t['last_add_s']:.2f} s, "
                              f"steps {t['first_step_s']:.2f} -> {t['last_output_s']:.2f} s, "
-                             f"busy {t['steps_busy_s']:.2f} s, idle {t['idle_s']:.2f} s")
+                             f"busy {t['steps_busy_s']:.2f} s, idle {t['idle_s']:.2f} s"
+                             + "".join(f", {k[:-2]} {t[k]:.2f} s" for k in ("waiting_s", "messages_s", "send_s")
+                                       if k in t))
     return "\n".join(lines)
 
 

@@ -16,7 +16,11 @@ times each with the host clock (a few ``perf_counter`` calls per step: noise bel
 ``timeline()`` places the run in time, in seconds from the first request added: when the
 last request was added, when the first step with work was scheduled, and when the last
 step's output was taken; with the steps' summed time, what is left of that span is the
-time the loop had no step running (waiting for requests or for its consumers).
+time the loop had no step running (waiting for requests or for its consumers), of which
+the calls timed by ``track`` (a server core's message handling and output sending) are
+reported apart (a server core: ``waiting`` for a request while it has none, ``messages``
+applied, outputs ``send``; the waiting before the first step and after the last output
+lies outside the span).
 
 On a GPU, ``wait`` is the device time the host could not hide; when it is near zero the
 step is bound by host work. With asynchronous scheduling a step waits for the previous
@@ -50,6 +54,8 @@ class StepTimer:
         self._adds: list[float] = []
         self._first_step: float | None = None
         self._last_update: float | None = None
+        # label -> (start, end) stamps of the calls timed by ``track``.
+        self.tracked: dict[str, list[tuple[float, float]]] = defaultdict(list)
 
     def __enter__(self) -> "StepTimer":
         core = self.core
@@ -66,6 +72,23 @@ class StepTimer:
         self._stamp(core, "add_request", self._adds.append)
         return self
 
+    def track(self, obj: object, name: str, label: str) -> None:
+        """Also time ``obj.name`` calls under ``label`` (work between the steps, such as a
+        server core's messages); ``timeline()`` reports their seconds within the steps'
+        span. Call inside the ``with`` block."""
+        calls = self.tracked[label]
+        original = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                calls.append((start, time.perf_counter()))
+
+        setattr(obj, name, timed)
+        self._restore.append((obj, name))
+
     def _stamp(self, obj: object, name: str, record) -> None:
         original = getattr(obj, name)
 
@@ -81,14 +104,18 @@ class StepTimer:
         summed time and the span's rest, idle."""
         if not self._adds or self._first_step is None:
             return {}
-        zero = self._adds[0]
+        zero, first, last = self._adds[0], self._first_step, self._last_update
         busy = sum(row["steps"] * row["total_ms"] for row in self.summary().values()) / 1e3
-        span = self._last_update - self._first_step
+        span = last - first
+        tracked = {label: sum(max(0.0, min(end, last) - max(start, first))
+                              for start, end in calls)
+                   for label, calls in self.tracked.items()}
         return {"requests_added": len(self._adds),
                 "last_add_s": round(self._adds[-1] - zero, 4),
                 "first_step_s": round(self._first_step - zero, 4),
                 "last_output_s": round(self._last_update - zero, 4),
-                "steps_busy_s": round(busy, 4), "idle_s": round(span - busy, 4)}
+                "steps_busy_s": round(busy, 4), "idle_s": round(span - busy, 4),
+                **{f"{label}_s": round(seconds, 4) for label, seconds in tracked.items()}}
 
     def __exit__(self, *exc) -> None:
         for obj, name in reversed(self._restore):

@@ -147,8 +147,9 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str],
         )
         outputs[0].send(pickle.dumps((READY, info)))
         try:
-            with _step_timing(core):
-                _CoreLoop(core, inputs, outputs).run()
+            loop = _CoreLoop(core, inputs, outputs)
+            with _step_timing(loop):
+                loop.run()
         except BaseException as exc:  # noqa: BLE001
             logger.error("Engine core failed:\n%s", traceback.format_exc())
             to_all(pickle.dumps((ERROR, _describe(exc))))
@@ -171,14 +172,17 @@ STEP_TIMING_ENV = "PAGEDLLM_CORE_STEP_TIMING_JSON"
 
 
 @contextlib.contextmanager
-def _step_timing(core):
+def _step_timing(loop: "_CoreLoop"):
     path = os.environ.get(STEP_TIMING_ENV)
     if not path:
         yield
         return
     from pagedllm.benchmarks.step_timing import StepTimer
 
-    with StepTimer(core=core) as timer:
+    with StepTimer(core=loop.core) as timer:
+        timer.track(loop, "_wait_for_message", "waiting")
+        timer.track(loop, "_handle_messages", "messages")
+        timer.track(loop, "_send", "send")
         try:
             yield
         finally:
@@ -221,8 +225,10 @@ class _CoreLoop:
 
     def run(self) -> None:
         while True:
-            busy = self.core.has_unfinished_requests()
-            keep_going, changed = self._handle_messages(block=not busy)
+            if not self.core.has_unfinished_requests() and not self._wait_for_message():
+                logger.warning("The API process is gone; the engine core stops.")
+                return
+            keep_going, changed = self._handle_messages()
             if not keep_going:
                 return
             if self.core.has_unfinished_requests():
@@ -235,20 +241,22 @@ class _CoreLoop:
                 self._send(None)
 
     # -- messages -----------------------------------------------------------------------
-    def _handle_messages(self, block: bool) -> tuple[bool, bool]:
-        """Apply every pending message. Returns (keep running, state changed)."""
-        timeout_ms = int(IDLE_POLL_S * 1000) if block else 0
+    def _wait_for_message(self) -> bool:
+        """Wait until a message is pending; False if the API process died meanwhile."""
+        timeout_ms = int(IDLE_POLL_S * 1000)
+        while not self.poller.poll(timeout_ms):
+            if not self._parent_alive():
+                return False
+        return True
+
+    def _handle_messages(self) -> tuple[bool, bool]:
+        """Apply every pending message, without waiting. Returns (keep running, state
+        changed)."""
         changed = False
         while True:
-            if not self.poller.poll(timeout_ms):
-                if block and not changed and not self._parent_alive():
-                    logger.warning("The API process is gone; the engine core stops.")
-                    return False, changed
-                if block and not changed:
-                    continue  # still idle: keep waiting
+            if not self.poller.poll(0):
                 return True, changed
             tag, payload = pickle.loads(self.inputs.recv())
-            timeout_ms = 0
             if tag == ADD:
                 client, requests = payload
                 for request in requests:

@@ -47,6 +47,9 @@ def test_serve_beside_offline_on_the_demo_model(tmp_path) -> None:
         assert 0 <= timeline["first_step_s"] < timeline["last_output_s"], timeline
         assert timeline["steps_busy_s"] + timeline["idle_s"] == pytest.approx(
             timeline["last_output_s"] - timeline["first_step_s"], abs=1e-3)
+    # The server core's time between steps: waiting for requests, messages, outputs sent.
+    between = [record["timeline"]["server_core"][k] for k in ("waiting_s", "messages_s", "send_s")]
+    assert min(between) >= 0 and sum(between) <= record["timeline"]["server_core"]["idle_s"] + 1e-3
     assert record["clients"] == 2 and record["profiles"] == {
         "api": None, "core": None, "client": None}  # no --py-spy-seconds
     assert "pagedllm-demo" in result.stdout.splitlines()[-1]
