@@ -4,6 +4,9 @@
 #   PYTHONPATH=. bash scripts/gpu_bench.sh                  # H200; results under $OUT
 #   GPU_BENCH_DRY=1 PYTHONPATH=. bash scripts/gpu_bench.sh  # CPU, tiny sizes: the plumbing
 #
+# The GPU machine lacks the server's packages: scripts/fetch_gpu_wheels.sh fetches them as
+# wheels (uvloop included, as users have it) to carry there.
+#
 # Steps (each under its own time limit, so a slow one cannot eat the whole run; a failed
 # step is recorded and the next one runs):
 #   tests    pytest of the kernels, fused ops, CUDA graphs, models and engine (natively)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -247,6 +248,7 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
         "offline_output_tok_s": offline["output_tok_s"],
         "http_output_tok_s": http["output_throughput"], "http_vs_offline": ratio,
         "target": TARGET, "met": ratio >= TARGET, "duration_s": http["duration_s"],
+        "event_loop": event_loop(),
         "cpu_seconds": cpu, "ttft_ms": http["ttft_ms"], "tpot_ms": http["tpot_ms"],
         "itl_ms": http["itl_ms"], "failed": http["failed"], "profiles": profile_summary,
         "steps": {"offline": _steps(offline.get("step_timing")),
@@ -255,6 +257,12 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
                      "server_core": core_steps.get("timeline")},
         "offline": offline, "http": http,
     }
+
+
+def event_loop() -> str:
+    """The server's event loop: uvloop where installed (uvicorn[standard] brings it), else
+    asyncio's own (``api_server._run_loop``); the server runs in this environment."""
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
 def _read_json(path: Path) -> dict:
@@ -311,6 +319,7 @@ def table(records: list[dict]) -> str:
             f"{r['ttft_ms']['median']:>8.0f}/{r['ttft_ms']['p99']:<8.0f} "
             f"{r['tpot_ms']['median']:>7.1f}/{r['tpot_ms']['p99']:<8.1f} "
             f"{cpu.get('api', 0):.1f} / {cpu.get('core', 0):.1f} / {cpu.get('client', 0):.1f}"
+            f"{'' if r.get('event_loop', 'uvloop') == 'uvloop' else '  (asyncio loop)'}"
             f"{'' if r['met'] else '  (target ' + str(TARGET) + ')'}")
     for r in records:
         steps = r.get("steps") or {}

@@ -33,6 +33,7 @@ def test_serve_beside_offline_on_the_demo_model(tmp_path) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     [record] = json.loads((tmp_path / "serve-pagedllm-demo.json").read_text())
     assert record["api_server_count"] == 2  # a server of two API processes
+    assert record["event_loop"] == "uvloop"  # as uvicorn[standard] installs it
     assert (record["http"]["completed"], record["http"]["failed"]) == (6, 0)
     assert record["http"]["total_output_tokens"] == record["offline"]["output_tokens"] == 24
     assert record["http_vs_offline"] == round(
