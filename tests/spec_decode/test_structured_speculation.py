@@ -48,12 +48,15 @@ def verified(monkeypatch) -> list[dict[str, int]]:
 
 # A budget of 7 tokens chunks every prompt; 12 blocks of 8 tokens force preemption.
 TIGHT = dict(ENGINE, max_num_batched_tokens=7, num_kv_blocks=12, max_model_len=96)
+# Steps in flight while more than two requests run, speculative steps once two remain.
+ASYNC = dict(ENGINE, async_scheduling=True, speculative_disable_by_batch_size=2)
+ENGINES = {"roomy": ENGINE, "chunked-preempting": TIGHT, "async-above-two": ASYNC}
 
 
-@pytest.mark.parametrize("tight", [False, True], ids=["roomy", "chunked-preempting"])
+@pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_constrained_greedy_output_is_the_one_without_speculation(target_dir, draft_dir,
-                                                                  method, tight, verified):
+                                                                  method, engine, verified):
     prompts = [{"prompt_token_ids": p} for p in repetitive_prompts(4, seed=2)]
     plain = LLM(str(target_dir), **ENGINE)
     free_run = plain.generate(prompts[2:3], SamplingParams(temperature=0.0, max_tokens=6,
@@ -70,9 +73,9 @@ def test_constrained_greedy_output_is_the_one_without_speculation(target_dir, dr
     ]
     want = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
     verified.clear()
-    llm = LLM(str(target_dir), **(TIGHT if tight else ENGINE), **proposer(method, draft_dir))
+    llm = LLM(str(target_dir), **ENGINES[engine], **proposer(method, draft_dir))
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    if tight:
+    if engine == "chunked-preempting":
         assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
     got = [o.outputs[0] for o in outputs]
     for g, w in zip(got, want):
