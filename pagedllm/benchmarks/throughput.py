@@ -356,6 +356,21 @@ def _warm_up(llm) -> None:
                  SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
 
 
+def fill_call_figures(calls) -> dict:
+    """The bitmask fills of a run (``(seconds, rows)`` per call): how many, rows per call,
+    and the milliseconds of a call at the median, p99 and most; with the rows filled in
+    parallel, a per-row cost far above a one-row call's says the threads did not help."""
+    if not calls:
+        return {"fill_calls": 0}
+    ms = sorted(1e3 * seconds for seconds, _ in calls)
+    rows = sum(n for _, n in calls)
+    return {"fill_calls": len(calls), "fill_rows_per_call": round(rows / len(calls), 2),
+            "fill_ms_p50": round(ms[len(ms) // 2], 4),
+            "fill_ms_p99": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 4),
+            "fill_ms_max": round(ms[-1], 4),
+            "fill_us_per_row": round(1e3 * sum(ms) / rows, 2)}
+
+
 def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespace,
                   step_timing: bool = False, constrained: bool = False) -> dict:
     """One timed run; ``constrained``: request ``i`` constrained to JSON schema ``i % 4``."""
@@ -373,6 +388,7 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         structured.backend()  # once per engine, not per workload
         mask_start = (structured.mask_seconds, structured.num_mask_rows,
                       structured.num_mask_steps, structured.num_checked_rows)
+        structured.fill_calls.clear()
     timer = StepTimer(llm) if step_timing else None
     start = time.perf_counter()
     if timer is None:
@@ -404,7 +420,8 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
                      mask_steps=steps, mask_rows=rows, checked_rows=checked,
                      refused_fraction=round(rows / checked, 4) if checked else None,
                      mask_ms_per_step=round(1e3 * mask_s / max(steps, 1), 4),
-                     mask_us_per_token=round(1e6 * mask_s / max(output_tokens, 1), 2))
+                     mask_us_per_token=round(1e6 * mask_s / max(output_tokens, 1), 2),
+                     **fill_call_figures(structured.fill_calls))
     return {
         "backend": "pagedllm+json" if constrained else "pagedllm",
         "num_prompts": len(requests),
@@ -535,8 +552,11 @@ def _row(r: dict) -> str:
     if "constrained_ratio" in r:
         refused = ("" if r.get("refused_fraction") is None
                    else f", {100 * r['refused_fraction']:.1f}% of checked tokens refused")
+        fills = ("" if not r.get("fill_calls") else
+                 f"; bitmask fills of {r['fill_rows_per_call']} rows: {r['fill_ms_p50']} ms "
+                 f"median, {r['fill_ms_p99']} p99, {r['fill_us_per_row']} us/row")
         note = (f"{r['constrained_ratio']}x unconstrained; constraints {r['mask_ms_per_step']} "
-                f"ms/step on the host, {r['mask_us_per_token']} us/token{refused}")
+                f"ms/step on the host, {r['mask_us_per_token']} us/token{refused}{fills}")
     if "speculative" in r:
         spec = r["speculative"]
         note = (f"{spec['measured_speedup']}x without speculation; K={spec['num_speculative_tokens']}, "

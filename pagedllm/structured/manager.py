@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 # Compiled constraints kept for reuse.
 COMPILE_CACHE_SIZE = 512
+# Bitmask fill calls whose timing is kept (for benchmarks; a bounded window).
+FILL_CALLS_KEPT = 1 << 16
 
 
 class RequestGrammar:
@@ -163,7 +165,8 @@ class StructuredOutputManager:
     compile thread). For benchmarks: ``mask_seconds`` adds up the host time spent on the
     constrained rows (checks and bitmasks), ``num_mask_steps`` the calls that checked or
     masked rows (one per step, two in a step that does both), ``num_checked_rows`` the
-    sampled tokens checked and ``num_mask_rows`` the bitmask rows filled.
+    sampled tokens checked and ``num_mask_rows`` the bitmask rows filled; ``fill_calls``
+    the latest calls to the backend's bitmask fill, as (seconds, rows).
     """
 
     def __init__(self, make_backend: Callable[[], GrammarBackend], num_threads: int = 2) -> None:
@@ -177,6 +180,7 @@ class StructuredOutputManager:
         self.num_mask_steps = 0
         self.num_mask_rows = 0
         self.num_checked_rows = 0
+        self.fill_calls: deque[tuple[float, int]] = deque(maxlen=FILL_CALLS_KEPT)
 
     def backend(self) -> GrammarBackend:
         with self._backend_lock:
@@ -278,7 +282,9 @@ class StructuredOutputManager:
             else:
                 out[i] = -1
         if rows:
+            start = time.perf_counter()
             self.backend().fill_bitmasks(rows, out)
+            self.fill_calls.append((time.perf_counter() - start, len(rows)))
         self.num_mask_rows += len(rows)
 
     def shutdown(self) -> None:

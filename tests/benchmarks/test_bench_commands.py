@@ -289,6 +289,11 @@ def test_structured_output_run_beside_the_unconstrained_one(tmp_path) -> None:
     assert constrained["refused_fraction"] == round(
         constrained["mask_rows"] / constrained["checked_rows"], 4)
     assert constrained["mask_host_s"] > 0 and constrained["mask_steps"] > 0
+    # The bitmask fills, call by call: they cover every masked row.
+    fills = constrained["fill_calls"]
+    assert constrained["fill_rows_per_call"] * fills == pytest.approx(constrained["mask_rows"],
+                                                                      abs=0.01 * fills)
+    assert 0 < constrained["fill_ms_p50"] <= constrained["fill_ms_p99"] <= constrained["fill_ms_max"]
 
 
 def test_throughput_with_a_shared_prefix_serves_it_from_the_prefix_cache(checkpoint, tmp_path) -> None:
