@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -262,7 +261,11 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
 def event_loop() -> str:
     """The server's event loop: uvloop where installed (uvicorn[standard] brings it), else
     asyncio's own (``api_server._run_loop``); the server runs in this environment."""
-    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
 
 
 def _read_json(path: Path) -> dict:
