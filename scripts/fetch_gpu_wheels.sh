@@ -6,8 +6,8 @@
 #   bash scripts/fetch_gpu_wheels.sh [DIR]
 #
 # There, before the commands:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-#   export PYTHONPATH=/tmp/site:. PATH=/tmp/site/bin:$PATH
+#   python3 -m pip install -q --no-index --no-deps --target SITE .whl/*.whl
+#   export PYTHONPATH=SITE:. PATH=SITE/bin:$PATH     (SITE: any scratch directory)
 # uvloop comes with uvicorn[standard], as in a user's install: without it the server runs
 # on asyncio's pure-Python loop, and its HTTP figures are not the users'.
 set -euo pipefail
