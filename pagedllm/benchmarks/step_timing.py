@@ -15,12 +15,10 @@ times each with the host clock (a few ``perf_counter`` calls per step: noise bel
 
 ``timeline()`` places the run in time, in seconds from the first request added: when the
 last request was added, when the first step with work was scheduled, and when the last
-step's output was taken; with the steps' summed time, what is left of that span is the
-time the loop had no step running (waiting for requests or for its consumers), of which
-the calls timed by ``track`` (a server core's message handling and output sending) are
-reported apart (a server core: ``waiting`` for a request while it has none, ``messages``
-applied, outputs ``send``; the waiting before the first step and after the last output
-lies outside the span).
+step's output was taken. The span between those two, less the steps' summed time, is
+idle: time with no step running. Calls timed by ``track`` are reported within that span
+(a server core: ``waiting`` for a request while it has none, ``messages`` applied,
+outputs ``send``).
 
 On a GPU, ``wait`` is the device time the host could not hide; when it is near zero the
 step is bound by host work. With asynchronous scheduling a step waits for the previous

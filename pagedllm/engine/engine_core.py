@@ -70,13 +70,19 @@ class EngineCore:
             self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                        spec.prompt_lookup_max)
         if spec is not None:
+            if spec.disable_by_batch_size is not None:
+                limit = f", none above {spec.disable_by_batch_size} running requests"
+            elif config.scheduler_config.async_scheduling:
+                limit = ("; every step speculates, so every step runs synchronously "
+                         "(asynchronous scheduling applies above "
+                         "--speculative-disable-by-batch-size)")
+            else:
+                limit = ""
             logger.info(
                 "Speculative decoding: %s, %d tokens proposed a step%s",
                 f"draft model {spec.draft_model_config.path.name}" if spec.method == "draft_model"
                 else f"n-gram lookup (n = {spec.prompt_lookup_max} down to {spec.prompt_lookup_min})",
-                spec.num_speculative_tokens,
-                "" if spec.disable_by_batch_size is None
-                else f", none above {spec.disable_by_batch_size} running requests")
+                spec.num_speculative_tokens, limit)
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Pipeline parallelism: the steps in flight (one per stage at most), oldest first.
         self.pipeline_depth = config.parallel_config.pipeline_parallel_size

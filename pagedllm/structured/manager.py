@@ -254,11 +254,8 @@ class StructuredOutputManager:
         advancing = [i for i, g in enumerate(grammars) if g is not None]
         try:
             for j in range(max((len(p) for p in proposals), default=0) + 1):
-                rows = [(grammars[i].grammar, row_starts[i] + j) for i in advancing
-                        if grammars[i].active]
-                if rows:
-                    self.backend().fill_bitmasks(rows, out)
-                self.num_mask_rows += len(rows)
+                self._fill_rows([(grammars[i].grammar, row_starts[i] + j) for i in advancing
+                                 if grammars[i].active], out)
                 still = []
                 for i in advancing:  # a complete output takes nothing more (allows
                     # would say any token: its rows are not constrained)
@@ -281,6 +278,10 @@ class StructuredOutputManager:
                 rows.append((grammar.grammar, i))
             else:
                 out[i] = -1
+        self._fill_rows(rows, out)
+
+    def _fill_rows(self, rows: list[tuple], out: np.ndarray) -> None:
+        """One backend fill of ``rows`` ((grammar, row of ``out``) pairs), counted and timed."""
         if rows:
             start = time.perf_counter()
             self.backend().fill_bitmasks(rows, out)
