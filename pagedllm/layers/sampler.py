@@ -487,17 +487,17 @@ class Sampler(nn.Module):
         probabilities, so its rounding may differ): no candidate settles them."""
         logits = draw.logits.index_select(0, rows)
         meta = draw.meta
-        scores = logits.float()
-        if draw.noise is not None:
-            greedy = scores
+        if draw.noise is None:  # every row greedy
+            scores = logits.float()
+        else:
             if draw.noise.dim() == 1:  # the Gumbel kernel's row seeds
                 scores = triton_ops.gumbel_scores(logits, meta.temperature.index_select(0, rows),
                                                   draw.noise.index_select(0, rows))
             else:
-                scores = torch.full_like(greedy, float("nan"))
+                scores = torch.full(logits.shape, float("nan"), device=logits.device)
             if meta.greedy_mask is not None:
                 scores = torch.where(meta.greedy_mask.index_select(0, rows).unsqueeze(-1),
-                                     greedy, scores)
+                                     logits.float(), scores)
         values, ids = scores.topk(min(k, scores.shape[-1]), dim=-1)
         return ids, values
 

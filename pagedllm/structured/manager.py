@@ -171,7 +171,7 @@ class RequestGrammar:
 Candidates = Callable[[list[int]], tuple[list[list[int]], list[list[float]]]]
 
 
-def settle_row(grammar: RequestGrammar, token_ids: list[int], scores: list[float],
+def settle_row(grammar: Grammar, token_ids: list[int], scores: list[float],
                out: np.ndarray) -> bool:
     """Whether a refused row's candidates settle its draw under the grammar's mask, and if
     so its bitmask row ``out`` (int32 words), which then allows only the candidates the
@@ -190,7 +190,7 @@ def settle_row(grammar: RequestGrammar, token_ids: list[int], scores: list[float
     for j, (token, score) in enumerate(zip(token_ids, scores)):
         if not score > threshold:  # NaN scores (no candidates for this row) stop here
             return False
-        if grammar.allows(token):
+        if grammar.is_allowed(token):
             break
     else:
         return False
@@ -200,7 +200,7 @@ def settle_row(grammar: RequestGrammar, token_ids: list[int], scores: list[float
     for token, score in zip(token_ids[j:], scores[j:]):
         if score < tie:
             break
-        if token == token_ids[j] or grammar.allows(token):
+        if token == token_ids[j] or grammar.is_allowed(token):
             words[token >> 5] |= np.uint32(1 << (token & 31))
     return True
 
@@ -296,8 +296,8 @@ class StructuredOutputManager:
             unsettled = range(len(refused))
             if candidates is not None:
                 ids, scores = candidates(refused)
-                unsettled = [r for r, i in enumerate(refused)
-                             if not settle_row(grammars[i], ids[r], scores[r], bitmask[r])]
+                unsettled = [r for r, i in enumerate(refused)  # refused: active grammars
+                             if not settle_row(grammars[i].grammar, ids[r], scores[r], bitmask[r])]
                 self.num_settled_rows += len(refused) - len(unsettled)
             self._fill_rows([(grammars[refused[r]].grammar, r) for r in unsettled], bitmask)
         self.mask_seconds += time.perf_counter() - start

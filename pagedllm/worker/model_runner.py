@@ -103,9 +103,9 @@ logger = logging.getLogger(__name__)
 
 CHECK_CANDIDATES_ENV = "PAGEDLLM_CHECK_CANDIDATES"
 # A refused constrained row's best tokens by draw score that the grammar checks before
-# filling its mask (each check about a microsecond; where masks are dear, most tokens are
-# allowed and one of these almost surely is).
-DEFAULT_CHECK_CANDIDATES = 8
+# filling its mask (each check a few microseconds of the host's; where masks are dear,
+# most tokens are allowed and one of these almost surely is).
+DEFAULT_CHECK_CANDIDATES = 4
 
 
 @functools.cache

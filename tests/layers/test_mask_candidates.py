@@ -23,7 +23,7 @@ class SetGrammar:
     def __init__(self, allowed: torch.Tensor) -> None:
         self.allowed = allowed
 
-    def allows(self, token: int) -> bool:
+    def is_allowed(self, token: int) -> bool:
         return bool(self.allowed[token])
 
 
