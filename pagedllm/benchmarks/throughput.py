@@ -387,8 +387,7 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         structured = core.structured
         structured.backend()  # once per engine, not per workload
         mask_start = (structured.mask_seconds, structured.num_mask_rows,
-                      structured.num_mask_steps, structured.num_checked_rows,
-                      structured.num_settled_rows)
+                      structured.num_mask_steps, structured.num_checked_rows)
         structured.fill_calls.clear()
     timer = StepTimer(llm) if step_timing else None
     start = time.perf_counter()
@@ -417,13 +416,9 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         rows = structured.num_mask_rows - mask_start[1]
         steps = structured.num_mask_steps - mask_start[2]
         checked = structured.num_checked_rows - mask_start[3]
-        settled = structured.num_settled_rows - mask_start[4]
-        refused = rows + settled  # every row of the workload is checked, none masked first
         extra.update(structured_output="json", mask_host_s=reported_seconds(mask_s),
                      mask_steps=steps, mask_rows=rows, checked_rows=checked,
-                     settled_rows=settled,
-                     refused_fraction=round(refused / checked, 4) if checked else None,
-                     settled_fraction=round(settled / refused, 4) if refused else None,
+                     refused_fraction=round(rows / checked, 4) if checked else None,
                      mask_ms_per_step=round(1e3 * mask_s / max(steps, 1), 4),
                      mask_us_per_token=round(1e6 * mask_s / max(output_tokens, 1), 2),
                      **fill_call_figures(structured.fill_calls))
@@ -556,9 +551,7 @@ def _row(r: dict) -> str:
                 f"{100 * r['prefix_cache_hit_rate']:.1f}%")
     if "constrained_ratio" in r:
         refused = ("" if r.get("refused_fraction") is None
-                   else f", {100 * r['refused_fraction']:.1f}% of checked tokens refused "
-                        f"({100 * (r.get('settled_fraction') or 0):.1f}% of those settled "
-                        "by candidates)")
+                   else f", {100 * r['refused_fraction']:.1f}% of checked tokens refused")
         fills = ("" if not r.get("fill_calls") else
                  f"; bitmask fills of {r['fill_rows_per_call']} rows: {r['fill_ms_p50']} ms "
                  f"median, {r['fill_ms_p99']} p99, {r['fill_us_per_row']} us/row")

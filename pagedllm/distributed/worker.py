@@ -114,9 +114,7 @@ class _GrammarProxy:
 
     __call__ = bitmask
 
-    def check(self, request_ids: list[str], token_ids: list[int], allocate, candidates=None):
-        """The engine's check; every refused row gets its grammar's mask (``candidates``
-        would cost a readback of every checked row's, each step, before the question)."""
+    def check(self, request_ids: list[str], token_ids: list[int], allocate):
         refused, bitmask = self._ask("check", request_ids, token_ids)
         return refused, self._copy(bitmask, allocate)
 

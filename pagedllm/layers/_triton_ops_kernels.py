@@ -140,30 +140,6 @@ def rotate_half_whole(x_row, d, c, s, mask, HALF: tl.constexpr):
     return tl.where(first, x * c - partner * s, x * c + partner * s)
 
 
-@triton.jit
-def gumbel_score(logit, inv_temperature, seed, columns):
-    """The Gumbel race's score of ``columns`` of a row: ``logit / T + g`` with the noise
-    ``g = -log(-log(u))``, ``u = rand(seed, column)`` (float32)."""
-    gumbel = -tl.log(-tl.log(tl.rand(seed, columns)))
-    return logit * inv_temperature + gumbel
-
-
-@triton.jit
-def gumbel_scores_kernel(logits_ptr, stride_row, temperature_ptr, seeds_ptr, out_ptr,
-                         vocab_size, BLOCK: tl.constexpr):
-    """Program ``(row, block)``: the scores ``row_argmax_partial_kernel`` races with
-    (``GUMBEL``), for columns ``[block * BLOCK, (block + 1) * BLOCK)``, into ``out`` (float32,
-    contiguous rows)."""
-    row = tl.program_id(0)
-    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    valid = offsets < vocab_size
-    logit = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offsets, mask=valid,
-                    other=float("-inf")).to(tl.float32)
-    inv_temperature = 1.0 / tl.load(temperature_ptr + row)
-    score = gumbel_score(logit, inv_temperature, tl.load(seeds_ptr + row), offsets)
-    tl.store(out_ptr + row.to(tl.int64) * vocab_size + offsets, score, mask=valid)
-
-
 @triton.jit(do_not_specialize=["chunk"])
 def row_argmax_partial_kernel(
     logits_ptr, stride_row, temperature_ptr, seeds_ptr, best_ptr, index_ptr,
@@ -194,8 +170,8 @@ def row_argmax_partial_kernel(
         valid = offsets < hi
         score = tl.load(base + offsets, mask=valid, other=float("-inf")).to(tl.float32)
         if GUMBEL:
-            score = tl.where(valid, gumbel_score(score, inv_temperature, seed, offsets),
-                             float("-inf"))
+            gumbel = -tl.log(-tl.log(tl.rand(seed, offsets)))
+            score = tl.where(valid, score * inv_temperature + gumbel, float("-inf"))
         block_best = tl.max(score, 0)
         block_index = tl.argmax(score, 0, tie_break_left=True) + start
         better = block_best > best

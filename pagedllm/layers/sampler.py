@@ -34,10 +34,7 @@ first would have picked: when the first winner is allowed it also wins among the
 tokens, so the token, and how far a seeded generator advances, are the same either way.
 That holds because everything before the race (penalties, ``min_tokens``, temperature)
 acts token by token and commutes with the mask; top-k, top-p and min-p depend on the whole
-distribution, so rows with them are masked first. A refused row's mask need not be the
-grammar's whole one: the race among the allowed tokens is won by the best-scoring allowed
-token, so when one of the row's best few (``Sampler.candidates``) is allowed, a mask of
-the allowed ones among them gives the same redraw.
+distribution, so rows with them are masked first.
 
 Everything per row is a tensor built once per step by ``SamplingMetadata.build``; the
 forward pass is vectorised over rows and never syncs with the host, except for drawing
@@ -474,32 +471,6 @@ class Sampler(nn.Module):
         if meta.greedy_mask is not None:
             sampled = torch.where(meta.greedy_mask.index_select(0, rows), _argmax(masked), sampled)
         return sampled
-
-    @staticmethod
-    def candidates(draw: Draw, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``k`` best tokens of rows ``rows`` (int64 ``[R]``) of a kept draw by the
-        score their race compared, highest first -> (int64 ids ``[R, k]``, float32 scores
-        ``[R, k]``): the logits for greedy rows, ``logits / T + g`` for rows the Gumbel
-        kernel drew (``triton_ops.gumbel_scores``). A row's draw under a mask is its
-        highest-scoring allowed token, lowest id first among equals, so the first allowed
-        candidate is that draw unless a token outside ties with it at the k-th score.
-        Rows of the torch race get NaN scores (their draw under a mask renormalises the
-        probabilities, so its rounding may differ): no candidate settles them."""
-        logits = draw.logits.index_select(0, rows)
-        meta = draw.meta
-        if draw.noise is None:  # every row greedy
-            scores = logits.float()
-        else:
-            if draw.noise.dim() == 1:  # the Gumbel kernel's row seeds
-                scores = triton_ops.gumbel_scores(logits, meta.temperature.index_select(0, rows),
-                                                  draw.noise.index_select(0, rows))
-            else:
-                scores = torch.full(logits.shape, float("nan"), device=logits.device)
-            if meta.greedy_mask is not None:
-                scores = torch.where(meta.greedy_mask.index_select(0, rows).unsqueeze(-1),
-                                     logits.float(), scores)
-        values, ids = scores.topk(min(k, scores.shape[-1]), dim=-1)
-        return ids, values
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, meta: SamplingMetadata

@@ -1,7 +1,6 @@
 """Fused elementwise ops for CUDA, as Triton kernels: RMSNorm (+ residual add), SiLU-and-mul,
-rotary embedding, a token per row of logits (``gumbel_sample``, ``greedy_argmax``; and
-``gumbel_scores``, the race's scores), and the matrix-vector products of small decode
-batches (``small_batch_matmul``).
+rotary embedding, a token per row of logits (``gumbel_sample``, ``greedy_argmax``), and the
+matrix-vector products of small decode batches (``small_batch_matmul``).
 
 In torch each of these is a chain of small kernels (RMSNorm alone: add, cast, square,
 mean, rsqrt, two multiplies, cast), each reading and writing the whole activation; here
@@ -215,23 +214,6 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     logits may hold -inf (masked tokens are never drawn).
     """
     return _row_argmax(logits, temperature, seeds)
-
-
-def gumbel_scores(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """The scores ``gumbel_sample`` races with, ``logits / T + g`` per token -> float32
-    ``[B, V]``, computed as the race computes them: ``gumbel_sample`` returns a row's first
-    highest score's index."""
-    k = _kernels()
-    num_rows, vocab_size = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    out = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
-    if num_rows:
-        k.gumbel_scores_kernel[(num_rows, k.cdiv(vocab_size, ARGMAX_BLOCK))](
-            logits, logits.stride(0), temperature, seeds, out, vocab_size,
-            BLOCK=ARGMAX_BLOCK, num_warps=8,
-        )
-    return out
 
 
 ARGMAX_BLOCK = 2048

@@ -8,9 +8,7 @@ Lifecycle of a constrained request::
     each step, per constrained row (``StepGrammars``, the runner's questions):
       check-then-mask: the runner samples the row unmasked; check_tokens(rows, sampled)
           asks the grammar whether the token is allowed, and fills a bitmask only for
-          the rows it refuses, which the runner draws again under their mask; a refused
-          row whose best few candidates by draw score hold an allowed one needs no fill
-          (``settle_row``)
+          the rows it refuses, which the runner draws again under their mask
       mask first (rows with logprobs, top-k, top-p or min-p): fill_bitmask(rows) ──>
           the runner masks those rows' logits, then samples
       speculating: the scheduler cuts the proposals at the first token the grammar
@@ -23,9 +21,7 @@ Lifecycle of a constrained request::
 Both ways sample the masked distribution: a row's first draw is kept when its grammar
 allows it, and a refused one is drawn again under the mask with the same noise, so the
 token is the one masking first would give (see ``pagedllm.layers.sampler.Sampler.redraw``).
-Checking a token costs about a microsecond; a mask walks the vocabulary's token trie,
-from tens of microseconds where few tokens are allowed to milliseconds where most are
-(inside JSON strings), which is where a few candidates almost always hold an allowed one.
+Checking a token costs microseconds, a mask the whole vocabulary.
 
 Compilation runs in a thread pool (llguidance releases the GIL), so a slow constraint never
 stalls the step loop; compiled constraints are cached by ``StructuredOutputsParams.key``
@@ -40,7 +36,6 @@ recomputed request continues where its grammar was.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -58,10 +53,6 @@ logger = logging.getLogger(__name__)
 COMPILE_CACHE_SIZE = 512
 # Bitmask fill calls whose timing is kept (for benchmarks; a bounded window).
 FILL_CALLS_KEPT = 1 << 16
-# A candidate settles a refused row when its score is above the candidates' lowest by this
-# much (relative, at least absolute for scores below 1): room for a last-bit difference
-# between the scores read on the host and those the race compared.
-SCORE_MARGIN = 1e-5
 
 
 class RequestGrammar:
@@ -167,49 +158,6 @@ class RequestGrammar:
         return self.grammar is not None and not self._gate and self.grammar.is_terminated()
 
 
-# A step's refused rows -> each row's candidate token ids and their scores, highest first.
-Candidates = Callable[[list[int]], tuple[list[list[int]], list[list[float]]]]
-
-
-def settle_row(grammar: Grammar, token_ids: list[int], scores: list[float],
-               out: np.ndarray) -> bool:
-    """Whether a refused row's candidates settle its draw under the grammar's mask, and if
-    so its bitmask row ``out`` (int32 words), which then allows only the candidates the
-    draw may pick: the best allowed one and the allowed ones that may tie with it.
-
-    ``token_ids`` are the row's best tokens by the score its race compared (``scores``,
-    descending). The draw under the mask is the best-scoring allowed token, the lowest id
-    among equals. When the first allowed candidate scores above the lowest candidate score
-    by ``SCORE_MARGIN``, every token outside the candidates scores below it, so the draw
-    and every token tying with it are candidates: the redraw over ``out`` picks what it
-    would pick over the whole mask. The margin also covers a last-bit difference between
-    these scores and the race's."""
-    if not scores:
-        return False
-    threshold = _shifted(scores[-1], 1)
-    for j, (token, score) in enumerate(zip(token_ids, scores)):
-        if not score > threshold:  # NaN scores (no candidates for this row) stop here
-            return False
-        if grammar.is_allowed(token):
-            break
-    else:
-        return False
-    tie = _shifted(score, -1)
-    out[:] = 0
-    words = out.view(np.uint32)
-    for token, score in zip(token_ids[j:], scores[j:]):
-        if score < tie:
-            break
-        if token == token_ids[j] or grammar.is_allowed(token):
-            words[token >> 5] |= np.uint32(1 << (token & 31))
-    return True
-
-
-def _shifted(score: float, sign: int) -> float:
-    """``score`` plus (``sign`` 1) or less (-1) the margin of ``settle_row``."""
-    return score + sign * SCORE_MARGIN * max(1.0, abs(score)) if math.isfinite(score) else score
-
-
 class StructuredOutputManager:
     """Compiles constraints for the engine core and builds each step's bitmask.
 
@@ -217,9 +165,8 @@ class StructuredOutputManager:
     compile thread). For benchmarks: ``mask_seconds`` adds up the host time spent on the
     constrained rows (checks and bitmasks), ``num_mask_steps`` the calls that checked or
     masked rows (one per step, two in a step that does both), ``num_checked_rows`` the
-    sampled tokens checked and ``num_mask_rows`` the bitmask rows filled;
-    ``num_settled_rows`` the refused rows whose candidates settled the draw without a fill;
-    ``fill_calls`` the latest calls to the backend's bitmask fill, as (seconds, rows).
+    sampled tokens checked and ``num_mask_rows`` the bitmask rows filled; ``fill_calls``
+    the latest calls to the backend's bitmask fill, as (seconds, rows).
     """
 
     def __init__(self, make_backend: Callable[[], GrammarBackend], num_threads: int = 2) -> None:
@@ -233,7 +180,6 @@ class StructuredOutputManager:
         self.num_mask_steps = 0
         self.num_mask_rows = 0
         self.num_checked_rows = 0
-        self.num_settled_rows = 0
         self.fill_calls: deque[tuple[float, int]] = deque(maxlen=FILL_CALLS_KEPT)
 
     def backend(self) -> GrammarBackend:
@@ -275,31 +221,18 @@ class StructuredOutputManager:
         self.num_mask_steps += 1
 
     def check_tokens(self, grammars: list[RequestGrammar | None], token_ids: list[int],
-                     allocate: Callable[[int, int], np.ndarray],
-                     candidates: Candidates | None = None) -> tuple[list[int], np.ndarray | None]:
+                     allocate: Callable[[int, int], np.ndarray]) -> tuple[list[int], np.ndarray | None]:
         """Check-then-mask: the indices of the sampled ``token_ids`` their ``grammars``
-        refuse, and those rows' bitmask (``allocate(len(refused), bitmask_width)``; None
-        when nothing is refused) for the redraw. A grammar that is not active (or ``None``)
-        allows any token. The grammars have not taken the tokens.
-
-        ``candidates(refused)``: each refused row's best tokens by the score its draw
-        compared, and the scores, highest first (lists ``[len(refused)][k]``, see
-        ``Sampler.candidates``). A row they settle (``settle_row``) gets a bitmask of its
-        allowed candidates; the others the grammar's mask, filled as ``fill_bitmask``
-        does. Either gives the same redraw."""
+        refuse, and those rows' bitmask (``allocate(len(refused), bitmask_width)``, filled
+        as ``fill_bitmask`` does; None when nothing is refused). A grammar that is not
+        active (or ``None``) allows any token. The grammars have not taken the tokens."""
         start = time.perf_counter()
         refused = [i for i, (grammar, token) in enumerate(zip(grammars, token_ids, strict=True))
                    if grammar is not None and not grammar.allows(token)]
         bitmask = None
         if refused:
             bitmask = allocate(len(refused), self.bitmask_width)
-            unsettled = range(len(refused))
-            if candidates is not None:
-                ids, scores = candidates(refused)
-                unsettled = [r for r, i in enumerate(refused)  # refused: active grammars
-                             if not settle_row(grammars[i].grammar, ids[r], scores[r], bitmask[r])]
-                self.num_settled_rows += len(refused) - len(unsettled)
-            self._fill_rows([(grammars[refused[r]].grammar, r) for r in unsettled], bitmask)
+            self._fill([grammars[i] for i in refused], bitmask)
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_steps += 1
         self.num_checked_rows += len(token_ids)
@@ -367,7 +300,7 @@ class StepGrammars:
     - ``bitmask(request_ids, allocate)`` (also the object's call, for runners that only
       mask): the rows to mask before sampling. ``resolve_in_flight`` runs first, so the
       grammars have taken the step before's tokens.
-    - ``check(request_ids, token_ids, allocate, candidates)``: rows sampled without their mask, when
+    - ``check(request_ids, token_ids, allocate)``: rows sampled without their mask, when
       their ids are read (before any later step's forward pass); the grammars have taken
       every earlier step's tokens, not these. See ``StructuredOutputManager.check_tokens``.
     - ``verify_bitmask(request_ids, proposals, allocate)``: the verification rows of
@@ -396,10 +329,8 @@ class StepGrammars:
     __call__ = bitmask
 
     def check(self, request_ids: list[str], token_ids: list[int],
-              allocate: Callable[[int, int], np.ndarray],
-              candidates: Candidates | None = None) -> tuple[list[int], np.ndarray | None]:
-        return self._manager.check_tokens(self._grammars(request_ids), token_ids, allocate,
-                                          candidates)
+              allocate: Callable[[int, int], np.ndarray]) -> tuple[list[int], np.ndarray | None]:
+        return self._manager.check_tokens(self._grammars(request_ids), token_ids, allocate)
 
     def verify_bitmask(self, request_ids: list[str], proposals: list[list[int]],
                        allocate: Callable[[int, int], np.ndarray]) -> np.ndarray:

@@ -39,9 +39,7 @@ Constrained rows (structured outputs), check-then-mask: such a row is sampled wi
 token mask, and when the step's ids are read the engine's grammars check the sampled
 tokens (``grammar.check``); only the rows whose token is refused get a bitmask, and are
 drawn again under it with the noise of their first draw, which gives the token masking
-first would have given (``Sampler.redraw``). The check reads a refused row's best few
-tokens by draw score from the device (``Sampler.candidates``): when one is allowed, the
-bitmask need only allow those, and the grammar fills no mask for the row. The check runs before any later step's
+first would have given (``Sampler.redraw``). The check runs before any later step's
 forward pass reads the ids: with asynchronous scheduling the next launch reads the step's
 ids first (the one device-to-host copy it makes anyway, earlier), and a step with refused
 rows copies their new ids too. Rows whose sampling reads the masked distribution before
@@ -54,7 +52,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections import deque
 from typing import Callable
 
@@ -73,7 +70,6 @@ from pagedllm.layers.attention.backend import AttentionMetadata, set_forward_con
 from pagedllm.layers.attention.kv_quant import kv_cache_torch_dtype
 from pagedllm.layers.attention.selector import attention_backend_name
 from pagedllm.layers.sampler import (
-    Draw,
     LogprobsTensors,
     RowCounts,
     Sampler,
@@ -100,24 +96,6 @@ from pagedllm.worker.verification import verify_proposals
 from pagedllm.worker.warmup import warm_up_kernels, warm_up_layouts
 
 logger = logging.getLogger(__name__)
-
-CHECK_CANDIDATES_ENV = "PAGEDLLM_CHECK_CANDIDATES"
-# A refused constrained row's best tokens by draw score that the grammar checks before
-# filling its mask (each check a few microseconds of the host's; where masks are dear,
-# most tokens are allowed and one of these almost surely is).
-DEFAULT_CHECK_CANDIDATES = 4
-
-
-@functools.cache
-def check_candidates() -> int:
-    """Candidates a refused row checks (``PAGEDLLM_CHECK_CANDIDATES``, default
-    ``DEFAULT_CHECK_CANDIDATES``; 0 fills every refused row's mask, for A/B runs)."""
-    value = os.environ.get(CHECK_CANDIDATES_ENV, "").strip()
-    if not value:
-        return DEFAULT_CHECK_CANDIDATES
-    if not value.isdigit() or int(value) > 256:
-        raise ValueError(f"{CHECK_CANDIDATES_ENV}={value!r}: give an integer from 0 (off) to 256.")
-    return int(value)
 
 
 class ModelRunner:
@@ -469,10 +447,8 @@ class ModelRunner:
         tokens that the grammars of ``rows`` (sampled without their mask) refuse replaced
         by draws under their mask (``Sampler.redraw``). The ids on the device are corrected
         in place (later steps read them as pending tokens) and counted for the penalties."""
-        candidates = (functools.partial(self._candidates, out.draw, rows)
-                      if check_candidates() else None)
         refused, bitmask = check([states[j].request_id for j in rows],
-                                 [token_ids[j] for j in rows], self._bitmask_buffer, candidates)
+                                 [token_ids[j] for j in rows], self._bitmask_buffer)
         sampled = out.sampled_token_ids
         if refused:
             redrawn = [rows[i] for i in refused]
@@ -485,14 +461,6 @@ class ModelRunner:
         metadata.record_sampled(sampled)
         out.draw = None  # the step's logits and noise, no longer needed
         return token_ids
-
-    def _candidates(self, draw: Draw, rows: list[int], refused: list[int]
-                    ) -> tuple[list[list[int]], list[list[float]]]:
-        """The best ``check_candidates()`` tokens of checked rows ``rows[i]`` for ``i`` in
-        ``refused``, and their scores, highest first (``Sampler.candidates``), on the host."""
-        index = torch.tensor([rows[i] for i in refused], dtype=torch.long).to(self.device)
-        ids, scores = self.sampler.candidates(draw, index, check_candidates())
-        return ids.tolist(), scores.tolist()
 
     def _sampling_metadata(
         self,
