@@ -157,7 +157,8 @@ def run_hf_continuous(model, requests: list[SyntheticRequest], time_limit_s: flo
 
 def _workload_hints(model, requests: list[SyntheticRequest]) -> dict:
     """On the CPU, the manager's ``workload_hints`` (the longest prompt and output, the
-    request count), where this transformers takes them: without them it sizes its static
+    request count) and, where this transformers takes a ``ContinuousBatchingConfig``, the
+    cache's sizes drawn from them: without them it sizes its static
     tensors from the host's free memory, gigabytes for a toy model, which costs a
     benchmark on a small model most of its time. On a GPU the manager sizes from the
     device's memory as a user's run does, and gets no hints (so GPU figures stay
@@ -168,12 +169,25 @@ def _workload_hints(model, requests: list[SyntheticRequest]) -> dict:
         from transformers.generation.continuous_batching.utils import WorkloadHints
     except ImportError:
         return {}
-    if "workload_hints" not in inspect.signature(model.init_continuous_batching).parameters:
+    params = inspect.signature(model.init_continuous_batching).parameters
+    if "workload_hints" not in params:
         return {}
-    return {"workload_hints": WorkloadHints(
-        max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
-        max_generated_length=max(r.output_len for r in requests),
-        num_requests=len(requests))}
+    longest_prompt = max(len(r.prompt_token_ids) for r in requests)
+    longest_output = max(r.output_len for r in requests)
+    hints = {"workload_hints": WorkloadHints(max_prompt_length=longest_prompt,
+                                             max_generated_length=longest_output,
+                                             num_requests=len(requests))}
+    if "continuous_batching_config" in params:
+        # Releases from 5.17 size the cache from free memory despite the hints: give the
+        # sizes (every request's blocks at once, and a step of at most one whole prompt).
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        block_size = ContinuousBatchingConfig().block_size
+        blocks_per_request = -(-(longest_prompt + longest_output) // block_size)
+        hints["continuous_batching_config"] = ContinuousBatchingConfig(
+            num_blocks=(len(requests) + 1) * blocks_per_request,
+            max_batch_tokens=max(longest_prompt, 256))
+    return hints
 
 
 @torch.no_grad()
