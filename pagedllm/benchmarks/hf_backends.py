@@ -155,12 +155,13 @@ def run_hf_continuous(model, requests: list[SyntheticRequest], time_limit_s: flo
     raise RuntimeError("transformers' continuous batching did not run: " + " | ".join(errors))
 
 
-def _workload_hints(model, requests: list[SyntheticRequest]) -> dict:
-    """On the CPU, the manager's ``workload_hints`` (the longest prompt and output, the
-    request count) and, where this transformers takes a ``ContinuousBatchingConfig``, the
-    cache's sizes drawn from them: without them it sizes its static
-    tensors from the host's free memory, gigabytes for a toy model, which costs a
-    benchmark on a small model most of its time. On a GPU the manager sizes from the
+def _cpu_sizing(model, requests: list[SyntheticRequest]) -> dict:
+    """The keyword arguments that size the continuous-batching manager on the CPU: its
+    ``workload_hints`` (the longest prompt and output, the request count) and, where this
+    transformers takes a ``ContinuousBatchingConfig``, the cache's sizes drawn from the
+    same figures. Without them it sizes its static tensors from the host's free memory,
+    gigabytes for a toy model (21.8 GB with transformers 5.17), which costs a benchmark on
+    a small model most of its time or more memory than the host has. On a GPU the manager sizes from the
     device's memory as a user's run does, and gets no hints (so GPU figures stay
     comparable across runs)."""
     if model.device.type != "cpu":
@@ -202,7 +203,7 @@ def _run_continuous_once(model, requests: list[SyntheticRequest], time_limit_s: 
         max_new_tokens=max(r.output_len for r in requests), pad_token_id=0, eos_token_id=None,
     )
     manager = model.init_continuous_batching(generation_config=config,
-                                             **_workload_hints(model, requests))
+                                             **_cpu_sizing(model, requests))
     add_params = inspect.signature(manager.add_request).parameters
     finished: dict[str, int] = {}
     count = "finished requests"
