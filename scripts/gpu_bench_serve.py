@@ -40,6 +40,7 @@ from pathlib import Path
 
 from pagedllm.distributed.executor import free_port
 from pagedllm.engine.core_process import STEP_TIMING_ENV
+from pagedllm.entrypoints.event_loop import loop_name
 
 TARGET = 0.97
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -247,7 +248,7 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
         "offline_output_tok_s": offline["output_tok_s"],
         "http_output_tok_s": http["output_throughput"], "http_vs_offline": ratio,
         "target": TARGET, "met": ratio >= TARGET, "duration_s": http["duration_s"],
-        "event_loop": event_loop(),
+        "event_loop": loop_name(),
         "cpu_seconds": cpu, "ttft_ms": http["ttft_ms"], "tpot_ms": http["tpot_ms"],
         "itl_ms": http["itl_ms"], "failed": http["failed"], "profiles": profile_summary,
         "steps": {"offline": _steps(offline.get("step_timing")),
@@ -256,16 +257,6 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
                      "server_core": core_steps.get("timeline")},
         "offline": offline, "http": http,
     }
-
-
-def event_loop() -> str:
-    """The server's event loop: uvloop where installed (uvicorn[standard] brings it), else
-    asyncio's own (``api_server._run_loop``); the server runs in this environment."""
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return "asyncio"
-    return "uvloop"
 
 
 def _read_json(path: Path) -> dict:
@@ -310,6 +301,13 @@ def _finish_profile(profile: subprocess.Popen | None, raw: Path) -> dict | None:
     return summarize_profile(raw.read_text())
 
 
+def _ms(value: float | None, width: int, digits: int) -> str:
+    """A latency cell: right-aligned (``width`` > 0) or left; ``-`` where there is none
+    (TPOT of one-token outputs)."""
+    text = "-" if value is None else f"{value:.{digits}f}"
+    return text.rjust(width) if width > 0 else text.ljust(-width)
+
+
 def table(records: list[dict]) -> str:
     lines = [f"{'model':<16} {'API':>3} {'offline tok/s':>14} {'HTTP tok/s':>11} {'ratio':>6} "
              f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16}  CPU s (api / core / client)"]
@@ -319,8 +317,8 @@ def table(records: list[dict]) -> str:
             f"{r['model']:<16} {r.get('api_server_count', 1):>3} "
             f"{r['offline_output_tok_s']:>14.0f} {r['http_output_tok_s']:>11.0f} "
             f"{r['http_vs_offline']:>6.3f} "
-            f"{r['ttft_ms']['median']:>8.0f}/{r['ttft_ms']['p99']:<8.0f} "
-            f"{r['tpot_ms']['median']:>7.1f}/{r['tpot_ms']['p99']:<8.1f} "
+            f"{_ms(r['ttft_ms']['median'], 8, 0)}/{_ms(r['ttft_ms']['p99'], -8, 0)} "
+            f"{_ms(r['tpot_ms']['median'], 7, 1)}/{_ms(r['tpot_ms']['p99'], -8, 1)} "
             f"{cpu.get('api', 0):.1f} / {cpu.get('core', 0):.1f} / {cpu.get('client', 0):.1f}"
             f"{'' if r.get('event_loop', 'uvloop') == 'uvloop' else '  (asyncio loop)'}"
             f"{'' if r['met'] else '  (target ' + str(TARGET) + ')'}")
@@ -339,7 +337,8 @@ def table(records: list[dict]) -> str:
         for name, t in (r.get("timeline") or {}).items():
             if t:
                 lines.append(f"  timeline ({r['model']}, {r.get('api_server_count', 1)} API, "
-                             f"{name}): {t['requests_added']} added by {t['last_add_s']:.2f} s, "
+                             f"{name}): {t['requests_added']} added, half by "
+                             f"{t.get('half_added_s', float('nan')):.2f} s, all by {t['last_add_s']:.2f} s, "
                              f"steps {t['first_step_s']:.2f} -> {t['last_output_s']:.2f} s, "
                              f"busy {t['steps_busy_s']:.2f} s, idle {t['idle_s']:.2f} s"
                              + "".join(f", {k[:-2]} {t[k]:.2f} s" for k in ("waiting_s", "messages_s", "send_s")

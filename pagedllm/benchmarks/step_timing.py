@@ -13,9 +13,9 @@ times each with the host clock (a few ``perf_counter`` calls per step: noise bel
     update        Scheduler.update_from_output
     output        front end: detokenization, stop checks, RequestOutputs
 
-``timeline()`` places the run in time, in seconds from the first request added: when the
-last request was added, when the first step with work was scheduled, and when the last
-step's output was taken. The span between those two, less the steps' summed time, is
+``timeline()`` places the run in time, in seconds from the first request added: when half
+the requests and when the last were added, when the first step with work was scheduled,
+and when the last step's output was taken. The span between those two, less the steps' summed time, is
 idle: time with no step running. Calls timed by ``track`` are reported within that span
 (a server core: ``waiting`` for a request while it has none, ``messages`` applied,
 outputs ``send``).
@@ -109,6 +109,7 @@ class StepTimer:
                               for start, end in calls)
                    for label, calls in self.tracked.items()}
         return {"requests_added": len(self._adds),
+                "half_added_s": round(self._adds[len(self._adds) // 2] - zero, 4),
                 "last_add_s": round(self._adds[-1] - zero, 4),
                 "first_step_s": round(self._first_step - zero, 4),
                 "last_output_s": round(self._last_update - zero, 4),

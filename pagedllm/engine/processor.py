@@ -62,7 +62,7 @@ class InputProcessor:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                if not isinstance(ids, (list, tuple)):
                     raise ValueError("prompt_token_ids must be a list of integers.")
                 return ProcessedPrompt(prompt.get("prompt"), list(ids))
             if "prompt" in prompt:
@@ -75,8 +75,12 @@ class InputProcessor:
     def validate(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise ValueError("The prompt is empty: give at least one token.")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        # One pass for both checks: a prompt is thousands of ids, and this runs per request.
+        vocab_size = self.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
         if bad:
+            if not isinstance(bad[0], int):
+                raise ValueError("prompt_token_ids must be a list of integers.")
             raise ValueError(
                 f"Token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})."
             )

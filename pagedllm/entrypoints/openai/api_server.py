@@ -57,6 +57,7 @@ from pagedllm.engine.async_engine import (
     AsyncEngine, EngineDeadError, EngineStartupError, RequestTimeoutError,
 )
 from pagedllm.engine.core_client import CoreHandle
+from pagedllm.entrypoints import event_loop
 from pagedllm.entrypoints.openai.cli_args import add_serve_args, validate_serve_args
 from pagedllm.entrypoints.openai.protocol import (
     INTERNAL_ERROR_MESSAGE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -175,22 +176,32 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def run_until_disconnected(awaitable, request: Request):
-    """The awaitable's result, or None (and the awaitable cancelled) if the client left first."""
-    handler = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    """The awaitable's result, or None (and the awaitable cancelled) if the client left first.
+
+    The awaitable runs in the calling task, so a request reaches the engine before this
+    task first waits: under a burst of arrivals each is submitted as soon as its body is
+    parsed, not after every other arrival's turn on the loop. A second task watches for the
+    disconnect and cancels this one.
+    """
+    task = asyncio.current_task()
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        await _wait_for_disconnect(request)
+        left = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await awaitable
     except asyncio.CancelledError:
-        handler.cancel()
+        if not left:
+            raise
+        task.uncancel()
+        return None
+    finally:
         watcher.cancel()
-        raise
-    if handler.done():
-        watcher.cancel()
-        return handler.result()
-    handler.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await handler
-    return None
 
 
 def _respond(result):
@@ -523,7 +534,7 @@ def _run_attached(args: argparse.Namespace, config, handle: CoreHandle, sock: so
         finally:
             await engine.shutdown()
 
-    sys.exit(_run_loop(main()))
+    sys.exit(event_loop.run(main()))
 
 
 async def _log_stats(stats_logger: StatsLogger, interval_s: float) -> None:
@@ -534,19 +545,7 @@ async def _log_stats(stats_logger: StatsLogger, interval_s: float) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Synchronous entry point (uses uvloop when installed)."""
-    return _run_loop(serve(args))
-
-
-def _run_loop(coroutine) -> int:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coroutine)
-    if sys.version_info >= (3, 11):
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(coroutine)
-    uvloop.install()
-    return asyncio.run(coroutine)
+    return event_loop.run(serve(args))
 
 
 def main(argv: list[str] | None = None) -> int:

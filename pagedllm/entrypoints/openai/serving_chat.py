@@ -96,9 +96,9 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_common(request, "chat.completions")
         self._check_supported(request)
         plan = plan_tools(request, self.tool_parser)
-        # Rendering and tokenizing a long conversation would stall every other stream.
-        prompt_text, prompt_ids = await asyncio.to_thread(self._prompt, request, plan.tools)
-        constraint = await asyncio.to_thread(self._constraint, request, plan, prompt_ids)
+        # Rendering and tokenizing a long conversation, or checking a grammar, would stall
+        # every other stream: off the loop, in one hop.
+        prompt_text, prompt_ids, constraint = await asyncio.to_thread(self._prepare, request, plan)
 
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
@@ -133,6 +133,11 @@ class OpenAIServingChat(OpenAIServing):
         text = self.render(request.messages, request.add_generation_prompt,
                            request.continue_final_message, request.chat_template_kwargs, tools)
         return text, self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+
+    def _prepare(self, request: ChatCompletionRequest, plan: ToolPlan
+                 ) -> tuple[str, list[int], StructuredOutputsParams | None]:
+        prompt_text, prompt_ids = self._prompt(request, plan.tools)
+        return prompt_text, prompt_ids, self._constraint(request, plan, prompt_ids)
 
     def _constraint(self, request: ChatCompletionRequest, plan: ToolPlan,
                     prompt_ids: list[int]) -> StructuredOutputsParams | None:

@@ -55,10 +55,14 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (only best_of == n); remove it.",
                               param="best_of")
-        # Tokenizing a long prompt takes long enough to stall every other stream: off the loop.
-        prompts = await asyncio.to_thread(self._prompts, request)
+        # Tokenizing a long prompt, or checking a constraint, takes long enough to stall every
+        # other stream: off the loop (token ids alone are cheaper inline than a thread's hop).
+        if _has_text(request.prompt):
+            prompts = await asyncio.to_thread(self._prompts, request)
+        else:
+            prompts = self._prompts(request)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
-        constraint = await asyncio.to_thread(self.structured_outputs, request)
+        constraint = await self.structured_outputs(request)
         request_id = random_id("cmpl")
         streams: list[RequestStream] = []
         try:
@@ -86,7 +90,7 @@ class OpenAIServingCompletion(OpenAIServing):
         raw = request.prompt
         if isinstance(raw, str):
             items: list = [raw]
-        elif raw and all(isinstance(t, int) for t in raw):
+        elif raw and isinstance(raw[0], int):  # the body's schema: a list of ids, all int
             items = [list(raw)]
         else:
             items = list(raw)
@@ -230,3 +234,8 @@ class OpenAIServingCompletion(OpenAIServing):
             for stream in streams:
                 stream.close()
         yield SSE_DONE
+
+
+def _has_text(prompt: str | list[str] | list[int] | list[list[int]]) -> bool:
+    """Whether a completion prompt holds text to tokenize (a list is all of one kind)."""
+    return isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], str))

@@ -149,14 +149,17 @@ class OpenAIServing:
                               f"{limits.max_stop_sequences} (--max-stop-sequences): send fewer.",
                               param="stop")
 
-    def structured_outputs(self, request: SamplingFields) -> StructuredOutputsParams | None:
-        """The request's output constraint (see structured_outputs.py), checked; or None."""
+    async def structured_outputs(self, request: SamplingFields) -> StructuredOutputsParams | None:
+        """The request's output constraint (see structured_outputs.py), checked; or None.
+
+        Checking a grammar can take long enough to stall every other stream: it runs off
+        the event loop (a request without one costs no thread hop)."""
         form = requested_constraint(request)
         if form is None:
             return None
         field, kwargs = form
         self.require_tokenizer(f"{field} (an output constraint)", field)
-        return constraint_params(field, kwargs)
+        return await asyncio.to_thread(constraint_params, field, kwargs)
 
     def sampling_params(self, request: SamplingFields, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None,
