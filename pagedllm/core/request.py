@@ -122,6 +122,17 @@ class Request:
         # Proposed next tokens, consumed by the next step that schedules the request.
         self.spec_token_ids: list[int] = []
 
+    # -- pickling (a request crosses to the engine core process once) -------------------
+    def __getstate__(self) -> dict:
+        """Every slot but ``all_token_ids``, which is the prompt then the outputs and is
+        rebuilt on load: the prompt's thousands of ids cross once, not twice."""
+        return {name: getattr(self, name) for name in self.__slots__ if name != "all_token_ids"}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
     # -- token accounting ---------------------------------------------------------------
     @property
     def num_prompt_tokens(self) -> int:

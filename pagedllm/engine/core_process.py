@@ -35,16 +35,18 @@ Loop invariants:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import multiprocessing
+import operator
 import os
 import pickle
 import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
@@ -97,6 +99,22 @@ class StepResult:
     # Requests of the receiving API process in the running batch (all of them when there
     # is one API process).
     num_running: int = 0
+
+    def __reduce__(self):
+        """Pickled with each output as a plain tuple of its fields: the core pickles every
+        step's outputs between steps, and tuples pickle about 2.5x faster than dataclass
+        instances (and unpickle 3x faster)."""
+        return (_unpack_step_result, (list(map(_output_fields, self.outputs)), self.stats,
+                                      self.queue_times, self.num_running))
+
+
+_output_fields = operator.attrgetter(*(f.name for f in fields(EngineCoreOutput)))
+
+
+def _unpack_step_result(rows: list[tuple], stats: SchedulerStats | None,
+                        queue_times: list[float], num_running: int) -> StepResult:
+    return StepResult(list(itertools.starmap(EngineCoreOutput, rows)), stats, queue_times,
+                      num_running)
 
 
 def run_engine_core(config: EngineConfig, input_addresses: list[str],
