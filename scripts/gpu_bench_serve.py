@@ -264,11 +264,12 @@ def _read_json(path: Path) -> dict:
 
 
 def _steps(summary: dict | None) -> dict | None:
-    """Per step kind, the number of steps and their mean milliseconds; and the seconds all
-    steps took (the core's busy time, startup warm-up excluded)."""
+    """Per step kind, the number of steps, their mean tokens and milliseconds; and the
+    seconds all steps took (the core's busy time, startup warm-up excluded)."""
     if not summary:
         return None
-    kinds = {kind: {"steps": row["steps"], "ms": row["total_ms"]} for kind, row in summary.items()}
+    kinds = {kind: {"steps": row["steps"], "tokens": row.get("tokens"), "ms": row["total_ms"]}
+             for kind, row in summary.items()}
     busy = sum(row["steps"] * row["total_ms"] for row in summary.values()) / 1e3
     return {**kinds, "busy_s": round(busy, 3)}
 
@@ -328,8 +329,9 @@ def table(records: list[dict]) -> str:
         for name in ("offline", "server_core"):
             run = steps.get(name)
             if run:
-                kinds = ", ".join(f"{v['steps']} {k} x {v['ms']:.2f} ms" for k, v in run.items()
-                                  if k != "busy_s")
+                kinds = ", ".join(f"{v['steps']} {k} x {v['ms']:.2f} ms"
+                                  + (f" ({v['tokens']:.0f} tok)" if v.get("tokens") else "")
+                                  for k, v in run.items() if k != "busy_s")
                 cells.append(f"{name}: {kinds}; busy {run['busy_s']:.2f} s")
         if cells:
             lines.append(f"  steps ({r['model']}, {r.get('api_server_count', 1)} API): "

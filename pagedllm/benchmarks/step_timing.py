@@ -44,6 +44,7 @@ class StepTimer:
         self.output_processor = None if llm is None else llm.llm_engine.output_processor
         self.totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.counts: dict[str, int] = defaultdict(int)
+        self.tokens: dict[str, int] = defaultdict(int)  # tokens scheduled, per step kind
         self._restore: list[tuple[object, str]] = []
         self._kind = "other"
         self._in_execute = False
@@ -154,6 +155,7 @@ class StepTimer:
             if classify:
                 self._kind = _step_kind(result)
                 self.counts[self._kind] += 1
+                self.tokens[self._kind] += result.total_num_scheduled_tokens
                 if self._first_step is None and self._kind != "empty":
                     self._first_step = start
             elif phase == "update":
@@ -165,7 +167,8 @@ class StepTimer:
         self._restore.append((obj, name))
 
     def summary(self) -> dict:
-        """Mean milliseconds per step of each phase, per step kind."""
+        """Per step kind: the steps, their mean tokens scheduled (a decode step's batch
+        size), and the mean milliseconds of each phase."""
         result = {}
         for kind, phases in self.totals.items():
             steps = self.counts.get(kind, 0)
@@ -176,7 +179,8 @@ class StepTimer:
             ms["sample"] = (phases.get("_execute", 0.0) - phases.get("_wait_in_execute", 0.0)
                             ) / steps * 1e3 - ms["prepare"] - ms["forward"]
             ms = {p: round(v, 3) for p, v in ms.items()}
-            result[kind] = {"steps": steps, **{f"{p}_ms": v for p, v in ms.items()},
+            result[kind] = {"steps": steps, "tokens": round(self.tokens[kind] / steps, 1),
+                            **{f"{p}_ms": v for p, v in ms.items()},
                             "total_ms": round(sum(ms.values()), 3)}
         return result
 

@@ -167,6 +167,8 @@ def test_step_timer_splits_decode_from_prefill_steps_and_unwraps(checkpoint) -> 
                      SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     summary = timer.summary()
     assert summary["prefill_or_mixed"]["steps"] == 1 and summary["decode"]["steps"] == 3
+    # One request: the prompt's 3 tokens in one step, then 1 token per decode step.
+    assert summary["prefill_or_mixed"]["tokens"] == 3 and summary["decode"]["tokens"] == 1
     assert summary["decode"]["total_ms"] > 0
     scheduler = llm.llm_engine.engine_core.scheduler
     assert scheduler.schedule.__func__ is Scheduler.schedule
