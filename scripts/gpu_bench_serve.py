@@ -253,6 +253,7 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
         "itl_ms": http["itl_ms"], "failed": http["failed"], "profiles": profile_summary,
         "steps": {"offline": _steps(offline.get("step_timing")),
                   "server_core": _steps(core_steps.get("step_timing"))},
+        "server_core_step_timing": core_steps.get("step_timing"),
         "timeline": {"offline": offline.get("step_timeline"),
                      "server_core": core_steps.get("timeline")},
         "offline": offline, "http": http,
@@ -309,6 +310,10 @@ def _ms(value: float | None, width: int, digits: int) -> str:
     return text.rjust(width) if width > 0 else text.ljust(-width)
 
 
+# The core's time outside its steps (see step_timing.py), printed where the record has it.
+_TRACKED = ("waiting_s", "messages_s", "send_s", "gc0_s", "gc1_s", "gc2_s")
+
+
 def table(records: list[dict]) -> str:
     lines = [f"{'model':<16} {'API':>3} {'offline tok/s':>14} {'HTTP tok/s':>11} {'ratio':>6} "
              f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16}  CPU s (api / core / client)"]
@@ -343,8 +348,7 @@ def table(records: list[dict]) -> str:
                              f"{t.get('half_added_s', float('nan')):.2f} s, all by {t['last_add_s']:.2f} s, "
                              f"steps {t['first_step_s']:.2f} -> {t['last_output_s']:.2f} s, "
                              f"busy {t['steps_busy_s']:.2f} s, idle {t['idle_s']:.2f} s"
-                             + "".join(f", {k[:-2]} {t[k]:.2f} s" for k in ("waiting_s", "messages_s", "send_s")
-                                       if k in t))
+                             + "".join(f", {k[:-2]} {t[k]:.2f} s" for k in _TRACKED if k in t))
     return "\n".join(lines)
 
 

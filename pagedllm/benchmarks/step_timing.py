@@ -15,10 +15,11 @@ times each with the host clock (a few ``perf_counter`` calls per step: noise bel
 
 ``timeline()`` places the run in time, in seconds from the first request added: when half
 the requests and when the last were added, when the first step with work was scheduled,
-and when the last step's output was taken. The span between those two, less the steps' summed time, is
-idle: time with no step running. Calls timed by ``track`` are reported within that span
+and when the last step's output was taken. The span between those two, less the steps'
+summed time, is idle: time with no step running. Calls timed by ``track`` are reported within that span
 (a server core: ``waiting`` for a request while it has none, ``messages`` applied,
-outputs ``send``).
+outputs ``send``), and so are the garbage collector's pauses, per generation (they fall
+inside steps or between them).
 
 On a GPU, ``wait`` is the device time the host could not hide; when it is near zero the
 step is bound by host work. With asynchronous scheduling a step waits for the previous
@@ -28,6 +29,7 @@ request) and the rest (prefill or mixed).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
 
@@ -55,6 +57,9 @@ class StepTimer:
         self._last_update: float | None = None
         # label -> (start, end) stamps of the calls timed by ``track``.
         self.tracked: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        # Garbage collections while timing: (generation, start, end) stamps.
+        self.collections: list[tuple[int, float, float]] = []
+        self._gc_start = 0.0
 
     def __enter__(self) -> "StepTimer":
         core = self.core
@@ -69,7 +74,14 @@ class StepTimer:
         self._wrap(runner, "execute_model_async", "_execute")
         self._wrap_wait()
         self._stamp(core, "add_request", self._adds.append)
+        gc.callbacks.append(self._on_gc)
         return self
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.collections.append((info["generation"], self._gc_start, time.perf_counter()))
 
     def track(self, obj: object, name: str, label: str) -> None:
         """Also time ``obj.name`` calls under ``label`` (work between the steps, such as a
@@ -106,18 +118,24 @@ class StepTimer:
         zero, first, last = self._adds[0], self._first_step, self._last_update
         busy = sum(row["steps"] * row["total_ms"] for row in self.summary().values()) / 1e3
         span = last - first
-        tracked = {label: sum(max(0.0, min(end, last) - max(start, first))
-                              for start, end in calls)
-                   for label, calls in self.tracked.items()}
+        def within(calls) -> float:  # seconds of (start, end) calls inside the span
+            return round(sum(max(0.0, min(end, last) - max(start, first)) for start, end in calls), 4)
+
+        tracked = {f"{label}_s": within(calls) for label, calls in self.tracked.items()}
+        gcs = {g: [(start, end) for generation, start, end in self.collections if generation == g]
+               for g in range(3)}
         return {"requests_added": len(self._adds),
                 "half_added_s": round(self._adds[len(self._adds) // 2] - zero, 4),
                 "last_add_s": round(self._adds[-1] - zero, 4),
                 "first_step_s": round(self._first_step - zero, 4),
                 "last_output_s": round(self._last_update - zero, 4),
                 "steps_busy_s": round(busy, 4), "idle_s": round(span - busy, 4),
-                **{f"{label}_s": round(seconds, 4) for label, seconds in tracked.items()}}
+                **tracked, **{f"gc{g}_s": within(calls) for g, calls in gcs.items()},
+                "gc2_collections": len(gcs[2])}
 
     def __exit__(self, *exc) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         for obj, name in reversed(self._restore):
             delattr(obj, name)  # back to the class attribute
         self._restore.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -165,6 +166,9 @@ def test_step_timer_splits_decode_from_prefill_steps_and_unwraps(checkpoint) -> 
     with StepTimer(llm) as timer:
         llm.generate({"prompt_token_ids": [5, 6, 7]},
                      SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        gc.collect()  # a full collection inside the run: its pause is in the timeline
+    assert timer.timeline()["gc2_collections"] >= 1 and timer.timeline()["gc2_s"] >= 0
+    assert not any(getattr(cb, "__self__", None) is timer for cb in gc.callbacks)
     summary = timer.summary()
     assert summary["prefill_or_mixed"]["steps"] == 1 and summary["decode"]["steps"] == 3
     # One request: the prompt's 3 tokens in one step, then 1 token per decode step.
