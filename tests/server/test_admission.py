@@ -7,6 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+from pydantic import TypeAdapter, ValidationError
+
+from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from tests.server.app_stub import stub_app
 
@@ -90,3 +94,20 @@ def test_a_burst_of_requests_reaches_the_engine_one_by_one_as_each_is_parsed():
             assert done == b"data: [DONE]"
         else:
             assert json.loads(body)["choices"][0]["text"] == "x"
+
+
+def test_prompt_forms_validate_as_the_plain_union_does():
+    """Token-id prompts take a strict fast path; every form ends as the union decides."""
+    union = TypeAdapter(str | list[str] | list[int] | list[list[int]])
+    for prompt in ["hi", ["a", "b"], [1, 2], [[1], [2, 3]], [1.0, 2.0], [True, 2], ["1", "2"],
+                   [], [1, "a"], [1, None], [[1], 2]]:
+        try:
+            expected = union.validate_python(prompt)
+        except ValidationError:
+            with pytest.raises(ValidationError):
+                CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+            continue
+        got = CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompt
+        assert got == expected and type(got) is type(expected), prompt
+        if isinstance(got, list) and got:
+            assert [type(x) for x in got] == [type(x) for x in expected], prompt
