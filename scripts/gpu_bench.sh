@@ -46,7 +46,8 @@
 #   serve    the HTTP path beside the offline engine on both models (scripts/gpu_bench_serve.py):
 #            bench throughput, then pagedllm serve and bench serve (streaming, all at once)
 #            on the same $SERVE_ARGS workload (1,000 requests of 1,024 prompt and 128 output
-#            tokens), with one API server process and with two (--api-server-count); target
+#            tokens), with one API server process and with two (--api-server-count), two
+#            rounds interleaved (a prefill step's time moves by 15% between runs); target
 #            HTTP >= 0.97x offline; the CPU seconds of the API processes, the engine core and
 #            the client, and (py-spy on PATH) their profiles
 #   ab       for each setting in $GPU_BENCH_AB (space-separated VAR=value, e.g.
@@ -84,9 +85,9 @@ else
     LIMIT_TESTS=${LIMIT_TESTS:-80} LIMIT_KERNELS=40 LIMIT_W1=${LIMIT_W1:-220}
     LIMIT_LAT=${LIMIT_LAT:-60} LIMIT_SMALL=50
     LIMIT_FP8_KERNELS=${LIMIT_FP8_KERNELS:-150} LIMIT_SWEEP=${LIMIT_SWEEP:-200}
-    LIMIT_AB=${LIMIT_AB:-200} LIMIT_STRUCTURED=${LIMIT_STRUCTURED:-240} LIMIT_SERVE=${LIMIT_SERVE:-300}
+    LIMIT_AB=${LIMIT_AB:-200} LIMIT_STRUCTURED=${LIMIT_STRUCTURED:-240} LIMIT_SERVE=${LIMIT_SERVE:-420}
     SERVE_ARGS=(--num-prompts 1000 --input-len 1024 --output-len 128 --api-server-counts 1,2
-                --py-spy-seconds 8)
+                --rounds 2 --py-spy-seconds 8)
 fi
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
