@@ -198,7 +198,8 @@ async def run_until_disconnected(awaitable, request: Request):
     except asyncio.CancelledError:
         if not left:
             raise
-        task.uncancel()
+        if hasattr(task, "uncancel"):  # Python 3.11+ counts cancellations; this one is done
+            task.uncancel()
         return None
     finally:
         watcher.cancel()
