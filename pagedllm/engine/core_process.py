@@ -35,7 +35,6 @@ Loop invariants:
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import json
 import logging
@@ -52,6 +51,7 @@ from dataclasses import dataclass, field, fields
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagedllm.core.request import Request
+from pagedllm.engine import gc_tuning
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str],
             max_model_len=config.model_config.max_model_len,
             kv_cache_dtype=core.kv_cache_dtype,
         )
-        _freeze_startup_heap()
+        gc_tuning.tune_for_serving()
         outputs[0].send(pickle.dumps((READY, info)))
         try:
             loop = _CoreLoop(core, inputs, outputs)
@@ -183,21 +183,6 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str],
         context.term()
         if exit_code:
             sys.exit(exit_code)
-
-
-# "0" leaves the core's startup heap to the garbage collector (for A/B runs).
-GC_FREEZE_ENV = "PAGEDLLM_CORE_GC_FREEZE"
-
-
-def _freeze_startup_heap() -> None:
-    """Move every object alive after startup (the model's modules, compiled kernels,
-    captured graphs: hundreds of thousands) out of the collector's reach. They live as long
-    as the process, and the oldest generation's collections, which the step loop's
-    allocations trigger, would otherwise walk all of them on the loop's time."""
-    if os.environ.get(GC_FREEZE_ENV, "1") == "0":
-        return
-    gc.collect()
-    gc.freeze()
 
 
 # A JSON path: the core times the phases of its steps (benchmarks/step_timing.py) and

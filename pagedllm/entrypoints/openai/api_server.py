@@ -52,6 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.config import DEFAULT_MODEL
+from pagedllm.engine import gc_tuning
 from pagedllm.engine.arg_utils import EngineArgs, HelpFormatter
 from pagedllm.engine.async_engine import (
     AsyncEngine, EngineDeadError, EngineStartupError, RequestTimeoutError,
@@ -436,6 +437,7 @@ async def _serve_app(args: argparse.Namespace, config, engine: AsyncEngine,
                     limits=RequestLimits(max_request_body_bytes=args.max_request_body_bytes,
                                          max_n=args.max_n,
                                          max_stop_sequences=args.max_stop_sequences))
+    gc_tuning.tune_for_serving()
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,
