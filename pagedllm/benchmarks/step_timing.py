@@ -16,10 +16,10 @@ times each with the host clock (a few ``perf_counter`` calls per step: noise bel
 ``timeline()`` places the run in time, in seconds from the first request added: when half
 the requests and when the last were added, when the first step with work was scheduled,
 and when the last step's output was taken. The span between those two, less the steps'
-summed time, is idle: time with no step running. Calls timed by ``track`` are reported within that span
-(a server core: ``waiting`` for a request while it has none, ``messages`` applied,
-outputs ``send``), and so are the garbage collector's pauses, per generation (they fall
-inside steps or between them).
+summed time, is idle: time with no step running. Calls timed by ``track`` are reported
+within that span (a server core: ``waiting`` for a request while it has none,
+``messages`` applied, outputs ``send``), and so are the garbage collector's pauses, per
+generation (they fall inside steps or between them).
 
 On a GPU, ``wait`` is the device time the host could not hide; when it is near zero the
 step is bound by host work. With asynchronous scheduling a step waits for the previous
@@ -118,8 +118,10 @@ class StepTimer:
         zero, first, last = self._adds[0], self._first_step, self._last_update
         busy = sum(row["steps"] * row["total_ms"] for row in self.summary().values()) / 1e3
         span = last - first
+
         def within(calls) -> float:  # seconds of (start, end) calls inside the span
-            return round(sum(max(0.0, min(end, last) - max(start, first)) for start, end in calls), 4)
+            return round(sum(max(0.0, min(end, last) - max(start, first))
+                             for start, end in calls), 4)
 
         tracked = {f"{label}_s": within(calls) for label, calls in self.tracked.items()}
         gcs = {g: [(start, end) for generation, start, end in self.collections if generation == g]

@@ -141,6 +141,11 @@ _TOKEN_IDS = TypeAdapter(list[int])
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -153,12 +158,6 @@ class CompletionRequest(SamplingFields):
             except ValidationError:
                 pass
         return handler(value)
-
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-    add_special_tokens: bool = True
 
 
 class ChatMessage(BaseModel):
