@@ -26,7 +26,9 @@ the input quantization. ``--fp8-kv`` checks the kernels over an FP8 KV cache
 (``--kv-cache-dtype fp8``, scales that are no powers of two) against the torch reference on
 the same cache (the bytes written must be identical), then times decode attention over
 bf16 and FP8 caches across tiles. ``--skip-checks`` leaves out the checks and the standard
-timings. Exits 1 when a check fails.
+timings. ``--long-context`` times prefill attention of long prompts over tiles and tile
+order, and decode attention at long contexts over splits and tiles. Exits 1 when a check
+fails.
 """
 
 from __future__ import annotations
@@ -375,7 +377,8 @@ DECODE_SPLIT_BATCHES = ((2, 1000, 2048), (4, 1000, 2048), (8, 900, 2048), (16, 9
 DECODE_SPLIT_TILES = ((64, 4, 2), (128, 4, 3), (64, 4, 3), (32, 4, 2), (128, 8, 3), (64, 8, 3))
 
 
-def decode_split_rows() -> list[dict[str, Any]]:
+def decode_split_rows(batches=DECODE_SPLIT_BATCHES, tiles=DECODE_SPLIT_TILES,
+                      split_counts=(1, 2, 3, 4, 6, 8, 12, 16, 24)) -> list[dict[str, Any]]:
     """Decode attention by batch size (contexts like W1's at that batch: longer as it
     shrinks) over splits x tiles, timed inside CUDA graphs over six caches in turn (as a
     step's layers run), so the time is the device's alone: ``bench_ms`` times a launch from
@@ -390,7 +393,7 @@ def decode_split_rows() -> list[dict[str, Any]]:
     device = torch.device("cuda")
     bound = 131072  # llama-3.1-8b's max_model_len, what a captured decode graph plans with
     rows: list[dict[str, Any]] = []
-    for batch, lo, hi in DECODE_SPLIT_BATCHES:
+    for batch, lo, hi in batches:
         seqs = [(n - 1, 1) for n in uniform_lengths(batch, lo, hi, seed=batch)]
         steps = [make_step(seqs, seed=10 * batch + i) for i in range(6)]
         order = (triton_decode.longest_first(steps[0].metadata.seq_lens)
@@ -398,8 +401,8 @@ def decode_split_rows() -> list[dict[str, Any]]:
         planned = triton_decode.plan_decode_splits(
             batch, NUM_KV_HEADS, bound, triton_decode._multiprocessor_count(device))
         planned_tile = triton_decode.decode_tile_config(HEAD_DIM, device, planned > 1)
-        for tile in DECODE_SPLIT_TILES:
-            for splits in sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, planned}):
+        for tile in tiles:
+            for splits in sorted({*split_counts, planned}):
                 with decode_tile(tile):
                     launches = [decode_only(step, num_splits=splits, max_seq_len=bound, order=order)
                                 for step in steps]
@@ -419,6 +422,76 @@ def decode_split_rows() -> list[dict[str, Any]]:
               f" ({best['block_n']},{best['num_warps']},{best['num_stages']}; {best['num_splits']} splits)",
               flush=True)
     return rows
+
+
+LONG_DECODES = ((1, 32000, 32000), (4, 32000, 32000), (1, 8000, 8000), (1, 120000, 120000))
+LONG_DECODE_TILES = ((128, 4, 3), (64, 4, 2), (128, 4, 4), (128, 8, 3), (256, 8, 2), (64, 4, 4))
+
+
+def long_decode_rows() -> list[dict[str, Any]]:
+    """Decode attention at long contexts (L2's 32k at batch 1 and 4, 8k, 120k) by split
+    count and tile, inside CUDA graphs (``decode_split_rows``)."""
+    return decode_split_rows(LONG_DECODES, LONG_DECODE_TILES, (1, 8, 16, 24, 32, 48, 64))
+
+
+LONG_PREFILL_CASES = (
+    ("chunk 2048 on 29,952", [(29952, 2048)]),
+    ("prefill 1 x 32000", [(0, 32000)]),
+    ("chunk 8192 on 23,808", [(23808, 8192)]),
+    ("prefill 4 x 2048", [(0, 2048)] * 4),
+    ("chunk 2048 on 6,144", [(6144, 2048)]),
+)
+LONG_PREFILL_TILES = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2),
+                      (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 2))
+
+
+def long_prefill_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], None]
+                      ) -> list[dict[str, Any]]:
+    """Prefill attention of long prompts (P2's chunks of 2,048 and 8,192 late in the
+    prompt, its 32,000 tokens in one step, P1's 4 x 2,048, an early chunk) over tiles, in
+    program order and longest first; matmul TFLOP/s over the causally visible keys. Stops
+    starting new configurations after ``budget_s`` seconds."""
+    rows: list[dict[str, Any]] = []
+    deadline = time.monotonic() + budget_s
+    prefill_config, order = triton_prefill.prefill_tile_config, triton_prefill.PREFILL_LONGEST_FIRST
+    try:
+        for seed, (label, seqs) in enumerate(LONG_PREFILL_CASES, start=40):
+            step = make_step(seqs, seed=seed)
+            for knobs in LONG_PREFILL_TILES:
+                for longest_first in (False, True):
+                    if time.monotonic() > deadline:
+                        return rows
+                    triton_prefill.prefill_tile_config = lambda q, g, h, d, c=knobs: c
+                    triton_prefill.PREFILL_LONGEST_FIRST = longest_first
+                    row: dict[str, Any] = dict(case=label, tile=list(knobs), longest_first=longest_first)
+                    try:
+                        row["ms"] = bench_ms(forward(TritonAttentionBackend(), step))
+                    except Exception as exc:  # e.g. more shared memory than there is
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    else:
+                        row["tflop_s"] = round(causal_flops(step) / row["ms"] / 1e9, 1)
+                    rows.append(row)
+                    save(rows)
+            del step
+            torch.cuda.empty_cache()
+    finally:
+        triton_prefill.prefill_tile_config = prefill_config
+        triton_prefill.PREFILL_LONGEST_FIRST = order
+    return rows
+
+
+def print_long_prefill(rows: list[dict[str, Any]]) -> None:
+    """The engine's tile and the fastest three of each case."""
+    engine = list(triton_prefill.prefill_tile_config(4096, NUM_HEADS // NUM_KV_HEADS, HEAD_DIM,
+                                                     torch.device("cuda")))
+    for case in dict.fromkeys(r["case"] for r in rows):
+        timed = sorted((r for r in rows if r["case"] == case and "ms" in r), key=lambda r: r["ms"])
+        mine = [r for r in timed if r["tile"] == engine
+                and r["longest_first"] == triton_prefill.PREFILL_LONGEST_FIRST]
+        for r in timed[:3] + mine:
+            tag = "  (engine)" if r in mine else ""
+            print(f"{case:24} {r['ms']:8.3f} ms {r['tflop_s']:6.0f} TFLOP/s  tile {r['tile']} "
+                  f"longest_first {r['longest_first']}{tag}")
 
 
 def kv_layout_rows() -> list[dict[str, Any]]:
@@ -859,6 +932,9 @@ def main() -> int:
                         help="time decode attention over the engine's cache layout and a head-major one")
     parser.add_argument("--decode-splits", action="store_true",
                         help="time decode attention by batch size over splits and tiles in CUDA graphs")
+    parser.add_argument("--long-context", action="store_true",
+                        help="prefill attention of long prompts over tiles and tile order, and "
+                             "decode attention at long contexts over splits and tiles")
     parser.add_argument("--fp8-kv", action="store_true",
                         help="check the kernels over an FP8 KV cache and time decode over bf16 "
                              "and FP8 caches by tile")
@@ -944,6 +1020,18 @@ def main() -> int:
                 print(f"{case:26} {r['ms']:8.3f} ms {r['gb_s']:6.0f} GB/s  tile {r['block_n']},"
                       f"{r['num_warps']},{r['num_stages']} splits {r['num_splits']} "
                       f"longest_first {r['longest_first']}")
+
+    if args.long_context:
+        def save_long(rows: list[dict[str, Any]]) -> None:
+            results["long_prefill"] = rows
+            save()
+
+        print("\nprefill attention of long prompts: the engine's tile and the fastest three")
+        save_long(long_prefill_rows(args.sweep_budget_s, save_long))
+        print_long_prefill(results["long_prefill"])
+        print("\ndecode attention at long contexts, inside CUDA graphs: the engine's plan and the fastest")
+        results["long_decode"] = long_decode_rows()
+        save()
 
     if args.sweep:
         sweep(results, args.sweep_budget_s, save)

@@ -17,6 +17,11 @@
 #            peers are slow; each stops at $HF_LIMIT_S seconds and is credited with what
 #            it produced)
 #   latency  L1 (batch 1, 128 + 256 tokens) and P1 (4 x 2048 prompt tokens) on llama-3.1-8b
+#   long     P2 (one 32,000-token prompt) and L2 (batch-1 decode at 32,000 tokens of context)
+#            on llama-3.1-8b, then P2 again in chunks of each of $LONG_CHUNKS tokens
+#            (--max-num-batched-tokens; default "8192 16384"); and check_kernels_gpu.py
+#            --long-context: prefill attention of long prompts over tiles and tile order,
+#            decode attention at long contexts over splits and tiles
 #   w1-small W1 on qwen3-0.6b (the host-overhead-bound regime)
 #   sync     W1 on both models again with --no-async-scheduling: what hiding the host's
 #            work behind the GPU gains, measured in the same run
@@ -75,6 +80,8 @@ if [ "$DRY" = "1" ]; then
     LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120 LIMIT_SYNC=300
     LIMIT_AB=300 LIMIT_STRUCTURED=300 LIMIT_FP8_KERNELS=0 LIMIT_SERVE=300 LIMIT_SWEEP=0
     SERVE_ARGS=(--num-prompts 8 --input-len 16 --output-len 8 --api-server-counts 1,2)
+    LONG_ARGS=(--input-len 200 --output-len 8 --prefill-batch 1 --prefill-len 300 --num-iters 1
+               --num-iters-warmup 1) LONG_CHUNKS=${LONG_CHUNKS-128} LIMIT_LONG=120
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b MOE=mixtral-8x7b MOE_SMALL=qwen3-30b-a3b
     read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine}"
@@ -88,10 +95,13 @@ else
     LIMIT_AB=${LIMIT_AB:-200} LIMIT_STRUCTURED=${LIMIT_STRUCTURED:-240} LIMIT_SERVE=${LIMIT_SERVE:-420}
     SERVE_ARGS=(--num-prompts 1000 --input-len 1024 --output-len 128 --api-server-counts 1,2
                 --rounds 2 --py-spy-seconds 8)
+    LONG_ARGS=(--input-len 32000 --output-len 128 --prefill-batch 1 --prefill-len 32000
+               --num-iters 3 --num-iters-warmup 1)
+    LONG_CHUNKS=${LONG_CHUNKS-8192 16384} LIMIT_LONG=${LIMIT_LONG:-150}
 fi
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
-STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency w1-small sync fp8 w4a16 spec moe structured serve ab}
+STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency long w1-small sync fp8 w4a16 spec moe structured serve ab}
 read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
 
 {
@@ -114,6 +124,18 @@ step w1 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-
 
 step latency "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
     "${LAT_ARGS[@]}" --step-timing --torch-profile --output-json "$OUT/latency-$BIG.json"
+
+step long "$LIMIT_LONG" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
+    "${LONG_ARGS[@]}" --batch-size 1 --step-timing --torch-profile --output-json "$OUT/long-$BIG.json"
+for chunk in $LONG_CHUNKS; do
+    step long "$LIMIT_LONG" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
+        "${LONG_ARGS[@]}" --workload P1 --max-num-batched-tokens "$chunk" \
+        --output-json "$OUT/long-chunk$chunk-$BIG.json"
+done
+if [ "$DRY" != "1" ]; then
+    step long "$LIMIT_SWEEP" $PY scripts/check_kernels_gpu.py --skip-checks --long-context \
+        --sweep-budget-s 110 --out "$OUT/kernels-long.json"
+fi
 
 step w1-small "$LIMIT_SMALL" $PY -m pagedllm.benchmarks.throughput --model "$SMALL" \
     --load-format dummy "${W1_ARGS[@]}" --step-timing --output-json "$OUT/w1-small-$SMALL.json"

@@ -27,6 +27,8 @@ TARGETS = {
     ("L1", "big"): ("ms_per_token", "<=", 4.4),
     ("P1", "big"): ("prompt_tok_s", ">=", 40_000),
     ("W1", "small"): ("output_tok_s", ">=", 20_000),
+    ("P2", "big"): ("prompt_tok_s", ">=", 28_000),
+    ("L2", "big"): ("tpot_ms", "<=", 5.2),
 }
 RATIO_TARGET = 25.0
 
@@ -118,10 +120,12 @@ def _throughput(rows: list[dict] | None, workload: str, model: str, meta: dict,
     return record
 
 
-def _latency(rows: list[dict] | None, model: str, meta: dict) -> list[dict]:
+def _latency(rows: list[dict] | None, model: str, meta: dict,
+             names: tuple[str, str] = ("L1", "P1")) -> list[dict]:
+    """The L1 and P1 records of a ``bench latency`` run, named ``names``."""
     out = []
-    for workload, field in (("L1", "ms_per_token"), ("P1", "prompt_tok_s")):
-        record = _base(workload, model, meta)
+    for (workload, field), name in zip((("L1", "ms_per_token"), ("P1", "prompt_tok_s")), names):
+        record = _base(name, model, meta)
         row = next((r for r in rows or [] if r.get("workload") == workload), None)
         if row is None:
             record["error"] = "the step produced no result (see log.txt)"
@@ -133,6 +137,25 @@ def _latency(rows: list[dict] | None, model: str, meta: dict) -> list[dict]:
                     record[key] = row[key]
         out.append(record)
     return out
+
+
+def _long(directory: Path, model: str, meta: dict, dry: bool) -> list[dict]:
+    """The long step's L2 and P2 (``long-<model>.json``), judged against their targets,
+    then P2 in each chunk size (``long-chunk<N>-<model>.json``, variant ``chunk N``); none
+    when the step did not run."""
+    if not (directory / f"long-{model}.json").is_file():
+        return []
+    records = _latency(_load(directory / f"long-{model}.json"), model, meta, ("L2", "P2"))
+    if not dry:
+        for record in records:
+            _judge(record, (record["workload"], "big"))
+    chunked = sorted(directory.glob(f"long-chunk*-{model}.json"),
+                     key=lambda p: int(p.name.removeprefix("long-chunk").split("-")[0]))
+    for path in chunked:
+        record = _latency(_load(path), model, meta, ("L2", "P2"))[1]
+        record["variant"] = "chunk " + path.name.removeprefix("long-chunk").split("-")[0]
+        records.append(record)
+    return records
 
 
 # Targets of 4-bit weights against bf16 in the same run: L1 time per token at most, W1
@@ -233,6 +256,7 @@ def main() -> int:
         w1 = records[0]
         if w1.get("ratio_vs_hf_static") is not None:
             w1["ratio_target_met"] = w1["ratio_vs_hf_static"] >= RATIO_TARGET
+    records += _long(args.dir, args.big, meta, dry)
     fp8 = {}
     for cache, variant in (("auto", "fp8"), ("fp8", "fp8+kv")):
         name = f"fp8-w1-{args.big}.json" if cache == "auto" else f"fp8-kv-w1-{args.big}.json"

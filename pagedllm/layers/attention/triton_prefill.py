@@ -25,6 +25,8 @@ on host integers and is safe to capture in a CUDA graph.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -161,8 +163,12 @@ def _prefill_kernel(
     IEEE_DOT: tl.constexpr,
     FP16_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    if LONGEST_FIRST:
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = find_sequence(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -236,6 +242,9 @@ def _prefill_kernel(
     )
 
 
+PREFILL_LONGEST_FIRST = os.environ.get("PAGEDLLM_PREFILL_LONGEST_FIRST", "0") != "0"
+
+
 def prefill_tile_config(
     max_query_len: int, queries_per_kv: int, head_dim: int, device: torch.device
 ) -> tuple[int, int, int, int]:
@@ -275,6 +284,7 @@ def paged_prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     logits_soft_cap: float | None = None,
+    longest_first: bool | None = None,
 ) -> None:
     """Attention of the first ``num_tokens`` rows of ``query: [T, H, D]`` into ``out``.
 
@@ -285,7 +295,9 @@ def paged_prefill_attention(
     With ``skip_decodes`` sequences of query length 1 are left untouched in ``out`` (the
     decode kernel computes them). ``k_scale`` / ``v_scale``: the layer's scales of an FP8
     cache (ignored for another dtype). ``logits_soft_cap``: scaled scores become
-    ``cap * tanh(s / cap)`` before the softmax (Gemma 2).
+    ``cap * tanh(s / cap)`` before the softmax (Gemma 2). ``longest_first`` (default
+    ``PREFILL_LONGEST_FIRST``): tiles start from the last one, so a causal prompt's
+    longest rows run first and the launch does not end on them.
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
@@ -310,6 +322,8 @@ def paged_prefill_attention(
         )
     block_q = block_m // queries_per_kv
     k_scale, v_scale = cache_scales(key_cache, k_scale, v_scale)
+    if longest_first is None:
+        longest_first = PREFILL_LONGEST_FIRST
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query,
@@ -346,6 +360,7 @@ def paged_prefill_attention(
         IEEE_DOT=uses_ieee_dot(query.dtype),
         FP16_DOT=uses_fp16_dot(query.dtype, key_cache.dtype),
         SOFTCAP=soft_cap_constexpr(logits_soft_cap),
+        LONGEST_FIRST=longest_first,
         num_warps=num_warps,
         num_stages=num_stages,
     )
