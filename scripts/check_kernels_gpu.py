@@ -413,7 +413,7 @@ def decode_split_rows(batches=DECODE_SPLIT_BATCHES, tiles=DECODE_SPLIT_TILES,
                                  engine=(tile == planned_tile and splits == planned)))
         del steps
         torch.cuda.empty_cache()
-        mine = [r for r in rows if r["batch"] == batch]
+        mine = [r for r in rows if r["batch"] == batch and r["contexts"] == f"{lo}..{hi}"]
         engine = next(r for r in mine if r["engine"])
         best = min(mine, key=lambda r: r["us"])
         print(f"{batch:5d} x {lo}..{hi:<5d} engine {engine['us']:7.1f} us {engine['gb_s']:6.0f} GB/s"
@@ -424,14 +424,16 @@ def decode_split_rows(batches=DECODE_SPLIT_BATCHES, tiles=DECODE_SPLIT_TILES,
     return rows
 
 
-LONG_DECODES = ((1, 32000, 32000), (4, 32000, 32000), (1, 8000, 8000), (1, 120000, 120000))
-LONG_DECODE_TILES = ((128, 4, 3), (64, 4, 2), (128, 4, 4), (128, 8, 3), (256, 8, 2), (64, 4, 4))
+LONG_DECODES = ((1, 32000, 32000), (2, 32000, 32000), (4, 32000, 32000), (1, 8000, 8000),
+                (1, 120000, 120000))
+LONG_DECODE_TILES = ((128, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 2, 3), (64, 2, 3),
+                     (256, 8, 2), (32, 4, 4))
 
 
 def long_decode_rows() -> list[dict[str, Any]]:
     """Decode attention at long contexts (L2's 32k at batch 1 and 4, 8k, 120k) by split
     count and tile, inside CUDA graphs (``decode_split_rows``)."""
-    return decode_split_rows(LONG_DECODES, LONG_DECODE_TILES, (1, 8, 16, 24, 32, 48, 64))
+    return decode_split_rows(LONG_DECODES, LONG_DECODE_TILES, (8, 16, 24, 32, 33, 40, 48, 64))
 
 
 LONG_PREFILL_CASES = (

@@ -74,6 +74,7 @@ from pagedllm.layers.triton_ops import arrival_counters
 
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
+DECODE_PROGRAMS_PER_SM = int(os.environ.get("PAGEDLLM_DECODE_PROGRAMS_PER_SM", "4"))
 
 
 @triton.jit(do_not_specialize=["num_actual_tokens"])
@@ -355,13 +356,14 @@ def _multiprocessor_count(device: torch.device) -> int:
 def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """``num_splits`` of a decode launch: the grid's third dimension.
 
-    Splits until about four programs per multiprocessor are in flight, with at most one
-    split per ``MIN_PARTITION_TOKENS`` of ``max_seq_len`` and at most ``MAX_SPLITS``. The
-    kernel sizes each sequence's partitions from its own length (at least one ``BLOCK_N``
-    tile each), so under a loose ``max_seq_len`` a short context uses fewer of the splits.
+    Splits until about ``DECODE_PROGRAMS_PER_SM`` programs per multiprocessor are in
+    flight, with at most one split per ``MIN_PARTITION_TOKENS`` of ``max_seq_len`` and at
+    most ``MAX_SPLITS``. The kernel sizes each sequence's partitions from its own length
+    (at least one ``BLOCK_N`` tile each), so under a loose ``max_seq_len`` a short context
+    uses fewer of the splits.
     """
     programs = num_seqs * num_kv_heads
-    wanted = -(-4 * num_sms // max(programs, 1))
+    wanted = -(-DECODE_PROGRAMS_PER_SM * num_sms // max(programs, 1))
     return max(1, min(wanted, -(-max_seq_len // MIN_PARTITION_TOKENS), MAX_SPLITS))
 
 

@@ -75,7 +75,11 @@ def _attend_tiles(
 ):
     """Online-softmax update over key tiles ``[lo, hi)``. Unless ``MASKED``, every key of
     every tile is visible to every row (the caller proves it), so no mask is computed.
-    ``SOFTCAP`` > 0 caps the scaled scores (``triton_common.soft_cap``)."""
+    ``SOFTCAP`` > 0 caps the scaled scores (``triton_common.soft_cap``).
+
+    ``qk_scale`` > 0, so the row maximum of the raw scores, scaled, is that of the scaled
+    scores: each score is then scaled and shifted in one multiply-add, and the products
+    with V accumulate into the rescaled ``acc`` inside the dot."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -99,28 +103,30 @@ def _attend_tiles(
             s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
         else:
             s = tl.dot(q, k.to(q.dtype))
-        s = s * qk_scale
         if SOFTCAP > 0:
-            s = soft_cap(s, SOFTCAP)
+            s = soft_cap(s * qk_scale, SOFTCAP)
+            s_scale = 1.0
+        else:
+            s_scale = qk_scale
         if MASKED:
             allowed = n_valid[None, :] & (n[None, :] <= pos[:, None])
             if USE_WINDOW:
                 allowed = allowed & (n[None, :] > pos[:, None] - window)
             s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
             # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0.
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
             m_shift = m_new
         alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
+        p = tl.exp2(s * s_scale - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         if IEEE_DOT:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
         m_i = m_new
     return acc, l_i, m_i
 
