@@ -431,9 +431,36 @@ LONG_DECODE_TILES = ((128, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 2, 
 
 
 def long_decode_rows() -> list[dict[str, Any]]:
-    """Decode attention at long contexts (L2's 32k at batch 1 and 4, 8k, 120k) by split
+    """Decode attention at long contexts (L2's 32k at batch 1, 2 and 4, 8k, 120k) by split
     count and tile, inside CUDA graphs (``decode_split_rows``)."""
     return decode_split_rows(LONG_DECODES, LONG_DECODE_TILES, (8, 16, 24, 32, 33, 40, 48, 64))
+
+
+def decode_fixed_cost_rows() -> list[dict[str, Any]]:
+    """What a batch-1 decode launch costs beside its reads, inside CUDA graphs: one
+    sequence of 16 tokens (one pass: the launch alone), and 32,000 tokens in the engine's
+    plan with the partials merged 4 to 64 at a time (``_merge_chunk``)."""
+    device = torch.device("cuda")
+    rows: list[dict[str, Any]] = []
+    merge_chunk = triton_decode._merge_chunk
+    try:
+        for context, chunks in ((16, (None,)), (32000, (None, 4, 8, 32, 64))):
+            steps = [make_step([(context - 1, 1)], seed=70 + i) for i in range(6)]
+            for chunk in chunks:
+                if chunk is not None:
+                    triton_decode._merge_chunk = lambda g, d, c=chunk: c
+                launches = [decode_only(step, max_seq_len=131072) for step in steps]
+                us = graph_us_per_launch(lambda launch: launch(), launches)
+                triton_decode._merge_chunk = merge_chunk
+                row = dict(context=context, merge_chunk=chunk or merge_chunk(4, 128), us=round(us, 2),
+                           gb_s=round(kv_bytes(steps[0]) / us / 1e3, 1))
+                rows.append(row)
+                print(f"decode 1 x {context:6d}, merged {row['merge_chunk']:2d} at a time: "
+                      f"{row['us']:6.1f} us {row['gb_s']:6.0f} GB/s", flush=True)
+            del steps
+    finally:
+        triton_decode._merge_chunk = merge_chunk
+    return rows
 
 
 LONG_PREFILL_CASES = (
@@ -1033,6 +1060,9 @@ def main() -> int:
         print_long_prefill(results["long_prefill"])
         print("\ndecode attention at long contexts, inside CUDA graphs: the engine's plan and the fastest")
         results["long_decode"] = long_decode_rows()
+        save()
+        print("\nbatch-1 decode beside its reads: the launch, the merge of the partials")
+        results["decode_fixed_cost"] = decode_fixed_cost_rows()
         save()
 
     if args.sweep:

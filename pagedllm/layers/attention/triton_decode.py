@@ -74,7 +74,7 @@ from pagedllm.layers.triton_ops import arrival_counters
 
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
-DECODE_PROGRAMS_PER_SM = int(os.environ.get("PAGEDLLM_DECODE_PROGRAMS_PER_SM", "4"))
+DECODE_PROGRAMS_PER_SM = int(os.environ.get("PAGEDLLM_DECODE_PROGRAMS_PER_SM", "2"))
 
 
 @triton.jit(do_not_specialize=["num_actual_tokens"])
@@ -360,7 +360,9 @@ def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_s
     flight, with at most one split per ``MIN_PARTITION_TOKENS`` of ``max_seq_len`` and at
     most ``MAX_SPLITS``. The kernel sizes each sequence's partitions from its own length
     (at least one ``BLOCK_N`` tile each), so under a loose ``max_seq_len`` a short context
-    uses fewer of the splits.
+    uses fewer of the splits. Two per multiprocessor (``PAGEDLLM_DECODE_PROGRAMS_PER_SM``
+    overrides it) is what the split tile's shared memory holds in one wave on an H200
+    (docs/benchmarks.md: long contexts).
     """
     programs = num_seqs * num_kv_heads
     wanted = -(-DECODE_PROGRAMS_PER_SM * num_sms // max(programs, 1))
