@@ -226,10 +226,16 @@ def test_short_contexts_are_not_split_below_the_minimum_partition() -> None:
     assert plan_decode_splits(1, 1, 200, num_sms=132) == 1
 
 
-def test_a_graph_bound_plans_the_most_splits() -> None:
-    """A graph's ``max_seq_len = max_model_len`` plans for the longest context; the kernel
-    then sizes each sequence's partitions from its own length."""
-    assert plan_decode_splits(1, 8, 131072, num_sms=132) == MAX_SPLITS
+def test_a_graph_bound_plans_one_wave_of_programs() -> None:
+    """A graph's ``max_seq_len = max_model_len`` plans for the longest context: splits
+    until ``DECODE_PROGRAMS_PER_SM`` programs per multiprocessor, at most ``MAX_SPLITS``;
+    the kernel then sizes each sequence's partitions from its own length."""
+    from pagedllm.layers.attention.triton_decode import DECODE_PROGRAMS_PER_SM
+
+    splits = plan_decode_splits(1, 8, 131072, num_sms=132)
+    assert splits == min(-(-DECODE_PROGRAMS_PER_SM * 132 // 8), MAX_SPLITS)
+    assert 8 * splits >= DECODE_PROGRAMS_PER_SM * 132
+    assert plan_decode_splits(1, 1, 131072, num_sms=132) == MAX_SPLITS
     assert plan_decode_splits(0, 8, 0, num_sms=132) == 1
 
 
