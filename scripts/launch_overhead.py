@@ -9,7 +9,7 @@ launcher cache could reach); beside them a cuBLAS product and an empty torch op.
 figure is the median over rounds of ``--calls`` back-to-back calls, divided by the calls
 (the kernels are small, so the host, not the device, sets the pace).
 
-    python scripts/launch_overhead.py [--calls 2000] [--out launch.json]
+    python scripts/launch_overhead.py [--calls 2000] [--out launch.json] [--profile]
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--tokens", type=int, default=8192, help="rows of the prompt step")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the host functions of the attention op (cProfile)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("launch_overhead.py needs a CUDA GPU.")
@@ -123,6 +125,11 @@ def main() -> int:
     for row in rows:
         kernels = "; ".join(f"{k}: {v['jit_us']} / {v['direct_us']}" for k, v in row.get("kernels", {}).items())
         print(f"{row['op']:30} {row['op_us']:7.1f}  {kernels}")
+    if args.profile:
+        from pagedllm.benchmarks.common import host_table
+
+        attention = ops["attention (write + prefill)"]
+        host_table(lambda: [attention() for _ in range(args.calls)], row_limit=20)
     if args.out:
         args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=2) + "\n")
     return 0

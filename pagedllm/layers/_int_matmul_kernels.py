@@ -16,7 +16,7 @@ import os
 import triton
 import triton.language as tl
 
-cdiv = triton.cdiv
+from pagedllm.layers.launch_math import cdiv  # noqa: F401 - host helper for launches
 
 # Paired half-precision arithmetic is PTX (inline assembly), which the interpreter cannot
 # run: under TRITON_INTERPRET weight tiles take the float32 path, which gives the same

@@ -14,9 +14,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.layers._int_matmul_kernels import int_row_products, int_weight_tile
-
-cdiv = triton.cdiv
-next_power_of_2 = triton.next_power_of_2
+from pagedllm.layers.launch_math import cdiv, next_power_of_2  # noqa: F401 - host helpers for launches
 
 
 @triton.jit

@@ -70,6 +70,7 @@ from pagedllm.layers.attention.triton_common import (
     uses_ieee_dot,
 )
 from pagedllm.layers._triton_ops_kernels import rotate_half_whole
+from pagedllm.layers.launch_math import cdiv, next_power_of_2
 from pagedllm.layers.triton_ops import arrival_counters
 
 MIN_PARTITION_TOKENS = 256
@@ -408,7 +409,7 @@ def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
     num_seqs = seq_lens.shape[0]
     order = torch.empty(num_seqs, dtype=torch.int32, device=seq_lens.device)
     if num_seqs:
-        _longest_first_kernel[(triton.cdiv(num_seqs, 64),)](
+        _longest_first_kernel[(cdiv(num_seqs, 64),)](
             seq_lens, order, num_seqs, BLOCK_I=64, BLOCK_J=64, num_warps=4
         )
     return order
@@ -526,7 +527,7 @@ def paged_decode_attention(
     split = num_splits > 1
     default_n, num_warps, num_stages = decode_tile_config(head_dim, query.device, split)
     block_n = block_n or default_n
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     k_scale, v_scale = cache_scales(key_cache, k_scale, v_scale)
     if new_kv is not None:
         new_key, new_value = unit_last_stride(new_kv.key), unit_last_stride(new_kv.value)
@@ -592,11 +593,11 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         PAGE_SIZE=key_cache.shape[1],
-        BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
+        BLOCK_G=max(16, next_power_of_2(queries_per_kv)),
         BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
         SPLIT=split,
-        MERGE_H=triton.next_power_of_2(queries_per_kv),
+        MERGE_H=next_power_of_2(queries_per_kv),
         MERGE_S=_merge_chunk(queries_per_kv, block_d),
         HAS_ORDER=order is not None,
         ROPE_AND_CACHE=new_kv is not None,
@@ -612,5 +613,5 @@ def paged_decode_attention(
 def _merge_chunk(queries_per_kv: int, block_d: int) -> int:
     """Partitions merged per chunk: about 8k float32 values of ``acc`` at a time. It does
     not follow the step's split count, which would compile a kernel variant per count."""
-    heads = triton.next_power_of_2(queries_per_kv)
+    heads = next_power_of_2(queries_per_kv)
     return max(1, min(MAX_SPLITS, 8192 // (heads * block_d)))

@@ -27,6 +27,7 @@ import triton.language as tl
 from pagedllm.layers._triton_ops_kernels import rotate_half
 from pagedllm.layers.attention.kv_quant import cache_scales
 from pagedllm.layers.attention.triton_common import to_cache, unit_last_stride
+from pagedllm.layers.launch_math import next_power_of_2
 
 
 @triton.jit
@@ -205,8 +206,8 @@ def write_kv_cache(
         value_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_dim),
         PAGE_SIZE=block_size,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
@@ -259,9 +260,9 @@ def rotate_and_write_kv(
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=head_dim // 2,
-        BLOCK_QH=triton.next_power_of_2(num_heads),
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        BLOCK_QH=next_power_of_2(num_heads),
+        BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(head_dim // 2),
         PAGE_SIZE=block_size,
         num_warps=4,
     )

@@ -42,6 +42,7 @@ from pagedllm.layers.attention.triton_common import (
     uses_fp16_dot,
     uses_ieee_dot,
 )
+from pagedllm.layers.launch_math import next_power_of_2
 
 
 @triton.jit
@@ -259,13 +260,13 @@ def prefill_tile_config(
     ``BLOCK_M`` rows hold ``BLOCK_M // queries_per_kv`` queries; short query lengths get
     small tiles so a decode-sized sequence does not waste a large one.
     """
-    min_m = max(16, triton.next_power_of_2(queries_per_kv))
+    min_m = max(16, next_power_of_2(queries_per_kv))
     rows = max_query_len * queries_per_kv
     if device.type != "cuda":
-        return max(min_m, min(32, triton.next_power_of_2(rows))), 16, 4, 1
+        return max(min_m, min(32, next_power_of_2(rows))), 16, 4, 1
     # From a sweep on an H200 (``scripts/check_kernels_gpu.py --sweep``): for head_dim 128,
     # bf16, 64 x 64 tiles on 4 warps led (295 TFLOP/s on 4 x 2048 causal prompts).
-    block_m = max(min_m, min(64, triton.next_power_of_2(rows)))
+    block_m = max(min_m, min(64, next_power_of_2(rows)))
     if head_dim <= 128:
         return block_m, 64, 4, 2
     return block_m, 32, 4, 2
@@ -356,7 +357,7 @@ def paged_prefill_attention(
         block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
         PAGE_SIZE=key_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
