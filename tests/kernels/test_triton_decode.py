@@ -227,14 +227,16 @@ def test_short_contexts_are_not_split_below_the_minimum_partition() -> None:
 
 
 def test_a_graph_bound_plans_one_wave_of_programs() -> None:
-    """A graph's ``max_seq_len = max_model_len`` plans for the longest context: splits
-    until ``DECODE_PROGRAMS_PER_SM`` programs per multiprocessor, at most ``MAX_SPLITS``;
-    the kernel then sizes each sequence's partitions from its own length."""
+    """A graph's ``max_seq_len = max_model_len`` plans for the longest context: the most
+    splits whose programs fit one wave of ``DECODE_PROGRAMS_PER_SM`` per multiprocessor
+    (at most ``MAX_SPLITS``); the kernel then sizes each sequence's partitions from its
+    own length."""
     from pagedllm.layers.attention.triton_decode import DECODE_PROGRAMS_PER_SM
 
-    splits = plan_decode_splits(1, 8, 131072, num_sms=132)
-    assert splits == min(-(-DECODE_PROGRAMS_PER_SM * 132 // 8), MAX_SPLITS)
-    assert 8 * splits >= DECODE_PROGRAMS_PER_SM * 132
+    slots = DECODE_PROGRAMS_PER_SM * 132
+    for num_seqs in (1, 2, 3, 4, 8, 16):
+        splits = plan_decode_splits(num_seqs, 8, 131072, num_sms=132)
+        assert 8 * num_seqs * splits <= slots < 8 * num_seqs * (splits + 1) or splits == MAX_SPLITS
     assert plan_decode_splits(1, 1, 131072, num_sms=132) == MAX_SPLITS
     assert plan_decode_splits(0, 8, 0, num_sms=132) == 1
 

@@ -357,16 +357,17 @@ def _multiprocessor_count(device: torch.device) -> int:
 def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """``num_splits`` of a decode launch: the grid's third dimension.
 
-    Splits until about ``DECODE_PROGRAMS_PER_SM`` programs per multiprocessor are in
-    flight, with at most one split per ``MIN_PARTITION_TOKENS`` of ``max_seq_len`` and at
-    most ``MAX_SPLITS``. The kernel sizes each sequence's partitions from its own length
-    (at least one ``BLOCK_N`` tile each), so under a loose ``max_seq_len`` a short context
-    uses fewer of the splits. Two per multiprocessor (``PAGEDLLM_DECODE_PROGRAMS_PER_SM``
-    overrides it) is what the split tile's shared memory holds in one wave on an H200
+    As many splits as keep ``DECODE_PROGRAMS_PER_SM`` programs per multiprocessor in one
+    wave (rounded down: one program past a wave costs a second wave), at least one, with at
+    most one split per ``MIN_PARTITION_TOKENS`` of ``max_seq_len`` and at most
+    ``MAX_SPLITS``. The kernel sizes each sequence's partitions from its own length (at
+    least one ``BLOCK_N`` tile each), so under a loose ``max_seq_len`` a short context uses
+    fewer of the splits. Two per multiprocessor (``PAGEDLLM_DECODE_PROGRAMS_PER_SM``
+    overrides it) is what the split tile's shared memory holds at once on an H200
     (docs/benchmarks.md: long contexts).
     """
     programs = num_seqs * num_kv_heads
-    wanted = -(-DECODE_PROGRAMS_PER_SM * num_sms // max(programs, 1))
+    wanted = DECODE_PROGRAMS_PER_SM * num_sms // max(programs, 1)
     return max(1, min(wanted, -(-max_seq_len // MIN_PARTITION_TOKENS), MAX_SPLITS))
 
 
