@@ -8,6 +8,11 @@ Three kinds of step are captured, each padded up to the smallest captured size:
   its token count: 16, 32, 64, 96, 128, 192, 256, 384, 512 up to the step's token
   budget, ``prompt_capture_sizes``. An eager forward of a short prompt is bound by the
   host's launches (tens of milliseconds for a 32-layer model); a replay is one launch;
+* mixed (opt-in, ``mixed_graphs``: ``PAGEDLLM_MIXED_GRAPHS=1``): any other step of at most
+  ``max_num_batched_tokens`` tokens, several prompts or chunks with decodes beside them,
+  shaped by its token count: ``MIXED_CAPTURE_SIZES`` up to the step's token budget,
+  ``mixed_capture_sizes``. An eager prompt step of a small model is bound by the host's
+  launches (about 20 ms for 28 layers on an H200's host, for 10-15 ms of device work);
 * verify (speculative decoding: every request computes 1 to ``W`` tokens, some more
   than 1; ``W = verify_width``: K + 1 for the target, 2 for the draft's catch-up), shaped
   by its batch size: ``capture_sizes`` of at most ``max_num_batched_tokens // W``
@@ -33,6 +38,23 @@ them); the padding rows write no KV (slot -1) and their outputs are never read. 
 attend to slots that hold stale values, through block-table columns past the real ones
 (ids left by earlier steps, or 0: always valid block indices), so a prompt only replays
 when ``context + Q <= max_model_len`` (the table's width).
+
+A mixed step of ``n`` tokens in ``m`` requests replays size ``T >= n`` over ``S =
+max_size + 1`` sequence slots: the ``m`` requests as they are, then (when ``T > n``) one
+padding sequence holding the ``T - n`` padding tokens with no context, then empty
+sequences (query length 0, context 0) up to ``S``::
+
+    sequence b         b < m (real)              b == m (padding, T > n)    the rest
+    query_start_loc    the step's                ..., n, T                   T
+    seq_lens           the step's                T - n                       0
+    tokens             the step's                ids 0, positions 0, slot -1 none
+    block_tables       the step's row            stale ids or 0              stale
+
+No real row reads a key of another sequence or a position past its own; the padding
+sequence attends within its own block-table row (stale ids or 0: valid blocks) and writes
+no KV; an empty sequence's programs exit at once. The graph holds both attention launches
+(``AttentionMetadata.has_decodes`` set): the prefill kernel skipping query-length-1
+sequences, and the decode kernel, whose programs of other sequences exit.
 
 A verify step of ``m`` requests replays batch size ``B >= m``: request ``b`` owns rows
 ``b*W .. b*W + W - 1`` (``query_start_loc = [0, W, 2W, ..., B*W]``, constant), first
@@ -94,6 +116,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import os
 import time
 from typing import Callable
 
@@ -108,6 +131,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512
 PROMPT_CAPTURE_SIZES = (16, 32, 64, 96, 128, 192, 256, 384, 512)
+MIXED_CAPTURE_SIZES = (1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -129,6 +153,23 @@ def prompt_capture_sizes(max_num_batched_tokens: int, max_model_len: int) -> lis
     return [s for s in PROMPT_CAPTURE_SIZES if s <= cap]
 
 
+def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Mixed-step token counts to capture: ``MIXED_CAPTURE_SIZES`` below the step's token
+    budget, then the budget itself (at most the largest size); none below 1,024 tokens."""
+    budget = min(max_num_batched_tokens, MIXED_CAPTURE_SIZES[-1])
+    sizes = [s for s in MIXED_CAPTURE_SIZES if s < budget]
+    return sizes + [budget] if budget >= MIXED_CAPTURE_SIZES[0] else []
+
+
+MIXED_GRAPHS_ENV = "PAGEDLLM_MIXED_GRAPHS"
+
+
+def mixed_graphs_enabled() -> bool:
+    """Whether the engine captures mixed-step graphs: ``PAGEDLLM_MIXED_GRAPHS=1`` (off by
+    default until measured against the eager steps on a GPU)."""
+    return os.environ.get(MIXED_GRAPHS_ENV, "0") == "1"
+
+
 def verify_capture_sizes(max_num_seqs: int, width: int, max_num_batched_tokens: int) -> list[int]:
     """Verify batch sizes to capture for requests of ``width`` rows each: the decode sizes
     of at most ``max_num_batched_tokens // width`` requests (a step's token budget, padded
@@ -145,8 +186,9 @@ def padded_size(num_tokens: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-DECODE, PROMPT, VERIFY = "decode", "prompt", "verify"
-# (DECODE, requests = tokens), (PROMPT, tokens) or (VERIFY, requests of verify_width rows).
+DECODE, PROMPT, VERIFY, MIXED = "decode", "prompt", "verify", "mixed"
+# (DECODE, requests = tokens), (PROMPT, tokens), (VERIFY, requests of verify_width rows)
+# or (MIXED, tokens).
 GraphKey = tuple[str, int]
 
 
@@ -157,7 +199,8 @@ class CudaGraphRunner:
     ``kv_caches`` must be the engine's final cache tensors: their addresses are baked into
     the graphs. ``max_num_batched_tokens`` bounds the prompt sizes and the verify batches
     (0: decodes only); ``verify_width`` (``W``, 0: none) is the most tokens a request
-    computes in a verify step.
+    computes in a verify step. ``mixed_graphs`` also captures mixed steps (prompts and
+    decodes together) up to ``max_num_batched_tokens`` tokens.
     """
 
     def __init__(
@@ -172,6 +215,7 @@ class CudaGraphRunner:
         max_num_batched_tokens: int = 0,
         verify_width: int = 0,
         use_graphs: bool = True,
+        mixed_graphs: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -179,6 +223,8 @@ class CudaGraphRunner:
             DECODE: capture_sizes(max_num_seqs),
             PROMPT: prompt_capture_sizes(max_num_batched_tokens, max_model_len),
             VERIFY: verify_capture_sizes(max_num_seqs, verify_width, max_num_batched_tokens),
+            MIXED: (mixed_capture_sizes(min(max_num_batched_tokens, max_model_len))
+                    if mixed_graphs else []),
         }
         self.verify_width = verify_width if self.sizes[VERIFY] else 0
         self.max_model_len = max_model_len
@@ -191,7 +237,7 @@ class CudaGraphRunner:
         # (device_inputs.py), so both share the attention kernels' compiled variants.
         blocks_per_seq = -(-max_model_len // block_size)
         max_blocks = -(-blocks_per_seq // 16) * 16
-        max_seqs = self.sizes[DECODE][-1]
+        max_seqs = self.sizes[DECODE][-1] + 1  # a mixed step's padding sequence
         # Device inputs, one copy a step: [input_ids; positions; slot_mapping; verify
         # steps' gather rows (the padded row of each real token)].
         self._tokens = torch.zeros(4, max_tokens, dtype=torch.int64, device=self.device)
@@ -203,14 +249,17 @@ class CudaGraphRunner:
             for size in self.sizes[PROMPT]
         }
         self._verify_query_start_loc = self._decode_query_start_loc * self.verify_width
+        self._mixed_query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=self.device)
         self._block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=self.device)
         pin = self.device.type == "cuda"
         self._host_tokens = torch.zeros(4, max_tokens, dtype=torch.int64, pin_memory=pin)
         self._host_seq_lens = torch.zeros(max_seqs, dtype=torch.int32, pin_memory=pin)
         self._host_blocks = torch.zeros(max_seqs * max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._host_query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, pin_memory=pin)
         self._np_tokens = self._host_tokens.numpy()
         self._np_seq_lens = self._host_seq_lens.numpy()
         self._np_blocks = self._host_blocks.numpy()
+        self._np_query_start_loc = self._host_query_start_loc.numpy()
         self._copied = torch.cuda.Event() if pin else None
         self._metadata: dict[GraphKey, AttentionMetadata] = {}
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -227,6 +276,11 @@ class CudaGraphRunner:
         return max(self.num_tokens((kind, sizes[-1]))
                    for kind, sizes in self.sizes.items() if sizes)
 
+    @property
+    def mixed_seqs(self) -> int:
+        """The sequence slots of a mixed graph: the largest decode batch and a padding one."""
+        return self.max_size + 1
+
     def num_tokens(self, key: GraphKey) -> int:
         """The rows of the graph ``key``'s forward."""
         kind, size = key
@@ -238,7 +292,8 @@ class CudaGraphRunner:
         to ``verify_width`` tokens and holding at least ``verify_width`` with its context)
         within the largest verify size; else one request's prompt tokens (2 or more)
         within the largest prompt size whose padded length stays within
-        ``max_model_len``; None otherwise."""
+        ``max_model_len``; else any step within the largest mixed size whose requests and
+        padding sequence fit ``mixed_seqs``; None otherwise."""
         n = inputs.num_tokens
         if inputs.max_query_len == 1:
             size = padded_size(n, self.sizes[DECODE])
@@ -247,12 +302,14 @@ class CudaGraphRunner:
             size = padded_size(len(inputs.seq_lens), self.sizes[VERIFY])
             if size is not None and int(inputs.seq_lens.min()) >= self.verify_width:
                 return VERIFY, size
-        if len(inputs.seq_lens) != 1:
+        if len(inputs.seq_lens) == 1:
+            size = padded_size(n, self.sizes[PROMPT])
+            if size is not None and int(inputs.seq_lens[0]) - n + size <= self.max_model_len:
+                return PROMPT, size
+        size = padded_size(n, self.sizes[MIXED])
+        if size is None or len(inputs.seq_lens) + (size > n) > self.mixed_seqs:
             return None
-        size = padded_size(n, self.sizes[PROMPT])
-        if size is None or int(inputs.seq_lens[0]) - n + size > self.max_model_len:
-            return None
-        return PROMPT, size
+        return MIXED, size
 
     def can_run(self, inputs: StepInputs) -> bool:
         return self.graph_for(inputs) is not None
@@ -280,13 +337,14 @@ class CudaGraphRunner:
             self._outputs[key] = output
         torch.cuda.synchronize(self.device)
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
-        prompts, verifies = self.sizes[PROMPT], self.sizes[VERIFY]
+        prompts, verifies, mixed = self.sizes[PROMPT], self.sizes[VERIFY], self.sizes[MIXED]
         logger.info(
-            "Captured CUDA graphs for %d decode batch sizes (1..%d), %d prompt lengths (%s) "
-            "and %d verify batch sizes (%s) in %.1f s, %.0f MiB",
+            "Captured CUDA graphs for %d decode batch sizes (1..%d), %d prompt lengths (%s), "
+            "%d verify batch sizes (%s) and %d mixed-step sizes (%s) in %.1f s, %.0f MiB",
             len(self.sizes[DECODE]), self.max_size, len(prompts),
             f"{prompts[0]}..{prompts[-1]}" if prompts else "none", len(verifies),
             f"1..{verifies[-1]} x {self.verify_width} tokens" if verifies else "none",
+            len(mixed), f"{mixed[0]}..{mixed[-1]} tokens" if mixed else "none",
             time.perf_counter() - start, self.pool_bytes / 2**20,
         )
 
@@ -300,11 +358,34 @@ class CudaGraphRunner:
         self._tokens[3].zero_()
         if kind == PROMPT:
             self._seq_lens[:1].fill_(size)
+        elif kind == MIXED:  # one padding sequence of all the tokens, then empty ones
+            self._seq_lens.zero_()
+            self._seq_lens[:1].fill_(size)
+            self._mixed_query_start_loc.fill_(size)
+            self._mixed_query_start_loc[:1].zero_()
         else:
             self._seq_lens[:size].fill_(self.verify_width if kind == VERIFY else 0)
 
     def _attention_metadata(self, key: GraphKey) -> AttentionMetadata:
         metadata = self._metadata.get(key)
+        if metadata is None and key[0] == MIXED:
+            size, seqs = key[1], self.mixed_seqs
+            metadata = AttentionMetadata(
+                num_actual_tokens=size,
+                slot_mapping=self._tokens[2, :size],
+                query_start_loc=self._mixed_query_start_loc,
+                seq_lens=self._seq_lens[:seqs],
+                block_tables=self._block_tables[:seqs],
+                max_query_len=size,
+                max_seq_len=self.max_model_len,
+                block_size=self.block_size,
+                # The layout of the last staged step (a reference backend reads it); a
+                # replay reads the device buffers.
+                query_start_loc_cpu=[0] + [size] * seqs,
+                seq_lens_cpu=[size] + [0] * (seqs - 1),
+                has_decodes=True,
+            )
+            self._metadata[key] = metadata
         if metadata is None:
             kind, size = key
             seqs = 1 if kind == PROMPT else size
@@ -356,8 +437,9 @@ class CudaGraphRunner:
             raise ValueError(
                 f"No captured graph serves this step: decodes of at most {self.max_size} "
                 f"requests, verify steps of at most {max(self.sizes[VERIFY], default=0)} "
-                f"requests of 1..{self.verify_width} tokens, or one prompt of "
-                f"2..{max(self.sizes[PROMPT], default=0)} tokens."
+                f"requests of 1..{self.verify_width} tokens, one prompt of "
+                f"2..{max(self.sizes[PROMPT], default=0)} tokens, or mixed steps of at most "
+                f"{max(self.sizes[MIXED], default=0)} tokens."
             )
         n = inputs.num_tokens
         padded_rows = self._stage(inputs, key)
@@ -410,8 +492,10 @@ class CudaGraphRunner:
             seq_lens[:seqs] = inputs.seq_lens
             if kind == DECODE:
                 seq_lens[seqs:size] = 0
-            else:  # the padding tokens extend the prompt
+            elif kind == PROMPT:  # the padding tokens extend the prompt
                 seq_lens[0] += size - n
+            else:  # a padding sequence of size - n tokens, then empty ones
+                self._stage_mixed_layout(inputs, size)
         width = inputs.block_tables.shape[1]
         self._np_blocks[: seqs * width].reshape(seqs, width)[:] = inputs.block_tables
         self._tokens.copy_(self._host_tokens, non_blocking=True)
@@ -419,6 +503,23 @@ class CudaGraphRunner:
         self._block_tables[:seqs, :width].copy_(
             self._host_blocks[: seqs * width].view(seqs, width), non_blocking=True
         )
+        if kind == MIXED:
+            self._mixed_query_start_loc.copy_(self._host_query_start_loc, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         return padded_rows
+
+    def _stage_mixed_layout(self, inputs: StepInputs, size: int) -> None:
+        """The host side of a mixed step's sequences (see the module docstring): its
+        ``query_start_loc`` and ``seq_lens`` past the real requests, and the same layout in
+        the graph metadata's host lists."""
+        n, seqs, slots = inputs.num_tokens, len(inputs.seq_lens), self.mixed_seqs
+        qsl, seq_lens = self._np_query_start_loc, self._np_seq_lens
+        qsl[: seqs + 1] = inputs.query_start_loc
+        qsl[seqs + 1 : slots + 1] = size
+        seq_lens[seqs:slots] = 0
+        if size > n:
+            seq_lens[seqs] = size - n
+        metadata = self._attention_metadata((MIXED, size))
+        metadata.query_start_loc_cpu = qsl[: slots + 1].tolist()
+        metadata.seq_lens_cpu = seq_lens[:slots].tolist()

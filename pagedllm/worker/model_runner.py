@@ -85,6 +85,8 @@ from pagedllm.worker.cuda_graphs import (
     VERIFY,
     CudaGraphRunner,
     capture_sizes,
+    mixed_capture_sizes,
+    mixed_graphs_enabled,
     prompt_capture_sizes,
     verify_capture_sizes,
 )
@@ -252,6 +254,7 @@ class ModelRunner:
             max_num_batched_tokens=sched.max_num_batched_tokens,
             verify_width=width,
             use_graphs=use_graphs,
+            mixed_graphs=mixed_graphs_enabled(),
         ) for (model, width), kv_caches in zip(self._graphed_models(), caches)]
         self.graph_runner = runners[0]
         if self.drafter is not None:
@@ -268,8 +271,11 @@ class ModelRunner:
         sched = self.config.scheduler_config
         verify_rows = [b * verify_width for b in verify_capture_sizes(
             sched.max_num_seqs, verify_width, sched.max_num_batched_tokens)]
+        max_model_len = self.config.model_config.max_model_len
+        mixed = (mixed_capture_sizes(min(sched.max_num_batched_tokens, max_model_len))
+                 if mixed_graphs_enabled() else [])
         num_tokens = max([capture_sizes(sched.max_num_seqs)[-1], *prompt_capture_sizes(
-            sched.max_num_batched_tokens, self.config.model_config.max_model_len), *verify_rows])
+            sched.max_num_batched_tokens, max_model_len), *verify_rows, *mixed])
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

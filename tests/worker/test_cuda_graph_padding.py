@@ -183,6 +183,61 @@ def test_padded_prompt_forward_gives_the_eager_greedy_tokens(triton_llm_factory,
         assert all(key[1] == 16 for key, _ in prompt_steps)  # chunks of at most 16 tokens
 
 
+@pytest.mark.parametrize("family", ["qwen3", "mistral"], ids=["full", "sliding-window"])
+def test_padded_mixed_forward_gives_the_eager_greedy_tokens(triton_llm_factory, monkeypatch,
+                                                            family) -> None:
+    """Steps of several prompts, chunks and decodes together, each padded to a captured
+    mixed size over a padding sequence and empty ones (sizes shrunk to the tiny model's:
+    16, 32, 48 tokens); the tokens equal the eager engine's, through prefix-cache hits,
+    chunked prefill and a sliding window."""
+    from pagedllm.worker import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "MIXED_CAPTURE_SIZES", (16, 32, 48))
+    shared = [(5 * j) % 120 + 4 for j in range(16)]  # two blocks of 8, shared
+    prompts = [{"prompt_token_ids": ids} for ids in (
+        [(7 * j) % 120 + 4 for j in range(3)], shared + [9, 10, 11],
+        shared + [(11 * j) % 120 + 4 for j in range(19)], list(range(4, 34)),
+        [(13 * j) % 120 + 4 for j in range(9)])]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    overrides = dict(max_num_batched_tokens=48)
+    want = [o.outputs[0].token_ids
+            for o in triton_llm_factory(family, **overrides).generate(prompts, params, use_tqdm=False)]
+
+    padded = triton_llm_factory(family, **overrides)
+    runner = padded.llm_engine.engine_core.model_runner
+    graph_runner = CudaGraphRunner(
+        runner.model, runner.kv_caches, max_num_seqs=12, max_model_len=64, block_size=8,
+        device=runner.device, max_num_batched_tokens=48, use_graphs=False, mixed_graphs=True,
+    )
+    assert graph_runner.sizes["mixed"] == [16, 32, 48]
+    # A capture's own layout (one padding prompt) holds no decode; its graph must still
+    # launch the decode kernel for the steps it will serve.
+    assert TritonAttentionBackend()._step_has_decodes(graph_runner._attention_metadata(("mixed", 48)))
+    runner.graph_runner = graph_runner
+    served = []
+    original_run = graph_runner.run
+    graph_runner.run = lambda inputs, fill=None: (
+        served.append((graph_runner.graph_for(inputs), inputs.num_tokens,
+                       np.diff(inputs.query_start_loc).tolist()))
+        or original_run(inputs, fill))
+    got = [o.outputs[0].token_ids for o in padded.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    mixed = [(key, n, lens) for key, n, lens in served if key[0] == "mixed"]
+    assert any(len(lens) > 1 and 1 in lens and max(lens) > 1 for _, _, lens in mixed)  # with decodes
+    assert any(key[1] > n for key, n, _ in mixed)  # a padding sequence
+    assert any(len(lens) > 1 and min(lens) > 1 for _, _, lens in mixed)  # prompts only
+
+
+def test_mixed_graphs_are_sized_by_the_step_budget_and_the_model() -> None:
+    from pagedllm.worker.cuda_graphs import mixed_capture_sizes
+
+    assert mixed_capture_sizes(8192) == [1024, 2048, 3072, 4096, 6144, 8192]
+    assert mixed_capture_sizes(5000) == [1024, 2048, 3072, 4096, 5000]
+    assert mixed_capture_sizes(100_000)[-1] == 16384
+    assert mixed_capture_sizes(512) == []  # the prompt graphs cover it
+
+
 # -- verify steps (speculative decoding) ----------------------------------------------------
 
 

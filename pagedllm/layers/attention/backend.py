@@ -50,6 +50,10 @@ class AttentionMetadata:
     # Host copies (lists of ints) so a reference backend never syncs the device.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Whether query-length-1 sequences (decodes) may be in the batch; None: read from
+    # query_start_loc_cpu. A CUDA graph that serves any mix of prompts and decodes sets
+    # True, so its capture holds the decode kernel whatever the capture's own layout.
+    has_decodes: bool | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -72,6 +72,8 @@ class TritonAttentionBackend:
     def _step_has_decodes(self, metadata: AttentionMetadata) -> bool:
         if metadata.max_query_len == 1:
             return True
+        if metadata.has_decodes is not None:
+            return metadata.has_decodes
         source = self._routing_source
         qsl = metadata.query_start_loc_cpu
         if source is None or source[0] is not metadata or source[1] != qsl:
