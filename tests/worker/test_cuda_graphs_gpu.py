@@ -53,6 +53,35 @@ def test_cuda_graph_decode_gives_the_eager_greedy_tokens(tmp_path, kv_cache_dtyp
     assert decode_sizes == capture_sizes(16)
 
 
+def test_mixed_steps_replay_mixed_graphs_and_give_the_eager_greedy_tokens(tmp_path, monkeypatch) -> None:
+    """``PAGEDLLM_MIXED_GRAPHS=1``: steps of several prompts and decodes replay mixed graphs
+    (sizes shrunk to the tiny model's), with asynchronous scheduling; tokens equal eager."""
+    from pagedllm.worker import cuda_graphs
+
+    monkeypatch.setenv("PAGEDLLM_MIXED_GRAPHS", "1")
+    monkeypatch.setattr(cuda_graphs, "MIXED_CAPTURE_SIZES", (32, 64, 96))
+    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=256)
+    shared = [(5 * j) % 240 + 8 for j in range(32)]
+    prompts = [{"prompt_token_ids": ids} for ids in (
+        [7, 8, 9], shared + [11, 12], shared + list(range(20, 61)), list(range(8, 70)),
+        [(13 * j) % 240 + 8 for j in range(21)])]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    kwargs = dict(dtype="float32", max_model_len=160, max_num_seqs=16, block_size=16,
+                  device="cuda", max_num_batched_tokens=96)
+    graphed = LLM(str(path), **kwargs)
+    runner = graphed.llm_engine.engine_core.model_runner.graph_runner
+    assert runner.sizes["mixed"] == [32, 64, 96]
+    keys = []
+    original_run = runner.run
+    runner.run = lambda inputs, fill=None: keys.append(runner.graph_for(inputs)) or original_run(inputs, fill)
+    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
+    eager = LLM(str(path), enforce_eager=True, async_scheduling=False, **kwargs)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert any(kind == "mixed" for kind, _ in keys)
+
+
 def test_single_prompts_replay_prompt_graphs_and_give_the_eager_greedy_tokens(tmp_path) -> None:
     """One request at a time, as a latency-bound user sends them: each prefill replays a
     prompt graph padded to its captured length (a prefix-cache hit included)."""
