@@ -56,7 +56,8 @@
 #            HTTP >= 0.97x offline; the CPU seconds of the API processes, the engine core and
 #            the client, and (py-spy on PATH) their profiles
 #   ab       for each setting in $GPU_BENCH_AB (space-separated VAR=value, e.g.
-#            "PAGEDLLM_DECODE_LONGEST_FIRST=0 PAGEDLLM_DECODE_TILE=32,2,2"), L1 and W1 on llama-3.1-8b with
+#            "PAGEDLLM_DECODE_LONGEST_FIRST=0 PAGEDLLM_MIXED_GRAPHS=1"), L1 and W1 on llama-3.1-8b
+#            (or each model of $GPU_BENCH_AB_MODELS, e.g. "qwen3-0.6b llama-3.1-8b") with
 #            the setting, beside the same commands without it, into $OUT/ab.txt
 #            (only when GPU_BENCH_AB is set); and for each revision in $GPU_BENCH_AB_REVS
 #            (extracted by scripts/ab_prepare.sh into .ab/<rev>, carried to the machine),
@@ -207,18 +208,22 @@ for model in "$BIG" "$SMALL"; do
     [ "$BIG" != "$SMALL" ] || break
 done
 
-# ab_run LABEL DIR [VAR=value ...]: L1 and W1 of the package in DIR, with the settings,
-# under the ab time limit each, one line each into ab.txt.
+# ab_run LABEL DIR [VAR=value ...]: L1 and W1 of the package in DIR, with the settings, on
+# each model of $GPU_BENCH_AB_MODELS (default: $BIG), under the ab time limit each, one
+# line each into ab.txt.
+read -r -a AB_MODELS <<<"${GPU_BENCH_AB_MODELS:-$BIG}"
 ab_run() {
-    local label=$1 dir=$2
+    local label=$1 dir=$2 model
     shift 2
-    echo "--- $label" | tee -a "$OUT/ab.txt"
-    (cd "$dir" && PYTHONPATH=. timeout -k 10 "$LIMIT_AB" env "$@" $PY -m pagedllm.benchmarks.latency \
-        --model "$BIG" --load-format dummy --workload L1 "${LAT_ARGS[@]}" 2>&1) \
-        | tee -a "$LOG" | grep -A1 "ms/token" | tail -1 | tee -a "$OUT/ab.txt"
-    (cd "$dir" && PYTHONPATH=. timeout -k 10 "$LIMIT_AB" env "$@" $PY -m pagedllm.benchmarks.throughput \
-        --model "$BIG" --load-format dummy "${W1_ARGS[@]}" 2>&1) \
-        | tee -a "$LOG" | grep -E "^ *pagedllm " | tee -a "$OUT/ab.txt"
+    for model in "${AB_MODELS[@]}"; do
+        echo "--- $label ($model)" | tee -a "$OUT/ab.txt"
+        (cd "$dir" && PYTHONPATH=. timeout -k 10 "$LIMIT_AB" env "$@" $PY -m pagedllm.benchmarks.latency \
+            --model "$model" --load-format dummy --workload L1 "${LAT_ARGS[@]}" 2>&1) \
+            | tee -a "$LOG" | grep -A1 "ms/token" | tail -1 | tee -a "$OUT/ab.txt"
+        (cd "$dir" && PYTHONPATH=. timeout -k 10 "$LIMIT_AB" env "$@" $PY -m pagedllm.benchmarks.throughput \
+            --model "$model" --load-format dummy "${W1_ARGS[@]}" 2>&1) \
+            | tee -a "$LOG" | grep -E "^ *pagedllm " | tee -a "$OUT/ab.txt"
+    done
 }
 case " $STEPS " in
     *" ab "*)
