@@ -132,6 +132,8 @@ logger = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 512
 PROMPT_CAPTURE_SIZES = (16, 32, 64, 96, 128, 192, 256, 384, 512)
 MIXED_CAPTURE_SIZES = (1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+# Token buffers of at most this many rows are copied whole each step (16 KB at 512 rows).
+SMALL_TOKEN_BUFFER = 1024
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -498,7 +500,11 @@ class CudaGraphRunner:
                 self._stage_mixed_layout(inputs, size)
         width = inputs.block_tables.shape[1]
         self._np_blocks[: seqs * width].reshape(seqs, width)[:] = inputs.block_tables
-        self._tokens.copy_(self._host_tokens, non_blocking=True)
+        if self._tokens.shape[1] <= SMALL_TOKEN_BUFFER:
+            self._tokens.copy_(self._host_tokens, non_blocking=True)  # one small copy
+        else:  # the buffers hold a large mixed graph's rows: copy the step's graph's only
+            for row in range(self._tokens.shape[0]):
+                self._tokens[row, :rows].copy_(self._host_tokens[row, :rows], non_blocking=True)
         self._seq_lens.copy_(self._host_seq_lens, non_blocking=True)
         self._block_tables[:seqs, :width].copy_(
             self._host_blocks[: seqs * width].view(seqs, width), non_blocking=True

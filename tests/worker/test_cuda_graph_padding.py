@@ -193,6 +193,7 @@ def test_padded_mixed_forward_gives_the_eager_greedy_tokens(triton_llm_factory, 
     from pagedllm.worker import cuda_graphs
 
     monkeypatch.setattr(cuda_graphs, "MIXED_CAPTURE_SIZES", (16, 32, 48))
+    monkeypatch.setattr(cuda_graphs, "SMALL_TOKEN_BUFFER", 0)  # stage rows as large buffers do
     shared = [(5 * j) % 120 + 4 for j in range(16)]  # two blocks of 8, shared
     prompts = [{"prompt_token_ids": ids} for ids in (
         [(7 * j) % 120 + 4 for j in range(3)], shared + [9, 10, 11],
