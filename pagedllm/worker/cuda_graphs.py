@@ -1,6 +1,6 @@
 """CUDA graphs: the model's forward captured once per step shape, replayed with new inputs.
 
-Three kinds of step are captured, each padded up to the smallest captured size:
+Four kinds of step are captured, each padded up to the smallest captured size:
 
 * decode (every scheduled request computes exactly one token), shaped by its batch size:
   1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs`` (at most 512), ``capture_sizes``;
