@@ -8,7 +8,9 @@ as fit), and starts one actor per bundle. Each actor connects back to the engine
 TCP (``multiprocessing.connection``, authenticated with a random key) and serves the
 same messages as a local worker process (``worker.py``); the ranks rendezvous for
 ``torch.distributed`` at rank 0's node. Every node must have the same pagedllm, torch and
-model files (the same path), as Ray runs the actors with each node's own Python.
+model files (the same path), as Ray runs the actors with each node's own Python. The
+engine's ``PAGEDLLM_*`` environment variables (kernel and graph switches) travel to every
+actor in its runtime environment, so each rank runs what the engine was started with.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class RayWorker:
 
         return ray.util.get_node_ip_address()
 
+    def getenv(self, name: str) -> str | None:
+        """The value of ``name`` in this rank's process (what its kernels read)."""
+        return os.environ.get(name)
+
     def free_port(self) -> int:
         from pagedllm.distributed.executor import free_port
 
@@ -50,6 +56,14 @@ class RayWorker:
         # Ray shows this actor the GPU of its bundle alone.
         run_worker(conn, rank, world_size, init_method, config,
                    0 if config.device == "cuda" else None)
+
+
+def rank_actor_options(resource: str) -> dict:
+    """A rank actor's Ray options beside its placement: one GPU (or one CPU), and this
+    process's ``PAGEDLLM_*`` variables in its runtime environment."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("PAGEDLLM_")}
+    return dict(num_cpus=0 if resource == "GPU" else 1, num_gpus=1 if resource == "GPU" else 0,
+                runtime_env={"env_vars": env})
 
 
 def _import_ray():
@@ -103,10 +117,9 @@ class RayWorkers:
             actor_class = ray.remote(RayWorker)
             for rank in range(size):
                 self.actors.append(actor_class.options(
-                    num_cpus=0 if resource == "GPU" else 1,
-                    num_gpus=1 if resource == "GPU" else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self._group, placement_group_bundle_index=rank),
+                    **rank_actor_options(resource),
                 ).remote())
             head_ip, port = ray.get([self.actors[0].node_ip.remote(),
                                      self.actors[0].free_port.remote()])

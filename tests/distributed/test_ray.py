@@ -39,6 +39,19 @@ def test_ray_actors_run_tp2_with_hf_greedy_tokens(ray_cluster, tmp_path) -> None
         llm.llm_engine.engine_core.shutdown()
 
 
+def test_the_engines_switches_reach_every_rank(ray_cluster, monkeypatch) -> None:
+    """A PAGEDLLM_* variable set in the engine's process after the cluster started (as on
+    another node, whose processes never saw it) is what a rank actor reads."""
+    from pagedllm.distributed.ray_executor import RayWorker, rank_actor_options
+
+    monkeypatch.setenv("PAGEDLLM_DECODE_PROGRAMS_PER_SM", "3")
+    actor = ray.remote(RayWorker).options(**rank_actor_options("CPU")).remote()
+    try:
+        assert ray.get(actor.getenv.remote("PAGEDLLM_DECODE_PROGRAMS_PER_SM")) == "3"
+    finally:
+        ray.kill(actor)
+
+
 def test_a_cluster_too_small_is_refused_with_what_to_do(ray_cluster, tmp_path) -> None:
     path = _checkpoint(tmp_path, "llama")
     with pytest.raises(ValueError, match="need 4 CPUs in the Ray cluster, which has 2"):
