@@ -44,8 +44,16 @@ _SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 def sse(payload: dict | str) -> str:
-    """One server-sent event: ``data: <json>`` and a blank line."""
+    """One server-sent event: ``data: <json>`` and a blank line.
+
+    The JSON holds no character that a line reader may take for a line break: the SSE
+    spec breaks lines at CR and LF only (which JSON escapes), but readers that split like
+    ``str.splitlines`` (httpx's ``aiter_lines``, for one) also break at U+0085, U+2028 and
+    U+2029, which ``ensure_ascii=False`` leaves raw in generated text; they are sent as
+    ``\\u`` escapes, which decode to the same text."""
     data = payload if isinstance(payload, str) else _SSE_JSON.encode(payload)
+    if not data.isascii():
+        data = data.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
     return f"data: {data}\n\n"
 
 
