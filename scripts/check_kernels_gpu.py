@@ -452,7 +452,7 @@ def decode_fixed_cost_rows() -> list[dict[str, Any]]:
                 launches = [decode_only(step, max_seq_len=131072) for step in steps]
                 us = graph_us_per_launch(lambda launch: launch(), launches)
                 triton_decode._merge_chunk = merge_chunk
-                row = dict(context=context, merge_chunk=chunk or merge_chunk(4, 128), us=round(us, 2),
+                row = dict(context=context, merge_chunk=chunk or merge_chunk(NUM_HEADS // NUM_KV_HEADS, HEAD_DIM), us=round(us, 2),
                            gb_s=round(kv_bytes(steps[0]) / us / 1e3, 1))
                 rows.append(row)
                 print(f"decode 1 x {context:6d}, merged {row['merge_chunk']:2d} at a time: "

@@ -381,8 +381,8 @@ class CudaGraphRunner:
                 max_query_len=size,
                 max_seq_len=self.max_model_len,
                 block_size=self.block_size,
-                # The layout of the last staged step (a reference backend reads it); a
-                # replay reads the device buffers.
+                # The capture's layout; the eager padded forward stages each step's here
+                # (a reference backend reads it), a replay reads the device buffers.
                 query_start_loc_cpu=[0] + [size] * seqs,
                 seq_lens_cpu=[size] + [0] * (seqs - 1),
                 has_decodes=True,
@@ -517,8 +517,9 @@ class CudaGraphRunner:
 
     def _stage_mixed_layout(self, inputs: StepInputs, size: int) -> None:
         """The host side of a mixed step's sequences (see the module docstring): its
-        ``query_start_loc`` and ``seq_lens`` past the real requests, and the same layout in
-        the graph metadata's host lists."""
+        ``query_start_loc`` and ``seq_lens`` past the real requests, and, for the eager
+        padded forward (``use_graphs=False``), the same layout in the metadata's host lists
+        (a replay reads only the device buffers)."""
         n, seqs, slots = inputs.num_tokens, len(inputs.seq_lens), self.mixed_seqs
         qsl, seq_lens = self._np_query_start_loc, self._np_seq_lens
         qsl[: seqs + 1] = inputs.query_start_loc
@@ -526,6 +527,7 @@ class CudaGraphRunner:
         seq_lens[seqs:slots] = 0
         if size > n:
             seq_lens[seqs] = size - n
-        metadata = self._attention_metadata((MIXED, size))
-        metadata.query_start_loc_cpu = qsl[: slots + 1].tolist()
-        metadata.seq_lens_cpu = seq_lens[:slots].tolist()
+        if not self.use_graphs:  # the eager forward's backend may read the host lists
+            metadata = self._attention_metadata((MIXED, size))
+            metadata.query_start_loc_cpu = qsl[: slots + 1].tolist()
+            metadata.seq_lens_cpu = seq_lens[:slots].tolist()

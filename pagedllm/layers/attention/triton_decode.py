@@ -75,7 +75,18 @@ from pagedllm.layers.triton_ops import arrival_counters
 
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
-DECODE_PROGRAMS_PER_SM = int(os.environ.get("PAGEDLLM_DECODE_PROGRAMS_PER_SM", "2"))
+
+
+def _programs_per_sm() -> int:
+    """``PAGEDLLM_DECODE_PROGRAMS_PER_SM`` (default 2): a positive integer."""
+    value = os.environ.get("PAGEDLLM_DECODE_PROGRAMS_PER_SM", "2")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"PAGEDLLM_DECODE_PROGRAMS_PER_SM={value!r}: give a positive integer "
+                         "(programs per multiprocessor a split-K decode plans for, default 2).")
+    return int(value)
+
+
+DECODE_PROGRAMS_PER_SM = _programs_per_sm()
 
 
 @triton.jit(do_not_specialize=["num_actual_tokens"])
