@@ -2,7 +2,10 @@
 
 See ``core_process`` for the wire protocol. Sends (requests, aborts) are plain non-blocking
 ZMQ sends, so they can be made from any code on the event loop thread, including the
-``finally`` of a cancelled request; receives are awaited on the event loop.
+``finally`` of a cancelled request; receives are awaited on the event loop. A send never
+fails for want of a peer: the sending socket connects (a connecting socket queues from the
+moment it connects, a bound one has no queue until its peer arrives), so a request that
+reaches an API process which has just attached waits for the link instead of failing.
 
 The core process is started with the ``spawn`` method (a fresh interpreter: no inherited
 threads, locks or CUDA state) and is not a daemon, so it may itself start processes.
@@ -61,9 +64,14 @@ class CoreHandle:
     info: CoreInfo
 
 
-def _addresses(ipc_dir: str, index: int) -> tuple[str, str]:
-    """API process ``index``'s (input, output) addresses."""
-    return f"ipc://{ipc_dir}/input-{index}", f"ipc://{ipc_dir}/output-{index}"
+def input_address(ipc_dir: str) -> str:
+    """The core's one input (it binds; every API process connects)."""
+    return f"ipc://{ipc_dir}/input"
+
+
+def output_address(ipc_dir: str, index: int) -> str:
+    """API process ``index``'s output (it binds; the core connects)."""
+    return f"ipc://{ipc_dir}/output-{index}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -88,13 +96,14 @@ class EngineCoreClient:
     def __init__(self, ipc_dir: str, index: int) -> None:
         self.index = index
         self._ipc_dir = ipc_dir
-        self.input_address, self.output_address = _addresses(ipc_dir, index)
+        self.input_address = input_address(ipc_dir)
+        self.output_address = output_address(ipc_dir, index)
 
         self._sync_context = zmq.Context()
         self._input = self._sync_context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the core drains fast
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(self.input_address)
+        self._input.connect(self.input_address)
         self._async_context = zmq.asyncio.Context()
         self._output = self._async_context.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
@@ -115,10 +124,10 @@ class EngineCoreClient:
         ipc_dir = tempfile.mkdtemp(prefix="pagedllm-ipc-")
         os.chmod(ipc_dir, 0o700)
         client = cls(ipc_dir, 0)
-        inputs, outputs = zip(*(_addresses(ipc_dir, i) for i in range(num_api_servers)))
+        outputs = [output_address(ipc_dir, i) for i in range(num_api_servers)]
         client.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="pagedllm-engine-core",
-            args=(config, list(inputs), list(outputs), log_level),
+            args=(config, input_address(ipc_dir), outputs, log_level),
         )
         client._finalizer = weakref.finalize(client, _cleanup, client.process, ipc_dir)
         client.process.start()

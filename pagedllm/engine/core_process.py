@@ -8,14 +8,16 @@ the API process) never hold the GIL the model loop needs::
       PULL  <── ("ready", CoreInfo) ("outputs", StepResult) ("error", str) ──  PUSH i
 
 With ``--api-server-count N`` there are N API processes: the core's one PULL socket takes
-every process's messages, and it has one PUSH socket per process. Each step's outputs go
+every process's messages (it binds, they connect), and it has one PUSH socket per process
+(each process binds its own, the core connects). Each step's outputs go
 to the process that added the request (``ADD`` names it); the scheduler stats go to all.
 ``READY`` goes to process 0 (which started the core); ``ERROR`` to all; ``SHUTDOWN`` comes
 from process 0 only.
 
 All sockets are ZMQ ``ipc://`` endpoints inside a private (0700) temporary directory
-process 0 creates; each API process binds its own pair, so only the same user can reach
-them. Messages are pickled
+process 0 creates, so only the same user can reach them. Every sending socket connects and
+every receiving one binds: a connecting PUSH queues from the moment it connects, so no send
+fails or blocks because its peer is still starting. Messages are pickled
 tuples of the plain dataclasses in ``pagedllm.core`` (no tensors ever cross): pickle
 because ``Request`` and ``SamplingParams`` are ordinary Python objects the core already
 uses, with no schema to keep in step.
@@ -118,11 +120,12 @@ def _unpack_step_result(rows: list[tuple], stats: SchedulerStats | None,
                       num_running)
 
 
-def run_engine_core(config: EngineConfig, input_addresses: list[str],
+def run_engine_core(config: EngineConfig, input_address: str,
                     output_addresses: list[str], log_level: str = "INFO") -> None:
     """Process entry point: build the core, report ready (or the error), then serve steps.
 
-    One input and one output address per API process, in the processes' order."""
+    ``input_address``: where the core binds the socket every API process sends to;
+    ``output_addresses``: one per API process, in the processes' order."""
     import zmq
 
     # Ctrl-C reaches the whole process group; the API process decides when the core stops.
@@ -131,8 +134,7 @@ def run_engine_core(config: EngineConfig, input_addresses: list[str],
                         format="%(levelname)s %(name)s [engine core]: %(message)s")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
-    for address in input_addresses:
-        inputs.connect(address)
+    inputs.bind(input_address)
     outputs = []
     for address in output_addresses:
         socket = context.socket(zmq.PUSH)
