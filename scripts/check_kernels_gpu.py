@@ -26,8 +26,10 @@ the input quantization. ``--fp8-kv`` checks the kernels over an FP8 KV cache
 (``--kv-cache-dtype fp8``, scales that are no powers of two) against the torch reference on
 the same cache (the bytes written must be identical), then times decode attention over
 bf16 and FP8 caches across tiles. ``--skip-checks`` leaves out the checks and the standard
-timings. ``--long-context`` times prefill attention of long prompts over tiles and tile
-order, and decode attention at long contexts over splits and tiles. Exits 1 when a check
+timings. ``--long-context`` times fresh long prompts through the Triton prefill kernel and
+through torch's fused attention by backend (``PAGEDLLM_DENSE_PREFILL``), prefill attention
+of long prompts over tiles and tile order, and decode attention at long contexts over
+splits and tiles. Exits 1 when a check
 fails.
 """
 
@@ -48,7 +50,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedllm.layers.attention import triton_decode, triton_prefill  # noqa: E402
+from pagedllm.layers.attention import dense_prefill, triton_decode, triton_prefill  # noqa: E402
 from pagedllm.layers.attention.backend import AttentionMetadata  # noqa: E402
 from pagedllm.layers.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from pagedllm.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -223,9 +225,12 @@ def decode_only(step: Step, num_splits: int | None = None,
     return launch
 
 
-def forward(backend: Any, step: Step) -> Callable[[], None]:
-    def launch() -> None:
-        backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata, SCALE, None)
+def forward(backend: Any, step: Step, keep: bool = False) -> Callable[[], Any]:
+    """One call of the backend on ``step``; ``keep``: the call returns the output."""
+    def launch() -> Any:
+        out = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata,
+                              SCALE, None)
+        return out if keep else None
 
     return launch
 
@@ -506,6 +511,44 @@ def long_prefill_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], No
     finally:
         triton_prefill.prefill_tile_config = prefill_config
         triton_prefill.PREFILL_LONGEST_FIRST = order
+    return rows
+
+
+DENSE_PREFILL_SETTINGS = ("off", "cudnn", "flash", "efficient")
+
+
+def dense_prefill_rows() -> list[dict[str, Any]]:
+    """Fresh prompts (P2's 32,000 tokens in one step, P1's 4 x 2,048) through the whole
+    backend with each ``PAGEDLLM_DENSE_PREFILL`` setting: off is the Triton prefill kernel,
+    the others torch's fused attention by backend. TFLOP/s over the causally visible keys;
+    ``max_abs_diff`` against the Triton kernel's output."""
+    rows: list[dict[str, Any]] = []
+    setting = dense_prefill.DENSE_PREFILL
+    try:
+        for seed, (label, seqs) in enumerate(LONG_PREFILL_CASES, start=40):
+            if any(cached for cached, _ in seqs):
+                continue
+            step = make_step(seqs, seed=seed)
+            dense_prefill.DENSE_PREFILL = "off"
+            kernel_out = forward(TritonAttentionBackend(), step, keep=True)()
+            for name in DENSE_PREFILL_SETTINGS:
+                dense_prefill.DENSE_PREFILL = name
+                row: dict[str, Any] = dict(case=label, setting=name)
+                try:
+                    out = forward(TritonAttentionBackend(), step, keep=True)()
+                    row["max_abs_diff"] = float((out.float() - kernel_out.float()).abs().max())
+                    row["ms"] = bench_ms(forward(TritonAttentionBackend(), step))
+                except Exception as exc:  # a backend that cannot take the shape
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                else:
+                    row["tflop_s"] = round(causal_flops(step) / row["ms"] / 1e9, 1)
+                    print(f"{label:24} {name:10} {row['ms']:8.3f} ms {row['tflop_s']:6.0f} TFLOP/s "
+                          f"max |diff| {row['max_abs_diff']:.2e}")
+                rows.append(row)
+            del step, kernel_out
+            torch.cuda.empty_cache()
+    finally:
+        dense_prefill.DENSE_PREFILL = setting
     return rows
 
 
@@ -1055,6 +1098,9 @@ def main() -> int:
             results["long_prefill"] = rows
             save()
 
+        print("\nfresh prompts: the Triton prefill kernel against torch's fused attention")
+        results["dense_prefill"] = dense_prefill_rows()
+        save()
         print("\nprefill attention of long prompts: the engine's tile and the fastest three")
         save_long(long_prefill_rows(args.sweep_budget_s, save_long))
         print_long_prefill(results["long_prefill"])

@@ -19,8 +19,11 @@
 #   latency  L1 (batch 1, 128 + 256 tokens) and P1 (4 x 2048 prompt tokens) on llama-3.1-8b
 #   long     P2 (one 32,000-token prompt) and L2 (batch-1 decode at 32,000 tokens of context)
 #            on llama-3.1-8b, then P2 again in chunks of each of $LONG_CHUNKS tokens
-#            (--max-num-batched-tokens; default "8192 16384"); and check_kernels_gpu.py
-#            --long-context: prefill attention of long prompts over tiles and tile order,
+#            (--max-num-batched-tokens; default "8192 16384"); P2 and P1 again with each
+#            setting of $LONG_AB (space-separated VAR=value; default
+#            "PAGEDLLM_DENSE_PREFILL=cudnn", set and empty for none); and check_kernels_gpu.py
+#            --long-context: fresh prompts through the Triton kernel and torch's fused
+#            attention, prefill attention of long prompts over tiles and tile order,
 #            decode attention at long contexts over splits and tiles
 #   w1-small W1 on qwen3-0.6b (the host-overhead-bound regime)
 #   sync     W1 on both models again with --no-async-scheduling: what hiding the host's
@@ -83,6 +86,7 @@ if [ "$DRY" = "1" ]; then
     SERVE_ARGS=(--num-prompts 8 --input-len 16 --output-len 8 --api-server-counts 1,2)
     LONG_ARGS=(--input-len 200 --output-len 8 --prefill-batch 1 --prefill-len 300 --num-iters 1
                --num-iters-warmup 1) LONG_CHUNKS=${LONG_CHUNKS-128} LIMIT_LONG=120
+    LONG_AB=${LONG_AB-PAGEDLLM_DENSE_PREFILL=auto}
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b MOE=mixtral-8x7b MOE_SMALL=qwen3-30b-a3b
     read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine}"
@@ -99,6 +103,7 @@ else
     LONG_ARGS=(--input-len 32000 --output-len 128 --prefill-batch 1 --prefill-len 32000
                --num-iters 3 --num-iters-warmup 1)
     LONG_CHUNKS=${LONG_CHUNKS-8192 16384} LIMIT_LONG=${LIMIT_LONG:-150}
+    LONG_AB=${LONG_AB-PAGEDLLM_DENSE_PREFILL=cudnn}
 fi
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
@@ -132,6 +137,16 @@ for chunk in $LONG_CHUNKS; do
     step long "$LIMIT_LONG" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
         "${LONG_ARGS[@]}" --workload P1 --max-num-batched-tokens "$chunk" \
         --output-json "$OUT/long-chunk$chunk-$BIG.json"
+done
+read -r -a LONG_AB_SETTINGS <<<"$LONG_AB"
+for i in "${!LONG_AB_SETTINGS[@]}"; do
+    echo "${LONG_AB_SETTINGS[$i]}" >"$OUT/long-ab$i.setting"
+    step long "$LIMIT_LONG" env "${LONG_AB_SETTINGS[$i]}" $PY -m pagedllm.benchmarks.latency \
+        --model "$BIG" --load-format dummy "${LONG_ARGS[@]}" --workload P1 \
+        --output-json "$OUT/long-ab$i-P2-$BIG.json"
+    step long "$LIMIT_LONG" env "${LONG_AB_SETTINGS[$i]}" $PY -m pagedllm.benchmarks.latency \
+        --model "$BIG" --load-format dummy "${LAT_ARGS[@]}" --workload P1 \
+        --output-json "$OUT/long-ab$i-P1-$BIG.json"
 done
 if [ "$DRY" != "1" ]; then
     step long "$LIMIT_SWEEP" $PY scripts/check_kernels_gpu.py --skip-checks --long-context \

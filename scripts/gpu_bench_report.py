@@ -141,8 +141,9 @@ def _latency(rows: list[dict] | None, model: str, meta: dict,
 
 def _long(directory: Path, model: str, meta: dict, dry: bool) -> list[dict]:
     """The long step's L2 and P2 (``long-<model>.json``), judged against their targets,
-    then P2 in each chunk size (``long-chunk<N>-<model>.json``, variant ``chunk N``); none
-    when the step did not run."""
+    then P2 in each chunk size (``long-chunk<N>-<model>.json``, variant ``chunk N``), then
+    P2 and P1 with each A/B setting (``long-ab<i>-<P2|P1>-<model>.json``, variant the
+    setting of ``long-ab<i>.setting``); none when the step did not run."""
     if not (directory / f"long-{model}.json").is_file():
         return []
     records = _latency(_load(directory / f"long-{model}.json"), model, meta, ("L2", "P2"))
@@ -155,6 +156,13 @@ def _long(directory: Path, model: str, meta: dict, dry: bool) -> list[dict]:
         record = _latency(_load(path), model, meta, ("L2", "P2"))[1]
         record["variant"] = "chunk " + path.name.removeprefix("long-chunk").split("-")[0]
         records.append(record)
+    for setting_path in sorted(directory.glob("long-ab*.setting")):
+        tag = setting_path.name.removesuffix(".setting")
+        for workload, names in (("P2", ("L2", "P2")), ("P1", ("L1", "P1"))):
+            path = directory / f"{tag}-{workload}-{model}.json"
+            record = _latency(_load(path), model, meta, names)[1]
+            record["variant"] = setting_path.read_text().strip()
+            records.append(record)
     return records
 
 

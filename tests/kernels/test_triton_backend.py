@@ -167,3 +167,77 @@ def test_rotary_applied_by_the_backend_matches_the_reference(window, fused, seqs
     torch.testing.assert_close(step.kv_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0),
                                rtol=1e-6, atol=1e-6)
     assert len(fused_calls) == (1 if fused and seqs is MIXED else 0)
+
+
+FRESH = ((0, 11), (0, 5), (0, 1), (0, 8))
+
+
+@pytest.mark.parametrize("setting", ["math", "auto"])
+def test_fresh_prompts_through_torch_fused_attention_match_the_reference(setting, monkeypatch) -> None:
+    """PAGEDLLM_DENSE_PREFILL: a step of fresh prompts attends through torch's fused
+    attention (grouped queries, rope applied by the backend) and still fills the cache;
+    output and cache agree with the reference backend's."""
+    from pagedllm.layers.attention import dense_prefill
+    from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", setting)
+    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
+    calls = []
+    original = dense_prefill.dense_prefill
+    monkeypatch.setattr(dense_prefill, "dense_prefill", lambda *a: calls.append(1) or original(*a))
+    step = make_step(FRESH, num_heads=4, num_kv_heads=2, head_dim=16, seed=9)
+    rope = RotaryEmbedding(16, {"rope_type": "default", "rope_theta": 10000.0}).to(step.query.device)
+    positions = torch.cat([torch.arange(n) for _, n in FRESH]).to(step.query.device)
+    rotary = rope(positions, step.query.dtype)
+    want_cache = step.kv_cache.clone()
+    want = TorchReferenceBackend().forward(
+        step.query, step.key, step.value, want_cache, step.metadata, 0.25, None, rotary=rotary)
+    got = TritonAttentionBackend().forward(
+        step.query, step.key, step.value, step.kv_cache, step.metadata, 0.25, None, rotary=rotary)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+    torch.testing.assert_close(step.kv_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_fresh_half_precision_prompts_through_torch_fused_attention(dtype, monkeypatch) -> None:
+    """In fp16 and bf16 (on a GPU, the cuDNN and FlashAttention kernels' dtypes) the fused
+    path agrees with the float32 reference."""
+    from pagedllm.layers.attention import dense_prefill
+
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "auto")
+    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
+    step = make_step(FRESH, num_heads=8, num_kv_heads=2, head_dim=64, seed=10, dtype=dtype)
+    assert dense_prefill.applies(step.query, step.kv_cache, step.metadata, None, None)
+    expected, expected_cache = reference_attention(step, 0.125, None)
+    out = TritonAttentionBackend().forward(
+        step.query, step.key, step.value, step.kv_cache, step.metadata, 0.125, None)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
+    assert torch.equal(step.kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0))
+
+
+def test_torch_fused_attention_takes_only_steps_of_fresh_long_prompts(monkeypatch) -> None:
+    """Context from the cache, a window or a soft cap keep a step on the Triton kernels,
+    and so do prompts under MIN_TOKENS; an unknown setting is refused by name."""
+    from pagedllm.layers.attention import dense_prefill
+
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "auto")
+    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
+    fresh, mixed = make_step(FRESH), make_step(MIXED)
+
+    def applies(step, window=None, cap=None):
+        return dense_prefill.applies(step.query, step.kv_cache, step.metadata, window, cap)
+
+    assert applies(fresh)
+    assert not applies(mixed) and not applies(fresh, window=6) and not applies(fresh, cap=30.0)
+    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 12)
+    assert not applies(fresh)
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "off")
+    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
+    assert not applies(fresh)
+    monkeypatch.setenv("PAGEDLLM_DENSE_PREFILL", "fastest")
+    with pytest.raises(ValueError, match="PAGEDLLM_DENSE_PREFILL='fastest'.*cudnn"):
+        dense_prefill._setting()

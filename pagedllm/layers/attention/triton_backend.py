@@ -7,6 +7,9 @@ One step runs at most three launches per layer::
     paged_prefill_attention  sequences with query_len > 1 (skipped when max_query_len == 1)
     paged_decode_attention   sequences with query_len == 1 (skipped when the step has none)
 
+A step of fresh long prompts alone may instead go to torch's fused attention
+(``dense_prefill``, opt-in with ``PAGEDLLM_DENSE_PREFILL``), after the same cache write.
+
 With ``rotary`` the decode launch ropes and caches its own sequences' new tokens
 (``triton_decode.NewKV``), so a step of decodes alone runs one launch per layer, a launch
 less where a small batch is bound by launch latency. In a step with prompts, the write
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.layers.attention import dense_prefill
 from pagedllm.layers.attention.backend import AttentionMetadata
 from pagedllm.layers.attention.triton_decode import (
     NewKV,
@@ -122,6 +126,12 @@ class TritonAttentionBackend:
             out[n:].zero_()
         num_seqs = metadata.num_seqs
         if n == 0 or num_seqs == 0:
+            return out
+        if metadata.max_query_len > 1 and dense_prefill.applies(
+                query, key_cache, metadata, sliding_window, logits_soft_cap):
+            rotated_key = key if rotary is None else RotaryEmbedding.apply(key, *rotary)
+            dense_prefill.dense_prefill(prefill_query[:n], rotated_key[:n], value[:n], metadata,
+                                        scale, out)
             return out
         query_start_loc = metadata.query_start_loc[: num_seqs + 1]
         seq_lens = metadata.seq_lens[:num_seqs]
