@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Compile the small-batch product's kernel for Hopper (sm_90) on any machine, no GPU
-needed, and count the machine instructions of its main loop: what a weight costs in
-instructions, the bound of the quantized decode products (docs/benchmarks.md, "Quantized
-decode of a few sequences").
+"""Compile the small-batch product's kernel, or the decode attention kernel, for Hopper
+(sm_90) on any machine, no GPU needed, and count the machine instructions of its main loop:
+what a weight (or a byte of the KV cache) costs in instructions, the bound of the quantized
+decode products (docs/benchmarks.md, "Quantized decode of a few sequences") and of decode
+attention over an FP8 cache.
 
     python scripts/sass_loop.py --tile 64,64,4,3,fma,8 --int-bits 4 [--print-loop]
+    python scripts/sass_loop.py --decode 128,4,3 --kv fp8 [--widen]
 
 ``--tile BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma[,SPLIT]`` as
 ``PAGEDLLM_GEMV_TILE`` takes it; ``--int-bits 4|8`` for packed integer weights (groups of
@@ -12,7 +14,14 @@ decode of a few sequences").
 16-byte alignment a real launch of contiguous tensors gets. Prints the loop's instruction
 count, instructions per weight (per thread: the tile's weights over the threads), and the
 most frequent opcodes; ``--print-loop`` the loop itself, ``--json`` the counts as JSON.
-It compiles whatever ``TRITON_INTERPRET`` says (the variable is dropped).
+``--decode BLOCK_N,num_warps,num_stages`` compiles the decode attention kernel instead
+(Llama-3.1-8B's heads: 4 query heads a KV head, head_dim 128, pages of 16; the rope and
+cache write of the new token riding on it, as in the engine), ``--prefill
+BLOCK_M,BLOCK_N,num_warps,num_stages`` the prefill attention kernel (its longest loop), over
+a ``--kv bf16|fp8`` cache; ``--widen`` compiles the decode kernel as
+``PAGEDLLM_FP8_KV_WIDEN=registers`` does. Counts are per byte of keys and values a thread
+loads. It compiles whatever ``TRITON_INTERPRET`` says (the
+variable is dropped).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from pagedllm.layers import _triton_ops_kernels as kernels  # noqa: E402
+from pagedllm.layers.attention import triton_decode, triton_prefill  # noqa: E402
 from pagedllm.layers.triton_ops import GEMV_TILE_ENV, _parse_tile  # noqa: E402
 
 # Arguments a real launch passes as 16-byte aligned pointers or multiples of 16.
@@ -72,6 +82,37 @@ def compile_kernel(tile, int_bits: int, group: int, fp8: bool):
                           options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
 
 
+def compile_attention(kind: str, tile: list[int], kv: str, widen: bool):
+    """The decode (``tile`` = BLOCK_N, warps, stages; one pass) or prefill (``tile`` =
+    BLOCK_M, BLOCK_N, warps, stages) attention kernel for sm_90 (see the module docstring)."""
+    kernel = triton_decode._decode_kernel if kind == "decode" else triton_prefill._prefill_kernel
+    names = list(kernel.arg_names)
+    pointers = dict(k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", part_acc_ptr="*fp32",
+                    part_max_ptr="*fp32", part_sum_ptr="*fp32", counters_ptr="*i32",
+                    block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
+                    order_ptr="*i32", slot_mapping_ptr="*i64")
+    signature = {name: pointers.get(name, "*bf16") if name.endswith("_ptr")
+                 else "fp32" if name in ("qk_scale", "k_scale", "v_scale") else "i32"
+                 for name in names}
+    shared = dict(QUERIES_PER_KV=4, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, USE_WINDOW=False,
+                  IEEE_DOT=False, FP16_DOT=kv == "fp8e4nv", SOFTCAP=0.0)
+    if kind == "decode":
+        block_n, num_warps, num_stages = tile
+        constants = dict(shared, BLOCK_G=16, BLOCK_N=block_n, SPLIT=False, MERGE_H=4,
+                         MERGE_S=16, HAS_ORDER=True, ROPE_AND_CACHE=True, HALF=64,
+                         WIDEN_FP8=widen)
+    else:
+        block_m, block_n, num_warps, num_stages = tile
+        constants = dict(shared, BLOCK_M=block_m, BLOCK_Q=block_m // 4, BLOCK_N=block_n,
+                         SKIP_DECODES=True, LONGEST_FIRST=False)
+    signature.update({name: "constexpr" for name in constants})
+    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
 def sass(compiled) -> list[tuple[int, str]]:
     """``(address, instruction)`` of the compiled kernel's machine code (cuobjdump)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -99,7 +140,14 @@ def main_loop(code: list[tuple[int, str]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tile", required=True, help="BLOCK_N,BLOCK_K,warps,stages,dot|fma[,SPLIT]")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--tile", help="BLOCK_N,BLOCK_K,warps,stages,dot|fma[,SPLIT]")
+    what.add_argument("--decode", help="BLOCK_N,warps,stages: the decode attention kernel")
+    what.add_argument("--prefill", help="BLOCK_M,BLOCK_N,warps,stages: the prefill attention kernel")
+    parser.add_argument("--kv", choices=("bf16", "fp8"), default="bf16",
+                        help="the attention kernel's cache dtype")
+    parser.add_argument("--widen", action="store_true",
+                        help="decode over fp8: widen the tiles as loaded")
     parser.add_argument("--int-bits", type=int, choices=(0, 4, 8), default=0)
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--fp8", action="store_true")
@@ -108,14 +156,27 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.fp8 and args.int_bits:
         parser.error("--fp8 and --int-bits name two weight formats: give one.")
-    tile = _parse_tile(GEMV_TILE_ENV, args.tile, rows=1)
-    loop = main_loop(sass(compile_kernel(tile, args.int_bits, args.group, args.fp8)))
+    attention = args.decode or args.prefill
+    if args.widen and not (args.decode and args.kv == "fp8"):
+        parser.error("--widen applies to --decode over --kv fp8 (the prefill kernel's FP8 "
+                     "tiles are widened as loaded already).")
+    if attention:
+        tile = [int(v) for v in attention.split(",")]
+        kv = "fp8e4nv" if args.kv == "fp8" else "bf16"
+        kind = "decode" if args.decode else "prefill"
+        loop = main_loop(sass(compile_attention(kind, tile, kv, args.widen)))
+        block_n, num_warps = tile[-3], tile[-2]
+        unit, per_thread = "KV byte", block_n * 128 * 2 * (1 if args.kv == "fp8" else 2) / (32 * num_warps)
+    else:
+        tile = _parse_tile(GEMV_TILE_ENV, args.tile, rows=1)
+        loop = main_loop(sass(compile_kernel(tile, args.int_bits, args.group, args.fp8)))
+        unit, per_thread = "weight", tile.block_n * tile.block_k / (32 * tile.num_warps)
     opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in loop)
-    weights_per_thread = tile.block_n * tile.block_k / (32 * tile.num_warps)
-    result = dict(instructions=len(loop), per_weight=len(loop) / weights_per_thread,
-                  opcodes=dict(opcodes.most_common()))
-    print(f"loop: {len(loop)} instructions, {result['per_weight']:.2f} per weight "
-          f"({weights_per_thread:.0f} weights a thread an iteration)")
+    per_unit = len(loop) / per_thread
+    result = {"instructions": len(loop), f"per_{unit.replace(' ', '_').lower()}": per_unit,
+              "opcodes": dict(opcodes.most_common())}
+    print(f"loop: {len(loop)} instructions, {per_unit:.2f} per {unit} "
+          f"({per_thread:.0f} {unit}s a thread an iteration)")
     print("  " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(12)))
     if args.print_loop:
         print("\n".join(loop))

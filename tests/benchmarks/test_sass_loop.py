@@ -1,6 +1,7 @@
-"""The small-batch product's machine code, compiled for Hopper on the CPU
-(scripts/sass_loop.py): the quantized decode products are bound by the instructions
-each weight costs, so the count is checked where it cannot drift unseen."""
+"""The small-batch product's and the decode attention's machine code, compiled for Hopper
+on the CPU (scripts/sass_loop.py): the quantized decode products, and decode attention
+over an FP8 cache, are bound by the instructions each weight or cache byte costs, so the
+count is checked where it cannot drift unseen."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def test_the_loop_costs_one_multiply_add_and_few_instructions_a_weight(args, wei
     result = sass_loop(args)
     assert weights_per_thread <= result["opcodes"]["FFMA"] <= weights_per_thread + 4
     assert result["per_weight"] < bound
+
+
+def test_fp8_tiles_widened_as_loaded_reach_the_products_without_byte_loads():
+    """PAGEDLLM_FP8_KV_WIDEN=registers: the value tile reaches the products through
+    16-bit shared-memory fragments, not one byte at a time, and the loop costs well under
+    the compiler's own placement of the conversion per byte of the cache."""
+    widened = sass_loop(["--decode", "64,4,2", "--kv", "fp8", "--widen"])
+    compiler = sass_loop(["--decode", "64,4,2", "--kv", "fp8"])
+    assert "LDS.U8" not in widened["opcodes"]
+    assert widened["per_kv_byte"] < 4.0 < compiler["per_kv_byte"]
