@@ -386,8 +386,11 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         params = [p.clone(structured_outputs=constraint_for(i)) for i, p in enumerate(params)]
         structured = core.structured
         structured.backend()  # once per engine, not per workload
+        ahead = structured.prefetch
         mask_start = (structured.mask_seconds, structured.num_mask_rows,
-                      structured.num_mask_steps, structured.num_checked_rows)
+                      structured.num_mask_steps, structured.num_checked_rows,
+                      structured.num_refused_rows, ahead.num_filled, ahead.num_used,
+                      ahead.seconds)
         structured.fill_calls.clear()
     timer = StepTimer(llm) if step_timing else None
     start = time.perf_counter()
@@ -416,9 +419,13 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         rows = structured.num_mask_rows - mask_start[1]
         steps = structured.num_mask_steps - mask_start[2]
         checked = structured.num_checked_rows - mask_start[3]
+        refused = structured.num_refused_rows - mask_start[4]
         extra.update(structured_output="json", mask_host_s=reported_seconds(mask_s),
                      mask_steps=steps, mask_rows=rows, checked_rows=checked,
-                     refused_fraction=round(rows / checked, 4) if checked else None,
+                     refused_fraction=round(refused / checked, 4) if checked else None,
+                     masks_filled_ahead=ahead.num_filled - mask_start[5],
+                     masks_used_ahead=ahead.num_used - mask_start[6],
+                     ahead_fill_s=round(ahead.seconds - mask_start[7], 4),
                      mask_ms_per_step=round(1e3 * mask_s / max(steps, 1), 4),
                      mask_us_per_token=round(1e6 * mask_s / max(output_tokens, 1), 2),
                      **fill_call_figures(structured.fill_calls))
@@ -555,8 +562,11 @@ def _row(r: dict) -> str:
         fills = ("" if not r.get("fill_calls") else
                  f"; bitmask fills of {r['fill_rows_per_call']} rows: {r['fill_ms_p50']} ms "
                  f"median, {r['fill_ms_p99']} p99, {r['fill_us_per_row']} us/row")
+        ahead = ("" if not r.get("masks_filled_ahead") else
+                 f"; masks filled ahead {r['masks_filled_ahead']}, used "
+                 f"{r['masks_used_ahead']} ({r['ahead_fill_s']} s off the step loop)")
         note = (f"{r['constrained_ratio']}x unconstrained; constraints {r['mask_ms_per_step']} "
-                f"ms/step on the host, {r['mask_us_per_token']} us/token{refused}{fills}")
+                f"ms/step on the host, {r['mask_us_per_token']} us/token{refused}{fills}{ahead}")
     if "speculative" in r:
         spec = r["speculative"]
         note = (f"{spec['measured_speedup']}x without speculation; K={spec['num_speculative_tokens']}, "

@@ -16,7 +16,10 @@ their tokens checked when the step's ids are read, before the grammars take them
 whose token is refused gets a bitmask and is drawn again. Rows masked before sampling
 (logprobs; top-k, top-p, min-p) ask for their bitmask after the forward pass is launched:
 the step in flight is resolved first, so every grammar has taken the previous step's
-tokens, and the masks are filled on the host while the device runs the forward pass.
+tokens, and the masks are filled on the host while the device runs the forward pass. At
+the end of each ``step()`` the rows the last check refused have their next masks filled
+by a worker thread (``MaskPrefetch``; ``PAGEDLLM_PREFETCH_MASKS``, on for a GPU), so a row
+refused again takes its mask ready at the next check.
 
 Pipeline parallelism keeps up to one step in flight per stage (``_pipelined_step``), each
 on other requests, so every stage works on some step while the last one samples.
@@ -44,7 +47,9 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.executor import make_model_runner
 from pagedllm.spec_decode.ngram import NgramProposer
-from pagedllm.structured.manager import StepGrammars, StructuredOutputManager
+from pagedllm.structured.manager import (
+    StepGrammars, StructuredOutputManager, prefetch_masks_wanted,
+)
 from pagedllm.worker.async_output import AsyncStepOutput
 
 logger = logging.getLogger(__name__)
@@ -88,7 +93,8 @@ class EngineCore:
         self.pipeline_depth = config.parallel_config.pipeline_parallel_size
         self._pipeline: deque[tuple[SchedulerOutput, AsyncStepOutput]] = deque()
         self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None
-        self.structured = StructuredOutputManager(self._make_grammar_backend)
+        self.structured = StructuredOutputManager(
+            self._make_grammar_backend, prefetch_masks=prefetch_masks_wanted(config.device))
         logger.info(
             "Engine ready in %.1f s: model %s (%s, %s), KV cache (%s) %d blocks x %d tokens = "
             "%d tokens, max concurrency at max_model_len=%d: %.1fx, asynchronous scheduling %s",
@@ -193,10 +199,11 @@ class EngineCore:
             if not scheduler_output.is_empty:
                 outputs.extend(scheduler.update_from_output(scheduler_output, launched.get()))
                 self._propose_ngrams()
-            return outputs
-        resolve_in_flight()
-        if not scheduler_output.is_empty:
-            self._in_flight = (scheduler_output, launched)
+        else:
+            resolve_in_flight()
+            if not scheduler_output.is_empty:
+                self._in_flight = (scheduler_output, launched)
+        self.structured.prefetch_refused()  # the grammars have taken every checked token
         return outputs
 
     def _pipelined_step(self) -> list[EngineCoreOutput]:

@@ -36,6 +36,7 @@ recomputed request continues where its grammar was.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -67,10 +68,14 @@ class RequestGrammar:
     accepting proposals (allowed ones only) to read the states after them.
     """
 
-    __slots__ = ("_future", "_backend", "grammar", "error", "_gate", "_recent", "_num_taken")
+    __slots__ = ("_future", "_backend", "grammar", "error", "_gate", "_recent", "_num_taken",
+                 "version", "_settle")
 
     def __init__(self, future: Future, backend: Callable[[], GrammarBackend],
-                 reasoning_end_token_ids: list[int] | None) -> None:
+                 reasoning_end_token_ids: list[int] | None,
+                 settle: Callable[[], None] = lambda: None) -> None:
+        """``settle()`` runs before every use of the matcher: it waits for a fill another
+        thread may be running on it (``MaskPrefetch``)."""
         self._future = future
         self._backend = backend
         self.grammar: Grammar | None = None
@@ -78,6 +83,8 @@ class RequestGrammar:
         self._gate = list(reasoning_end_token_ids or [])
         self._recent: list[int] = []
         self._num_taken = 0  # tokens the grammar has accepted
+        self.version = 0  # changes whenever the state does
+        self._settle = settle
 
     @property
     def ready(self) -> bool:
@@ -94,7 +101,10 @@ class RequestGrammar:
     @property
     def active(self) -> bool:
         """Whether the next token is constrained (compiled, past the reasoning, not done)."""
-        return self.grammar is not None and not self._gate and not self.grammar.is_terminated()
+        if self.grammar is None or self._gate:
+            return False
+        self._settle()
+        return not self.grammar.is_terminated()
 
     def allows(self, token_id: int) -> bool:
         """Whether ``token_id`` may come next: any token while the constraint is not active
@@ -117,9 +127,11 @@ class RequestGrammar:
                 return len(token_ids)
         if self.grammar is None:
             return len(token_ids)
+        self._settle()
         return free + self.grammar.num_allowed(token_ids[free:])
 
     def accept_token(self, token_id: int) -> None:
+        self.version += 1
         if self._gate:
             self._recent, closed = self._gate_step(self._recent, token_id)
             if closed:
@@ -127,6 +139,7 @@ class RequestGrammar:
             return
         if self.grammar is None:
             return
+        self._settle()
         self._num_taken += 1
         if not self.grammar.accept_tokens([token_id]):
             self.error = self.grammar.error or f"token {token_id} is not allowed"
@@ -147,7 +160,9 @@ class RequestGrammar:
     def restore(self, checkpoint: tuple) -> None:
         """Back to the state ``checkpoint`` saw: the grammar rolls back what it took since."""
         gate, recent, num_taken = checkpoint
+        self.version += 1
         if self._num_taken > num_taken:
+            self._settle()
             self.grammar.rollback(self._num_taken - num_taken)
         self._gate, self._recent, self._num_taken = gate, recent, num_taken
 
@@ -155,7 +170,95 @@ class RequestGrammar:
         """The output is complete (nothing but EOS may follow), or the grammar failed."""
         if self.error is not None:
             return True
-        return self.grammar is not None and not self._gate and self.grammar.is_terminated()
+        if self.grammar is None or self._gate:
+            return False
+        self._settle()
+        return self.grammar.is_terminated()
+
+
+PREFETCH_MASKS_ENV = "PAGEDLLM_PREFETCH_MASKS"
+
+
+def prefetch_masks_wanted(device: str) -> bool:
+    """``PAGEDLLM_PREFETCH_MASKS`` (``1`` or ``0``); unset: on where the model runs on a GPU
+    (the worker fills while the device computes; on a CPU it would take cores from the
+    forward pass)."""
+    value = os.environ.get(PREFETCH_MASKS_ENV)
+    if value is None:
+        return device == "cuda"
+    if value not in ("0", "1"):
+        raise ValueError(f"{PREFETCH_MASKS_ENV}={value!r}: give 1 (fill the masks of refused "
+                         "rows ahead of the next check) or 0.")
+    return value == "1"
+
+
+class MaskPrefetch:
+    """Bitmask rows filled ahead of a check, by a worker thread, while the device computes.
+
+    A row whose checked token the grammar refused is likely refused again at the next
+    check (structure comes in runs: keys, punctuation, numbers), and its mask there is the
+    one of the state its grammar is in once it has taken the redrawn token. ``start`` fills
+    those masks off the step loop's thread; at the next check a refused row takes its row
+    from here when its grammar is the same object in the same state (``version``), and the
+    rest are filled as before. A matcher serves one call at a time, so every use of one
+    first ``settle``s: it waits for the fill in flight (also each ``RequestGrammar``'s
+    ``settle``). Counters: ``num_filled`` rows filled ahead, ``num_used`` of them taken,
+    ``seconds`` the worker's fill time.
+    """
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-masks")
+        self._future: Future | None = None
+        self._rows: dict[int, tuple[int, int, RequestGrammar]] = {}  # id -> row, version, grammar
+        self._buffer = np.empty((0, 0), dtype=np.int32)
+        self.num_filled = 0
+        self.num_used = 0
+        self.seconds = 0.0
+
+    def settle(self) -> None:
+        """Wait for the fill in flight, if any (a failed fill leaves no rows)."""
+        future, self._future = self._future, None
+        if future is not None:
+            try:
+                self.seconds += future.result()
+            except Exception:  # noqa: BLE001 - the check fills the rows itself
+                logger.exception("Filling masks ahead failed")
+                self._rows = {}
+
+    def start(self, grammars: list[RequestGrammar],
+              fill: Callable[[list[tuple], np.ndarray], None], width: int) -> None:
+        """Fill the masks of ``grammars`` (the active ones) in their present states."""
+        self.settle()
+        self._rows = {}
+        live = [g for g in grammars if g.active]
+        if not live:
+            return
+        if self._buffer.shape[0] < len(live) or self._buffer.shape[1] != width:
+            self._buffer = np.empty((max(len(live), 2 * self._buffer.shape[0]), width), np.int32)
+        for row, grammar in enumerate(live):
+            self._rows[id(grammar)] = (row, grammar.version, grammar)
+        rows = [(grammar.grammar, row) for row, grammar in enumerate(live)]
+        buffer = self._buffer
+        self.num_filled += len(rows)
+
+        def run() -> float:
+            begin = time.perf_counter()
+            fill(rows, buffer)
+            return time.perf_counter() - begin
+
+        self._future = self._executor.submit(run)
+
+    def take(self, grammar: RequestGrammar) -> np.ndarray | None:
+        """The row filled ahead for ``grammar`` in its present state, or None. Call after
+        ``settle``."""
+        entry = self._rows.get(id(grammar))
+        if entry is None or entry[2] is not grammar or entry[1] != grammar.version:
+            return None
+        self.num_used += 1
+        return self._buffer[entry[0]]
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class StructuredOutputManager:
@@ -165,11 +268,17 @@ class StructuredOutputManager:
     compile thread). For benchmarks: ``mask_seconds`` adds up the host time spent on the
     constrained rows (checks and bitmasks), ``num_mask_steps`` the calls that checked or
     masked rows (one per step, two in a step that does both), ``num_checked_rows`` the
-    sampled tokens checked and ``num_mask_rows`` the bitmask rows filled; ``fill_calls``
+    sampled tokens checked, ``num_refused_rows`` those refused, and ``num_mask_rows`` the
+    bitmask rows filled on the step loop's thread; ``fill_calls``
     the latest calls to the backend's bitmask fill, as (seconds, rows).
+
+    With ``prefetch_masks`` on, ``prefetch_refused()`` (called by the engine once a step's
+    tokens are taken) fills the masks of the rows the last check refused ahead of the next
+    check (``MaskPrefetch``; its counters are ``prefetch``'s).
     """
 
-    def __init__(self, make_backend: Callable[[], GrammarBackend], num_threads: int = 2) -> None:
+    def __init__(self, make_backend: Callable[[], GrammarBackend], num_threads: int = 2,
+                 prefetch_masks: bool = False) -> None:
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
@@ -180,7 +289,11 @@ class StructuredOutputManager:
         self.num_mask_steps = 0
         self.num_mask_rows = 0
         self.num_checked_rows = 0
+        self.num_refused_rows = 0
         self.fill_calls: deque[tuple[float, int]] = deque(maxlen=FILL_CALLS_KEPT)
+        self.prefetch_masks = prefetch_masks
+        self.prefetch = MaskPrefetch()
+        self._refused: list[RequestGrammar] = []  # the last check's refused rows
 
     def backend(self) -> GrammarBackend:
         with self._backend_lock:
@@ -203,7 +316,8 @@ class StructuredOutputManager:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(key)
-        request.grammar = RequestGrammar(future, self.backend, params.reasoning_end_token_ids)
+        request.grammar = RequestGrammar(future, self.backend, params.reasoning_end_token_ids,
+                                         self.prefetch.settle)
 
     @property
     def bitmask_width(self) -> int:
@@ -216,6 +330,7 @@ class StructuredOutputManager:
         for token ``t``. A row whose grammar is not active (a ``None`` entry is a request
         gone since the step was planned) allows everything."""
         start = time.perf_counter()
+        self.prefetch.settle()
         self._fill(grammars, out)
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_steps += 1
@@ -227,15 +342,26 @@ class StructuredOutputManager:
         as ``fill_bitmask`` does; None when nothing is refused). A grammar that is not
         active (or ``None``) allows any token. The grammars have not taken the tokens."""
         start = time.perf_counter()
+        self.prefetch.settle()
         refused = [i for i, (grammar, token) in enumerate(zip(grammars, token_ids, strict=True))
                    if grammar is not None and not grammar.allows(token)]
         bitmask = None
         if refused:
             bitmask = allocate(len(refused), self.bitmask_width)
-            self._fill([grammars[i] for i in refused], bitmask)
+            rows = []  # refused grammars are active
+            for k, i in enumerate(refused):
+                ahead = self.prefetch.take(grammars[i])
+                if ahead is None:
+                    rows.append((grammars[i].grammar, k))
+                else:
+                    bitmask[k] = ahead
+            self._fill_rows(rows, bitmask)
+        if self.prefetch_masks:
+            self._refused = [grammars[i] for i in refused]
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_steps += 1
         self.num_checked_rows += len(token_ids)
+        self.num_refused_rows += len(refused)
         return refused, bitmask
 
     def fill_verify_bitmask(self, grammars: list[RequestGrammar | None],
@@ -248,6 +374,7 @@ class StructuredOutputManager:
         proposal (its probability under the mask is 0). Rows of a step position are
         filled together, one bitmask call per position."""
         start = time.perf_counter()
+        self.prefetch.settle()
         out[:] = -1
         row_starts = np.cumsum([0] + [len(p) + 1 for p in proposals]).tolist()
         checkpoints = [(g, g.checkpoint()) for g in grammars if g is not None]
@@ -271,6 +398,14 @@ class StructuredOutputManager:
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_steps += 1
 
+    def prefetch_refused(self) -> None:
+        """Start filling, off this thread, the masks of the rows the last check refused,
+        in the states their grammars are in now (``MaskPrefetch``); a no-op unless
+        ``prefetch_masks``. Call once the step's tokens are taken."""
+        if self._refused:
+            refused, self._refused = self._refused, []
+            self.prefetch.start(refused, self.backend().fill_bitmasks, self.bitmask_width)
+
     def _fill(self, grammars: list[RequestGrammar | None], out: np.ndarray) -> None:
         rows = []
         for i, grammar in enumerate(grammars):
@@ -290,6 +425,8 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.prefetch.settle()
+        self.prefetch.shutdown()
 
 
 class StepGrammars:

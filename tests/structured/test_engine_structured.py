@@ -245,6 +245,62 @@ def test_seeded_sampling_with_checks_reproduces_and_equals_masking_first(tiny_mo
             jsonschema.validate(json.loads(completion.text), schema)
 
 
+@pytest.mark.parametrize("setup", ["default", "async", "preempting"])
+def test_masks_filled_ahead_for_refused_rows_change_no_token(tiny_model_dir, hf_model,
+                                                             greedy_expected, setup, monkeypatch):
+    """PAGEDLLM_PREFETCH_MASKS=1: the masks of rows refused at one check are filled by a
+    worker once the step's tokens are taken; a row refused again takes its mask from there.
+    Greedy outputs still equal the reference, seeded samples those of filling at the check,
+    and masks filled ahead are used."""
+    monkeypatch.setenv("PAGEDLLM_PREFETCH_MASKS", "1")
+    ahead = make_llm(tiny_model_dir, **ENGINE_SETUPS[setup])
+    monkeypatch.setenv("PAGEDLLM_PREFETCH_MASKS", "0")
+    at_check = make_llm(tiny_model_dir, **ENGINE_SETUPS[setup])
+    assert greedy_run(ahead)[0] == greedy_expected
+    constraint = StructuredOutputsParams(json=SCHEMAS["person"])
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured_outputs=constraint)
+              for i in range(8)]
+    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(8)]
+    tokens = [[o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+              for engine in (ahead, at_check)]
+    assert tokens[0] == tokens[1]
+    prefetch = ahead.llm_engine.engine_core.structured.prefetch
+    assert 0 < prefetch.num_used <= prefetch.num_filled
+    assert at_check.llm_engine.engine_core.structured.prefetch.num_filled == 0
+
+
+def test_a_mask_filled_ahead_is_not_used_once_its_grammar_has_moved(tiny_model_dir):
+    """A row filled ahead serves only its grammar in the state it was filled in."""
+    from pagedllm.engine.tokenizer import Tokenizer
+    from pagedllm.structured.manager import StructuredOutputManager
+
+    tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
+    manager = StructuredOutputManager(lambda: LLGuidanceBackend(tokenizer, VOCAB_SIZE),
+                                      prefetch_masks=True)
+
+    class Request:
+        sampling_params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[ab]+c"))
+
+    request = Request()
+    manager.attach(request)
+    grammar = request.grammar
+    grammar._future.result()
+    assert grammar.ready
+    a, c, x = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "acx")
+    zeros = lambda rows, words: np.zeros((rows, words), dtype=np.int32)  # noqa: E731
+    refused, mask = manager.check_tokens([grammar], [c], zeros)  # "c" first: refused
+    assert refused == [0]
+    manager.prefetch_refused()
+    grammar.accept_token(a)  # the state moves on: the row filled ahead is stale
+    refused, moved = manager.check_tokens([grammar], [x], zeros)
+    assert refused == [0]
+    assert manager.prefetch.num_filled == 1 and manager.prefetch.num_used == 0
+    fresh = np.zeros_like(moved)
+    manager.fill_bitmask([grammar], fresh)
+    assert np.array_equal(moved, fresh) and not np.array_equal(moved, mask)
+    manager.shutdown()
+
+
 # -- errors ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("constraint, message", [
     (dict(json={"type": "object", "properties": {"a": {"type": "wat"}}}), "wat"),
