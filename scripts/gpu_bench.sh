@@ -29,7 +29,9 @@
 #   sync     W1 on both models again with --no-async-scheduling: what hiding the host's
 #            work behind the GPU gains, measured in the same run
 #   structured W1 on both models, unconstrained and with every request constrained to a
-#            JSON schema (bench throughput --structured-output json), side by side; the
+#            JSON schema (bench throughput --structured-output json), side by side, then
+#            again with $STRUCTURED_AB (VAR=value..., default PAGEDLLM_PREFETCH_MASKS=0,
+#            set and empty for none) into structured-ab-w1-<model>.json; the
 #            config-only models get a tokenizer of their vocabulary size first
 #            (pagedllm.benchmarks.bench_tokenizer)
 #   fp8      W1 and L1/P1 on llama-3.1-8b with --quantization fp8 (compare with w1 and
@@ -109,6 +111,7 @@ else
 fi
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
+STRUCTURED_AB=${STRUCTURED_AB-PAGEDLLM_PREFETCH_MASKS=0}  # set and empty: no second run
 STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency long w1-small sync fp8 w4a16 spec moe structured serve ab}
 read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
 
@@ -220,6 +223,11 @@ for model in "$BIG" "$SMALL"; do
     step structured "$LIMIT_STRUCTURED" $PY -m pagedllm.benchmarks.throughput --model "$model" \
         --load-format dummy "${W1_ARGS[@]}" "${tokenizer[@]}" --structured-output json --step-timing \
         --output-json "$OUT/structured-w1-$model.json"
+    if [ -n "$STRUCTURED_AB" ]; then
+        step structured "$LIMIT_STRUCTURED" env $STRUCTURED_AB $PY -m pagedllm.benchmarks.throughput \
+            --model "$model" --load-format dummy "${W1_ARGS[@]}" "${tokenizer[@]}" \
+            --structured-output json --step-timing --output-json "$OUT/structured-ab-w1-$model.json"
+    fi
 done
 
 for model in "$BIG" "$SMALL"; do
