@@ -289,3 +289,15 @@ def test_split_count_and_batch_size_compile_no_new_variant(monkeypatch) -> None:
             _run(step, num_splits=num_splits, block_n=16, max_seq_len=4096)
             (one_pass if num_splits == 1 else split).add(keys.keys.pop())
     assert len(one_pass) == 1 and len(split) == 1 and one_pass != split
+
+
+def test_caches_of_different_strides_are_refused() -> None:
+    """The kernels address a key and its value with one offset: the two caches must be
+    the halves of one tensor, or laid out alike."""
+    step = make_step(((3, 1),))
+    key_cache = step.kv_cache[0]
+    value_cache = step.kv_cache[1].transpose(0, 1).contiguous().transpose(0, 1)
+    assert value_cache.shape == key_cache.shape and value_cache.stride() != key_cache.stride()
+    with pytest.raises(ValueError, match="share their block and slot strides"):
+        paged_decode_attention(step.query, key_cache, value_cache, *batch_args(step),
+                               torch.zeros_like(step.query), max_seq_len=4, scale=0.25)

@@ -96,7 +96,9 @@ def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_paged_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    """Raise ValueError unless ``query: [T, H, D]`` fits caches ``[blocks, block_size, Hkv, D]``."""
+    """Raise ValueError unless ``query: [T, H, D]`` fits caches ``[blocks, block_size, Hkv, D]``
+    that share their block and slot strides (the attention kernels address a key and its
+    value with one offset)."""
     if query.dim() != 3:
         raise ValueError(f"query must be [tokens, heads, head_dim], got shape {tuple(query.shape)}.")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
@@ -114,6 +116,10 @@ def check_paged_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache
         )
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("KV cache must be contiguous along head_dim.")
+    if key_cache.stride()[:2] != value_cache.stride()[:2]:
+        raise ValueError("key_cache and value_cache must share their block and slot strides "
+                         f"(the two halves of one cache tensor), got {key_cache.stride()} and "
+                         f"{value_cache.stride()}.")
 
 
 FP8_KV_DOT_ENV = "PAGEDLLM_FP8_KV_DOT"

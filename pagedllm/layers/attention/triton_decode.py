@@ -215,10 +215,11 @@ def _decode_kernel(
     for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < kv_end
-        block = tl.load(table + n // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
-        in_block = (n % PAGE_SIZE).to(tl.int64)
+        page = n.to(tl.uint32)  # n >= 0: unsigned division and remainder are shifts and masks
+        block = tl.load(table + page // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_rows = block * stride_kb + (page % PAGE_SIZE).to(tl.int64) * stride_ks
         k = tl.load(
-            k_head + (block * stride_kb + in_block * stride_ks)[None, :] + d[:, None],
+            k_head + kv_rows[None, :] + d[:, None],
             mask=n_valid[None, :] & d_valid[:, None],
             other=0.0,
         )
@@ -236,8 +237,8 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head + (block * stride_vb + in_block * stride_vs)[:, None] + d[None, :],
+        v = tl.load(  # the caches share strides (check_paged_inputs)
+            v_head + kv_rows[:, None] + d[None, :],
             mask=n_valid[:, None] & d_valid[None, :],
             other=0.0,
         )

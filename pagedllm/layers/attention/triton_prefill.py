@@ -62,8 +62,6 @@ def _attend_tiles(
     qk_scale,
     stride_kb,
     stride_ks,
-    stride_vb,
-    stride_vs,
     d,
     d_valid,
     PAGE_SIZE: tl.constexpr,
@@ -83,14 +81,15 @@ def _attend_tiles(
     with V accumulate into the rescaled ``acc`` inside the dot."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
+        page = n.to(tl.uint32)  # n >= 0: unsigned division and remainder are shifts and masks
         if MASKED:
             n_valid = n < kv_end
-            block = tl.load(table + n // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+            block = tl.load(table + page // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
         else:
-            block = tl.load(table + n // PAGE_SIZE).to(tl.int64)
-        in_block = (n % PAGE_SIZE).to(tl.int64)
-        k_ptrs = k_head + (block * stride_kb + in_block * stride_ks)[None, :] + d[:, None]
-        v_ptrs = v_head + (block * stride_vb + in_block * stride_vs)[:, None] + d[None, :]
+            block = tl.load(table + page // PAGE_SIZE).to(tl.int64)
+        kv_rows = block * stride_kb + (page % PAGE_SIZE).to(tl.int64) * stride_ks
+        k_ptrs = k_head + kv_rows[None, :] + d[:, None]
+        v_ptrs = v_head + kv_rows[:, None] + d[None, :]  # the caches share strides (checked)
         if MASKED:
             k = tl.load(k_ptrs, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
@@ -154,8 +153,6 @@ def _prefill_kernel(
     stride_kb,
     stride_ks,
     stride_kh,
-    stride_vb,
-    stride_vs,
     stride_vh,
     stride_bt,
     QUERIES_PER_KV: tl.constexpr,
@@ -224,19 +221,19 @@ def _prefill_kernel(
         full_lo = tl.minimum(full_lo, full_hi)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, k_head, v_head, table, kv_start, full_lo, kv_end, pos, window,
-            qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, d, d_valid,
+            qk_scale, stride_kb, stride_ks, d, d_valid,
             PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
         )
     else:
         full_lo = 0
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, k_head, v_head, table, full_lo, full_hi, kv_end, pos, window,
-        qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, d, d_valid,
+        qk_scale, stride_kb, stride_ks, d, d_valid,
         PAGE_SIZE, BLOCK_N, False, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
     )
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, k_head, v_head, table, tl.maximum(full_hi, full_lo), kv_end, kv_end,
-        pos, window, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, d, d_valid,
+        pos, window, qk_scale, stride_kb, stride_ks, d, d_valid,
         PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
     )
 
@@ -351,8 +348,6 @@ def paged_prefill_attention(
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
         value_cache.stride(2),
         block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv,
