@@ -329,6 +329,9 @@ class IntWeights:
 
 
 GEMV_FP8_TILE_ENV = "PAGEDLLM_GEMV_FP8_TILE"
+# PAGEDLLM_FP8_HALF_SUMS=1: one row of FP8 weights multiply-adds its products in float16
+# pairs (the kernel's HALF_SUMS), off by default until measured on a GPU.
+FP8_HALF_SUMS = os.environ.get("PAGEDLLM_FP8_HALF_SUMS", "0") == "1"
 GEMV_INT_TILE_ENV = "PAGEDLLM_GEMV_INT_TILE"
 
 
@@ -577,6 +580,7 @@ def small_batch_matmul(
         GROUP=group,
         HAS_PERM=int_weights is not None and int_weights.perm is not None,
         SPLIT=tile.split,
+        HALF_SUMS=FP8_HALF_SUMS and weight_scale is not None and not tile.use_dot,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
