@@ -251,8 +251,8 @@ def small_batch_matmul_kernel(
     products accumulate in float32, and the sums are scaled by both scales. ``HALF_SUMS``
     (one row): each lane instead multiply-adds its products in float16, two a instruction,
     scaled by ``HALF_SUM_SCALE`` so that no lane's sum can overflow (a lane sums one product
-    per ``BLOCK_K`` inputs; e4m3 products are exact in float16), and the lanes' sums meet in
-    float32 at the end.
+    per ``BLOCK_K`` inputs; e4m3 products are exact in float16 but for the tiniest), and the
+    lanes' sums meet in float32 at the end.
     ``STATIC_INPUT``: every row of ``x`` is quantized with the one float32 at
     ``input_scale_ptr`` instead (static activation scales). ``AMAX_BLOCK``: the columns
     the largest-magnitude pass reads at once (wide for one row: few dependent loads).
