@@ -107,7 +107,9 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks, if any (idempotent)."""
+        """Stop the tensor-parallel ranks, if any, and the grammar threads (idempotent)."""
+        if hasattr(self, "structured"):
+            self.structured.shutdown()
         if hasattr(self, "_finalizer"):
             self._finalizer()
 
