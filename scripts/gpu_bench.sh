@@ -9,7 +9,8 @@
 #
 # Steps (each under its own time limit, so a slow one cannot eat the whole run; a failed
 # step is recorded and the next one runs):
-#   tests    pytest of the kernels, fused ops, CUDA graphs, models and engine (natively)
+#   tests    pytest of the kernels, fused ops, CUDA graphs, models, engine and structured
+#            outputs (natively; on a GPU the masks of refused rows are filled ahead)
 #   kernels  scripts/check_kernels_gpu.py: Triton attention vs the torch reference, timed
 #   w1       W1 on llama-3.1-8b (dummy bf16): pagedllm on all 256 requests, and pagedllm
 #            and the peers $HF_BACKENDS (default: HF static batching and HF continuous
@@ -94,12 +95,12 @@ if [ "$DRY" = "1" ]; then
     LONG_AB=${LONG_AB-PAGEDLLM_DENSE_PREFILL=auto}
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b MOE=mixtral-8x7b MOE_SMALL=qwen3-30b-a3b
-    read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine}"
+    read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine tests/structured}"
     W1_ARGS=(--num-prompts 256 --input-len 100:1024 --output-len 100:1024 --seed 0)
     HF_PROMPTS=${HF_PROMPTS:-64} HF_LIMIT_S=${HF_LIMIT_S:-35}
     LIMIT_SYNC=${LIMIT_SYNC:-60}
     LAT_ARGS=()
-    LIMIT_TESTS=${LIMIT_TESTS:-80} LIMIT_KERNELS=40 LIMIT_W1=${LIMIT_W1:-220}
+    LIMIT_TESTS=${LIMIT_TESTS:-150} LIMIT_KERNELS=40 LIMIT_W1=${LIMIT_W1:-220}
     LIMIT_LAT=${LIMIT_LAT:-60} LIMIT_SMALL=50
     LIMIT_FP8_KERNELS=${LIMIT_FP8_KERNELS:-150} LIMIT_SWEEP=${LIMIT_SWEEP:-200}
     LIMIT_AB=${LIMIT_AB:-200} LIMIT_STRUCTURED=${LIMIT_STRUCTURED:-240} LIMIT_SERVE=${LIMIT_SERVE:-420}
