@@ -28,6 +28,7 @@ import collections
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -208,6 +209,7 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
     core_timing = scratch / "core-steps.json"
     server = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", args.model, *engine,
+         *shlex.split(args.serve_args),
          "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
          "--api-server-count", str(count)],
         start_new_session=True, env={**os.environ, STEP_TIMING_ENV: str(core_timing)})
@@ -244,7 +246,8 @@ def _serve_run(args: argparse.Namespace, engine: list[str], offline: dict, count
     return {
         "workload": "serve-vs-offline", "model": args.model, "num_prompts": args.num_prompts,
         "input_len": args.input_len, "output_len": args.output_len,
-        "engine_args": args.engine_args, "api_server_count": count, "clients": args.clients,
+        "engine_args": args.engine_args, "serve_args": args.serve_args,
+        "api_server_count": count, "clients": args.clients,
         "offline_output_tok_s": offline["output_tok_s"],
         "http_output_tok_s": http["output_throughput"], "http_vs_offline": ratio,
         "target": TARGET, "met": ratio >= TARGET, "duration_s": http["duration_s"],
@@ -363,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", default="1024")
     parser.add_argument("--output-len", default="128")
     parser.add_argument("--engine-args", default="", help="More engine flags, for both paths.")
+    parser.add_argument("--serve-args", default="",
+                        help="More server flags, e.g. '--stream-interval 4' (the HTTP path only).")
     parser.add_argument("--api-server-counts", default=[1],
                         type=lambda text: [int(n) for n in text.split(",")],
                         help="Comma-separated --api-server-count values: one server each, "

@@ -75,22 +75,40 @@ class RequestStream:
     """The outputs of one request, as an async iterator of ``RequestOutput`` deltas.
 
     Deltas that pile up while the consumer is busy are merged into one, so a slow client
-    gets fewer, larger chunks and never a growing backlog of small ones.
+    gets fewer, larger chunks and never a growing backlog of small ones. With ``interval``
+    N > 1 the consumer is woken for the first delta at once and then only once N new tokens
+    (all choices together) have come, the request has finished, or an error is queued: a
+    streamed response sends a chunk every N tokens instead of every token.
     """
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, n: int) -> None:
+    def __init__(self, engine: "AsyncEngine", request_id: str, n: int, interval: int = 1) -> None:
         self.request_id = request_id
         self.n = n
         self._engine = engine
         self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._waiter: asyncio.Future | None = None  # set while the consumer waits
+        self._interval = interval
+        self._pending_tokens = 0  # in the queued deltas
+        self._started = False  # a delta was taken
         self.finished = False
+
+    def _due(self) -> bool:
+        """Whether the consumer takes what is queued now (see the class docstring)."""
+        if not self._items:
+            return False
+        if self._interval == 1 or not self._started or self._pending_tokens >= self._interval:
+            return True
+        last = self._items[-1]
+        return isinstance(last, BaseException) or last.finished
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         self._items.append(item)
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if self._interval > 1 and not isinstance(item, BaseException):
+            self._pending_tokens += sum(len(c.token_ids) for c in item.outputs)
+        if self._waiter is not None and self._due():
+            waiter, self._waiter = self._waiter, None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -98,13 +116,15 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        while not self._items:
+        while not self._due():
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         item = self._items.popleft()
         while (not isinstance(item, BaseException) and not item.finished and self._items
                and not isinstance(self._items[0], BaseException)):  # an error: the next call
             item = _merge_deltas(item, self._items.popleft())
+        self._pending_tokens = 0  # what is left is an error, or nothing
+        self._started = True
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -124,12 +144,15 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, client: EngineCoreClient, tokenizer: Tokenizer | None,
                  metrics: ServerMetrics | None = None, max_num_waiting: int | None = None,
-                 request_timeout_s: float | None = None) -> None:
+                 request_timeout_s: float | None = None, stream_interval: int = 1) -> None:
         """``max_num_waiting``: core requests that may wait at once (None: unbounded);
-        ``request_timeout_s``: seconds from arrival a request may take (None: no limit)."""
+        ``request_timeout_s``: seconds from arrival a request may take (None: no limit);
+        ``stream_interval``: new tokens a stream gathers before its consumer wakes, after
+        the first (``RequestStream``)."""
         self.config = config
         self.max_num_waiting = max_num_waiting
         self.request_timeout_s = request_timeout_s
+        self.stream_interval = stream_interval
         self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(config.model_config, tokenizer)
@@ -225,7 +248,7 @@ class AsyncEngine:
             request_id, processed.prompt, processed.prompt_token_ids, params,
             output_kind="delta", arrival_time=arrival_time,
         )
-        stream = RequestStream(self, request_id, params.n)
+        stream = RequestStream(self, request_id, params.n, self.stream_interval)
         self._streams[request_id] = stream
         self._timings[request_id] = _RequestTiming(
             arrival_time, len(processed.prompt_token_ids), tokens_per_sequence=[0] * params.n,

@@ -420,7 +420,7 @@ def _engine_limits(args: argparse.Namespace) -> dict:
     the processes)."""
     waiting = args.max_num_waiting
     return {"max_num_waiting": None if waiting is None else waiting // args.api_server_count,
-            "request_timeout_s": args.request_timeout}
+            "request_timeout_s": args.request_timeout, "stream_interval": args.stream_interval}
 
 
 async def _serve_app(args: argparse.Namespace, config, engine: AsyncEngine,

@@ -78,6 +78,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="Abort a request that has run this many seconds since it arrived "
                             "and answer 504 (a stream ends with an error event) (default: "
                             "none, no limit).")
+    group.add_argument("--stream-interval", type=int, default=1,
+                       help="A streamed response sends a request's new tokens every N tokens "
+                            "(its first token at once, its last with the finish reason): "
+                            "fewer, larger chunks and fewer socket writes for the API "
+                            "process (default 1: every token).")
     group.add_argument("--max-request-body-bytes", type=int, default=10 * 1024 * 1024,
                        help="Largest request body accepted, in bytes; a larger one is answered "
                             "413 before it is read.")
@@ -152,6 +157,8 @@ def validate_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-num-waiting must be >= 1, got {args.max_num_waiting}.")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}.")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}.")
     for flag in ("max_request_body_bytes", "max_n", "max_stop_sequences"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
