@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from pagedllm.switches import switch
+
 FUSED_OPS_ENV = "PAGEDLLM_FUSED_OPS"
 
 
@@ -331,7 +333,7 @@ class IntWeights:
 GEMV_FP8_TILE_ENV = "PAGEDLLM_GEMV_FP8_TILE"
 # PAGEDLLM_FP8_HALF_SUMS=1: one row of FP8 weights multiply-adds its products in float16
 # pairs (the kernel's HALF_SUMS), off by default until measured on a GPU.
-FP8_HALF_SUMS = os.environ.get("PAGEDLLM_FP8_HALF_SUMS", "0") == "1"
+FP8_HALF_SUMS = switch("PAGEDLLM_FP8_HALF_SUMS", False)
 GEMV_INT_TILE_ENV = "PAGEDLLM_GEMV_INT_TILE"
 
 

@@ -36,7 +36,6 @@ recomputed request continues where its grammar was.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -47,6 +46,7 @@ import numpy as np
 
 from pagedllm.structured.backend import Grammar, GrammarBackend
 from pagedllm.structured.params import StructuredOutputsParams
+from pagedllm.switches import switch
 
 logger = logging.getLogger(__name__)
 
@@ -183,13 +183,7 @@ def prefetch_masks_wanted(device: str) -> bool:
     """``PAGEDLLM_PREFETCH_MASKS`` (``1`` or ``0``); unset: on where the model runs on a GPU
     (the worker fills while the device computes; on a CPU it would take cores from the
     forward pass)."""
-    value = os.environ.get(PREFETCH_MASKS_ENV)
-    if value is None:
-        return device == "cuda"
-    if value not in ("0", "1"):
-        raise ValueError(f"{PREFETCH_MASKS_ENV}={value!r}: give 1 (fill the masks of refused "
-                         "rows ahead of the next check) or 0.")
-    return value == "1"
+    return switch(PREFETCH_MASKS_ENV, device == "cuda")
 
 
 class MaskPrefetch:

@@ -116,7 +116,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import os
 import time
 from typing import Callable
 
@@ -125,6 +124,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention.backend import AttentionMetadata, set_forward_context
+from pagedllm.switches import switch
 from pagedllm.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ MIXED_GRAPHS_ENV = "PAGEDLLM_MIXED_GRAPHS"
 def mixed_graphs_enabled() -> bool:
     """Whether the engine captures mixed-step graphs: ``PAGEDLLM_MIXED_GRAPHS=1`` (off by
     default until measured against the eager steps on a GPU)."""
-    return os.environ.get(MIXED_GRAPHS_ENV, "0") == "1"
+    return switch(MIXED_GRAPHS_ENV, False)
 
 
 def verify_capture_sizes(max_num_seqs: int, width: int, max_num_batched_tokens: int) -> list[int]:

@@ -25,7 +25,6 @@ on host integers and is safe to capture in a CUDA graph.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -43,6 +42,7 @@ from pagedllm.layers.attention.triton_common import (
     uses_ieee_dot,
 )
 from pagedllm.layers.launch_math import next_power_of_2
+from pagedllm.switches import switch
 
 
 @triton.jit
@@ -246,7 +246,7 @@ def _prefill_kernel(
     )
 
 
-PREFILL_LONGEST_FIRST = os.environ.get("PAGEDLLM_PREFILL_LONGEST_FIRST", "0") != "0"
+PREFILL_LONGEST_FIRST = switch("PAGEDLLM_PREFILL_LONGEST_FIRST", False)
 
 
 def prefill_tile_config(
