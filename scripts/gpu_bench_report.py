@@ -288,7 +288,7 @@ def main() -> int:
 
     print(f"\nwrote {args.dir / name}  (gpu: {meta['gpu']}, commit: {meta['commit']})")
     print(f"{'workload':>8} {'model':>14} {'output tok/s':>13} {'x HF static':>12} "
-          f"{'x HF cb':>8} {'ms/token':>9} {'prompt tok/s':>13}  target")
+          f"{'x HF cb':>8} {'ms/token':>9} {'TPOT ms':>8} {'prompt tok/s':>13}  target")
     for r in records:
         if "kv_capacity_vs_auto" in r:
             print(f"  W1 {r['model']} --quantization fp8: KV cache {fp8['auto']['kv_cache_tokens']} "
@@ -305,7 +305,7 @@ def main() -> int:
         workload = r["workload"] + (f" {r['variant']}" if "variant" in r else "")
         print(f"{workload:>8} {r['model']:>14} {cell('output_tok_s'):>13} "
               f"{cell('ratio_vs_hf_static'):>12} {cell('ratio_vs_hf_cb'):>8} "
-              f"{cell('ms_per_token'):>9} {cell('prompt_tok_s'):>13}  {verdict}")
+              f"{cell('ms_per_token'):>9} {cell('tpot_ms'):>8} {cell('prompt_tok_s'):>13}  {verdict}")
     if served:
         from gpu_bench_serve import table
 

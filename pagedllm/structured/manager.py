@@ -262,9 +262,10 @@ class StructuredOutputManager:
     compile thread). For benchmarks: ``mask_seconds`` adds up the host time spent on the
     constrained rows (checks and bitmasks), ``num_mask_steps`` the calls that checked or
     masked rows (one per step, two in a step that does both), ``num_checked_rows`` the
-    sampled tokens checked, ``num_refused_rows`` those refused, and ``num_mask_rows`` the
-    bitmask rows filled on the step loop's thread; ``fill_calls``
-    the latest calls to the backend's bitmask fill, as (seconds, rows).
+    sampled tokens checked (rows whose constraint is active: not a token sampled past the
+    end of a complete output, as an asynchronous step samples one), ``num_refused_rows``
+    those refused, and ``num_mask_rows`` the bitmask rows filled on the step loop's thread;
+    ``fill_calls`` the latest calls to the backend's bitmask fill, as (seconds, rows).
 
     With ``prefetch_masks`` on, ``prefetch_refused()`` (called by the engine once a step's
     tokens are taken) fills the masks of the rows the last check refused ahead of the next
@@ -337,8 +338,10 @@ class StructuredOutputManager:
         active (or ``None``) allows any token. The grammars have not taken the tokens."""
         start = time.perf_counter()
         self.prefetch.settle()
-        refused = [i for i, (grammar, token) in enumerate(zip(grammars, token_ids, strict=True))
-                   if grammar is not None and not grammar.allows(token)]
+        if len(grammars) != len(token_ids):
+            raise ValueError(f"{len(grammars)} grammars for {len(token_ids)} sampled tokens.")
+        checked = [i for i, grammar in enumerate(grammars) if grammar is not None and grammar.active]
+        refused = [i for i in checked if not grammars[i].grammar.is_allowed(token_ids[i])]
         bitmask = None
         if refused:
             bitmask = allocate(len(refused), self.bitmask_width)
@@ -354,7 +357,7 @@ class StructuredOutputManager:
             self._refused = [grammars[i] for i in refused]
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_steps += 1
-        self.num_checked_rows += len(token_ids)
+        self.num_checked_rows += len(checked)
         self.num_refused_rows += len(refused)
         return refused, bitmask
 

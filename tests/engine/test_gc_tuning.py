@@ -12,12 +12,16 @@ from pagedllm.engine.gc_tuning import GC_ENV, YOUNG_THRESHOLD
 
 PROBE = ("import gc, json\n"
          "from pagedllm.engine.gc_tuning import tune_for_serving\n"
-         "default = gc.get_threshold()\n"
+         "default, frozen_before = gc.get_threshold(), gc.get_freeze_count()\n"
          "tune_for_serving()\n"
-         "print(json.dumps([default, gc.get_threshold(), gc.get_freeze_count()]))\n")
+         "frozen = gc.get_freeze_count() - frozen_before\n"
+         "print(json.dumps([default, gc.get_threshold(), frozen]))\n")
 
 
 def probe(env_value: str | None) -> tuple[list, list, int]:
+    """The collector's thresholds before and after ``tune_for_serving`` in a fresh
+    interpreter, and how many objects it froze (an interpreter's start-up may freeze
+    some of its own before)."""
     env = {k: v for k, v in os.environ.items() if k != GC_ENV}
     if env_value is not None:
         env[GC_ENV] = env_value

@@ -193,10 +193,15 @@ def mask_counters(llm) -> tuple[int, int]:
     return structured.num_checked_rows, structured.num_mask_rows
 
 
-def test_checked_rows_cost_a_mask_only_when_refused_and_keep_the_masked_tokens(llm):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_checked_rows_cost_a_mask_only_when_refused_and_keep_the_masked_tokens(
+        tiny_model_dir, async_scheduling):
     """Constrained rows are sampled without their mask and their tokens checked; only a
-    refused token costs a bitmask. The greedy tokens are those of masking first (which
-    requests asking for logprobs take)."""
+    refused token costs a bitmask, and a token an asynchronous step samples past the end
+    of a complete output is not checked. The greedy tokens are those of masking first
+    (which requests asking for logprobs take)."""
+    llm = make_llm(tiny_model_dir, async_scheduling=async_scheduling)
+
     def run(**extra):
         before = mask_counters(llm)
         requests, params = [], []

@@ -250,17 +250,18 @@ class _AttentionOnly(nn.Module):
                  head_dim: int = 16) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(3)
-        self.q = torch.randn(vocab_size, num_heads * head_dim, generator=g)
-        self.k = torch.randn(vocab_size, num_kv_heads * head_dim, generator=g)
-        self.v = torch.randn(vocab_size, num_kv_heads * head_dim, generator=g)
-        self.attn = Attention(num_heads, head_dim, num_kv_heads, 0.25, layer_idx=0)
+        for name, width in (("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads)):
+            table = torch.randn(vocab_size, width * head_dim, generator=g)
+            self.register_buffer(name, table.to(DEVICE))
+        with torch.device(DEVICE):  # the layer takes the backend of the device it is built on
+            self.attn = Attention(num_heads, head_dim, num_kv_heads, 0.25, layer_idx=0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.attn(self.q[input_ids], self.k[input_ids], self.v[input_ids])
 
 
 def _step_inputs(step, input_ids: torch.Tensor) -> StepInputs:
-    """``StepInputs`` of a ``make_step`` step whose tokens have ``input_ids``."""
+    """``StepInputs`` (host arrays) of a ``make_step`` step whose tokens have ``input_ids``."""
     md = step.metadata
     qsl = np.asarray(md.query_start_loc_cpu)
     seq_lens = np.asarray(md.seq_lens_cpu)
@@ -269,9 +270,9 @@ def _step_inputs(step, input_ids: torch.Tensor) -> StepInputs:
     num_seqs = len(seq_lens)
     empty = np.zeros(0, dtype=np.int64)
     return StepInputs(
-        req_ids=[str(b) for b in range(num_seqs)], states=[], input_ids=input_ids.numpy(),
-        positions=positions, slot_mapping=md.slot_mapping.numpy(), query_start_loc=qsl,
-        seq_lens=seq_lens, block_tables=md.block_tables.numpy(),
+        req_ids=[str(b) for b in range(num_seqs)], states=[], input_ids=input_ids.cpu().numpy(),
+        positions=positions, slot_mapping=md.slot_mapping.cpu().numpy(), query_start_loc=qsl,
+        seq_lens=seq_lens, block_tables=md.block_tables.cpu().numpy(),
         max_query_len=md.max_query_len, sample_req_indices=list(range(num_seqs)),
         logits_indices=qsl[1:] - 1, pending_token_indices=empty, pending_sample_rows=empty,
     )
@@ -314,7 +315,7 @@ def test_verify_padding_leaves_real_rows_and_the_kv_cache_as_eager(seqs, monkeyp
     inputs = _step_inputs(step, input_ids)
     eager_cache = step.kv_cache.clone()
     with set_forward_context(step.metadata, [eager_cache]):
-        want = model(input_ids, torch.from_numpy(inputs.positions))
+        want = model(input_ids.to(DEVICE), torch.from_numpy(inputs.positions).to(DEVICE))
 
     runner = CudaGraphRunner(model, [step.kv_cache], max_num_seqs=8, max_model_len=32,
                              block_size=4, device=DEVICE, max_num_batched_tokens=32,
