@@ -51,7 +51,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedllm.layers.attention import (  # noqa: E402
-    dense_prefill, triton_common, triton_decode, triton_prefill,
+    dense_prefill, triton_decode, triton_prefill,
 )
 from pagedllm.layers.attention.backend import AttentionMetadata  # noqa: E402
 from pagedllm.layers.attention.torch_ref import TorchReferenceBackend  # noqa: E402
@@ -638,55 +638,37 @@ def run_fp8_kv_check(name: str, seqs: list[tuple[int, int]], window: int | None,
                 cache_exact=cache_exact, finite=finite, ok=ok)
 
 
-@contextlib.contextmanager
-def fp8_widen(mode: str) -> Iterator[None]:
-    """``PAGEDLLM_FP8_KV_WIDEN=mode`` for the launches inside."""
-    saved, triton_common.FP8_KV_WIDEN = triton_common.FP8_KV_WIDEN, mode
-    try:
-        yield
-    finally:
-        triton_common.FP8_KV_WIDEN = saved
-
-
-FP8_WIDEN_MODES = ("compiler", "registers")
-
-
 def fp8_kv_checks() -> list[dict[str, Any]]:
-    """``run_fp8_kv_check`` on every case of ``check_cases`` with each
-    ``PAGEDLLM_FP8_KV_WIDEN`` mode, printed as they finish."""
+    """``run_fp8_kv_check`` on every case of ``check_cases``, printed as they finish."""
     rows = []
     for seed, (name, seqs, window) in enumerate(check_cases(), start=40):
-        for mode in FP8_WIDEN_MODES:
-            with fp8_widen(mode):
-                row = run_fp8_kv_check(f"{name}, widen {mode}", seqs, window, seed)
-            rows.append(row)
-            print(f"{row['case']:60} {row['triton_max_abs_err']:11.2e} "
-                  f"{row['torch_bf16_max_abs_err']:12.2e} "
-                  f"{'exact' if row['cache_exact'] else 'DIFF':>6}  {'ok' if row['ok'] else 'FAIL'}",
-                  flush=True)
+        row = run_fp8_kv_check(name, seqs, window, seed)
+        rows.append(row)
+        print(f"{row['case']:60} {row['triton_max_abs_err']:11.2e} "
+              f"{row['torch_bf16_max_abs_err']:12.2e} "
+              f"{'exact' if row['cache_exact'] else 'DIFF':>6}  {'ok' if row['ok'] else 'FAIL'}",
+              flush=True)
         torch.cuda.empty_cache()
     return rows
 
 
 def fp8_kv_timing_rows() -> list[dict[str, Any]]:
     """Decode attention alone over a bf16 and an FP8 cache of the same contexts, per tile
-    (the engine's split plan), the FP8 one with each ``PAGEDLLM_FP8_KV_WIDEN`` mode; GB/s
-    counts the bytes each cache holds."""
+    (the engine's split plan); GB/s counts the bytes each cache holds."""
     rows: list[dict[str, Any]] = []
     cases = [w1_decode_mixes()[0], ("decode 256 x 1024", [(1023, 1)] * 256),
              ("decode 1 x 8192", [(8191, 1)])]
     for label, seqs in cases:
         bf16 = make_step(seqs, seed=50)
         fp8 = fp8_kv_step(bf16)
-        runs = [("bfloat16", "compiler", bf16)] + [("float8_e4m3fn", m, fp8) for m in FP8_WIDEN_MODES]
-        for cache, mode, step in runs:
+        for cache, step in (("bfloat16", bf16), ("float8_e4m3fn", fp8)):
             for tile in FP8_KV_TILES:
-                with decode_tile(tile), fp8_widen(mode):
+                with decode_tile(tile):
                     ms = bench_ms(decode_only(step))
-                rows.append(dict(case=label, cache=cache, widen=mode, block_n=tile[0],
+                rows.append(dict(case=label, cache=cache, block_n=tile[0],
                                  num_warps=tile[1], num_stages=tile[2], ms=ms,
                                  gb_s=kv_bytes(step) / ms / 1e6))
-                print(f"{label:26} {cache:14} {mode:9} tile {tile}: {ms * 1e3:8.1f} us "
+                print(f"{label:26} {cache:14} tile {tile}: {ms * 1e3:8.1f} us "
                       f"{rows[-1]['gb_s']:6.0f} GB/s", flush=True)
         del bf16, fp8, step
         torch.cuda.empty_cache()

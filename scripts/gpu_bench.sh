@@ -37,14 +37,12 @@
 #            (pagedllm.benchmarks.bench_tokenizer)
 #   fp8      W1 and L1/P1 on llama-3.1-8b with --quantization fp8 (compare with w1 and
 #            latency, bf16, in the same run); W1 again with --kv-cache-dtype fp8 as well
-#            (the report gives both runs' KV capacity in tokens and their ratio), and with
-#            PAGEDLLM_FP8_KV_WIDEN=registers (FP8 tiles widened as loaded); L1/P1 again
+#            (the report gives both runs' KV capacity in tokens and their ratio); L1/P1 again
 #            with PAGEDLLM_FP8_HALF_SUMS=1 (one row's products summed in float16 pairs); and
 #            tests/quantization/test_fp8_kv_cache.py on the GPU (greedy tokens against HF
 #            with FP8 keys and values, held-out perplexity within 1%); and
 #            check_kernels_gpu.py --fp8-kv (the kernels over an FP8 cache at real sizes
-#            against the torch reference; decode over bf16 and FP8 caches by tile; both with
-#            each PAGEDLLM_FP8_KV_WIDEN mode); and
+#            against the torch reference; decode over bf16 and FP8 caches by tile); and
 #            scripts/gemv_quant_sweep.py --kinds fp8 (the small-batch product's tiles)
 #   w4a16    W1 and L1/P1 on llama-3.1-8b with dummy 4-bit weights (--quantization gptq
 #            --load-format dummy: groups of 128, the W4A16 kernels of layers/int_matmul.py
@@ -173,9 +171,6 @@ step fp8 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load
     "${W1_ARGS[@]}" --quantization fp8 --output-json "$OUT/fp8-w1-$BIG.json"
 step fp8 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
     "${W1_ARGS[@]}" --quantization fp8 --kv-cache-dtype fp8 --output-json "$OUT/fp8-kv-w1-$BIG.json"
-step fp8 "$LIMIT_W1" env PAGEDLLM_FP8_KV_WIDEN=registers $PY -m pagedllm.benchmarks.throughput \
-    --model "$BIG" --load-format dummy "${W1_ARGS[@]}" --quantization fp8 --kv-cache-dtype fp8 \
-    --output-json "$OUT/fp8-kv-widen-w1-$BIG.json"
 step fp8 "$LIMIT_TESTS" $PY -m pytest -q -x -p no:cacheprovider tests/quantization/test_fp8_kv_cache.py
 if [ "$DRY" != "1" ]; then
     step fp8 "$LIMIT_FP8_KERNELS" $PY scripts/check_kernels_gpu.py --skip-checks --fp8-kv \

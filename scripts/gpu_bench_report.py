@@ -266,12 +266,8 @@ def main() -> int:
             w1["ratio_target_met"] = w1["ratio_vs_hf_static"] >= RATIO_TARGET
     records += _long(args.dir, args.big, meta, dry)
     fp8 = {}
-    for cache, variant, stem in (("auto", "fp8", "fp8"), ("fp8", "fp8+kv", "fp8-kv"),
-                                 ("fp8-widen", "fp8+kv, PAGEDLLM_FP8_KV_WIDEN=registers",
-                                  "fp8-kv-widen")):
+    for cache, variant, stem in (("auto", "fp8", "fp8"), ("fp8", "fp8+kv", "fp8-kv")):
         path = args.dir / f"{stem}-w1-{args.big}.json"
-        if cache == "fp8-widen" and not path.is_file():
-            continue  # a record from before the variant existed
         fp8[cache] = _throughput(_load(path), "W1", args.big, meta, None)
         fp8[cache].update(quantization="fp8", variant=variant)
         records.append(fp8[cache])

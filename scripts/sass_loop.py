@@ -6,7 +6,7 @@ decode products (docs/benchmarks.md, "Quantized decode of a few sequences") and 
 attention over an FP8 cache.
 
     python scripts/sass_loop.py --tile 64,64,4,3,fma,8 --int-bits 4 [--print-loop]
-    python scripts/sass_loop.py --decode 128,4,3 --kv fp8 [--widen]
+    python scripts/sass_loop.py --decode 128,4,3 --kv fp8
 
 ``--tile BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma[,SPLIT]`` as
 ``PAGEDLLM_GEMV_TILE`` takes it; ``--int-bits 4|8`` for packed integer weights (groups of
@@ -18,9 +18,7 @@ most frequent opcodes; ``--print-loop`` the loop itself, ``--json`` the counts a
 (Llama-3.1-8B's heads: 4 query heads a KV head, head_dim 128, pages of 16; the rope and
 cache write of the new token riding on it, as in the engine), ``--prefill
 BLOCK_M,BLOCK_N,num_warps,num_stages`` the prefill attention kernel (its longest loop), over
-a ``--kv bf16|fp8`` cache; ``--widen`` compiles the decode kernel as
-``PAGEDLLM_FP8_KV_WIDEN=registers`` does. Counts are per byte of keys and values a thread
-loads. It compiles whatever ``TRITON_INTERPRET`` says (the
+a ``--kv bf16|fp8`` cache. Counts are per byte of keys and values a thread loads. It compiles whatever ``TRITON_INTERPRET`` says (the
 variable is dropped).
 """
 
@@ -83,7 +81,7 @@ def compile_kernel(tile, int_bits: int, group: int, fp8: bool, half_sums: bool =
                           options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
 
 
-def compile_attention(kind: str, tile: list[int], kv: str, widen: bool):
+def compile_attention(kind: str, tile: list[int], kv: str):
     """The decode (``tile`` = BLOCK_N, warps, stages; one pass) or prefill (``tile`` =
     BLOCK_M, BLOCK_N, warps, stages) attention kernel for sm_90 (see the module docstring)."""
     kernel = triton_decode._decode_kernel if kind == "decode" else triton_prefill._prefill_kernel
@@ -100,8 +98,7 @@ def compile_attention(kind: str, tile: list[int], kv: str, widen: bool):
     if kind == "decode":
         block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_G=16, BLOCK_N=block_n, SPLIT=False, MERGE_H=4,
-                         MERGE_S=16, HAS_ORDER=True, ROPE_AND_CACHE=True, HALF=64,
-                         WIDEN_FP8=widen)
+                         MERGE_S=16, HAS_ORDER=True, ROPE_AND_CACHE=True, HALF=64)
     else:
         block_m, block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_M=block_m, BLOCK_Q=block_m // 4, BLOCK_N=block_n,
@@ -149,8 +146,6 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the attention kernel's cache dtype")
     parser.add_argument("--half-sums", action="store_true",
                         help="--fp8, one row: products summed in float16 pairs (HALF_SUMS)")
-    parser.add_argument("--widen", action="store_true",
-                        help="decode over fp8: widen the tiles as loaded")
     parser.add_argument("--int-bits", type=int, choices=(0, 4, 8), default=0)
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--fp8", action="store_true")
@@ -160,14 +155,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.fp8 and args.int_bits:
         parser.error("--fp8 and --int-bits name two weight formats: give one.")
     attention = args.decode or args.prefill
-    if args.widen and not (args.decode and args.kv == "fp8"):
-        parser.error("--widen applies to --decode over --kv fp8 (the prefill kernel's FP8 "
-                     "tiles are widened as loaded already).")
     if attention:
         tile = [int(v) for v in attention.split(",")]
         kv = "fp8e4nv" if args.kv == "fp8" else "bf16"
         kind = "decode" if args.decode else "prefill"
-        loop = main_loop(sass(compile_attention(kind, tile, kv, args.widen)))
+        loop = main_loop(sass(compile_attention(kind, tile, kv)))
         block_n, num_warps = tile[-3], tile[-2]
         unit, per_thread = "KV byte", block_n * 128 * 2 * (1 if args.kv == "fp8" else 2) / (32 * num_warps)
     else:

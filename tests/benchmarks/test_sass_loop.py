@@ -38,16 +38,6 @@ def test_the_loop_costs_one_multiply_add_and_few_instructions_a_weight(args, wei
     assert result["per_weight"] < bound
 
 
-def test_fp8_tiles_widened_as_loaded_reach_the_products_without_byte_loads():
-    """PAGEDLLM_FP8_KV_WIDEN=registers: the value tile reaches the products through
-    16-bit shared-memory fragments, not one byte at a time, and the loop costs well under
-    the compiler's own placement of the conversion per byte of the cache."""
-    widened = sass_loop(["--decode", "64,4,2", "--kv", "fp8", "--widen"])
-    compiler = sass_loop(["--decode", "64,4,2", "--kv", "fp8"])
-    assert "LDS.U8" not in widened["opcodes"]
-    assert widened["per_kv_byte"] < 3.5 < 4.0 < compiler["per_kv_byte"]
-
-
 def test_a_decode_tile_pages_its_keys_and_values_with_one_offset():
     """Each key's page and slot are found once for its key and its value (the caches
     share strides), with unsigned shifts and masks: about 1.6 instructions a bf16 cache

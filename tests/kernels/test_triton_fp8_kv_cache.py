@@ -148,38 +148,3 @@ def test_gpu_write_rounds_arbitrary_values_as_torch_does(dtype) -> None:
     write_kv_cache(step.key * 40, step.value / 64, cache[0], cache[1], step.metadata.slot_mapping,
                    k_scale, v_scale)
     assert _same_bytes(cache, want)
-
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="inline PTX: not under the interpreter")
-@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-3"])
-def test_fp8_tiles_widened_as_loaded_attend_alike(num_splits, monkeypatch) -> None:
-    """PAGEDLLM_FP8_KV_WIDEN=registers (four e4m3 values widened by inline PTX): bf16
-    decodes over an FP8 cache match the reference, and the compiler's own widening."""
-    from pagedllm.layers.attention import triton_common
-
-    step = make_fp8_step(DECODES, num_heads=8, num_kv_heads=2, head_dim=64, seed=8,
-                         dtype=torch.bfloat16, **SCALES)
-    want, _ = reference_attention(step, 0.25, None, **SCALES)
-    md = step.metadata
-    write_kv_cache(step.key, step.value, step.kv_cache[0], step.kv_cache[1], md.slot_mapping, **SCALES)
-    outs = {}
-    for mode in ("compiler", "registers"):
-        monkeypatch.setattr(triton_common, "FP8_KV_WIDEN", mode)
-        assert triton_common.widens_fp8_in_registers(step.query, FP8_DTYPE) == (mode == "registers")
-        outs[mode] = torch.zeros_like(step.query)
-        paged_decode_attention(step.query, step.kv_cache[0], step.kv_cache[1], *batch_args(step),
-                               outs[mode], max_seq_len=md.max_seq_len, scale=0.25,
-                               num_splits=num_splits, **SCALES)
-    torch.testing.assert_close(outs["registers"].float(), want, **TOLERANCE[torch.bfloat16])
-    torch.testing.assert_close(outs["registers"], outs["compiler"], rtol=0, atol=1e-2)
-
-
-def test_the_widening_switch_is_checked_and_stays_off_without_a_gpu(monkeypatch) -> None:
-    from pagedllm.layers.attention import triton_common
-
-    monkeypatch.setattr(triton_common, "FP8_KV_WIDEN", "registers")
-    query = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
-    assert not triton_common.widens_fp8_in_registers(query, FP8_DTYPE)  # a CPU tensor
-    monkeypatch.setenv(triton_common.FP8_KV_WIDEN_ENV, "always")
-    with pytest.raises(ValueError, match="PAGEDLLM_FP8_KV_WIDEN='always'.*registers"):
-        triton_common._fp8_kv_widen()

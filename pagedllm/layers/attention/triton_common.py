@@ -9,9 +9,7 @@ An FP8 cache (float8_e4m3fn, ``kv_quant.py``): every write goes through ``to_cac
 (divide by the layer's scale, clamp to +-448, round to nearest); reads cast the stored
 values up to the queries' dtype (exact) and apply the scales outside the products:
 ``k_scale`` in ``qk_scale``, ``v_scale`` on the output. Launchers pass the scales through
-``kv_quant.cache_scales``, so a cache of another dtype sees 1.0 (a no-op). With
-``PAGEDLLM_FP8_KV_WIDEN=registers`` the decode kernel widens its FP8 tiles as they are
-loaded (``e4m3_to_f16``), where Triton would read the value tile back a byte at a time.
+``kv_quant.cache_scales``, so a cache of another dtype sees 1.0 (a no-op).
 """
 
 from __future__ import annotations
@@ -53,20 +51,6 @@ def to_cache(x, cache_ptr, scale):
         return y.to(cache_dtype)
     else:
         return x.to(cache_dtype)
-
-
-@triton.jit
-def e4m3_to_f16(x):
-    """float8_e4m3fn values widened to float16 (exact), four at a time by two paired
-    conversion instructions (inline PTX, sm_89 and later). The compiler cannot move it, so
-    a tile converted here reaches the products as 16-bit values: a transposed operand is
-    then read from shared memory a matrix fragment at a time (``ldmatrix``), not a byte at a
-    time. Not under Triton's interpreter (no inline PTX there)."""
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
-        is_pure=False, pack=4)  # not pure: Triton would move a pure one past the load
 
 
 @triton.jit
@@ -133,31 +117,6 @@ def uses_fp16_dot(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     off (to compare)."""
     return (query_dtype == torch.bfloat16 and cache_dtype == torch.float8_e4m3fn
             and os.environ.get(FP8_KV_DOT_ENV, "fp16") != "bf16")
-
-
-FP8_KV_WIDEN_ENV = "PAGEDLLM_FP8_KV_WIDEN"
-
-
-def _fp8_kv_widen() -> str:
-    value = os.environ.get(FP8_KV_WIDEN_ENV, "compiler")
-    if value not in ("compiler", "registers"):
-        raise ValueError(f"{FP8_KV_WIDEN_ENV}={value!r}: give 'registers' (FP8 keys and values "
-                         "widened to float16 as loaded, e4m3_to_f16) or 'compiler' (the default: "
-                         "where Triton places the conversion).")
-    return value
-
-
-FP8_KV_WIDEN = _fp8_kv_widen()
-
-
-def widens_fp8_in_registers(query: torch.Tensor, cache_dtype: torch.dtype) -> bool:
-    """Whether the decode kernel widens its FP8 key and value tiles with ``e4m3_to_f16``
-    as they are loaded: on a GPU, with the products in float16 (``uses_fp16_dot``), when
-    ``PAGEDLLM_FP8_KV_WIDEN=registers``. Left to Triton, the conversion follows a
-    shared-memory load of the value tile one byte at a time (its contiguous dimension is
-    the product's output dimension, which ``ldmatrix`` cannot transpose at 8 bits)."""
-    return (FP8_KV_WIDEN == "registers" and query.is_cuda
-            and uses_fp16_dot(query.dtype, cache_dtype))
 
 
 def uses_ieee_dot(dtype: torch.dtype) -> bool:

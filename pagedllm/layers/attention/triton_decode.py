@@ -62,14 +62,12 @@ from pagedllm.layers.attention.kv_quant import cache_scales
 from pagedllm.layers.attention.triton_common import (
     LOG2_E,
     check_paged_inputs,
-    e4m3_to_f16,
     soft_cap,
     soft_cap_constexpr,
     to_cache,
     unit_last_stride,
     uses_fp16_dot,
     uses_ieee_dot,
-    widens_fp8_in_registers,
 )
 from pagedllm.layers._triton_ops_kernels import rotate_half_whole
 from pagedllm.layers.launch_math import cdiv, next_power_of_2
@@ -147,7 +145,6 @@ def _decode_kernel(
     IEEE_DOT: tl.constexpr,
     FP16_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    WIDEN_FP8: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     if HAS_ORDER:
@@ -223,8 +220,6 @@ def _decode_kernel(
             mask=n_valid[None, :] & d_valid[:, None],
             other=0.0,
         )
-        if WIDEN_FP8:
-            k = e4m3_to_f16(k)
         if IEEE_DOT:
             s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
         else:
@@ -242,8 +237,6 @@ def _decode_kernel(
             mask=n_valid[:, None] & d_valid[None, :],
             other=0.0,
         )
-        if WIDEN_FP8:
-            v = e4m3_to_f16(v)
         if IEEE_DOT:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         else:
@@ -625,7 +618,6 @@ def paged_decode_attention(
         IEEE_DOT=uses_ieee_dot(query.dtype),
         FP16_DOT=uses_fp16_dot(query.dtype, key_cache.dtype),
         SOFTCAP=soft_cap_constexpr(logits_soft_cap),
-        WIDEN_FP8=widens_fp8_in_registers(query, key_cache.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
