@@ -1,7 +1,8 @@
-"""On/off switches read from the environment (``PAGEDLLM_...=1`` or ``=0``).
+"""Switches read from the environment: on/off (``PAGEDLLM_...=1`` or ``=0``) and choices
+among named values.
 
-A value other than ``1`` or ``0`` is refused with a message naming the variable, so a
-switch that is set never goes silently unread.
+A value outside the switch's own is refused with a message naming the variable and the
+values it takes, so a switch that is set never goes silently unread.
 """
 
 from __future__ import annotations
@@ -18,3 +19,14 @@ def switch(name: str, default: bool) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{name}={value!r}: give 1 (on) or 0 (off).")
     return value == "1"
+
+
+def choice(name: str, values: tuple[str, ...], default: str) -> str:
+    """The value of the switch ``name``, one of ``values`` (case-insensitive; unset or empty
+    gives ``default``); raises ValueError for any other value."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in values:
+        raise ValueError(f"{name}={value!r}: give one of {', '.join(values)}.")
+    return value

@@ -1,10 +1,14 @@
-"""On/off switches from the environment: set ones are read as given, and a value that is
-neither 1 nor 0 is refused by name rather than silently taken as off."""
+"""Switches from the environment: set ones are read as given, and a value outside the
+switch's own (1 or 0; a choice's names) is refused by name rather than silently taken as
+the default."""
 
 from __future__ import annotations
 
 import pytest
 
+import torch
+
+from pagedllm.layers import triton_ops
 from pagedllm.structured.manager import prefetch_masks_wanted
 from pagedllm.switches import switch
 from pagedllm.worker.cuda_graphs import mixed_graphs_enabled
@@ -29,3 +33,36 @@ def test_a_switch_set_to_anything_else_is_refused_by_name(monkeypatch, value):
     monkeypatch.setenv("PAGEDLLM_FP8_HALF_SUMS", value)
     with pytest.raises(ValueError, match="PAGEDLLM_FP8_HALF_SUMS"):
         switch("PAGEDLLM_FP8_HALF_SUMS", False)
+
+
+def test_the_switches_on_by_default_are_read_alike(monkeypatch):
+    from pagedllm.layers.attention.triton_decode import wants_longest_first
+
+    monkeypatch.delenv("PAGEDLLM_DECODE_LONGEST_FIRST", raising=False)
+    assert wants_longest_first(64) and not wants_longest_first(63)
+    monkeypatch.setenv("PAGEDLLM_DECODE_LONGEST_FIRST", "0")
+    assert not wants_longest_first(64)
+    monkeypatch.setenv("PAGEDLLM_DECODE_LONGEST_FIRST", "off")
+    with pytest.raises(ValueError, match="PAGEDLLM_DECODE_LONGEST_FIRST='off': give 1"):
+        wants_longest_first(64)
+    monkeypatch.setenv("PAGEDLLM_FUSED_OPS", "false")
+    triton_ops.fused_ops_enabled.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="PAGEDLLM_FUSED_OPS='false': give 1"):
+            triton_ops.fused_ops_enabled()
+    finally:
+        monkeypatch.delenv("PAGEDLLM_FUSED_OPS")
+        triton_ops.fused_ops_enabled.cache_clear()
+
+
+def test_a_choice_takes_its_names_only(monkeypatch):
+    from pagedllm.layers.attention.triton_common import uses_fp16_dot
+
+    fp8 = torch.float8_e4m3fn
+    monkeypatch.delenv("PAGEDLLM_FP8_KV_DOT", raising=False)
+    assert uses_fp16_dot(torch.bfloat16, fp8) and not uses_fp16_dot(torch.bfloat16, torch.bfloat16)
+    monkeypatch.setenv("PAGEDLLM_FP8_KV_DOT", "BF16")
+    assert not uses_fp16_dot(torch.bfloat16, fp8)
+    monkeypatch.setenv("PAGEDLLM_FP8_KV_DOT", "fp32")
+    with pytest.raises(ValueError, match="PAGEDLLM_FP8_KV_DOT='fp32': give one of fp16, bf16"):
+        uses_fp16_dot(torch.bfloat16, fp8)

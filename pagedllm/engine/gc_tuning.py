@@ -22,7 +22,8 @@ alive (its object graph has cycles).
 from __future__ import annotations
 
 import gc
-import os
+
+from pagedllm.switches import switch
 
 GC_ENV = "PAGEDLLM_SERVER_GC"
 YOUNG_THRESHOLD = 10_000
@@ -30,7 +31,7 @@ YOUNG_THRESHOLD = 10_000
 
 def tune_for_serving() -> None:
     """Freeze the startup heap and raise the youngest generation's threshold (see above)."""
-    if os.environ.get(GC_ENV, "1") == "0":
+    if not switch(GC_ENV, True):
         return
     gc.collect()
     gc.freeze()

@@ -37,9 +37,9 @@ FUSED_OPS_ENV = "PAGEDLLM_FUSED_OPS"
 
 @functools.cache
 def fused_ops_enabled() -> bool:
-    """``PAGEDLLM_FUSED_OPS`` is not ``0`` and triton is installed (the device aside)."""
-    return (os.environ.get(FUSED_OPS_ENV, "1") != "0"
-            and importlib.util.find_spec("triton") is not None)
+    """``PAGEDLLM_FUSED_OPS`` is on (``1``, the default; ``0`` off) and triton is installed
+    (the device aside)."""
+    return switch(FUSED_OPS_ENV, True) and importlib.util.find_spec("triton") is not None
 
 
 def use_fused_ops(x: torch.Tensor) -> bool:

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pagedllm.engine.gc_tuning import GC_ENV, YOUNG_THRESHOLD
 
 PROBE = ("import gc, json\n"
@@ -39,3 +41,9 @@ def test_tuning_freezes_the_startup_heap_and_raises_the_young_threshold():
 def test_the_switch_leaves_the_collector_alone():
     default, tuned, frozen = probe("0")
     assert tuned == default and frozen == 0
+
+
+def test_the_switch_takes_1_or_0_only():
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        probe("off")
+    assert "PAGEDLLM_SERVER_GC='off': give 1 (on) or 0 (off)" in failed.value.stderr

@@ -15,11 +15,12 @@ values up to the queries' dtype (exact) and apply the scales outside the product
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.switches import choice
 
 LOG2_E = 1.0 / math.log(2.0)
 FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn
@@ -116,7 +117,7 @@ def uses_fp16_dot(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     the probabilities keep three more mantissa bits. ``PAGEDLLM_FP8_KV_DOT=bf16`` turns it
     off (to compare)."""
     return (query_dtype == torch.bfloat16 and cache_dtype == torch.float8_e4m3fn
-            and os.environ.get(FP8_KV_DOT_ENV, "fp16") != "bf16")
+            and choice(FP8_KV_DOT_ENV, ("fp16", "bf16"), "fp16") == "fp16")
 
 
 def uses_ieee_dot(dtype: torch.dtype) -> bool:

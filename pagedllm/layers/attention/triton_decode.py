@@ -72,6 +72,7 @@ from pagedllm.layers.attention.triton_common import (
 from pagedllm.layers._triton_ops_kernels import rotate_half_whole
 from pagedllm.layers.launch_math import cdiv, next_power_of_2
 from pagedllm.layers.triton_ops import arrival_counters
+from pagedllm.switches import switch
 
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
@@ -391,7 +392,7 @@ def wants_longest_first(num_seqs: int) -> bool:
     """Whether a decode launch of ``num_seqs`` sequences should start the longest first:
     batches of at least ``LONGEST_FIRST_MIN_SEQS`` (several waves of programs), unless
     ``PAGEDLLM_DECODE_LONGEST_FIRST=0``."""
-    return num_seqs >= LONGEST_FIRST_MIN_SEQS and os.environ.get(LONGEST_FIRST_ENV, "1") != "0"
+    return num_seqs >= LONGEST_FIRST_MIN_SEQS and switch(LONGEST_FIRST_ENV, True)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
