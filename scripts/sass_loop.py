@@ -18,8 +18,8 @@ most frequent opcodes; ``--print-loop`` the loop itself, ``--json`` the counts a
 (Llama-3.1-8B's heads: 4 query heads a KV head, head_dim 128, pages of 16; the rope and
 cache write of the new token riding on it, as in the engine), ``--prefill
 BLOCK_M,BLOCK_N,num_warps,num_stages`` the prefill attention kernel (its longest loop), over
-a ``--kv bf16|fp8`` cache. Counts are per byte of keys and values a thread loads. It compiles whatever ``TRITON_INTERPRET`` says (the
-variable is dropped).
+a ``--kv bf16|fp8`` cache. Counts are per byte of keys and values a thread loads. It
+compiles whatever ``TRITON_INTERPRET`` says (the variable is dropped).
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ the default."""
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from pagedllm.layers import triton_ops
