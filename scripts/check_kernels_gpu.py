@@ -54,6 +54,7 @@ from pagedllm.layers.attention import (  # noqa: E402
     dense_prefill, triton_decode, triton_prefill,
 )
 from pagedllm.layers.attention.backend import AttentionMetadata  # noqa: E402
+from pagedllm.layers.attention.kv_quant import paged_kv_views  # noqa: E402
 from pagedllm.layers.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from pagedllm.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from pagedllm.layers.attention.triton_decode import paged_decode_attention  # noqa: E402
@@ -207,18 +208,23 @@ def causal_flops(step: Step) -> float:
 
 
 def decode_only(step: Step, num_splits: int | None = None,
-                max_seq_len: int | None = None, order: torch.Tensor | None = None
-                ) -> Callable[[], torch.Tensor]:
+                max_seq_len: int | None = None, order: torch.Tensor | None = None,
+                slot_rows: bool = False) -> Callable[[], torch.Tensor]:
     """The decode kernel alone (the launch returns its output); ``max_seq_len`` overrides
-    the step's bound (a CUDA graph plans with ``max_model_len``)."""
+    the step's bound (a CUDA graph plans with ``max_model_len``). ``slot_rows``: read the
+    values as slot rows, the layout an FP8 cache had before its values became slot-major
+    (``kv_quant.paged_kv_views``)."""
     md = step.metadata
     bound = md.max_seq_len if max_seq_len is None else max_seq_len
     out = torch.empty_like(step.query)
     TritonAttentionBackend().forward(step.query, step.key, step.value, step.kv_cache, md, SCALE, None)
+    key_cache, value_cache = paged_kv_views(step.kv_cache)
+    if slot_rows:
+        key_cache, value_cache = step.kv_cache[0], step.kv_cache[1]
 
     def launch() -> torch.Tensor:
         paged_decode_attention(
-            step.query, step.kv_cache[0], step.kv_cache[1], md.block_tables, md.seq_lens,
+            step.query, key_cache, value_cache, md.block_tables, md.seq_lens,
             md.query_start_loc, out, max_seq_len=bound, scale=SCALE, num_splits=num_splits,
             order=order,
         )
@@ -599,15 +605,16 @@ def kv_layout_rows() -> list[dict[str, Any]]:
 
 
 FP8_KV_SCALES = dict(k_scale=0.37, v_scale=0.61)
-FP8_KV_TILES = ((64, 4, 2), (128, 4, 3), (128, 8, 3), (32, 4, 2), (128, 4, 2))
+FP8_KV_TILES = ((64, 4, 2), (128, 4, 3), (128, 8, 3), (256, 4, 3), (256, 8, 2), (128, 4, 2))
 
 
 def fp8_kv_step(step: Step) -> Step:
     """``step`` with its cache as an FP8 KV cache of ``FP8_KV_SCALES`` stores the context
-    (NaN where nothing was written)."""
+    (448 where nothing was written: an FP8 cache holds finite values only)."""
     k, v = FP8_KV_SCALES["k_scale"], FP8_KV_SCALES["v_scale"]
-    cache = torch.stack([(step.kv_cache[0].float() / k).to(torch.float8_e4m3fn),
-                         (step.kv_cache[1].float() / v).to(torch.float8_e4m3fn)])
+    cache = torch.empty(step.kv_cache.shape, dtype=torch.float8_e4m3fn, device=step.kv_cache.device)
+    for view, stored, scale in zip(paged_kv_views(cache), step.kv_cache, (k, v)):
+        view.copy_((stored.float() / scale).nan_to_num(448.0).to(torch.float8_e4m3fn))
     return replace(step, kv_cache=cache)
 
 
@@ -661,14 +668,15 @@ def fp8_kv_timing_rows() -> list[dict[str, Any]]:
     for label, seqs in cases:
         bf16 = make_step(seqs, seed=50)
         fp8 = fp8_kv_step(bf16)
-        for cache, step in (("bfloat16", bf16), ("float8_e4m3fn", fp8)):
+        for cache, step, slot_rows in (("bfloat16", bf16, False), ("fp8, value rows", fp8, True),
+                                       ("fp8", fp8, False)):
             for tile in FP8_KV_TILES:
                 with decode_tile(tile):
-                    ms = bench_ms(decode_only(step))
+                    ms = bench_ms(decode_only(step, slot_rows=slot_rows))
                 rows.append(dict(case=label, cache=cache, block_n=tile[0],
                                  num_warps=tile[1], num_stages=tile[2], ms=ms,
                                  gb_s=kv_bytes(step) / ms / 1e6))
-                print(f"{label:26} {cache:14} tile {tile}: {ms * 1e3:8.1f} us "
+                print(f"{label:26} {cache:16} tile {tile}: {ms * 1e3:8.1f} us "
                       f"{rows[-1]['gb_s']:6.0f} GB/s", flush=True)
         del bf16, fp8, step
         torch.cuda.empty_cache()

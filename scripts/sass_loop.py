@@ -93,8 +93,10 @@ def compile_attention(kind: str, tile: list[int], kv: str):
     signature = {name: pointers.get(name, "*bf16") if name.endswith("_ptr")
                  else "fp32" if name in ("qk_scale", "k_scale", "v_scale") else "i32"
                  for name in names}
+    # An FP8 cache's values are slot-major (kv_quant.paged_kv_views), as in the engine.
     shared = dict(QUERIES_PER_KV=4, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, USE_WINDOW=False,
-                  IEEE_DOT=False, FP16_DOT=kv == "fp8e4nv", SOFTCAP=0.0)
+                  IEEE_DOT=False, FP16_DOT=kv == "fp8e4nv", SOFTCAP=0.0,
+                  V_SLOT_MAJOR=kv == "fp8e4nv")
     if kind == "decode":
         block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_G=16, BLOCK_N=block_n, SPLIT=False, MERGE_H=4,

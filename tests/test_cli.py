@@ -106,7 +106,8 @@ def test_help_shows_plain_text_and_every_default(monkeypatch):
         assert not silent, (prog, silent)
     serve = " ".join(parsers["pagedllm serve"].format_help().split())
     for line in ("--port PORT Port to listen on. (default: 8000)",
-                 "--max-num-seqs MAX_NUM_SEQS Most requests running at once. (default: 256)",
+                 "--max-num-seqs MAX_NUM_SEQS Most requests running at once (default: 512 on CUDA, "
+                 "256 on the CPU).",
                  "--host HOST Interface to listen on (default: 0.0.0.0,",
                  "--enable-prefix-caching, --no-enable-prefix-caching Reuse the KV blocks of "
                  "shared prompt prefixes. (default: on)",

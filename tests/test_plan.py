@@ -26,8 +26,10 @@ def _profile(**kwargs):
 
 
 def _h200(**kwargs):
+    """An H200 candidate of 100 GiB running at most 256 requests at once (the figures
+    below are worked out by hand for 256)."""
     return plan.Candidate(**{"name": "h200", "gpu": "H200", "price_per_hour": 3.0,
-                             "memory_gib": 100.0, **kwargs})
+                             "memory_gib": 100.0, "max_num_seqs": 256, **kwargs})
 
 
 def test_measured_throughput_gives_gpus_and_costs():

@@ -39,6 +39,10 @@ _SPECULATIVE_FLAGS = {
 }
 # Default token budget of one step on CUDA (chunked prefill on).
 CUDA_MAX_NUM_BATCHED_TOKENS = 8192
+# Default most requests running at once: on CUDA as many as the largest captured decode
+# graph holds (a decode step of 512 reads the weights once for twice the tokens of 256:
+# docs/benchmarks.md, the FP8 cache's slot-major values); the CPU keeps the scheduler's.
+CUDA_MAX_NUM_SEQS = 512
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -77,7 +81,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float = 2.0
     num_kv_blocks: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
@@ -139,13 +143,16 @@ class EngineArgs:
         )
         device = self.device or EngineConfig.default_device()
         speculative_config = self._speculative_config()
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            max_num_seqs = CUDA_MAX_NUM_SEQS if device == "cuda" else SchedulerConfig.max_num_seqs
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None and self.enable_chunked_prefill and device == "cuda":
             # A GPU step of 8k tokens keeps the matrix units busy; the CPU keeps the
             # scheduler's smaller default.
-            max_num_batched_tokens = max(CUDA_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+            max_num_batched_tokens = max(CUDA_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
         scheduler_config = SchedulerConfig(
-            max_model_len=model_config.max_model_len, max_num_seqs=self.max_num_seqs,
+            max_model_len=model_config.max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
             # Pipeline stages keep steps in flight: asynchronous.
@@ -223,8 +230,9 @@ class EngineArgs:
         group.add_argument("--num-kv-blocks", type=int, default=None,
                            help="Exact number of KV blocks (default: sized from "
                                 "--kv-cache-memory-gb on the CPU, --gpu-memory-utilization on a GPU).")
-        group.add_argument("--max-num-seqs", type=int, default=256,
-                           help="Most requests running at once.")
+        group.add_argument("--max-num-seqs", type=int, default=None,
+                           help=f"Most requests running at once (default: {CUDA_MAX_NUM_SEQS} on "
+                                "CUDA, 256 on the CPU).")
         group.add_argument("--max-num-batched-tokens", type=int, default=None,
                            help="Token budget of one step (default: 2048, 8192 on CUDA; "
                                 "--max-model-len without chunked prefill; at least --max-num-seqs).")

@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pagedllm.config import normalize_kv_cache_dtype
+from pagedllm.engine.arg_utils import CUDA_MAX_NUM_SEQS
 from pagedllm.worker import kv_allocator as kv
 
 _GIB = 1 << 30
@@ -115,7 +116,7 @@ class Candidate:
     kv_cache_dtype: str = "auto"  # "fp8": one byte an element
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
-    max_num_seqs: int = 256
+    max_num_seqs: int = CUDA_MAX_NUM_SEQS  # the engine's default on a GPU
     max_model_len: int | None = None  # None: longest input + longest output
     bandwidth_gb_s: float | None = None  # per GPU, for the roofline
     tflops: float | None = None  # dense, per GPU, in the dtype the projections run in

@@ -243,8 +243,9 @@ def allocate_kv_caches(
     config: EngineConfig, num_blocks: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor of ``dtype`` per
-    layer, zeroed; ``num_kv_heads`` are this tensor-parallel rank's, and the layers of
-    other pipeline stages get an empty tensor."""
+    layer, zeroed (its key and value halves as ``kv_quant.paged_kv_views`` lays them out);
+    ``num_kv_heads`` are this tensor-parallel rank's, and the layers of other pipeline
+    stages get an empty tensor."""
     import torch
 
     from pagedllm.distributed.parallel_state import get_pp

@@ -10,6 +10,7 @@ import torch
 from pagedllm.layers.attention.backend import AttentionMetadata
 from pagedllm.quantization.fp8 import FP8_DTYPE
 from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
+from pagedllm.layers.attention.kv_quant import paged_kv_views
 from tests.utils import make_attention_metadata, make_kv_caches
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,12 +105,16 @@ def on_fp8_grid(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def make_fp8_step(seqs: tuple[tuple[int, int], ...], *, k_scale: float, v_scale: float,
                   dtype: torch.dtype = torch.float32, **kwargs) -> PagedStep:
-    """``make_step`` with an FP8 cache: the cached context (NaN elsewhere) and the step's
-    new keys and values all lie on the FP8 grid of ``k_scale`` / ``v_scale``."""
+    """``make_step`` with an FP8 cache: the cached context and the step's new keys and
+    values all lie on the FP8 grid of ``k_scale`` / ``v_scale``. Unwritten slots hold 448,
+    not NaN: an FP8 cache holds finite values only (``kv_quant``), and the value tiles of
+    its kernels read the rest of a sequence's last page, weighted zero; a slot weighted
+    wrongly still shows."""
     step = make_step(seqs, **kwargs)
     key, value = on_fp8_grid(step.key, k_scale), on_fp8_grid(step.value, v_scale)
-    cache = torch.stack([(step.kv_cache[0] / k_scale).to(FP8_DTYPE),
-                         (step.kv_cache[1] / v_scale).to(FP8_DTYPE)])
+    cache = torch.empty(step.kv_cache.shape, dtype=FP8_DTYPE, device=step.kv_cache.device)
+    for view, stored, scale in zip(paged_kv_views(cache), step.kv_cache, (k_scale, v_scale)):
+        view.copy_((stored / scale).nan_to_num(448.0).to(FP8_DTYPE))
     return PagedStep(cache, step.metadata, step.query.to(dtype), key.to(dtype), value.to(dtype),
                      step.spare_block)
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from pagedllm.layers.attention.kv_quant import paged_kv_views
 from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
 from tests.utils import make_attention_metadata, make_kv_caches
 
@@ -121,6 +122,16 @@ def test_one_backend_serves_successive_steps_of_different_shapes() -> None:
 FP8 = torch.float8_e4m3fn
 
 
+def _fp8_cache(keys: torch.Tensor, values: torch.Tensor, k_scale: float,
+               v_scale: float) -> torch.Tensor:
+    """An FP8 cache holding ``keys`` and ``values`` (``[blocks, page, Hkv, D]`` each) where
+    ``paged_kv_views`` puts them; 448 for NaN (an FP8 cache holds finite values only)."""
+    cache = torch.empty((2, *keys.shape), dtype=FP8)
+    for view, x, scale in zip(paged_kv_views(cache), (keys, values), (k_scale, v_scale)):
+        view.copy_(_e4m3(x.nan_to_num(448.0 * scale), scale))
+    return cache
+
+
 def _e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
     """What an FP8 cache of ``scale`` stores for ``x``: x / scale clamped to +-448, rounded."""
     return (x / scale).clamp(-448.0, 448.0).to(FP8)
@@ -135,7 +146,7 @@ def test_fp8_cache_attends_over_quantize_dequantized_keys_and_values(window) -> 
     cache32, metadata, q, k, v, full_k, full_v, queries = _batch(seed=3)
     k, full_k = k * 10, [x * 10 for x in full_k]  # |k| / k_scale reaches past 448
     assert max(x.abs().max() for x in full_k) / k_scale > 448
-    cache = torch.stack([_e4m3(cache32[0] * 10, k_scale), _e4m3(cache32[1], v_scale)])
+    cache = _fp8_cache(cache32[0] * 10, cache32[1], k_scale, v_scale)
     out = TorchReferenceBackend().forward(q, k, v, cache, metadata, 0.25, window,
                                           k_scale=k_scale, v_scale=v_scale)
 
@@ -144,7 +155,10 @@ def test_fp8_cache_attends_over_quantize_dequantized_keys_and_values(window) -> 
     expected = torch.cat([naive_attention(qs, ks, vs, 0.25, window)
                           for qs, ks, vs in zip(queries, deq_k, deq_v)])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    exact_cache = cache.float() * torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
+    exact_cache = torch.empty(cache.shape)
+    for exact, stored, scale in zip(paged_kv_views(exact_cache), paged_kv_views(cache),
+                                    (k_scale, v_scale)):
+        exact.copy_(stored.float() * scale)
     new = torch.tensor([c for c, _ in SEQS])
     exact = TorchReferenceBackend().forward(
         q, torch.cat([x[c:] for x, c in zip(deq_k, new)]), torch.cat([x[c:] for x, c in zip(deq_v, new)]),
@@ -154,13 +168,15 @@ def test_fp8_cache_attends_over_quantize_dequantized_keys_and_values(window) -> 
 
 def test_fp8_cache_holds_the_quantized_bytes_at_the_new_slots_only() -> None:
     cache32, metadata, q, k, v, *_ = _batch(seed=4)
-    cache = cache32.to(FP8)  # the context, scale 1; NaN where nothing was written
+    cache = _fp8_cache(cache32[0], cache32[1], 1.0, 1.0)  # the context; 448 where unwritten
     before = cache.clone()
     TorchReferenceBackend().forward(q, k, v, cache, metadata, 0.25, None, k_scale=0.5, v_scale=0.25)
     slots = metadata.slot_mapping
-    flat = cache.view(torch.uint8).view(2, -1, NUM_KV_HEADS, HEAD_DIM)
-    assert torch.equal(flat[0][slots], _e4m3(k, 0.5).view(torch.uint8))
-    assert torch.equal(flat[1][slots], _e4m3(v, 0.25).view(torch.uint8))
-    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(flat[:, untouched], before.view(torch.uint8).view(flat.shape)[:, untouched])
+    at = (slots // BLOCK_SIZE, slots % BLOCK_SIZE)
+    keys, values = paged_kv_views(cache.view(torch.uint8))
+    assert torch.equal(keys[at], _e4m3(k, 0.5).view(torch.uint8))
+    assert torch.equal(values[at], _e4m3(v, 0.25).view(torch.uint8))
+    untouched = torch.ones(keys.shape[:2], dtype=torch.bool)
+    untouched[at] = False
+    for now, then in zip((keys, values), paged_kv_views(before.view(torch.uint8))):
+        assert torch.equal(now[untouched], then[untouched])

@@ -6,7 +6,7 @@ from the metadata's host lists, so it never waits on the device.
 
 One step, ``B`` sequences, vectorised over all of them::
 
-    new K/V [T, Hkv, D] --index_copy at slot_mapping--> kv_cache[0|1] viewed [slots, Hkv, D]
+    new K/V [T, Hkv, D] --at (slot // page, slot % page)--> paged_kv_views(kv_cache)[0|1]
 
     queries  [T, H, D]        -> padded [B, H, max_q, D]     (row i of seq b at b*max_q + i)
     context  block_tables[b]  -> gathered [B, Hkv, max_kv, D] (token p at index p)
@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.attention.backend import AttentionMetadata
-from pagedllm.layers.attention.kv_quant import dequantize_kv, quantize_kv
+from pagedllm.layers.attention.kv_quant import (
+    dequantize_kv, paged_kv_views, quantize_kv, values_slot_major,
+)
 from pagedllm.layers.rotary import RotaryEmbedding
 
 
@@ -126,15 +128,18 @@ class TorchReferenceBackend:
     ) -> None:
         """Store ``key/value: [n, Hkv, D]`` at ``slot_mapping: [n]`` of the paged cache
         (quantized with ``k_scale`` / ``v_scale`` when the cache is FP8)."""
-        _, _, _, num_kv_heads, head_dim = kv_cache.shape
+        _, _, page, num_kv_heads, head_dim = kv_cache.shape
         slots = slot_mapping.long()
         # Bytes are copied as such: the CPU has no index_copy_ for float8.
         raw = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
-        for c, x, scale in ((0, key, k_scale), (1, value, v_scale)):
+        for cache, x, scale in zip(paged_kv_views(raw), (key, value), (k_scale, v_scale)):
             stored = quantize_kv(x, scale, kv_cache.dtype)
             if raw is not kv_cache:
                 stored = stored.view(torch.uint8)
-            raw[c].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, stored)
+            if values_slot_major(cache):
+                cache[slots // page, slots % page] = stored
+            else:  # slot rows: one copy of whole rows
+                cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, stored)
 
     def forward(
         self,
@@ -171,12 +176,12 @@ class TorchReferenceBackend:
         valid = plan.kv_valid[:, None, :, None]
         k, v = (
             dequantize_kv(
-                kv_cache[c][plan.block_ids]  # [B, blocks, block_size, Hkv, D]
+                cache[plan.block_ids]  # [B, blocks, block_size, Hkv, D]
                 .flatten(1, 2)[:, :max_kv]
                 .transpose(1, 2),  # [B, Hkv, max_kv, D]
                 scale, query.dtype,
             )
-            for c, scale in ((0, k_scale), (1, v_scale))
+            for cache, scale in zip(paged_kv_views(kv_cache), (k_scale, v_scale))
         )
         k = torch.where(valid, k, 0)
         v = torch.where(valid, v, 0)

@@ -33,6 +33,7 @@ import torch
 
 from pagedllm.layers.attention import dense_prefill
 from pagedllm.layers.attention.backend import AttentionMetadata
+from pagedllm.layers.attention.kv_quant import paged_kv_views
 from pagedllm.layers.attention.triton_decode import (
     NewKV,
     longest_first,
@@ -104,7 +105,7 @@ class TritonAttentionBackend:
         """See ``AttentionBackend.forward``."""
         num_tokens = query.shape[0]
         n = metadata.num_actual_tokens
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        key_cache, value_cache = paged_kv_views(kv_cache)
         if rotary is not None and not fused_ops_enabled():  # PAGEDLLM_FUSED_OPS=0: torch rope
             query, key = (RotaryEmbedding.apply(x, *rotary) for x in (query, key))
             rotary = None

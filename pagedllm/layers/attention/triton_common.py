@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.attention.kv_quant import values_slot_major
 from pagedllm.switches import choice
 
 LOG2_E = 1.0 / math.log(2.0)
@@ -43,15 +44,38 @@ def soft_cap_constexpr(logits_soft_cap: float | None) -> float:
 @triton.jit
 def to_cache(x, cache_ptr, scale):
     """``x`` as ``cache_ptr``'s element type stores it: for float8_e4m3fn
-    ``round(clamp(x / scale, -448, 448))`` in float32 (an IEEE division, as torch's), for
-    any other type ``x`` cast (``scale`` unused)."""
+    ``round(clamp(x / scale, -448, 448))`` in float32 (an IEEE division, as torch's), NaN
+    stored as 0, so an FP8 cache holds finite values only; for any other type ``x`` cast
+    (``scale`` unused)."""
     cache_dtype = cache_ptr.dtype.element_ty
     if cache_dtype == tl.float8e4nv:
         y = tl.math.div_rn(x.to(tl.float32), scale)
-        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        y = tl.where(y != y, 0.0, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
         return y.to(cache_dtype)
     else:
         return x.to(cache_dtype)
+
+
+@triton.jit
+def slot_major_values(v_head, table, start, kv_end, stride_vb, d, d_valid,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_D]`` value tile of keys ``start ..`` (``start`` a multiple of
+    ``PAGE_SIZE``, ``BLOCK_N`` whole pages) from a slot-major cache: each page's slots are
+    contiguous per ``d``, so they load as 16-byte vectors, whole pages at a time. Pages
+    past ``kv_end`` read as zeros; the slots past ``kv_end`` in its last page are read as
+    stored, finite (an FP8 cache holds finite values only, ``kv_quant``), and weighted
+    zero by the caller."""
+    pg = start // PAGE_SIZE + tl.arange(0, BLOCK_N // PAGE_SIZE)
+    slot = tl.arange(0, PAGE_SIZE)
+    held = pg * PAGE_SIZE < kv_end
+    blk = tl.load(table + pg, mask=held, other=0).to(tl.int64)
+    v = tl.load(
+        v_head + (blk * stride_vb)[:, None, None] + slot[None, :, None]
+        + (d * PAGE_SIZE)[None, None, :],
+        mask=held[:, None, None] & d_valid[None, None, :],
+        other=0.0,
+    )
+    return tl.reshape(v, [BLOCK_N, BLOCK_D])
 
 
 @triton.jit
@@ -82,8 +106,9 @@ def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
 
 def check_paged_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     """Raise ValueError unless ``query: [T, H, D]`` fits caches ``[blocks, block_size, Hkv, D]``
-    that share their block and slot strides (the attention kernels address a key and its
-    value with one offset)."""
+    that share their strides (the attention kernels address a key and its value with one
+    offset), or whose values are slot-major (``kv_quant.paged_kv_views``), block strides
+    shared."""
     if query.dim() != 3:
         raise ValueError(f"query must be [tokens, heads, head_dim], got shape {tuple(query.shape)}.")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
@@ -99,12 +124,15 @@ def check_paged_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache
         raise ValueError(
             f"num_heads={num_heads} must be a multiple of the cache's num_kv_heads={num_kv_heads}."
         )
-    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("KV cache must be contiguous along head_dim.")
-    if key_cache.stride()[:2] != value_cache.stride()[:2]:
-        raise ValueError("key_cache and value_cache must share their block and slot strides "
-                         f"(the two halves of one cache tensor), got {key_cache.stride()} and "
+    if key_cache.stride(-1) != 1:
+        raise ValueError("key_cache must be contiguous along head_dim.")
+    if key_cache.stride()[0] != value_cache.stride()[0]:
+        raise ValueError("key_cache and value_cache must share their block stride (the two "
+                         f"halves of one cache tensor), got {key_cache.stride()} and "
                          f"{value_cache.stride()}.")
+    if value_cache.stride() != key_cache.stride() and not values_slot_major(value_cache):
+        raise ValueError("value_cache must share key_cache's strides or be slot-major "
+                         f"(paged_kv_views), got {key_cache.stride()} and {value_cache.stride()}.")
 
 
 FP8_KV_DOT_ENV = "PAGEDLLM_FP8_KV_DOT"

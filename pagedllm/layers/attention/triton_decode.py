@@ -35,6 +35,11 @@ that token's key and caches it with its value before its loop reads them back::
     without new_kv:  rotate_and_write_kv (rope q, k; cache k, v)  ->  decode attention
     with new_kv:     decode attention (rope q; the last partition ropes and caches k, v)
 
+An FP8 cache's values are slot-major (``kv_quant.paged_kv_views``): a tile's values load
+as whole pages (``triton_common.slot_major_values``), so tiles start on a page and hold
+whole pages (``BLOCK_N >= page``), and the tensor cores read them along the slots, the
+dimension the products sum over.
+
 ``order`` (optional, a permutation of the batch) sets which sequences the GPU starts
 first: the longest first keeps a large batch of mixed lengths from ending on a few long
 programs that started late (a program's time grows with its context). Without it,
@@ -62,12 +67,14 @@ from pagedllm.layers.attention.kv_quant import cache_scales
 from pagedllm.layers.attention.triton_common import (
     LOG2_E,
     check_paged_inputs,
+    slot_major_values,
     soft_cap,
     soft_cap_constexpr,
     to_cache,
     unit_last_stride,
     uses_fp16_dot,
     uses_ieee_dot,
+    values_slot_major,
 )
 from pagedllm.layers._triton_ops_kernels import rotate_half_whole
 from pagedllm.layers.launch_math import cdiv, next_power_of_2
@@ -146,6 +153,7 @@ def _decode_kernel(
     IEEE_DOT: tl.constexpr,
     FP16_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    V_SLOT_MAJOR: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     if HAS_ORDER:
@@ -197,6 +205,7 @@ def _decode_kernel(
                 tl.load(slot_mapping_ptr + q_row).to(tl.int64),
                 stride_kb, stride_ks, stride_vb, stride_vs,
                 d, d_valid, c, sn, k_scale, v_scale, HALF, PAGE_SIZE,
+                PAGE_SIZE if V_SLOT_MAJOR else 1,
             )
     else:
         q = tl.load(q_heads + d[None, :], mask=q_mask, other=0.0)
@@ -209,10 +218,15 @@ def _decode_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    loop_start = kv_start
+    if V_SLOT_MAJOR:  # tiles of whole pages: a window's first tile starts on its page
+        loop_start = kv_start // PAGE_SIZE * PAGE_SIZE
     # Every tile holds at least one key (start < kv_end), so m stays finite inside the loop.
-    for start in range(kv_start, kv_end, BLOCK_N):
+    for start in range(loop_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < kv_end
+        if V_SLOT_MAJOR and USE_WINDOW:
+            n_valid &= n >= kv_start
         page = n.to(tl.uint32)  # n >= 0: unsigned division and remainder are shifts and masks
         block = tl.load(table + page // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
         kv_rows = block * stride_kb + (page % PAGE_SIZE).to(tl.int64) * stride_ks
@@ -233,11 +247,15 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(  # the caches share strides (check_paged_inputs)
-            v_head + kv_rows[:, None] + d[None, :],
-            mask=n_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )
+        if V_SLOT_MAJOR:
+            v = slot_major_values(v_head, table, start, kv_end, stride_vb, d, d_valid,
+                                   BLOCK_N, BLOCK_D, PAGE_SIZE)
+        else:
+            v = tl.load(  # the caches share strides (check_paged_inputs)
+                v_head + kv_rows[:, None] + d[None, :],
+                mask=n_valid[:, None] & d_valid[None, :],
+                other=0.0,
+            )
         if IEEE_DOT:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         else:
@@ -290,6 +308,7 @@ def _cache_new_token(
     d, d_valid, c, s, k_scale, v_scale,
     HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    VALUE_D_STRIDE: tl.constexpr,
 ):
     """One KV head of a new token into ``slot`` (skipped when negative): its key rotated
     (rounded to the activation dtype, then stored as the cache's, ``to_cache``, as
@@ -302,7 +321,7 @@ def _cache_new_token(
         tl.store(k_head_cache_ptr + block * stride_kb + in_block * stride_ks + d,
                  to_cache(k, k_head_cache_ptr, k_scale), mask=d_valid)
         v = tl.load(value_ptr + d, mask=d_valid)
-        tl.store(v_head_cache_ptr + block * stride_vb + in_block * stride_vs + d,
+        tl.store(v_head_cache_ptr + block * stride_vb + in_block * stride_vs + d * VALUE_D_STRIDE,
                  to_cache(v, v_head_cache_ptr, v_scale), mask=d_valid)
     tl.debug_barrier()
 
@@ -541,6 +560,9 @@ def paged_decode_attention(
     split = num_splits > 1
     default_n, num_warps, num_stages = decode_tile_config(head_dim, query.device, split)
     block_n = block_n or default_n
+    slot_major = values_slot_major(value_cache)
+    if slot_major:  # tiles of whole pages
+        block_n = max(block_n, key_cache.shape[1])
     block_d = max(16, next_power_of_2(head_dim))
     k_scale, v_scale = cache_scales(key_cache, k_scale, v_scale)
     if new_kv is not None:
@@ -619,6 +641,7 @@ def paged_decode_attention(
         IEEE_DOT=uses_ieee_dot(query.dtype),
         FP16_DOT=uses_fp16_dot(query.dtype, key_cache.dtype),
         SOFTCAP=soft_cap_constexpr(logits_soft_cap),
+        V_SLOT_MAJOR=slot_major,
         num_warps=num_warps,
         num_stages=num_stages,
     )

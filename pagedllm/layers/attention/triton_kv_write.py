@@ -5,6 +5,7 @@ cache slot ``slot_mapping[t]``::
 
     key[t]   [Hkv, D] --> key_cache[slot // block_size, slot % block_size]   [Hkv, D]
     value[t] [Hkv, D] --> value_cache[slot // block_size, slot % block_size] [Hkv, D]
+                          (strided along D when the values are slot-major)
 
 A negative slot (-1) marks a padding token (a step padded to a captured batch size): its
 program writes nothing. Values are cast to the cache's dtype on store (an FP8 cache:
@@ -25,7 +26,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.layers._triton_ops_kernels import rotate_half
-from pagedllm.layers.attention.kv_quant import cache_scales
+from pagedllm.layers.attention.kv_quant import cache_scales, values_slot_major
 from pagedllm.layers.attention.triton_common import to_cache, unit_last_stride
 from pagedllm.layers.launch_math import next_power_of_2
 
@@ -49,6 +50,7 @@ def _write_kv_kernel(
     stride_vc_block,
     stride_vc_slot,
     stride_vc_head,
+    stride_vc_dim,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -67,7 +69,8 @@ def _write_kv_kernel(
     k_dst = key_cache_ptr + (slot // PAGE_SIZE) * stride_kc_block + (slot % PAGE_SIZE) * stride_kc_slot
     v_dst = value_cache_ptr + (slot // PAGE_SIZE) * stride_vc_block + (slot % PAGE_SIZE) * stride_vc_slot
     tl.store(k_dst + h[:, None] * stride_kc_head + d[None, :], to_cache(k, key_cache_ptr, k_scale), mask=mask)
-    tl.store(v_dst + h[:, None] * stride_vc_head + d[None, :], to_cache(v, value_cache_ptr, v_scale), mask=mask)
+    tl.store(v_dst + h[:, None] * stride_vc_head + d[None, :] * stride_vc_dim,
+             to_cache(v, value_cache_ptr, v_scale), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_actual_tokens"])
@@ -99,6 +102,7 @@ def _rotate_and_write_kv_kernel(
     stride_vc_block,
     stride_vc_slot,
     stride_vc_head,
+    stride_vc_dim,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -140,24 +144,27 @@ def _rotate_and_write_kv_kernel(
     tl.store(k_dst + HALF, to_cache(k2.to(dtype), key_cache_ptr, k_scale), mask=kv_mask)
     v_src = value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :]
     v_dst = (value_cache_ptr + (slot // PAGE_SIZE) * stride_vc_block + (slot % PAGE_SIZE) * stride_vc_slot
-             + h[:, None] * stride_vc_head + d[None, :])
+             + h[:, None] * stride_vc_head + d[None, :] * stride_vc_dim)
     tl.store(v_dst, to_cache(tl.load(v_src, mask=kv_mask), value_cache_ptr, v_scale), mask=kv_mask)
-    tl.store(v_dst + HALF, to_cache(tl.load(v_src + HALF, mask=kv_mask), value_cache_ptr, v_scale),
+    tl.store(v_dst + HALF * stride_vc_dim,
+             to_cache(tl.load(v_src + HALF, mask=kv_mask), value_cache_ptr, v_scale),
              mask=kv_mask)
 
 
 def _cache_block_size(key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_heads: int,
                       head_dim: int) -> int:
     """The caches' block size; raises ValueError unless they hold ``[num_kv_heads, head_dim]``
-    per slot, contiguous along ``head_dim``."""
+    per slot, keys contiguous along ``head_dim``, values too or slot-major
+    (``kv_quant.paged_kv_views``)."""
     _, block_size, cache_heads, cache_dim = key_cache.shape
     if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
         raise ValueError(
             f"KV cache holds [{cache_heads} heads, {cache_dim} dims] per slot but the keys are "
             f"[{num_kv_heads}, {head_dim}]."
         )
-    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("KV cache must be contiguous along head_dim.")
+    values_ok = value_cache.stride(-1) == 1 or values_slot_major(value_cache)
+    if key_cache.stride(-1) != 1 or not values_ok:
+        raise ValueError("KV cache must be contiguous along head_dim (values: or slot-major).")
     return block_size
 
 
@@ -173,7 +180,8 @@ def write_kv_cache(
     """Store ``key/value: [n, Hkv, D]`` at ``slot_mapping: [n]`` (int, -1 = skip).
 
     ``key_cache/value_cache: [num_blocks, block_size, Hkv, D]`` (the two halves of one
-    layer's ``kv_cache``); each must have a unit stride along ``D``, as must ``key/value``.
+    layer's ``kv_cache``, ``kv_quant.paged_kv_views``): keys with a unit stride along
+    ``D``, values too or slot-major; ``key/value`` with a unit stride along ``D``.
     ``k_scale`` / ``v_scale``: the layer's scales, used only by an FP8 cache.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -204,6 +212,7 @@ def write_kv_cache(
         value_cache.stride(0),
         value_cache.stride(1),
         value_cache.stride(2),
+        value_cache.stride(3),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=next_power_of_2(num_kv_heads),
@@ -256,7 +265,7 @@ def rotate_and_write_kv(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=head_dim // 2,

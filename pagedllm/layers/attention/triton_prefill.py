@@ -35,11 +35,13 @@ from pagedllm.layers.attention.triton_common import (
     LOG2_E,
     check_paged_inputs,
     find_sequence,
+    slot_major_values,
     soft_cap,
     soft_cap_constexpr,
     unit_last_stride,
     uses_fp16_dot,
     uses_ieee_dot,
+    values_slot_major,
 )
 from pagedllm.layers.launch_math import next_power_of_2
 from pagedllm.switches import switch
@@ -71,6 +73,8 @@ def _attend_tiles(
     EVEN_D: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    V_SLOT_MAJOR: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Online-softmax update over key tiles ``[lo, hi)``. Unless ``MASKED``, every key of
     every tile is visible to every row (the caller proves it), so no mask is computed.
@@ -92,12 +96,18 @@ def _attend_tiles(
         v_ptrs = v_head + kv_rows[:, None] + d[None, :]  # the caches share strides (checked)
         if MASKED:
             k = tl.load(k_ptrs, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
         else:
             k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
+        if V_SLOT_MAJOR:
+            v = slot_major_values(v_head, table, start, kv_end, stride_kb, d, d_valid,
+                                  BLOCK_N, BLOCK_D, PAGE_SIZE)
+        elif MASKED:
+            v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
             v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
         if IEEE_DOT:
             s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
@@ -168,6 +178,7 @@ def _prefill_kernel(
     FP16_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,
+    V_SLOT_MAJOR: tl.constexpr,
 ):
     if LONGEST_FIRST:
         tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -223,6 +234,7 @@ def _prefill_kernel(
             acc, l_i, m_i, q, k_head, v_head, table, kv_start, full_lo, kv_end, pos, window,
             qk_scale, stride_kb, stride_ks, d, d_valid,
             PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
+            V_SLOT_MAJOR, BLOCK_D,
         )
     else:
         full_lo = 0
@@ -230,11 +242,13 @@ def _prefill_kernel(
         acc, l_i, m_i, q, k_head, v_head, table, full_lo, full_hi, kv_end, pos, window,
         qk_scale, stride_kb, stride_ks, d, d_valid,
         PAGE_SIZE, BLOCK_N, False, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
+        V_SLOT_MAJOR, BLOCK_D,
     )
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, k_head, v_head, table, tl.maximum(full_hi, full_lo), kv_end, kv_end,
         pos, window, qk_scale, stride_kb, stride_ks, d, d_valid,
         PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
+        V_SLOT_MAJOR, BLOCK_D,
     )
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -320,6 +334,9 @@ def paged_prefill_attention(
     )
     block_m = block_m or default_m
     block_n = block_n or default_n
+    slot_major = values_slot_major(value_cache)
+    if slot_major:  # tiles of whole pages
+        block_n = max(block_n, key_cache.shape[1])
     if block_m < queries_per_kv:
         raise ValueError(
             f"block_m={block_m} must hold all {queries_per_kv} query heads of a KV head."
@@ -363,6 +380,7 @@ def paged_prefill_attention(
         FP16_DOT=uses_fp16_dot(query.dtype, key_cache.dtype),
         SOFTCAP=soft_cap_constexpr(logits_soft_cap),
         LONGEST_FIRST=longest_first,
+        V_SLOT_MAJOR=slot_major,
         num_warps=num_warps,
         num_stages=num_stages,
     )
