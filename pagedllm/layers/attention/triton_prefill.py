@@ -93,22 +93,23 @@ def _attend_tiles(
             block = tl.load(table + page // PAGE_SIZE).to(tl.int64)
         kv_rows = block * stride_kb + (page % PAGE_SIZE).to(tl.int64) * stride_ks
         k_ptrs = k_head + kv_rows[None, :] + d[:, None]
-        v_ptrs = v_head + kv_rows[:, None] + d[None, :]  # the caches share strides (checked)
         if MASKED:
             k = tl.load(k_ptrs, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
-        if V_SLOT_MAJOR:
+        if V_SLOT_MAJOR:  # the block strides are shared (checked)
             v = slot_major_values(v_head, table, start, kv_end, stride_kb, d, d_valid,
                                   BLOCK_N, BLOCK_D, PAGE_SIZE)
-        elif MASKED:
-            v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-        elif EVEN_D:
-            v = tl.load(v_ptrs)
         else:
-            v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
+            v_ptrs = v_head + kv_rows[:, None] + d[None, :]  # the caches share strides (checked)
+            if MASKED:
+                v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+            elif EVEN_D:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
         if IEEE_DOT:
             s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
         else:
