@@ -24,7 +24,7 @@
 #                  take about 28 minutes of H200 time for FP8 and 34 for bf16); recorded
 #   TRTLLM_SHAPES  the shapes to run, e.g. "128/128 1000/1000" (default: all five)
 #   TRTLLM_DTYPES  the columns, "fp8 bf16" (default), "fp8" or "bf16"
-#   TRTLLM_ARGS    engine flags for every run, e.g. "--max-num-seqs 512" (printed in the table)
+#   TRTLLM_ARGS    engine flags for every run, e.g. "--max-num-seqs 1024" (printed in the table)
 # Files under $OUT: log.txt (everything printed), steps.txt, trtllm-<dtype>.json (the bench
 # records), one JSON per shape, the report.
 set -u -o pipefail
