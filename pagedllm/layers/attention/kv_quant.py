@@ -80,6 +80,7 @@ def paged_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from shared memory a byte at a time). Other caches keep slot rows for both. Kernels
     read which layout they have from these strides alone."""
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    # By element size, not dtype: the torch reference copies an FP8 cache's bytes as uint8.
     if value_cache.element_size() == 1 and value_cache.shape[1] > 1:
         _, page, _, dim = value_cache.shape
         value_cache = value_cache.as_strided(
