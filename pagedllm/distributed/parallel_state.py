@@ -16,6 +16,7 @@ enqueued on the current stream and captured by CUDA graphs like any kernel.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -176,8 +177,10 @@ def send_sampled_ids(ids: torch.Tensor) -> None:
 def recv_sampled_ids(count: int, device: torch.device | str):
     """Earlier stages: ``(ids, wait)``: the buffer the last stage's ``count`` sampled ids of
     this step arrive in, and the function that waits for them (so later steps launch
-    meanwhile)."""
+    meanwhile). Nothing may read ``ids`` before ``wait()`` has returned: gloo fills it from
+    another thread, and NCCL on its own stream (``wait`` orders the current stream after
+    it). ``wait`` may be called again: it waits once (a second wait on gloo's receive would
+    wait for another message)."""
     ids = torch.empty(count, dtype=torch.int64, device=device)
     last = (_PP.num_stages - 1) * _PP.tp_size + _PP.rank % _PP.tp_size
-    work = dist.irecv(ids, last)
-    return ids, work.wait
+    return ids, functools.cache(dist.irecv(ids, last).wait)

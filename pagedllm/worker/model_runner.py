@@ -139,6 +139,10 @@ class ModelRunner:
         self._unresolved: deque[AsyncStepOutput] = deque()
         # The last launched step's sampled ids on the device: the pending tokens' source.
         self._last_sampled: torch.Tensor | None = None
+        # On an earlier pipeline stage, the wait for the receive those ids arrive by: they
+        # are read only after it (gloo fills the buffer from another thread, NCCL on its
+        # own stream). None on the last stage.
+        self._last_sampled_arrival: Callable[[], object] | None = None
         self._readback: SampledIdsReadback | None = None
         # Token counts of the penalised requests, by batch row (made on first need).
         self.token_counts: TokenCounts | None = None
@@ -371,7 +375,7 @@ class ModelRunner:
         out, check = self._sample(logits, states, grammar)
         sampled = out.sampled_token_ids
         self.input_batch.mark_pending(states)
-        self._last_sampled = sampled
+        self._last_sampled, self._last_sampled_arrival = sampled, None
 
         def finish(token_ids: list[int] | None) -> ModelRunnerOutput:
             while self._unresolved[0] is not result:
@@ -403,7 +407,7 @@ class ModelRunner:
                 req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]))
         ids, wait = recv_sampled_ids(len(states), self.device)
         self.input_batch.mark_pending(states)
-        self._last_sampled = ids
+        self._last_sampled, self._last_sampled_arrival = ids, wait
 
         def read() -> list[int]:
             wait()
@@ -753,7 +757,10 @@ class ModelRunner:
         sampled ids), read at ``pending_sample_rows``."""
         if not len(inputs.pending_token_indices):
             return
-        source = self._last_sampled if source is None else source
+        if source is None:
+            source = self._last_sampled
+            if self._last_sampled_arrival is not None:
+                self._last_sampled_arrival()  # the last stage's ids are in the buffer
         if self.device_inputs is not None:
             indices = self.device_inputs.stage_pending(
                 inputs.pending_token_indices, inputs.pending_sample_rows)

@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism on the CPU (gloo): greedy tokens at TP=2, PP=2 and
 TP=2 x PP=2 equal HF transformers' in float32 with batching, chunked prefill, prefix-cache
 hits and preemption in one run; seeded sampling equals one rank's; pipeline stages keep
-steps in flight; a dead rank fails the engine within seconds."""
+steps in flight, and an earlier stage reads the last stage's sampled ids only once they
+have arrived; a dead rank fails the engine within seconds."""
 
 from __future__ import annotations
 
@@ -286,3 +287,46 @@ def test_a_draft_model_speculates_on_every_rank_beside_steps_in_flight(tmp_path)
         assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def test_an_earlier_stage_reads_sampled_ids_only_once_they_have_arrived(tmp_path, monkeypatch):
+    """A first pipeline stage launches a step whose input is a token the last stage sampled
+    in the step before, still on its way (the receive completes when waited for): the step
+    reads it only after the receive, never the buffer's earlier contents."""
+    from pagedllm.core.outputs import ModelRunnerOutput
+    from pagedllm.core.request import Request
+    from pagedllm.core.scheduler import Scheduler
+    from pagedllm.distributed.parallel_state import PipelineStage
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.worker import model_runner
+
+    sampled = 5  # what the last stage sampled for the prompt's next token
+
+    def receive_later(count: int, device):
+        ids = torch.zeros(count, dtype=torch.int64, device=device)
+
+        def wait() -> None:
+            with torch.inference_mode():
+                ids.fill_(sampled)
+
+        return ids, wait
+
+    monkeypatch.setattr(model_runner, "get_pp", lambda: PipelineStage(stage=0, num_stages=2))
+    monkeypatch.setattr(model_runner, "recv_sampled_ids", receive_later)
+    config = EngineArgs(model=str(_checkpoint(tmp_path, "llama")), block_size=8,
+                        num_kv_blocks=16, max_model_len=48).create_engine_config()
+    runner = model_runner.ModelRunner(config)
+    scheduler = Scheduler(config.scheduler_config, config.cache_config,
+                          runner.initialize_kv_cache())
+    inputs: list[list[int]] = []
+    runner.model.register_forward_pre_hook(lambda _, args: inputs.append(args[0].tolist()))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    scheduler.add_request(Request("0", [7, 8, 9], params, max_model_len=48))
+    prompt_step = scheduler.schedule()
+    first = runner.execute_model_async(prompt_step)
+    # The engine has the last stage's output; this stage has not read its own yet.
+    scheduler.update_from_output(prompt_step, ModelRunnerOutput(["0"], [[sampled]]))
+    second = runner.execute_model_async(scheduler.schedule())
+    assert inputs == [[7, 8, 9], [sampled]]
+    assert first.get().sampled_token_ids == [[sampled]]
+    second.get()
