@@ -252,7 +252,10 @@ def small_batch_matmul_kernel(
     (one row): each lane instead multiply-adds its products in float16, two a instruction,
     scaled by ``HALF_SUM_SCALE`` so that no lane's sum can overflow (a lane sums one product
     per ``BLOCK_K`` inputs; e4m3 products are exact in float16 but for the tiniest), and the
-    lanes' sums meet in float32 at the end.
+    lanes' sums meet in float32 at the end. One row lane-wise with ``EVEN_K`` and no
+    act-order: each lane loads the inputs of its own part of the weight tile (``x`` in the
+    tile's shape, ``BLOCK_N`` copies of the row from L1) and quantizes them itself, so the
+    loop exchanges nothing through shared memory and has no barrier.
     ``STATIC_INPUT``: every row of ``x`` is quantized with the one float32 at
     ``input_scale_ptr`` instead (static activation scales). ``AMAX_BLOCK``: the columns
     the largest-magnitude pass reads at once (wide for one row: few dependent loads).
@@ -278,6 +281,8 @@ def small_batch_matmul_kernel(
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     # Integer weights, one row: sums per column (int_row_products), else lane-wise sums.
     INT_ROWS: tl.constexpr = INT_BITS > 0 and not USE_DOT
+    # FP8, one row: x loaded in the weight tile's shape (BLOCK_N copies of the row).
+    ROW_TILE_X: tl.constexpr = FP8 and not USE_DOT and EVEN_K and not HAS_PERM
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     elif INT_ROWS:
@@ -339,7 +344,10 @@ def small_batch_matmul_kernel(
                 if SILU_GATED:
                     w_up = tl.load(up_rows + k[None, :], mask=k_valid[None, :], other=0.0)
                 x_mask = m_valid[:, None] & k_valid[None, :]
-            x = tl.load(x_rows + columns[None, :], mask=x_mask, other=0.0)
+            if ROW_TILE_X:  # each lane loads its own inputs: no exchange through shared memory
+                x = tl.load(x_rows + (k[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)))
+            else:
+                x = tl.load(x_rows + columns[None, :], mask=x_mask, other=0.0)
             if FP8:
                 x = tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
             if USE_DOT:

@@ -382,8 +382,8 @@ def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False, int_
 def _fp8_tile(rows: int, n: int, k: int) -> GemvTile:
     """FP8 weights (``scripts/gemv_quant_sweep.py`` on an H200, Llama-3.1-8B's projections
     in CUDA graphs, weights out of L2): one row multiplies lane-wise in narrow 16-wide
-    tiles, K split in two for the narrow outputs (o_proj 9.3 us against 10.4 whole and
-    bf16's 11.3; down 21.7 against 28.8 and 30.9), except the wide gate/up (tensor cores,
+    tiles, K split in two for the narrow outputs (o_proj 8.7 us against 9.5 whole and
+    bf16's 11.6; down 21.3 against 26.5 and 31.9), except the wide gate/up (tensor cores,
     128 x 256: 37.3 against bf16's 56.6); several rows take tensor-core tiles, o_proj's
     split in four (13.5 against 16.9 whole)."""
     steps = -(-k // 512)
