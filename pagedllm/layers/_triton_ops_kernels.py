@@ -252,7 +252,7 @@ def small_batch_matmul_kernel(
     (one row): each lane instead multiply-adds its products in float16, two a instruction,
     scaled by ``HALF_SUM_SCALE`` so that no lane's sum can overflow (a lane sums one product
     per ``BLOCK_K`` inputs; e4m3 products are exact in float16 but for the tiniest), and the
-    lanes' sums meet in float32 at the end. One row lane-wise with ``EVEN_K`` and no
+    lanes' sums meet in float32 at the end. One row in float32 lanes with ``EVEN_K`` and no
     act-order: each lane loads the inputs of its own part of the weight tile (``x`` in the
     tile's shape, ``BLOCK_N`` copies of the row from L1) and quantizes them itself, so the
     loop exchanges nothing through shared memory and has no barrier.
@@ -281,8 +281,9 @@ def small_batch_matmul_kernel(
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     # Integer weights, one row: sums per column (int_row_products), else lane-wise sums.
     INT_ROWS: tl.constexpr = INT_BITS > 0 and not USE_DOT
-    # FP8, one row: x loaded in the weight tile's shape (BLOCK_N copies of the row).
-    ROW_TILE_X: tl.constexpr = FP8 and not USE_DOT and EVEN_K and not HAS_PERM
+    # FP8, one row, float32 lanes: x loaded in the weight tile's shape (BLOCK_N copies of
+    # the row).
+    ROW_TILE_X: tl.constexpr = FP8 and not USE_DOT and not HALF_SUMS and EVEN_K and not HAS_PERM
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     elif INT_ROWS:
