@@ -313,7 +313,8 @@ def test_an_earlier_stage_reads_sampled_ids_only_once_they_have_arrived(tmp_path
 
     monkeypatch.setattr(model_runner, "get_pp", lambda: PipelineStage(stage=0, num_stages=2))
     monkeypatch.setattr(model_runner, "recv_sampled_ids", receive_later)
-    config = EngineArgs(model=str(_checkpoint(tmp_path, "llama")), block_size=8,
+    # On the CPU: every step runs the model's forward (no graph replay hides it from the hook).
+    config = EngineArgs(model=str(_checkpoint(tmp_path, "llama")), device="cpu", block_size=8,
                         num_kv_blocks=16, max_model_len=48).create_engine_config()
     runner = model_runner.ModelRunner(config)
     scheduler = Scheduler(config.scheduler_config, config.cache_config,
