@@ -14,6 +14,9 @@ attention over an FP8 cache.
 16-byte alignment a real launch of contiguous tensors gets. Prints the loop's instruction
 count, instructions per weight (per thread: the tile's weights over the threads), and the
 most frequent opcodes; ``--print-loop`` the loop itself, ``--json`` the counts as JSON.
+``--pdl`` compiles the kernel as programmatic dependent launch runs it
+(``pagedllm.layers.pdl``) and also reports the global-memory instructions placed before its
+wait for the previous kernel (``memory_before_wait``, 0 by that module's contract).
 ``--decode BLOCK_N,num_warps,num_stages`` compiles the decode attention kernel instead
 (Llama-3.1-8B's heads: 4 query heads a KV head, head_dim 128, pages of 16; the rope and
 cache write of the new token riding on it, as in the engine), ``--prefill
@@ -52,7 +55,8 @@ ALIGNED = ("x_ptr", "weight_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm", 
            "perm_ptr", "partial_ptr", "k_per_split")
 
 
-def compile_kernel(tile, int_bits: int, group: int, fp8: bool, half_sums: bool = False):
+def compile_kernel(tile, int_bits: int, group: int, fp8: bool, half_sums: bool = False,
+                   pdl: bool = False):
     """The compiled kernel (``triton.compile``'s result) for sm_90."""
     weight = "*i32" if int_bits else ("*fp8e4nv" if fp8 else "*bf16")
     signature = dict(
@@ -68,7 +72,7 @@ def compile_kernel(tile, int_bits: int, group: int, fp8: bool, half_sums: bool =
         HAS_BIAS=False, EVEN_K=True, USE_DOT=tile.use_dot, SILU_GATED=False, NORM_BLOCK=0,
         FP8=fp8, STATIC_INPUT=False, AMAX_BLOCK=tile.block_k, INT_BITS=int_bits,
         GROUP=group if int_bits else 0, HAS_PERM=False, SPLIT=tile.split,
-        HALF_SUMS=half_sums,
+        HALF_SUMS=half_sums, PDL=pdl,
     )
     if not tile.use_dot:  # a launch for one row passes M = 1, which Triton makes a constant
         constants["M"] = 1
@@ -81,7 +85,7 @@ def compile_kernel(tile, int_bits: int, group: int, fp8: bool, half_sums: bool =
                           options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
 
 
-def compile_attention(kind: str, tile: list[int], kv: str):
+def compile_attention(kind: str, tile: list[int], kv: str, pdl: bool = False):
     """The decode (``tile`` = BLOCK_N, warps, stages; one pass) or prefill (``tile`` =
     BLOCK_M, BLOCK_N, warps, stages) attention kernel for sm_90 (see the module docstring)."""
     kernel = triton_decode._decode_kernel if kind == "decode" else triton_prefill._prefill_kernel
@@ -100,7 +104,7 @@ def compile_attention(kind: str, tile: list[int], kv: str):
     if kind == "decode":
         block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_G=16, BLOCK_N=block_n, SPLIT=False, MERGE_H=4,
-                         MERGE_S=16, HAS_ORDER=True, ROPE_AND_CACHE=True, HALF=64)
+                         MERGE_S=16, HAS_ORDER=True, ROPE_AND_CACHE=True, HALF=64, PDL=pdl)
     else:
         block_m, block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_M=block_m, BLOCK_Q=block_m // 4, BLOCK_N=block_n,
@@ -123,6 +127,20 @@ def sass(compiled) -> list[tuple[int, str]]:
                               check=True).stdout
     found = (re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in text.splitlines())
     return [(int(m.group(1), 16), m.group(2).strip()) for m in found if m]
+
+
+# Instructions that read or write global memory (shared-memory and constant loads aside).
+GLOBAL_MEMORY = re.compile(r"^(@!?U?P\w+\s+)?(LDG|STG|LDGSTS|ATOMG|ATOM|RED|LD|ST|UTMA\w*|UBLKCP)\b")
+
+
+def memory_before_wait(code: list[tuple[int, str]]) -> int | None:
+    """Global-memory instructions before the kernel's first wait for the previous kernel
+    (``griddepcontrol.wait``, ``ACQBULK`` in the machine code); None without a wait."""
+    texts = [text for _, text in code]
+    wait = next((i for i, text in enumerate(texts) if text.startswith("ACQBULK")), None)
+    if wait is None:
+        return None
+    return sum(1 for text in texts[:wait] if GLOBAL_MEMORY.match(text))
 
 
 def main_loop(code: list[tuple[int, str]]) -> list[str]:
@@ -151,6 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--int-bits", type=int, choices=(0, 4, 8), default=0)
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--pdl", action="store_true",
+                        help="compile for programmatic dependent launch (pagedllm.layers.pdl)")
     parser.add_argument("--print-loop", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the counts as JSON last")
     args = parser.parse_args(argv)
@@ -161,21 +181,26 @@ def main(argv: list[str] | None = None) -> dict:
         tile = [int(v) for v in attention.split(",")]
         kv = "fp8e4nv" if args.kv == "fp8" else "bf16"
         kind = "decode" if args.decode else "prefill"
-        loop = main_loop(sass(compile_attention(kind, tile, kv)))
+        code = sass(compile_attention(kind, tile, kv, args.pdl))
         block_n, num_warps = tile[-3], tile[-2]
         unit, per_thread = "KV byte", block_n * 128 * 2 * (1 if args.kv == "fp8" else 2) / (32 * num_warps)
     else:
         tile = _parse_tile(GEMV_TILE_ENV, args.tile, rows=1)
-        loop = main_loop(sass(compile_kernel(tile, args.int_bits, args.group, args.fp8,
-                                             args.half_sums)))
+        code = sass(compile_kernel(tile, args.int_bits, args.group, args.fp8, args.half_sums,
+                                   args.pdl))
         unit, per_thread = "weight", tile.block_n * tile.block_k / (32 * tile.num_warps)
+    loop = main_loop(code)
     opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in loop)
     per_unit = len(loop) / per_thread
     result = {"instructions": len(loop), f"per_{unit.replace(' ', '_').lower()}": per_unit,
               "opcodes": dict(opcodes.most_common())}
+    if args.pdl:
+        result["memory_before_wait"] = memory_before_wait(code)
     print(f"loop: {len(loop)} instructions, {per_unit:.2f} per {unit} "
           f"({per_thread:.0f} {unit}s a thread an iteration)")
     print("  " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(12)))
+    if args.pdl:
+        print(f"  global-memory instructions before the wait: {result['memory_before_wait']}")
     if args.print_loop:
         print("\n".join(loop))
     if args.json:

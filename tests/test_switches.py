@@ -65,3 +65,29 @@ def test_a_choice_takes_its_names_only(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_FP8_KV_DOT", "fp32")
     with pytest.raises(ValueError, match="PAGEDLLM_FP8_KV_DOT='fp32': give one of fp16, bf16"):
         uses_fp16_dot(torch.bfloat16, fp8)
+
+
+def test_programmatic_dependent_launch_is_a_switch_of_the_gpu_only(monkeypatch):
+    """``PAGEDLLM_PDL=1``: kernels launch early only on a GPU that has it; off (the
+    default), or on the CPU, a kernel's ``PDL`` constexpr is off and no ``launch_pdl`` is
+    passed; a value the switch does not take is refused even where it would not apply."""
+    from pagedllm.layers import pdl
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("PAGEDLLM_PDL", raising=False)
+    pdl.pdl_enabled.cache_clear()
+    pdl.launch_options.cache_clear()
+    try:
+        assert pdl.launch_options(cpu) == {"PDL": False}
+        monkeypatch.setenv("PAGEDLLM_PDL", "1")
+        pdl.pdl_enabled.cache_clear()
+        pdl.launch_options.cache_clear()
+        assert pdl.launch_options(cpu) == {"PDL": False}
+        monkeypatch.setenv("PAGEDLLM_PDL", "on")
+        pdl.pdl_enabled.cache_clear()
+        with pytest.raises(ValueError, match="PAGEDLLM_PDL='on': give 1"):
+            pdl.pdl_enabled(cpu)
+    finally:
+        monkeypatch.delenv("PAGEDLLM_PDL")
+        pdl.pdl_enabled.cache_clear()
+        pdl.launch_options.cache_clear()

@@ -15,6 +15,32 @@ import triton.language as tl
 
 from pagedllm.layers._int_matmul_kernels import int_row_products, int_weight_tile
 from pagedllm.layers.launch_math import cdiv, next_power_of_2  # noqa: F401 - host helpers for launches
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """With ``PDL`` (set by ``pagedllm.layers.pdl.launch_options``): wait until the kernel
+    before this one has completed and its writes are visible. Called before any load or
+    store (the contract in ``pagedllm.layers.pdl``); without ``PDL`` it is nothing."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def release_next_kernel(PDL: tl.constexpr):
+    """With ``PDL``: the next kernel's programs may be placed once every program of this
+    one has come here (or ended). Its programs then hold their registers and shared memory
+    while they wait, so a kernel that fills the GPU calls this after its main loop."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def follow_previous_kernel(PDL: tl.constexpr):
+    """``wait_for_previous_kernel`` then ``release_next_kernel``: for short kernels."""
+    wait_for_previous_kernel(PDL)
+    release_next_kernel(PDL)
 
 
 @triton.jit
@@ -32,7 +58,9 @@ def rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     token = row // heads
     head = row % heads
@@ -72,7 +100,9 @@ def _rms_norm_row(
 
 
 @triton.jit
-def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -144,6 +174,7 @@ def row_argmax_partial_kernel(
     vocab_size, chunk,
     GUMBEL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ``(row, part)``: the best score in columns ``[part * chunk, (part + 1) * chunk)``
     of ``row`` and its column, into ``best[row, part]`` and ``index[row, part]``.
@@ -152,6 +183,7 @@ def row_argmax_partial_kernel(
     ``g = -log(-log(u))``, ``u = rand(seed, column)``: it depends on the row's seed and the
     column only, so the draw does not depend on the batch or the split. The first column
     wins a tie; a part with nothing above -inf reports its first column."""
+    follow_previous_kernel(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
@@ -180,9 +212,11 @@ def row_argmax_partial_kernel(
 
 
 @triton.jit(do_not_specialize=["parts"])
-def row_argmax_reduce_kernel(best_ptr, index_ptr, out_ptr, parts, BLOCK_PARTS: tl.constexpr):
+def row_argmax_reduce_kernel(best_ptr, index_ptr, out_ptr, parts, BLOCK_PARTS: tl.constexpr,
+                             PDL: tl.constexpr):
     """Row ``row``'s winner over its ``parts <= BLOCK_PARTS`` parts (the earliest part wins
     a tie) -> int64."""
+    follow_previous_kernel(PDL)
     row = tl.program_id(0)
     p = tl.arange(0, BLOCK_PARTS)
     valid = p < parts
@@ -220,6 +254,7 @@ def small_batch_matmul_kernel(
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
     HALF_SUMS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
     output columns and ``K`` slice (``SPLIT`` slices of ``k_per_split`` inputs, a multiple
@@ -268,7 +303,11 @@ def small_batch_matmul_kernel(
     (``int_weight_tile``) rounded to ``x``'s dtype; one row sums ``(q - zero) * x`` per
     column and tile and scales the sum (``int_row_products``: three instructions a weight).
     ``HAS_PERM``: act-order, stored column ``k`` multiplies ``x[perm[k]]``.
+
+    ``PDL``: launched early (``pagedllm.layers.pdl``); the next kernel is released after
+    the main loop, so its waiting programs take no room from this one's.
     """
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -364,6 +403,7 @@ def small_batch_matmul_kernel(
                 acc += w.to(tl.float32) * x.to(tl.float32)
                 if SILU_GATED:
                     acc_up += w_up.to(tl.float32) * x.to(tl.float32)
+    release_next_kernel(PDL)
     if USE_DOT:
         out = acc
         up = acc_up
@@ -455,12 +495,14 @@ def _small_batch_finish(
 
 @triton.jit
 def quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, K, stride_xm,
-                             BLOCK_K: tl.constexpr, STATIC_INPUT: tl.constexpr):
+                             BLOCK_K: tl.constexpr, STATIC_INPUT: tl.constexpr,
+                             PDL: tl.constexpr):
     """Row ``row`` of ``x`` -> float8_e4m3fn ``out[row]`` (contiguous rows of ``K``) and its
     float32 scale ``scale[row]``, as ``quantize_rows`` computes them: the scale is the
     row's largest magnitude / 448 (at least 1e-12), or the one float32 at
     ``input_scale_ptr`` with ``STATIC_INPUT``; each value is divided by it with IEEE
     rounding, clamped to +-448 and rounded to e4m3."""
+    follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     if STATIC_INPUT:

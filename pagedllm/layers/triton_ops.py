@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedllm.layers.pdl import launch_options
 from pagedllm.switches import switch
 
 FUSED_OPS_ENV = "PAGEDLLM_FUSED_OPS"
@@ -90,7 +91,7 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
         k.quantize_rows_fp8_kernel[(rows,)](
             x, out, scale, input_scale if input_scale is not None else scale, cols,
             x.stride(0), BLOCK_K=block, STATIC_INPUT=input_scale is not None,
-            num_warps=_norm_warps(block),
+            num_warps=_norm_warps(block), **launch_options(x.device),
         )
     return out, scale
 
@@ -145,7 +146,7 @@ def rms_norm(
         residual.stride(0) if residual is not None else 0,
         eps,
         N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        num_warps=_norm_warps(block),
+        num_warps=_norm_warps(block), **launch_options(x.device),
     )
     return (out, residual_out) if residual is not None else out
 
@@ -165,6 +166,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     k.silu_and_mul_kernel[(num_tokens, k.cdiv(d, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), d, BLOCK=block, num_warps=4,
+        **launch_options(gate_up.device),
     )
     return out
 
@@ -248,10 +250,10 @@ def _row_argmax(logits: torch.Tensor, temperature: torch.Tensor | None,
         logits, logits.stride(0),
         temperature if gumbel else best, seeds if gumbel else best,
         best, index, vocab_size, chunk,
-        GUMBEL=gumbel, BLOCK=ARGMAX_BLOCK, num_warps=8,
+        GUMBEL=gumbel, BLOCK=ARGMAX_BLOCK, num_warps=8, **launch_options(logits.device),
     )
     k.row_argmax_reduce_kernel[(num_rows,)](
-        best, index, out, parts, BLOCK_PARTS=ARGMAX_MAX_PARTS,
+        best, index, out, parts, BLOCK_PARTS=ARGMAX_MAX_PARTS, **launch_options(logits.device),
     )
     return out
 
@@ -585,5 +587,6 @@ def small_batch_matmul(
         HALF_SUMS=FP8_HALF_SUMS and weight_scale is not None and not tile.use_dot,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        **launch_options(x.device),
     )
     return out if norm is None else (normed, residual_out)

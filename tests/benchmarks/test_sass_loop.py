@@ -63,3 +63,17 @@ def test_fp8_products_summed_in_half_pairs_cost_half_the_instructions():
     assert half["per_weight"] < 2.5 and "FFMA" not in half["opcodes"]
     wide = sass_loop(["--tile", "64,512,4,3,fma,2", "--fp8", "--half-sums"])
     assert "STL" not in wide["opcodes"] and wide["per_weight"] < 2.0
+
+
+@pytest.mark.parametrize("args", [
+    ["--tile", "16,512,4,3,fma,2", "--fp8"],  # one row of FP8 weights
+    ["--tile", "64,512,4,3,dot"],  # bf16 on tensor cores
+    ["--tile", "64,64,4,3,fma,8", "--int-bits", "4"],  # one row of 4-bit weights
+    ["--decode", "64,4,2"],  # decode attention, the new token's rope and cache write in it
+])
+def test_a_kernel_launched_early_touches_no_memory_before_the_previous_kernel_completes(args):
+    """Programmatic dependent launch places a decode step's kernel while the one before it
+    runs: its first instruction must wait for that kernel (``ACQBULK``, the
+    ``griddepcontrol.wait`` of ``pagedllm.layers.pdl``), or it could read an activation
+    before it is written."""
+    assert sass_loop([*args, "--pdl"])["memory_before_wait"] == 0

@@ -76,8 +76,9 @@ from pagedllm.layers.attention.triton_common import (
     uses_ieee_dot,
     values_slot_major,
 )
-from pagedllm.layers._triton_ops_kernels import rotate_half_whole
+from pagedllm.layers._triton_ops_kernels import follow_previous_kernel, rotate_half_whole
 from pagedllm.layers.launch_math import cdiv, next_power_of_2
+from pagedllm.layers.pdl import launch_options
 from pagedllm.layers.triton_ops import arrival_counters
 from pagedllm.switches import switch
 
@@ -154,7 +155,9 @@ def _decode_kernel(
     FP16_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     V_SLOT_MAJOR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    follow_previous_kernel(PDL)
     kv_head = tl.program_id(0)
     if HAS_ORDER:
         seq = tl.load(order_ptr + tl.program_id(1))
@@ -644,6 +647,7 @@ def paged_decode_attention(
         V_SLOT_MAJOR=slot_major,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options(query.device),
     )
 
 

@@ -25,10 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers._triton_ops_kernels import rotate_half
+from pagedllm.layers._triton_ops_kernels import follow_previous_kernel, rotate_half
 from pagedllm.layers.attention.kv_quant import cache_scales, values_slot_major
 from pagedllm.layers.attention.triton_common import to_cache, unit_last_stride
 from pagedllm.layers.launch_math import next_power_of_2
+from pagedllm.layers.pdl import launch_options
 
 
 @triton.jit
@@ -110,12 +111,14 @@ def _rotate_and_write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token: its query heads rotated into ``query_out`` (every token, padding too, so
     the attention reads defined values), then, for a real token with a slot, its key heads
     rotated and its value heads copied into the cache. Rotated values are rounded to the
     activation dtype before the cast to the cache's, as the rotary kernel followed by the
     write would."""
+    follow_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     d_valid = d < HALF
@@ -274,5 +277,6 @@ def rotate_and_write_kv(
         BLOCK_HALF=next_power_of_2(head_dim // 2),
         PAGE_SIZE=block_size,
         num_warps=4,
+        **launch_options(query.device),
     )
     return out

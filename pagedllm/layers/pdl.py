@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (PDL, compute capability 9.0 and later): a kernel's programs
+are placed on the GPU while the kernel before it is still finishing.
+
+A batch-1 decode step is about five kernels a layer back to back in a CUDA graph. Between
+two plain launches the GPU drains the first grid, makes its writes visible and only then
+starts placing the second's programs: a gap of a microsecond or two each time, against
+the 10-30 us a one-row product takes. A kernel launched with PDL (Triton's ``launch_pdl``)
+may be placed once every program of the kernel before it has started, so its programs are
+resident and waiting when that kernel completes.
+
+The contract, for every kernel that takes a ``PDL`` constexpr (``launch_options`` sets it
+together with ``launch_pdl``, never one without the other): with ``PDL`` set, each program
+first calls ``wait_for_previous_kernel`` (``_triton_ops_kernels``), which returns once the
+kernel before it has completed with its writes visible (``griddepcontrol.wait``); no load
+or store comes before it. So a PDL kernel completes only after the kernel before it, and
+every kernel after it sees what all earlier kernels wrote, as on a plain stream; a plain
+kernel after a PDL one waits for it as usual. Each program also calls
+``release_next_kernel`` (``griddepcontrol.launch_dependents``: the next kernel may be
+placed once every program has), right after the wait in short kernels
+(``follow_previous_kernel``) and after the main loop in the small-batch product: released
+at its start, the next kernel's waiting programs held room the product's tiles needed
+(docs/benchmarks.md).
+
+``PAGEDLLM_PDL=1`` turns it on where the GPU supports it; it is off by default until the
+GPU test suite passes with it (docs/benchmarks.md, "Programmatic dependent launch"). The
+Triton interpreter never uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from pagedllm.switches import switch
+
+PDL_ENV = "PAGEDLLM_PDL"
+
+
+@functools.cache
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL: ``PAGEDLLM_PDL`` on (``1``; ``0`` or
+    unset: off), a CUDA GPU of compute capability 9.0 or later, and not the Triton
+    interpreter."""
+    wanted = switch(PDL_ENV, False)  # a value the switch does not take is refused anywhere
+    if not wanted or os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@functools.cache
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments for launching a kernel that takes the ``PDL`` constexpr on
+    ``device`` (a ``torch.device``): the constexpr and Triton's ``launch_pdl`` together.
+    The dict is shared: pass it with ``**``, never change it."""
+    if pdl_enabled(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
