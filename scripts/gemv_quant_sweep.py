@@ -15,8 +15,12 @@ the path the kind took before the small-batch kernel served it (``int4``: the sp
 tile, then a grid of candidates (likeliest first, until the case's share of the budget
 runs out).
 Each candidate's output is checked once against the dequantized weights' product
-(``max_rel_err``: the largest difference over the largest output). Prints a table last
-(configured, best, before, bf16, in microseconds a launch) and writes every row as JSON.
+(``max_rel_err``: the largest difference over the largest output). For FP8 at one row it
+also times the configured tile given the row's scale as a static input scale (``static``:
+the same product without the pass over the row for its largest magnitude, which is what
+quantizing the row once, where it is produced, would save). Prints a table last
+(configured, best, before, bf16, static, in microseconds a launch) and writes every row as
+JSON.
 
 ``--int-gemm-rows`` times the larger decode batches of 4-bit weights the same way: the
 ``int_matmul`` tiles (whole ``K``, tensor cores) against cuBLAS on the bf16 weights.
@@ -212,6 +216,9 @@ def sweep(kinds: list[str], row_counts: list[int], budget_s: float,
                         tile = triton_ops.small_batch_matmul_config(m, n, k, fp8=True)
                         timed("before", op, GemvTile(*tile[:5]))
                     timed("configured", op)
+                    if kind == "fp8" and m == 1:  # the row's own scale, given: no amax pass
+                        timed("static", lambda w, x: triton_ops.small_batch_matmul(
+                            x, w[0], weight_scale=w[1], input_scale=x_scale.reshape(1)))
                     for tile in candidates(kind, m, k):
                         if time.monotonic() > deadline:
                             break
@@ -226,7 +233,7 @@ def sweep(kinds: list[str], row_counts: list[int], budget_s: float,
 
 def print_table(results: list[dict[str, Any]]) -> None:
     print(f"\n{'kind':5} {'projection':10} {'rows':>4} {'bf16':>7} {'before':>7} "
-          f"{'config':>7} {'best':>7} {'TB/s':>5} {'err':>8}  best tile")
+          f"{'config':>7} {'best':>7} {'TB/s':>5} {'err':>8} {'static':>7}  best tile")
     for key in dict.fromkeys((r["kind"], r["shape"], r["rows"]) for r in results):
         mine = [r for r in results if (r["kind"], r["shape"], r["rows"]) == key]
         pick = {r["impl"]: r.get("us", float("nan")) for r in mine if r["impl"] != "tile"}
@@ -237,7 +244,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         best = tiles[0]
         print(f"{key[0]:5} {key[1]:10} {key[2]:4} {pick.get('bf16', float('nan')):7.1f} "
               f"{pick.get('before', float('nan')):7.1f} {pick.get('configured', float('nan')):7.1f} "
-              f"{best['us']:7.1f} {best['tb_s']:5.2f} {best['max_rel_err']:8.1e}  "
+              f"{best['us']:7.1f} {best['tb_s']:5.2f} {best['max_rel_err']:8.1e} "
+              f"{pick.get('static', float('nan')):7.1f}  "
               f"{best.get('tile', 'configured')}")
 
 

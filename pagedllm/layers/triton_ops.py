@@ -578,8 +578,9 @@ def small_batch_matmul(
         FP8=weight_scale is not None,
         STATIC_INPUT=input_scale is not None,
         # One row: the whole row (up to 8k columns) in one or two loads; else the K tile.
-        AMAX_BLOCK=(tile.block_k if tile.use_dot
-                    else max(tile.block_k, min(8192, k.next_power_of_2(in_features)))),
+        AMAX_BLOCK=(max(tile.block_k, min(8192, k.next_power_of_2(in_features))) if rows == 1
+                    else tile.block_k),
+        ONE_ROW=rows == 1 and weight_scale is not None,
         INT_BITS=int_weights.bits if int_weights is not None else 0,
         GROUP=group,
         HAS_PERM=int_weights is not None and int_weights.perm is not None,
