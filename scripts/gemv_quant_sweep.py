@@ -86,9 +86,12 @@ def candidates(kind: str, rows: int, k: int) -> list[GemvTile]:
         tiles += [GemvTile(n, 128, w, 3, True, s) for s in splits(k // 128)
                   for n in (64, 32, 128) for w in (4, 8)]
     else:
-        if rows == 1:
-            tiles += [GemvTile(n, 512, w, st, False, s) for s in splits(k // 512)
-                      for n in (16, 32) for w in (4, 8) for st in (3, 1)]
+        if rows == 1:  # lane-wise (num_stages changes nothing there: loads land in registers)
+            tiles += [GemvTile(n, 512, w, 1, False, s) for s in splits(k // 512)
+                      for n in (16, 32) for w in (4, 8)]
+            # Twice the weights in flight per program (8 warps: as many registers a thread).
+            tiles += [GemvTile(16, 1024, w, 1, False, s) for s in splits(k // 1024)
+                      for w in (8, 4)]
         tiles += [GemvTile(n, bk, w, 3, True, s) for bk in (256, 512) for s in splits(k // bk)
                   for n in (32, 64, 128) for w in (4, 8) if n * bk <= 65536]
     return tiles
