@@ -70,7 +70,7 @@ def compile_kernel(tile, int_bits: int, group: int, fp8: bool, half_sums: bool =
     constants = dict(
         BLOCK_M=16 if tile.use_dot else 1, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         HAS_BIAS=False, EVEN_K=True, USE_DOT=tile.use_dot, SILU_GATED=False, NORM_BLOCK=0,
-        FP8=fp8, STATIC_INPUT=False, AMAX_BLOCK=tile.block_k, ONE_ROW=not tile.use_dot,
+        FP8=fp8, STATIC_INPUT=False, AMAX_BLOCK=tile.block_k, ROW_LOOP=not tile.use_dot,
         INT_BITS=int_bits,
         GROUP=group if int_bits else 0, HAS_PERM=False, SPLIT=tile.split,
         HALF_SUMS=half_sums, PDL=pdl,

@@ -249,7 +249,7 @@ def small_batch_matmul_kernel(
     FP8: tl.constexpr,
     STATIC_INPUT: tl.constexpr,
     AMAX_BLOCK: tl.constexpr,
-    ONE_ROW: tl.constexpr,
+    ROW_LOOP: tl.constexpr,
     INT_BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_PERM: tl.constexpr,
@@ -294,10 +294,10 @@ def small_batch_matmul_kernel(
     loop exchanges nothing through shared memory and has no barrier.
     ``STATIC_INPUT``: every row of ``x`` is quantized with the one float32 at
     ``input_scale_ptr`` instead (static activation scales). ``AMAX_BLOCK``: the columns
-    the largest-magnitude pass reads at once. ``ONE_ROW`` (the launch has one row, on
-    tensor cores too): that pass reads the row alone, ``AMAX_BLOCK`` wide, so a row of up
-    to 8k columns costs one dependent load before the products start (each load of the
-    pass waits for the one before).
+    the largest-magnitude pass reads at once: each of its loads waits for the one before,
+    so the launch picks the pass with fewer of them. ``ROW_LOOP``: one row at a time, each
+    ``AMAX_BLOCK`` wide (a row of up to 8k columns in one load); else ``BLOCK_M`` rows at a
+    time, ``AMAX_BLOCK`` (the K tile) wide.
 
     ``INT_BITS`` (4 or 8): integer weights in the stored layout of
     ``pagedllm.quantization.int_weights`` (W4A16, W8A16): ``weight`` is the packed
@@ -342,15 +342,16 @@ def small_batch_matmul_kernel(
     if FP8 and STATIC_INPUT:
         x_scale = tl.zeros([BLOCK_M], tl.float32) + tl.load(input_scale_ptr)
     elif FP8:
-        if ONE_ROW:  # rows past the first are masked: they take the first's scale, unused
-            row_max = tl.zeros([AMAX_BLOCK], tl.float32)
-            for k0 in range(0, K, AMAX_BLOCK):
-                k = k0 + tl.arange(0, AMAX_BLOCK)
-                xa = tl.load(x_ptr + k, mask=k < K, other=0.0)
-                row_max = tl.maximum(row_max, tl.abs(xa.to(tl.float32)))
-            amax = tl.zeros([BLOCK_M], tl.float32) + tl.max(row_max, 0)
+        amax = tl.zeros([BLOCK_M], tl.float32)
+        if ROW_LOOP:
+            for r in range(0, M):
+                row_max = tl.zeros([AMAX_BLOCK], tl.float32)
+                for k0 in range(0, K, AMAX_BLOCK):
+                    k = k0 + tl.arange(0, AMAX_BLOCK)
+                    xa = tl.load(x_ptr + r * stride_xm + k, mask=k < K, other=0.0)
+                    row_max = tl.maximum(row_max, tl.abs(xa.to(tl.float32)))
+                amax = tl.where(m == r, tl.max(row_max, 0), amax)
         else:
-            amax = tl.zeros([BLOCK_M], tl.float32)
             for k0 in range(0, K, AMAX_BLOCK):
                 k = k0 + tl.arange(0, AMAX_BLOCK)
                 xa = tl.load(x_rows + k[None, :], mask=m_valid[:, None] & (k < K)[None, :],

@@ -555,6 +555,13 @@ def small_batch_matmul(
     if tile.split > 1:
         width = 2 * out_features if silu_gated else out_features
         partial = torch.empty((tile.split, rows, width), dtype=torch.float32, device=x.device)
+    # FP8: the largest-magnitude pass over the rows, row by row in loads of up to 8k columns
+    # or the tile's rows at a time in K tiles, whichever waits for fewer loads (fixed for
+    # other weights, so that no batch size compiles a variant of its own).
+    wide = max(tile.block_k, min(8192, k.next_power_of_2(in_features)))
+    row_loop = not tile.use_dot or (
+        weight_scale is not None and rows * k.cdiv(in_features, wide) < steps)
+    amax_block = wide if row_loop else tile.block_k
     if int_weights is None:
         scale_args = (weight_scale if weight_scale is not None else out,
                       input_scale if input_scale is not None else out, out, out, 0)
@@ -577,10 +584,8 @@ def small_batch_matmul(
         NORM_BLOCK=k.next_power_of_2(out_features) if norm is not None else 0,
         FP8=weight_scale is not None,
         STATIC_INPUT=input_scale is not None,
-        # One row: the whole row (up to 8k columns) in one or two loads; else the K tile.
-        AMAX_BLOCK=(max(tile.block_k, min(8192, k.next_power_of_2(in_features))) if rows == 1
-                    else tile.block_k),
-        ONE_ROW=rows == 1 and weight_scale is not None,
+        AMAX_BLOCK=amax_block,
+        ROW_LOOP=row_loop,
         INT_BITS=int_weights.bits if int_weights is not None else 0,
         GROUP=group,
         HAS_PERM=int_weights is not None and int_weights.perm is not None,

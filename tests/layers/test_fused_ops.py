@@ -269,7 +269,8 @@ def test_silu_gated_small_batch_matmul_is_silu_and_mul_of_the_product(monkeypatc
 
 
 @pytest.mark.parametrize("mode, rows, half_sums", [
-    ("dot", 1, False), ("dot", 5, False), ("fma", 1, False), ("fma-split", 1, False),
+    ("dot", 1, False), ("dot", 3, False), ("dot", 5, False), ("fma", 1, False),
+    ("fma-split", 1, False),
     ("fma", 1, True), ("fma-split", 1, True)])
 def test_fp8_small_batch_matmul_is_the_w8a8_product(monkeypatch, mode, rows, half_sums) -> None:
     """FP8 weights with row scales: each input row quantized in the kernel as
