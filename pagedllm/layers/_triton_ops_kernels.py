@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from pagedllm.layers._int_matmul_kernels import int_row_products, int_weight_tile
 from pagedllm.layers.launch_math import cdiv, next_power_of_2  # noqa: F401 - host helpers for launches
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
