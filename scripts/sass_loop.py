@@ -131,7 +131,8 @@ def sass(compiled) -> list[tuple[int, str]]:
 
 
 # Instructions that read or write global memory (shared-memory and constant loads aside).
-GLOBAL_MEMORY = re.compile(r"^(@!?U?P\w+\s+)?(LDG|STG|LDGSTS|ATOMG|ATOM|RED|LD|ST|UTMA\w*|UBLKCP)\b")
+GLOBAL_MEMORY = re.compile(
+    r"^(@!?U?P\w+\s+)?(LDG|STG|LDGSTS|ATOMG|ATOM|RED|LD|ST|UTMA\w*|UBLKCP)\b")
 
 
 def memory_before_wait(code: list[tuple[int, str]]) -> int | None:

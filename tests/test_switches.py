@@ -67,26 +67,34 @@ def test_a_choice_takes_its_names_only(monkeypatch):
         uses_fp16_dot(torch.bfloat16, fp8)
 
 
-def test_programmatic_dependent_launch_is_a_switch_of_the_gpu_only(monkeypatch):
-    """``PAGEDLLM_PDL=1``: kernels launch early only on a GPU that has it; off (the
-    default), or on the CPU, a kernel's ``PDL`` constexpr is off and no ``launch_pdl`` is
-    passed; a value the switch does not take is refused even where it would not apply."""
+def test_programmatic_dependent_launch_is_a_switch_of_the_gpu_only(monkeypatch, caplog):
+    """``PAGEDLLM_PDL=1``: kernels launch early on a GPU of compute capability 9.0+ (the
+    ``PDL`` constexpr and Triton's ``launch_pdl`` together); off (the default), on the CPU,
+    under the interpreter or on an older GPU (said once in the log) neither is set; a value
+    the switch does not take is refused even where it would not apply."""
     from pagedllm.layers import pdl
 
-    cpu = torch.device("cpu")
-    monkeypatch.delenv("PAGEDLLM_PDL", raising=False)
-    pdl.pdl_enabled.cache_clear()
-    pdl.launch_options.cache_clear()
-    try:
-        assert pdl.launch_options(cpu) == {"PDL": False}
-        monkeypatch.setenv("PAGEDLLM_PDL", "1")
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _: capability[0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _: "an older GPU")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def options(device, value):
+        monkeypatch.setenv("PAGEDLLM_PDL", value)
         pdl.pdl_enabled.cache_clear()
         pdl.launch_options.cache_clear()
-        assert pdl.launch_options(cpu) == {"PDL": False}
-        monkeypatch.setenv("PAGEDLLM_PDL", "on")
-        pdl.pdl_enabled.cache_clear()
+        return pdl.launch_options(device)
+
+    try:
+        assert options(gpu, "0") == {"PDL": False}
+        assert options(gpu, "1") == {"PDL": True, "launch_pdl": True}
+        assert options(cpu, "1") == {"PDL": False}
+        capability[0] = (8, 0)
+        assert options(gpu, "1") == {"PDL": False}
+        assert "PAGEDLLM_PDL=1 is ignored on an older GPU" in caplog.text
         with pytest.raises(ValueError, match="PAGEDLLM_PDL='on': give 1"):
-            pdl.pdl_enabled(cpu)
+            options(cpu, "on")
     finally:
         monkeypatch.delenv("PAGEDLLM_PDL")
         pdl.pdl_enabled.cache_clear()

@@ -29,11 +29,14 @@ Triton interpreter never uses it.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 from pagedllm.switches import switch
+
+logger = logging.getLogger(__name__)
 
 PDL_ENV = "PAGEDLLM_PDL"
 
@@ -42,11 +45,17 @@ PDL_ENV = "PAGEDLLM_PDL"
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: ``PAGEDLLM_PDL`` on (``1``; ``0`` or
     unset: off), a CUDA GPU of compute capability 9.0 or later, and not the Triton
-    interpreter."""
+    interpreter. Asked for where it cannot run, it says so once and stays off."""
     wanted = switch(PDL_ENV, False)  # a value the switch does not take is refused anywhere
     if not wanted or os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (9, 0):
+        logger.warning("%s=1 is ignored on %s: programmatic dependent launch needs compute "
+                       "capability 9.0 or later, this GPU has %d.%d.", PDL_ENV,
+                       torch.cuda.get_device_name(device), *capability)
+        return False
+    return True
 
 
 @functools.cache
