@@ -294,10 +294,10 @@ def small_batch_matmul_kernel(
     loop exchanges nothing through shared memory and has no barrier.
     ``STATIC_INPUT``: every row of ``x`` is quantized with the one float32 at
     ``input_scale_ptr`` instead (static activation scales). ``AMAX_BLOCK``: the columns
-    the largest-magnitude pass reads at once: each of its loads waits for the one before,
-    so the launch picks the pass with fewer of them. ``ROW_LOOP``: one row at a time, each
-    ``AMAX_BLOCK`` wide (a row of up to 8k columns in one load); else ``BLOCK_M`` rows at a
-    time, ``AMAX_BLOCK`` (the K tile) wide.
+    the largest-magnitude pass reads at once (each of its loads waits for the one before).
+    ``ROW_LOOP`` (the launch sets it for one row and for lane-wise tiles): one row at a
+    time, each ``AMAX_BLOCK`` wide (a row of up to 8k columns in one load); else
+    ``BLOCK_M`` rows at a time, ``AMAX_BLOCK`` (the K tile) wide.
 
     ``INT_BITS`` (4 or 8): integer weights in the stored layout of
     ``pagedllm.quantization.int_weights`` (W4A16, W8A16): ``weight`` is the packed

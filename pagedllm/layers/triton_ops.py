@@ -387,7 +387,8 @@ def _fp8_tile(rows: int, n: int, k: int) -> GemvTile:
     tiles, K split in two for the narrow outputs (o_proj 8.7 us against 9.5 whole and
     bf16's 11.6; down 21.3 against 26.5 and 31.9), except the wide gate/up (tensor cores,
     128 x 256: 37.3 against bf16's 56.6); several rows take tensor-core tiles, o_proj's
-    split in four (13.5 against 16.9 whole)."""
+    and down's 128 x 256 with K split in four (four rows: o_proj 13.3 against 16.9 whole,
+    down 39.1 against 48.5 for 32 x 1,024 whole)."""
     steps = -(-k // 512)
     if n >= 16384:
         return GemvTile(128, 256, 4 if rows == 1 else 8, 3, True)
@@ -395,8 +396,6 @@ def _fp8_tile(rows: int, n: int, k: int) -> GemvTile:
         if n > 4096 and k <= 8192:
             return GemvTile(16, 512, 4, 1, False)
         return GemvTile(16, 512, 4, 3, False, 2 if steps % 2 == 0 else 1)
-    if k > 8192:
-        return GemvTile(32, 1024, 4, 3, True)
     if n > 4096:
         return GemvTile(64, 512, 8, 3, True)
     return GemvTile(128, 256, 8, 3, True, 4 if -(-k // 256) % 4 == 0 else 1)
@@ -555,12 +554,12 @@ def small_batch_matmul(
     if tile.split > 1:
         width = 2 * out_features if silu_gated else out_features
         partial = torch.empty((tile.split, rows, width), dtype=torch.float32, device=x.device)
-    # FP8: the largest-magnitude pass over the rows, row by row in loads of up to 8k columns
-    # or the tile's rows at a time in K tiles, whichever waits for fewer loads (fixed for
-    # other weights, so that no batch size compiles a variant of its own).
+    # FP8: the largest-magnitude pass over the rows. One row (and lane-wise tiles) row by
+    # row in loads of up to 8k columns; several rows on tensor cores the tile's rows at a
+    # time in K tiles: the row-by-row pass waits for fewer loads there but measured slower
+    # (docs/benchmarks.md, "FP8 on tensor cores": FP8 L1 at batch 4, 7.3 ms against 4.7).
+    row_loop = not tile.use_dot or rows == 1
     wide = max(tile.block_k, min(8192, k.next_power_of_2(in_features)))
-    row_loop = not tile.use_dot or (
-        weight_scale is not None and rows * k.cdiv(in_features, wide) < steps)
     amax_block = wide if row_loop else tile.block_k
     if int_weights is None:
         scale_args = (weight_scale if weight_scale is not None else out,
