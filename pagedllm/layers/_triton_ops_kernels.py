@@ -50,6 +50,8 @@ def rms_norm_kernel(
     weight_ptr,
     out_ptr,
     residual_out_ptr,
+    scale_ptr,
+    input_scale_ptr,
     heads,
     stride_xt,
     stride_xh,
@@ -58,17 +60,27 @@ def rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    STATIC_INPUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """One row per program. With ``FP8_OUT`` the normalised row (rounded to the input
+    dtype, as without) is quantized as ``quantize_rows_fp8_kernel`` quantizes it: FP8
+    into ``out`` and the row's float32 scale into ``scale``."""
     follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     token = row // heads
     head = row % heads
-    _rms_norm_row(
+    y = _rms_norm_row(
         x_ptr + token * stride_xt + head * stride_xh, residual_ptr + token * stride_rt,
         weight_ptr, out_ptr + row * N, residual_out_ptr + row * N, eps,
-        N, BLOCK, HAS_RESIDUAL, "",
+        N, BLOCK, HAS_RESIDUAL, "", not FP8_OUT,
     )
+    if FP8_OUT:
+        cols = tl.arange(0, BLOCK)
+        scale = fp8_row_scale(tl.max(tl.abs(y), 0), input_scale_ptr, STATIC_INPUT)
+        tl.store(out_ptr + row * N + cols, to_fp8(y, scale), mask=cols < N)
+        tl.store(scale_ptr + row, scale)
 
 
 @triton.jit
@@ -78,10 +90,13 @@ def _rms_norm_row(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     X_CACHE: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     """One row of ``N`` values: ``out = norm(x (+ residual))``, rounded as ``RMSNorm``
     rounds, and the sum into ``residual_out``. ``X_CACHE`` is the load cache modifier of
-    ``x`` (``".cg"`` when other programs of the same launch wrote it)."""
+    ``x`` (``".cg"`` when other programs of the same launch wrote it). Returns the
+    normalised row in float32 (its values in the input dtype; 0 past ``N``), stored into
+    ``out`` only with ``STORE``."""
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + cols, mask=mask, other=0.0, cache_modifier=X_CACHE)
@@ -95,8 +110,22 @@ def _rms_norm_row(
     mean_square = tl.sum(x * x, axis=0) / N
     normed = (x * tl.math.rsqrt(mean_square + eps)).to(dtype)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    y = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + cols, y.to(dtype), mask=mask)
+    y = (normed.to(tl.float32) * w.to(tl.float32)).to(dtype)
+    if STORE:
+        tl.store(out_ptr + cols, y, mask=mask)
+    return y.to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_part(x_ptr, cols, mask, d):
+    """``silu(gate) * up`` of one row's columns ``cols``, rounded as ``GatedActivation``
+    rounds (SiLU to the input dtype, then the product): float32 of input-dtype values."""
+    gate = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + d + cols, mask=mask, other=0.0)
+    dtype = gate.dtype
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -106,13 +135,39 @@ def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constex
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
-    dtype = gate.dtype
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype)
-    y = act.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, y.to(dtype), mask=mask)
+    y = _silu_and_mul_part(x_ptr + row * stride_x, cols, mask, d)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, stride_x, d,
+                            BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                            STATIC_INPUT: tl.constexpr, PDL: tl.constexpr):
+    """One row per program: ``silu_and_mul_kernel``'s values, quantized as
+    ``quantize_rows_fp8_kernel`` quantizes them, into FP8 ``out`` (contiguous rows of
+    ``d``) and the row's float32 scale into ``scale``. ``ONE_PASS`` (``d <= BLOCK``): the
+    row is read once and kept in registers; wider rows take two passes, the second
+    computing each part again (its inputs from cache)."""
+    follow_previous_kernel(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
+        y = _silu_and_mul_part(x_row, cols, cols < d, d)
+        scale = fp8_row_scale(tl.max(tl.abs(y), 0), input_scale_ptr, STATIC_INPUT)
+        tl.store(out_ptr + row * d + cols, to_fp8(y, scale), mask=cols < d)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        if not STATIC_INPUT:
+            for c0 in range(0, d, BLOCK):
+                cols = c0 + tl.arange(0, BLOCK)
+                amax = tl.maximum(amax, tl.abs(_silu_and_mul_part(x_row, cols, cols < d, d)))
+        scale = fp8_row_scale(tl.max(amax, 0), input_scale_ptr, STATIC_INPUT)
+        for c0 in range(0, d, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            y = _silu_and_mul_part(x_row, cols, cols < d, d)
+            tl.store(out_ptr + row * d + cols, to_fp8(y, scale), mask=cols < d)
+    tl.store(scale_ptr + row, scale)
 
 
 @triton.jit
@@ -503,8 +558,26 @@ def _small_batch_finish(
                 _rms_norm_row(
                     out_ptr + row * stride_om, residual_ptr + row * stride_rm,
                     norm_weight_ptr, normed_ptr + row * N, residual_out_ptr + row * N, eps,
-                    N, NORM_BLOCK, True, ".cg",
+                    N, NORM_BLOCK, True, ".cg", True,
                 )
+
+
+@triton.jit
+def fp8_row_scale(amax, input_scale_ptr, STATIC_INPUT: tl.constexpr):
+    """A row's float32 FP8 scale: its largest magnitude ``amax`` / 448 (at least 1e-12),
+    or with ``STATIC_INPUT`` the one float32 at ``input_scale_ptr`` (``amax`` unused)."""
+    if STATIC_INPUT:
+        scale = tl.load(input_scale_ptr)
+    else:
+        scale = tl.maximum(amax / 448.0, 1e-12)
+    return scale
+
+
+@triton.jit
+def to_fp8(x, scale):
+    """float32 ``x`` divided by ``scale`` with IEEE rounding, clamped to +-448, rounded to
+    float8_e4m3fn: ``quantization.fp8.quantize_rows``' values."""
+    return tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0, 448.0).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -512,25 +585,20 @@ def quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, K, stri
                              BLOCK_K: tl.constexpr, STATIC_INPUT: tl.constexpr,
                              PDL: tl.constexpr):
     """Row ``row`` of ``x`` -> float8_e4m3fn ``out[row]`` (contiguous rows of ``K``) and its
-    float32 scale ``scale[row]``, as ``quantize_rows`` computes them: the scale is the
-    row's largest magnitude / 448 (at least 1e-12), or the one float32 at
-    ``input_scale_ptr`` with ``STATIC_INPUT``; each value is divided by it with IEEE
-    rounding, clamped to +-448 and rounded to e4m3."""
+    float32 scale ``scale[row]``, as ``quantize_rows`` computes them (``fp8_row_scale``,
+    ``to_fp8``)."""
     follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
-    if STATIC_INPUT:
-        scale = tl.load(input_scale_ptr)
-    else:
-        amax = tl.zeros([BLOCK_K], tl.float32)
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    if not STATIC_INPUT:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
+    scale = fp8_row_scale(tl.max(amax, 0), input_scale_ptr, STATIC_INPUT)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0, 448.0)
-        tl.store(out_ptr + row * K + k, q.to(tl.float8e4nv), mask=k < K)
+        tl.store(out_ptr + row * K + k, to_fp8(x, scale), mask=k < K)
     tl.store(scale_ptr + row, scale)

@@ -2,18 +2,23 @@
 
 ``gate_up`` has ``2 * d`` features in its last dimension: the first ``d`` are the gate, the
 last ``d`` the up projection; the result ``act(gate) * up`` has ``d``. On CUDA, SiLU's
-split, activation and product are one Triton kernel (``triton_ops.py``).
+split, activation and product are one Triton kernel (``triton_ops.py``), which also
+quantizes its output for an FP8 projection it feeds (``GatedActivation.feeds``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.triton_ops import silu_and_mul, use_fused_ops
+from pagedllm.quantization.fp8 import Fp8Rows
+
+if TYPE_CHECKING:
+    from pagedllm.layers.linear import Linear
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -44,13 +49,25 @@ class GatedActivation(nn.Module):
             )
         self.hidden_act = hidden_act
         self._fn = _ACTIVATIONS[hidden_act]
+        self._consumer: tuple[Linear, ...] = ()  # a tuple: not a submodule
+
+    def feeds(self, proj: Linear) -> None:
+        """Declare that this activation's output goes to ``proj`` and nowhere else: on
+        CUDA, when ``proj`` would quantize it for an FP8 product
+        (``Linear.takes_fp8_rows``), SiLU-and-mul's kernel quantizes it instead and
+        ``forward`` returns ``Fp8Rows`` (the same values)."""
+        self._consumer = (proj,)
 
     @property
     def is_silu(self) -> bool:
         return self._fn is F.silu
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor | Fp8Rows:
         if self.is_silu and gate_up.dim() == 2 and use_fused_ops(gate_up):
+            if self._consumer and self._consumer[0].takes_fp8_rows(gate_up):
+                consumer = self._consumer[0]
+                return Fp8Rows(*silu_and_mul(gate_up, fp8=True,
+                                             input_scale=consumer.input_scale), gate_up.dtype)
             return silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self._fn(gate) * up

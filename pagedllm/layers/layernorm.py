@@ -5,7 +5,8 @@ Numerics follow the reference checkpoints: the mean of squares and the rescale r
 float32, the result is cast back to the input dtype and only then multiplied by the weight.
 On CUDA the whole chain (with the residual add) is one Triton kernel (``triton_ops.py``),
 and after a projection of a small decode batch it rides on the projection's own launch
-(``linear_and_norm``).
+(``linear_and_norm``). A norm whose output goes to an FP8 projection alone
+(``RMSNorm.feeds``) hands it over quantized when that projection would quantize it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from pagedllm.layers.linear import Linear, small_batch_product
 from pagedllm.layers.triton_ops import rms_norm, use_fused_ops
+from pagedllm.quantization.fp8 import Fp8Rows
 
 
 class RMSNorm(nn.Module):
@@ -35,6 +37,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self._consumer: tuple[Linear, ...] = ()  # a tuple: not a submodule
+
+    def feeds(self, proj: Linear) -> None:
+        """Declare that this norm's output goes to ``proj`` and nowhere else. On CUDA, when
+        ``proj`` would quantize it for an FP8 product (``Linear.takes_fp8_rows``), the
+        norm's kernel quantizes it instead and ``forward`` returns ``Fp8Rows`` in place
+        of the normalised tensor: the same values, one pass over memory fewer."""
+        self._consumer = (proj,)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -46,9 +56,15 @@ class RMSNorm(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | Fp8Rows | tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         if use_fused_ops(x) and self.weight.dtype == x.dtype and not self.weight_offset:
-            return rms_norm(x, self.weight, self.eps, residual)
+            if not self._consumer or not self._consumer[0].takes_fp8_rows(x):
+                return rms_norm(x, self.weight, self.eps, residual)
+            out = rms_norm(x, self.weight, self.eps, residual, fp8=True,
+                           input_scale=self._consumer[0].input_scale)
+            if residual is None:
+                return Fp8Rows(*out, x.dtype)
+            return Fp8Rows(*out[0], x.dtype), out[1]
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -78,7 +94,7 @@ class LayerNorm(nn.Module):
 
 
 def linear_and_norm(
-    x: torch.Tensor, proj: Linear, norm: RMSNorm, residual: torch.Tensor
+    x: torch.Tensor | Fp8Rows, proj: Linear, norm: RMSNorm, residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``norm(proj(x), residual)``: the normalised sum and the sum. For a decode step of a
     few sequences on CUDA the norm runs at the end of the projection's small-batch product

@@ -42,11 +42,12 @@ from pagedllm.layers.triton_ops import (
     IntWeights,
     int_small_batch_tile,
     small_batch_matmul,
+    use_fused_ops,
     use_small_batch_matmul,
 )
 from pagedllm.quantization import int_weights
 from pagedllm.quantization.checkpoint import IntWeightScheme
-from pagedllm.quantization.fp8 import FP8_DTYPE, fp8_linear, quantize_rows
+from pagedllm.quantization.fp8 import FP8_DTYPE, Fp8Rows, fp8_linear, quantize_rows
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -66,14 +67,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def small_batch_product(proj: Linear, x: torch.Tensor, bias: torch.Tensor | None, *,
+def small_batch_product(proj: Linear, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None, *,
                         silu_gated: bool = False,
                         norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """``x @ proj.weight.T + bias`` on the small-batch kernel (``small_batch_matmul``, with
     ``silu_gated`` or ``norm`` riding on it), for every weight format: bf16/fp16, FP8 and
     packed integers. None where that kernel does not take the product (not CUDA, more rows
-    than ``gemv_max_rows``, integer groups no tile fits): the caller multiplies."""
+    than ``gemv_max_rows``, integer groups no tile fits, rows already quantized for a
+    larger FP8 product): the caller multiplies."""
+    if isinstance(x, Fp8Rows):
+        return None
     scheme = proj.int_scheme
     if scheme is None:
         if not use_small_batch_matmul(x, proj.weight):
@@ -147,10 +151,20 @@ class Linear(nn.Module):
         """Whether the output is a sum over the tensor-parallel ranks (row-parallel)."""
         return self.parallel == "row"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether this projection would quantize ``x`` (its input, or a tensor of the
+        input's rows, dtype and device) for an FP8 product of its own: FP8 weights, on
+        CUDA, more rows than the small-batch kernel takes. The op that makes the input may
+        then hand it over quantized (``Fp8Rows``, see ``RMSNorm.feeds``)."""
+        return (self.weight_scale is not None and x.dim() == 2 and use_fused_ops(x)
+                and not use_small_batch_matmul(x, self.weight))
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         bias = None if self.reduces else self.bias
         out = small_batch_product(self, x, bias)
-        if out is None and self.int_scheme is not None:
+        if out is None and isinstance(x, Fp8Rows):
+            out = fp8_linear(x, self.weight, self.weight_scale, bias)
+        elif out is None and self.int_scheme is not None:
             out = int_linear(x, self.qweight, self.scales, self.zeros,
                              bits=self.int_scheme.bits, group_size=self.int_scheme.group_size,
                              in_features=self.input_size, bias=bias, perm=self.act_perm)

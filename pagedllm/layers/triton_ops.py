@@ -105,13 +105,21 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    *,
+    fp8: bool = False,
+    input_scale: torch.Tensor | None = None,
+):
     """``RMSNorm`` over the last dimension in one kernel; see ``layers/layernorm.py``.
 
     ``x``: ``[T, N]`` or ``[T, H, N]`` (any strides with a unit last stride, e.g. the q
     slice of a fused qkv output); ``weight``: ``[N]`` in ``x``'s dtype. With ``residual``
     (``[T, N]``) returns ``(norm(x + residual), x + residual)``, else ``norm(x)``; outputs
     are new contiguous tensors.
+
+    With ``fp8`` (``[T, N]`` inputs) the normalised rows come quantized for an FP8
+    product, as ``quantize_rows_fp8`` would quantize them (per row, or with the static
+    ``input_scale``): a pair (float8_e4m3fn ``[T, N]``, float32 scales ``[T, 1]``) in
+    place of ``norm(...)``.
     """
     k = _kernels()
     n = x.shape[-1]
@@ -120,13 +128,16 @@ def rms_norm(
     if x.dim() == 2:
         num_tokens, heads = x.shape[0], 1
         stride_t, stride_h = x.stride(0), 0
-    elif x.dim() == 3:
+    elif x.dim() == 3 and not fp8:
         num_tokens, heads = x.shape[0], x.shape[1]
         stride_t, stride_h = x.stride(0), x.stride(1)
     else:
-        raise ValueError(f"rms_norm takes [T, N] or [T, H, N] inputs, got shape {tuple(x.shape)}.")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        raise ValueError(f"rms_norm takes [T, N]{'' if fp8 else ' or [T, H, N]'} inputs, "
+                         f"got shape {tuple(x.shape)}.")
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
     rows = num_tokens * heads
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if fp8 else out
+    normed = (out, scale) if fp8 else out
     if residual is not None:
         if residual.shape != x.shape or x.dim() != 2:
             raise ValueError(
@@ -134,25 +145,32 @@ def rms_norm(
             )
         if residual.stride(-1) != 1:
             residual = residual.contiguous()
-        residual_out = torch.empty_like(out)
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:
         residual_out = out  # unused
     if rows == 0:
-        return (out, residual_out) if residual is not None else out
+        return (normed, residual_out) if residual is not None else normed
     block = k.next_power_of_2(n)
     k.rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, residual_out,
+        scale, input_scale if input_scale is not None else scale,
         heads, stride_t, stride_h,
         residual.stride(0) if residual is not None else 0,
         eps,
-        N=n, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, FP8_OUT=fp8,
+        STATIC_INPUT=input_scale is not None,
         num_warps=_norm_warps(block), **launch_options(x.device),
     )
-    return (out, residual_out) if residual is not None else out
+    return (normed, residual_out) if residual is not None else normed
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate_up[..., :d]) * gate_up[..., d:]`` for a 2-D ``[T, 2d]`` input -> ``[T, d]``."""
+def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
+                 input_scale: torch.Tensor | None = None):
+    """``silu(gate_up[..., :d]) * gate_up[..., d:]`` for a 2-D ``[T, 2d]`` input -> ``[T, d]``.
+
+    With ``fp8``: that product quantized for an FP8 product, as ``quantize_rows_fp8``
+    would quantize it (per row, or with the static ``input_scale``): a pair
+    (float8_e4m3fn ``[T, d]``, float32 scales ``[T, 1]``)."""
     k = _kernels()
     if gate_up.dim() != 2:
         raise ValueError(f"silu_and_mul takes [T, 2d], got shape {tuple(gate_up.shape)}.")
@@ -160,7 +178,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up = gate_up.contiguous()
     num_tokens, width = gate_up.shape
     d = width // 2
-    out = torch.empty((num_tokens, d), dtype=gate_up.dtype, device=gate_up.device)
+    out = torch.empty((num_tokens, d), dtype=torch.float8_e4m3fn if fp8 else gate_up.dtype,
+                      device=gate_up.device)
+    if fp8:
+        scale = torch.empty((num_tokens, 1), dtype=torch.float32, device=gate_up.device)
+        if num_tokens:
+            # A whole row in registers up to 16k columns; wider, two passes.
+            block = min(16384, k.next_power_of_2(d))
+            k.silu_and_mul_fp8_kernel[(num_tokens,)](
+                gate_up, out, scale, input_scale if input_scale is not None else scale,
+                gate_up.stride(0), d, BLOCK=block, ONE_PASS=d <= block,
+                STATIC_INPUT=input_scale is not None,
+                num_warps=_norm_warps(block), **launch_options(gate_up.device),
+            )
+        return out, scale
     if num_tokens == 0:
         return out
     block = 1024

@@ -239,6 +239,7 @@ class LlamaMLP(nn.Module):
                                         parallel="column")
         self.down_proj = Linear(size, cfg.hidden_size, cfg.mlp_bias, parallel="row")
         self.act = GatedActivation(cfg.hidden_act)
+        self.act.feeds(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The activation before ``down_proj`` (the decoder layer applies ``down_proj``
@@ -286,6 +287,9 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm.feeds(self.self_attn.qkv_proj)
+        if not self.sparse:
+            self.post_attention_layernorm.feeds(self.mlp.gate_up_proj)
 
     def forward(
         self,

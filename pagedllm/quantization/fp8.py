@@ -15,11 +15,16 @@ cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32). Else
 same quantized operands are dequantized and multiplied in float32: the reference the
 tests compare with (an HF model whose weights and projection inputs are quantized the
 same way gives the same greedy tokens).
+
+The op that produces a projection's input can hand it over already quantized
+(``Fp8Rows``: the norm before qkv and gate/up, SiLU-and-mul before down, on CUDA), the
+same values ``quantize_rows`` gives, so the product skips its own quantization pass.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +34,21 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Scales never reach zero (an all-zero row quantizes to zeros with this scale).
 _MIN_SCALE = 1e-12
+
+
+class Fp8Rows(NamedTuple):
+    """Rows quantized for an FP8 product by the op that produced them: float8_e4m3fn
+    ``values [T, K]`` and float32 ``scale [T, 1]``, as ``quantize_rows`` gives them for
+    the product's dynamic or static scale; ``dtype`` is the activation dtype the product
+    returns."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
 
 
 def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None
@@ -56,25 +76,30 @@ def _fp8_matmul_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None
                ) -> torch.Tensor:
     """``x @ dequant(weight).T + bias`` with ``x`` quantized per token, or with the static
-    ``input_scale`` when given; ``x [T, K]`` in the model's dtype, ``weight [N, K]``
-    float8_e4m3fn, ``weight_scale [N, 1]`` float32. Returns ``[T, N]`` in ``x``'s dtype."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    quantize = quantize_rows_fp8 if use_fused_ops(x2) else quantize_rows
-    xq, x_scale = quantize(x2, input_scale)
-    if _fp8_matmul_supported(x.device) and x.dtype in (torch.bfloat16, torch.float16):
+    ``input_scale`` when given; ``x [T, K]`` in the model's dtype (or ``Fp8Rows``, already
+    quantized for this product), ``weight [N, K]`` float8_e4m3fn, ``weight_scale [N, 1]``
+    float32. Returns ``[T, N]`` in ``x``'s dtype."""
+    if isinstance(x, Fp8Rows):
+        xq, x_scale, dtype = x
+        shape = xq.shape
+    else:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, shape[-1])
+        quantize = quantize_rows_fp8 if use_fused_ops(x2) else quantize_rows
+        xq, x_scale = quantize(x2, input_scale)
+    if _fp8_matmul_supported(xq.device) and dtype in (torch.bfloat16, torch.float16):
         # Row-wise scales need a bfloat16 result.
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.contiguous(),
                                scale_b=weight_scale.t(),
                                bias=None if bias is None else bias.to(torch.bfloat16),
-                               out_dtype=torch.bfloat16).to(x.dtype)
+                               out_dtype=torch.bfloat16).to(dtype)
     else:
         out = dequantize_rows(xq, x_scale) @ dequantize_rows(weight, weight_scale).t()
         if bias is not None:
             out = out + bias.float()
-        out = out.to(x.dtype)
+        out = out.to(dtype)
     return out.reshape(*shape[:-1], weight.shape[0])

@@ -337,6 +337,104 @@ def test_fp8_row_quantization_kernel_equals_quantize_rows(static):
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+def _fp8_exact(x: torch.Tensor) -> torch.Tensor:
+    """Rows the interpreter's e4m3 conversion rounds right (see the FP8 tests above)."""
+    from pagedllm.quantization.fp8 import quantize_rows
+
+    exact, _ = quantize_rows(x.float())
+    return (exact.float() * 2.0**-6).to(x.dtype)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quantizes_for_fp8_as_norm_then_quantize(static, with_residual) -> None:
+    """The norm's FP8 output: the bytes and scales of ``quantize_rows_fp8`` applied to its
+    own output, and the same residual sum."""
+    dtype = torch.bfloat16
+    x, residual = _rand(6, 300, dtype=dtype, seed=51), _rand(6, 300, dtype=dtype, seed=52)
+    x[4] = 0  # a zero row: the smallest scale
+    weight = _rand(300, dtype=dtype, seed=53)
+    input_scale = torch.tensor([2.0**-5], device=DEVICE) if static else None
+    res = residual if with_residual else None
+    plain = triton_ops.rms_norm(x, weight, 1e-6, res)
+    fused = triton_ops.rms_norm(x, weight, 1e-6, res, fp8=True, input_scale=input_scale)
+    if with_residual:
+        (plain, plain_sum), (fused, fused_sum) = plain, fused
+        assert torch.equal(fused_sum, plain_sum)
+    want_q, want_scale = triton_ops.quantize_rows_fp8(plain, input_scale)
+    assert torch.equal(fused[1], want_scale)
+    assert torch.equal(fused[0].view(torch.uint8), want_q.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"\[T, N\] inputs"):
+        triton_ops.rms_norm(x.view(6, 3, 100), weight[:100], 1e-6, fp8=True)
+
+
+@pytest.mark.parametrize("d, static", [(1100, False), (1100, True), (16500, False)])
+def test_silu_and_mul_quantizes_for_fp8_as_silu_and_mul_then_quantize(d, static) -> None:
+    """One pass per row, or two for rows wider than 16k (the second from cache): the
+    bytes and scales of ``quantize_rows_fp8`` applied to ``silu_and_mul``'s output."""
+    gate_up = _rand(3, 2 * d, dtype=torch.bfloat16, seed=54)
+    input_scale = torch.tensor([2.0**-6], device=DEVICE) if static else None
+    got_q, got_scale = triton_ops.silu_and_mul(gate_up, fp8=True, input_scale=input_scale)
+    want_q, want_scale = triton_ops.quantize_rows_fp8(triton_ops.silu_and_mul(gate_up),
+                                                      input_scale)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_fp8_mlp_takes_its_inputs_quantized_by_the_norm_and_the_activation(monkeypatch) -> None:
+    """A batch too large for the small-batch kernel, FP8 weights, on a GPU: the norm
+    before gate/up and SiLU-and-mul before down hand their outputs over quantized, and
+    the layer's outputs are bit for bit those of quantizing in each product; with BF16
+    weights, or a batch the small-batch kernel takes, nothing is handed over quantized."""
+    from pagedllm.layers import activation, layernorm, linear
+    from pagedllm.layers.layernorm import linear_and_norm
+    from pagedllm.models.llama import LlamaArchConfig, LlamaMLP
+    from pagedllm.quantization import fp8
+
+    for module in (triton_ops, layernorm, activation, linear, fp8):
+        monkeypatch.setattr(module, "use_fused_ops", lambda t: True)  # as on a GPU
+    monkeypatch.setattr(triton_ops, "fp8_dot_supported", lambda device: True)
+    passes = []
+    monkeypatch.setattr(fp8, "quantize_rows_fp8", lambda x, scale=None: passes.append(x.shape)
+                        or triton_ops.quantize_rows_fp8(x, scale))
+    dtype = torch.bfloat16
+    hf = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+              num_attention_heads=4, hidden_act="silu")
+    mlp = LlamaMLP(LlamaArchConfig.from_hf(hf, "llama")).to(DEVICE, dtype)
+    mlp.gate_up_proj.weight.data = _rand(192, 64, dtype=dtype, seed=55) * 0.1
+    mlp.down_proj.weight.data = _rand(64, 96, dtype=dtype, seed=56) * 0.1
+    norm, next_norm = (RMSNorm(64, eps=1e-5).to(DEVICE, dtype) for _ in range(2))
+    norm.weight.data = _rand(64, dtype=dtype, seed=57)
+    next_norm.weight.data = _rand(64, dtype=dtype, seed=58)
+    norm.feeds(mlp.gate_up_proj)
+
+    def run(rows: int):
+        x = _fp8_exact(_rand(rows, 64, dtype=dtype, seed=59))
+        residual = _fp8_exact(_rand(rows, 64, dtype=dtype, seed=60))
+        normed, summed = norm(x, residual)
+        return linear_and_norm(mlp(normed), mlp.down_proj, next_norm, residual=summed)
+
+    bf16 = run(12)
+    assert passes == []
+    for proj in (mlp.gate_up_proj, mlp.down_proj):
+        proj.quantize_fp8()
+    handed = run(12)
+    assert passes == []  # both products took their inputs quantized
+    links = norm._consumer, mlp.act._consumer
+    norm._consumer = mlp.act._consumer = ()
+    quantized_in_products = run(12)
+    assert passes == [(12, 64), (12, 96)]
+    norm._consumer, mlp.act._consumer = links
+    for got, want in zip(handed, quantized_in_products):
+        assert torch.equal(got, want)
+    torch.testing.assert_close(handed[0].float(), bf16[0].float(), rtol=0.2, atol=0.2)
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config",
+                        lambda m, n, k, fp8=False: SMALL_BATCH_TILES["fma"])
+    passes.clear()
+    run(2)  # the small-batch kernel quantizes its rows itself
+    assert passes == []
+
+
 def test_gumbel_redraw_under_a_mask_is_the_masked_draw() -> None:
     """Check-then-mask on the Gumbel path: a row's draw, kept when the mask allows it and
     drawn again under the mask from the same seed otherwise, is the masked row's draw."""
