@@ -74,7 +74,8 @@
 #   report   $OUT/<date>-h200.json: one record per workload, and a table printed last
 # GPU_BENCH_STEPS="w1 latency" runs a subset of the steps (default: all); GPU_BENCH_TESTS
 # the test paths of the tests step.
-# Files under $OUT: log.txt (everything printed), steps.txt, one JSON per step, the report.
+# Files under $OUT: log.txt (everything printed), steps.txt, one JSON per step, the report;
+# on the GPU machine all but log.txt packed into results.tgz (gpu_bench_common.sh).
 set -u -o pipefail
 
 source "$(dirname "$0")/gpu_bench_common.sh"  # PY OUT DRY DATE LOG, step NAME LIMIT_S COMMAND...

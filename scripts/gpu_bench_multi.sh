@@ -28,7 +28,8 @@
 #                W1/L1/P1 per model, weights and layout beside TP=1, a table printed last
 # GPU_BENCH_STEPS="correctness scaling" runs a subset of the steps (default: all).
 # Files under $OUT: log.txt (everything printed), steps.txt, one JSON per run
-# (KIND-MODEL-VARIANT-tpT-ppP.json, see scripts/gpu_bench_multi.py), the report.
+# (KIND-MODEL-VARIANT-tpT-ppP.json, see scripts/gpu_bench_multi.py), the report; on the GPU
+# machine all but log.txt packed into results.tgz (gpu_bench_common.sh).
 set -u -o pipefail
 
 source "$(dirname "$0")/gpu_bench_common.sh"  # PY OUT DRY DATE LOG, step NAME LIMIT_S COMMAND...

@@ -26,7 +26,8 @@
 #   TRTLLM_DTYPES  the columns, "fp8 bf16" (default), "fp8" or "bf16"
 #   TRTLLM_ARGS    engine flags for every run, e.g. "--max-num-seqs 1024" (printed in the table)
 # Files under $OUT: log.txt (everything printed), steps.txt, trtllm-<dtype>.json (the bench
-# records), one JSON per shape, the report.
+# records), one JSON per shape, the report; on the GPU machine all but log.txt packed into
+# results.tgz (gpu_bench_common.sh).
 set -u -o pipefail
 
 source "$(dirname "$0")/gpu_bench_common.sh"  # PY OUT DRY DATE LOG, step NAME LIMIT_S COMMAND...
