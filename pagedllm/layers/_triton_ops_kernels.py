@@ -229,6 +229,7 @@ def row_argmax_partial_kernel(
     vocab_size, chunk,
     GUMBEL: tl.constexpr,
     BLOCK: tl.constexpr,
+    LANES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program ``(row, part)``: the best score in columns ``[part * chunk, (part + 1) * chunk)``
@@ -237,7 +238,11 @@ def row_argmax_partial_kernel(
     The score is the logit, or with ``GUMBEL`` ``logit / T + g`` with the Gumbel noise
     ``g = -log(-log(u))``, ``u = rand(seed, column)``: it depends on the row's seed and the
     column only, so the draw does not depend on the batch or the split. The first column
-    wins a tie; a part with nothing above -inf reports its first column."""
+    wins a tie; a part with nothing above -inf reports its first column.
+
+    Each ``BLOCK`` of columns is reduced to its best as it is read, or with ``LANES`` each
+    lane keeps the best of the columns it reads and the lanes are reduced once at the end
+    (the loop then holds no reduction and no barrier); the same winner either way."""
     follow_previous_kernel(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -248,8 +253,12 @@ def row_argmax_partial_kernel(
         seed = tl.load(seeds_ptr + row)
     lo = part * chunk
     hi = tl.minimum(lo + chunk, vocab_size)
-    best = tl.full([], float("-inf"), tl.float32)
-    best_index = lo
+    if LANES:
+        lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_index = lo + tl.arange(0, BLOCK)
+    else:
+        best = tl.full([], float("-inf"), tl.float32)
+        best_index = lo
     for start in range(lo, hi, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         valid = offsets < hi
@@ -257,11 +266,19 @@ def row_argmax_partial_kernel(
         if GUMBEL:
             gumbel = -tl.log(-tl.log(tl.rand(seed, offsets)))
             score = tl.where(valid, score * inv_temperature + gumbel, float("-inf"))
-        block_best = tl.max(score, 0)
-        block_index = tl.argmax(score, 0, tie_break_left=True) + start
-        better = block_best > best
-        best_index = tl.where(better, block_index, best_index)
-        best = tl.where(better, block_best, best)
+        if LANES:  # a lane's earlier column keeps a tie
+            better = score > lane_best
+            lane_index = tl.where(better, offsets, lane_index)
+            lane_best = tl.where(better, score, lane_best)
+        else:
+            block_best = tl.max(score, 0)
+            block_index = tl.argmax(score, 0, tie_break_left=True) + start
+            better = block_best > best
+            best_index = tl.where(better, block_index, best_index)
+            best = tl.where(better, block_best, best)
+    if LANES:  # the earliest column among the lanes holding the best
+        best = tl.max(lane_best, 0)
+        best_index = tl.min(tl.where(lane_best == best, lane_index, hi), 0)
     tl.store(best_ptr + row * parts + part, best)
     tl.store(index_ptr + row * parts + part, best_index)
 

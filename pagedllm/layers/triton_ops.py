@@ -252,6 +252,9 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
 
 
 ARGMAX_BLOCK = 2048
+# Each lane keeps its best through the loop, the lanes reduced once (``row_argmax_partial_kernel``'s
+# ``LANES``); off by default until timed on a GPU (``PAGEDLLM_ARGMAX_LANES=1``).
+ARGMAX_LANES = switch("PAGEDLLM_ARGMAX_LANES", False)
 # Parts a row splits into at most; the reduce kernel's one tile for any batch, so a batch of
 # any size reuses the kernels compiled for the first.
 ARGMAX_MAX_PARTS = 64
@@ -281,7 +284,8 @@ def _row_argmax(logits: torch.Tensor, temperature: torch.Tensor | None,
         logits, logits.stride(0),
         temperature if gumbel else best, seeds if gumbel else best,
         best, index, vocab_size, chunk,
-        GUMBEL=gumbel, BLOCK=ARGMAX_BLOCK, num_warps=8, **launch_options(logits.device),
+        GUMBEL=gumbel, BLOCK=ARGMAX_BLOCK, LANES=ARGMAX_LANES, num_warps=8,
+        **launch_options(logits.device),
     )
     k.row_argmax_reduce_kernel[(num_rows,)](
         best, index, out, parts, BLOCK_PARTS=ARGMAX_MAX_PARTS, **launch_options(logits.device),

@@ -96,7 +96,10 @@ def test_gumbel_sample_draws_from_the_softmax_and_never_a_masked_token() -> None
     torch.testing.assert_close(freq, probs, atol=0.08, rtol=0)
 
 
-def test_gumbel_sample_is_argmax_when_cold_across_blocks_and_fixed_by_its_seed() -> None:
+@pytest.mark.parametrize("lanes", [False, True])
+def test_gumbel_sample_is_argmax_when_cold_across_blocks_and_fixed_by_its_seed(monkeypatch,
+                                                                              lanes) -> None:
+    monkeypatch.setattr(triton_ops, "ARGMAX_LANES", lanes)
     vocab = 5000  # more than one 2048-token block per row
     logits = _rand(3, vocab, seed=8) * 3
     logits[1, 4321] = logits[1].max() + 5  # the winner in the last block
@@ -110,8 +113,11 @@ def test_gumbel_sample_is_argmax_when_cold_across_blocks_and_fixed_by_its_seed()
     assert in_batch[1] == alone[0]  # a row's draw depends on its seed, not on its batch
 
 
+@pytest.mark.parametrize("lanes", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_argmax_is_torch_argmax_with_ties_across_parts(dtype) -> None:
+def test_greedy_argmax_is_torch_argmax_with_ties_across_parts(monkeypatch, dtype, lanes) -> None:
+    """The block-wise and the lane-wise loop (PAGEDLLM_ARGMAX_LANES) alike."""
+    monkeypatch.setattr(triton_ops, "ARGMAX_LANES", lanes)
     vocab = 5000  # three 2048-column parts per row
     logits = (_rand(4, vocab, seed=3) * 3).to(dtype)
     logits[0, [100, 4500]] = 50.0  # a tie across parts: the first column wins
@@ -121,6 +127,9 @@ def test_greedy_argmax_is_torch_argmax_with_ties_across_parts(dtype) -> None:
     assert triton_ops.greedy_argmax(logits).tolist() == [100, 2047, 4998, 0]
     assert triton_ops.greedy_argmax(logits).tolist() == logits.float().argmax(-1).tolist()
     many = _rand(37, vocab, seed=4)  # more rows than parts: one part per row
+    many[0, [70, 2110]] = 50.0  # a tie in two blocks, the later column in a lower lane
+    many[1, [100, 2148, 4196]] = 50.0  # a tie in one lane over three blocks
+    assert triton_ops.greedy_argmax(many).tolist()[:2] == [70, 100]
     assert triton_ops.greedy_argmax(many).tolist() == many.argmax(-1).tolist()
 
 
