@@ -411,10 +411,9 @@ def small_batch_matmul_kernel(
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros_like(acc)
-    if FP8 and STATIC_INPUT:
-        x_scale = tl.zeros([BLOCK_M], tl.float32) + tl.load(input_scale_ptr)
-    elif FP8:
+    if FP8:
         amax = tl.zeros([BLOCK_M], tl.float32)
+    if FP8 and not STATIC_INPUT:
         if ROW_LOOP:
             for r in range(0, M):
                 row_max = tl.zeros([AMAX_BLOCK], tl.float32)
@@ -429,7 +428,9 @@ def small_batch_matmul_kernel(
                 xa = tl.load(x_rows + k[None, :], mask=m_valid[:, None] & (k < K)[None, :],
                              other=0.0)
                 amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), 1))
-        x_scale = tl.maximum(amax / 448.0, 1e-12)
+    if FP8:
+        x_scale = tl.zeros([BLOCK_M], tl.float32) + fp8_row_scale(amax, input_scale_ptr,
+                                                                   STATIC_INPUT)
     else:
         x_scale = tl.full([BLOCK_M], 1.0, tl.float32)  # unused
     k_start = split * k_per_split
