@@ -314,7 +314,8 @@ def sweep_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], None]) ->
                 if time.monotonic() > deadline:
                     return rows
                 if kind == "decode":
-                    triton_decode.decode_tile_config = lambda head_dim, device, split, c=knobs: c
+                    triton_decode.decode_tile_config = (
+                        lambda head_dim, device, split, fp8_cache=False, c=knobs: c)
                     names = ("block_n", "num_warps", "num_stages")
                     launch = decode_only(step, max_seq_len=bound)
                 else:
@@ -353,7 +354,7 @@ def w1_decode_mixes() -> list[tuple[str, list[tuple[int, int]]]]:
 def decode_tile(tile: tuple[int, int, int]) -> Iterator[None]:
     """Every decode launch inside uses ``tile`` (BLOCK_N, num_warps, num_stages)."""
     configured = triton_decode.decode_tile_config
-    triton_decode.decode_tile_config = lambda head_dim, device, split: tile
+    triton_decode.decode_tile_config = lambda head_dim, device, split, fp8_cache=False: tile
     try:
         yield
     finally:
@@ -387,7 +388,8 @@ def decode_order_rows(save: Callable[[list[dict[str, Any]]], None]) -> list[dict
 DECODE_SPLIT_BATCHES = ((2, 1000, 2048), (4, 1000, 2048), (8, 900, 2048), (16, 900, 2048),
                         (32, 800, 2048), (48, 700, 2000), (64, 600, 1900), (96, 500, 1800),
                         (128, 400, 1700), (192, 300, 1500), (256, 200, 1200))
-DECODE_SPLIT_TILES = ((64, 4, 2), (128, 4, 3), (64, 4, 3), (32, 4, 2), (128, 8, 3), (64, 8, 3))
+DECODE_SPLIT_TILES = ((64, 4, 2), (128, 4, 2), (128, 4, 3), (64, 4, 3), (32, 4, 2), (128, 8, 3),
+                      (64, 8, 3))
 
 
 def decode_split_rows(batches=DECODE_SPLIT_BATCHES, tiles=DECODE_SPLIT_TILES,

@@ -256,7 +256,9 @@ def test_decode_tiles_can_be_overridden_from_the_environment(monkeypatch) -> Non
     triton_decode._tile_override.cache_clear()
     try:
         assert triton_decode.decode_tile_config(128, cuda, split=False) == (32, 2, 3)
-        assert triton_decode.decode_tile_config(128, cuda, split=True) == (128, 4, 3)
+        assert triton_decode.decode_tile_config(128, cuda, split=True) == (128, 4, 2)
+        fp8_split = triton_decode.decode_tile_config(128, cuda, split=True, fp8_cache=True)
+        assert fp8_split == (128, 4, 2)
         monkeypatch.setenv(triton_decode.DECODE_TILE_ENV, "48,2,2")
         triton_decode._tile_override.cache_clear()
         with pytest.raises(ValueError, match="PAGEDLLM_DECODE_TILE='48,2,2'"):

@@ -451,15 +451,22 @@ def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
     return order
 
 
-def decode_tile_config(head_dim: int, device: torch.device, split: bool) -> tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)`` for the decode kernel.
+def decode_tile_config(head_dim: int, device: torch.device, split: bool,
+                       fp8_cache: bool = False) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` for the decode kernel (``fp8_cache``: the cache
+    holds FP8 values).
 
-    From a sweep on an H200 (``scripts/check_kernels_gpu.py --sweep``, head_dim 128, bf16):
-    64-token tiles led for 256 x 1024 decodes (4.0 TB/s of K/V), 128-token tiles with
-    three stages for split partitions of long contexts. A later sweep put 32-token tiles
-    with two warps 10% ahead at 256 x 1024 alone, but as the default they made W1 slower
-    (9,466 against 9,583-9,718 output tok/s on Llama-3.1-8B; one pass over 1 x 8192 took
-    0.46 ms against 0.29): decide tiles on whole workloads, not one shape.
+    From sweeps on an H200 (``scripts/check_kernels_gpu.py --sweep``, head_dim 128), kept
+    only where whole workloads agreed (docs/benchmarks.md, "Decode tiles by cache dtype"):
+    - a bf16 cache, one pass: 64-token tiles (4.0 TB/s of K/V at 256 x 1024). A later sweep
+      put 32-token tiles with two warps 10% ahead at 256 x 1024 alone, but as the default
+      they made W1 slower (9,466 against 9,583-9,718 output tok/s on Llama-3.1-8B; one pass
+      over 1 x 8192 took 0.46 ms against 0.29), and 128-token tiles, 4-7% ahead alone,
+      left W1 unchanged: decide tiles on whole workloads, not one shape;
+    - split partitions of long contexts: 128-token tiles, two stages (L2's TPOT at 32,000
+      tokens 5.38 ms against 5.42 with three);
+    - an FP8 cache, both kinds: 128-token tiles, two stages (7-11% faster than 64-token
+      tiles at 256-512 sequences; TRT-LLM's 1000/1000 shape +2%).
 
     For such measurements ``PAGEDLLM_DECODE_TILE`` / ``PAGEDLLM_DECODE_SPLIT_TILE``
     (``"BLOCK_N,num_warps,num_stages"``) override the one-pass / split choice on CUDA.
@@ -471,7 +478,7 @@ def decode_tile_config(head_dim: int, device: torch.device, split: bool) -> tupl
         return override
     if head_dim > 128:
         return 32, 4, 2
-    return (128, 4, 3) if split else (64, 4, 2)
+    return (128, 4, 2) if split or fp8_cache else (64, 4, 2)
 
 
 DECODE_TILE_ENV = "PAGEDLLM_DECODE_TILE"
@@ -561,7 +568,8 @@ def paged_decode_attention(
             num_seqs, num_kv_heads, max_seq_len, _multiprocessor_count(query.device)
         )
     split = num_splits > 1
-    default_n, num_warps, num_stages = decode_tile_config(head_dim, query.device, split)
+    default_n, num_warps, num_stages = decode_tile_config(
+        head_dim, query.device, split, fp8_cache=key_cache.element_size() == 1)
     block_n = block_n or default_n
     slot_major = values_slot_major(value_cache)
     if slot_major:  # tiles of whole pages
