@@ -37,8 +37,7 @@
 #            (pagedllm.benchmarks.bench_tokenizer)
 #   fp8      W1 and L1/P1 on llama-3.1-8b with --quantization fp8 (compare with w1 and
 #            latency, bf16, in the same run); W1 again with --kv-cache-dtype fp8 as well
-#            (the report gives both runs' KV capacity in tokens and their ratio); L1/P1 again
-#            with PAGEDLLM_FP8_HALF_SUMS=1 (one row's products summed in float16 pairs); and
+#            (the report gives both runs' KV capacity in tokens and their ratio); and
 #            tests/quantization/test_fp8_kv_cache.py on the GPU (greedy tokens against HF
 #            with FP8 keys and values, held-out perplexity within 1%); and
 #            check_kernels_gpu.py --fp8-kv (the kernels over an FP8 cache at real sizes
@@ -179,9 +178,6 @@ if [ "$DRY" != "1" ]; then
 fi
 step fp8 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
     "${LAT_ARGS[@]}" --quantization fp8 --output-json "$OUT/fp8-latency-$BIG.json"
-step fp8 "$LIMIT_LAT" env PAGEDLLM_FP8_HALF_SUMS=1 $PY -m pagedllm.benchmarks.latency \
-    --model "$BIG" --load-format dummy "${LAT_ARGS[@]}" --quantization fp8 \
-    --output-json "$OUT/fp8-half-latency-$BIG.json"
 if [ "$DRY" != "1" ]; then
     step fp8 "$LIMIT_SWEEP" $PY scripts/gemv_quant_sweep.py --kinds fp8 --rows 1,4 \
         --budget-s 100 --out "$OUT/gemv-fp8.json"

@@ -55,8 +55,7 @@ ALIGNED = ("x_ptr", "weight_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm", 
            "perm_ptr", "partial_ptr", "k_per_split")
 
 
-def compile_kernel(tile, int_bits: int, group: int, fp8: bool, half_sums: bool = False,
-                   pdl: bool = False):
+def compile_kernel(tile, int_bits: int, group: int, fp8: bool, pdl: bool = False):
     """The compiled kernel (``triton.compile``'s result) for sm_90."""
     weight = "*i32" if int_bits else ("*fp8e4nv" if fp8 else "*bf16")
     signature = dict(
@@ -73,7 +72,7 @@ def compile_kernel(tile, int_bits: int, group: int, fp8: bool, half_sums: bool =
         FP8=fp8, STATIC_INPUT=False, AMAX_BLOCK=tile.block_k, ROW_LOOP=not tile.use_dot,
         INT_BITS=int_bits,
         GROUP=group if int_bits else 0, HAS_PERM=False, SPLIT=tile.split,
-        HALF_SUMS=half_sums, PDL=pdl,
+        PDL=pdl,
     )
     if not tile.use_dot:  # a launch for one row passes M = 1, which Triton makes a constant
         constants["M"] = 1
@@ -166,8 +165,6 @@ def main(argv: list[str] | None = None) -> dict:
     what.add_argument("--prefill", help="BLOCK_M,BLOCK_N,warps,stages: the prefill attention kernel")
     parser.add_argument("--kv", choices=("bf16", "fp8"), default="bf16",
                         help="the attention kernel's cache dtype")
-    parser.add_argument("--half-sums", action="store_true",
-                        help="--fp8, one row: products summed in float16 pairs (HALF_SUMS)")
     parser.add_argument("--int-bits", type=int, choices=(0, 4, 8), default=0)
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--fp8", action="store_true")
@@ -188,8 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         unit, per_thread = "KV byte", block_n * 128 * 2 * (1 if args.kv == "fp8" else 2) / (32 * num_warps)
     else:
         tile = _parse_tile(GEMV_TILE_ENV, args.tile, rows=1)
-        code = sass(compile_kernel(tile, args.int_bits, args.group, args.fp8, args.half_sums,
-                                   args.pdl))
+        code = sass(compile_kernel(tile, args.int_bits, args.group, args.fp8, args.pdl))
         unit, per_thread = "weight", tile.block_n * tile.block_k / (32 * tile.num_warps)
     loop = main_loop(code)
     opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in loop)

@@ -29,9 +29,9 @@ def test_a_switch_set_to_anything_else_is_refused_by_name(monkeypatch, value):
     monkeypatch.setenv("PAGEDLLM_MIXED_GRAPHS", value)
     with pytest.raises(ValueError, match=f"PAGEDLLM_MIXED_GRAPHS='{value}': give 1"):
         mixed_graphs_enabled()
-    monkeypatch.setenv("PAGEDLLM_FP8_HALF_SUMS", value)
-    with pytest.raises(ValueError, match="PAGEDLLM_FP8_HALF_SUMS"):
-        switch("PAGEDLLM_FP8_HALF_SUMS", False)
+    monkeypatch.setenv("PAGEDLLM_ARGMAX_LANES", value)
+    with pytest.raises(ValueError, match="PAGEDLLM_ARGMAX_LANES"):
+        switch("PAGEDLLM_ARGMAX_LANES", False)
 
 
 def test_the_switches_on_by_default_are_read_alike(monkeypatch):

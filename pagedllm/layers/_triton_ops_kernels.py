@@ -298,11 +298,6 @@ def row_argmax_reduce_kernel(best_ptr, index_ptr, out_ptr, parts, BLOCK_PARTS: t
     tl.store(out_ptr + row, index.to(tl.int64))
 
 
-# FP8 products summed in float16 (``HALF_SUMS``) are scaled by this power of two first: the
-# largest, 448 * 448, becomes 49, so a lane's sum stays finite over a thousand products.
-HALF_SUM_SCALE = tl.constexpr(2.0**-12)
-
-
 @triton.jit
 def small_batch_matmul_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr,
@@ -326,7 +321,6 @@ def small_batch_matmul_kernel(
     GROUP: tl.constexpr,
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
-    HALF_SUMS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
@@ -356,12 +350,8 @@ def small_batch_matmul_kernel(
     ``FP8``: FP8 W8A8 (``pagedllm.quantization.fp8``). ``weight`` is float8_e4m3fn with
     ``weight_scale`` (float32, one per row); each row of ``x`` is quantized here as
     ``quantize_rows`` does (a first pass over ``K`` finds its largest magnitude), the FP8
-    products accumulate in float32, and the sums are scaled by both scales. ``HALF_SUMS``
-    (one row): each lane instead multiply-adds its products in float16, two a instruction,
-    scaled by ``HALF_SUM_SCALE`` so that no lane's sum can overflow (a lane sums one product
-    per ``BLOCK_K`` inputs; e4m3 products are exact in float16 but for the tiniest), and the
-    lanes' sums meet in float32 at the end. One row in float32 lanes with ``EVEN_K`` and no
-    act-order: each lane loads the inputs of its own part of the weight tile (``x`` in the
+    products accumulate in float32, and the sums are scaled by both scales. One row in
+    float32 lanes with ``EVEN_K`` and no act-order: each lane loads the inputs of its own part of the weight tile (``x`` in the
     tile's shape, ``BLOCK_N`` copies of the row from L1) and quantizes them itself, so the
     loop exchanges nothing through shared memory and has no barrier.
     ``STATIC_INPUT``: every row of ``x`` is quantized with the one float32 at
@@ -398,7 +388,7 @@ def small_batch_matmul_kernel(
     INT_ROWS: tl.constexpr = INT_BITS > 0 and not USE_DOT
     # FP8, one row, float32 lanes: x loaded in the weight tile's shape (BLOCK_N copies of
     # the row).
-    ROW_TILE_X: tl.constexpr = FP8 and not USE_DOT and not HALF_SUMS and EVEN_K and not HAS_PERM
+    ROW_TILE_X: tl.constexpr = FP8 and not USE_DOT and EVEN_K and not HAS_PERM
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     elif INT_ROWS:
@@ -406,8 +396,6 @@ def small_batch_matmul_kernel(
         # The bits of 1.0f in a register (K >> 31 is 0; K is never specialized to a
         # constant as M == 1 is): one and/or instruction, not two.
         one_bits = ((K >> 31) | 0x3F800000).to(tl.uint32)
-    elif HALF_SUMS:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float16)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros_like(acc)
@@ -481,11 +469,6 @@ def small_batch_matmul_kernel(
                 acc += tl.dot(x, tl.trans(w))
                 if SILU_GATED:
                     acc_up += tl.dot(x, tl.trans(w_up))
-            elif HALF_SUMS:
-                x_half = x.to(tl.float16) * HALF_SUM_SCALE  # a power of two: exact
-                acc += w.to(tl.float16) * x_half
-                if SILU_GATED:
-                    acc_up += w_up.to(tl.float16) * x_half
             else:
                 acc += w.to(tl.float32) * x.to(tl.float32)
                 if SILU_GATED:
@@ -497,9 +480,6 @@ def small_batch_matmul_kernel(
     elif INT_ROWS:
         out = acc[None, :]
         up = acc_up[None, :]
-    elif HALF_SUMS:
-        out = tl.sum(acc.to(tl.float32), 1)[None, :] * (1.0 / HALF_SUM_SCALE)
-        up = tl.sum(acc_up.to(tl.float32), 1)[None, :] * (1.0 / HALF_SUM_SCALE)
     else:
         out = tl.sum(acc, 1)[None, :]
         up = tl.sum(acc_up, 1)[None, :]

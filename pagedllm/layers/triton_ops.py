@@ -368,9 +368,6 @@ class IntWeights:
 
 
 GEMV_FP8_TILE_ENV = "PAGEDLLM_GEMV_FP8_TILE"
-# PAGEDLLM_FP8_HALF_SUMS=1: one row of FP8 weights multiply-adds its products in float16
-# pairs (the kernel's HALF_SUMS), off by default until measured on a GPU.
-FP8_HALF_SUMS = switch("PAGEDLLM_FP8_HALF_SUMS", False)
 GEMV_INT_TILE_ENV = "PAGEDLLM_GEMV_INT_TILE"
 
 
@@ -624,7 +621,6 @@ def small_batch_matmul(
         GROUP=group,
         HAS_PERM=int_weights is not None and int_weights.perm is not None,
         SPLIT=tile.split,
-        HALF_SUMS=FP8_HALF_SUMS and weight_scale is not None and not tile.use_dot,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **launch_options(x.device),
