@@ -351,9 +351,10 @@ def small_batch_matmul_kernel(
     ``weight_scale`` (float32, one per row); each row of ``x`` is quantized here as
     ``quantize_rows`` does (a first pass over ``K`` finds its largest magnitude), the FP8
     products accumulate in float32, and the sums are scaled by both scales. One row in
-    float32 lanes with ``EVEN_K`` and no act-order: each lane loads the inputs of its own part of the weight tile (``x`` in the
-    tile's shape, ``BLOCK_N`` copies of the row from L1) and quantizes them itself, so the
-    loop exchanges nothing through shared memory and has no barrier.
+    float32 lanes with ``EVEN_K`` and no act-order: each lane loads the inputs of its own
+    part of the weight tile (``x`` in the tile's shape, ``BLOCK_N`` copies of the row from
+    L1) and quantizes them itself, so the loop exchanges nothing through shared memory and
+    has no barrier.
     ``STATIC_INPUT``: every row of ``x`` is quantized with the one float32 at
     ``input_scale_ptr`` instead (static activation scales). ``AMAX_BLOCK``: the columns
     the largest-magnitude pass reads at once (each of its loads waits for the one before).

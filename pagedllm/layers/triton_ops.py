@@ -414,13 +414,11 @@ def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False, int_
 
 
 def _fp8_tile(rows: int, n: int, k: int) -> GemvTile:
-    """FP8 weights (``scripts/gemv_quant_sweep.py`` on an H200, Llama-3.1-8B's projections
-    in CUDA graphs, weights out of L2): one row multiplies lane-wise in narrow 16-wide
-    tiles, K split in two for the narrow outputs (o_proj 8.7 us against 9.5 whole and
-    bf16's 11.6; down 21.3 against 26.5 and 31.9), except the wide gate/up (tensor cores,
-    128 x 256: 37.3 against bf16's 56.6); several rows take tensor-core tiles, o_proj's
-    and down's 128 x 256 with K split in four (four rows: o_proj 13.3 against 16.9 whole,
-    down 39.1 against 48.5 for 32 x 1,024 whole)."""
+    """FP8 weights: one row multiplies lane-wise in narrow 16-wide tiles, K split in two
+    for the narrow outputs, except the wide gate/up (tensor cores, 128 x 256); several
+    rows take tensor-core tiles, narrow outputs 128 x 256 with K split in four. Chosen by
+    ``scripts/gemv_quant_sweep.py`` on an H200 (docs/benchmarks.md, "FP8 on tensor cores"
+    and "Quantized decode of a few sequences")."""
     steps = -(-k // 512)
     if n >= 16384:
         return GemvTile(128, 256, 4 if rows == 1 else 8, 3, True)
@@ -588,8 +586,8 @@ def small_batch_matmul(
         partial = torch.empty((tile.split, rows, width), dtype=torch.float32, device=x.device)
     # FP8: the largest-magnitude pass over the rows. One row (and lane-wise tiles) row by
     # row in loads of up to 8k columns; several rows on tensor cores the tile's rows at a
-    # time in K tiles: the row-by-row pass waits for fewer loads there but measured slower
-    # (docs/benchmarks.md, "FP8 on tensor cores": FP8 L1 at batch 4, 7.3 ms against 4.7).
+    # time in K tiles (docs/benchmarks.md, "FP8 on tensor cores": the row-by-row pass is
+    # slower there).
     row_loop = not tile.use_dot or rows == 1
     wide = max(tile.block_k, min(8192, k.next_power_of_2(in_features)))
     amax_block = wide if row_loop else tile.block_k

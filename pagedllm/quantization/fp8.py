@@ -84,6 +84,9 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
     quantized for this product), ``weight [N, K]`` float8_e4m3fn, ``weight_scale [N, 1]``
     float32. Returns ``[T, N]`` in ``x``'s dtype."""
     if isinstance(x, Fp8Rows):
+        if input_scale is not None:
+            raise ValueError("fp8_linear: Fp8Rows are quantized already (with the static "
+                             "scale, if any): pass input_scale=None.")
         xq, x_scale, dtype = x
         shape = xq.shape
     else:

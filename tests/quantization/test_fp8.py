@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.quantization.fp8 import FP8_DTYPE, dequantize_rows, fp8_linear, quantize_rows
+from pagedllm.quantization.fp8 import (
+    FP8_DTYPE, Fp8Rows, dequantize_rows, fp8_linear, quantize_rows,
+)
 from tests.engine.conftest import hf_greedy, random_prompts
 from tests.utils import make_tiny_checkpoint
 
@@ -41,6 +43,19 @@ def test_fp8_linear_equals_the_dequantized_product(dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert (got.float() - want).norm() / want.norm() < tolerance
 
+
+
+def test_rows_quantized_by_the_op_before_give_the_same_product_and_no_second_scale():
+    """``Fp8Rows`` (a norm or activation's output, quantized for the product) multiply as
+    the tensor they were made from; a static scale given beside them is refused, not
+    silently ignored."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    wq, w_scale = quantize_rows(torch.randn(32, 64, generator=gen).to(DEVICE))
+    rows = Fp8Rows(*quantize_rows(x), x.dtype)
+    assert torch.equal(fp8_linear(rows, wq, w_scale), fp8_linear(x, wq, w_scale))
+    with pytest.raises(ValueError, match="input_scale=None"):
+        fp8_linear(rows, wq, w_scale, input_scale=torch.ones((), device=DEVICE))
 
 def hf_fp8_reference(model_dir, prompts, max_new_tokens):
     """HF transformers' greedy tokens with the decoder's projections emulating FP8 W8A8:

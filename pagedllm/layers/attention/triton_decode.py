@@ -454,19 +454,11 @@ def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
 def decode_tile_config(head_dim: int, device: torch.device, split: bool,
                        fp8_cache: bool = False) -> tuple[int, int, int]:
     """``(BLOCK_N, num_warps, num_stages)`` for the decode kernel (``fp8_cache``: the cache
-    holds FP8 values).
-
-    From sweeps on an H200 (``scripts/check_kernels_gpu.py --sweep``, head_dim 128), kept
-    only where whole workloads agreed (docs/benchmarks.md, "Decode tiles by cache dtype"):
-    - a bf16 cache, one pass: 64-token tiles (4.0 TB/s of K/V at 256 x 1024). A later sweep
-      put 32-token tiles with two warps 10% ahead at 256 x 1024 alone, but as the default
-      they made W1 slower (9,466 against 9,583-9,718 output tok/s on Llama-3.1-8B; one pass
-      over 1 x 8192 took 0.46 ms against 0.29), and 128-token tiles, 4-7% ahead alone,
-      left W1 unchanged: decide tiles on whole workloads, not one shape;
-    - split partitions of long contexts: 128-token tiles, two stages (L2's TPOT at 32,000
-      tokens 5.38 ms against 5.42 with three);
-    - an FP8 cache, both kinds: 128-token tiles, two stages (7-11% faster than 64-token
-      tiles at 256-512 sequences; TRT-LLM's 1000/1000 shape +2%).
+    holds FP8 values): on CUDA with head_dim up to 128, 64 keys, 4 warps, 2 stages for one
+    pass over a bf16 or fp16 cache, and 128 keys, 4 warps, 2 stages for split partitions
+    and for any pass over an FP8 cache; 32 keys for wider heads. The choices come from
+    whole workloads on an H200, not from one shape alone (the tiles, the sweeps and the
+    workloads that decided them: docs/benchmarks.md, "Decode tiles by cache dtype").
 
     For such measurements ``PAGEDLLM_DECODE_TILE`` / ``PAGEDLLM_DECODE_SPLIT_TILE``
     (``"BLOCK_N,num_warps,num_stages"``) override the one-pass / split choice on CUDA.
