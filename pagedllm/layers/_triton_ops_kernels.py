@@ -226,14 +226,19 @@ def rotate_half_whole(x_row, d, c, s, mask, HALF: tl.constexpr):
 @triton.jit(do_not_specialize=["chunk"])
 def row_argmax_partial_kernel(
     logits_ptr, stride_row, temperature_ptr, seeds_ptr, best_ptr, index_ptr,
-    vocab_size, chunk,
+    vocab_size, chunk, rows_ptr, bitmask_ptr, bitmask_stride,
     GUMBEL: tl.constexpr,
     BLOCK: tl.constexpr,
     LANES: tl.constexpr,
+    MASKED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program ``(row, part)``: the best score in columns ``[part * chunk, (part + 1) * chunk)``
     of ``row`` and its column, into ``best[row, part]`` and ``index[row, part]``.
+
+    With ``MASKED``, program row ``r`` races logits row ``rows[r]`` (its temperature and
+    seed too) over the columns bit ``c % 32`` of word ``c // 32`` of ``bitmask`` row ``r``
+    allows (int32 words): the others score -inf, as if masked in the logits.
 
     The score is the logit, or with ``GUMBEL`` ``logit / T + g`` with the Gumbel noise
     ``g = -log(-log(u))``, ``u = rand(seed, column)``: it depends on the row's seed and the
@@ -247,10 +252,14 @@ def row_argmax_partial_kernel(
     row = tl.program_id(0)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
-    base = logits_ptr + row.to(tl.int64) * stride_row
+    source = row
+    if MASKED:
+        source = tl.load(rows_ptr + row).to(tl.int32)
+        words = bitmask_ptr + row.to(tl.int64) * bitmask_stride
+    base = logits_ptr + source.to(tl.int64) * stride_row
     if GUMBEL:
-        inv_temperature = 1.0 / tl.load(temperature_ptr + row)
-        seed = tl.load(seeds_ptr + row)
+        inv_temperature = 1.0 / tl.load(temperature_ptr + source)
+        seed = tl.load(seeds_ptr + source)
     lo = part * chunk
     hi = tl.minimum(lo + chunk, vocab_size)
     if LANES:
@@ -266,6 +275,9 @@ def row_argmax_partial_kernel(
         if GUMBEL:
             gumbel = -tl.log(-tl.log(tl.rand(seed, offsets)))
             score = tl.where(valid, score * inv_temperature + gumbel, float("-inf"))
+        if MASKED:
+            word = tl.load(words + offsets // 32, mask=valid, other=0)
+            score = tl.where(((word >> (offsets % 32)) & 1) != 0, score, float("-inf"))
         if LANES:  # a lane's earlier column keeps a tie
             better = score > lane_best
             lane_index = tl.where(better, offsets, lane_index)

@@ -456,9 +456,20 @@ class Sampler(nn.Module):
         """Rows ``rows`` (int64 ``[R]``) of a kept draw drawn again with the tokens
         ``bitmask`` (int32 ``[R, W]``, as in ``apply_token_bitmask``) disallows removed, with
         the noise of their first draw -> int64 ``[R]``: the tokens the step would have
-        sampled with the mask applied first. Rows must not filter (top-k, top-p, min-p)."""
-        masked = masked_rows(draw.logits, rows, bitmask)
+        sampled with the mask applied first. Rows must not filter (top-k, top-p, min-p).
+        On a GPU the kernels race the kept rows under the bitmask in place
+        (``triton_ops.masked_row_argmax``)."""
         meta = draw.meta
+        if use_fused_ops(draw.logits):
+            if meta.all_greedy:
+                return triton_ops.masked_row_argmax(draw.logits, rows, bitmask)
+            sampled = triton_ops.masked_row_argmax(draw.logits, rows, bitmask,
+                                                   meta.temperature, draw.noise)
+            if meta.greedy_mask is not None:
+                greedy = triton_ops.masked_row_argmax(draw.logits, rows, bitmask)
+                sampled = torch.where(meta.greedy_mask.index_select(0, rows), greedy, sampled)
+            return sampled
+        masked = masked_rows(draw.logits, rows, bitmask)
         if meta.all_greedy:
             return _argmax(masked)
         temperature = meta.temperature.index_select(0, rows)

@@ -251,6 +251,18 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     return _row_argmax(logits, temperature, seeds)
 
 
+def masked_row_argmax(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
+                      temperature: torch.Tensor | None = None,
+                      seeds: torch.Tensor | None = None) -> torch.Tensor:
+    """``greedy_argmax`` (or with ``temperature`` and ``seeds``, ``gumbel_sample``) of
+    ``logits[rows]`` with the tokens ``bitmask`` disallows at -inf, in one pass without
+    building those rows -> int64 ``[R]``: ``rows`` int64 ``[R]``; ``bitmask`` int32
+    ``[R, ceil(V / 32)]``, bit ``t % 32`` of word ``t // 32`` of row ``r`` allowing token
+    ``t`` of ``logits[rows[r]]``; ``temperature`` and ``seeds`` ``[B]`` as the full batch's
+    (read at ``rows``). The same winner as masking the rows' logits first."""
+    return _row_argmax(logits, temperature, seeds, rows, bitmask)
+
+
 ARGMAX_BLOCK = 2048
 # Each lane keeps its best through the loop, the lanes reduced once (``row_argmax_partial_kernel``'s
 # ``LANES``); off by default until timed on a GPU (``PAGEDLLM_ARGMAX_LANES=1``).
@@ -261,14 +273,20 @@ ARGMAX_MAX_PARTS = 64
 
 
 def _row_argmax(logits: torch.Tensor, temperature: torch.Tensor | None,
-                seeds: torch.Tensor | None) -> torch.Tensor:
-    """The winner of each row, scored by the logit or (with ``temperature`` and ``seeds``)
-    by the Gumbel race. Each row splits into parts of whole blocks so that the batch fills
+                seeds: torch.Tensor | None, rows: torch.Tensor | None = None,
+                bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """The winner of each row (of ``rows`` of ``logits`` under ``bitmask``, when given: see
+    ``masked_row_argmax``), scored by the logit or (with ``temperature`` and ``seeds``) by
+    the Gumbel race. Each row splits into parts of whole blocks so that the batch fills
     about two programs per SM; a second launch picks each row's best part."""
     k = _kernels()
-    num_rows, vocab_size = logits.shape
+    vocab_size = logits.shape[1]
+    masked = rows is not None
+    num_rows = rows.shape[0] if masked else logits.shape[0]
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    if masked and bitmask.stride(-1) != 1:
+        bitmask = bitmask.contiguous()
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
@@ -284,7 +302,9 @@ def _row_argmax(logits: torch.Tensor, temperature: torch.Tensor | None,
         logits, logits.stride(0),
         temperature if gumbel else best, seeds if gumbel else best,
         best, index, vocab_size, chunk,
-        GUMBEL=gumbel, BLOCK=ARGMAX_BLOCK, LANES=ARGMAX_LANES, num_warps=8,
+        rows if masked else index, bitmask if masked else index,
+        bitmask.stride(0) if masked else 0,
+        GUMBEL=gumbel, BLOCK=ARGMAX_BLOCK, LANES=ARGMAX_LANES, MASKED=masked, num_warps=8,
         **launch_options(logits.device),
     )
     k.row_argmax_reduce_kernel[(num_rows,)](

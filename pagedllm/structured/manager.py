@@ -66,16 +66,22 @@ class RequestGrammar:
     Speculative decoding looks ahead without committing: ``num_allowed`` counts the
     proposals the constraint allows in a row, and ``checkpoint`` / ``restore`` bracket
     accepting proposals (allowed ones only) to read the states after them.
+
+    A token a check's redraw gave may be taken ahead of the scheduler (``redrawn``, then
+    ``take_early``, so that its next mask can be filled while the step after runs); the
+    scheduler's ``accept_token`` of that same token then finds it taken. Whether the
+    output is complete is kept from the last token taken, so asking it never waits for a
+    fill in flight.
     """
 
     __slots__ = ("_future", "_backend", "grammar", "error", "_gate", "_recent", "_num_taken",
-                 "version", "_settle")
+                 "version", "_settle", "_stopped", "redrawn", "_early")
 
     def __init__(self, future: Future, backend: Callable[[], GrammarBackend],
                  reasoning_end_token_ids: list[int] | None,
-                 settle: Callable[[], None] = lambda: None) -> None:
-        """``settle()`` runs before every use of the matcher: it waits for a fill another
-        thread may be running on it (``MaskPrefetch``)."""
+                 settle: Callable[[RequestGrammar], None] = lambda grammar: None) -> None:
+        """``settle(self)`` runs before every use of the matcher: it waits for a fill
+        another thread may be running on it (``MaskPrefetch.settle_for``)."""
         self._future = future
         self._backend = backend
         self.grammar: Grammar | None = None
@@ -85,6 +91,9 @@ class RequestGrammar:
         self._num_taken = 0  # tokens the grammar has accepted
         self.version = 0  # changes whenever the state does
         self._settle = settle
+        self._stopped = False  # the grammar's is_terminated() after the last token taken
+        self.redrawn: int | None = None  # a redrawn token not yet taken
+        self._early: int | None = None  # a token taken ahead of accept_token
 
     @property
     def ready(self) -> bool:
@@ -94,6 +103,7 @@ class RequestGrammar:
                 return False
             try:
                 self.grammar = self._backend().new_grammar(self._future.result())
+                self._stopped = self.grammar.is_terminated()
             except Exception as exc:  # noqa: BLE001 - a failed compile finishes the request
                 self.error = str(exc)
         return True
@@ -101,15 +111,15 @@ class RequestGrammar:
     @property
     def active(self) -> bool:
         """Whether the next token is constrained (compiled, past the reasoning, not done)."""
-        if self.grammar is None or self._gate:
-            return False
-        self._settle()
-        return not self.grammar.is_terminated()
+        return self.grammar is not None and not self._gate and not self._stopped
 
     def allows(self, token_id: int) -> bool:
         """Whether ``token_id`` may come next: any token while the constraint is not active
         (as its bitmask row then says), else the grammar's answer. The state does not change."""
-        return not self.active or self.grammar.is_allowed(token_id)
+        if not self.active:
+            return True
+        self._settle(self)
+        return self.grammar.is_allowed(token_id)
 
     def num_allowed(self, token_ids: list[int]) -> int:
         """How many leading tokens of ``token_ids`` may come next one after the other: the
@@ -127,10 +137,27 @@ class RequestGrammar:
                 return len(token_ids)
         if self.grammar is None:
             return len(token_ids)
-        self._settle()
+        self._settle(self)
         return free + self.grammar.num_allowed(token_ids[free:])
 
+    def take_early(self) -> None:
+        """Take the ``redrawn`` token now, ahead of the scheduler's ``accept_token`` of it."""
+        if self.redrawn is not None:
+            token, self.redrawn = self.redrawn, None
+            self.accept_token(token)
+            self._early = token
+
     def accept_token(self, token_id: int) -> None:
+        self.redrawn = None
+        if self._early is not None:
+            early, self._early = self._early, None
+            if early == token_id:
+                return  # taken already
+            logger.error("A grammar took token %d ahead, then was given %d: taking that one.",
+                         early, token_id)
+            self._settle(self)
+            self.grammar.rollback(1)
+            self._num_taken -= 1
         self.version += 1
         if self._gate:
             self._recent, closed = self._gate_step(self._recent, token_id)
@@ -139,12 +166,13 @@ class RequestGrammar:
             return
         if self.grammar is None:
             return
-        self._settle()
+        self._settle(self)
         self._num_taken += 1
         if not self.grammar.accept_tokens([token_id]):
             self.error = self.grammar.error or f"token {token_id} is not allowed"
             logger.error("A constrained request sampled a token its grammar refuses: %s",
                          self.error)
+        self._stopped = self.grammar.is_terminated()
 
     def _gate_step(self, recent: list[int], token_id: int) -> tuple[list[int], bool]:
         """The reasoning's last tokens after ``token_id`` (a new list), and whether they
@@ -162,18 +190,16 @@ class RequestGrammar:
         gate, recent, num_taken = checkpoint
         self.version += 1
         if self._num_taken > num_taken:
-            self._settle()
+            self._settle(self)
             self.grammar.rollback(self._num_taken - num_taken)
+            self._stopped = self.grammar.is_terminated()
         self._gate, self._recent, self._num_taken = gate, recent, num_taken
 
     def is_terminated(self) -> bool:
         """The output is complete (nothing but EOS may follow), or the grammar failed."""
         if self.error is not None:
             return True
-        if self.grammar is None or self._gate:
-            return False
-        self._settle()
-        return self.grammar.is_terminated()
+        return self.grammar is not None and not self._gate and self._stopped
 
 
 PREFETCH_MASKS_ENV = "PAGEDLLM_PREFETCH_MASKS"
@@ -195,9 +221,10 @@ class MaskPrefetch:
     those masks off the step loop's thread; at the next check a refused row takes its row
     from here when its grammar is the same object in the same state (``version``), and the
     rest are filled as before. A matcher serves one call at a time, so every use of one
-    first ``settle``s: it waits for the fill in flight (also each ``RequestGrammar``'s
-    ``settle``). Counters: ``num_filled`` rows filled ahead, ``num_used`` of them taken,
-    ``seconds`` the worker's fill time.
+    first waits for the fill in flight if that fill holds it (``settle_for``, which each
+    ``RequestGrammar`` calls), and reading the rows filled waits for it (``settle``).
+    Counters: ``num_filled`` rows filled ahead, ``num_used`` of them taken, ``seconds`` the
+    worker's fill time.
     """
 
     def __init__(self) -> None:
@@ -218,6 +245,11 @@ class MaskPrefetch:
             except Exception:  # noqa: BLE001 - the check fills the rows itself
                 logger.exception("Filling masks ahead failed")
                 self._rows = {}
+
+    def settle_for(self, grammar: RequestGrammar) -> None:
+        """Wait for the fill in flight if it holds ``grammar``'s matcher."""
+        if self._future is not None and id(grammar) in self._rows:
+            self.settle()
 
     def start(self, grammars: list[RequestGrammar],
               fill: Callable[[list[tuple], np.ndarray], None], width: int) -> None:
@@ -267,9 +299,9 @@ class StructuredOutputManager:
     those refused, and ``num_mask_rows`` the bitmask rows filled on the step loop's thread;
     ``fill_calls`` the latest calls to the backend's bitmask fill, as (seconds, rows).
 
-    With ``prefetch_masks`` on, ``prefetch_refused()`` (called by the engine once a step's
-    tokens are taken) fills the masks of the rows the last check refused ahead of the next
-    check (``MaskPrefetch``; its counters are ``prefetch``'s).
+    With ``prefetch_masks`` on, ``take_redrawn()`` (once the step after a check is
+    launched) fills the masks of the rows the check refused ahead of the next check
+    (``MaskPrefetch``; its counters are ``prefetch``'s).
     """
 
     def __init__(self, make_backend: Callable[[], GrammarBackend], num_threads: int = 2,
@@ -312,7 +344,7 @@ class StructuredOutputManager:
         else:
             self._compiled.move_to_end(key)
         request.grammar = RequestGrammar(future, self.backend, params.reasoning_end_token_ids,
-                                         self.prefetch.settle)
+                                         self.prefetch.settle_for)
 
     @property
     def bitmask_width(self) -> int:
@@ -395,12 +427,25 @@ class StructuredOutputManager:
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_steps += 1
 
-    def prefetch_refused(self) -> None:
+    def note_redrawn(self, token_ids: list[int]) -> None:
+        """The tokens the last check's refused rows were drawn again to, in its order: each
+        grammar keeps its own (``RequestGrammar.redrawn``) for ``take_redrawn``."""
+        if self.prefetch_masks:
+            for grammar, token in zip(self._refused, token_ids, strict=True):
+                grammar.redrawn = token
+
+    def take_redrawn(self) -> None:
         """Start filling, off this thread, the masks of the rows the last check refused,
-        in the states their grammars are in now (``MaskPrefetch``); a no-op unless
-        ``prefetch_masks``. Call once the step's tokens are taken."""
+        after their grammars have taken their redrawn tokens (now, if the scheduler has not
+        yet: ``RequestGrammar.take_early``), so that the fill runs while the device
+        computes the step those tokens feed (``MaskPrefetch``); a no-op unless
+        ``prefetch_masks``. Call once the step after the check is launched, or once the
+        checked step's tokens are taken, whichever comes first (the second call finds
+        nothing left)."""
         if self._refused:
             refused, self._refused = self._refused, []
+            for grammar in refused:
+                grammar.take_early()
             self.prefetch.start(refused, self.backend().fill_bitmasks, self.bitmask_width)
 
     def _fill(self, grammars: list[RequestGrammar | None], out: np.ndarray) -> None:
@@ -437,6 +482,9 @@ class StepGrammars:
     - ``check(request_ids, token_ids, allocate)``: rows sampled without their mask, when
       their ids are read (before any later step's forward pass); the grammars have taken
       every earlier step's tokens, not these. See ``StructuredOutputManager.check_tokens``.
+      Then ``redrawn(token_ids)``: the refused rows' new tokens, in the check's order; and
+      ``forward_launched()`` once the next step's forward pass is launched: their grammars
+      take those tokens and their next masks are filled in the background (``take_redrawn``).
     - ``verify_bitmask(request_ids, proposals, allocate)``: the verification rows of
       requests checking proposals (speculative steps, which are never asynchronous). See
       ``StructuredOutputManager.fill_verify_bitmask``.
@@ -465,6 +513,12 @@ class StepGrammars:
     def check(self, request_ids: list[str], token_ids: list[int],
               allocate: Callable[[int, int], np.ndarray]) -> tuple[list[int], np.ndarray | None]:
         return self._manager.check_tokens(self._grammars(request_ids), token_ids, allocate)
+
+    def redrawn(self, token_ids: list[int]) -> None:
+        self._manager.note_redrawn(token_ids)
+
+    def forward_launched(self) -> None:
+        self._manager.take_redrawn()
 
     def verify_bitmask(self, request_ids: list[str], proposals: list[list[int]],
                        allocate: Callable[[int, int], np.ndarray]) -> np.ndarray:

@@ -42,10 +42,13 @@ drawn again under it with the noise of their first draw, which gives the token m
 first would have given (``Sampler.redraw``). The check runs before any later step's
 forward pass reads the ids: with asynchronous scheduling the next launch reads the step's
 ids first (the one device-to-host copy it makes anyway, earlier), and a step with refused
-rows copies their new ids too. Rows whose sampling reads the masked distribution before
-the draw (logprobs; top-k, top-p, min-p) are masked first instead: after the forward pass
-is launched, the runner asks the engine for their bitmask (``grammar``, filled on the host
-while the device computes) and the sampler masks their logits before anything else.
+rows copies their new ids too, tells the grammars (``grammar.redrawn``) and, once its own
+forward pass is launched, ``grammar.forward_launched()``: those rows' grammars then take
+their tokens and fill their next masks while the device computes. Rows whose sampling
+reads the masked distribution before the draw (logprobs; top-k, top-p, min-p) are masked
+first instead: after the forward pass is launched, the runner asks the engine for their
+bitmask (``grammar``, filled on the host while the device computes) and the sampler masks
+their logits before anything else.
 """
 
 from __future__ import annotations
@@ -151,6 +154,8 @@ class ModelRunner:
         self._next_bitmask_buffer = 0
         # The last launched step, while its rows sampled without a mask await their check.
         self._unchecked: AsyncStepOutput | None = None
+        # Told once the next forward pass is launched, after a check redrew rows.
+        self._after_launch: Callable[[], None] | None = None
         if self.device.type == "cuda":
             self._readback = SampledIdsReadback(config.scheduler_config.max_num_seqs)
 
@@ -355,6 +360,9 @@ class ModelRunner:
         if self._unchecked is not None:  # its ids feed this forward pass: check them first
             self._unchecked.get()
         hidden_states, logits_indices = self._run_model(inputs)
+        if self._after_launch is not None:
+            after_launch, self._after_launch = self._after_launch, None
+            after_launch()
         if not get_pp().is_last:
             return self._take_sampled_ids(inputs)
 
@@ -441,7 +449,7 @@ class ModelRunner:
             metadata.record_sampled(out.sampled_token_ids)
             return out, None
         return out, functools.partial(self._check_sampled, states, checked, out, metadata,
-                                      grammar.check)
+                                      grammar)
 
     @torch.inference_mode()
     def _check_sampled(
@@ -450,15 +458,17 @@ class ModelRunner:
         rows: list[int],
         out: SamplerOutput,
         metadata: SamplingMetadata,
-        check: Callable,
+        grammar,  # StepGrammars, or a tensor-parallel rank's proxy of it
         token_ids: list[int],
     ) -> list[int]:
         """Check-then-mask: ``token_ids`` (the step's sampled ids, on the host) with the
         tokens that the grammars of ``rows`` (sampled without their mask) refuse replaced
         by draws under their mask (``Sampler.redraw``). The ids on the device are corrected
-        in place (later steps read them as pending tokens) and counted for the penalties."""
-        refused, bitmask = check([states[j].request_id for j in rows],
-                                 [token_ids[j] for j in rows], self._bitmask_buffer)
+        in place (later steps read them as pending tokens) and counted for the penalties.
+        The grammar hears the redrawn tokens (``redrawn``), and ``forward_launched`` once
+        the next forward pass is launched, where it has them (see ``StepGrammars``)."""
+        refused, bitmask = grammar.check([states[j].request_id for j in rows],
+                                         [token_ids[j] for j in rows], self._bitmask_buffer)
         sampled = out.sampled_token_ids
         if refused:
             redrawn = [rows[i] for i in refused]
@@ -466,8 +476,12 @@ class ModelRunner:
             tokens = self.sampler.redraw(
                 out.draw, index, torch.from_numpy(bitmask).to(self.device, non_blocking=True))
             sampled.index_copy_(0, index, tokens)
-            for j, token in zip(redrawn, tokens.tolist()):  # the step's one extra copy
+            tokens = tokens.tolist()  # the step's one extra copy
+            for j, token in zip(redrawn, tokens):
                 token_ids[j] = token
+            if hasattr(grammar, "redrawn"):
+                grammar.redrawn(tokens)
+                self._after_launch = grammar.forward_launched
         metadata.record_sampled(sampled)
         out.draw = None  # the step's logits and noise, no longer needed
         return token_ids

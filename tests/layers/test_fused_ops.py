@@ -440,6 +440,34 @@ def test_fp8_mlp_takes_its_inputs_quantized_by_the_norm_and_the_activation(monke
     assert passes == []
 
 
+@pytest.mark.parametrize("lanes", [False, True])
+def test_masked_row_argmax_is_the_draw_of_the_rows_masked_first(monkeypatch, lanes) -> None:
+    """Rows picked out of the batch and raced under their bitmask in place, greedy or by
+    the Gumbel race with the batch's temperatures and seeds at those rows: the tokens of
+    masking the picked rows' logits first, ties across parts included."""
+    monkeypatch.setattr(triton_ops, "ARGMAX_LANES", lanes)
+    batch, vocab = 9, 5000  # three 2048-column parts per row
+    logits = _rand(batch, vocab, seed=6) * 3
+    logits[2, [150, 4100]] = 60.0  # a tie across parts, both allowed below
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.tensor([4, 2, 7, 0, 2], device=DEVICE)  # any order, a row twice
+    allowed = torch.rand(len(rows), vocab, generator=gen) < 0.3
+    allowed[1, [150, 4100]] = True
+    allowed[3] = False
+    allowed[3, 4999] = True  # one token allowed, in the last partial block
+    bitmask = token_bitmask(allowed).to(DEVICE)
+    masked = masked_rows(logits, rows, bitmask)
+    temperature = torch.linspace(0.5, 1.5, batch, device=DEVICE)
+    seeds = torch.randint(0, 2**31 - 1, (batch,), generator=gen).to(DEVICE)
+    greedy = triton_ops.masked_row_argmax(logits, rows, bitmask)
+    assert greedy.tolist() == masked.argmax(-1).tolist()
+    assert greedy[1] == 150 and greedy[3] == 4999
+    drawn = triton_ops.masked_row_argmax(logits, rows, bitmask, temperature, seeds)
+    want = triton_ops.gumbel_sample(masked, temperature[rows], seeds[rows])
+    assert drawn.tolist() == want.tolist()
+    assert all(allowed[r, t] for r, t in enumerate(drawn.tolist()))
+
+
 def test_gumbel_redraw_under_a_mask_is_the_masked_draw() -> None:
     """Check-then-mask on the Gumbel path: a row's draw, kept when the mask allows it and
     drawn again under the mask from the same seed otherwise, is the masked row's draw."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import jsonschema
 import numpy as np
@@ -274,28 +275,34 @@ def test_masks_filled_ahead_for_refused_rows_change_no_token(tiny_model_dir, hf_
     assert at_check.llm_engine.engine_core.structured.prefetch.num_filled == 0
 
 
-def test_a_mask_filled_ahead_is_not_used_once_its_grammar_has_moved(tiny_model_dir):
-    """A row filled ahead serves only its grammar in the state it was filled in."""
+def zeros(rows: int, words: int) -> np.ndarray:
+    return np.zeros((rows, words), dtype=np.int32)
+
+
+def prefetching_grammar(model_dir, regex: str):
+    """(a manager filling masks ahead, a compiled grammar of ``regex`` it attached, token
+    ids of "a", "b", "c" and "x")."""
     from pagedllm.engine.tokenizer import Tokenizer
     from pagedllm.structured.manager import StructuredOutputManager
 
-    tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
     manager = StructuredOutputManager(lambda: LLGuidanceBackend(tokenizer, VOCAB_SIZE),
                                       prefetch_masks=True)
-
-    class Request:
-        sampling_params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[ab]+c"))
-
-    request = Request()
+    request = SimpleNamespace(sampling_params=SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex=regex)))
     manager.attach(request)
-    grammar = request.grammar
-    grammar._future.result()
-    assert grammar.ready
-    a, c, x = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "acx")
-    zeros = lambda rows, words: np.zeros((rows, words), dtype=np.int32)  # noqa: E731
+    request.grammar._future.result()
+    assert request.grammar.ready
+    letters = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "abcx")
+    return manager, request.grammar, *letters
+
+
+def test_a_mask_filled_ahead_is_not_used_once_its_grammar_has_moved(tiny_model_dir):
+    """A row filled ahead serves only its grammar in the state it was filled in."""
+    manager, grammar, a, _, c, x = prefetching_grammar(tiny_model_dir, "[ab]+c")
     refused, mask = manager.check_tokens([grammar], [c], zeros)  # "c" first: refused
     assert refused == [0]
-    manager.prefetch_refused()
+    manager.take_redrawn()
     grammar.accept_token(a)  # the state moves on: the row filled ahead is stale
     refused, moved = manager.check_tokens([grammar], [x], zeros)
     assert refused == [0]
@@ -303,6 +310,28 @@ def test_a_mask_filled_ahead_is_not_used_once_its_grammar_has_moved(tiny_model_d
     fresh = np.zeros_like(moved)
     manager.fill_bitmask([grammar], fresh)
     assert np.array_equal(moved, fresh) and not np.array_equal(moved, mask)
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("given", ["a", "b"])
+def test_a_redrawn_token_taken_early_is_taken_once(tiny_model_dir, given):
+    """Once the step after a check is launched, a refused row's grammar takes its redrawn
+    token and its next mask is filled ahead; the scheduler's accepting the same token
+    then changes nothing (another token replaces it, with an error logged)."""
+    manager, grammar, a, b, c, _ = prefetching_grammar(tiny_model_dir, "[ab]c")
+    refused, _ = manager.check_tokens([grammar], [c], zeros)
+    assert refused == [0]
+    manager.note_redrawn([a])
+    manager.take_redrawn()  # "a" taken now, the next mask filled in the background
+    assert manager.prefetch.num_filled == 1
+    grammar.accept_token(a if given == "a" else b)  # the scheduler's turn
+    assert grammar.error is None and not grammar.is_terminated()
+    refused, _ = manager.check_tokens([grammar], [c], zeros)  # one letter taken, then "c"
+    assert refused == [] and manager.prefetch.num_used == 0
+    grammar.accept_token(c)
+    assert grammar.is_terminated() and grammar.error is None
+    manager.take_redrawn()  # nothing left: a no-op
+    assert manager.prefetch.num_filled == 1
     manager.shutdown()
 
 
