@@ -31,6 +31,20 @@ def proposer(method: str, draft_dir) -> dict:
     return dict(speculative_model=str(draft_dir), num_speculative_tokens=4)
 
 
+def compiled(llm: LLM, params: list[SamplingParams]) -> None:
+    """Compile the constraints of ``params`` into ``llm``'s cache and wait for them, so that
+    its requests are admitted together whatever the machine's speed (a request waits for
+    its grammar; one still compiling would let the others run alone)."""
+    from types import SimpleNamespace
+
+    structured = llm.llm_engine.engine_core.structured
+    for p in params:
+        if p.structured_outputs is not None:
+            request = SimpleNamespace(sampling_params=p)
+            structured.attach(request)
+            request.grammar._future.result()
+
+
 @pytest.fixture
 def verified(monkeypatch) -> list[dict[str, int]]:
     """Per scheduled step, the proposals each request verifies."""
@@ -74,6 +88,7 @@ def test_constrained_greedy_output_is_the_one_without_speculation(target_dir, dr
     want = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
     verified.clear()
     llm = LLM(str(target_dir), **ENGINES[engine], **proposer(method, draft_dir))
+    compiled(llm, params)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     if engine == "chunked-preempting":
         assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
