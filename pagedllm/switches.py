@@ -1,5 +1,5 @@
-"""Switches read from the environment: on/off (``PAGEDLLM_...=1`` or ``=0``) and choices
-among named values.
+"""Switches read from the environment: on/off (``PAGEDLLM_...=1`` or ``=0``), choices
+among named values, and integers in a range.
 
 A value outside the switch's own is refused with a message naming the variable and the
 values it takes, so a switch that is set never goes silently unread.
@@ -30,3 +30,14 @@ def choice(name: str, values: tuple[str, ...], default: str) -> str:
     if value not in values:
         raise ValueError(f"{name}={value!r}: give one of {', '.join(values)}.")
     return value
+
+
+def integer(name: str, default: int | None, low: int, high: int) -> int | None:
+    """The value of the switch ``name``, an integer from ``low`` to ``high`` (unset or
+    empty gives ``default``); raises ValueError for any other value."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or not low <= int(value) <= high:
+        raise ValueError(f"{name}={value!r}: give an integer from {low} to {high}.")
+    return int(value)

@@ -1,6 +1,6 @@
 """Switches from the environment: set ones are read as given, and a value outside the
-switch's own (1 or 0; a choice's names) is refused by name rather than silently taken as
-the default."""
+switch's own (1 or 0; a choice's names; an integer's range) is refused by name rather than
+silently taken as the default."""
 
 from __future__ import annotations
 
@@ -32,6 +32,28 @@ def test_a_switch_set_to_anything_else_is_refused_by_name(monkeypatch, value):
     monkeypatch.setenv("PAGEDLLM_ARGMAX_LANES", value)
     with pytest.raises(ValueError, match="PAGEDLLM_ARGMAX_LANES"):
         switch("PAGEDLLM_ARGMAX_LANES", False)
+
+
+@pytest.fixture
+def fresh_gemv_rows():
+    triton_ops.gemv_max_rows.cache_clear()
+    yield triton_ops.gemv_max_rows
+    triton_ops.gemv_max_rows.cache_clear()
+
+
+def test_an_integer_switch_takes_its_range_and_refuses_the_rest(monkeypatch, fresh_gemv_rows):
+    name = triton_ops.GEMV_MAX_ROWS_ENV
+    monkeypatch.delenv(name, raising=False)
+    assert fresh_gemv_rows() == triton_ops.DEFAULT_GEMV_MAX_ROWS
+    for value in ("0", "16"):
+        monkeypatch.setenv(name, value)
+        fresh_gemv_rows.cache_clear()
+        assert fresh_gemv_rows() == int(value)
+    for value in ("17", "-1", "two", "4.0"):
+        monkeypatch.setenv(name, value)
+        fresh_gemv_rows.cache_clear()
+        with pytest.raises(ValueError, match=f"{name}='{value}': give an integer from 0 to 16"):
+            fresh_gemv_rows()
 
 
 def test_the_switches_on_by_default_are_read_alike(monkeypatch):

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from pagedllm.layers.pdl import launch_options
-from pagedllm.switches import switch
+from pagedllm.switches import integer, switch
 
 FUSED_OPS_ENV = "PAGEDLLM_FUSED_OPS"
 
@@ -329,12 +329,7 @@ DEFAULT_GEMV_MAX_ROWS = 8
 def gemv_max_rows() -> int:
     """Batches of at most this many rows multiply through ``small_batch_matmul`` on CUDA
     (``PAGEDLLM_GEMV_MAX_ROWS``, default ``DEFAULT_GEMV_MAX_ROWS``; 0 turns it off)."""
-    value = os.environ.get(GEMV_MAX_ROWS_ENV, "").strip()
-    if not value:
-        return DEFAULT_GEMV_MAX_ROWS
-    if not value.isdigit() or int(value) > 16:
-        raise ValueError(f"{GEMV_MAX_ROWS_ENV}={value!r}: give an integer from 0 (off) to 16.")
-    return int(value)
+    return integer(GEMV_MAX_ROWS_ENV, DEFAULT_GEMV_MAX_ROWS, 0, 16)
 
 
 def use_small_batch_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -189,6 +189,21 @@ def test_prefix_cache_hit_leaves_the_constrained_output_unchanged(llm, greedy_ex
 
 
 # -- check-then-mask -------------------------------------------------------------------------
+def test_the_mask_fill_threads_come_from_the_environment(tiny_model_dir, monkeypatch):
+    """PAGEDLLM_GRAMMAR_FILL_THREADS sets the threads filling masks: outputs still validate
+    with one; a value outside 1-256 is refused by name."""
+    from pagedllm.engine.tokenizer import Tokenizer
+
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_FILL_THREADS", "1")
+    schema = SCHEMAS["person"]
+    for completion in sample(make_llm(tiny_model_dir), StructuredOutputsParams(json=schema), num=4):
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), schema)
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_FILL_THREADS", "0")
+    with pytest.raises(ValueError, match="PAGEDLLM_GRAMMAR_FILL_THREADS='0': give an integer"):
+        LLGuidanceBackend(Tokenizer.from_pretrained(tiny_model_dir), VOCAB_SIZE)
+
+
 def mask_counters(llm) -> tuple[int, int]:
     structured = llm.llm_engine.engine_core.structured
     return structured.num_checked_rows, structured.num_mask_rows

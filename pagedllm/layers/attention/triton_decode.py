@@ -80,22 +80,14 @@ from pagedllm.layers._triton_ops_kernels import follow_previous_kernel, rotate_h
 from pagedllm.layers.launch_math import cdiv, next_power_of_2
 from pagedllm.layers.pdl import launch_options
 from pagedllm.layers.triton_ops import arrival_counters
-from pagedllm.switches import switch
+from pagedllm.switches import integer, switch
 
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
 
 
-def _programs_per_sm() -> int:
-    """``PAGEDLLM_DECODE_PROGRAMS_PER_SM`` (default 2): a positive integer."""
-    value = os.environ.get("PAGEDLLM_DECODE_PROGRAMS_PER_SM", "2")
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"PAGEDLLM_DECODE_PROGRAMS_PER_SM={value!r}: give a positive integer "
-                         "(programs per multiprocessor a split-K decode plans for, default 2).")
-    return int(value)
-
-
-DECODE_PROGRAMS_PER_SM = _programs_per_sm()
+# Programs per multiprocessor a split-K decode plans for (``PAGEDLLM_DECODE_PROGRAMS_PER_SM``).
+DECODE_PROGRAMS_PER_SM = integer("PAGEDLLM_DECODE_PROGRAMS_PER_SM", 2, 1, 64)
 
 
 @triton.jit(do_not_specialize=["num_actual_tokens"])
