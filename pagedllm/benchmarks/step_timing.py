@@ -9,7 +9,8 @@ times each with the host clock (a few ``perf_counter`` calls per step: noise bel
     forward       ModelRunner._run_model: input copies + kernel launches or graph replay
                   (asynchronous on a GPU: the host returns before the device finishes)
     sample        logits + sampler launches (and, on the CPU, the sampling itself)
-    wait          AsyncStepOutput.get: waiting for a step's sampled ids to reach the host
+    wait          AsyncStepOutput.settle / get: waiting for a step's sampled ids to reach
+                  the host (and checking a constrained step's tokens)
     update        Scheduler.update_from_output
     output        front end: detokenization, stop checks, RequestOutputs
 
@@ -141,23 +142,33 @@ class StepTimer:
         for obj, name in reversed(self._restore):
             delattr(obj, name)  # back to the class attribute
         self._restore.clear()
-        AsyncStepOutput.get = self._original_get
+        AsyncStepOutput.get, AsyncStepOutput.settle = self._original_wait
 
     def _wrap_wait(self) -> None:
-        """Time ``AsyncStepOutput.get`` (a class attribute: outputs are new every step)."""
-        original = self._original_get = AsyncStepOutput.get
+        """Time ``AsyncStepOutput.settle`` and ``get`` (class attributes: outputs are new
+        every step), ``settle`` inside ``get`` once."""
+        self._original_wait = AsyncStepOutput.get, AsyncStepOutput.settle
         totals = self.totals
+        waiting = False
 
-        def timed_get(output):
-            start = time.perf_counter()
-            result = original(output)
-            elapsed = time.perf_counter() - start
-            totals[self._kind]["wait"] += elapsed
-            if self._in_execute:  # a forced wait inside the launch: not part of "sample"
-                totals[self._kind]["_wait_in_execute"] += elapsed
-            return result
+        def timing(original):
+            def timed(output):
+                nonlocal waiting
+                if waiting:
+                    return original(output)
+                waiting, start = True, time.perf_counter()
+                try:
+                    return original(output)
+                finally:
+                    waiting = False
+                    elapsed = time.perf_counter() - start
+                    totals[self._kind]["wait"] += elapsed
+                    if self._in_execute:  # a forced wait inside the launch: not "sample"
+                        totals[self._kind]["_wait_in_execute"] += elapsed
+            return timed
 
-        AsyncStepOutput.get = timed_get
+        AsyncStepOutput.get = timing(self._original_wait[0])
+        AsyncStepOutput.settle = timing(self._original_wait[1])
 
     def _wrap(self, obj: object, name: str, phase: str, classify: bool = False) -> None:
         original = getattr(obj, name)

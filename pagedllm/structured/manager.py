@@ -218,9 +218,10 @@ class MaskPrefetch:
     A row whose checked token the grammar refused is likely refused again at the next
     check (structure comes in runs: keys, punctuation, numbers), and its mask there is the
     one of the state its grammar is in once it has taken the redrawn token. ``start`` fills
-    those masks off the step loop's thread; at the next check a refused row takes its row
-    from here when its grammar is the same object in the same state (``version``), and the
-    rest are filled as before. A matcher serves one call at a time, so every use of one
+    those masks off the step loop's thread; at the next check a row filled here is checked
+    against it, and takes it as its mask if refused, when its grammar is the same object in
+    the same state (``version``); the rest are checked (while the fill runs) and filled as
+    before. A matcher serves one call at a time, so every use of one
     first waits for the fill in flight if that fill holds it (``settle_for``, which each
     ``RequestGrammar`` calls), and reading the rows filled waits for it (``settle``).
     Counters: ``num_filled`` rows filled ahead, ``num_used`` of them taken, ``seconds`` the
@@ -274,13 +275,16 @@ class MaskPrefetch:
 
         self._future = self._executor.submit(run)
 
-    def take(self, grammar: RequestGrammar) -> np.ndarray | None:
+    def holds(self, grammar: RequestGrammar) -> bool:
+        """Whether the fill started last covers ``grammar`` (its matcher may be in use)."""
+        return id(grammar) in self._rows
+
+    def row(self, grammar: RequestGrammar) -> np.ndarray | None:
         """The row filled ahead for ``grammar`` in its present state, or None. Call after
         ``settle``."""
         entry = self._rows.get(id(grammar))
         if entry is None or entry[2] is not grammar or entry[1] != grammar.version:
             return None
-        self.num_used += 1
         return self._buffer[entry[0]]
 
     def shutdown(self) -> None:
@@ -369,21 +373,38 @@ class StructuredOutputManager:
         as ``fill_bitmask`` does; None when nothing is refused). A grammar that is not
         active (or ``None``) allows any token. The grammars have not taken the tokens."""
         start = time.perf_counter()
-        self.prefetch.settle()
         if len(grammars) != len(token_ids):
             raise ValueError(f"{len(grammars)} grammars for {len(token_ids)} sampled tokens.")
         checked = [i for i, grammar in enumerate(grammars) if grammar is not None and grammar.active]
-        refused = [i for i in checked if not grammars[i].grammar.is_allowed(token_ids[i])]
+        prefetch = self.prefetch
+        # Rows outside the fill in flight are checked while it runs; the rest after it,
+        # from the rows it filled where their grammars are still in those states.
+        held = [i for i in checked if prefetch.holds(grammars[i])]
+        refused = [i for i in checked if not prefetch.holds(grammars[i])
+                   and not grammars[i].grammar.is_allowed(token_ids[i])]
+        prefetch.settle()
+        ahead: dict[int, np.ndarray] = {}
+        for i in held:
+            row = prefetch.row(grammars[i])
+            if row is None:
+                allowed = grammars[i].grammar.is_allowed(token_ids[i])
+            else:
+                allowed = bool((int(row[token_ids[i] >> 5]) >> (token_ids[i] & 31)) & 1)
+                if not allowed:
+                    ahead[i] = row
+            if not allowed:
+                refused.append(i)
+        refused.sort()
         bitmask = None
         if refused:
             bitmask = allocate(len(refused), self.bitmask_width)
             rows = []  # refused grammars are active
             for k, i in enumerate(refused):
-                ahead = self.prefetch.take(grammars[i])
-                if ahead is None:
-                    rows.append((grammars[i].grammar, k))
+                if i in ahead:
+                    bitmask[k] = ahead[i]
                 else:
-                    bitmask[k] = ahead
+                    rows.append((grammars[i].grammar, k))
+            prefetch.num_used += len(ahead)
             self._fill_rows(rows, bitmask)
         if self.prefetch_masks:
             self._refused = [grammars[i] for i in refused]

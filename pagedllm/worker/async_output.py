@@ -52,23 +52,31 @@ class SampledIdsReadback:
 class AsyncStepOutput:
     """The ``ModelRunnerOutput`` of a launched step; ``get()`` blocks until it is ready.
 
-    ``finish`` turns the step's sampled ids (``None`` when the step samples nothing) into
-    the output; it runs once, on the first ``get()``, and is dropped then with what it
-    holds (a step's logits, kept for a check of its constrained rows).
+    ``check`` (optional) turns the step's sampled ids, once read, into its final ids: what
+    must be settled before a later step's forward pass reads them. It runs once, on the
+    first ``settle()`` (or ``get()``), so the runner can settle a step, launch the next one,
+    and only then have ``finish`` turn the final ids (``None`` when the step samples
+    nothing) into the output, on the first ``get()``. Both are dropped once run, with what
+    they hold (a step's logits, kept for a check of its constrained rows).
     """
 
     def __init__(
         self,
         read_ids: Callable[[], list[int]] | None,
         finish: Callable[[list[int] | None], ModelRunnerOutput],
+        check: Callable[[list[int]], list[int]] | None = None,
     ) -> None:
         self._read_ids = read_ids
+        self._check = check
         self._finish = finish
+        self._settled = False
+        self._ids: list[int] | None = None
         self._output: ModelRunnerOutput | None = None
 
     @classmethod
     def ready(cls, output: ModelRunnerOutput) -> "AsyncStepOutput":
         result = cls(None, lambda _: output)
+        result._settled = True
         result._output = output
         return result
 
@@ -76,9 +84,18 @@ class AsyncStepOutput:
     def done(self) -> bool:
         return self._output is not None
 
+    def settle(self) -> None:
+        """Read the step's ids and run ``check`` on them (once)."""
+        if not self._settled:
+            ids = None if self._read_ids is None else self._read_ids()
+            if self._check is not None and ids is not None:
+                ids = self._check(ids)
+            self._ids, self._settled = ids, True
+            self._read_ids = self._check = None
+
     def get(self) -> ModelRunnerOutput:
         if self._output is None:
-            ids = None if self._read_ids is None else self._read_ids()
-            self._output = self._finish(ids)
-            self._read_ids = self._finish = None
+            self.settle()
+            self._output = self._finish(self._ids)
+            self._finish, self._ids = None, None
         return self._output

@@ -156,8 +156,12 @@ class ModelRunner:
         self._unchecked: AsyncStepOutput | None = None
         # Told once the next forward pass is launched, after a check redrew rows.
         self._after_launch: Callable[[], None] | None = None
+        # The last check's redrawn ids on their way to the host (see ``_take_redrawn_ids``).
+        self._redrawn: Callable[[], None] | None = None
+        self._redrawn_readback: SampledIdsReadback | None = None
         if self.device.type == "cuda":
             self._readback = SampledIdsReadback(config.scheduler_config.max_num_seqs)
+            self._redrawn_readback = SampledIdsReadback(config.scheduler_config.max_num_seqs)
 
     @property
     def verify_width(self) -> int:
@@ -358,8 +362,9 @@ class ModelRunner:
         inputs = self.input_batch.prepare(scheduler_output.num_scheduled_tokens,
                                           scheduler_output.spec_token_ids)
         if self._unchecked is not None:  # its ids feed this forward pass: check them first
-            self._unchecked.get()
+            self._unchecked.settle()
         hidden_states, logits_indices = self._run_model(inputs)
+        self._take_redrawn_ids()
         if self._after_launch is not None:
             after_launch, self._after_launch = self._after_launch, None
             after_launch()
@@ -385,21 +390,25 @@ class ModelRunner:
         self.input_batch.mark_pending(states)
         self._last_sampled, self._last_sampled_arrival = sampled, None
 
+        def check_ids(token_ids: list[int]) -> list[int]:
+            while self._unresolved[0] is not result:
+                self._unresolved[0].get()  # the grammars take earlier steps' tokens first
+            if self._unchecked is result:
+                self._unchecked = None
+            return check(token_ids)
+
         def finish(token_ids: list[int] | None) -> ModelRunnerOutput:
             while self._unresolved[0] is not result:
                 self._unresolved[0].get()  # resolve in launch order
             self._unresolved.popleft()
-            if check is not None:
-                if self._unchecked is result:
-                    self._unchecked = None
-                token_ids = check(token_ids)
+            self._take_redrawn_ids()
             if get_pp().num_stages > 1:  # the earlier stages' inputs need the ids
                 send_sampled_ids(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
             return self._step_output(inputs, states, token_ids, out.logprobs, prompt_logprobs)
 
         read = self._readback.start(sampled) if self._readback is not None else sampled.tolist
         self._draft_follows(inputs, pending)
-        result = AsyncStepOutput(read, finish)
+        result = AsyncStepOutput(read, finish, None if check is None else check_ids)
         self._unresolved.append(result)
         if check is not None:
             self._unchecked = result
@@ -461,12 +470,14 @@ class ModelRunner:
         grammar,  # StepGrammars, or a tensor-parallel rank's proxy of it
         token_ids: list[int],
     ) -> list[int]:
-        """Check-then-mask: ``token_ids`` (the step's sampled ids, on the host) with the
-        tokens that the grammars of ``rows`` (sampled without their mask) refuse replaced
-        by draws under their mask (``Sampler.redraw``). The ids on the device are corrected
+        """Check-then-mask: ``token_ids`` (the step's sampled ids, on the host), whose
+        tokens that the grammars of ``rows`` (sampled without their mask) refuse are drawn
+        again under their mask (``Sampler.redraw``). The ids on the device are corrected
         in place (later steps read them as pending tokens) and counted for the penalties.
-        The grammar hears the redrawn tokens (``redrawn``), and ``forward_launched`` once
-        the next forward pass is launched, where it has them (see ``StepGrammars``)."""
+        The redrawn ids reach ``token_ids`` and the grammar (``redrawn``) in
+        ``_take_redrawn_ids``, once the next forward pass is launched (or when the step's
+        output is made, if that comes first); then the grammar hears ``forward_launched``
+        (see ``StepGrammars``)."""
         refused, bitmask = grammar.check([states[j].request_id for j in rows],
                                          [token_ids[j] for j in rows], self._bitmask_buffer)
         sampled = out.sampled_token_ids
@@ -476,15 +487,30 @@ class ModelRunner:
             tokens = self.sampler.redraw(
                 out.draw, index, torch.from_numpy(bitmask).to(self.device, non_blocking=True))
             sampled.index_copy_(0, index, tokens)
-            tokens = tokens.tolist()  # the step's one extra copy
-            for j, token in zip(redrawn, tokens):
-                token_ids[j] = token
+            readback = self._redrawn_readback
+            read = tokens.tolist if readback is None else readback.start(tokens)
+
+            def take() -> None:
+                redrawn_ids = read()  # the step's one extra copy
+                for j, token in zip(redrawn, redrawn_ids):
+                    token_ids[j] = token
+                if hasattr(grammar, "redrawn"):
+                    grammar.redrawn(redrawn_ids)
+
+            self._redrawn = take
             if hasattr(grammar, "redrawn"):
-                grammar.redrawn(tokens)
                 self._after_launch = grammar.forward_launched
         metadata.record_sampled(sampled)
         out.draw = None  # the step's logits and noise, no longer needed
         return token_ids
+
+    def _take_redrawn_ids(self) -> None:
+        """Bring the last check's redrawn ids to the host: into the checked step's ids,
+        and to its grammar. Their draw is queued ahead of the next forward pass, whose
+        launch need not wait for this read."""
+        if self._redrawn is not None:
+            take, self._redrawn = self._redrawn, None
+            take()
 
     def _sampling_metadata(
         self,
@@ -530,6 +556,7 @@ class ModelRunner:
             token_ids = out.sampled_token_ids.tolist()
             if check is not None:
                 token_ids = check(token_ids)
+                self._take_redrawn_ids()
             for j, (i, token) in enumerate(zip(plain, token_ids)):
                 sampled[i] = [token]
                 k = inputs.states[i].sampling_params.logprobs

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from types import SimpleNamespace
 
 import jsonschema
@@ -288,6 +289,61 @@ def test_masks_filled_ahead_for_refused_rows_change_no_token(tiny_model_dir, hf_
     prefetch = ahead.llm_engine.engine_core.structured.prefetch
     assert 0 < prefetch.num_used <= prefetch.num_filled
     assert at_check.llm_engine.engine_core.structured.prefetch.num_filled == 0
+
+
+def test_a_check_lets_the_next_forward_pass_launch_before_its_redrawn_ids_are_read(
+        tiny_model_dir, monkeypatch):
+    """With asynchronous scheduling the forward pass after a check is launched as soon as
+    the refused rows' draws under their masks are queued; their ids reach the host and the
+    grammars (``redrawn``) after that launch, and the outputs still keep their schema."""
+    from pagedllm.structured.manager import StepGrammars
+    from pagedllm.worker.model_runner import ModelRunner
+
+    events: list[str] = []
+    for cls, name in ((ModelRunner, "_run_model"), (StepGrammars, "check"),
+                      (StepGrammars, "redrawn")):
+        def recording(self, *args, __original=getattr(cls, name), __name=name, **kwargs):
+            events.append(__name)
+            return __original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, recording)
+    llm = make_llm(tiny_model_dir, async_scheduling=True)
+    schema = SCHEMAS["person"]
+    for completion in sample(llm, StructuredOutputsParams(json=schema), num=6):
+        jsonschema.validate(json.loads(completion.text), schema)
+    checks = [i for i, e in enumerate(events) if e == "check"]
+    redraws = [i for i, e in enumerate(events) if e == "redrawn"]
+    assert redraws, "random weights should have had tokens refused"
+    for i in redraws:
+        check = max(c for c in checks if c < i)
+        launched = "_run_model" in events[check:i]
+        assert launched or "_run_model" not in events[i:], events[check:i + 2]
+    assert sum("_run_model" in events[max(c for c in checks if c < i):i] for i in redraws) > 1
+
+
+def test_step_timer_counts_a_check_of_sampled_tokens_as_waiting(tiny_model_dir, monkeypatch) -> None:
+    """With asynchronous scheduling a constrained step's tokens are read and checked before
+    the next forward pass is launched (``AsyncStepOutput.settle``): the timer counts that
+    as the step's wait, not as sampling, and puts the class back after."""
+    from pagedllm.benchmarks.step_timing import StepTimer
+    from pagedllm.structured.manager import StructuredOutputManager
+    from pagedllm.worker.async_output import AsyncStepOutput
+
+    check = StructuredOutputManager.check_tokens
+
+    def slow_check(self, *args, **kwargs):
+        time.sleep(0.02)
+        return check(self, *args, **kwargs)
+
+    monkeypatch.setattr(StructuredOutputManager, "check_tokens", slow_check)
+    llm = make_llm(tiny_model_dir, async_scheduling=True)
+    params = SamplingParams(max_tokens=6, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]{1,40}"))
+    methods = AsyncStepOutput.get, AsyncStepOutput.settle
+    with StepTimer(llm) as timer:
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+    decode = timer.summary()["decode"]
+    assert decode["wait_ms"] >= 20 and decode["sample_ms"] < 20, decode
+    assert (AsyncStepOutput.get, AsyncStepOutput.settle) == methods
 
 
 def zeros(rows: int, words: int) -> np.ndarray:
