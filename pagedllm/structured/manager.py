@@ -379,9 +379,12 @@ class StructuredOutputManager:
         prefetch = self.prefetch
         # Rows outside the fill in flight are checked while it runs; the rest after it,
         # from the rows it filled where their grammars are still in those states.
-        held = [i for i in checked if prefetch.holds(grammars[i])]
-        refused = [i for i in checked if not prefetch.holds(grammars[i])
-                   and not grammars[i].grammar.is_allowed(token_ids[i])]
+        held, refused = [], []
+        for i in checked:
+            if prefetch.holds(grammars[i]):
+                held.append(i)
+            elif not grammars[i].grammar.is_allowed(token_ids[i]):
+                refused.append(i)
         prefetch.settle()
         ahead: dict[int, np.ndarray] = {}
         for i in held:
