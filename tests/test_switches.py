@@ -90,10 +90,10 @@ def test_a_choice_takes_its_names_only(monkeypatch):
 
 
 def test_programmatic_dependent_launch_is_a_switch_of_the_gpu_only(monkeypatch, caplog):
-    """``PAGEDLLM_PDL=1``: kernels launch early on a GPU of compute capability 9.0+ (the
-    ``PDL`` constexpr and Triton's ``launch_pdl`` together); off (the default), on the CPU,
-    under the interpreter or on an older GPU (said once in the log) neither is set; a value
-    the switch does not take is refused even where it would not apply."""
+    """Kernels launch early (the ``PDL`` constexpr and Triton's ``launch_pdl`` together) on
+    a GPU of compute capability 9.0+, unless ``PAGEDLLM_PDL=0``; never on the CPU, under
+    the interpreter or on an older GPU (asked for there with ``=1``, said once in the log);
+    a value the switch does not take is refused even where it would not apply."""
     from pagedllm.layers import pdl
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
@@ -109,10 +109,16 @@ def test_programmatic_dependent_launch_is_a_switch_of_the_gpu_only(monkeypatch, 
         return pdl.launch_options(device)
 
     try:
+        assert options(gpu, "") == {"PDL": True, "launch_pdl": True}  # the default
         assert options(gpu, "0") == {"PDL": False}
         assert options(gpu, "1") == {"PDL": True, "launch_pdl": True}
         assert options(cpu, "1") == {"PDL": False}
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert options(gpu, "") == {"PDL": False}
+        monkeypatch.delenv("TRITON_INTERPRET")
         capability[0] = (8, 0)
+        assert options(gpu, "") == {"PDL": False}
+        assert "is ignored" not in caplog.text
         assert options(gpu, "1") == {"PDL": False}
         assert "PAGEDLLM_PDL=1 is ignored on an older GPU" in caplog.text
         with pytest.raises(ValueError, match="PAGEDLLM_PDL='on': give 1"):

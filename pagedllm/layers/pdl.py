@@ -21,9 +21,8 @@ placed once every program has), right after the wait in short kernels
 at its start, the next kernel's waiting programs held room the product's tiles needed
 (docs/benchmarks.md).
 
-``PAGEDLLM_PDL=1`` turns it on where the GPU supports it; it is off by default until the
-GPU test suite passes with it (docs/benchmarks.md, "Programmatic dependent launch"). The
-Triton interpreter never uses it.
+It is on wherever the GPU supports it (compute capability 9.0 and later, not the Triton
+interpreter); ``PAGEDLLM_PDL=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -43,17 +42,19 @@ PDL_ENV = "PAGEDLLM_PDL"
 
 @functools.cache
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL: ``PAGEDLLM_PDL`` on (``1``; ``0`` or
-    unset: off), a CUDA GPU of compute capability 9.0 or later, and not the Triton
-    interpreter. Asked for where it cannot run, it says so once and stays off."""
-    wanted = switch(PDL_ENV, False)  # a value the switch does not take is refused anywhere
+    """Whether kernels on ``device`` launch with PDL: a CUDA GPU of compute capability 9.0
+    or later, not the Triton interpreter, and ``PAGEDLLM_PDL`` not ``0``. Asked for
+    (``PAGEDLLM_PDL=1``) where it cannot run, it says so once and stays off."""
+    asked = os.environ.get(PDL_ENV, "").strip() == "1"
+    wanted = switch(PDL_ENV, True)  # a value the switch does not take is refused anywhere
     if not wanted or os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
         return False
     capability = torch.cuda.get_device_capability(device)
     if capability < (9, 0):
-        logger.warning("%s=1 is ignored on %s: programmatic dependent launch needs compute "
-                       "capability 9.0 or later, this GPU has %d.%d.", PDL_ENV,
-                       torch.cuda.get_device_name(device), *capability)
+        if asked:
+            logger.warning("%s=1 is ignored on %s: programmatic dependent launch needs compute "
+                           "capability 9.0 or later, this GPU has %d.%d.", PDL_ENV,
+                           torch.cuda.get_device_name(device), *capability)
         return False
     return True
 
