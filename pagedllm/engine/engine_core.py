@@ -17,10 +17,11 @@ whose token is refused gets a bitmask and is drawn again. Rows masked before sam
 (logprobs; top-k, top-p, min-p) ask for their bitmask after the forward pass is launched:
 the step in flight is resolved first, so every grammar has taken the previous step's
 tokens, and the masks are filled on the host while the device runs the forward pass. As
-soon as the step after a check is launched, the rows the check refused take their redrawn
-tokens and have their next masks filled by a worker thread while the device computes
-(``MaskPrefetch``; ``PAGEDLLM_PREFETCH_MASKS``, on for a GPU), so a row refused again takes
-its mask ready at the next check.
+soon as the step after a check is launched, the checked rows' grammars take their tokens
+(the sampled or the redrawn one) in one call, and the refused rows have their next masks
+filled by a worker thread while the device computes (``MaskPrefetch``;
+``PAGEDLLM_PREFETCH_MASKS``, on for a GPU), so a row refused again takes its mask ready at
+the next check.
 
 Pipeline parallelism keeps up to one step in flight per stage (``_pipelined_step``), each
 on other requests, so every stage works on some step while the last one samples.
@@ -206,7 +207,7 @@ class EngineCore:
             resolve_in_flight()
             if not scheduler_output.is_empty:
                 self._in_flight = (scheduler_output, launched)
-        self.structured.take_redrawn()  # if the runner has not (see StepGrammars)
+        self.structured.take_checked()  # if the runner has not (see StepGrammars)
         return outputs
 
     def _pipelined_step(self) -> list[EngineCoreOutput]:

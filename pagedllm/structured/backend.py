@@ -14,7 +14,8 @@ request gets its own ``Grammar`` (a matcher's state) from it. The engine only ev
 - ``fill_bitmasks([(grammar, row)], bitmask)`` for the constrained rows that need a mask:
   bit ``t`` of row ``r`` (word ``t // 32``, bit ``t % 32``, int32 words) says token ``t``
   is allowed,
-- ``Grammar.accept_tokens`` / ``rollback`` / ``is_terminated`` as tokens are sampled.
+- ``Grammar.accept_tokens`` / ``rollback`` / ``is_terminated`` as tokens are sampled, and
+  ``accept_each([(grammar, token)])`` for a step's checked rows at once.
 
 So another backend (xgrammar) plugs in here without the scheduler or the runner changing.
 """
@@ -79,6 +80,11 @@ class GrammarBackend(ABC):
     @abstractmethod
     def new_grammar(self, compiled: Any) -> Grammar:
         """A fresh grammar state at the start of the output."""
+
+    def accept_each(self, grammars: list[tuple[Grammar, int]]) -> list[bool]:
+        """Each grammar takes its one token, as ``grammar.accept_tokens([token])`` does;
+        the answers in order. A backend may take them in parallel."""
+        return [grammar.accept_tokens([token]) for grammar, token in grammars]
 
     @abstractmethod
     def fill_bitmasks(self, grammars: list[tuple[Grammar, int]], bitmask: np.ndarray) -> None:

@@ -140,6 +140,11 @@ class LLGuidanceBackend(GrammarBackend):
     def new_grammar(self, compiled: Any) -> LLGuidanceGrammar:
         return LLGuidanceGrammar(compiled.deep_copy())
 
+    def accept_each(self, grammars: list[tuple[Grammar, int]]) -> list[bool]:
+        if not grammars:
+            return []  # the executor refuses an empty list
+        return self.executor.consume_token_par([(g.matcher, token) for g, token in grammars])
+
     def fill_bitmasks(self, grammars: list[tuple[Grammar, int]], bitmask: np.ndarray) -> None:
         llguidance.numpy.fill_next_token_bitmask_par(
             self.executor, [(g.matcher, row) for g, row in grammars], bitmask)

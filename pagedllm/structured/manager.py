@@ -67,15 +67,16 @@ class RequestGrammar:
     proposals the constraint allows in a row, and ``checkpoint`` / ``restore`` bracket
     accepting proposals (allowed ones only) to read the states after them.
 
-    A token a check's redraw gave may be taken ahead of the scheduler (``redrawn``, then
-    ``take_early``, so that its next mask can be filled while the step after runs); the
-    scheduler's ``accept_token`` of that same token then finds it taken. Whether the
-    output is complete is kept from the last token taken, so asking it never waits for a
-    fill in flight.
+    The token a check settled on (``checked_token``: the sampled one it allowed, or the
+    one its redraw gave) may be taken ahead of the scheduler (``take_early``, every checked
+    row in one backend call, while the step after runs; a refused row's next mask can then
+    be filled); the scheduler's ``accept_token`` of that same token then finds it taken.
+    Whether the output is complete is kept from the last token taken, so asking it never
+    waits for a fill in flight.
     """
 
     __slots__ = ("_future", "_backend", "grammar", "error", "_gate", "_recent", "_num_taken",
-                 "version", "_settle", "_stopped", "redrawn", "_early")
+                 "version", "_settle", "_stopped", "checked_token", "_early")
 
     def __init__(self, future: Future, backend: Callable[[], GrammarBackend],
                  reasoning_end_token_ids: list[int] | None,
@@ -92,7 +93,7 @@ class RequestGrammar:
         self.version = 0  # changes whenever the state does
         self._settle = settle
         self._stopped = False  # the grammar's is_terminated() after the last token taken
-        self.redrawn: int | None = None  # a redrawn token not yet taken
+        self.checked_token: int | None = None  # the last check's token, not yet taken
         self._early: int | None = None  # a token taken ahead of accept_token
 
     @property
@@ -140,15 +141,22 @@ class RequestGrammar:
         self._settle(self)
         return free + self.grammar.num_allowed(token_ids[free:])
 
-    def take_early(self) -> None:
-        """Take the ``redrawn`` token now, ahead of the scheduler's ``accept_token`` of it."""
-        if self.redrawn is not None:
-            token, self.redrawn = self.redrawn, None
-            self.accept_token(token)
-            self._early = token
+    @staticmethod
+    def take_early(grammars: list[RequestGrammar], backend: GrammarBackend) -> None:
+        """The ``grammars`` still active with a ``checked_token`` take it now, ahead of the
+        scheduler's ``accept_token`` of it, in one ``backend.accept_each`` call. Their
+        matchers must not be in use by a fill (settle it first)."""
+        taking = [g for g in grammars if g.checked_token is not None and g.active]
+        for grammar in taking:
+            grammar._early, grammar.checked_token = grammar.checked_token, None
+            grammar.version += 1
+            grammar._num_taken += 1
+        answers = backend.accept_each([(g.grammar, g._early) for g in taking])
+        for grammar, allowed in zip(taking, answers, strict=True):
+            grammar._took(grammar._early, allowed)
 
     def accept_token(self, token_id: int) -> None:
-        self.redrawn = None
+        self.checked_token = None
         if self._early is not None:
             early, self._early = self._early, None
             if early == token_id:
@@ -168,7 +176,12 @@ class RequestGrammar:
             return
         self._settle(self)
         self._num_taken += 1
-        if not self.grammar.accept_tokens([token_id]):
+        self._took(token_id, self.grammar.accept_tokens([token_id]))
+
+    def _took(self, token_id: int, allowed: bool) -> None:
+        """After the matcher's taking ``token_id``: an error if it refused, and whether the
+        output is now complete."""
+        if not allowed:
             self.error = self.grammar.error or f"token {token_id} is not allowed"
             logger.error("A constrained request sampled a token its grammar refuses: %s",
                          self.error)
@@ -303,9 +316,10 @@ class StructuredOutputManager:
     those refused, and ``num_mask_rows`` the bitmask rows filled on the step loop's thread;
     ``fill_calls`` the latest calls to the backend's bitmask fill, as (seconds, rows).
 
-    With ``prefetch_masks`` on, ``take_redrawn()`` (once the step after a check is
-    launched) fills the masks of the rows the check refused ahead of the next check
-    (``MaskPrefetch``; its counters are ``prefetch``'s).
+    With ``prefetch_masks`` on (the model computes on a device while the step loop goes
+    on), ``take_checked()``, once the step after a check is launched, gives every row the
+    check saw its token in one backend call, and fills the masks of the rows it refused
+    ahead of the next check (``MaskPrefetch``; its counters are ``prefetch``'s).
     """
 
     def __init__(self, make_backend: Callable[[], GrammarBackend], num_threads: int = 2,
@@ -324,7 +338,8 @@ class StructuredOutputManager:
         self.fill_calls: deque[tuple[float, int]] = deque(maxlen=FILL_CALLS_KEPT)
         self.prefetch_masks = prefetch_masks
         self.prefetch = MaskPrefetch()
-        self._refused: list[RequestGrammar] = []  # the last check's refused rows
+        self._passed: list[RequestGrammar] = []  # the last check's rows it allowed
+        self._refused: list[RequestGrammar] = []  # and those it refused
 
     def backend(self) -> GrammarBackend:
         with self._backend_lock:
@@ -410,7 +425,12 @@ class StructuredOutputManager:
             prefetch.num_used += len(ahead)
             self._fill_rows(rows, bitmask)
         if self.prefetch_masks:
+            refused_set = set(refused)
+            self._passed = [grammars[i] for i in checked if i not in refused_set]
             self._refused = [grammars[i] for i in refused]
+            for i in checked:
+                if i not in refused_set:
+                    grammars[i].checked_token = token_ids[i]
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_steps += 1
         self.num_checked_rows += len(checked)
@@ -453,24 +473,28 @@ class StructuredOutputManager:
 
     def note_redrawn(self, token_ids: list[int]) -> None:
         """The tokens the last check's refused rows were drawn again to, in its order: each
-        grammar keeps its own (``RequestGrammar.redrawn``) for ``take_redrawn``."""
+        grammar keeps its own (``RequestGrammar.checked_token``) for ``take_checked``."""
         if self.prefetch_masks:
             for grammar, token in zip(self._refused, token_ids, strict=True):
-                grammar.redrawn = token
+                grammar.checked_token = token
 
-    def take_redrawn(self) -> None:
-        """Start filling, off this thread, the masks of the rows the last check refused,
-        after their grammars have taken their redrawn tokens (now, if the scheduler has not
-        yet: ``RequestGrammar.take_early``), so that the fill runs while the device
-        computes the step those tokens feed (``MaskPrefetch``); a no-op unless
-        ``prefetch_masks``. Call once the step after the check is launched, or once the
-        checked step's tokens are taken, whichever comes first (the second call finds
+    def take_checked(self) -> None:
+        """The last check's rows take their tokens (those the scheduler has not taken yet:
+        ``RequestGrammar.take_early``, one backend call for all: taken while the fill runs,
+        the allowed rows' would queue behind it on the backend's threads), then the next
+        masks of the rows it refused start filling off this thread (``MaskPrefetch``), so
+        that the fill runs while the device computes the step those tokens feed. A no-op
+        unless ``prefetch_masks``. Call once the step after the check is launched, or once
+        the checked step's tokens are taken, whichever comes first (the second call finds
         nothing left)."""
-        if self._refused:
-            refused, self._refused = self._refused, []
-            for grammar in refused:
-                grammar.take_early()
-            self.prefetch.start(refused, self.backend().fill_bitmasks, self.bitmask_width)
+        passed, refused = self._passed, self._refused
+        if passed or refused:
+            self._passed, self._refused = [], []
+            backend = self.backend()
+            self.prefetch.settle()
+            RequestGrammar.take_early(refused + passed, backend)
+            if refused:
+                self.prefetch.start(refused, backend.fill_bitmasks, self.bitmask_width)
 
     def _fill(self, grammars: list[RequestGrammar | None], out: np.ndarray) -> None:
         rows = []
@@ -507,8 +531,9 @@ class StepGrammars:
       their ids are read (before any later step's forward pass); the grammars have taken
       every earlier step's tokens, not these. See ``StructuredOutputManager.check_tokens``.
       Then ``redrawn(token_ids)``: the refused rows' new tokens, in the check's order; and
-      ``forward_launched()`` once the next step's forward pass is launched: their grammars
-      take those tokens and their next masks are filled in the background (``take_redrawn``).
+      ``forward_launched()`` once the next step's forward pass is launched: the checked
+      rows' grammars take their tokens, and the refused rows' next masks are filled in the
+      background (``take_checked``).
     - ``verify_bitmask(request_ids, proposals, allocate)``: the verification rows of
       requests checking proposals (speculative steps, which are never asynchronous). See
       ``StructuredOutputManager.fill_verify_bitmask``.
@@ -542,7 +567,7 @@ class StepGrammars:
         self._manager.note_redrawn(token_ids)
 
     def forward_launched(self) -> None:
-        self._manager.take_redrawn()
+        self._manager.take_checked()
 
     def verify_bitmask(self, request_ids: list[str], proposals: list[list[int]],
                        allocate: Callable[[int, int], np.ndarray]) -> np.ndarray:

@@ -42,9 +42,9 @@ drawn again under it with the noise of their first draw, which gives the token m
 first would have given (``Sampler.redraw``). The check runs before any later step's
 forward pass reads the ids: with asynchronous scheduling the next launch reads the step's
 ids first (the one device-to-host copy it makes anyway, earlier), and a step with refused
-rows copies their new ids too, tells the grammars (``grammar.redrawn``) and, once its own
-forward pass is launched, ``grammar.forward_launched()``: those rows' grammars then take
-their tokens and fill their next masks while the device computes. Rows whose sampling
+rows copies their new ids too and tells the grammars (``grammar.redrawn``). Once the next
+forward pass is launched, ``grammar.forward_launched()``: the checked rows' grammars then
+take their tokens, and the refused ones fill their next masks, while the device computes. Rows whose sampling
 reads the masked distribution before the draw (logprobs; top-k, top-p, min-p) are masked
 first instead: after the forward pass is launched, the runner asks the engine for their
 bitmask (``grammar``, filled on the host while the device computes) and the sampler masks
@@ -498,8 +498,8 @@ class ModelRunner:
                     grammar.redrawn(redrawn_ids)
 
             self._redrawn = take
-            if hasattr(grammar, "redrawn"):
-                self._after_launch = grammar.forward_launched
+        if hasattr(grammar, "forward_launched"):
+            self._after_launch = grammar.forward_launched
         metadata.record_sampled(sampled)
         out.draw = None  # the step's logits and noise, no longer needed
         return token_ids

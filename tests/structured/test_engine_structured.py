@@ -350,22 +350,61 @@ def zeros(rows: int, words: int) -> np.ndarray:
     return np.zeros((rows, words), dtype=np.int32)
 
 
-def prefetching_grammar(model_dir, regex: str):
-    """(a manager filling masks ahead, a compiled grammar of ``regex`` it attached, token
-    ids of "a", "b", "c" and "x")."""
+def prefetching_grammars(model_dir, regex: str, num: int):
+    """(a manager filling masks ahead, ``num`` compiled grammars of ``regex`` it attached,
+    token ids of "a", "b", "c" and "x")."""
     from pagedllm.engine.tokenizer import Tokenizer
     from pagedllm.structured.manager import StructuredOutputManager
 
     tokenizer = Tokenizer.from_pretrained(model_dir)
     manager = StructuredOutputManager(lambda: LLGuidanceBackend(tokenizer, VOCAB_SIZE),
                                       prefetch_masks=True)
-    request = SimpleNamespace(sampling_params=SamplingParams(
-        structured_outputs=StructuredOutputsParams(regex=regex)))
-    manager.attach(request)
-    request.grammar._future.result()
-    assert request.grammar.ready
+    grammars = []
+    for _ in range(num):
+        request = SimpleNamespace(sampling_params=SamplingParams(
+            structured_outputs=StructuredOutputsParams(regex=regex)))
+        manager.attach(request)
+        request.grammar._future.result()
+        assert request.grammar.ready
+        grammars.append(request.grammar)
     letters = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "abcx")
-    return manager, request.grammar, *letters
+    return manager, grammars, *letters
+
+
+def prefetching_grammar(model_dir, regex: str):
+    """``prefetching_grammars`` of one grammar."""
+    manager, (grammar,), *letters = prefetching_grammars(model_dir, regex, 1)
+    return manager, grammar, *letters
+
+
+def test_the_rows_a_check_passes_take_their_tokens_in_one_call(tiny_model_dir, monkeypatch):
+    """Once the step after a check is launched, every checked row's grammar takes its
+    token (the sampled one it allowed, the redrawn one it refused) in one backend call;
+    the scheduler's accepting the same tokens then changes nothing, and the states are
+    those taking them one by one gives."""
+    manager, grammars, a, b, c, x = prefetching_grammars(tiny_model_dir, "[ab]+c", 3)
+    backend = manager.backend()
+    calls = []
+    accept_each = type(backend).accept_each
+    monkeypatch.setattr(type(backend), "accept_each",
+                        lambda self, pairs: calls.append(len(pairs)) or accept_each(self, pairs))
+    refused, _ = manager.check_tokens(grammars, [a, x, b], zeros)  # "x" refused
+    assert refused == [1]
+    manager.note_redrawn([b])
+    manager.take_checked()
+    assert calls == [3]
+    versions = [g.version for g in grammars]
+    for grammar, token in zip(grammars, [a, b, b]):
+        grammar.accept_token(token)  # the scheduler's turn: taken already
+    assert [g.version for g in grammars] == versions and calls == [3]
+    refused, _ = manager.check_tokens(grammars, [c, c, x], zeros)
+    assert refused == [2]
+    manager.note_redrawn([c])
+    manager.take_checked()
+    for grammar, token in zip(grammars, [c, c, c]):
+        grammar.accept_token(token)
+    assert all(g.is_terminated() and g.error is None for g in grammars)
+    manager.shutdown()
 
 
 def test_a_mask_filled_ahead_is_not_used_once_its_grammar_has_moved(tiny_model_dir):
@@ -373,7 +412,7 @@ def test_a_mask_filled_ahead_is_not_used_once_its_grammar_has_moved(tiny_model_d
     manager, grammar, a, _, c, x = prefetching_grammar(tiny_model_dir, "[ab]+c")
     refused, mask = manager.check_tokens([grammar], [c], zeros)  # "c" first: refused
     assert refused == [0]
-    manager.take_redrawn()
+    manager.take_checked()
     grammar.accept_token(a)  # the state moves on: the row filled ahead is stale
     refused, moved = manager.check_tokens([grammar], [x], zeros)
     assert refused == [0]
@@ -393,7 +432,7 @@ def test_a_redrawn_token_taken_early_is_taken_once(tiny_model_dir, given):
     refused, _ = manager.check_tokens([grammar], [c], zeros)
     assert refused == [0]
     manager.note_redrawn([a])
-    manager.take_redrawn()  # "a" taken now, the next mask filled in the background
+    manager.take_checked()  # "a" taken now, the next mask filled in the background
     assert manager.prefetch.num_filled == 1
     grammar.accept_token(a if given == "a" else b)  # the scheduler's turn
     assert grammar.error is None and not grammar.is_terminated()
@@ -401,7 +440,7 @@ def test_a_redrawn_token_taken_early_is_taken_once(tiny_model_dir, given):
     assert refused == [] and manager.prefetch.num_used == 0
     grammar.accept_token(c)
     assert grammar.is_terminated() and grammar.error is None
-    manager.take_redrawn()  # nothing left: a no-op
+    manager.take_checked()  # nothing left: a no-op
     assert manager.prefetch.num_filled == 1
     manager.shutdown()
 
