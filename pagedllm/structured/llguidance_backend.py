@@ -8,7 +8,8 @@ to its grammar text as follows:
   schema override the defaults (``whitespace_flexible`` from ``disable_any_whitespace``);
   keywords llguidance does not implement (``not``, ``if``/``then``, ``uniqueItems``,
   ``contains``, ``propertyNames``, ``dependentRequired``) are refused at validation with its
-  message, and so is a ``$ref`` outside the schema (nothing is ever fetched);
+  message, and so is a ``$ref`` outside the schema (nothing is ever fetched); a ``format``
+  it does not know is an annotation and left out (the standard's default);
 - ``regex``: ``grammar_from_regex`` (the whole output matches);
 - ``choice``: a Lark rule with one string literal per choice;
 - ``grammar``: Lark as is, GBNF / EBNF (``::=``) converted to Lark first.
@@ -16,6 +17,7 @@ to its grammar text as follows:
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -41,7 +43,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         schema = json.loads(params.spec)
         if not isinstance(schema, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema object.")
-        _check_local_refs(schema)
+        for node in _subschemas(schema):
+            _check_local_ref(node)
+            _drop_unknown_format(node)
         options = {"whitespace_flexible": not params.disable_any_whitespace}
         return LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
@@ -51,19 +55,59 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     return llguidance.grammar_from("grammar", params.grammar)
 
 
-def _check_local_refs(schema: Any) -> None:
-    """References must point inside the schema (``#/...``): nothing is fetched."""
+# Where JSON Schema (2020-12, and drafts 4-7) holds subschemas: one schema, a list of
+# them, or a map of names to them. Every other keyword's value is data (``const``,
+# ``enum``, ``default``, ``examples``, ...) and is never looked into.
+_SCHEMA_KEYWORDS = ("additionalProperties", "additionalItems", "items", "contains", "not",
+                    "if", "then", "else", "propertyNames", "unevaluatedItems",
+                    "unevaluatedProperties", "contentSchema")
+_SCHEMA_LIST_KEYWORDS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions",
+                        "dependentSchemas", "dependencies")
+
+
+def _subschemas(schema: Any):
+    """Every schema object in ``schema`` (itself included), through the subschema
+    keywords only; boolean schemas are skipped."""
     stack = [schema]
     while stack:
         node = stack.pop()
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and not ref.startswith("#"):
-                raise ValueError(f"$ref {ref!r} points outside the schema: only references "
-                                 "inside it (#/$defs/...) are followed, nothing is fetched.")
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
+        if not isinstance(node, dict):
+            continue
+        yield node
+        for key in _SCHEMA_KEYWORDS:
+            if isinstance(node.get(key), dict):
+                stack.append(node[key])
+        for key in _SCHEMA_LIST_KEYWORDS:
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
+        for key in _SCHEMA_MAP_KEYWORDS:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())  # a dependency may be a list of names
+
+
+def _check_local_ref(node: dict) -> None:
+    """References must point inside the schema (``#/...``): nothing is fetched."""
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise ValueError(f"$ref {ref!r} points outside the schema: only references "
+                         "inside it (#/$defs/...) are followed, nothing is fetched.")
+
+
+def _drop_unknown_format(node: dict) -> None:
+    """A ``format`` llguidance does not check (``int32``, ``uri-reference``, ``color``, ...)
+    is left out: JSON Schema makes ``format`` an annotation that validators need not know,
+    so the value is generated as its type allows."""
+    name = node.get("format")
+    if isinstance(name, str) and not _known_format(name):
+        del node["format"]
+
+
+@functools.lru_cache(maxsize=256)
+def _known_format(name: str) -> bool:
+    """Whether llguidance constrains strings of ``format`` ``name``."""
+    grammar = LLMatcher.grammar_from_json_schema({"type": "string", "format": name})
+    return not LLMatcher.validate_grammar_with_warnings(grammar)[0]
 
 
 _COMPILE_ERRORS: dict[tuple, str] = {}

@@ -57,6 +57,31 @@ def test_sampled_json_always_validates_against_its_schema(llm, name):
         jsonschema.validate(json.loads(completion.text), schema)
 
 
+def test_formats_the_backend_does_not_know_are_annotations(llm):
+    """OpenAPI's ``int32`` / ``double``, ``uri-reference`` or a made-up ``color`` do not
+    refuse the schema (JSON Schema makes ``format`` an annotation): the values follow their
+    types; a format the backend knows still constrains (``date``). Data that looks like a
+    schema (a ``const`` object with a ``format`` key, a ``default`` holding a remote
+    ``$ref``) is left as it is."""
+    schema = {"type": "object", "additionalProperties": False,
+              "required": ["count", "ratio", "link", "shade", "day", "kind"],
+              "properties": {
+                  "count": {"type": "integer", "format": "int32", "maximum": 99},
+                  "ratio": {"type": "number", "format": "double", "minimum": 0, "maximum": 10,
+                            "multipleOf": 0.5},
+                  "link": {"type": "string", "format": "uri-reference", "maxLength": 12},
+                  "shade": {"type": "string", "format": "color", "maxLength": 8},
+                  "day": {"type": "string", "format": "date"},
+                  "kind": {"const": {"format": "png", "$ref": "https://example.com/x"},
+                           "default": {"$ref": "https://example.com/y"}}}}
+    for completion in sample(llm, StructuredOutputsParams(json=schema), num=12, max_tokens=200):
+        assert completion.finish_reason == "stop", completion.text
+        value = json.loads(completion.text)
+        jsonschema.validate(value, schema)
+        assert value["kind"] == {"format": "png", "$ref": "https://example.com/x"}
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", value["day"]), value["day"]
+
+
 def test_json_object_is_one_json_object(llm):
     for completion in sample(llm, StructuredOutputsParams(json_object=True), num=12, max_tokens=200):
         if completion.finish_reason == "stop":

@@ -1,0 +1,44 @@
+"""``scripts/schema_sweep.py``: a folder per dataset in, acceptance and validity out."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.benchmarks.gpu_report import REPO, load_script
+
+
+def write_datasets(root) -> None:
+    """Two datasets: plain schemas, and the ``{"schema", "tests"}`` layout."""
+    (root / "plain").mkdir()
+    (root / "wrapped").mkdir()
+    (root / "plain" / "point.json").write_text(json.dumps(
+        {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+         "properties": {"x": {"type": "integer", "format": "int32"},
+                        "y": {"type": "integer", "maximum": 9}}}))
+    (root / "plain" / "not.json").write_text(json.dumps({"not": {"type": "string"}}))
+    (root / "wrapped" / "flag.json").write_text(json.dumps(
+        {"schema": {"type": "boolean"}, "tests": [{"data": True, "valid": True}]}))
+
+
+def test_the_sweep_counts_refusals_and_validates_complete_outputs(tmp_path):
+    write_datasets(tmp_path)
+    out = tmp_path / "sweep.json"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "schema_sweep.py"), "--dir",
+                    str(tmp_path), "--per-dataset", "5", "--max-tokens", "40", "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    record = json.loads(out.read_text())
+    assert (record["schemas"], record["accepted"], record["refused"]) == (3, 2, 1)
+    assert list(record["refused_files"]) == ["plain/not.json"]
+    assert "not" in record["refusal_reasons"].popitem()[0]
+    assert sum(record["finish_reasons"].values()) == 2
+    assert record["complete_outputs_invalid"] == 0
+
+
+def test_an_output_outside_its_schema_is_reported():
+    sweep = load_script("schema_sweep")
+    schema = {"type": "object", "required": ["a"]}
+    assert sweep.invalid_reason(schema, '{"a": 1}') is None
+    assert sweep.invalid_reason(schema, '{"b": 1}').startswith("invalid: 'a' is a required")
+    assert sweep.invalid_reason(schema, '{"a": ').startswith("not JSON")
