@@ -8,8 +8,13 @@ asks the engine's validation for each, then generates one output per accepted sc
 the bundled demo model at temperature 1 and validates those that finished with ``stop``
 (``jsonschema``, the draft named by ``$schema``, formats not asserted).
 
+``--tools``: the schemas are tools' parameters instead. Each request offers one to three
+of them as tools with ``tool_choice: "required"`` (the server's constraint, from
+``plan_tools``); every call of a complete output must validate against its own tool's
+parameters.
+
 Usage: python scripts/schema_sweep.py --dir DATA [--per-dataset 60] [--seed 1]
-       [--max-tokens 300] [--out sweep.json]
+       [--max-tokens 300] [--tools] [--out sweep.json]
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import jsonschema
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError  # noqa: E402
+from pagedllm.entrypoints.openai.tool_choice import plan_tools  # noqa: E402
 from pagedllm.structured import StructuredOutputsParams  # noqa: E402
 from pagedllm.structured.llguidance_backend import LLGuidanceBackend  # noqa: E402
 
@@ -48,8 +55,33 @@ def load_sample(root: Path, per_dataset: int, seed: int) -> list[tuple[str, obje
     return sample
 
 
+def as_tools(sample: list[tuple[str, object]], seed: int) -> list[tuple[str, dict]]:
+    """Requests of one to three of the sampled object schemas as tools: (their files, the
+    ``tool_choice: "required"`` constraint's schema, or a dict holding the 400's message
+    under ``"error"``), with ``{name: parameters}`` under ``"tools"``."""
+    rng = random.Random(seed)
+    objects = [(name, schema) for name, schema in sample if isinstance(schema, dict)]
+    requests = []
+    for _ in range(len(objects) // 2):
+        picks = rng.sample(objects, rng.choice([1, 2, 3]))
+        tools = {f"tool{i}": schema for i, (_, schema) in enumerate(picks)}
+        request = ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "Call a tool."}],
+            tool_choice="required",
+            tools=[{"type": "function", "function": {"name": n, "parameters": p}}
+                   for n, p in tools.items()])
+        try:
+            schema = plan_tools(request, None).constraint["json"]
+        except OpenAIError as exc:
+            schema = {"error": str(exc)}
+        requests.append((" + ".join(name for name, _ in picks), {"schema": schema, "tools": tools}))
+    return requests
+
+
 def refusal(schema: object) -> str | None:
     """The engine's reason to refuse ``schema``, or None when it compiles."""
+    if isinstance(schema, dict) and set(schema) == {"error"}:
+        return schema["error"]
     try:
         LLGuidanceBackend.validate(StructuredOutputsParams(json=schema))
     except ValueError as exc:
@@ -57,17 +89,22 @@ def refusal(schema: object) -> str | None:
     return None
 
 
-def invalid_reason(schema: object, text: str) -> str | None:
-    """Why ``text`` is not an instance of ``schema``, or None."""
+def invalid_reason(schema: object, text: str, tools: dict | None = None) -> str | None:
+    """Why ``text`` is not an instance of ``schema`` (with ``tools``: why one of its calls'
+    arguments is not an instance of its tool's parameters), or None."""
     try:
         value = json.loads(text)
     except ValueError as exc:
         return f"not JSON: {exc}"
-    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    try:
-        validator(schema).validate(value)
-    except jsonschema.ValidationError as exc:
-        return f"invalid: {exc.message[:200]}"
+    checks = [(schema, value)] if tools is None else [
+        (tools[call["name"]], call["arguments"]) for call in value]
+    for schema, instance in checks:
+        validator = jsonschema.validators.validator_for(schema,
+                                                        default=jsonschema.Draft202012Validator)
+        try:
+            validator(schema).validate(instance)
+        except jsonschema.ValidationError as exc:
+            return f"invalid: {exc.message[:200]}"
     return None
 
 
@@ -77,10 +114,17 @@ def main() -> None:
     parser.add_argument("--per-dataset", type=int, default=60)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=300)
+    parser.add_argument("--tools", action="store_true",
+                        help='the schemas as tools\' parameters, tool_choice "required"')
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
     sample = load_sample(args.dir, args.per_dataset, args.seed)
+    tools = {}
+    if args.tools:
+        requests = as_tools(sample, args.seed)
+        tools = {name: request["tools"] for name, request in requests}
+        sample = [(name, request["schema"]) for name, request in requests]
     refused = {name: reason for name, schema in sample if (reason := refusal(schema))}
     accepted = [(name, schema) for name, schema in sample if name not in refused]
     llm = LLM(seed=args.seed)
@@ -95,7 +139,8 @@ def main() -> None:
     for (name, schema), output in zip(accepted, outputs):
         completion = output.outputs[0]
         finish[completion.finish_reason] += 1
-        if completion.finish_reason == "stop" and (reason := invalid_reason(schema, completion.text)):
+        if completion.finish_reason == "stop" and (
+                reason := invalid_reason(schema, completion.text, tools.get(name))):
             failures[name] = reason
     reasons = collections.Counter(reason.split("\n")[0][:90] for reason in refused.values())
     record = {
@@ -104,9 +149,9 @@ def main() -> None:
         "generate_s": round(seconds, 1), "refusal_reasons": dict(reasons.most_common()),
         "refused_files": refused, "invalid_files": failures,
         "settings": {"per_dataset": args.per_dataset, "seed": args.seed,
-                     "max_tokens": args.max_tokens},
+                     "max_tokens": args.max_tokens, "tools": args.tools},
     }
-    print(f"{len(sample)} schemas: {len(accepted)} accepted, {len(refused)} refused; "
+    print(f"{len(sample)} {'requests' if args.tools else 'schemas'}: {len(accepted)} accepted, {len(refused)} refused; "
           f"outputs {dict(finish)}; complete outputs that do not validate: {len(failures)}")
     for reason, count in reasons.most_common(15):
         print(f"  {count:4d}  {reason}")

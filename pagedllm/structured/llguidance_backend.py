@@ -43,8 +43,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         schema = json.loads(params.spec)
         if not isinstance(schema, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema object.")
-        for node in _subschemas(schema):
-            _check_local_ref(node)
+        nodes = list(_subschemas(schema))
+        own_ids = {_resource_id(node) for node in nodes} - {""}
+        for node in nodes:
+            _check_local_ref(node, own_ids)
             _drop_unknown_format(node)
         options = {"whitespace_flexible": not params.disable_any_whitespace}
         return LLMatcher.grammar_from_json_schema(schema, defaults=options)
@@ -86,12 +88,24 @@ def _subschemas(schema: Any):
                 stack.extend(node[key].values())  # a dependency may be a list of names
 
 
-def _check_local_ref(node: dict) -> None:
-    """References must point inside the schema (``#/...``): nothing is fetched."""
+def _resource_id(node: dict) -> str:
+    """The URI a schema object names itself by (``$id``, or draft 4's ``id``; '' if none),
+    without an empty fragment."""
+    for key in ("$id", "id"):
+        value = node.get(key)
+        if isinstance(value, str):
+            return value.removesuffix("#")
+    return ""
+
+
+def _check_local_ref(node: dict, own_ids: set[str]) -> None:
+    """References must point inside the schema: ``#...``, or a URI one of its own schema
+    objects names itself by (``own_ids``). Nothing is fetched."""
     ref = node.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
+    if isinstance(ref, str) and not ref.startswith("#") and ref.split("#", 1)[0] not in own_ids:
         raise ValueError(f"$ref {ref!r} points outside the schema: only references "
-                         "inside it (#/$defs/...) are followed, nothing is fetched.")
+                         "inside it (#/$defs/..., or its own $id) are followed, nothing "
+                         "is fetched.")
 
 
 def _drop_unknown_format(node: dict) -> None:

@@ -42,3 +42,19 @@ def test_an_output_outside_its_schema_is_reported():
     assert sweep.invalid_reason(schema, '{"a": 1}') is None
     assert sweep.invalid_reason(schema, '{"b": 1}').startswith("invalid: 'a' is a required")
     assert sweep.invalid_reason(schema, '{"a": ').startswith("not JSON")
+    tools = {"t": schema}  # calls are checked against their own tool's parameters
+    assert sweep.invalid_reason({}, '[{"name": "t", "arguments": {"a": 1}}]', tools) is None
+    assert sweep.invalid_reason({}, '[{"name": "t", "arguments": {}}]', tools).startswith("invalid")
+
+
+def test_the_tools_sweep_offers_the_schemas_as_required_tools(tmp_path):
+    sweep = load_script("schema_sweep")
+    write_datasets(tmp_path)
+    (tmp_path / "plain" / "more.json").write_text(json.dumps({"type": "object"}))
+    requests = sweep.as_tools(sweep.load_sample(tmp_path, 5, seed=0), seed=0)
+    assert len(requests) == 2
+    for files, request in requests:
+        assert len(request["tools"]) == files.count(" + ") + 1
+        if "not" not in str(request["tools"]):  # the others compile into one constraint
+            assert sweep.refusal(request["schema"]) is None
+            assert request["schema"]["type"] == "array"

@@ -82,6 +82,49 @@ def test_formats_the_backend_does_not_know_are_annotations(llm):
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", value["day"]), value["day"]
 
 
+# Parameters as real tool sets write them: a draft-07 schema with its own $id and
+# definitions, a draft-04 one with "id", a definition name two tools define differently, a
+# recursive reference to the schema's root.
+DRAFT7 = {"$schema": "http://json-schema.org/draft-07/schema#", "$id": "https://example.com/a.json",
+          "type": "object", "required": ["zone"], "additionalProperties": False,
+          "properties": {"zone": {"$ref": "#/definitions/zone"}},
+          "definitions": {"zone": {"enum": ["UTC", "CET"]}}}
+DRAFT4 = {"$schema": "http://json-schema.org/draft-04/schema#", "id": "https://example.com/b.json",
+          "type": "object", "required": ["size"], "additionalProperties": False,
+          "properties": {"size": {"$ref": "https://example.com/b.json#/definitions/size"}},
+          "definitions": {"size": {"type": "integer", "minimum": 1, "maximum": 9}}}
+OTHER_ZONE = {"definitions": {"zone": {"type": "integer", "maximum": 12}}, "type": "object",
+              "required": ["zone"], "additionalProperties": False,
+              "properties": {"zone": {"$ref": "#/definitions/zone"}}}
+TREE = {"type": "object", "required": ["label"], "additionalProperties": False,
+        "properties": {"label": {"enum": ["x", "y"]},
+                       "child": {"$ref": "#"}}}
+DRAFT_TOOLS = {"set_zone": DRAFT7, "set_size": DRAFT4, "offset": OTHER_ZONE, "tree": TREE}
+
+
+def test_required_calls_keep_each_tools_references_apart(llm):
+    """``required`` puts every tool's parameters in one schema; the references inside each
+    (``#/definitions/...`` under its own ``$id``, a draft-4 ``id``, the same definition
+    name meaning two things, ``#``) still resolve within that tool."""
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.tool_choice import plan_tools
+
+    request = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "Go."}], tool_choice="required",
+        parallel_tool_calls=False,
+        tools=[{"type": "function", "function": {"name": n, "parameters": p}}
+               for n, p in DRAFT_TOOLS.items()])
+    constraint = StructuredOutputsParams(**plan_tools(request, None).constraint)
+    names = set()
+    for completion in sample(llm, constraint, num=12, max_tokens=300):
+        assert completion.finish_reason == "stop", completion.text
+        for call in json.loads(completion.text):
+            schema = DRAFT_TOOLS[call["name"]]
+            jsonschema.validators.validator_for(schema)(schema).validate(call["arguments"])
+            names.add(call["name"])
+    assert len(names) > 1
+
+
 def test_json_object_is_one_json_object(llm):
     for completion in sample(llm, StructuredOutputsParams(json_object=True), num=12, max_tokens=200):
         if completion.finish_reason == "stop":

@@ -18,7 +18,6 @@ streamed or not.
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,6 @@ from pagedllm.entrypoints.openai.tool_parsers.partial import (
 )
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_DEFS_KEYS = ("$defs", "definitions")
 
 
 @dataclass
@@ -123,32 +121,44 @@ def _parameters(function: dict) -> dict:
 
 
 def _required_schema(functions: dict[str, dict], single: bool) -> dict:
-    """An array of ``{"name", "arguments"}`` calls, each one tool's. Each tool's ``$defs``
-    move to the root, where its ``#/$defs/...`` references point."""
-    defs: dict[str, dict] = {}
+    """An array of ``{"name", "arguments"}`` calls, each one tool's. Each tool's parameters
+    are a schema resource of their own (``_tool_resource``), so the references inside them
+    (``#/$defs/...``, ``#/definitions/...``, ``#``, their own ``$id``) resolve within them
+    wherever they sit in the array's schema."""
     variants = []
+    taken: set[str] = set()
     for name, function in functions.items():
-        parameters = copy.deepcopy(_parameters(function))
-        for key in _DEFS_KEYS:
-            for def_name, definition in parameters.pop(key, {}).items():
-                slot = defs.setdefault(key, {})
-                if slot.get(def_name, definition) != definition:
-                    raise OpenAIError(
-                        f"Two tools define {key}/{def_name} differently; tool_choice "
-                        '"required" needs them to agree (or use a named function).',
-                        param="tools")
-                slot[def_name] = definition
         variants.append({
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": parameters},
+            "properties": {"name": {"const": name}, "arguments": _tool_resource(function, name, taken)},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         })
     schema = {"type": "array", "minItems": 1,
-              "items": variants[0] if len(variants) == 1 else {"anyOf": variants}, **defs}
+              "items": variants[0] if len(variants) == 1 else {"anyOf": variants}}
     if single:
         schema["maxItems"] = 1
     return schema
+
+
+def _tool_resource(function: dict, name: str, taken: set[str]) -> dict:
+    """The function's parameters as an embedded resource: ``$id`` their own (or their
+    draft-4 ``id``), else ``urn:pagedllm:tool:<name>``, also for an id another tool took
+    first (``taken``); ``$schema`` left out, since only a root declares a dialect (the
+    schemas' keywords mean the same to the backend in every draft)."""
+    parameters = dict(_parameters(function))
+    parameters.pop("$schema", None)
+    resource = f"urn:pagedllm:tool:{name}"
+    for key in ("$id", "id"):
+        value = parameters.get(key)
+        if isinstance(value, str) and value.rstrip("#") and "#" not in value.rstrip("#"):
+            resource = value.rstrip("#")
+            break
+    if resource in taken:
+        resource = f"urn:pagedllm:tool:{name}"
+    taken.add(resource)
+    parameters["$id"] = resource
+    return parameters
 
 
 class RequiredCallsParser(ToolParser):
