@@ -117,7 +117,8 @@ class Request:
         # The output constraint's state (``pagedllm.structured.manager.RequestGrammar``),
         # set by the engine for a request with ``structured_outputs``: ``ready`` once
         # compiled, ``accept_token`` for each output token, ``is_terminated`` when the
-        # output is complete.
+        # output is complete or the constraint failed (``error``: then the request ends as
+        # aborted, with the error as its stop reason).
         self.grammar = None
         # Proposed next tokens, consumed by the next step that schedules the request.
         self.spec_token_ids: list[int] = []
@@ -162,7 +163,11 @@ class Request:
                     self.stop_reason = last
                 return True
         if self.grammar is not None and self.grammar.is_terminated():
-            self.status = RequestStatus.FINISHED_STOPPED  # the output is complete
+            if self.grammar.error is None:
+                self.status = RequestStatus.FINISHED_STOPPED  # the output is complete
+            else:  # the constraint failed (a backend limit): the output is cut, not complete
+                self.status = RequestStatus.FINISHED_ABORTED
+                self.stop_reason = f"The output constraint failed: {self.grammar.error}"
             return True
         if len(self.output_token_ids) >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED

@@ -7,9 +7,10 @@ to its grammar text as follows:
 - ``json`` / ``json_object``: ``grammar_from_json_schema``; ``x-guidance`` keys in the
   schema override the defaults (``whitespace_flexible`` from ``disable_any_whitespace``);
   keywords llguidance does not implement (``not``, ``if``/``then``, ``uniqueItems``,
-  ``contains``, ``propertyNames``, ``dependentRequired``) are refused at validation with its
+  ``contains``, ``propertyNames``) are refused at validation with its
   message, and so is a ``$ref`` outside the schema (nothing is ever fetched); a ``format``
-  it does not know is an annotation and left out (the standard's default);
+  it does not know is an annotation and left out (the standard's default); dependencies
+  between properties become ``anyOf`` s (``_dependencies_as_any_of``);
 - ``regex``: ``grammar_from_regex`` (the whole output matches);
 - ``choice``: a Lark rule with one string literal per choice;
 - ``grammar``: Lark as is, GBNF / EBNF (``::=``) converted to Lark first.
@@ -48,6 +49,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         for node in nodes:
             _check_local_ref(node, own_ids)
             _drop_unknown_format(node)
+            _dependencies_as_any_of(node)
         options = {"whitespace_flexible": not params.disable_any_whitespace}
         return LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
@@ -115,6 +117,27 @@ def _drop_unknown_format(node: dict) -> None:
     name = node.get("format")
     if isinstance(name, str) and not _known_format(name):
         del node["format"]
+
+
+def _dependencies_as_any_of(node: dict) -> None:
+    """``dependencies`` (drafts 4-7), ``dependentRequired`` and ``dependentSchemas`` in terms
+    the backend implements: "if ``p`` is present, these names are too (this schema holds)"
+    is ``anyOf: [{"required": [p, ...names], ...schema}, {"properties": {p: false}}]``,
+    one such ``anyOf`` per property, added to the node's ``allOf``."""
+    rules = []
+    for key in ("dependencies", "dependentRequired", "dependentSchemas"):
+        value = node.get(key)
+        if isinstance(value, dict):
+            del node[key]
+            rules.extend(value.items())
+    for name, dependency in rules:
+        present: dict = {"required": [name]}
+        if isinstance(dependency, list):
+            present["required"] = [name, *dependency]
+        else:
+            present["allOf"] = [dependency]
+        node.setdefault("allOf", []).append(
+            {"anyOf": [present, {"properties": {name: False}}]})
 
 
 @functools.lru_cache(maxsize=256)

@@ -125,6 +125,31 @@ def test_required_calls_keep_each_tools_references_apart(llm):
     assert len(names) > 1
 
 
+@pytest.mark.parametrize("draft", ["draft-07", "2020-12"])
+def test_dependencies_between_properties_hold(llm, draft):
+    """"If this property is present, those are too / this schema holds": draft 7's
+    ``dependencies`` (both forms) and 2020-12's ``dependentRequired`` / ``dependentSchemas``."""
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"a": {"type": "string", "maxLength": 5},
+                             "b": {"type": "integer", "maximum": 9}, "c": {"type": "boolean"},
+                             "d": {"enum": ["x", "y"]}}}
+    names, schemas = {"a": ["b"]}, {"c": {"required": ["d"], "properties": {"d": {"const": "y"}}}}
+    if draft == "draft-07":
+        schema.update({"$schema": "http://json-schema.org/draft-07/schema#",
+                       "dependencies": {**names, **schemas}})
+    else:
+        schema.update({"$schema": "https://json-schema.org/draft/2020-12/schema",
+                       "dependentRequired": names, "dependentSchemas": schemas})
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    seen = []
+    for completion in sample(llm, StructuredOutputsParams(json=schema), num=32, max_tokens=80):
+        assert completion.finish_reason == "stop", completion.text
+        value = json.loads(completion.text)
+        validator.validate(value)
+        seen.append(value)
+    assert any("a" in v for v in seen) and any("c" in v for v in seen)
+
+
 def test_json_object_is_one_json_object(llm):
     for completion in sample(llm, StructuredOutputsParams(json_object=True), num=12, max_tokens=200):
         if completion.finish_reason == "stop":
@@ -511,6 +536,32 @@ def test_a_redrawn_token_taken_early_is_taken_once(tiny_model_dir, given):
     manager.take_checked()  # nothing left: a no-op
     assert manager.prefetch.num_filled == 1
     manager.shutdown()
+
+
+def test_a_constraint_failing_mid_output_aborts_its_request_alone(llm, monkeypatch):
+    """A grammar that fails mid-output (a backend limit, as llguidance's lexer running out
+    of room) ends its request as aborted with the error as its stop reason, never as a
+    complete ``stop``; the other requests of the batch go on."""
+    from pagedllm.structured.llguidance_backend import LLGuidanceGrammar
+
+    taken = []
+    accept = LLGuidanceGrammar.accept_tokens
+
+    def failing(self, token_ids):
+        taken.append(token_ids)
+        if len(taken) == 5:
+            return False  # as the backend answers once it has failed
+        return accept(self, token_ids)
+
+    monkeypatch.setattr(LLGuidanceGrammar, "accept_tokens", failing)
+    params = [SamplingParams(temperature=1.0, max_tokens=40, seed=1,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMAS["person"])),
+              SamplingParams(temperature=1.0, max_tokens=40, seed=2, ignore_eos=True)]
+    prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}]
+    constrained, free = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert constrained.finish_reason == "abort" and len(constrained.token_ids) == 5
+    assert constrained.stop_reason.startswith("The output constraint failed")
+    assert free.finish_reason == "length" and len(free.token_ids) == 40
 
 
 # -- errors ----------------------------------------------------------------------------------
