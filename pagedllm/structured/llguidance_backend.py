@@ -7,10 +7,10 @@ to its grammar text as follows:
 - ``json`` / ``json_object``: ``grammar_from_json_schema``; ``x-guidance`` keys in the
   schema override the defaults (``whitespace_flexible`` from ``disable_any_whitespace``);
   keywords llguidance does not implement (``not``, ``if``/``then``, ``uniqueItems``,
-  ``contains``, ``propertyNames``) are refused at validation with its
-  message, and so is a ``$ref`` outside the schema (nothing is ever fetched); a ``format``
-  it does not know is an annotation and left out (the standard's default); dependencies
-  between properties become ``anyOf`` s (``_dependencies_as_any_of``);
+  ``contains``, ``propertyNames``) are refused at validation with its message, and so is
+  a ``$ref`` outside the schema (nothing is ever fetched); a ``format`` it does not know is
+  an annotation and left out (the standard's default); dependencies between properties
+  are rewritten as ``anyOf`` (``_dependencies_as_any_of``);
 - ``regex``: ``grammar_from_regex`` (the whole output matches);
 - ``choice``: a Lark rule with one string literal per choice;
 - ``grammar``: Lark as is, GBNF / EBNF (``::=``) converted to Lark first.

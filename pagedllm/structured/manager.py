@@ -426,11 +426,11 @@ class StructuredOutputManager:
             self._fill_rows(rows, bitmask)
         if self.prefetch_masks:
             refused_set = set(refused)
-            self._passed = [grammars[i] for i in checked if i not in refused_set]
+            passed = [i for i in checked if i not in refused_set]
+            for i in passed:
+                grammars[i].checked_token = token_ids[i]
+            self._passed = [grammars[i] for i in passed]
             self._refused = [grammars[i] for i in refused]
-            for i in checked:
-                if i not in refused_set:
-                    grammars[i].checked_token = token_ids[i]
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_steps += 1
         self.num_checked_rows += len(checked)
