@@ -29,6 +29,7 @@ from llguidance import LLMatcher
 
 from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.structured.backend import Grammar, GrammarBackend
+from pagedllm.structured.json_schema import resource_id, subschemas
 from pagedllm.structured.params import StructuredOutputsParams
 from pagedllm.switches import integer
 
@@ -44,8 +45,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         schema = json.loads(params.spec)
         if not isinstance(schema, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema object.")
-        nodes = list(_subschemas(schema))
-        own_ids = {_resource_id(node) for node in nodes} - {""}
+        nodes = list(subschemas(schema))
+        own_ids = {resource_id(node) for node in nodes} - {None}
         for node in nodes:
             _check_local_ref(node, own_ids)
             _drop_unknown_format(node)
@@ -57,47 +58,6 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if kind == "choice":
         return llguidance.grammar_from("choice", params.choice)
     return llguidance.grammar_from("grammar", params.grammar)
-
-
-# Where JSON Schema (2020-12, and drafts 4-7) holds subschemas: one schema, a list of
-# them, or a map of names to them. Every other keyword's value is data (``const``,
-# ``enum``, ``default``, ``examples``, ...) and is never looked into.
-_SCHEMA_KEYWORDS = ("additionalProperties", "additionalItems", "items", "contains", "not",
-                    "if", "then", "else", "propertyNames", "unevaluatedItems",
-                    "unevaluatedProperties", "contentSchema")
-_SCHEMA_LIST_KEYWORDS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-_SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions",
-                        "dependentSchemas", "dependencies")
-
-
-def _subschemas(schema: Any):
-    """Every schema object in ``schema`` (itself included), through the subschema
-    keywords only; boolean schemas are skipped."""
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        yield node
-        for key in _SCHEMA_KEYWORDS:
-            if isinstance(node.get(key), dict):
-                stack.append(node[key])
-        for key in _SCHEMA_LIST_KEYWORDS:
-            if isinstance(node.get(key), list):
-                stack.extend(node[key])
-        for key in _SCHEMA_MAP_KEYWORDS:
-            if isinstance(node.get(key), dict):
-                stack.extend(node[key].values())  # a dependency may be a list of names
-
-
-def _resource_id(node: dict) -> str:
-    """The URI a schema object names itself by (``$id``, or draft 4's ``id``; '' if none),
-    without an empty fragment."""
-    for key in ("$id", "id"):
-        value = node.get(key)
-        if isinstance(value, str):
-            return value.removesuffix("#")
-    return ""
 
 
 def _check_local_ref(node: dict, own_ids: set[str]) -> None:

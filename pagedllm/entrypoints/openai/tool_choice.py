@@ -31,6 +31,7 @@ from pagedllm.entrypoints.openai.tool_parsers.base import HOLD, PartialCall, Seg
 from pagedllm.entrypoints.openai.tool_parsers.partial import (
     decode_json_at, dumps_json, parse_partial_json, skip_space, stable_dumps,
 )
+from pagedllm.structured.json_schema import resource_id
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -148,13 +149,8 @@ def _tool_resource(function: dict, name: str, taken: set[str]) -> dict:
     schemas' keywords mean the same to the backend in every draft)."""
     parameters = dict(_parameters(function))
     parameters.pop("$schema", None)
-    resource = f"urn:pagedllm:tool:{name}"
-    for key in ("$id", "id"):
-        value = parameters.get(key)
-        if isinstance(value, str) and value.rstrip("#") and "#" not in value.rstrip("#"):
-            resource = value.rstrip("#")
-            break
-    if resource in taken:
+    resource = resource_id(parameters)
+    if resource is None or resource in taken:
         resource = f"urn:pagedllm:tool:{name}"
     taken.add(resource)
     parameters["$id"] = resource

@@ -1,0 +1,48 @@
+"""The structure of a JSON schema (2020-12, and drafts 4-7), as the constraint code reads
+it: where its subschemas are, and the URI a schema object names itself by."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+# Where a schema holds subschemas: one schema, a list of them, or a map of names to them.
+# Every other keyword's value is data (``const``, ``enum``, ``default``, ``examples``, ...)
+# and is never looked into.
+_SCHEMA_KEYWORDS = ("additionalProperties", "additionalItems", "items", "contains", "not",
+                    "if", "then", "else", "propertyNames", "unevaluatedItems",
+                    "unevaluatedProperties", "contentSchema")
+_SCHEMA_LIST_KEYWORDS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions",
+                        "dependentSchemas", "dependencies")
+
+
+def subschemas(schema: Any) -> Iterator[dict]:
+    """Every schema object in ``schema`` (itself included), through the subschema
+    keywords only; boolean schemas are skipped."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield node
+        for key in _SCHEMA_KEYWORDS:
+            if isinstance(node.get(key), dict):
+                stack.append(node[key])
+        for key in _SCHEMA_LIST_KEYWORDS:
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
+        for key in _SCHEMA_MAP_KEYWORDS:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())  # a dependency may be a list of names
+
+
+def resource_id(node: dict) -> str | None:
+    """The URI ``node`` names itself by as a resource (``$id``, or draft 4's ``id``),
+    without an empty fragment; None if it names none (an anchor such as ``#foo`` names
+    no resource)."""
+    for key in ("$id", "id"):
+        value = node.get(key)
+        if isinstance(value, str):
+            value = value.removesuffix("#")
+            return value if value and "#" not in value else None
+    return None
