@@ -315,7 +315,7 @@ def sweep_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], None]) ->
                     return rows
                 if kind == "decode":
                     triton_decode.decode_tile_config = (
-                        lambda head_dim, device, split, fp8_cache=False, c=knobs: c)
+                        lambda *_, c=knobs, **__: c)
                     names = ("block_n", "num_warps", "num_stages")
                     launch = decode_only(step, max_seq_len=bound)
                 else:
@@ -354,7 +354,7 @@ def w1_decode_mixes() -> list[tuple[str, list[tuple[int, int]]]]:
 def decode_tile(tile: tuple[int, int, int]) -> Iterator[None]:
     """Every decode launch inside uses ``tile`` (BLOCK_N, num_warps, num_stages)."""
     configured = triton_decode.decode_tile_config
-    triton_decode.decode_tile_config = lambda head_dim, device, split, fp8_cache=False: tile
+    triton_decode.decode_tile_config = lambda *_, **__: tile
     try:
         yield
     finally:

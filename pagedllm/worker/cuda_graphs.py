@@ -3,7 +3,10 @@
 Four kinds of step are captured, each padded up to the smallest captured size:
 
 * decode (every scheduled request computes exactly one token), shaped by its batch size:
-  1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs`` (at most 512), ``capture_sizes``;
+  1, 2, 4, 8, 16, 24, ... up to ``max_num_seqs`` (at most 512), ``capture_sizes``. Where
+  the attention launches another tile for short contexts (``short_decode_len``: an FP8
+  cache, ``triton_decode.short_decode_context``), the same sizes are captured a second
+  time under that bound, and a decode step whose contexts all fit it replays those;
 * a single prompt (one request, a prefill or a chunk of one, 2 to 512 tokens), shaped by
   its token count: 16, 32, 64, 96, 128, 192, 256, 384, 512 up to the step's token
   budget, ``prompt_capture_sizes``. An eager forward of a short prompt is bound by the
@@ -97,7 +100,9 @@ For decodes that bound only picks the number of split-K partitions (the most,
 ``MAX_SPLITS``, for a long ``max_model_len`` and a small batch); each sequence cuts its own
 context into that many partitions of whole tiles, sized on the device from its
 ``seq_len``, so a short context under a graph captured at ``max_model_len`` costs nothing
-extra beyond the empty programs (past its end). The split-K scratch buffers allocated
+extra beyond the empty programs (past its end); the short-decode graphs are captured
+under ``max_seq_len = short_decode_len`` instead, which picks their tile and plans their
+splits, and replay only steps within it. The split-K scratch buffers allocated
 during capture come from the graphs' pool and stay reserved for the graph's lifetime,
 which is what a replay needs.
 
@@ -188,9 +193,9 @@ def padded_size(num_tokens: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-DECODE, PROMPT, VERIFY, MIXED = "decode", "prompt", "verify", "mixed"
-# (DECODE, requests = tokens), (PROMPT, tokens), (VERIFY, requests of verify_width rows)
-# or (MIXED, tokens).
+DECODE, SHORT_DECODE, PROMPT, VERIFY, MIXED = "decode", "short decode", "prompt", "verify", "mixed"
+# (DECODE or SHORT_DECODE, requests = tokens), (PROMPT, tokens), (VERIFY, requests of
+# verify_width rows) or (MIXED, tokens).
 GraphKey = tuple[str, int]
 
 
@@ -202,7 +207,9 @@ class CudaGraphRunner:
     the graphs. ``max_num_batched_tokens`` bounds the prompt sizes and the verify batches
     (0: decodes only); ``verify_width`` (``W``, 0: none) is the most tokens a request
     computes in a verify step. ``mixed_graphs`` also captures mixed steps (prompts and
-    decodes together) up to ``max_num_batched_tokens`` tokens.
+    decodes together) up to ``max_num_batched_tokens`` tokens. ``short_decode_len`` (below
+    ``max_model_len``, else ignored) also captures the decode sizes under that context
+    bound, for decode steps whose contexts all fit it.
     """
 
     def __init__(
@@ -218,17 +225,21 @@ class CudaGraphRunner:
         verify_width: int = 0,
         use_graphs: bool = True,
         mixed_graphs: bool = False,
+        short_decode_len: int | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = {
             DECODE: capture_sizes(max_num_seqs),
+            SHORT_DECODE: (capture_sizes(max_num_seqs) if short_decode_len is not None
+                           and short_decode_len < max_model_len else []),
             PROMPT: prompt_capture_sizes(max_num_batched_tokens, max_model_len),
             VERIFY: verify_capture_sizes(max_num_seqs, verify_width, max_num_batched_tokens),
             MIXED: (mixed_capture_sizes(min(max_num_batched_tokens, max_model_len))
                     if mixed_graphs else []),
         }
         self.verify_width = verify_width if self.sizes[VERIFY] else 0
+        self.short_decode_len = short_decode_len if self.sizes[SHORT_DECODE] else None
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = torch.device(device)
@@ -290,7 +301,8 @@ class CudaGraphRunner:
 
     def graph_for(self, inputs: StepInputs) -> GraphKey | None:
         """The captured step that serves ``inputs``: a pure-decode step (one token per
-        request) within the largest decode size; a verify step (every request computing 1
+        request) within the largest decode size (a short decode if every context is within
+        ``short_decode_len``); a verify step (every request computing 1
         to ``verify_width`` tokens and holding at least ``verify_width`` with its context)
         within the largest verify size; else one request's prompt tokens (2 or more)
         within the largest prompt size whose padded length stays within
@@ -299,7 +311,11 @@ class CudaGraphRunner:
         n = inputs.num_tokens
         if inputs.max_query_len == 1:
             size = padded_size(n, self.sizes[DECODE])
-            return None if size is None else (DECODE, size)
+            if size is None:
+                return None
+            short = (self.short_decode_len is not None
+                     and int(inputs.seq_lens.max()) <= self.short_decode_len)
+            return SHORT_DECODE if short else DECODE, size
         if inputs.max_query_len <= self.verify_width:
             size = padded_size(len(inputs.seq_lens), self.sizes[VERIFY])
             if size is not None and int(inputs.seq_lens.min()) >= self.verify_width:
@@ -341,9 +357,11 @@ class CudaGraphRunner:
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         prompts, verifies, mixed = self.sizes[PROMPT], self.sizes[VERIFY], self.sizes[MIXED]
         logger.info(
-            "Captured CUDA graphs for %d decode batch sizes (1..%d), %d prompt lengths (%s), "
+            "Captured CUDA graphs for %d decode batch sizes (1..%d%s), %d prompt lengths (%s), "
             "%d verify batch sizes (%s) and %d mixed-step sizes (%s) in %.1f s, %.0f MiB",
-            len(self.sizes[DECODE]), self.max_size, len(prompts),
+            len(self.sizes[DECODE]), self.max_size,
+            f"; again for contexts of at most {self.short_decode_len} tokens"
+            if self.short_decode_len else "", len(prompts),
             f"{prompts[0]}..{prompts[-1]}" if prompts else "none", len(verifies),
             f"1..{verifies[-1]} x {self.verify_width} tokens" if verifies else "none",
             len(mixed), f"{mixed[0]}..{mixed[-1]} tokens" if mixed else "none",
@@ -391,7 +409,9 @@ class CudaGraphRunner:
         if metadata is None:
             kind, size = key
             seqs = 1 if kind == PROMPT else size
-            width = {DECODE: 1, PROMPT: size, VERIFY: self.verify_width}[kind]
+            width = {DECODE: 1, SHORT_DECODE: 1, PROMPT: size, VERIFY: self.verify_width}[kind]
+            # A bound of every context the graph replays (the short decodes': theirs).
+            bound = self.short_decode_len if kind == SHORT_DECODE else self.max_model_len
             query_start_loc = (self._prompt_query_start_loc[size] if kind == PROMPT else
                                (self._verify_query_start_loc if kind == VERIFY else
                                 self._decode_query_start_loc)[: size + 1])
@@ -402,10 +422,10 @@ class CudaGraphRunner:
                 seq_lens=self._seq_lens[:seqs],
                 block_tables=self._block_tables[:seqs],
                 max_query_len=width,
-                max_seq_len=self.max_model_len,
+                max_seq_len=bound,
                 block_size=self.block_size,
                 query_start_loc_cpu=list(range(0, seqs * width + 1, width)),
-                seq_lens_cpu=[self.max_model_len] * seqs,
+                seq_lens_cpu=[bound] * seqs,
             )
             self._metadata[key] = metadata
         return metadata
@@ -492,7 +512,7 @@ class CudaGraphRunner:
             tokens[0:2, n:size] = 0
             tokens[2, n:size] = -1
             seq_lens[:seqs] = inputs.seq_lens
-            if kind == DECODE:
+            if kind in (DECODE, SHORT_DECODE):
                 seq_lens[seqs:size] = 0
             elif kind == PROMPT:  # the padding tokens extend the prompt
                 seq_lens[0] += size - n

@@ -258,6 +258,8 @@ class ModelRunner:
         same padded forwards eagerly (tests without a GPU)."""
         sched = self.config.scheduler_config
         caches = [self.kv_caches] + ([self.drafter.kv_caches] if self.drafter is not None else [])
+        head_dims = [self.config.model_config.head_dim] + (
+            [self.drafter.model_config.head_dim] if self.drafter is not None else [])
         runners = [CudaGraphRunner(
             model, kv_caches,
             max_num_seqs=sched.max_num_seqs,
@@ -268,13 +270,23 @@ class ModelRunner:
             verify_width=width,
             use_graphs=use_graphs,
             mixed_graphs=mixed_graphs_enabled(),
-        ) for (model, width), kv_caches in zip(self._graphed_models(), caches)]
+            short_decode_len=self._short_decode_len(head_dim),
+        ) for (model, width), kv_caches, head_dim in zip(self._graphed_models(), caches, head_dims)]
         self.graph_runner = runners[0]
         if self.drafter is not None:
             self.drafter.graph_runner = runners[1]
         return runners
 
     @torch.inference_mode()
+    def _short_decode_len(self, head_dim: int) -> int | None:
+        """The context bound under which decode graphs are captured a second time (the
+        attention takes another tile there: ``triton_decode.short_decode_context``)."""
+        if self.device.type != "cuda":
+            return None
+        from pagedllm.layers.attention.triton_decode import short_decode_context
+
+        return short_decode_context(head_dim, self.device, self.kv_cache_dtype.itemsize == 1)
+
     def _graph_memory_estimate(self, model: torch.nn.Module, verify_width: int) -> int:
         """Bytes to keep free for the graphs' pool of ``model``, whose verify graphs hold
         ``verify_width`` rows a request: the activations of one eager forward of the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -265,6 +266,25 @@ def test_decode_tiles_can_be_overridden_from_the_environment(monkeypatch) -> Non
             triton_decode.decode_tile_config(128, cuda, split=False)
     finally:
         triton_decode._tile_override.cache_clear()
+
+
+def test_an_fp8_cache_takes_the_short_tile_only_where_every_context_is_short(monkeypatch) -> None:
+    """A one-pass launch over an FP8 cache whose bound is within ``SHORT_DECODE_CONTEXT``
+    takes the 64-key tile, an unbounded or longer one the 128-key tile; so decode graphs
+    of an FP8 cache are captured a second time under that bound, those of a bf16 cache
+    (one tile at any context) are not."""
+    for name in (triton_decode.DECODE_TILE_ENV, triton_decode.DECODE_SPLIT_TILE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    triton_decode._tile_override.cache_clear()
+    cuda, short = torch.device("cuda"), triton_decode.SHORT_DECODE_CONTEXT
+    tile = functools.partial(triton_decode.decode_tile_config, 128, cuda)
+    assert tile(False, fp8_cache=True, max_seq_len=short)[0] == 64
+    assert tile(False, fp8_cache=True, max_seq_len=short + 1)[0] == 128
+    assert tile(False, fp8_cache=True)[0] == 128
+    assert tile(True, fp8_cache=True, max_seq_len=short)[0] == 128  # split partitions
+    assert triton_decode.short_decode_context(128, cuda, fp8_cache=True) == short
+    assert triton_decode.short_decode_context(128, cuda, fp8_cache=False) is None
+    assert triton_decode.short_decode_context(128, torch.device("cpu"), fp8_cache=True) is None
 
 
 @pytest.mark.parametrize("num_seqs", [1, 5, 64, 200])

@@ -24,6 +24,8 @@ from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
 from pagedllm.layers.attention.triton_decode import paged_decode_attention
 from pagedllm.worker.cuda_graphs import (
+    DECODE,
+    SHORT_DECODE,
     CudaGraphRunner,
     capture_sizes,
     padded_size,
@@ -120,11 +122,15 @@ def triton_llm_factory(monkeypatch, tmp_path):
     return build
 
 
-def test_padded_decode_forward_gives_the_eager_greedy_tokens(triton_llm_factory) -> None:
-    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 120 + 4 for j in range(3 + 4 * i)]}
+@pytest.mark.parametrize("short_decode_len", [None, 16])
+def test_padded_decode_forward_gives_the_eager_greedy_tokens(triton_llm_factory,
+                                                             short_decode_len) -> None:
+    """With ``short_decode_len``, decode steps whose contexts all fit it replay the short
+    decode graphs (captured under that bound), the others the plain ones; tokens as eager."""
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 120 + 4 for j in range(19 - 4 * i)]}
                for i in range(5)]
     params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True)
-              for i in range(5)]  # decode batches of 5, 4, 3, 2, 1
+              for i in range(5)]  # decode batches of 5, 4, 3, 2, 1, the longest prompts first done
     eager = triton_llm_factory()
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 
@@ -132,15 +138,26 @@ def test_padded_decode_forward_gives_the_eager_greedy_tokens(triton_llm_factory)
     runner = padded.llm_engine.engine_core.model_runner
     graph_runner = CudaGraphRunner(
         runner.model, runner.kv_caches, max_num_seqs=12, max_model_len=64, block_size=8,
-        device=runner.device, use_graphs=False,
+        device=runner.device, use_graphs=False, short_decode_len=short_decode_len,
     )
     runner.graph_runner = graph_runner
-    steps = []
+    steps, kinds = [], Counter()
+
+    def run(inputs, fill=None):
+        steps.append(inputs.num_tokens)
+        kind, size = graph_runner.graph_for(inputs)
+        kinds[kind] += 1
+        bound = graph_runner._attention_metadata((kind, size)).max_seq_len
+        assert int(inputs.seq_lens.max()) <= bound == (16 if kind == SHORT_DECODE else 64)
+        return original_run(inputs, fill)
+
     original_run = graph_runner.run
-    graph_runner.run = lambda inputs, fill=None: steps.append(inputs.num_tokens) or original_run(inputs, fill)
+    graph_runner.run = run
     got = [o.outputs[0].token_ids for o in padded.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert 5 in steps and 3 in steps  # 5 -> padded to 8, 3 -> padded to 4
+    # Prompts of 19..3 tokens: the first decodes hold contexts past 16, the later ones not.
+    assert set(kinds) == ({SHORT_DECODE, DECODE} if short_decode_len else {DECODE})
 
 
 @pytest.mark.parametrize("family, chunk", [("qwen3", None), ("qwen3", 16), ("mistral", None)],

@@ -53,6 +53,34 @@ def test_cuda_graph_decode_gives_the_eager_greedy_tokens(tmp_path, kv_cache_dtyp
     assert decode_sizes == capture_sizes(16)
 
 
+def test_fp8_cache_decodes_within_the_short_bound_replay_their_own_graphs(tmp_path) -> None:
+    """Over an FP8 cache, decode steps whose contexts all fit ``SHORT_DECODE_CONTEXT``
+    replay the graphs captured under it (another attention tile), longer ones the plain
+    graphs; both give the eager engine's greedy tokens (which picks the tile from each
+    step's own longest context)."""
+    from pagedllm.layers.attention.triton_decode import SHORT_DECODE_CONTEXT
+
+    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=1024)
+    lengths = (SHORT_DECODE_CONTEXT - 10, 300, SHORT_DECODE_CONTEXT - 2, 40)
+    prompts = [{"prompt_token_ids": [(3 * i + 7 * j) % 240 + 8 for j in range(n)]}
+               for i, n in enumerate(lengths)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24 - 4 * i, ignore_eos=True)
+              for i in range(len(prompts))]  # the first decodes fit the bound, later ones pass it
+    kwargs = dict(dtype="float32", max_model_len=1024, max_num_seqs=8, block_size=16,
+                  device="cuda", kv_cache_dtype="fp8")
+    graphed = LLM(str(path), **kwargs)
+    runner = graphed.llm_engine.engine_core.model_runner.graph_runner
+    assert runner.short_decode_len == SHORT_DECODE_CONTEXT
+    kinds = []
+    original_run = runner.run
+    runner.run = lambda inputs, fill=None: kinds.append(runner.graph_for(inputs)[0]) or original_run(inputs, fill)
+    got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
+    eager = LLM(str(path), enforce_eager=True, async_scheduling=False, **kwargs)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert {"decode", "short decode"} <= set(kinds)
+
+
 def test_mixed_steps_replay_mixed_graphs_and_give_the_eager_greedy_tokens(tmp_path, monkeypatch) -> None:
     """``PAGEDLLM_MIXED_GRAPHS=1``: steps of several prompts and decodes replay mixed graphs
     (sizes shrunk to the tiny model's), with asynchronous scheduling; tokens equal eager."""

@@ -444,13 +444,17 @@ def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
 
 
 def decode_tile_config(head_dim: int, device: torch.device, split: bool,
-                       fp8_cache: bool = False) -> tuple[int, int, int]:
+                       fp8_cache: bool = False, max_seq_len: int | None = None
+                       ) -> tuple[int, int, int]:
     """``(BLOCK_N, num_warps, num_stages)`` for the decode kernel (``fp8_cache``: the cache
-    holds FP8 values): on CUDA with head_dim up to 128, 64 keys, 4 warps, 2 stages for one
-    pass over a bf16 or fp16 cache, and 128 keys, 4 warps, 2 stages for split partitions
-    and for any pass over an FP8 cache; 32 keys for wider heads. The choices come from
-    whole workloads on an H200, not from one shape alone (the tiles, the sweeps and the
-    workloads that decided them: docs/benchmarks.md, "Decode tiles by cache dtype").
+    holds FP8 values; ``max_seq_len``: a bound of the launch's contexts, None if unknown):
+    on CUDA with head_dim up to 128, 64 keys, 4 warps, 2 stages for one pass over a bf16 or
+    fp16 cache, or over an FP8 cache whose contexts are all within
+    ``SHORT_DECODE_CONTEXT``; 128 keys, 4 warps, 2 stages for split partitions and for
+    longer passes over an FP8 cache; 32 keys for wider heads. The choices come from whole
+    workloads on an H200, not from one shape alone (the tiles, the sweeps and the
+    workloads that decided them: docs/benchmarks.md, "Decode tiles by cache dtype" and
+    "short contexts").
 
     For such measurements ``PAGEDLLM_DECODE_TILE`` / ``PAGEDLLM_DECODE_SPLIT_TILE``
     (``"BLOCK_N,num_warps,num_stages"``) override the one-pass / split choice on CUDA.
@@ -462,7 +466,24 @@ def decode_tile_config(head_dim: int, device: torch.device, split: bool,
         return override
     if head_dim > 128:
         return 32, 4, 2
-    return (128, 4, 2) if split or fp8_cache else (64, 4, 2)
+    long_fp8 = fp8_cache and (max_seq_len is None or max_seq_len > SHORT_DECODE_CONTEXT)
+    return (128, 4, 2) if split or long_fp8 else (64, 4, 2)
+
+
+# Contexts up to this many tokens take the one-pass FP8 tile of a bf16 cache (64 keys):
+# with a few tiles a context, the 128-key tile's half-empty last one and its fewer
+# programs in flight cost more than its longer loop saves.
+SHORT_DECODE_CONTEXT = 512
+
+
+def short_decode_context(head_dim: int, device: torch.device, fp8_cache: bool) -> int | None:
+    """The context bound at or below which a one-pass decode launch takes another tile
+    than an unbounded one (``decode_tile_config``), or None where the tile is the same.
+    A CUDA graph that replays decodes of contexts within the bound must be captured under
+    it to launch that tile."""
+    short = decode_tile_config(head_dim, device, False, fp8_cache, SHORT_DECODE_CONTEXT)
+    return SHORT_DECODE_CONTEXT if short != decode_tile_config(head_dim, device, False,
+                                                               fp8_cache) else None
 
 
 DECODE_TILE_ENV = "PAGEDLLM_DECODE_TILE"
@@ -553,7 +574,8 @@ def paged_decode_attention(
         )
     split = num_splits > 1
     default_n, num_warps, num_stages = decode_tile_config(
-        head_dim, query.device, split, fp8_cache=key_cache.element_size() == 1)
+        head_dim, query.device, split, fp8_cache=key_cache.element_size() == 1,
+        max_seq_len=max_seq_len)
     block_n = block_n or default_n
     slot_major = values_slot_major(value_cache)
     if slot_major:  # tiles of whole pages
