@@ -240,10 +240,10 @@ def row_argmax_partial_kernel(
     seed too) over the columns bit ``c % 32`` of word ``c // 32`` of ``bitmask`` row ``r``
     allows (int32 words): the others score -inf, as if masked in the logits.
 
-    The score is the logit, or with ``GUMBEL`` ``logit / T + g`` with the Gumbel noise
-    ``g = -log(-log(u))``, ``u = rand(seed, column)``: it depends on the row's seed and the
-    column only, so the draw does not depend on the batch or the split. The first column
-    wins a tie; a part with nothing above -inf reports its first column.
+    The score is the logit, or with ``GUMBEL`` ``logit / T + g`` with the Gumbel noise of
+    ``_gumbel_noise``: it depends on the row's seed and the column only, so the draw does
+    not depend on the batch or the split. The first column wins a tie; a part with nothing
+    above -inf reports its first column.
 
     Each ``BLOCK`` of columns is reduced to its best as it is read, or with ``LANES`` each
     lane keeps the best of the columns it reads and the lanes are reduced once at the end
@@ -273,8 +273,8 @@ def row_argmax_partial_kernel(
         valid = offsets < hi
         score = tl.load(base + offsets, mask=valid, other=float("-inf")).to(tl.float32)
         if GUMBEL:
-            gumbel = -tl.log(-tl.log(tl.rand(seed, offsets)))
-            score = tl.where(valid, score * inv_temperature + gumbel, float("-inf"))
+            score = tl.where(valid, score * inv_temperature + _gumbel_noise(seed, start, BLOCK),
+                             float("-inf"))
         if MASKED:
             word = tl.load(words + offsets // 32, mask=valid, other=0)
             score = tl.where(((word >> (offsets % 32)) & 1) != 0, score, float("-inf"))
@@ -293,6 +293,17 @@ def row_argmax_partial_kernel(
         best_index = tl.min(tl.where(lane_best == best, lane_index, hi), 0)
     tl.store(best_ptr + row * parts + part, best)
     tl.store(index_ptr + row * parts + part, best_index)
+
+
+@triton.jit
+def _gumbel_noise(seed, start, BLOCK: tl.constexpr):
+    """Gumbel noise ``-log(-log(u))`` of columns ``start .. start + BLOCK - 1`` (``start``
+    and ``BLOCK`` multiples of 4): column ``c`` takes ``u``, the ``c % 4``-th of the four
+    uniforms of one Philox draw ``rand4x(seed, c // 4)``, so a draw serves four columns."""
+    groups = start // 4 + tl.arange(0, BLOCK // 4)
+    u0, u1, u2, u3 = tl.rand4x(seed, groups)
+    u = tl.join(tl.join(u0, u1), tl.join(u2, u3))  # [BLOCK // 4, 2, 2]: column order
+    return tl.reshape(-tl.log(-tl.log(u)), [BLOCK])
 
 
 @triton.jit(do_not_specialize=["parts"])

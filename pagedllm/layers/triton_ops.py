@@ -265,8 +265,12 @@ def masked_row_argmax(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.T
 
 ARGMAX_BLOCK = 2048
 # Each lane keeps its best through the loop, the lanes reduced once (``row_argmax_partial_kernel``'s
-# ``LANES``); off by default until timed on a GPU (``PAGEDLLM_ARGMAX_LANES=1``).
-ARGMAX_LANES = switch("PAGEDLLM_ARGMAX_LANES", False)
+# ``LANES``; ``PAGEDLLM_ARGMAX_LANES=0``: each block reduced as it is read). On by default:
+# the Gumbel draw of 512 rows of 128k bf16 logits takes 238 us against 287 on an H200.
+ARGMAX_LANES = switch("PAGEDLLM_ARGMAX_LANES", True)
+# Programs a multiprocessor gets at least, rows split into parts to reach it: four keep
+# enough loads in flight for the greedy pass (512 rows: 112 us at four, 198 at two).
+ARGMAX_PROGRAMS_PER_SM = 4
 # Parts a row splits into at most; the reduce kernel's one tile for any batch, so a batch of
 # any size reuses the kernels compiled for the first.
 ARGMAX_MAX_PARTS = 64
@@ -291,7 +295,7 @@ def _row_argmax(logits: torch.Tensor, temperature: torch.Tensor | None,
     if num_rows == 0:
         return out
     blocks = k.cdiv(vocab_size, ARGMAX_BLOCK)
-    target_programs = 2 * _sm_count(logits.device)
+    target_programs = ARGMAX_PROGRAMS_PER_SM * _sm_count(logits.device)
     parts = max(1, min(blocks, ARGMAX_MAX_PARTS, k.cdiv(target_programs, num_rows)))
     chunk = k.cdiv(blocks, parts) * ARGMAX_BLOCK
     parts = k.cdiv(vocab_size, chunk)
