@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""Time the kernels of a large decode step that are not products, over their launch
+settings, on Llama-3.1-8B's shapes: where a 512-sequence step over an FP8 cache spends
+what the products leave (docs/benchmarks.md, "Short contexts over an FP8 cache").
+
+    python scripts/decode_step_sweep.py --out decode_step.json [--parts decode,silu,norm]
+
+- ``decode``: decode attention alone at short contexts (512 sequences of 129..256,
+  257..384 and 385..512 tokens; 256 of 129..256), over a bf16 and an FP8 cache, per tile
+  (``BLOCK_N, num_warps, num_stages``), each context range's top as the launch's bound.
+- ``gap``: decode attention of 512 sequences of 1,024 tokens over an FP8 cache, alone
+  (as ``decode``), with the step's rope and cache write riding on the launch (the
+  engine's ``new_kv``), with the blocks spread over a cache the size of the engine's
+  (3.6 GB a layer), and both: inside the engine the same launch took 333 us where the
+  kernel alone takes about 285.
+- ``silu``: SiLU-and-mul with FP8 output (``silu_and_mul_fp8_kernel``: one program a row)
+  at 64, 256, 512 and 8,192 rows of 2 x 14,336, per ``BLOCK`` (a row in one pass up to
+  16k, else two passes) and warps.
+- ``norm``: RMSNorm with the residual added, bf16 and FP8 output, at the same rows of
+  4,096, per warps.
+
+Each setting's output is checked equal to the engine's default launch (``equal``), and
+timed inside one CUDA graph over enough input copies that none is in L2 (microseconds a
+launch). Prints each row as it goes and a table of the best per case last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from check_kernels_gpu import (  # noqa: E402
+    BLOCK_SIZE, HEAD_DIM, decode_only, decode_tile, fp8_kv_step, graph_us_per_launch, kv_bytes,
+    make_step, uniform_lengths,
+)
+
+from pagedllm.layers import triton_ops  # noqa: E402
+from pagedllm.layers.attention import triton_decode  # noqa: E402
+from pagedllm.layers.attention.kv_quant import paged_kv_views  # noqa: E402
+from pagedllm.layers.pdl import launch_options  # noqa: E402
+
+DEVICE = torch.device("cuda")
+DTYPE = torch.bfloat16
+HIDDEN, INTERMEDIATE = 4096, 14336
+ROWS = (64, 256, 512, 8192)
+OUT_OF_L2_BYTES = 200_000_000
+DECODE_CASES = (("512 x 129..256", 512, 129, 256), ("512 x 257..384", 512, 257, 384),
+                ("512 x 385..512", 512, 385, 512), ("256 x 129..256", 256, 129, 256))
+DECODE_TILES = ((16, 2, 2), (32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3),
+                (128, 4, 2))
+SILU_SETTINGS = ((16384, 16), (16384, 32), (16384, 8), (8192, 8), (4096, 4), (4096, 8),
+                 (2048, 4))
+NORM_WARPS = (2, 4, 8, 16)
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, -(-OUT_OF_L2_BYTES // max(nbytes, 1)))
+
+
+def decode_rows() -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for label, seqs, lo, hi in DECODE_CASES:
+        bf16 = make_step([(n - 1, 1) for n in uniform_lengths(seqs, lo, hi, seed=7)], seed=51)
+        for cache, step in (("bf16", bf16), ("fp8", fp8_kv_step(bf16))):
+            want = decode_only(step, max_seq_len=hi)().clone()
+            for tile in DECODE_TILES:
+                with decode_tile(tile):
+                    launch = decode_only(step, max_seq_len=hi)
+                    equal = torch.equal(launch(), want)
+                    us = graph_us_per_launch(lambda _: launch(), [None] * 8)
+                rows.append(dict(part="decode", case=label, cache=cache, tile=list(tile), us=us,
+                                 tb_s=kv_bytes(step) / us / 1e6, equal=equal))
+                print(f"decode {label:15} {cache:5} tile {tile}: {us:7.1f} us "
+                      f"{rows[-1]['tb_s']:5.2f} TB/s{'' if equal else '  DIFFERS'}", flush=True)
+        del bf16, step
+        torch.cuda.empty_cache()
+    return rows
+
+
+ENGINE_LAYER_BLOCKS = 110_000  # 16-token FP8 blocks a layer: 3.6 GB, an H200 engine's
+
+
+def gap_rows() -> list[dict[str, Any]]:
+    """``gap``: the kernel alone against the engine's launch, one difference at a time."""
+    rows: list[dict[str, Any]] = []
+    step = fp8_kv_step(make_step([(1023, 1)] * 512, seed=52))
+    md = step.metadata
+    gen = torch.Generator(device=DEVICE).manual_seed(53)
+    num_blocks = step.kv_cache.shape[1]
+    spread = torch.zeros((2, ENGINE_LAYER_BLOCKS) + tuple(step.kv_cache.shape[2:]),
+                         dtype=step.kv_cache.dtype, device=DEVICE)
+    where = torch.randperm(ENGINE_LAYER_BLOCKS, generator=gen, device=DEVICE)[:num_blocks]
+    spread.view(torch.uint8)[:, where] = step.kv_cache.view(torch.uint8)  # whole blocks
+    spread_tables = where[md.block_tables.long()].to(torch.int32)
+    tokens = md.num_actual_tokens
+    cos = torch.randn(tokens, HEAD_DIM // 2, generator=gen, device=DEVICE).to(DTYPE)
+    sin = torch.randn(tokens, HEAD_DIM // 2, generator=gen, device=DEVICE).to(DTYPE)
+    out = torch.empty_like(step.query)
+    order = triton_decode.longest_first(md.seq_lens)
+    for layout, cache, tables in (("blocks as made", step.kv_cache, md.block_tables),
+                                  ("blocks spread over 3.6 GB", spread, spread_tables)):
+        key_cache, value_cache = paged_kv_views(cache)
+        slots = (tables.long().gather(1, ((md.seq_lens.long() - 1) // BLOCK_SIZE)[:, None])[:, 0]
+                 * BLOCK_SIZE + (md.seq_lens.long() - 1) % BLOCK_SIZE)
+        for rope_and_write in (False, True):
+            new_kv = (triton_decode.NewKV(step.key, step.value, slots, cos, sin, tokens)
+                      if rope_and_write else None)
+
+            def launch(_: Any) -> torch.Tensor:
+                triton_decode.paged_decode_attention(
+                    step.query, key_cache, value_cache, tables, md.seq_lens,
+                    md.query_start_loc, out, max_seq_len=md.max_seq_len, scale=HEAD_DIM**-0.5,
+                    order=order, new_kv=new_kv, k_scale=0.37, v_scale=0.61)
+                return out
+
+            us = graph_us_per_launch(launch, [None] * 8)
+            rows.append(dict(part="gap", case=layout, rope_and_write=rope_and_write, us=us,
+                             tb_s=kv_bytes(step) / us / 1e6))
+            print(f"gap {layout:26} rope+write {'on ' if rope_and_write else 'off'}: "
+                  f"{us:7.1f} us {rows[-1]['tb_s']:5.2f} TB/s", flush=True)
+    del spread, step
+    torch.cuda.empty_cache()
+    return rows
+
+
+def silu_launch(block: int, warps: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``triton_ops.silu_and_mul(x, fp8=True)`` with ``BLOCK`` and ``num_warps`` given."""
+    k = triton_ops._kernels()
+
+    def launch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, d = x.shape[0], x.shape[1] // 2
+        out = torch.empty((rows, d), dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+        k.silu_and_mul_fp8_kernel[(rows,)](
+            x, out, scale, scale, x.stride(0), d, BLOCK=block, ONE_PASS=d <= block,
+            STATIC_INPUT=False, num_warps=warps, **launch_options(x.device))
+        return out, scale
+
+    return launch
+
+
+def silu_rows() -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    gen = torch.Generator(device=DEVICE).manual_seed(60)
+    for m in ROWS:
+        nbytes = m * 2 * INTERMEDIATE * 2
+        inputs = [torch.randn(m, 2 * INTERMEDIATE, generator=gen, device=DEVICE).to(DTYPE)
+                  for _ in range(min(copies_for(nbytes), 16))]
+        want = triton_ops.silu_and_mul(inputs[0], fp8=True)
+        for block, warps in SILU_SETTINGS:
+            launch = silu_launch(block, warps)
+            got = launch(inputs[0])
+            equal = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and \
+                torch.equal(got[1], want[1])
+            us = graph_us_per_launch(launch, inputs)
+            moved = nbytes + m * INTERMEDIATE + m * 4
+            rows.append(dict(part="silu", rows=m, block=block, warps=warps, us=us,
+                             tb_s=moved / us / 1e6, equal=equal))
+            print(f"silu rows {m:5} block {block:5} warps {warps:2}: {us:7.1f} us "
+                  f"{rows[-1]['tb_s']:5.2f} TB/s{'' if equal else '  DIFFERS'}", flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def norm_rows() -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    gen = torch.Generator(device=DEVICE).manual_seed(61)
+    weight = torch.randn(HIDDEN, generator=gen, device=DEVICE).to(DTYPE)
+    for m in ROWS:
+        nbytes = 2 * m * HIDDEN * 2
+        pairs = [(torch.randn(m, HIDDEN, generator=gen, device=DEVICE).to(DTYPE),
+                  torch.randn(m, HIDDEN, generator=gen, device=DEVICE).to(DTYPE))
+                 for _ in range(min(copies_for(nbytes), 16))]
+        for fp8 in (False, True):
+            want = triton_ops.rms_norm(pairs[0][0], weight, 1e-5, pairs[0][1], fp8=fp8)
+            configured = _NORM_WARPS(HIDDEN)
+            for warps in NORM_WARPS:
+                triton_ops._norm_warps = lambda block, w=warps: w
+                try:
+                    got = triton_ops.rms_norm(pairs[0][0], weight, 1e-5, pairs[0][1], fp8=fp8)
+                    us = graph_us_per_launch(
+                        lambda p: triton_ops.rms_norm(p[0], weight, 1e-5, p[1], fp8=fp8), pairs)
+                finally:
+                    triton_ops._norm_warps = _NORM_WARPS
+                equal = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                            for a, b in zip(_flat(got), _flat(want)))
+                moved = nbytes + m * HIDDEN * (3 if fp8 else 4)
+                rows.append(dict(part="norm", rows=m, fp8=fp8, warps=warps,
+                                 configured=warps == configured, us=us,
+                                 tb_s=moved / us / 1e6, equal=equal))
+                print(f"norm rows {m:5} {'fp8 ' if fp8 else 'bf16'} warps {warps:2}"
+                      f"{' (configured)' if warps == configured else ''}: {us:7.1f} us "
+                      f"{rows[-1]['tb_s']:5.2f} TB/s{'' if equal else '  DIFFERS'}", flush=True)
+        del pairs
+        torch.cuda.empty_cache()
+    return rows
+
+
+_NORM_WARPS = triton_ops._norm_warps
+
+
+def _flat(value) -> list[torch.Tensor]:
+    """The tensors of a nested tuple of outputs, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for v in value for t in _flat(v)]
+
+
+def best_table(rows: list[dict[str, Any]]) -> str:
+    """The fastest setting of each case beside the engine's, one line each."""
+    lines = []
+    keyed: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        key = (row["part"], row.get("case"), row.get("cache"), row.get("rows"), row.get("fp8"))
+        keyed.setdefault(key, []).append(row)
+    for key, group in keyed.items():
+        # A decode tile sums in another order (outputs differ in the last bits).
+        best = min((r for r in group if r.get("equal", True) or r["part"] == "decode"),
+                   key=lambda r: r["us"])
+        setting = {k: best[k] for k in ("tile", "block", "warps", "rope_and_write") if k in best}
+        lines.append(f"{' '.join(str(k) for k in key if k is not None):32} best {best['us']:7.1f} us "
+                     f"{setting}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--parts", default="decode,gap,silu,norm")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("decode_step_sweep.py needs a CUDA GPU.")
+        return 2
+    parts = {"decode": decode_rows, "gap": gap_rows, "silu": silu_rows, "norm": norm_rows}
+    rows: list[dict[str, Any]] = []
+    for name in args.parts.split(","):
+        rows += parts[name]()
+        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows},
+                                       indent=1) + "\n")
+    print(best_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
