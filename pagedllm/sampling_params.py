@@ -13,6 +13,9 @@ Semantics (vLLM's, which OpenAI clients expect):
 - ``detokenize=False``: outputs carry token ids and empty text, and logprobs no decoded
   tokens; nothing is decoded for the request (stop strings, which live in text, are refused).
 - ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled before this many output tokens.
+- ``logit_bias`` maps token ids to values added to their logits before the penalties and
+  the draw (OpenAI's: -100 all but bans a token, 100 all but forces it; logprobs stay
+  those of the raw logits).
 - ``logprobs = k`` returns, per output token, the sampled token's logprob plus the top k;
   ``prompt_logprobs = k`` does the same for every prompt token (the first is None).
 - ``seed`` makes a request's samples independent of whatever else is in the batch.
@@ -24,6 +27,7 @@ Semantics (vLLM's, which OpenAI clients expect):
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 from pagedllm.structured.params import StructuredOutputsParams
@@ -54,6 +58,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
     # Filled in by the engine from the tokenizer/generation config; not a user knob.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -69,6 +74,8 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if not self.logit_bias:
+            self.logit_bias = None
         self._validate()
 
     def _validate(self) -> None:
@@ -118,6 +125,17 @@ class SamplingParams:
                       "a StructuredOutputsParams, a dict of its fields, or None")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", self.logit_bias, "a dict of token ids to biases")
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise bad("logit_bias", self.logit_bias,
+                              f"keyed by non-negative integer token ids (not {token!r})")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                        or not math.isfinite(bias):
+                    raise bad("logit_bias", self.logit_bias,
+                              f"a dict of finite numbers (token {token}: {bias!r})")
 
     @property
     def has_penalties(self) -> bool:
@@ -148,4 +166,6 @@ class SamplingParams:
             setattr(new, key, value)
         new.stop = list(new.stop)
         new.stop_token_ids = list(new.stop_token_ids)
+        if new.logit_bias is not None:
+            new.logit_bias = dict(new.logit_bias)
         return new

@@ -132,6 +132,11 @@ class InputProcessor:
             )
         if params.structured_outputs is not None:
             self.validate_structured_outputs(params)
+        if params.logit_bias is not None:
+            outside = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+            if outside:
+                raise ValueError(f"logit_bias must name token ids of the vocabulary "
+                                 f"[0, {self.vocab_size}), got {outside[0]}.")
         params = params.clone(eos_token_ids=self.eos_token_ids)
         requests = []
         for index in range(params.n):

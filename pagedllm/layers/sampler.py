@@ -5,6 +5,7 @@ Order of operations per step (vLLM semantics)::
     logits ──> grammar masks (constrained rows: disallowed tokens -> -inf) = the raw logits
     raw logits ──> logprobs to return (log_softmax of the RAW logits)
         │
+        ├─ logit_bias           (each listed token's bias added to its logit)
         ├─ repetition penalty   (tokens seen in prompt or output: divide positive, multiply negative)
         ├─ presence / frequency (tokens seen in output: subtract presence * seen, frequency * count)
         ├─ min_tokens           (EOS and stop_token_ids -> -inf while the output is too short)
@@ -32,8 +33,8 @@ refuses is drawn again under its mask with the same noise (``Sampler.redraw``). 
 over the allowed tokens with the noise of the first draw picks the token that masking
 first would have picked: when the first winner is allowed it also wins among the allowed
 tokens, so the token, and how far a seeded generator advances, are the same either way.
-That holds because everything before the race (penalties, ``min_tokens``, temperature)
-acts token by token and commutes with the mask; top-k, top-p and min-p depend on the whole
+That holds because everything before the race (logit bias, penalties, ``min_tokens``,
+temperature) acts token by token and commutes with the mask; top-k, top-p and min-p depend on the whole
 distribution, so rows with them are masked first.
 
 Everything per row is a tensor built once per step by ``SamplingMetadata.build``; the
@@ -91,6 +92,10 @@ class SamplingMetadata:
     seen_mask: torch.Tensor | None = None
     # [B, V] float32: how often each token appears in the output so far.
     output_counts: torch.Tensor | None = None
+    # (rows, token ids, biases) to add to the logits: the rows' logit_bias entries.
+    logit_bias_rows: torch.Tensor | None = None  # int64 [E]
+    logit_bias_token_ids: torch.Tensor | None = None  # int64 [E]
+    logit_bias_values: torch.Tensor | None = None  # float32 [E]
     # (rows, token ids) to set to -inf: stop tokens of rows still short of min_tokens.
     min_tokens_rows: torch.Tensor | None = None
     min_tokens_token_ids: torch.Tensor | None = None
@@ -163,6 +168,10 @@ class SamplingMetadata:
         if not all_greedy:
             _build_random(meta, params, greedy, generators, vocab_size, device)
 
+        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias is not None]
+        if biased:
+            _build_logit_bias(meta, biased, device)
+
         if any(p.has_penalties for p in params):
             if counts is None:  # a table for this step alone
                 counts = RowCounts(TokenCounts(num_rows, vocab_size, device), list(range(num_rows)),
@@ -227,6 +236,19 @@ def _build_random(
         meta.min_p = to_device(min_p, torch.float32)
     if not meta.all_random:
         meta.greedy_mask = to_device(greedy, torch.bool)
+
+
+def _build_logit_bias(meta: SamplingMetadata, biased: list[tuple[int, dict[int, float]]],
+                      device: torch.device | str) -> None:
+    """The (row, token, bias) entries of the rows with a ``logit_bias`` (``biased``: row
+    index and its dict), flattened for one ``index_put`` a step."""
+    counts = [len(bias) for _, bias in biased]
+    rows = np.repeat(np.array([row for row, _ in biased], dtype=np.int64), counts)
+    ids = np.fromiter((t for _, bias in biased for t in bias), dtype=np.int64, count=len(rows))
+    values = np.fromiter((b for _, bias in biased for b in bias.values()), dtype=np.float32,
+                         count=len(rows))
+    meta.logit_bias_rows, meta.logit_bias_token_ids, meta.logit_bias_values = (
+        torch.from_numpy(a).to(device, non_blocking=True) for a in (rows, ids, values))
 
 
 def _build_penalties(
@@ -512,8 +534,13 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def penalized_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """``logits`` after the penalties and ``min_tokens`` (float32 when either applies, else
-    ``logits`` itself; never modified in place): what greedy rows take the argmax of."""
+    """``logits`` after the logit bias, the penalties and ``min_tokens`` (float32 when any
+    applies, else ``logits`` itself; never modified in place): what greedy rows take the
+    argmax of."""
+    if meta.logit_bias_rows is not None:
+        logits = logits.float().index_put(
+            (meta.logit_bias_rows, meta.logit_bias_token_ids), meta.logit_bias_values,
+            accumulate=True)
     if not meta.no_penalties:
         logits = apply_penalties(logits.float(), meta)
     if meta.min_tokens_rows is not None:

@@ -83,6 +83,26 @@ def test_min_tokens_holds_back_stop_tokens(llm, prompt):
     assert stop_id not in out.token_ids[:3]
 
 
+def test_logit_bias_bans_the_greedy_tokens_and_leaves_logprobs_raw(llm, prompt):
+    """Banning each greedy token with -100 moves greedy decoding elsewhere, for every
+    request of a batch (n > 1 children too); the logprobs reported stay those of the raw
+    logits, as OpenAI's and vLLM's do; a batch neighbour without a bias is unchanged."""
+    greedy = run(llm, [prompt], temperature=0.0, max_tokens=6, ignore_eos=True,
+                 logprobs=1)[0].outputs[0]
+    banned = {t: -100.0 for t in greedy.token_ids}
+    plain, biased = llm.generate(
+        [prompt, prompt],
+        [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+         SamplingParams(temperature=1.0, n=2, seed=7, max_tokens=6, ignore_eos=True,
+                        logit_bias=banned, logprobs=0)], use_tqdm=False)
+    assert plain.outputs[0].token_ids == greedy.token_ids
+    for choice in biased.outputs:
+        assert not set(choice.token_ids) & set(banned)
+        # A banned token's raw logprob is reported as the model gave it.
+        first = choice.logprobs[0][choice.token_ids[0]].logprob
+        assert first < greedy.logprobs[0][greedy.token_ids[0]].logprob
+
+
 def test_n_returns_n_distinct_completions(llm, prompt):
     out = run(llm, [prompt], temperature=1.0, n=3, seed=5, max_tokens=8)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
@@ -188,10 +208,13 @@ def test_prompt_longer_than_max_model_len_fails_at_submission(llm, prompt):
 def test_out_of_vocabulary_token_id_is_rejected(llm):
     with pytest.raises(ValueError, match="out of the vocabulary"):
         run(llm, [{"prompt_token_ids": [1, 10**6]}])
+    with pytest.raises(ValueError, match="logit_bias must name token ids of the vocabulary"):
+        run(llm, [{"prompt_token_ids": [1, 2]}], logit_bias={10**6: 1.0})
 
 
 @pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0},
-                                 {"logprobs": 50}, {"min_p": 2.0}])
+                                 {"logprobs": 50}, {"min_p": 2.0}, {"logit_bias": {"5": 1.0}},
+                                 {"logit_bias": {5: float("nan")}}, {"logit_bias": [5]}])
 def test_invalid_sampling_params_name_the_parameter(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)

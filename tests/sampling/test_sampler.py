@@ -269,6 +269,25 @@ def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
     assert sample(logits[:1], [params], outputs=[[]], vocab_size=4) == [1]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_adds_to_the_listed_logits_before_penalties(device):
+    """Bias is added per row to the listed tokens only, before the repetition penalty
+    divides the biased logit, so greedy and random rows follow the biased distribution;
+    the raw logits the caller passed are left alone."""
+    logits = torch.tensor([[3.0, 2.0, 0.0, 1.0]] * 3, device=device)
+    kept = logits.clone()
+    params = [SamplingParams(temperature=0, logit_bias={2: 5.0}),  # 5.0 beats 3.0
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logit_bias={2: 5.0}, repetition_penalty=2.0)]
+    # Row 2: token 2 seen, so its biased logit 5.0 is halved to 2.5, below token 0's 3.0.
+    assert sample(logits, params, prompts=[[1], [1], [2]], vocab_size=4) == [2, 0, 0]
+    assert torch.equal(logits, kept)
+    banned = SamplingParams(temperature=1.0, seed=0, logit_bias={0: -100.0, 1: -100.0})
+    gens = [torch.Generator(device=device).manual_seed(0)]
+    draws = [sample(logits[:1], [banned], vocab_size=4, generators=gens)[0] for _ in range(40)]
+    assert set(draws) <= {2, 3} and len(set(draws)) == 2
+
+
 def test_metadata_rejects_ragged_inputs():
     with pytest.raises(ValueError, match="output_token_ids"):
         SamplingMetadata.build([SamplingParams()], [[1]], [], [None], V, "cpu")
@@ -374,14 +393,16 @@ def test_check_then_mask_draws_the_token_masking_first_draws():
     """A row sampled without its mask, kept if the mask allows its token and drawn again
     under the mask otherwise (with the noise of its first draw), gets the token that
     masking before sampling gives: greedy and random rows, seeded and not, with penalties,
-    min_tokens and temperatures; seeded generators end in the same state."""
+    logit biases, min_tokens and temperatures; seeded generators end in the same state."""
     rows = 24
     eos = frozenset({3})
     params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.6][i % 4],
                              seed=i if i % 3 == 0 else None,
                              repetition_penalty=1.4 if i % 5 == 0 else 1.0,
                              frequency_penalty=0.5 if i % 7 == 0 else 0.0,
-                             min_tokens=4 if i % 2 else 0).clone(eos_token_ids=eos)
+                             min_tokens=4 if i % 2 else 0,
+                             logit_bias={5: 2.5, 9: -1.5} if i % 4 == 1 else None,
+                             ).clone(eos_token_ids=eos)
               for i in range(rows)]
     outputs = [[(i * 7 + k) % V for k in range(i % 4)] for i in range(rows)]
     for step in range(5):

@@ -143,3 +143,30 @@ def test_raw_sse_lines_end_with_done(http):
     first = json.loads(lines[0][len("data: "):])
     assert first["object"] == "text_completion" and first["model"] == MODEL_NAME
     assert "usage" not in first  # only with stream_options.include_usage
+
+
+def test_logit_bias_forces_and_bans_tokens_through_the_openai_client(client, http):
+    """OpenAI's logit_bias: +100 on one token makes every sampled token that one (at
+    temperature 1 too); -100 on the greedy choice moves greedy decoding off it; biases
+    past +-100 are clamped, as OpenAI's range is."""
+    forced = http.post("/tokenize", json={"prompt": " fox"}).json()["tokens"][-1]
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=1, seed=3,
+        logit_bias={str(forced): 100},
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert response.choices[0].token_ids == [forced] * 6
+
+    def first_greedy_token(**bias) -> int:
+        response = client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=1, temperature=0, **bias,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        return response.choices[0].token_ids[0]
+
+    first = first_greedy_token()
+    for bias in (-100, -1e9):
+        assert first_greedy_token(logit_bias={str(first): bias}) != first
+
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        logit_bias={str(forced): 100}, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert chat.choices[0].token_ids == [forced] * 4

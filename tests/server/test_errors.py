@@ -28,6 +28,15 @@ def complete(http, **body):
     return http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, **body})
 
 
+def test_bad_logit_bias_is_400_naming_it(http):
+    """A key that is not a token id, one outside the vocabulary, a negative one and a
+    bias that is not a number are refused; the server answers the next request."""
+    for bias in ({"abc": 5}, {"99999999": 5}, {"-3": 5}, {"5": "lots"}):
+        error = assert_error(complete(http, logit_bias=bias), 400, param="logit_bias")
+        assert "logit_bias" in error["message"]
+    assert complete(http, max_tokens=2).status_code == 200
+
+
 def test_invalid_sampling_value_is_400_naming_the_parameter(http, client):
     error = assert_error(complete(http, temperature=-1), 400, param="temperature")
     assert "temperature" in error["message"]
@@ -93,7 +102,8 @@ def test_unsupported_openai_fields_are_refused_by_name(http):
     assert_error(http.post("/v1/chat/completions",
                            json={**body, "response_format": {"type": "yaml"}}),
                  400, param="response_format")
-    assert_error(complete(http, logit_bias={"5": 10}), 400, param="logit_bias")
+    assert_error(complete(http, logits_processors=["my.module:Proc"]), 400,
+                 param="logits_processors")
     assert_error(complete(http, priority=1), 400, param="priority")
     assert_error(http.post("/v1/chat/completions", json={**body, "top_logprobs": 2}),
                  400, param="top_logprobs")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -129,9 +130,6 @@ class OpenAIServing:
         if refused:
             raise OpenAIError(f"{REFUSED_FIELDS[refused[0]]} is not supported by this server; "
                               f"remove {refused[0]}.", param=refused[0])
-        if request.logit_bias:
-            raise OpenAIError("logit_bias is not supported by this server yet; remove it.",
-                              param="logit_bias")
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options is only allowed when stream is true.",
                               param="stream_options")
@@ -195,6 +193,7 @@ class OpenAIServing:
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 structured_outputs=structured_outputs,
+                logit_bias=logit_bias(request),
             )
         except ValueError as exc:
             raise bad_request(exc) from None
@@ -323,3 +322,25 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
     finally:
         for task in pending:
             task.cancel()
+
+
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def logit_bias(request: SamplingFields) -> dict[int, float] | None:
+    """The request's ``logit_bias`` keyed by token id, each bias clamped to [-100, 100] as
+    OpenAI's range is (None when absent or empty); a 400 for a key that is not an integer."""
+    if not request.logit_bias:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in request.logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise OpenAIError(f"logit_bias maps token ids (integers, as JSON keys) to biases; "
+                              f"{key!r} is not a token id.", param="logit_bias") from None
+        if not math.isfinite(value):
+            raise OpenAIError(f"logit_bias of token {token} is {value}: give a finite number.",
+                              param="logit_bias")
+        bias[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, value))
+    return bias
