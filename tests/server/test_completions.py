@@ -77,6 +77,33 @@ def test_echo_prepends_prompt_and_its_logprobs(client):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client):
+    """``echo`` with ``max_tokens: 0`` (vLLM's prompt scoring): the prompt's text and
+    logprobs, nothing generated (no token, no usage), in full and streamed; without echo
+    ``max_tokens: 0`` stays a 400 (test_errors)."""
+    with_one = greedy(client, max_tokens=1, echo=True, logprobs=2)
+    scored = greedy(client, max_tokens=0, echo=True, logprobs=2)
+    [choice] = scored.choices
+    num_prompt = scored.usage.prompt_tokens
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    lp, want = choice.logprobs, with_one.choices[0].logprobs
+    assert len(lp.tokens) == num_prompt
+    assert lp.tokens == want.tokens[:num_prompt]
+    assert lp.token_logprobs == pytest.approx(want.token_logprobs[:num_prompt], abs=1e-5)
+
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.tokens]
+    assert text == PROMPT and len(tokens) == num_prompt
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+
+
 def test_logprobs_give_sampled_and_top_tokens(client):
     response = greedy(client, max_tokens=6, logprobs=3)
     lp = response.choices[0].logprobs

@@ -62,12 +62,15 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             prompts = self._prompts(request)
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        # ``echo`` with ``max_tokens: 0`` scores the prompt alone (vLLM's): one token is
+        # generated, for the engine needs one, and left out of the response.
+        max_tokens = 1 if prompt_only(request) else request.max_tokens
         constraint = await self.structured_outputs(request)
         request_id = random_id("cmpl")
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                params = self.sampling_params(request, request.max_tokens, request.logprobs,
+                params = self.sampling_params(request, max_tokens, request.logprobs,
                                               prompt_logprobs, constraint)
                 params.max_tokens = self.check_context(len(prompt.token_ids), params.max_tokens,
                                                        "prompt", "max_tokens")
@@ -136,6 +139,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = [_Choice() for _ in range(len(prompts) * n)]
         prompt_logprobs: list[list] = [[] for _ in prompts]
         cached = [0] * len(prompts)
+        generated = not prompt_only(request)
         async for i, out in merge_streams(streams):
             assert isinstance(out, RequestOutput)
             cached[i] = max(cached[i], out.num_cached_tokens)
@@ -143,11 +147,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs[i].extend(out.prompt_logprobs)
             for c in out.outputs:
                 choice = choices[i * n + c.index]
+                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+                if not generated:
+                    continue
                 choice.text += c.text
                 choice.token_ids.extend(c.token_ids)
                 if c.logprobs:
                     choice.logprobs.extend(c.logprobs)
-                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
 
         with_ids = self.wants_token_ids(request)
         result = []
@@ -185,6 +191,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs: list[list] = [[] for _ in prompts]
         cached = [0] * len(prompts)
         num_completion_tokens = 0
+        generated = not prompt_only(request)
         try:
             async for i, out in merge_streams(streams):
                 assert isinstance(out, RequestOutput)
@@ -193,8 +200,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_logprobs[i].extend(out.prompt_logprobs)
                 for c in out.outputs:
                     index = i * n + c.index
-                    num_completion_tokens += len(c.token_ids)
-                    text = c.text
+                    token_ids, text = (c.token_ids, c.text) if generated else ([], "")
+                    num_completion_tokens += len(token_ids)
                     logprobs = CompletionLogprobs() if request.logprobs is not None else None
                     first = not started[index]
                     if first:
@@ -205,10 +212,10 @@ class OpenAIServingCompletion(OpenAIServing):
                             if logprobs is not None:
                                 offsets[index] = self._logprobs(
                                     prompt.token_ids, prompt_logprobs[i], 0, logprobs)
-                    if logprobs is not None:
-                        offsets[index] = self._logprobs(c.token_ids, c.logprobs or [],
+                    if logprobs is not None and generated:
+                        offsets[index] = self._logprobs(token_ids, c.logprobs or [],
                                                         offsets[index], logprobs)
-                    if not text and not c.token_ids and c.finish_reason is None:
+                    if not text and not token_ids and c.finish_reason is None:
                         continue
                     choice = {
                         "index": index, "text": text,
@@ -218,7 +225,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if with_ids:
                         if first:
                             choice["prompt_token_ids"] = prompts[i].token_ids
-                        choice["token_ids"] = c.token_ids
+                        choice["token_ids"] = token_ids
                     chunk = {"id": request_id, "object": "text_completion", "created": created,
                              "model": model, "choices": [choice]}
                     if include_usage:
@@ -234,6 +241,12 @@ class OpenAIServingCompletion(OpenAIServing):
             for stream in streams:
                 stream.close()
         yield SSE_DONE
+
+
+def prompt_only(request: CompletionRequest) -> bool:
+    """Whether the request scores its prompt without generating: ``echo`` with
+    ``max_tokens: 0``."""
+    return request.echo and request.max_tokens == 0
 
 
 def _has_text(prompt: str | list[str] | list[int] | list[list[int]]) -> bool:
