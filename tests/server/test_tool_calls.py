@@ -151,6 +151,14 @@ def auto_server(server_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_coder_server(server_model_dir, tmp_path_factory):
+    with started_server(server_model_dir, tmp_path_factory, "qwen3-coder-tools",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
+                        "--chat-template", str(QWEN_TEMPLATE)) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
 def reasoning_server(server_model_dir, tmp_path_factory):
     with started_server(server_model_dir, tmp_path_factory, "reasoning", "--reasoning-parser",
                         "deepseek_r1", "--chat-template", str(QWEN_TEMPLATE)) as remote:
@@ -191,6 +199,27 @@ def test_auto_reads_hermes_calls_streamed_or_not(auto_server):
             create(client, tools=SHORT_TOOLS, extra_body=body, stream=True))[0]
         assert (content, finish) == ("Let me check.", "tool_calls")
         assert [(n, a) for _, n, a in calls.values()] == [("get_weather", call.function.arguments)]
+
+
+def test_auto_reads_qwen3_coder_calls_typed_by_the_request_tools(qwen3_coder_server):
+    """Qwen3-Coder's format: each parameter's text is typed by the request's tool (days is
+    an integer there), streamed or not."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"},
+                                         "days": {"type": "integer"}}}}}]
+    call = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    body = {"guided_regex": "Let me check\\.\n" + call}
+    with openai_client(qwen3_coder_server) as client:
+        [choice] = create(client, tools=tools, extra_body=body).choices
+        assert (choice.message.content, choice.finish_reason) == ("Let me check.", "tool_calls")
+        [made] = choice.message.tool_calls
+        assert made.function.name == "get_weather"
+        assert json.loads(made.function.arguments) == {"city": "Paris", "days": 3}
+        content, calls, finish = collect_stream(
+            create(client, tools=tools, extra_body=body, stream=True))[0]
+        assert (content, finish) == ("Let me check.", "tool_calls")
+        assert [(n, a) for _, n, a in calls.values()] == [("get_weather", made.function.arguments)]
 
 
 def test_auto_without_a_call_is_plain_content(auto_server):

@@ -10,7 +10,7 @@ import pytest
 
 from pagedllm.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
-    ToolParser, get_tool_parser, make_tool_call_id,
+    Qwen3CoderToolParser, ToolParser, get_tool_parser, make_tool_call_id,
 )
 from pagedllm.entrypoints.openai.tool_parsers.partial import (
     dumps_json, parse_partial_json, stable_dumps,
@@ -159,11 +159,56 @@ PYTHONIC_CASES = [
     ("[get weather]", "[get weather]", []),
 ]
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "lat": {"type": "number"}, "tags": {"type": "array"}, "where": {"type": "object"},
+        "note": {"type": "string"}}}}}
+
+
+def qwen3_coder_parser() -> Qwen3CoderToolParser:
+    """The parser as a request with ``WEATHER_TOOL`` gets it."""
+    return Qwen3CoderToolParser().for_tools([WEATHER_TOOL])
+
+
+QWEN3_CODER_CASES = [
+    ("Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n"
+     "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+     "Let me check.", [("get_weather", {"city": "San Francisco", "days": 3})]),
+    # Every type; a value with newlines, tags of other formats and quotes kept as text;
+    # an undeclared parameter as text; two functions in one block, then a second block.
+    ("<tool_call>\n<function=get_weather>\n<parameter=metric>\nTrue\n</parameter>\n"
+     "<parameter=lat>\n-33.5\n</parameter>\n<parameter=tags>\n[\"a\", 2]\n</parameter>\n"
+     "<parameter=where>\n{'x': (1, 2)}\n</parameter>\n<parameter=note>\nline 1\n\n"
+     "\"quoted\" </tool_call> ☕\n</parameter>\n<parameter=extra>\n7\n</parameter>\n"
+     "</function>\n<function=get_weather>\n<parameter=days>\nnull\n</parameter>\n</function>\n"
+     "</tool_call>\nDone.\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+     "Done.", [("get_weather", {"metric": True, "lat": -33.5,
+                                "tags": ["a", 2], "where": {"x": [1, 2]},
+                                "note": 'line 1\n\n"quoted" </tool_call> ☕', "extra": "7"}),
+               ("get_weather", {"days": None}), ("get_time", {})]),
+    # Values that do not read as their type stay text; the first of two same names counts;
+    # missing end tags (the next tag ends a value; generation stopped in the last block).
+    ("<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n"
+     "<parameter=lat>\nnan\n</parameter>\n<parameter=city>\nOslo\n<parameter=city>\nRome\n"
+     "</parameter>\n<parameter=note>\nnullable\n</function>",
+     None, [("get_weather", {"days": "three", "lat": "nan", "city": "Oslo",
+                             "note": "nullable"})]),
+    # A bare function block (no wrapper).
+    ("Sure: <function=get_weather><parameter=city>Paris</parameter></function> ok",
+     "Sure:\nok", [("get_weather", {"city": "Paris"})]),
+    # No function in the block, or no name: content as written.
+    ("<tool_call>\nnot a call\n</tool_call> and <function=> here",
+     "<tool_call>\nnot a call\n</tool_call> and <function=> here", []),
+    ("Use <tool_call> tags for calls.", "Use <tool_call> tags for calls.", []),
+]
+
 ALL_CASES = [(HermesToolParser, case) for case in HERMES_CASES] + [
     (Llama3JsonToolParser, case) for case in LLAMA3_CASES] + [
     (MistralToolParser, case) for case in MISTRAL_CASES] + [
     (PythonicToolParser, case) for case in PYTHONIC_CASES]
-CASE_IDS = [f"{cls.name}-{i}" for i, (cls, _) in enumerate(ALL_CASES)]
+ALL_CASES += [(qwen3_coder_parser, case) for case in QWEN3_CODER_CASES]
+CASE_IDS = [f"{getattr(cls, 'name', 'qwen3_coder')}-{i}" for i, (cls, _) in enumerate(ALL_CASES)]
 
 
 @pytest.mark.parametrize(("parser_cls", "case"), ALL_CASES, ids=CASE_IDS)
@@ -175,6 +220,23 @@ def test_extract_finds_calls_and_content(parser_cls, case):
 @pytest.mark.parametrize(("parser_cls", "case"), ALL_CASES, ids=CASE_IDS)
 def test_stream_cut_anywhere_adds_up_to_extract(parser_cls, case):
     assert_streams_like_extract(parser_cls(), case[0])
+
+
+def test_qwen3_coder_streams_a_text_value_as_it_is_generated_and_types_the_rest_whole():
+    """A text parameter's value grows with the text (its closing newline held back); a
+    typed one arrives whole when it ends; without the request's tools every value is text."""
+    head = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Fr"
+    stream = qwen3_coder_parser().stream()
+    first = stream.feed(head)
+    assert first.tool_calls[0].name == "get_weather"
+    assert first.tool_calls[0].arguments == '{"city": "San Fr'
+    assert stream.feed("ancisco\n").tool_calls[0].arguments == "ancisco"
+    assert stream.feed("</parameter>\n<parameter=days>\n1").tool_calls[0].arguments == '"'
+    assert stream.feed("2\n") is None  # a number may still grow
+    assert stream.feed("</parameter>").tool_calls[0].arguments == ', "days": 12'
+    untyped = Qwen3CoderToolParser().extract(head + "\n</parameter><parameter=days>2</parameter>"
+                                             "</function></tool_call>")
+    assert json.loads(untyped.tool_calls[0].function.arguments) == {"city": "San Fr", "days": "2"}
 
 
 RENDERERS = {
@@ -204,6 +266,33 @@ def test_random_arguments_stream_like_extract(form):
         expected = extracted(parser, text)
         cuts = list(chunkings(text, seed=rng.randrange(100), num_random=8))
         for chunks in cuts[-9:]:
+            assert streamed(parser, chunks) == expected
+
+
+def test_qwen3_coder_random_values_stream_like_extract():
+    """Seeded random text values (quotes, backslashes, newlines, brackets, non-ASCII, tag
+    fragments) and typed numbers, in blocks with and without end tags, streamed in random
+    cuts."""
+    parser = qwen3_coder_parser()
+    rng = random.Random(11)
+    alphabet = ["a", " ", '"', "\\", "\n", "é", "😀", "<", ">", "/", "=", "<parameter", "</"]
+    for _ in range(40):
+        calls, blocks = [], []
+        for _ in range(rng.randint(1, 3)):
+            values = {f"p{i}": "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 10)))
+                      for i in range(rng.randint(0, 3))}
+            # "null" reads as null; a whole tag cannot be a value's text in this format.
+            values = {k: v for k, v in values.items()
+                      if v.lower() != "null" and "<parameter=" not in v}
+            params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+            days = rng.randint(-5, 500)
+            calls.append(("get_weather", {**values, "days": days}))
+            blocks.append(f"<tool_call>\n<function=get_weather>\n{params}"
+                          f"<parameter=days>\n{days}\n</parameter>\n</function>\n</tool_call>")
+        text = "Sure.\n" + "\n".join(blocks)
+        assert_extracts(parser, text, "Sure.", calls)
+        expected = extracted(parser, text)
+        for chunks in list(chunkings(text, seed=rng.randrange(100), num_random=8))[-9:]:
             assert streamed(parser, chunks) == expected
 
 
@@ -344,13 +433,13 @@ def test_only_mistral_needs_special_tokens_kept():
 
 
 def test_registry_names_the_parsers():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
     for name, cls in TOOL_PARSERS.items():
         assert get_tool_parser(name) is cls and cls.name == name
 
 
 def test_unknown_parser_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"'qwen'.*hermes, llama3_json, mistral, pythonic"):
+    with pytest.raises(ValueError, match=r"'qwen'.*hermes, llama3_json, mistral, pythonic, qwen3_coder"):
         get_tool_parser("qwen")
 
 

@@ -71,7 +71,7 @@ def plan_tools(request: ChatCompletionRequest, auto_parser: ToolParser | None) -
                 'tool_choice "auto" (the default with tools) needs the server to run with '
                 "--enable-auto-tool-choice and --tool-call-parser: restart it so, or send "
                 'tool_choice "required", a named function, or "none".', param="tool_choice")
-        return ToolPlan("auto", tools, None, auto_parser, single)
+        return ToolPlan("auto", tools, None, auto_parser.for_tools(tools), single)
     if choice == "required":
         return ToolPlan("required", tools, {"json": _required_schema(functions, single)},
                         RequiredCallsParser(), single)

@@ -10,10 +10,12 @@ from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 from pagedllm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+from pagedllm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
-    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
+                   Qwen3CoderToolParser)
 }
 
 
@@ -25,5 +27,5 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 __all__ = [
     "TOOL_PARSERS", "DeltaMessage", "DeltaToolCall", "ExtractedToolCalls", "FunctionCall",
     "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "PythonicToolParser",
-    "ToolCall", "ToolCallStream", "ToolParser", "get_tool_parser", "make_tool_call_id",
+    "Qwen3CoderToolParser", "ToolCall", "ToolCallStream", "ToolParser", "get_tool_parser", "make_tool_call_id",
 ]

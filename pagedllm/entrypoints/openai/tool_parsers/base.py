@@ -218,6 +218,11 @@ class ToolParser:
     def __init__(self, tokenizer: Tokenizer | None = None) -> None:
         self.tokenizer = tokenizer
 
+    def for_tools(self, tools: list[dict] | None) -> ToolParser:
+        """The parser for one request's ``tools``: this one, unless the format reads its
+        calls by the tools' parameters (``qwen3_coder`` types its values by them)."""
+        return self
+
     def scan(self, text: str, final: bool) -> list[Segment]:
         """Cut an output into content strings and calls, in order.
 
