@@ -159,6 +159,29 @@ def test_streaming_completion_matches_full_text_and_reports_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens
+    streamed up to it, the last chunk the whole request's."""
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    seen = 0
+    for chunk in text_chunks:
+        seen += len(chunk.choices[0].token_ids)
+        assert chunk.usage.completion_tokens == seen
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + seen
+    assert seen == 6 and chunks[-1].usage.completion_tokens == 6
+
+    chat = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chat]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 5
+
+
 def test_raw_sse_lines_end_with_done(http):
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:

@@ -94,6 +94,11 @@ class _Request(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
+
+    def usage_in_chunks(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class SamplingFields(_Request):

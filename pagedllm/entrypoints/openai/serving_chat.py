@@ -268,6 +268,7 @@ class OpenAIServingChat(OpenAIServing):
                       model: str, prompt_ids: list[int], stream: RequestStream,
                       reader: ChoiceReader) -> AsyncIterator[str]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        usage_in_chunks = bool(request.stream_options and request.stream_options.usage_in_chunks())
         with_ids = self.wants_token_ids(request)
         role_sent = [False] * request.n
         choice_streams: list[ChoiceStream] = [reader.stream() for _ in range(request.n)]
@@ -287,7 +288,8 @@ class OpenAIServingChat(OpenAIServing):
                 else:
                     choice["token_ids"] = token_ids
             if include_usage:
-                body["usage"] = None
+                body["usage"] = (usage(len(prompt_ids), num_completion_tokens, cached).model_dump()
+                                 if usage_in_chunks else None)
             return sse(body)
 
         try:

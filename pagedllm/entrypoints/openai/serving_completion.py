@@ -185,6 +185,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       prompts: list[_Prompt], streams: list[RequestStream]) -> AsyncIterator[str]:
         n = request.n
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        usage_in_chunks = bool(request.stream_options and request.stream_options.usage_in_chunks())
         with_ids = self.wants_token_ids(request)
         started = [False] * (len(prompts) * n)
         offsets = [0] * (len(prompts) * n)
@@ -229,7 +230,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     chunk = {"id": request_id, "object": "text_completion", "created": created,
                              "model": model, "choices": [choice]}
                     if include_usage:
-                        chunk["usage"] = None
+                        chunk["usage"] = None if not usage_in_chunks else usage(
+                            sum(len(p.token_ids) for p in prompts), num_completion_tokens,
+                            sum(cached)).model_dump()
                     yield sse(chunk)
             if include_usage:
                 info = usage(sum(len(p.token_ids) for p in prompts), num_completion_tokens, sum(cached))
