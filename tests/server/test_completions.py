@@ -12,9 +12,10 @@ from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME
 PROMPT = "The quick brown fox"
 
 
-def greedy(client, prompt=PROMPT, max_tokens=12, **kw):
+def greedy(client, prompt=PROMPT, max_tokens=12, extra: dict | None = None, **kw):
     return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
-                                     temperature=0, extra_body={"ignore_eos": True}, **kw)
+                                     temperature=0, extra_body={"ignore_eos": True, **(extra or {})},
+                                     **kw)
 
 
 def test_models_endpoint_lists_served_name_with_max_model_len(client, http):
@@ -157,6 +158,27 @@ def test_streaming_completion_matches_full_text_and_reports_usage(client):
     assert text_chunks[-1].choices[0].finish_reason == "length"
     assert all(c.usage is None for c in text_chunks)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, http):
+    """vLLM's truncate_prompt_tokens: the last N prompt tokens are what the model reads (an
+    echo shows them); -1 keeps up to the context length; other values are 400s."""
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    kept = greedy(client, max_tokens=4, echo=True, extra={"truncate_prompt_tokens": 2})
+    from_ids = greedy(client, prompt=ids[-2:], max_tokens=4, echo=True)
+    assert kept.usage.prompt_tokens == 2
+    assert kept.choices[0].text == from_ids.choices[0].text
+    whole = greedy(client, max_tokens=4, extra={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi " * 20}], max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    for bad in (0, -2, MAX_MODEL_LEN + 1):
+        response = http.post("/v1/completions", json={
+            "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1, "truncate_prompt_tokens": bad})
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):

@@ -70,7 +70,6 @@ REFUSED_FIELDS = {
     "bad_words": "bad_words",
     "use_beam_search": "beam search (use_beam_search)",
     "length_penalty": "length_penalty (beam search)",
-    "truncate_prompt_tokens": "truncate_prompt_tokens",
     "prompt_logprobs": "prompt_logprobs (on /v1/completions use echo with logprobs)",
     "guided_whitespace_pattern": "guided_whitespace_pattern",
     "structural_tag": "structural_tag",
@@ -128,6 +127,8 @@ class SamplingFields(_Request):
     spaces_between_special_tokens: bool = True
     priority: int = 0
     return_token_ids: bool = False
+    # vLLM's: keep only the prompt's last N tokens (-1: the model's context length).
+    truncate_prompt_tokens: int | None = None
     # Structured outputs: OpenAI's response_format, or vLLM's fields (one constraint at most).
     response_format: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None

@@ -137,6 +137,9 @@ class OpenAIServingChat(OpenAIServing):
     def _prepare(self, request: ChatCompletionRequest, plan: ToolPlan
                  ) -> tuple[str, list[int], StructuredOutputsParams | None]:
         prompt_text, prompt_ids = self._prompt(request, plan.tools)
+        kept = self.truncated(request, prompt_ids)
+        if len(kept) < len(prompt_ids):
+            prompt_text, prompt_ids = None, kept
         return prompt_text, prompt_ids, self._constraint(request, plan, prompt_ids)
 
     def _constraint(self, request: ChatCompletionRequest, plan: ToolPlan,

@@ -108,6 +108,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompts.append(_Prompt(item, ids))
             else:
                 prompts.append(_Prompt(None, list(item)))
+        for i, prompt in enumerate(prompts):
+            kept = self.truncated(request, prompt.token_ids)
+            if len(kept) < len(prompt.token_ids):  # an echo shows what was kept
+                prompts[i] = _Prompt(None, kept)
         return prompts
 
     # -- logprobs -----------------------------------------------------------------------

@@ -139,6 +139,20 @@ class OpenAIServing:
                 "priority; remove it or restart the server with that flag.", param="priority")
         return model
 
+    def truncated(self, request: SamplingFields, token_ids: list[int]) -> list[int]:
+        """The prompt's ids as ``truncate_prompt_tokens`` keeps them: the last N (-1: the
+        last ``max_model_len``); all of them when it is not set. A 400 for another value."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len
+        if not 1 <= keep <= self.max_model_len:
+            raise OpenAIError(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] "
+                              f"(the context length), got {request.truncate_prompt_tokens}.",
+                              param="truncate_prompt_tokens")
+        return token_ids[-keep:]
+
     def check_limits(self, request: SamplingFields) -> None:
         """A 400 naming the limit and its flag for ``n`` or ``stop`` past ``self.limits``."""
         limits = self.limits
