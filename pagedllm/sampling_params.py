@@ -16,6 +16,7 @@ Semantics (vLLM's, which OpenAI clients expect):
 - ``logit_bias`` maps token ids to values added to their logits before the penalties and
   the draw (OpenAI's: -100 all but bans a token, 100 all but forces it; logprobs stay
   those of the raw logits).
+- ``allowed_token_ids`` (vLLM's): only these tokens can be sampled (logprobs stay raw).
 - ``logprobs = k`` returns, per output token, the sampled token's logprob plus the top k;
   ``prompt_logprobs = k`` does the same for every prompt token (the first is None).
 - ``seed`` makes a request's samples independent of whatever else is in the batch.
@@ -59,6 +60,7 @@ class SamplingParams:
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     # Filled in by the engine from the tokenizer/generation config; not a user knob.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -76,6 +78,8 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if not self.logit_bias:
             self.logit_bias = None
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, list):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -136,6 +140,11 @@ class SamplingParams:
                         or not math.isfinite(bias):
                     raise bad("logit_bias", self.logit_bias,
                               f"a dict of finite numbers (token {token}: {bias!r})")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(isinstance(t, bool) or not isinstance(t, int)
+                                                  or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", self.allowed_token_ids,
+                      "a non-empty list of non-negative token ids, or None")
 
     @property
     def has_penalties(self) -> bool:
@@ -168,4 +177,6 @@ class SamplingParams:
         new.stop_token_ids = list(new.stop_token_ids)
         if new.logit_bias is not None:
             new.logit_bias = dict(new.logit_bias)
+        if new.allowed_token_ids is not None:
+            new.allowed_token_ids = list(new.allowed_token_ids)
         return new

@@ -132,10 +132,11 @@ class InputProcessor:
             )
         if params.structured_outputs is not None:
             self.validate_structured_outputs(params)
-        if params.logit_bias is not None:
-            outside = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+        for name in ("logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name)
+            outside = sorted(t for t in ids or () if t >= self.vocab_size)
             if outside:
-                raise ValueError(f"logit_bias must name token ids of the vocabulary "
+                raise ValueError(f"{name} must name token ids of the vocabulary "
                                  f"[0, {self.vocab_size}), got {outside[0]}.")
         params = params.clone(eos_token_ids=self.eos_token_ids)
         requests = []

@@ -5,6 +5,7 @@ Order of operations per step (vLLM semantics)::
     logits ──> grammar masks (constrained rows: disallowed tokens -> -inf) = the raw logits
     raw logits ──> logprobs to return (log_softmax of the RAW logits)
         │
+        ├─ allowed_token_ids    (every other token -> -inf)
         ├─ logit_bias           (each listed token's bias added to its logit)
         ├─ repetition penalty   (tokens seen in prompt or output: divide positive, multiply negative)
         ├─ presence / frequency (tokens seen in output: subtract presence * seen, frequency * count)
@@ -33,8 +34,8 @@ refuses is drawn again under its mask with the same noise (``Sampler.redraw``). 
 over the allowed tokens with the noise of the first draw picks the token that masking
 first would have picked: when the first winner is allowed it also wins among the allowed
 tokens, so the token, and how far a seeded generator advances, are the same either way.
-That holds because everything before the race (logit bias, penalties, ``min_tokens``,
-temperature) acts token by token and commutes with the mask; top-k, top-p and min-p depend on the whole
+That holds because everything before the race (allowed tokens, logit bias, penalties,
+``min_tokens``, temperature) acts token by token and commutes with the mask; top-k, top-p and min-p depend on the whole
 distribution, so rows with them are masked first.
 
 Everything per row is a tensor built once per step by ``SamplingMetadata.build``; the
@@ -92,6 +93,9 @@ class SamplingMetadata:
     seen_mask: torch.Tensor | None = None
     # [B, V] float32: how often each token appears in the output so far.
     output_counts: torch.Tensor | None = None
+    # Rows with allowed_token_ids (int64 [R]) and which tokens each allows (bool [R, V]).
+    allowed_rows: torch.Tensor | None = None
+    allowed_mask: torch.Tensor | None = None
     # (rows, token ids, biases) to add to the logits: the rows' logit_bias entries.
     logit_bias_rows: torch.Tensor | None = None  # int64 [E]
     logit_bias_token_ids: torch.Tensor | None = None  # int64 [E]
@@ -168,6 +172,10 @@ class SamplingMetadata:
         if not all_greedy:
             _build_random(meta, params, greedy, generators, vocab_size, device)
 
+        allowing = [(i, p.allowed_token_ids) for i, p in enumerate(params)
+                     if p.allowed_token_ids is not None]
+        if allowing:
+            _build_allowed(meta, allowing, vocab_size, device)
         biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias is not None]
         if biased:
             _build_logit_bias(meta, biased, device)
@@ -236,6 +244,18 @@ def _build_random(
         meta.min_p = to_device(min_p, torch.float32)
     if not meta.all_random:
         meta.greedy_mask = to_device(greedy, torch.bool)
+
+
+def _build_allowed(meta: SamplingMetadata, allowing: list[tuple[int, list[int]]],
+                   vocab_size: int, device: torch.device | str) -> None:
+    """The rows with ``allowed_token_ids`` (row index and its list) and their allowed tokens
+    as a ``[R, V]`` mask."""
+    mask = np.zeros((len(allowing), vocab_size), dtype=bool)
+    for r, (_, ids) in enumerate(allowing):
+        mask[r, ids] = True
+    meta.allowed_rows = torch.tensor([row for row, _ in allowing], dtype=torch.long).to(
+        device, non_blocking=True)
+    meta.allowed_mask = torch.from_numpy(mask).to(device, non_blocking=True)
 
 
 def _build_logit_bias(meta: SamplingMetadata, biased: list[tuple[int, dict[int, float]]],
@@ -534,9 +554,13 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def penalized_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """``logits`` after the logit bias, the penalties and ``min_tokens`` (float32 when any
-    applies, else ``logits`` itself; never modified in place): what greedy rows take the
-    argmax of."""
+    """``logits`` after the allowed tokens, the logit bias, the penalties and ``min_tokens``
+    (float32 when any applies, else ``logits`` itself; never modified in place): what greedy
+    rows take the argmax of."""
+    if meta.allowed_rows is not None:
+        rows = logits.float().index_select(0, meta.allowed_rows)
+        logits = logits.float().index_copy(
+            0, meta.allowed_rows, rows.masked_fill(~meta.allowed_mask, _NEG_INF))
     if meta.logit_bias_rows is not None:
         logits = logits.float().index_put(
             (meta.logit_bias_rows, meta.logit_bias_token_ids), meta.logit_bias_values,

@@ -210,11 +210,14 @@ def test_out_of_vocabulary_token_id_is_rejected(llm):
         run(llm, [{"prompt_token_ids": [1, 10**6]}])
     with pytest.raises(ValueError, match="logit_bias must name token ids of the vocabulary"):
         run(llm, [{"prompt_token_ids": [1, 2]}], logit_bias={10**6: 1.0})
+    with pytest.raises(ValueError, match="allowed_token_ids must name token ids of the vocab"):
+        run(llm, [{"prompt_token_ids": [1, 2]}], allowed_token_ids=[5, 10**6])
 
 
 @pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0},
                                  {"logprobs": 50}, {"min_p": 2.0}, {"logit_bias": {"5": 1.0}},
-                                 {"logit_bias": {5: float("nan")}}, {"logit_bias": [5]}])
+                                 {"logit_bias": {5: float("nan")}}, {"logit_bias": [5]},
+                                 {"allowed_token_ids": []}, {"allowed_token_ids": [-1]}])
 def test_invalid_sampling_params_name_the_parameter(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)

@@ -288,6 +288,22 @@ def test_logit_bias_adds_to_the_listed_logits_before_penalties(device):
     assert set(draws) <= {2, 3} and len(set(draws)) == 2
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_allowed_token_ids_limit_greedy_and_random_rows_to_their_tokens(device):
+    logits = random_logits(4, seed=9).to(device)
+    allowed = [3, 17, 30]
+    params = [SamplingParams(temperature=0, allowed_token_ids=allowed),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.5, seed=1, allowed_token_ids=allowed),
+              SamplingParams(temperature=1.5, seed=2)]
+    gens = [None, None] + [torch.Generator(device=device).manual_seed(s) for s in (1, 2)]
+    draws = [sample(logits, params, generators=gens) for _ in range(30)]
+    first = logits[0, allowed].argmax().item()
+    assert all(d[0] == allowed[first] and d[1] == logits[1].argmax().item() for d in draws)
+    assert {d[2] for d in draws} <= set(allowed) and len({d[2] for d in draws}) > 1
+    assert not {d[3] for d in draws} <= set(allowed)
+
+
 def test_metadata_rejects_ragged_inputs():
     with pytest.raises(ValueError, match="output_token_ids"):
         SamplingMetadata.build([SamplingParams()], [[1]], [], [None], V, "cpu")
@@ -393,7 +409,8 @@ def test_check_then_mask_draws_the_token_masking_first_draws():
     """A row sampled without its mask, kept if the mask allows its token and drawn again
     under the mask otherwise (with the noise of its first draw), gets the token that
     masking before sampling gives: greedy and random rows, seeded and not, with penalties,
-    logit biases, min_tokens and temperatures; seeded generators end in the same state."""
+    logit biases, allowed tokens, min_tokens and temperatures; seeded generators end in the
+    same state."""
     rows = 24
     eos = frozenset({3})
     params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.6][i % 4],
@@ -402,6 +419,7 @@ def test_check_then_mask_draws_the_token_masking_first_draws():
                              frequency_penalty=0.5 if i % 7 == 0 else 0.0,
                              min_tokens=4 if i % 2 else 0,
                              logit_bias={5: 2.5, 9: -1.5} if i % 4 == 1 else None,
+                             allowed_token_ids=list(range(0, V, 2)) if i % 6 == 2 else None,
                              ).clone(eos_token_ids=eos)
               for i in range(rows)]
     outputs = [[(i * 7 + k) % V for k in range(i % 4)] for i in range(rows)]

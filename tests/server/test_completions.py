@@ -160,6 +160,20 @@ def test_streaming_completion_matches_full_text_and_reports_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
 
 
+def test_allowed_token_ids_limit_what_is_sampled(client, http):
+    """vLLM's allowed_token_ids: every sampled token is one of them; bad ids are 400s."""
+    allowed = http.post("/tokenize", json={"prompt": " the quick fox"}).json()["tokens"]
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1, seed=5,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "allowed_token_ids": allowed})
+    assert set(response.choices[0].token_ids) <= set(allowed)
+    for bad in ([], [-1], [10**8]):
+        error = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT,
+                                                  "allowed_token_ids": bad})
+        assert error.status_code == 400
+        assert error.json()["error"]["param"] == "allowed_token_ids"
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, http):
     """vLLM's truncate_prompt_tokens: the last N prompt tokens are what the model reads (an
     echo shows them); -1 keeps up to the context length; other values are 400s."""

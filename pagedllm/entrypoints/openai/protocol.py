@@ -66,7 +66,6 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "reques
 # Fields of the OpenAI API or of vLLM that change the output and are not implemented here.
 REFUSED_FIELDS = {
     "logits_processors": "logits_processors (custom logits processors)",
-    "allowed_token_ids": "allowed_token_ids (use structured outputs: a regex or a choice)",
     "bad_words": "bad_words",
     "use_beam_search": "beam search (use_beam_search)",
     "length_penalty": "length_penalty (beam search)",
@@ -127,6 +126,7 @@ class SamplingFields(_Request):
     spaces_between_special_tokens: bool = True
     priority: int = 0
     return_token_ids: bool = False
+    allowed_token_ids: list[int] | None = None
     # vLLM's: keep only the prompt's last N tokens (-1: the model's context length).
     truncate_prompt_tokens: int | None = None
     # Structured outputs: OpenAI's response_format, or vLLM's fields (one constraint at most).

@@ -208,6 +208,7 @@ class OpenAIServing:
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 structured_outputs=structured_outputs,
                 logit_bias=logit_bias(request),
+                allowed_token_ids=request.allowed_token_ids,
             )
         except ValueError as exc:
             raise bad_request(exc) from None
