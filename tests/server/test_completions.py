@@ -160,6 +160,33 @@ def test_streaming_completion_matches_full_text_and_reports_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
 
 
+def test_prompt_logprobs_give_each_prompt_token_and_the_top_ones(client, http):
+    """vLLM's prompt_logprobs: per prompt position (None first) the prompt token and the
+    top N by id, the same logprobs an echo gives; on chat for the rendered prompt; in the
+    first streamed chunk; above 20 it is a 400."""
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    response = greedy(client, max_tokens=2, echo=True, logprobs=1, extra={"prompt_logprobs": 2})
+    entries = response.choices[0].model_extra["prompt_logprobs"]
+    echoed = response.choices[0].logprobs.token_logprobs[:len(ids)]
+    assert len(entries) == len(ids) and entries[0] is None
+    for token_id, entry, want in zip(ids[1:], entries[1:], echoed[1:]):
+        assert str(token_id) in entry and 2 <= len(entry) <= 3
+        assert entry[str(token_id)]["logprob"] == pytest.approx(want, abs=1e-5)
+        assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2]
+    stream = list(client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=2, stream=True,
+        extra_body={"prompt_logprobs": 0}))
+    first = stream[0].choices[0].model_extra["prompt_logprobs"]
+    assert len(first) == len(ids) and all(len(e) == 1 for e in first[1:])
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        extra_body={"prompt_logprobs": 1})
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    error = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT,
+                                              "prompt_logprobs": 50})
+    assert error.status_code == 400 and error.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_allowed_token_ids_limit_what_is_sampled(client, http):
     """vLLM's allowed_token_ids: every sampled token is one of them; bad ids are 400s."""
     allowed = http.post("/tokenize", json={"prompt": " the quick fox"}).json()["tokens"]

@@ -69,7 +69,6 @@ REFUSED_FIELDS = {
     "bad_words": "bad_words",
     "use_beam_search": "beam search (use_beam_search)",
     "length_penalty": "length_penalty (beam search)",
-    "prompt_logprobs": "prompt_logprobs (on /v1/completions use echo with logprobs)",
     "guided_whitespace_pattern": "guided_whitespace_pattern",
     "structural_tag": "structural_tag",
     "vllm_xargs": "vllm_xargs",
@@ -127,6 +126,8 @@ class SamplingFields(_Request):
     priority: int = 0
     return_token_ids: bool = False
     allowed_token_ids: list[int] | None = None
+    # vLLM's: the prompt tokens' logprobs and the top N at each position.
+    prompt_logprobs: int | None = None
     # vLLM's: keep only the prompt's last N tokens (-1: the model's context length).
     truncate_prompt_tokens: int | None = None
     # Structured outputs: OpenAI's response_format, or vLLM's fields (one constraint at most).
@@ -242,6 +243,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = _omitted_when_none()
     token_ids: list[int] | None = _omitted_when_none()
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = _omitted_when_none()
 
 
 class CompletionResponse(BaseModel):
@@ -296,6 +298,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = _omitted_when_none()
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = _omitted_when_none()
 
 
 class ModelCard(BaseModel):

@@ -237,8 +237,10 @@ class OpenAIServingChat(OpenAIServing):
         logprobs: list[list[dict[int, Logprob]]] = [[] for _ in range(n)]
         finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
         cached = 0
+        prompt_logprobs: list = []
         async for out in stream:
             cached = max(cached, out.num_cached_tokens)
+            prompt_logprobs.extend(out.prompt_logprobs or [])
             for c in out.outputs:
                 texts[c.index] += c.text
                 token_ids[c.index].extend(c.token_ids)
@@ -265,6 +267,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id, created=created, model=model, choices=choices,
             usage=usage(len(prompt_ids), sum(len(t) for t in token_ids), cached),
             prompt_token_ids=prompt_ids if with_ids else None,
+            prompt_logprobs=self.prompt_logprobs(request, prompt_ids, prompt_logprobs),
         )
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
@@ -277,6 +280,7 @@ class OpenAIServingChat(OpenAIServing):
         choice_streams: list[ChoiceStream] = [reader.stream() for _ in range(request.n)]
         num_completion_tokens = 0
         cached = 0
+        prompt_logprobs: list = []
 
         def chunk(index: int, delta: dict, logprobs, finish_reason=None, stop_reason=None,
                   token_ids: list[int] | None = None) -> str:
@@ -285,6 +289,8 @@ class OpenAIServingChat(OpenAIServing):
                       "finish_reason": finish_reason, "stop_reason": stop_reason}
             body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                     "model": model, "choices": [choice]}
+            if token_ids is None and request.prompt_logprobs is not None:
+                body["prompt_logprobs"] = self.prompt_logprobs(request, prompt_ids, prompt_logprobs)
             if with_ids:
                 if token_ids is None:
                     body["prompt_token_ids"] = prompt_ids
@@ -298,6 +304,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             async for out in stream:
                 cached = max(cached, out.num_cached_tokens)
+                prompt_logprobs.extend(out.prompt_logprobs or [])
                 for c in out.outputs:
                     if not role_sent[c.index]:
                         role_sent[c.index] = True

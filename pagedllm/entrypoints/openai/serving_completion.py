@@ -178,6 +178,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 stop_reason=choice.stop_reason,
                 prompt_token_ids=prompt.token_ids if with_ids else None,
                 token_ids=choice.token_ids if with_ids else None,
+                prompt_logprobs=self.prompt_logprobs(request, prompt.token_ids,
+                                                     prompt_logprobs[index // n]),
             ))
         return CompletionResponse(
             id=request_id, created=created, model=model, choices=result,
@@ -227,6 +229,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         "logprobs": None if logprobs is None else logprobs.model_dump(),
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                     }
+                    if first and request.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = self.prompt_logprobs(
+                            request, prompts[i].token_ids, prompt_logprobs[i])
                     if with_ids:
                         if first:
                             choice["prompt_token_ids"] = prompts[i].token_ids

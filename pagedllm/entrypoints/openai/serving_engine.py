@@ -184,7 +184,11 @@ class OpenAIServing:
     def sampling_params(self, request: SamplingFields, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None,
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-        """``SamplingParams`` from the request; a ValueError becomes a 400 naming the field."""
+        """``SamplingParams`` from the request; a ValueError becomes a 400 naming the field.
+        ``prompt_logprobs``: what the endpoint needs of them (an echo's), besides the
+        request's own ``prompt_logprobs``."""
+        asked = [k for k in (prompt_logprobs, request.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(asked) if asked else None
         try:
             return SamplingParams(
                 n=request.n,
@@ -269,6 +273,28 @@ class OpenAIServing:
         ranked = [(tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k]
         ranked.sort(key=lambda item: item[1].rank)
         return ranked[:k]
+
+    def prompt_logprobs(self, request: SamplingFields, token_ids: list[int],
+                        entries: list[dict[int, Logprob] | None]) -> list | None:
+        """vLLM's ``prompt_logprobs`` of a response: per prompt position (None for the first,
+        which nothing predicts), the prompt token and the ``request.prompt_logprobs`` most
+        likely ones, keyed by token id: ``{"logprob", "rank", "decoded_token"}``. None when
+        the request did not ask for them."""
+        k = request.prompt_logprobs
+        if k is None:
+            return None
+        result: list[dict[str, dict[str, Any]] | None] = []
+        for token_id, entry in zip(token_ids, entries):
+            if entry is None:
+                result.append(None)
+                continue
+            kept = dict(self.top_entries(entry, k))
+            if token_id in entry:
+                kept[token_id] = entry[token_id]
+            result.append({str(tid): {"logprob": finite_logprob(lp.logprob), "rank": lp.rank,
+                                      "decoded_token": self.token_text(tid, lp)}
+                           for tid, lp in kept.items()})
+        return result
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]],
                       top_k: int) -> list[ChatTokenLogprob]:
