@@ -9,8 +9,8 @@ import re
 import pytest
 
 from pagedllm.entrypoints.openai.tool_parsers import (
-    TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
-    Qwen3CoderToolParser, ToolParser, get_tool_parser, make_tool_call_id,
+    TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+    Phi4MiniJsonToolParser, PythonicToolParser, Qwen3CoderToolParser, ToolParser, get_tool_parser, make_tool_call_id,
 )
 from pagedllm.entrypoints.openai.tool_parsers.partial import (
     dumps_json, parse_partial_json, stable_dumps,
@@ -207,7 +207,18 @@ ALL_CASES = [(HermesToolParser, case) for case in HERMES_CASES] + [
     (Llama3JsonToolParser, case) for case in LLAMA3_CASES] + [
     (MistralToolParser, case) for case in MISTRAL_CASES] + [
     (PythonicToolParser, case) for case in PYTHONIC_CASES]
+PHI4_MINI_CASES = [
+    ('functools[{"name": "get_weather", "arguments": {"city": "San Francisco", "unit": '
+     '"celsius"}}, {"name": "get_time", "parameters": {"timezone": "Europe/Paris"}}]', None,
+     [("get_weather", WEATHER), ("get_time", {"timezone": "Europe/Paris"})]),
+    ('Checking. functools [{"name": "note", "arguments": ' + json.dumps(NOTE) + '}]\nDone.',
+     "Checking.\nDone.", [("note", NOTE)]),
+    ("import functools\nfunctools.reduce(f, xs)", "import functools\nfunctools.reduce(f, xs)", []),
+    ("functools[1, 2] and functools[]", "functools[1, 2] and functools[]", []),
+]
+
 ALL_CASES += [(qwen3_coder_parser, case) for case in QWEN3_CODER_CASES]
+ALL_CASES += [(Phi4MiniJsonToolParser, case) for case in PHI4_MINI_CASES]
 CASE_IDS = [f"{getattr(cls, 'name', 'qwen3_coder')}-{i}" for i, (cls, _) in enumerate(ALL_CASES)]
 
 
@@ -249,6 +260,8 @@ RENDERERS = {
         [{"name": name, "arguments": args} for name, args in calls])),
     "mistral_v11": (MistralToolParser, lambda calls: "".join(
         f"[TOOL_CALLS]{name}[ARGS]{json.dumps(args)}" for name, args in calls)),
+    "phi4_mini_json": (Phi4MiniJsonToolParser, lambda calls: "functools" + json.dumps(
+        [{"name": name, "arguments": args} for name, args in calls])),
 }
 
 
@@ -433,13 +446,15 @@ def test_only_mistral_needs_special_tokens_kept():
 
 
 def test_registry_names_the_parsers():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic",
+                                 "qwen3_coder"}
     for name, cls in TOOL_PARSERS.items():
         assert get_tool_parser(name) is cls and cls.name == name
 
 
 def test_unknown_parser_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"'qwen'.*hermes, llama3_json, mistral, pythonic, qwen3_coder"):
+    with pytest.raises(ValueError, match=r"'qwen'.*hermes, llama3_json, mistral, phi4_mini_json, "
+                                         r"pythonic, qwen3_coder"):
         get_tool_parser("qwen")
 
 

@@ -96,7 +96,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", default=None,
                        help="The model's tool-call format: hermes (Hermes, Qwen 2.5/3), "
                             "llama3_json (Llama 3.1/3.2), mistral, pythonic (Llama 3.2/4 "
-                            "pythonic), qwen3_coder (Qwen3-Coder) (default: none; needs "
+                            "pythonic), qwen3_coder (Qwen3-Coder), phi4_mini_json (Phi-4-mini) "
+                            "(default: none; needs "
                             "--enable-auto-tool-choice).")
     group.add_argument("--reasoning-parser", default=None,
                        help="Split <think>...</think> into reasoning_content: deepseek_r1, "
