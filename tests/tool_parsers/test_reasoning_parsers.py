@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.entrypoints.openai.reasoning import (
-    REASONING_PARSERS, DeepSeekR1ReasoningParser, Qwen3ReasoningParser, ReasoningParser,
-    get_reasoning_parser,
+    REASONING_PARSERS, DeepSeekR1ReasoningParser, MistralReasoningParser, Qwen3ReasoningParser,
+    ReasoningParser, get_reasoning_parser,
 )
 from tests.tool_parsers import chunkings
 
@@ -55,8 +55,20 @@ QWEN3_CASES = [
     ("", None, None),
 ]
 
+MISTRAL_CASES = [
+    (f"[THINK]{THOUGHT}[/THINK]{ANSWER}", THOUGHT, ANSWER),
+    (f"\n[THINK]\n{THOUGHT}\n[/THINK]\n\n{ANSWER}", THOUGHT, ANSWER),
+    (f"[THINK]{THOUGHT}", THOUGHT, None),  # stopped while thinking
+    (ANSWER, None, ANSWER),  # no thinking
+    (f"{THOUGHT}[/THINK]{ANSWER}", None, f"{THOUGHT}[/THINK]{ANSWER}"),
+    ("[THI", None, "[THI"),
+    ("[TOOL_CALLS]get_time[ARGS]{}", None, "[TOOL_CALLS]get_time[ARGS]{}"),
+    ("", None, None),
+]
+
 CASES = [(DeepSeekR1ReasoningParser, case) for case in DEEPSEEK_CASES] + [
-    (Qwen3ReasoningParser, case) for case in QWEN3_CASES]
+    (Qwen3ReasoningParser, case) for case in QWEN3_CASES] + [
+    (MistralReasoningParser, case) for case in MISTRAL_CASES]
 CASE_IDS = [f"{cls.name}-{i}" for i, (cls, _) in enumerate(CASES)]
 
 
@@ -101,12 +113,14 @@ def test_qwen3_holds_only_a_possible_think_tag():
 
 
 def test_registry_names_the_parsers():
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "mistral", "qwen3"}
     for name, cls in REASONING_PARSERS.items():
         assert get_reasoning_parser(name) is cls and cls.name == name
-        assert (cls.start_token, cls.end_token) == ("<think>", "</think>")
+        markers = ("[THINK]", "[/THINK]") if name == "mistral" else ("<think>", "</think>")
+        assert (cls.start_token, cls.end_token) == markers
+        assert cls.keeps_special_tokens == (name == "mistral")
 
 
 def test_unknown_parser_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"'r1'.*deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match=r"'r1'.*deepseek_r1, mistral, qwen3"):
         get_reasoning_parser("r1")

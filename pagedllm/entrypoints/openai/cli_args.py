@@ -101,7 +101,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                             "--enable-auto-tool-choice).")
     group.add_argument("--reasoning-parser", default=None,
                        help="Split <think>...</think> into reasoning_content: deepseek_r1, "
-                            "qwen3 (default: none, the reasoning stays in content).")
+                            "qwen3; [THINK]...[/THINK] (Magistral): mistral (default: none, the "
+                            "reasoning stays in content).")
     group.add_argument("--disable-web-ui", action="store_true",
                        help="Do not serve the playground page at / (chat, structured output, "
                             "tools and live engine charts in a browser); / then answers 404 "

@@ -112,8 +112,9 @@ class OpenAIServingChat(OpenAIServing):
         except OpenAIError as exc:
             exc.param = {"logprobs": "top_logprobs", "max_tokens": max_param}.get(exc.param, exc.param)
             raise
-        if plan.parser is not None and plan.parser.keeps_special_tokens:
-            params.skip_special_tokens = False  # the call markers are special tokens
+        if any(parser is not None and parser.keeps_special_tokens
+               for parser in (plan.parser, self.reasoning_parser)):
+            params.skip_special_tokens = False  # the markers are special tokens
         params.max_tokens = self.check_context(len(prompt_ids), params.max_tokens, "messages", max_param)
         request_id = random_id("chatcmpl")
         stream = self.submit(request_id, prompt_text, prompt_ids, params, arrival_time, request.priority)

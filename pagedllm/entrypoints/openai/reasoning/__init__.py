@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pagedllm.entrypoints.openai.reasoning.base import ReasoningParser, ReasoningStream
 from pagedllm.entrypoints.openai.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from pagedllm.entrypoints.openai.reasoning.mistral import MistralReasoningParser
 from pagedllm.entrypoints.openai.reasoning.qwen3 import Qwen3ReasoningParser
 from pagedllm.entrypoints.openai.tool_parsers.base import registered
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    parser.name: parser for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    parser.name: parser
+    for parser in (DeepSeekR1ReasoningParser, MistralReasoningParser, Qwen3ReasoningParser)
 }
 
 
@@ -18,6 +20,6 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
 
 
 __all__ = [
-    "REASONING_PARSERS", "DeepSeekR1ReasoningParser", "Qwen3ReasoningParser",
+    "REASONING_PARSERS", "DeepSeekR1ReasoningParser", "MistralReasoningParser", "Qwen3ReasoningParser",
     "ReasoningParser", "ReasoningStream", "get_reasoning_parser",
 ]

@@ -27,6 +27,8 @@ class ReasoningParser:
     name: ClassVar[str]
     start_token: str = "<think>"
     end_token: str = "</think>"
+    # True when the markers are special tokens that must not be skipped in decoding.
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tokenizer: Tokenizer | None = None) -> None:
         self.tokenizer = tokenizer
