@@ -14,6 +14,9 @@ from tests.server.conftest import MODEL_NAME, started_server, wait_for
 
 LONG = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 1000,
         "temperature": 0, "ignore_eos": True}
+# The deadline server's --request-timeout: a few times shorter than 4 x 1,000 tokens of the
+# tiny model take on an idle machine (about 2 s), so the long requests always pass it.
+DEADLINE_S = 0.5
 
 
 def gauges(remote) -> tuple[float, float, float]:
@@ -32,7 +35,7 @@ def bounded_server(server_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def deadline_server(server_model_dir, tmp_path_factory):
     with started_server(server_model_dir, tmp_path_factory, "deadline-server",
-                        "--request-timeout", "1") as remote:
+                        "--request-timeout", str(DEADLINE_S)) as remote:
         yield remote
 
 
@@ -88,13 +91,13 @@ def test_request_past_its_deadline_is_aborted_with_504(deadline_server):
     remote = deadline_server
     aborted = remote.metric("pagedllm:request_success_total", finished_reason="abort")
     start = time.perf_counter()
-    response = httpx.post(f"{remote.api_url}/completions", json={**LONG, "n": 2}, timeout=60)
-    assert 1.0 <= time.perf_counter() - start < 3.0
+    response = httpx.post(f"{remote.api_url}/completions", json={**LONG, "n": 4}, timeout=60)
+    assert DEADLINE_S <= time.perf_counter() - start < DEADLINE_S + 2.0
     assert response.status_code == 504
     error = response.json()["error"]
     assert error["code"] == "request_timeout" and "--request-timeout" in error["message"]
     assert wait_for(lambda: gauges(remote) == (0.0, 0.0, 0.0), 10), gauges(remote)
-    assert remote.metric("pagedllm:request_success_total", finished_reason="abort") == aborted + 2
+    assert remote.metric("pagedllm:request_success_total", finished_reason="abort") == aborted + 4
     assert remote.metric("pagedllm:api_server_requests") == 0
 
 
@@ -103,7 +106,7 @@ def test_stream_past_its_deadline_ends_with_an_error_event(deadline_server):
     with httpx.Client(base_url=remote.base_url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json={
                 "model": MODEL_NAME, "max_tokens": 1000, "ignore_eos": True, "stream": True,
-                "messages": [{"role": "user", "content": "hi"}]}) as response:
+                "n": 4, "messages": [{"role": "user", "content": "hi"}]}) as response:
             assert response.status_code == 200
             lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
