@@ -67,11 +67,21 @@ def driver(tmp_path_factory):
     browser.quit()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def page(driver, demo_server):
-    """The playground, loaded once and given the right key by the first test."""
-    driver.get(demo_server.base_url + "/")
-    return driver
+    """The playground loaded afresh and connected with the right key: the tab keeps the
+    key once given, else it is entered here, so each test runs alone as well as after
+    the others."""
+    page = driver
+    page.get(demo_server.base_url + "/")
+    wait(page, lambda: text(page, "#conn").startswith("connected")
+         or "needs an API key" in text(page, "#banner"))
+    if not text(page, "#conn").startswith("connected"):
+        set_value(page, "api-key", API_KEY)
+        page.find_element(By.ID, "use-key").click()
+        wait(page, lambda: text(page, "#conn").startswith("connected"))
+    severe_entries(page)  # what loading logged is not the test's
+    return page
 
 
 def wait(driver, predicate, timeout: float = WAIT_S):
@@ -131,7 +141,11 @@ def screenshot(driver, tmp_path, name: str) -> None:
         shutil.copyfile(path, REPO_ROOT / "docs" / "playground.png")
 
 
-def test_wrong_key_shows_the_servers_error_and_the_right_key_connects(page):
+def test_wrong_key_shows_the_servers_error_and_the_right_key_connects(driver, demo_server):
+    page = driver
+    page.get(demo_server.base_url + "/")
+    page.execute_script("sessionStorage.clear()")  # a tab that was never given the key
+    page.get(demo_server.base_url + "/")
     wait(page, lambda: "needs an API key" in text(page, "#banner"))
     set_value(page, "api-key", "wrong-key")
     page.find_element(By.ID, "use-key").click()
@@ -175,16 +189,21 @@ def test_a_message_streams_its_reply_and_the_engine_panel_counts_it(page, demo_s
     wait(page, lambda: "generated" in text(page, "#stat-tps")
          and int(text(page, "#stat-tps").split("·")[1].split()[0]) >= 1)
     assert "%" in text(page, "#stat-kv") and "running" in text(page, "#stat-requests")
-    assert page.execute_script("return samples.length") >= 2  # the charts have points
+    wait(page, lambda: page.execute_script("return samples.length") >= 2)  # the charts have points
     screenshot(page, tmp_path, "playground-chat.png")
     assert severe_entries(page) == []
 
 
-def test_a_required_tool_call_is_shown_as_the_api_returns_it(page, tmp_path):
-    open_group(page, "tools-group")
-    tools_enabled = page.find_element(By.ID, "tools-enabled")
+def enable_tools(driver) -> None:
+    """The tools group open and its example tool on."""
+    open_group(driver, "tools-group")
+    tools_enabled = driver.find_element(By.ID, "tools-enabled")
     if not tools_enabled.is_selected():
         tools_enabled.click()
+
+
+def test_a_required_tool_call_is_shown_as_the_api_returns_it(page, tmp_path):
+    enable_tools(page)
     Select(page.find_element(By.ID, "tool-choice")).select_by_value("required")
     set_value(page, "max-tokens", "100")
     send(page, "What is the weather in Paris?")
@@ -205,6 +224,7 @@ def test_a_required_tool_call_is_shown_as_the_api_returns_it(page, tmp_path):
 
 
 def test_auto_tool_choice_without_the_parser_shows_the_servers_400(page):
+    enable_tools(page)
     assert "--enable-auto-tool-choice" in text(page, "#auto-note")
     Select(page.find_element(By.ID, "tool-choice")).select_by_value("auto")
     send(page, "What is the weather in Paris?")
@@ -213,7 +233,6 @@ def test_auto_tool_choice_without_the_parser_shows_the_servers_400(page):
     assert error.startswith("400")
     assert "needs the server to run with --enable-auto-tool-choice" in error
     assert_only_failed_request(page, 400)
-    page.find_element(By.ID, "tools-enabled").click()  # later requests go without tools
 
 
 def test_a_json_schema_constrains_the_reply(page):
