@@ -17,6 +17,9 @@ Semantics (vLLM's, which OpenAI clients expect):
   the draw (OpenAI's: -100 all but bans a token, 100 all but forces it; logprobs stay
   those of the raw logits).
 - ``allowed_token_ids`` (vLLM's): only these tokens can be sampled (logprobs stay raw).
+- ``bad_words`` (vLLM's): words the output must not contain; each is tokenized as it would
+  start the text and after a space, and a sequence's last token is banned whenever the
+  output so far ends with the rest of it.
 - ``logprobs = k`` returns, per output token, the sampled token's logprob plus the top k;
   ``prompt_logprobs = k`` does the same for every prompt token (the first is None).
 - ``seed`` makes a request's samples independent of whatever else is in the batch.
@@ -61,8 +64,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
-    # Filled in by the engine from the tokenizer/generation config; not a user knob.
+    bad_words: list[str] | None = None
+    # Filled in by the engine from the tokenizer/generation config; not user knobs.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +85,10 @@ class SamplingParams:
             self.logit_bias = None
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, list):
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        elif self.bad_words is not None:
+            self.bad_words = list(self.bad_words) or None
         self._validate()
 
     def _validate(self) -> None:
@@ -145,12 +154,26 @@ class SamplingParams:
                                                   or t < 0 for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", self.allowed_token_ids,
                       "a non-empty list of non-negative token ids, or None")
+        if self.bad_words is not None and any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad("bad_words", self.bad_words, "a list of non-blank strings")
 
     @property
     def has_penalties(self) -> bool:
         """Whether any of the repetition, presence or frequency penalties is on."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def bans_after_output(self) -> bool:
+        """Whether a bad word of several tokens bans its last by what the output ends with."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids)
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether sampling a token reads the output so far: penalties, ``min_tokens``, bad
+        words of several tokens."""
+        return self.has_penalties or self.min_tokens > 0 or self.bans_after_output
 
     @property
     def filters_tokens(self) -> bool:

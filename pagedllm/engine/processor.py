@@ -91,6 +91,25 @@ class InputProcessor:
                 "prompt or raise max_model_len."
             )
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """The token sequences of ``bad_words`` (vLLM's rule): each word as it would start
+        the text, and after a space when that tokenizes to other tokens of the same count."""
+        if self.tokenizer is None:
+            raise ValueError(f"bad_words are tokenized to be banned, but {_NO_TOKENIZER}: use "
+                             "logit_bias or allowed_token_ids instead, or give a tokenizer.")
+        sequences: list[list[int]] = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(bare)
+            if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        outside = sorted(t for ids in sequences for t in ids if t >= self.vocab_size)
+        if outside:
+            raise ValueError(f"bad_words must tokenize within the vocabulary [0, "
+                             f"{self.vocab_size}), got token {outside[0]}.")
+        return [ids for ids in sequences if ids]
+
     def validate_structured_outputs(self, params: SamplingParams) -> None:
         """ValueError (the grammar compiler's message) for a constraint that cannot compile."""
         if self.tokenizer is None:
@@ -139,6 +158,8 @@ class InputProcessor:
                 raise ValueError(f"{name} must name token ids of the vocabulary "
                                  f"[0, {self.vocab_size}), got {outside[0]}.")
         params = params.clone(eos_token_ids=self.eos_token_ids)
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         requests = []
         for index in range(params.n):
             child = params.clone(n=1)

@@ -10,6 +10,7 @@ Order of operations per step (vLLM semantics)::
         ├─ repetition penalty   (tokens seen in prompt or output: divide positive, multiply negative)
         ├─ presence / frequency (tokens seen in output: subtract presence * seen, frequency * count)
         ├─ min_tokens           (EOS and stop_token_ids -> -inf while the output is too short)
+        ├─ bad_words            (a word's last token -> -inf where the output ends with the rest)
         │
         ├─ greedy rows:  argmax
         └─ random rows:  / temperature -> top-k -> top-p -> min-p -> softmax
@@ -35,7 +36,7 @@ over the allowed tokens with the noise of the first draw picks the token that ma
 first would have picked: when the first winner is allowed it also wins among the allowed
 tokens, so the token, and how far a seeded generator advances, are the same either way.
 That holds because everything before the race (allowed tokens, logit bias, penalties,
-``min_tokens``, temperature) acts token by token and commutes with the mask; top-k, top-p and min-p depend on the whole
+``min_tokens``, bad words, temperature) acts token by token and commutes with the mask; top-k, top-p and min-p depend on the whole
 distribution, so rows with them are masked first.
 
 Everything per row is a tensor built once per step by ``SamplingMetadata.build``; the
@@ -100,6 +101,11 @@ class SamplingMetadata:
     logit_bias_rows: torch.Tensor | None = None  # int64 [E]
     logit_bias_token_ids: torch.Tensor | None = None  # int64 [E]
     logit_bias_values: torch.Tensor | None = None  # float32 [E]
+    # Bad words' bans, one entry a (row, token), and whether each applies (bool [E]: the
+    # output ends with the rest of its word, pending tokens compared on the device).
+    bad_word_rows: torch.Tensor | None = None  # int64 [E]
+    bad_word_token_ids: torch.Tensor | None = None  # int64 [E]
+    bad_word_applies: torch.Tensor | None = None  # bool [E]
     # (rows, token ids) to set to -inf: stop tokens of rows still short of min_tokens.
     min_tokens_rows: torch.Tensor | None = None
     min_tokens_token_ids: torch.Tensor | None = None
@@ -201,6 +207,8 @@ class SamplingMetadata:
         if rows:
             meta.min_tokens_rows = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
             meta.min_tokens_token_ids = torch.tensor(toks, dtype=torch.long).to(device, non_blocking=True)
+        if any(p.bad_words_token_ids for p in params):
+            _build_bad_words(meta, params, output_token_ids, pending_token_ids, device)
         return meta
 
 
@@ -256,6 +264,50 @@ def _build_allowed(meta: SamplingMetadata, allowing: list[tuple[int, list[int]]]
     meta.allowed_rows = torch.tensor([row for row, _ in allowing], dtype=torch.long).to(
         device, non_blocking=True)
     meta.allowed_mask = torch.from_numpy(mask).to(device, non_blocking=True)
+
+
+def _build_bad_words(meta: SamplingMetadata, params: list[SamplingParams],
+                     output_token_ids: list[list[int]],
+                     pending_token_ids: tuple[list[int], torch.Tensor] | None,
+                     device: torch.device | str) -> None:
+    """The bans of the rows' bad words (see ``SamplingMetadata.bad_word_rows``): a word's
+    last token wherever the output so far ends with the rest of the word. A row's pending
+    tokens (known on the device only) end its output; the part of a word that falls on
+    them is compared on the device."""
+    pending: dict[int, list[int]] = {}  # row -> its pending tokens' indices, in order
+    for k, row in enumerate(pending_token_ids[0] if pending_token_ids is not None else ()):
+        pending.setdefault(row, []).append(k)
+    rows, tokens, checks = [], [], []  # checks: (entry, pending index, expected token)
+    for i, (p, out) in enumerate(zip(params, output_token_ids)):
+        tail = pending.get(i, [])
+        for word in p.bad_words_token_ids:
+            *head, last = word
+            if len(head) > len(out) + len(tail):
+                continue
+            on_device = []
+            for back, token in enumerate(reversed(head), start=1):  # back: from the end
+                if back <= len(tail):
+                    on_device.append((tail[-back], token))
+                elif out[len(out) - (back - len(tail))] != token:
+                    break
+            else:
+                checks.extend((len(rows), k, token) for k, token in on_device)
+                rows.append(i)
+                tokens.append(last)
+    if not rows:
+        return
+
+    def to_device(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    meta.bad_word_rows, meta.bad_word_token_ids = to_device(rows), to_device(tokens)
+    if checks:
+        entry, index, expected = (to_device(list(c)) for c in zip(*checks))
+        differs = (pending_token_ids[1].index_select(0, index) != expected).long()
+        misses = torch.zeros(len(rows), dtype=torch.long, device=differs.device)
+        meta.bad_word_applies = misses.index_add(0, entry, differs) == 0
+    else:
+        meta.bad_word_applies = torch.ones(len(rows), dtype=torch.bool, device=device)
 
 
 def _build_logit_bias(meta: SamplingMetadata, biased: list[tuple[int, dict[int, float]]],
@@ -572,6 +624,11 @@ def penalized_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
             (meta.min_tokens_rows, meta.min_tokens_token_ids),
             torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device),
         )
+    if meta.bad_word_rows is not None:
+        # -inf added where an entry applies, 0 where not (entries may repeat a token).
+        logits = logits.float().index_put(
+            (meta.bad_word_rows, meta.bad_word_token_ids),
+            torch.where(meta.bad_word_applies, _NEG_INF, 0.0), accumulate=True)
     return logits
 
 

@@ -261,10 +261,11 @@ class DraftModel:
         take the argmax, random rows draw from their processed distribution, returned as
         ``[m, V]`` (None when every row is greedy)."""
         params = [s.sampling_params for s in states]
-        if all(p.greedy and not p.has_penalties and not p.min_tokens for p in params):
+        if all(p.greedy and not p.has_penalties and not p.min_tokens and not p.bad_words_token_ids
+               for p in params):
             return logits.argmax(dim=-1), None
         pending = None
-        if earlier and any(p.has_penalties or p.min_tokens for p in params):
+        if earlier and any(p.reads_output for p in params):
             m = len(states)
             pending = ([r for _ in earlier for r in range(m)], torch.cat(earlier))
         meta = SamplingMetadata.build(

@@ -705,12 +705,11 @@ class ModelRunner:
         self, states: list[CachedRequestState]
     ) -> tuple[list[int], torch.Tensor] | None:
         """The pending tokens of sampling rows whose sampling reads earlier outputs
-        (penalties, ``min_tokens``): their rows and ids on the device, for the sampler."""
+        (``SamplingParams.reads_output``): their rows and ids on the device, for the sampler."""
         batch = self.input_batch
         rows, sources = [], []
         for j, state in enumerate(states):
-            p = state.sampling_params
-            if (p.has_penalties or p.min_tokens > 0) and batch.num_pending[state.row]:
+            if state.sampling_params.reads_output and batch.num_pending[state.row]:
                 rows.append(j)
                 sources.append(int(batch.pending_sample_row[state.row]))
         if not rows:

@@ -82,14 +82,15 @@ def _row_metadata(
     device: torch.device,
 ) -> SamplingMetadata:
     """Sampling metadata of every target row: the request's parameters and its output so
-    far, the proposals before the row counted as pending output (only where penalties or
-    ``min_tokens`` read the output; the lists are shared, never copied)."""
+    far, the proposals before the row counted as pending output (only where penalties,
+    ``min_tokens`` or bad words read the output; the lists are shared, never copied)."""
     params, prompts, outputs, row_generators = [], [], [], []
     pending_rows, pending_ids = [], []
     for state, draft in zip(states, drafts):
         generator = generators.get(state.request_id)
         p = state.sampling_params
-        reads_output = p.has_penalties or p.min_tokens > len(state.output_token_ids)
+        reads_output = (p.has_penalties or p.min_tokens > len(state.output_token_ids)
+                        or p.bans_after_output)
         for j in range(len(draft) + 1):
             if reads_output:
                 pending_rows.extend([len(params)] * j)

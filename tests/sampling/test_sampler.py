@@ -304,6 +304,30 @@ def test_allowed_token_ids_limit_greedy_and_random_rows_to_their_tokens(device):
     assert not {d[3] for d in draws} <= set(allowed)
 
 
+def test_bad_words_ban_a_last_token_where_the_output_ends_with_the_rest():
+    """One-token words always; longer ones where the output ends with their head, read on
+    the host, or on the device for pending tokens (one of async decoding, several of a
+    verification); two words may ban the same token."""
+    words = [[5], [7, 9], [1, 2, 3], [4, 2, 3]]
+    params = SamplingParams(temperature=0).clone(bad_words_token_ids=words)
+    logits = torch.zeros(7, V)
+    logits[:, [3, 5, 9]] = torch.tensor([3.0, 2.0, 1.0])  # 3 beats 5 beats 9 beats the rest
+
+    def banned(outputs, pending=None):
+        meta = SamplingMetadata.build([params] * len(outputs), [[0]] * len(outputs), outputs,
+                                      [None] * len(outputs), V, "cpu", pending_token_ids=pending)
+        return sample_meta(logits[:len(outputs)], meta)
+
+    # 5 always; 3 after [1, 2] or [4, 2]; 9 after 7.
+    assert banned([[], [1, 2], [4, 2], [7], [2], [1, 2, 0]]) == [3, 9, 9, 3, 3, 3]
+    pending = ([0, 1, 2, 3, 3], torch.tensor([2, 4, 7, 1, 2]))  # row 3: two pending tokens
+    assert banned([[1], [1], [0], []], pending) == [9, 3, 3, 9]
+
+
+def sample_meta(logits, meta) -> list[int]:
+    return sampler(logits, meta).sampled_token_ids.tolist()
+
+
 def test_metadata_rejects_ragged_inputs():
     with pytest.raises(ValueError, match="output_token_ids"):
         SamplingMetadata.build([SamplingParams()], [[1]], [], [None], V, "cpu")

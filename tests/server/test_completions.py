@@ -201,6 +201,44 @@ def test_allowed_token_ids_limit_what_is_sampled(client, http):
         assert error.json()["error"]["param"] == "allowed_token_ids"
 
 
+def contains(ids: list[int], run: list[int]) -> bool:
+    return any(ids[i:i + len(run)] == run for i in range(len(ids) - len(run) + 1))
+
+
+def test_bad_words_keep_words_out_of_the_output(client, http):
+    """vLLM's bad_words: greedy decoding steps around a listed word wherever it would have
+    come: a one-token word and a two-token one taken from the unconstrained output (words
+    whose text tokenizes back to those tokens); blank words are 400s."""
+    plain = greedy(client, max_tokens=40, extra={"return_token_ids": True}).choices[0].token_ids
+
+    def tokens(text: str) -> list[int]:
+        return http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}
+                         ).json()["tokens"]
+
+    def word_of(run: list[int]) -> str | None:
+        """The word whose banned forms (bare, or after a space when that is as many
+        tokens) include ``run``; None if none does."""
+        word = http.post("/detokenize", json={"tokens": run}).json()["prompt"].strip()
+        if not word:
+            return None
+        bare, spaced = tokens(word), tokens(" " + word)
+        forms = [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+        return word if run in forms else None
+
+    for size in (1, 2):
+        found = next(((i, w) for i in range(len(plain) - size + 1)
+                      if (w := word_of(plain[i:i + size])) is not None), None)
+        assert found is not None, f"no {size}-token word in the greedy output"
+        i, word = found
+        avoided = greedy(client, max_tokens=40, extra={"return_token_ids": True,
+                                                       "bad_words": [word]}).choices[0].token_ids
+        assert avoided[:i] == plain[:i]  # the same until the word would come
+        assert not contains(avoided, plain[i:i + size]), word
+    error = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT,
+                                              "bad_words": ["  "]})
+    assert error.status_code == 400 and error.json()["error"]["param"] == "bad_words"
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, http):
     """vLLM's truncate_prompt_tokens: the last N prompt tokens are what the model reads (an
     echo shows them); -1 keeps up to the context length; other values are 400s."""

@@ -66,7 +66,6 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "reques
 # Fields of the OpenAI API or of vLLM that change the output and are not implemented here.
 REFUSED_FIELDS = {
     "logits_processors": "logits_processors (custom logits processors)",
-    "bad_words": "bad_words",
     "use_beam_search": "beam search (use_beam_search)",
     "length_penalty": "length_penalty (beam search)",
     "guided_whitespace_pattern": "guided_whitespace_pattern",
@@ -126,6 +125,7 @@ class SamplingFields(_Request):
     priority: int = 0
     return_token_ids: bool = False
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # vLLM's: the prompt tokens' logprobs and the top N at each position.
     prompt_logprobs: int | None = None
     # vLLM's: keep only the prompt's last N tokens (-1: the model's context length).

@@ -213,6 +213,7 @@ class OpenAIServing:
                 structured_outputs=structured_outputs,
                 logit_bias=logit_bias(request),
                 allowed_token_ids=request.allowed_token_ids,
+                bad_words=request.bad_words,
             )
         except ValueError as exc:
             raise bad_request(exc) from None
