@@ -36,8 +36,9 @@ over the allowed tokens with the noise of the first draw picks the token that ma
 first would have picked: when the first winner is allowed it also wins among the allowed
 tokens, so the token, and how far a seeded generator advances, are the same either way.
 That holds because everything before the race (allowed tokens, logit bias, penalties,
-``min_tokens``, bad words, temperature) acts token by token and commutes with the mask; top-k, top-p and min-p depend on the whole
-distribution, so rows with them are masked first.
+``min_tokens``, bad words, temperature) acts token by token and commutes with the mask;
+top-k, top-p and min-p depend on the whole distribution, so rows with them are masked
+first.
 
 Everything per row is a tensor built once per step by ``SamplingMetadata.build``; the
 forward pass is vectorised over rows and never syncs with the host, except for drawing
@@ -257,13 +258,17 @@ def _build_random(
 def _build_allowed(meta: SamplingMetadata, allowing: list[tuple[int, list[int]]],
                    vocab_size: int, device: torch.device | str) -> None:
     """The rows with ``allowed_token_ids`` (row index and its list) and their allowed tokens
-    as a ``[R, V]`` mask."""
-    mask = np.zeros((len(allowing), vocab_size), dtype=bool)
-    for r, (_, ids) in enumerate(allowing):
-        mask[r, ids] = True
+    as a ``[R, V]`` mask, made on the device from the ids alone."""
+    counts = [len(ids) for _, ids in allowing]
+    mask_rows = np.repeat(np.arange(len(allowing), dtype=np.int64), counts)
+    ids = np.fromiter((t for _, row_ids in allowing for t in row_ids), dtype=np.int64,
+                      count=len(mask_rows))
+    mask_rows, ids = (torch.from_numpy(a).to(device, non_blocking=True) for a in (mask_rows, ids))
+    mask = torch.zeros(len(allowing), vocab_size, dtype=torch.bool, device=mask_rows.device)
+    meta.allowed_mask = mask.index_put_((mask_rows, ids), torch.ones((), dtype=torch.bool,
+                                                                     device=mask.device))
     meta.allowed_rows = torch.tensor([row for row, _ in allowing], dtype=torch.long).to(
         device, non_blocking=True)
-    meta.allowed_mask = torch.from_numpy(mask).to(device, non_blocking=True)
 
 
 def _build_bad_words(meta: SamplingMetadata, params: list[SamplingParams],
