@@ -95,8 +95,8 @@ class InputProcessor:
         """The token sequences of ``bad_words`` (vLLM's rule): each word as it would start
         the text, and after a space when that tokenizes to other tokens of the same count."""
         if self.tokenizer is None:
-            raise ValueError(f"bad_words are tokenized to be banned, but {_NO_TOKENIZER}: use "
-                             "logit_bias or allowed_token_ids instead, or give a tokenizer.")
+            raise ValueError(f"bad_words must be tokenized to be banned, but {_NO_TOKENIZER}: "
+                             "use logit_bias or allowed_token_ids instead, or give a tokenizer.")
         sequences: list[list[int]] = []
         for word in words:
             bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)

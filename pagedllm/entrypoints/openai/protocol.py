@@ -3,8 +3,8 @@
 Requests accept the OpenAI fields and vLLM's extra fields (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, the structured-output fields ``guided_json`` ...
 ``structured_outputs``), which the OpenAI SDK passes through ``extra_body``. Fields that
-would change the output and are not implemented (vLLM's ``logits_processors``,
-``bad_words``, beam search, ...) are refused with a 400 that names
+would change the output and are not implemented (vLLM's ``logits_processors``, beam
+search, ...) are refused with a 400 that names
 them when set to anything but their "off" value; fields no server needs to act on
 (``user``, ``metadata``, ``store``...) are accepted and have no effect. Other unknown
 fields are ignored (new SDK versions add fields) and logged.

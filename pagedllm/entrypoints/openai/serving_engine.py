@@ -16,6 +16,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from pagedllm.engine.async_engine import (
     AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream, RequestTimeoutError,
