@@ -5,7 +5,8 @@ computes masks in Rust threads without the GIL, and can roll tokens back. Constr
 to its grammar text as follows:
 
 - ``json`` / ``json_object``: ``grammar_from_json_schema``; ``x-guidance`` keys in the
-  schema override the defaults (``whitespace_flexible`` from ``disable_any_whitespace``);
+  schema override the defaults (``whitespace_pattern``, else ``whitespace_flexible`` from
+  ``disable_any_whitespace``);
   keywords llguidance does not implement (``not``, ``if``/``then``, ``uniqueItems``,
   ``contains``, ``propertyNames``) are refused at validation with its message, and so is
   a ``$ref`` outside the schema (nothing is ever fetched); a ``format`` it does not know is
@@ -51,7 +52,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             _check_local_ref(node, own_ids)
             _drop_unknown_format(node)
             _dependencies_as_any_of(node)
-        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+        if params.whitespace_pattern is not None:
+            options = {"whitespace_pattern": params.whitespace_pattern}
         return LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(params.regex)

@@ -31,6 +31,9 @@ class StructuredOutputsParams:
     - ``disable_any_whitespace`` (JSON kinds): True (the default) generates JSON without
       free whitespace between tokens (``{"a":1}``); False lets the model place whitespace
       and newlines freely, which small models can fill without end.
+    - ``whitespace_pattern`` (JSON kinds): a regex the whitespace between a JSON value's
+      tokens must match instead (``"[ ]"``: one space; ``"\\n *"``: a newline and an indent);
+      it overrides ``disable_any_whitespace``.
     - ``reasoning_end_token_ids`` (set by the server, not a user field): the constraint
       starts after the output has produced this token sequence (the end of a reasoning
       block such as ``</think>``); before it, the output is free.
@@ -42,6 +45,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = True
+    whitespace_pattern: str | None = None
     reasoning_end_token_ids: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +67,8 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs.choice must be a non-empty list of "
                                  "non-empty strings.")
             self.choice = list(self.choice)
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise ValueError("structured_outputs.whitespace_pattern must be a regex string.")
         kinds = self.kinds
         if len(kinds) != 1:
             raise ValueError(
@@ -93,4 +99,4 @@ class StructuredOutputsParams:
     @property
     def key(self) -> tuple:
         """Equal keys compile to the same grammar."""
-        return (self.kind, self.spec, self.disable_any_whitespace)
+        return (self.kind, self.spec, self.disable_any_whitespace, self.whitespace_pattern)

@@ -64,6 +64,25 @@ def test_vllm_fields_constrain_completions_and_chat(client, body, check):
         assert check(text), text
 
 
+def test_whitespace_pattern_shapes_the_json_between_its_tokens(client):
+    """vLLM's guided_whitespace_pattern / structured_outputs.whitespace_pattern: the
+    whitespace the JSON may hold between its tokens ("[ ]": a single space, or none), where
+    the default allows none. The schema holds no strings, so all whitespace is between
+    tokens."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    compact = chat(client, n=4, seed=6, extra_body={"guided_json": schema})
+    assert all(not re.search(r"\s", c.message.content) for c in compact.choices)
+    for body in ({"guided_json": schema, "guided_whitespace_pattern": "[ ]"},
+                 {"structured_outputs": {"json": schema, "whitespace_pattern": "[ ]"}}):
+        texts = [c.message.content for c in chat(client, n=4, seed=6, extra_body=body).choices]
+        for text in texts:
+            assert json.loads(text).keys() == {"a", "b"}
+            assert not re.search(r"[^\S ]| {2}", text), text  # single spaces only
+        assert any(" " in text for text in texts), texts
+
+
 def test_completions_take_response_format_too(client):
     completion = client.completions.create(
         model=MODEL_NAME, prompt="{", max_tokens=160, temperature=1.0, seed=4,
@@ -86,6 +105,11 @@ def test_completions_take_response_format_too(client):
      "outlines"),
     ({"logits_processors": ["x"]}, "logits_processors", "logits_processors"),
     ({"use_beam_search": True}, "use_beam_search", "beam search"),
+    ({"guided_whitespace_pattern": "[ ]"}, "guided_whitespace_pattern", "JSON constraint"),
+    ({"guided_regex": "a+", "guided_whitespace_pattern": "[ ]"}, "guided_whitespace_pattern",
+     "JSON constraint"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "(unclosed"},
+     "guided_json", "unclosed"),
 ])
 def test_bad_constraints_are_400s_and_the_server_keeps_serving(client, body, param, message):
     for call in (lambda: chat(client, max_tokens=4, extra_body=body),

@@ -68,7 +68,6 @@ REFUSED_FIELDS = {
     "logits_processors": "logits_processors (custom logits processors)",
     "use_beam_search": "beam search (use_beam_search)",
     "length_penalty": "length_penalty (beam search)",
-    "guided_whitespace_pattern": "guided_whitespace_pattern",
     "structural_tag": "structural_tag",
     "vllm_xargs": "vllm_xargs",
 }
@@ -137,6 +136,7 @@ class SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
 

@@ -7,7 +7,10 @@ The forms clients send, each mapped to one ``StructuredOutputsParams``:
 | ``response_format: {"type": "json_object"}`` | any JSON object |
 | ``response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` | the schema (no schema: any JSON object) |
 | ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (vLLM) | schema / regex / choice / grammar |
-| ``structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}`` (vLLM) | the same, plus ``disable_any_whitespace`` |
+| ``structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}`` (vLLM) | the same, plus ``disable_any_whitespace`` and ``whitespace_pattern`` |
+
+``guided_whitespace_pattern`` (vLLM) sets ``whitespace_pattern`` of whichever form carries a
+JSON constraint.
 
 At most one form per request; a constraint the grammar compiler refuses is a 400 naming
 the field, with the compiler's message. ``response_format: {"type": "text"}`` is no
@@ -24,7 +27,7 @@ from pagedllm.structured import StructuredOutputsParams
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
 _STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "choice", "grammar", "json_object",
-                            "disable_any_whitespace"}
+                            "disable_any_whitespace", "whitespace_pattern"}
 # Backend names a request may give in guided_decoding_backend: all mean the one built in.
 _BACKEND_NAMES = {None, "auto", "guidance", "llguidance"}
 
@@ -55,6 +58,12 @@ def requested_constraint(request: SamplingFields) -> tuple[str, dict[str, Any]] 
         names = " and ".join(name for name, _ in forms)
         raise OpenAIError(f"A request takes one output constraint, but {names} are both set: "
                           "keep one.", param=forms[1][0])
+    if request.guided_whitespace_pattern is not None:
+        if not forms or not ({"json", "json_object"} & set(forms[0][1])):
+            raise OpenAIError("guided_whitespace_pattern shapes JSON output: send it with a "
+                              "JSON constraint (guided_json, response_format, ...), or remove it.",
+                              param="guided_whitespace_pattern")
+        forms[0][1]["whitespace_pattern"] = request.guided_whitespace_pattern
     return forms[0] if forms else None
 
 
