@@ -14,7 +14,9 @@ to its grammar text as follows:
   are rewritten as ``anyOf`` (``_dependencies_as_any_of``);
 - ``regex``: ``grammar_from_regex`` (the whole output matches);
 - ``choice``: a Lark rule with one string literal per choice;
-- ``grammar``: Lark as is, GBNF / EBNF (``::=``) converted to Lark first.
+- ``grammar``: Lark as is, GBNF / EBNF (``::=``) converted to Lark first;
+- ``structural_tag``: llguidance's ``StructTag`` grammar, one tag a structure, triggered by
+  the first of ``triggers`` its ``begin`` starts with (vLLM's mapping).
 """
 
 from __future__ import annotations
@@ -60,7 +62,35 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
         return llguidance.grammar_from("choice", params.choice)
+    if kind == "structural_tag":
+        return _structural_tag_grammar(params.structural_tag)
     return llguidance.grammar_from("grammar", params.grammar)
+
+
+def _structural_tag_grammar(spec: dict[str, Any]) -> str:
+    """The grammar of a structural tag ``{"structures": [{"begin", "schema", "end"}, ...],
+    "triggers": [...]}``; ValueError naming what is missing or wrong."""
+    triggers, structures = spec.get("triggers"), spec.get("structures")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("structural_tag.triggers must be a list of non-empty strings.")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structural_tag.structures must be a non-empty list of "
+                         '{"begin", "schema", "end"} objects.')
+    tags = []
+    for i, structure in enumerate(structures):
+        if not isinstance(structure, dict) or not isinstance(structure.get("begin"), str) \
+                or not isinstance(structure.get("end"), str) \
+                or not isinstance(structure.get("schema"), (dict, bool)):
+            raise ValueError(f"structural_tag.structures[{i}] must have a string begin and end "
+                             "and a JSON schema object as schema.")
+        begin = structure["begin"]
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structural_tag.structures[{i}].begin {begin!r} starts with none "
+                             f"of the triggers {triggers}.")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin,
+                                         grammar=structure["schema"], end=structure["end"]))
+    return llguidance.StructTag.to_grammar(tags)
 
 
 def _check_local_ref(node: dict, own_ids: set[str]) -> None:

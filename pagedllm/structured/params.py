@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The constraint kinds, in the order a request's fields are checked.
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass
@@ -28,6 +28,10 @@ class StructuredOutputsParams:
     - ``choice``: the output is exactly one of these strings.
     - ``grammar``: a context-free grammar, in Lark syntax (``start: ...``) or GBNF / EBNF
       (``root ::= ...``).
+    - ``structural_tag`` (vLLM's, a dict or its JSON text): free text in which each of
+      ``structures`` (``{"begin", "schema", "end"}``) that the text starts, by one of
+      ``triggers`` (a prefix of its ``begin``), continues with JSON valid against its
+      schema and then its ``end``: tool calls inside running text.
     - ``disable_any_whitespace`` (JSON kinds): True (the default) generates JSON without
       free whitespace between tokens (``{"a":1}``); False lets the model place whitespace
       and newlines freely, which small models can fill without end.
@@ -44,6 +48,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = True
     whitespace_pattern: str | None = None
     reasoning_end_token_ids: list[int] | None = field(default=None, repr=False)
@@ -57,6 +62,14 @@ class StructuredOutputsParams:
                 json.loads(self.json)
             except ValueError as exc:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        if isinstance(self.structural_tag, str):
+            try:
+                self.structural_tag = json.loads(self.structural_tag)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {exc}") from None
+        if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
+            raise ValueError("structured_outputs.structural_tag must be an object with "
+                             "structures and triggers (or its JSON text).")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError("structured_outputs.regex must be a non-empty string.")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
@@ -72,8 +85,8 @@ class StructuredOutputsParams:
         kinds = self.kinds
         if len(kinds) != 1:
             raise ValueError(
-                "structured_outputs must set exactly one of json, json_object, regex, choice "
-                f"and grammar; got {', '.join(kinds) if kinds else 'none'}."
+                "structured_outputs must set exactly one of json, json_object, regex, choice, "
+                f"grammar and structural_tag; got {', '.join(kinds) if kinds else 'none'}."
             )
 
     @property

@@ -83,6 +83,18 @@ def test_whitespace_pattern_shapes_the_json_between_its_tokens(client):
         assert any(" " in text for text in texts), texts
 
 
+def test_structural_tag_is_served_in_both_request_forms(client):
+    """A structural tag over HTTP, as response_format (the form vLLM documents) and as
+    structured_outputs.structural_tag (JSON text): free text the model writes until a
+    trigger (the grammar itself is tested in tests/structured/test_structural_tag.py)."""
+    tag = {"triggers": ["<function="], "structures": [
+        {"begin": "<function=f>", "end": "</function>", "schema": SCHEMAS["person"]}]}
+    for kw in ({"response_format": {"type": "structural_tag", **tag}},
+               {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(tag)}}}):
+        [choice] = chat(client, seed=7, max_tokens=12, **kw).choices
+        assert choice.finish_reason in ("length", "stop") and choice.message.content
+
+
 def test_completions_take_response_format_too(client):
     completion = client.completions.create(
         model=MODEL_NAME, prompt="{", max_tokens=160, temperature=1.0, seed=4,
@@ -101,6 +113,8 @@ def test_completions_take_response_format_too(client):
      "one output constraint"),
     ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<t>"], "structures": [
+        {"begin": "<f>", "schema": {}, "end": "</f>"}]}}, "response_format", "triggers"),
     ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend",
      "outlines"),
     ({"logits_processors": ["x"]}, "logits_processors", "logits_processors"),

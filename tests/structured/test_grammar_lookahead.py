@@ -9,38 +9,13 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.structured import StructuredOutputsParams
-from pagedllm.structured.llguidance_backend import LLGuidanceBackend
-from pagedllm.structured.manager import RequestGrammar, StructuredOutputManager
-from tests.engine.conftest import VOCAB_SIZE
-
-
-@pytest.fixture(scope="module")
-def manager(tiny_model_dir):
-    tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
-    return StructuredOutputManager(lambda: LLGuidanceBackend(tokenizer, VOCAB_SIZE))
-
-
-@pytest.fixture(scope="module")
-def ids(tiny_model_dir):
-    tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
-
-    def encode(text: str) -> list[int]:
-        """One token per character."""
-        tokens = [tokenizer.encode(c, add_special_tokens=False) for c in text]
-        assert all(len(t) == 1 for t in tokens)
-        return [t[0] for t in tokens]
-
-    return encode
+from pagedllm.structured.manager import RequestGrammar
+from tests.structured.conftest import grammar_of
 
 
 def grammar(manager, regex: str, reasoning_end: list[int] | None = None) -> RequestGrammar:
-    compiled = Future()
-    compiled.set_result(manager.backend().compile(StructuredOutputsParams(regex=regex)))
-    request_grammar = RequestGrammar(compiled, manager.backend, reasoning_end)
-    assert request_grammar.ready
-    return request_grammar
+    return grammar_of(manager, StructuredOutputsParams(regex=regex), reasoning_end)
 
 
 def mask(manager, request_grammar: RequestGrammar) -> np.ndarray:

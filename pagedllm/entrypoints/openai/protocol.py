@@ -68,7 +68,6 @@ REFUSED_FIELDS = {
     "logits_processors": "logits_processors (custom logits processors)",
     "use_beam_search": "beam search (use_beam_search)",
     "length_penalty": "length_penalty (beam search)",
-    "structural_tag": "structural_tag",
     "vllm_xargs": "vllm_xargs",
 }
 

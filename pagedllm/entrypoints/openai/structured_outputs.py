@@ -5,6 +5,7 @@ The forms clients send, each mapped to one ``StructuredOutputsParams``:
 | request field | constraint |
 | --- | --- |
 | ``response_format: {"type": "json_object"}`` | any JSON object |
+| ``response_format: {"type": "structural_tag", "structures": [...], "triggers": [...]}`` (vLLM) | free text whose tagged parts follow their schemas |
 | ``response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` | the schema (no schema: any JSON object) |
 | ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (vLLM) | schema / regex / choice / grammar |
 | ``structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}`` (vLLM) | the same, plus ``disable_any_whitespace`` and ``whitespace_pattern`` |
@@ -27,7 +28,7 @@ from pagedllm.structured import StructuredOutputsParams
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
 _STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "choice", "grammar", "json_object",
-                            "disable_any_whitespace", "whitespace_pattern"}
+                            "structural_tag", "disable_any_whitespace", "whitespace_pattern"}
 # Backend names a request may give in guided_decoding_backend: all mean the one built in.
 _BACKEND_NAMES = {None, "auto", "guidance", "llguidance"}
 
@@ -97,6 +98,8 @@ def _response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
             raise OpenAIError("response_format.json_schema.schema must be a JSON schema object.",
                               param="response_format")
         return {"json": schema}
+    if kind == "structural_tag":
+        return {"structural_tag": {key: fmt.get(key) for key in ("structures", "triggers")}}
     raise OpenAIError(
-        f"response_format of type {kind!r} is not supported: use 'text', 'json_object' or "
-        "'json_schema'.", param="response_format")
+        f"response_format of type {kind!r} is not supported: use 'text', 'json_object', "
+        "'json_schema' or 'structural_tag'.", param="response_format")
