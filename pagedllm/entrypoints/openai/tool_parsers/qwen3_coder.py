@@ -147,7 +147,7 @@ class Qwen3CoderToolParser(ToolParser):
             raw = text[name_end + 1:value_end.start() if value_end else end]
             pos = value_end.end() if value_end and value_end.group() == PARAMETER_END else (
                 value_end.start() if value_end else end)
-            if name in values or (open_text and open_text[0] == name):
+            if name in values:
                 continue  # the first value of a name counts
             if closed:
                 values[name] = _typed(_trim(raw), types.get(name))
