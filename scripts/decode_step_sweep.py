@@ -182,7 +182,7 @@ def norm_rows() -> list[dict[str, Any]]:
             want = triton_ops.rms_norm(pairs[0][0], weight, 1e-5, pairs[0][1], fp8=fp8)
             configured = _NORM_WARPS(HIDDEN)
             for warps in NORM_WARPS:
-                triton_ops._norm_warps = lambda block, w=warps: w
+                triton_ops._norm_warps = lambda block, fp8_out=False, w=warps: w
                 try:
                     got = triton_ops.rms_norm(pairs[0][0], weight, 1e-5, pairs[0][1], fp8=fp8)
                     us = graph_us_per_launch(

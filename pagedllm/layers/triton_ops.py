@@ -96,7 +96,12 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
     return out, scale
 
 
-def _norm_warps(block: int) -> int:
+def _norm_warps(block: int, fp8_out: bool = False) -> int:
+    """Warps of a one-program-a-row kernel over ``block`` columns. A row that also finds
+    its largest magnitude and quantizes (FP8 output) takes 16 from 4,096 columns on (an
+    H200 sweep, docs/benchmarks.md)."""
+    if fp8_out and block >= 4096:
+        return 16
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
@@ -159,7 +164,7 @@ def rms_norm(
         eps,
         N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, FP8_OUT=fp8,
         STATIC_INPUT=input_scale is not None,
-        num_warps=_norm_warps(block), **launch_options(x.device),
+        num_warps=_norm_warps(block, fp8), **launch_options(x.device),
     )
     return (normed, residual_out) if residual is not None else normed
 

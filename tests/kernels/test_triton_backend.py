@@ -146,7 +146,7 @@ def test_rotary_applied_by_the_backend_matches_the_reference(window, fused, seqs
     fused_calls = []
     original = triton_backend.rotate_and_write_kv
     monkeypatch.setattr(triton_backend, "rotate_and_write_kv",
-                        lambda *a: fused_calls.append(1) or original(*a))
+                        lambda *a, **kw: fused_calls.append(1) or original(*a, **kw))
     if not fused:
         monkeypatch.setenv(triton_ops.FUSED_OPS_ENV, "0")
     triton_ops.fused_ops_enabled.cache_clear()

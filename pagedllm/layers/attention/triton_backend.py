@@ -7,6 +7,10 @@ One step runs at most three launches per layer::
     paged_prefill_attention  sequences with query_len > 1 (skipped when max_query_len == 1)
     paged_decode_attention   sequences with query_len == 1 (skipped when the step has none)
 
+In a step with prompts, the write may also keep the step's keys and values as the cache
+holds them in contiguous rows (``triton_prefill.new_kv_rows_dtype``: over an FP8 cache by
+default), from which prefill attention reads the new keys instead of the pages.
+
 A step of fresh long prompts alone may instead go to torch's fused attention
 (``dense_prefill``, opt-in with ``PAGEDLLM_DENSE_PREFILL``), after the same cache write.
 
@@ -41,7 +45,7 @@ from pagedllm.layers.attention.triton_decode import (
     wants_longest_first,
 )
 from pagedllm.layers.attention.triton_kv_write import rotate_and_write_kv, write_kv_cache
-from pagedllm.layers.attention.triton_prefill import paged_prefill_attention
+from pagedllm.layers.attention.triton_prefill import new_kv_rows_dtype, paged_prefill_attention
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.triton_ops import fused_ops_enabled
 
@@ -111,15 +115,19 @@ class TritonAttentionBackend:
             rotary = None
         new_kv = None
         prefill_query = query
+        rows_dtype = (new_kv_rows_dtype(query.dtype, key_cache.dtype, sliding_window)
+                      if metadata.max_query_len > 1 else None)
+        new_rows = (None if rows_dtype is None else
+                    torch.empty((2, n, *key.shape[1:]), dtype=rows_dtype, device=key.device))
         if rotary is None:
             write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping[:n],
-                           k_scale, v_scale)
+                           k_scale, v_scale, fresh=new_rows)
         else:
             new_kv = NewKV(key, value, metadata.slot_mapping, *rotary, n)
             if metadata.max_query_len > 1:
                 prefill_query = rotate_and_write_kv(
                     query, key, value, *rotary, key_cache, value_cache, metadata.slot_mapping, n,
-                    k_scale, v_scale,
+                    k_scale, v_scale, fresh=new_rows,
                 )
 
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -149,6 +157,7 @@ class TritonAttentionBackend:
                 k_scale=k_scale,
                 v_scale=v_scale,
                 logits_soft_cap=logits_soft_cap,
+                new_kv=new_rows,
             )
         if has_decodes:
             paged_decode_attention(

@@ -449,9 +449,9 @@ def decode_tile_config(head_dim: int, device: torch.device, split: bool,
     """``(BLOCK_N, num_warps, num_stages)`` for the decode kernel (``fp8_cache``: the cache
     holds FP8 values; ``max_seq_len``: a bound of the launch's contexts, None if unknown):
     on CUDA with head_dim up to 128, 64 keys, 4 warps, 2 stages for one pass over a bf16 or
-    fp16 cache, or over an FP8 cache whose contexts are all within
-    ``SHORT_DECODE_CONTEXT``; 128 keys, 4 warps, 2 stages for split partitions and for
-    longer passes over an FP8 cache; 32 keys for wider heads. The choices come from whole
+    fp16 cache; 64 keys, 2 warps, 2 stages for one pass over an FP8 cache whose contexts
+    are all within ``SHORT_DECODE_CONTEXT``; 128 keys, 4 warps, 2 stages for split
+    partitions and for longer passes over an FP8 cache; 32 keys for wider heads. The choices come from whole
     workloads on an H200, not from one shape alone (the tiles, the sweeps and the
     workloads that decided them: docs/benchmarks.md, "Decode tiles by cache dtype" and
     "short contexts").
@@ -467,10 +467,12 @@ def decode_tile_config(head_dim: int, device: torch.device, split: bool,
     if head_dim > 128:
         return 32, 4, 2
     long_fp8 = fp8_cache and (max_seq_len is None or max_seq_len > SHORT_DECODE_CONTEXT)
-    return (128, 4, 2) if split or long_fp8 else (64, 4, 2)
+    if split or long_fp8:
+        return 128, 4, 2
+    return (64, 2, 2) if fp8_cache else (64, 4, 2)
 
 
-# Contexts up to this many tokens take the one-pass FP8 tile of a bf16 cache (64 keys):
+# Contexts up to this many tokens take a one-pass FP8 tile of 64 keys:
 # with a few tiles a context, the 128-key tile's half-empty last one and its fewer
 # programs in flight cost more than its longer loop saves.
 SHORT_DECODE_CONTEXT = 512

@@ -17,6 +17,12 @@ correctly.
 the same launch: it rotates the step's queries and keys (rotate-half, as
 ``triton_ops.rotary``) and writes the rotated keys, one kernel where the model would
 otherwise run two (rotary, then the write).
+
+Both may also copy each token's key and value, as the cache holds them, into ``fresh:
+[2, n, Hkv, D]`` (keys, then values; row ``t`` for token ``t``, padding slots too), in the
+dtype the attention products run in: for an FP8 cache the stored e4m3 values widened
+exactly, not scaled. Prefill attention then reads a step's own keys from those contiguous
+rows instead of gathering them from the pages (``triton_prefill``: the same values).
 """
 
 from __future__ import annotations
@@ -52,26 +58,36 @@ def _write_kv_kernel(
     stride_vc_slot,
     stride_vc_head,
     stride_vc_dim,
+    fresh_ptr,
+    stride_f2,
+    stride_ft,
+    stride_fh,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    WRITE_FRESH: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    k_cached = to_cache(k, key_cache_ptr, k_scale)
+    v_cached = to_cache(v, value_cache_ptr, v_scale)
+    if WRITE_FRESH:
+        f_dst = fresh_ptr + token * stride_ft + h[:, None] * stride_fh + d[None, :]
+        tl.store(f_dst, k_cached.to(fresh_ptr.dtype.element_ty), mask=mask)
+        tl.store(f_dst + stride_f2, v_cached.to(fresh_ptr.dtype.element_ty), mask=mask)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
     k_dst = key_cache_ptr + (slot // PAGE_SIZE) * stride_kc_block + (slot % PAGE_SIZE) * stride_kc_slot
     v_dst = value_cache_ptr + (slot // PAGE_SIZE) * stride_vc_block + (slot % PAGE_SIZE) * stride_vc_slot
-    tl.store(k_dst + h[:, None] * stride_kc_head + d[None, :], to_cache(k, key_cache_ptr, k_scale), mask=mask)
-    tl.store(v_dst + h[:, None] * stride_vc_head + d[None, :] * stride_vc_dim,
-             to_cache(v, value_cache_ptr, v_scale), mask=mask)
+    tl.store(k_dst + h[:, None] * stride_kc_head + d[None, :], k_cached, mask=mask)
+    tl.store(v_dst + h[:, None] * stride_vc_head + d[None, :] * stride_vc_dim, v_cached, mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_actual_tokens"])
@@ -104,6 +120,10 @@ def _rotate_and_write_kv_kernel(
     stride_vc_slot,
     stride_vc_head,
     stride_vc_dim,
+    fresh_ptr,
+    stride_f2,
+    stride_ft,
+    stride_fh,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -112,6 +132,7 @@ def _rotate_and_write_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PDL: tl.constexpr,
+    WRITE_FRESH: tl.constexpr,
 ):
     """One token: its query heads rotated into ``query_out`` (every token, padding too, so
     the attention reads defined values), then, for a real token with a slot, its key heads
@@ -135,23 +156,32 @@ def _rotate_and_write_kv_kernel(
 
     if token >= num_actual_tokens:
         return
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
     h = tl.arange(0, BLOCK_H)
     kv_mask = (h < NUM_KV_HEADS)[:, None] & d_valid[None, :]
     k1, k2 = rotate_half(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], c, s, kv_mask, HALF)
+    k1 = to_cache(k1.to(dtype), key_cache_ptr, k_scale)
+    k2 = to_cache(k2.to(dtype), key_cache_ptr, k_scale)
+    v_src = value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :]
+    v1 = to_cache(tl.load(v_src, mask=kv_mask), value_cache_ptr, v_scale)
+    v2 = to_cache(tl.load(v_src + HALF, mask=kv_mask), value_cache_ptr, v_scale)
+    if WRITE_FRESH:
+        f_dtype = fresh_ptr.dtype.element_ty
+        f_dst = fresh_ptr + token * stride_ft + h[:, None] * stride_fh + d[None, :]
+        tl.store(f_dst, k1.to(f_dtype), mask=kv_mask)
+        tl.store(f_dst + HALF, k2.to(f_dtype), mask=kv_mask)
+        tl.store(f_dst + stride_f2, v1.to(f_dtype), mask=kv_mask)
+        tl.store(f_dst + stride_f2 + HALF, v2.to(f_dtype), mask=kv_mask)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
     k_dst = (key_cache_ptr + (slot // PAGE_SIZE) * stride_kc_block + (slot % PAGE_SIZE) * stride_kc_slot
              + h[:, None] * stride_kc_head + d[None, :])
-    tl.store(k_dst, to_cache(k1.to(dtype), key_cache_ptr, k_scale), mask=kv_mask)
-    tl.store(k_dst + HALF, to_cache(k2.to(dtype), key_cache_ptr, k_scale), mask=kv_mask)
-    v_src = value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :]
+    tl.store(k_dst, k1, mask=kv_mask)
+    tl.store(k_dst + HALF, k2, mask=kv_mask)
     v_dst = (value_cache_ptr + (slot // PAGE_SIZE) * stride_vc_block + (slot % PAGE_SIZE) * stride_vc_slot
              + h[:, None] * stride_vc_head + d[None, :] * stride_vc_dim)
-    tl.store(v_dst, to_cache(tl.load(v_src, mask=kv_mask), value_cache_ptr, v_scale), mask=kv_mask)
-    tl.store(v_dst + HALF * stride_vc_dim,
-             to_cache(tl.load(v_src + HALF, mask=kv_mask), value_cache_ptr, v_scale),
-             mask=kv_mask)
+    tl.store(v_dst, v1, mask=kv_mask)
+    tl.store(v_dst + HALF * stride_vc_dim, v2, mask=kv_mask)
 
 
 def _cache_block_size(key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_heads: int,
@@ -171,6 +201,20 @@ def _cache_block_size(key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv
     return block_size
 
 
+def _fresh_args(fresh: torch.Tensor | None, key: torch.Tensor, num_tokens: int) -> tuple:
+    """The kernels' ``fresh_ptr, stride_f2, stride_ft, stride_fh`` (``key`` stands in when
+    there is none: the kernel then never touches it); raises ValueError unless ``fresh`` is
+    ``[2, >= num_tokens, Hkv, D]`` with a unit stride along ``D``."""
+    if fresh is None:
+        return key, 0, 0, 0
+    want = (2, key.shape[1], key.shape[2])
+    if (fresh.dim() != 4 or (fresh.shape[0], *fresh.shape[2:]) != want
+            or fresh.shape[1] < num_tokens or fresh.stride(-1) != 1):
+        raise ValueError(f"fresh must be [2, >= {num_tokens}, {want[1]}, {want[2]}] with a unit "
+                         f"stride along head_dim, got {tuple(fresh.shape)}.")
+    return fresh, fresh.stride(0), fresh.stride(1), fresh.stride(2)
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -179,13 +223,16 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fresh: torch.Tensor | None = None,
 ) -> None:
     """Store ``key/value: [n, Hkv, D]`` at ``slot_mapping: [n]`` (int, -1 = skip).
 
     ``key_cache/value_cache: [num_blocks, block_size, Hkv, D]`` (the two halves of one
     layer's ``kv_cache``, ``kv_quant.paged_kv_views``): keys with a unit stride along
     ``D``, values too or slot-major; ``key/value`` with a unit stride along ``D``.
-    ``k_scale`` / ``v_scale``: the layer's scales, used only by an FP8 cache.
+    ``k_scale`` / ``v_scale``: the layer's scales, used only by an FP8 cache. ``fresh``:
+    also the cached values of every row, as ``fresh[0]`` (keys) and ``fresh[1]`` (values),
+    in ``fresh``'s dtype (the module docstring).
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -216,14 +263,15 @@ def write_kv_cache(
         value_cache.stride(1),
         value_cache.stride(2),
         value_cache.stride(3),
+        *_fresh_args(fresh, key, num_tokens),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=next_power_of_2(num_kv_heads),
         BLOCK_D=next_power_of_2(head_dim),
         PAGE_SIZE=block_size,
+        WRITE_FRESH=fresh is not None,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
-
 
 
 def rotate_and_write_kv(
@@ -238,12 +286,14 @@ def rotate_and_write_kv(
     num_actual_tokens: int,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fresh: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate ``query: [T, H, D]`` and ``key: [T, Hkv, D]`` by ``cos, sin: [T, D // 2]``
     (rotate-half) and store the first ``num_actual_tokens`` rotated keys and their
     ``value`` rows at ``slot_mapping`` (-1 = skip); returns the rotated queries, a new
     ``[T, H, D]`` tensor in ``query``'s dtype. Arguments otherwise as ``write_kv_cache``
-    (an FP8 cache stores the rotated keys rounded to ``query``'s dtype, then quantized).
+    (an FP8 cache stores the rotated keys rounded to ``query``'s dtype, then quantized;
+    ``fresh`` gets the first ``num_actual_tokens`` rows).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -269,6 +319,7 @@ def rotate_and_write_kv(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
+        *_fresh_args(fresh, key, num_actual_tokens),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=head_dim // 2,
@@ -276,6 +327,7 @@ def rotate_and_write_kv(
         BLOCK_H=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(head_dim // 2),
         PAGE_SIZE=block_size,
+        WRITE_FRESH=fresh is not None,
         num_warps=4,
         **launch_options(query.device),
     )

@@ -18,6 +18,13 @@ for all of them. Query ``i`` of a sequence sits at absolute position
 window ``w``, ``j > pos - w``. Keys past the last query of the tile, and keys before the
 window of its first query, are never loaded.
 
+A step's own keys and values may also come as contiguous rows (``new_kv: [2, T, Hkv, D]``,
+written by the KV write beside the cache, ``triton_kv_write``): then each program reads
+the sequence's cached context (``0 .. context_len``, visible to every query) from the
+pages and its new keys from those rows, which load straight into the products. Over an
+FP8 cache that skips the widening of every tile between shared memory and the tensor
+cores (the rows are already in the products' dtype); the values are the same.
+
 The grid is ``(T // BLOCK_Q + B, num_kv_heads)``; a program finds its sequence by a
 binary search over ``query_start_loc`` (see ``find_sequence``), so the launch depends only
 on host integers and is safe to capture in a CUDA graph.
@@ -44,7 +51,7 @@ from pagedllm.layers.attention.triton_common import (
     values_slot_major,
 )
 from pagedllm.layers.launch_math import next_power_of_2
-from pagedllm.switches import switch
+from pagedllm.switches import choice, switch
 
 
 @triton.jit
@@ -56,6 +63,7 @@ def _attend_tiles(
     k_head,
     v_head,
     table,
+    row_shift,
     lo,
     hi,
     kv_end,
@@ -75,23 +83,31 @@ def _attend_tiles(
     SOFTCAP: tl.constexpr,
     V_SLOT_MAJOR: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     """Online-softmax update over key tiles ``[lo, hi)``. Unless ``MASKED``, every key of
     every tile is visible to every row (the caller proves it), so no mask is computed.
-    ``SOFTCAP`` > 0 caps the scaled scores (``triton_common.soft_cap``).
+    ``SOFTCAP`` > 0 caps the scaled scores (``triton_common.soft_cap``). ``PAGED``: key
+    ``n`` sits in the cache's pages through ``table``; else in row ``n + row_shift`` of
+    contiguous rows ``stride_ks`` apart (``table``, ``stride_kb`` and ``V_SLOT_MAJOR``
+    unused).
 
     ``qk_scale`` > 0, so the row maximum of the raw scores, scaled, is that of the scaled
     scores: each score is then scaled and shifted in one multiply-add, and the products
     with V accumulate into the rescaled ``acc`` inside the dot."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        page = n.to(tl.uint32)  # n >= 0: unsigned division and remainder are shifts and masks
         if MASKED:
             n_valid = n < kv_end
-            block = tl.load(table + page // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+        if PAGED:
+            page = n.to(tl.uint32)  # n >= 0: unsigned division and remainder are shifts and masks
+            if MASKED:
+                block = tl.load(table + page // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+            else:
+                block = tl.load(table + page // PAGE_SIZE).to(tl.int64)
+            kv_rows = block * stride_kb + (page % PAGE_SIZE).to(tl.int64) * stride_ks
         else:
-            block = tl.load(table + page // PAGE_SIZE).to(tl.int64)
-        kv_rows = block * stride_kb + (page % PAGE_SIZE).to(tl.int64) * stride_ks
+            kv_rows = (n + row_shift).to(tl.int64) * stride_ks
         k_ptrs = k_head + kv_rows[None, :] + d[:, None]
         if MASKED:
             k = tl.load(k_ptrs, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
@@ -99,7 +115,7 @@ def _attend_tiles(
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
-        if V_SLOT_MAJOR:  # the block strides are shared (checked)
+        if V_SLOT_MAJOR and PAGED:  # the block strides are shared (checked)
             v = slot_major_values(v_head, table, start, kv_end, stride_kb, d, d_valid,
                                   BLOCK_N, BLOCK_D, PAGE_SIZE)
         else:
@@ -166,6 +182,10 @@ def _prefill_kernel(
     stride_kh,
     stride_vh,
     stride_bt,
+    new_kv_ptr,
+    stride_n2,
+    stride_nt,
+    stride_nh,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -180,6 +200,7 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr,
     LONGEST_FIRST: tl.constexpr,
     V_SLOT_MAJOR: tl.constexpr,
+    NEW_KV: tl.constexpr,
 ):
     if LONGEST_FIRST:
         tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -226,31 +247,62 @@ def _prefill_kernel(
     # last row's window) and skip the mask; the ragged edges run masked.
     first_pos = context_len + q_off
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
-    full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
-    if USE_WINDOW:
-        kv_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N
-        full_lo = tl.minimum(full_lo, full_hi)
+    if NEW_KV:  # no window (the launcher's rule): the context is visible to every row
+        context_full = context_len // BLOCK_N * BLOCK_N
         acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, k_head, v_head, table, kv_start, full_lo, kv_end, pos, window,
-            qk_scale, stride_kb, stride_ks, d, d_valid,
-            PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
-            V_SLOT_MAJOR, BLOCK_D,
+            acc, l_i, m_i, q, k_head, v_head, table, 0, 0, context_full, context_len, pos,
+            window, qk_scale, stride_kb, stride_ks, d, d_valid,
+            PAGE_SIZE, BLOCK_N, False, False, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
+            V_SLOT_MAJOR, BLOCK_D, True,
+        )
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_head, v_head, table, 0, context_full, context_len, context_len,
+            pos, window, qk_scale, stride_kb, stride_ks, d, d_valid,
+            PAGE_SIZE, BLOCK_N, True, False, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
+            V_SLOT_MAJOR, BLOCK_D, True,
+        )
+        # The new keys: key n (n >= context_len) in row q_start + n - context_len.
+        k_new = new_kv_ptr + kv_head.to(tl.int64) * stride_nh
+        row_shift = q_start - context_len
+        new_full = context_len + (q_off + 1) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_new, k_new + stride_n2, table, row_shift, context_len, new_full,
+            kv_end, pos, window, qk_scale, 0, stride_nt, d, d_valid,
+            PAGE_SIZE, BLOCK_N, False, False, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP, False,
+            BLOCK_D, False,
+        )
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_new, k_new + stride_n2, table, row_shift, new_full, kv_end,
+            kv_end, pos, window, qk_scale, 0, stride_nt, d, d_valid,
+            PAGE_SIZE, BLOCK_N, True, False, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP, False,
+            BLOCK_D, False,
         )
     else:
-        full_lo = 0
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_head, v_head, table, full_lo, full_hi, kv_end, pos, window,
-        qk_scale, stride_kb, stride_ks, d, d_valid,
-        PAGE_SIZE, BLOCK_N, False, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
-        V_SLOT_MAJOR, BLOCK_D,
-    )
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, k_head, v_head, table, tl.maximum(full_hi, full_lo), kv_end, kv_end,
-        pos, window, qk_scale, stride_kb, stride_ks, d, d_valid,
-        PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
-        V_SLOT_MAJOR, BLOCK_D,
-    )
+        full_hi = (first_pos + 1) // BLOCK_N * BLOCK_N
+        if USE_WINDOW:
+            kv_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+            full_lo = tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N
+            full_lo = tl.minimum(full_lo, full_hi)
+            acc, l_i, m_i = _attend_tiles(
+                acc, l_i, m_i, q, k_head, v_head, table, 0, kv_start, full_lo, kv_end, pos,
+                window, qk_scale, stride_kb, stride_ks, d, d_valid,
+                PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
+                V_SLOT_MAJOR, BLOCK_D, True,
+            )
+        else:
+            full_lo = 0
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_head, v_head, table, 0, full_lo, full_hi, kv_end, pos, window,
+            qk_scale, stride_kb, stride_ks, d, d_valid,
+            PAGE_SIZE, BLOCK_N, False, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
+            V_SLOT_MAJOR, BLOCK_D, True,
+        )
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_head, v_head, table, 0, tl.maximum(full_hi, full_lo), kv_end,
+            kv_end, pos, window, qk_scale, stride_kb, stride_ks, d, d_valid,
+            PAGE_SIZE, BLOCK_N, True, USE_WINDOW, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
+            V_SLOT_MAJOR, BLOCK_D, True,
+        )
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None] * v_scale
@@ -262,6 +314,26 @@ def _prefill_kernel(
 
 
 PREFILL_LONGEST_FIRST = switch("PAGEDLLM_PREFILL_LONGEST_FIRST", False)
+# Which caches' prompt steps read their new keys from contiguous rows (the module
+# docstring): "fp8" (FP8 caches only), "all", or "off".
+PREFILL_NEW_KV = choice("PAGEDLLM_PREFILL_NEW_KV", ("fp8", "all", "off"), "fp8")
+
+
+def products_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the attention products take their inputs in (``uses_fp16_dot``)."""
+    return torch.float16 if uses_fp16_dot(query_dtype, cache_dtype) else query_dtype
+
+
+def new_kv_rows_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype,
+                      sliding_window: int | None) -> torch.dtype | None:
+    """The dtype of the contiguous new-key rows a prompt step should write for
+    ``paged_prefill_attention``'s ``new_kv`` (``PREFILL_NEW_KV``), or None where it reads
+    every key from the pages (a sliding window; a cache the setting leaves out)."""
+    if sliding_window is not None or PREFILL_NEW_KV == "off":
+        return None
+    if PREFILL_NEW_KV == "fp8" and cache_dtype != torch.float8_e4m3fn:
+        return None
+    return products_dtype(query_dtype, cache_dtype)
 
 
 def prefill_tile_config(
@@ -304,6 +376,7 @@ def paged_prefill_attention(
     v_scale: float = 1.0,
     logits_soft_cap: float | None = None,
     longest_first: bool | None = None,
+    new_kv: torch.Tensor | None = None,
 ) -> None:
     """Attention of the first ``num_tokens`` rows of ``query: [T, H, D]`` into ``out``.
 
@@ -316,7 +389,10 @@ def paged_prefill_attention(
     cache (ignored for another dtype). ``logits_soft_cap``: scaled scores become
     ``cap * tanh(s / cap)`` before the softmax (Gemma 2). ``longest_first`` (default
     ``PREFILL_LONGEST_FIRST``): tiles start from the last one, so a causal prompt's
-    longest rows run first and the launch does not end on them.
+    longest rows run first and the launch does not end on them. ``new_kv: [2, >= T, Hkv,
+    D]``: the step's keys (``[0]``) and values (``[1]``) as the cache holds them, row ``t``
+    for query row ``t``, in ``products_dtype`` (``write_kv_cache``'s ``fresh``); the new
+    keys are then read there (no sliding window).
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
@@ -344,6 +420,16 @@ def paged_prefill_attention(
         )
     block_q = block_m // queries_per_kv
     k_scale, v_scale = cache_scales(key_cache, k_scale, v_scale)
+    if new_kv is not None:
+        want_dtype = products_dtype(query.dtype, key_cache.dtype)
+        if sliding_window is not None:
+            raise ValueError("new_kv cannot be used with a sliding window.")
+        if (new_kv.dim() != 4 or new_kv.shape[0] != 2 or new_kv.shape[1] < num_tokens
+                or new_kv.shape[2:] != key_cache.shape[2:] or new_kv.stride(-1) != 1
+                or new_kv.dtype != want_dtype):
+            raise ValueError(f"new_kv must be [2, >= {num_tokens}, {num_kv_heads}, {head_dim}] "
+                             f"in {want_dtype} with a unit stride along head_dim, got "
+                             f"{tuple(new_kv.shape)} in {new_kv.dtype}.")
     if longest_first is None:
         longest_first = PREFILL_LONGEST_FIRST
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
@@ -368,6 +454,8 @@ def paged_prefill_attention(
         key_cache.stride(2),
         value_cache.stride(2),
         block_tables.stride(0),
+        query if new_kv is None else new_kv,
+        *((0, 0, 0) if new_kv is None else new_kv.stride()[:3]),
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)),
@@ -382,6 +470,7 @@ def paged_prefill_attention(
         SOFTCAP=soft_cap_constexpr(logits_soft_cap),
         LONGEST_FIRST=longest_first,
         V_SLOT_MAJOR=slot_major,
+        NEW_KV=new_kv is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
