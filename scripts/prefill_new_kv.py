@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Time prefill attention with the step's new keys read from the pages and from contiguous
-rows (``paged_prefill_attention``'s ``new_kv``), over a bf16 and an FP8 cache, on
-Llama-3.1-8B's attention shapes (32 query heads, 8 KV heads, head_dim 128, pages of 16):
+rows (``paged_prefill_attention``'s ``new_kv``), and, where there is a cached context, with
+that context widened into rows too (``widen_context_rows``, timed with the launch), over a
+bf16 and an FP8 cache, on Llama-3.1-8B's attention shapes (32 query heads, 8 KV heads,
+head_dim 128, pages of 16):
 
     python scripts/prefill_new_kv.py --out prefill_new_kv.json
 
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedllm.layers.attention.kv_quant import paged_kv_views  # noqa: E402
 from pagedllm.layers.attention.triton_kv_write import write_kv_cache  # noqa: E402
 from pagedllm.layers.attention.triton_prefill import (  # noqa: E402
-    paged_prefill_attention, products_dtype,
+    paged_prefill_attention, plan_context_rows, products_dtype, widen_context_rows,
 )
 from tests.kernels.paged_batch import batch_args, make_fp8_step, make_step  # noqa: E402
 
@@ -52,30 +54,39 @@ def main() -> None:
             step = (make_fp8_step(seqs, k_scale=1.0, v_scale=1.0, dtype=torch.bfloat16, **shape)
                     if cache == "fp8" else make_step(seqs, dtype=torch.bfloat16, **shape))
             md = step.metadata
-            new_kv = torch.empty((2, *step.key.shape), device=step.key.device,
+            plan = plan_context_rows(md.query_start_loc_cpu, md.seq_lens_cpu,
+                                     md.num_actual_tokens, step.query.device)
+            new_kv = torch.empty((2, plan.rows_needed if plan else md.num_actual_tokens,
+                                  *step.key.shape[1:]), device=step.key.device,
                                  dtype=products_dtype(step.query.dtype, step.kv_cache.dtype))
             write_kv_cache(step.key, step.value, *paged_kv_views(step.kv_cache), md.slot_mapping,
                            fresh=new_kv)
             outs = {}
-            for source in ("pages", "rows"):
+            for source in ("pages", "rows", "rows and context rows")[:3 if plan else 2]:
                 out = torch.zeros_like(step.query)
 
-                def launch(out=out, rows=new_kv if source == "rows" else None) -> None:
+                def launch(out=out, source=source) -> None:
+                    context = plan if source == "rows and context rows" else None
+                    if context is not None:
+                        widen_context_rows(*paged_kv_views(step.kv_cache), md.block_tables,
+                                           context, new_kv)
                     paged_prefill_attention(
                         step.query, *paged_kv_views(step.kv_cache), *batch_args(step), out,
                         num_tokens=md.num_actual_tokens, max_query_len=md.max_query_len,
-                        scale=HEAD_DIM ** -0.5, new_kv=rows)
+                        scale=HEAD_DIM ** -0.5, new_kv=None if source == "pages" else new_kv,
+                        context_rows=None if context is None else context.starts)
 
                 launch()
                 torch.cuda.synchronize()
                 outs[source] = out.float()
                 us = triton.testing.do_bench(launch, warmup=50, rep=300) * 1000
-                row = dict(case=label, cache=cache, new_keys_from=source, us=round(us, 1),
+                row = dict(case=label, cache=cache, keys_from=source, us=round(us, 1),
                            tflops=round(visible_flops(seqs) / us / 1e6, 1))
                 rows.append(row)
                 print(row, flush=True)
-            print(f"  largest difference {(outs['rows'] - outs['pages']).abs().max().item():.3g}",
-                  flush=True)
+            for source in list(outs)[1:]:
+                diff = (outs[source] - outs["pages"]).abs().max().item()
+                print(f"  {source}: largest difference {diff:.3g}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

@@ -85,15 +85,19 @@ def compile_kernel(tile, int_bits: int, group: int, fp8: bool, pdl: bool = False
                           options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
 
 
-def compile_attention(kind: str, tile: list[int], kv: str, pdl: bool = False):
+def compile_attention(kind: str, tile: list[int], kv: str, pdl: bool = False,
+                      new_kv: str = "pages"):
     """The decode (``tile`` = BLOCK_N, warps, stages; one pass) or prefill (``tile`` =
-    BLOCK_M, BLOCK_N, warps, stages) attention kernel for sm_90 (see the module docstring)."""
+    BLOCK_M, BLOCK_N, warps, stages) attention kernel for sm_90 (see the module docstring);
+    ``new_kv``: where the prefill kernel reads a step's new keys, "pages", "rows", or
+    "context-rows" (the cached contexts from rows too)."""
     kernel = triton_decode._decode_kernel if kind == "decode" else triton_prefill._prefill_kernel
     names = list(kernel.arg_names)
     pointers = dict(k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", part_acc_ptr="*fp32",
                     part_max_ptr="*fp32", part_sum_ptr="*fp32", counters_ptr="*i32",
                     block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
-                    order_ptr="*i32", slot_mapping_ptr="*i64")
+                    order_ptr="*i32", slot_mapping_ptr="*i64", context_rows_ptr="*i32",
+                    new_kv_ptr="*fp16" if kv == "fp8e4nv" else "*bf16")
     signature = {name: pointers.get(name, "*bf16") if name.endswith("_ptr")
                  else "fp32" if name in ("qk_scale", "k_scale", "v_scale") else "i32"
                  for name in names}
@@ -108,7 +112,8 @@ def compile_attention(kind: str, tile: list[int], kv: str, pdl: bool = False):
     else:
         block_m, block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_M=block_m, BLOCK_Q=block_m // 4, BLOCK_N=block_n,
-                         SKIP_DECODES=True, LONGEST_FIRST=False)
+                         SKIP_DECODES=True, LONGEST_FIRST=False, NEW_KV=new_kv != "pages",
+                         CONTEXT_ROWS=new_kv == "context-rows")
     signature.update({name: "constexpr" for name in constants})
     aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -165,6 +170,9 @@ def main(argv: list[str] | None = None) -> dict:
     what.add_argument("--prefill", help="BLOCK_M,BLOCK_N,warps,stages: the prefill attention kernel")
     parser.add_argument("--kv", choices=("bf16", "fp8"), default="bf16",
                         help="the attention kernel's cache dtype")
+    parser.add_argument("--new-kv", choices=("pages", "rows", "context-rows"), default="pages",
+                        help="the prefill kernel: where a step's new keys (and with "
+                             "context-rows its cached contexts) are read")
     parser.add_argument("--int-bits", type=int, choices=(0, 4, 8), default=0)
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--fp8", action="store_true")
@@ -180,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
         tile = [int(v) for v in attention.split(",")]
         kv = "fp8e4nv" if args.kv == "fp8" else "bf16"
         kind = "decode" if args.decode else "prefill"
-        code = sass(compile_attention(kind, tile, kv, args.pdl))
+        code = sass(compile_attention(kind, tile, kv, args.pdl, args.new_kv))
         block_n, num_warps = tile[-3], tile[-2]
         unit, per_thread = "KV byte", block_n * 128 * 2 * (1 if args.kv == "fp8" else 2) / (32 * num_warps)
     else:

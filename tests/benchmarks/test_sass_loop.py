@@ -1,7 +1,7 @@
-"""The small-batch product's and the decode attention's machine code, compiled for Hopper
-on the CPU (scripts/sass_loop.py): the quantized decode products, and decode attention
-over an FP8 cache, are bound by the instructions each weight or cache byte costs, so the
-count is checked where it cannot drift unseen."""
+"""The small-batch product's and the attention kernels' machine code, compiled for Hopper
+on the CPU (scripts/sass_loop.py): the quantized decode products, and attention over an
+FP8 cache, are bound by the instructions each weight or cache byte costs, so the count is
+checked where it cannot drift unseen."""
 
 from __future__ import annotations
 
@@ -53,6 +53,18 @@ def test_a_decode_tile_pages_its_keys_and_values_with_one_offset():
     share strides), with unsigned shifts and masks: about 1.6 instructions a bf16 cache
     byte at the one-pass tile (2.3 when the value repeated the key's arithmetic)."""
     assert sass_loop(["--decode", "64,4,2"])["per_kv_byte"] < 1.8
+
+
+@pytest.mark.parametrize("new_kv", ["rows", "context-rows"])
+def test_prefill_over_an_fp8_cache_takes_its_keys_from_rows_without_widening_them(new_kv):
+    """A prompt step's keys read from rows already in the products' dtype go from the copy
+    into shared memory straight to the tensor cores, as a bf16 cache's pages do: no e4m3
+    widening and no store back to shared memory in the loop (the pages' loop widens 64
+    values and stores 17 times an iteration)."""
+    opcodes = sass_loop(["--prefill", "64,64,4,2", "--kv", "fp8", "--new-kv", new_kv])["opcodes"]
+    assert [op for op in opcodes if op.startswith("HGMMA")]
+    assert [op for op in opcodes if op.startswith("LDGSTS")]
+    assert not [op for op in opcodes if op.startswith(("F2FP.F16.E4M3", "STS"))]
 
 
 @pytest.mark.parametrize("args", [

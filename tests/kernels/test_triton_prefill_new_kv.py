@@ -1,7 +1,8 @@
 """Prefill attention reading a step's new keys from contiguous rows (``new_kv``), written by
-the KV write beside the cache: the same attention as reading every key from the pages, over
-an FP8 cache and a cache in the model's dtype, for fresh prompts, chunks whose cached
-context ends inside a key tile, prompts of several query tiles, and decodes in the batch."""
+the KV write beside the cache, and long chunks' cached contexts from rows widened once a
+step: the same attention as reading every key from the pages, over an FP8 cache and a
+cache in the model's dtype, for fresh prompts, chunks whose cached context ends inside a
+key tile, prompts of several query tiles, and decodes in the batch."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pagedllm.layers.attention import triton_backend, triton_prefill
 from pagedllm.layers.attention.kv_quant import paged_kv_views
 from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
 from pagedllm.layers.attention.triton_kv_write import rotate_and_write_kv, write_kv_cache
-from pagedllm.layers.attention.triton_prefill import paged_prefill_attention, products_dtype
+from pagedllm.layers.attention.triton_prefill import (
+    paged_prefill_attention, plan_context_rows, products_dtype, widen_context_rows,
+)
 from pagedllm.quantization.fp8 import FP8_DTYPE
 from tests.kernels.paged_batch import (
     TOLERANCE, batch_args, make_fp8_step, make_step, reference_attention,
@@ -40,6 +43,7 @@ def _cached_rows(step) -> torch.Tensor:
 
 
 def _prefill(step, scales, new_kv=None, **kwargs) -> torch.Tensor:
+    """Prefill attention of the whole step (decodes too) into a new tensor."""
     md = step.metadata
     out = torch.zeros_like(step.query)
     paged_prefill_attention(step.query, *paged_kv_views(step.kv_cache), *batch_args(step), out,
@@ -48,9 +52,16 @@ def _prefill(step, scales, new_kv=None, **kwargs) -> torch.Tensor:
     return out
 
 
-def _rows_for(step) -> torch.Tensor:
-    return torch.full((2, *step.key.shape), float("nan"), device=step.key.device,
+def _rows_for(step, rows: int | None = None) -> torch.Tensor:
+    return torch.full((2, rows or step.key.shape[0], *step.key.shape[1:]), float("nan"),
+                      device=step.key.device,
                       dtype=products_dtype(step.query.dtype, step.kv_cache.dtype))
+
+
+def _plan(step):
+    md = step.metadata
+    return plan_context_rows(md.query_start_loc_cpu, md.seq_lens_cpu, md.num_actual_tokens,
+                             step.query.device)
 
 
 @pytest.mark.parametrize("tiles", [(16, 16), (64, 32)], ids=["16x16", "64x32"])
@@ -123,3 +134,99 @@ def test_rows_of_the_wrong_dtype_or_beside_a_window_are_refused() -> None:
     with pytest.raises(ValueError, match="fresh must be"):
         write_kv_cache(step.key, step.value, *paged_kv_views(step.kv_cache),
                        step.metadata.slot_mapping, **scales, fresh=rows[:, :3])
+
+
+@pytest.mark.parametrize("tiles", [(16, 16), (64, 32)], ids=["16x16", "64x32"])
+@pytest.mark.parametrize("cache", ["fp8", "fp32"])
+def test_contexts_widened_into_rows_give_the_attention_of_the_pages(cache, tiles,
+                                                                    monkeypatch) -> None:
+    monkeypatch.setattr(triton_prefill, "CONTEXT_ROWS_MIN_QUERY", 8)
+    step, scales = _step(cache, seed=16)
+    md = step.metadata
+    plan = _plan(step)
+    # Chunks of 8+ new tokens over a context are widened, in batch order, after the rows
+    # of the step's tokens; (8, 3) is too short and reads its pages.
+    assert plan.starts.tolist() == [-1, 88, -1, 107, 112, -1, -1]
+    assert plan.rows_needed == md.num_actual_tokens + 19 + 5 + 16 == 128
+    rows = _rows_for(step, plan.rows_needed)
+    write_kv_cache(step.key, step.value, *paged_kv_views(step.kv_cache), md.slot_mapping,
+                   **scales, fresh=rows)
+    block_m, block_n = tiles
+    want = _prefill(step, scales, block_m=block_m, block_n=block_n)
+    widen_context_rows(*paged_kv_views(step.kv_cache), md.block_tables, plan, rows)
+    # The widened sequences' pages overwritten: their context must come from the rows.
+    page = step.kv_cache.shape[2]
+    for b in (1, 3, 4):
+        table, context = md.block_tables[b], SEQS[b][0]
+        for pos in range(context):
+            step.kv_cache[:, table[pos // page], pos % page] = 0
+    got = _prefill(step, scales, rows, block_m=block_m, block_n=block_n,
+                   context_rows=plan.starts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_widened_contexts_stop_at_their_token_cap(monkeypatch) -> None:
+    monkeypatch.setattr(triton_prefill, "CONTEXT_ROWS_MIN_QUERY", 8)
+    monkeypatch.setattr(triton_prefill, "CONTEXT_ROWS_MAX_TOKENS", 24)
+    step, _ = _step("fp8", seed=17)
+    plan = _plan(step)
+    assert plan.starts.tolist() == [-1, 88, -1, 107, -1, -1, -1]  # 19 + 5 fit, 16 more do not
+    assert plan.seqs.tolist() == [1, 3]
+    assert (plan.lens.tolist(), plan.firsts.tolist()) == ([19, 5], [88, 107])
+    monkeypatch.setattr(triton_prefill, "CONTEXT_ROWS_MIN_QUERY", 64)
+    assert _plan(step) is None
+
+
+@pytest.mark.parametrize("switch, cache, widens", [
+    (True, "fp8", True), (True, "fp32", False), (False, "fp8", False),
+])
+def test_the_backend_widens_long_chunks_contexts_over_an_fp8_cache(switch, cache, widens,
+                                                                     monkeypatch) -> None:
+    monkeypatch.setattr(triton_prefill, "PREFILL_NEW_KV", "all")
+    monkeypatch.setattr(triton_prefill, "PREFILL_CONTEXT_ROWS", switch)
+    monkeypatch.setattr(triton_prefill, "CONTEXT_ROWS_MIN_QUERY", 8)
+    widened = []
+    widen = triton_backend.widen_context_rows
+    monkeypatch.setattr(triton_backend, "widen_context_rows",
+                        lambda *a: widened.append(a[3].seqs.tolist()) or widen(*a))
+    step, scales = _step(cache, seed=18)
+    want, want_cache = reference_attention(step, 0.25, None, **scales)
+    got = TritonAttentionBackend().forward(step.query, step.key, step.value, step.kv_cache,
+                                           step.metadata, 0.25, None, **scales)
+    assert widened == ([[1, 3, 4]] if widens else [])
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+
+
+def test_an_engine_over_an_fp8_cache_decodes_the_same_tokens_with_rows_or_pages(
+        tmp_path, monkeypatch) -> None:
+    """A tiny Llama on the Triton backend with an FP8 cache, chunked prompts (12-token
+    steps) and prefix hits: greedy tokens with new-key rows and widened contexts equal those
+    read from the pages alone."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.layers.attention import selector
+    from tests.utils import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=128, max_position_embeddings=128,
+                                num_hidden_layers=2)
+    shared = [(5 * j) % 120 + 4 for j in range(20)]
+    prompts = [shared + [9, 10, 11], shared + [(7 * j) % 120 + 4 for j in range(9)],
+               [(3 * j) % 120 + 4 for j in range(30)]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    monkeypatch.setenv(selector.BACKEND_ENV, "triton")
+    monkeypatch.setattr(triton_prefill, "CONTEXT_ROWS_MIN_QUERY", 4)
+    widened = []
+    widen = triton_backend.widen_context_rows
+    monkeypatch.setattr(triton_backend, "widen_context_rows",
+                        lambda *a: widened.append(a[3].seqs.shape[0]) or widen(*a))
+    runs = {}
+    for setting, context_rows in (("off", False), ("fp8", True)):
+        monkeypatch.setattr(triton_prefill, "PREFILL_NEW_KV", setting)
+        monkeypatch.setattr(triton_prefill, "PREFILL_CONTEXT_ROWS", context_rows)
+        llm = LLM(str(path), kv_cache_dtype="fp8", block_size=8, max_model_len=64,
+                  max_num_batched_tokens=12, enforce_eager=True, seed=0)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        runs[setting] = [o.outputs[0].token_ids for o in outputs]
+        assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
+        del llm
+    assert widened and runs["fp8"] == runs["off"]

@@ -9,7 +9,10 @@ One step runs at most three launches per layer::
 
 In a step with prompts, the write may also keep the step's keys and values as the cache
 holds them in contiguous rows (``triton_prefill.new_kv_rows_dtype``: over an FP8 cache by
-default), from which prefill attention reads the new keys instead of the pages.
+default), from which prefill attention reads the new keys instead of the pages; with
+``PAGEDLLM_PREFILL_CONTEXT_ROWS=1`` long chunks' cached contexts over an FP8 cache are
+widened into more rows once a step (``triton_prefill.plan_context_rows``; not inside a
+CUDA graph capture, whose host lists describe the capture, not a replay).
 
 A step of fresh long prompts alone may instead go to torch's fused attention
 (``dense_prefill``, opt-in with ``PAGEDLLM_DENSE_PREFILL``), after the same cache write.
@@ -45,7 +48,14 @@ from pagedllm.layers.attention.triton_decode import (
     wants_longest_first,
 )
 from pagedllm.layers.attention.triton_kv_write import rotate_and_write_kv, write_kv_cache
-from pagedllm.layers.attention.triton_prefill import new_kv_rows_dtype, paged_prefill_attention
+from pagedllm.layers.attention.triton_prefill import (
+    ContextRows,
+    new_kv_rows_dtype,
+    paged_prefill_attention,
+    plan_context_rows,
+    widen_context_rows,
+    widens_contexts,
+)
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.triton_ops import fused_ops_enabled
 
@@ -66,6 +76,20 @@ class TritonAttentionBackend:
         self._routing_source: tuple[AttentionMetadata, list[int]] | None = None
         self._has_decodes = False
         self._order: tuple[AttentionMetadata, bool, torch.Tensor | None] | None = None
+        self._context_plan: tuple[AttentionMetadata, tuple, ContextRows | None] | None = None
+
+    def _context_rows(self, metadata: AttentionMetadata,
+                      device: torch.device) -> ContextRows | None:
+        """The step's widened contexts (``plan_context_rows``), planned by its first layer
+        (again whenever the batch's host lists differ)."""
+        key = (tuple(metadata.query_start_loc_cpu), tuple(metadata.seq_lens_cpu),
+               metadata.num_actual_tokens)
+        cached = self._context_plan
+        if cached is None or cached[0] is not metadata or cached[1] != key:
+            plan = plan_context_rows(metadata.query_start_loc_cpu, metadata.seq_lens_cpu,
+                                     metadata.num_actual_tokens, device)
+            self._context_plan = cached = (metadata, key, plan)
+        return cached[2]
 
     def _decode_order(self, metadata: AttentionMetadata, seq_lens: torch.Tensor) -> torch.Tensor | None:
         """The step's decode start order, computed by its first layer. A CUDA graph's capture
@@ -117,8 +141,13 @@ class TritonAttentionBackend:
         prefill_query = query
         rows_dtype = (new_kv_rows_dtype(query.dtype, key_cache.dtype, sliding_window)
                       if metadata.max_query_len > 1 else None)
-        new_rows = (None if rows_dtype is None else
-                    torch.empty((2, n, *key.shape[1:]), dtype=rows_dtype, device=key.device))
+        capturing = key.is_cuda and torch.cuda.is_current_stream_capturing()
+        context = None
+        if rows_dtype is not None and widens_contexts(key_cache.dtype) and not capturing:
+            context = self._context_rows(metadata, key.device)
+        new_rows = (None if rows_dtype is None else torch.empty(
+            (2, n if context is None else context.rows_needed, *key.shape[1:]),
+            dtype=rows_dtype, device=key.device))
         if rotary is None:
             write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping[:n],
                            k_scale, v_scale, fresh=new_rows)
@@ -146,6 +175,8 @@ class TritonAttentionBackend:
         seq_lens = metadata.seq_lens[:num_seqs]
         block_tables = metadata.block_tables[:num_seqs]
         has_decodes = self._step_has_decodes(metadata)
+        if context is not None:
+            widen_context_rows(key_cache, value_cache, block_tables, context, new_rows)
         if metadata.max_query_len > 1:
             paged_prefill_attention(
                 prefill_query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
@@ -158,6 +189,7 @@ class TritonAttentionBackend:
                 v_scale=v_scale,
                 logits_soft_cap=logits_soft_cap,
                 new_kv=new_rows,
+                context_rows=None if context is None else context.starts,
             )
         if has_decodes:
             paged_decode_attention(

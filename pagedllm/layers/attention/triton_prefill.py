@@ -23,7 +23,10 @@ written by the KV write beside the cache, ``triton_kv_write``): then each progra
 the sequence's cached context (``0 .. context_len``, visible to every query) from the
 pages and its new keys from those rows, which load straight into the products. Over an
 FP8 cache that skips the widening of every tile between shared memory and the tensor
-cores (the rows are already in the products' dtype); the values are the same.
+cores (the rows are already in the products' dtype); the values are the same. A long
+prompt chunk's cached context over an FP8 cache may be widened into more rows after the
+new ones (``plan_context_rows``, ``widen_context_rows``, opt-in): once a step, where each
+of its query tiles would widen every context tile again.
 
 The grid is ``(T // BLOCK_Q + B, num_kv_heads)``; a program finds its sequence by a
 binary search over ``query_start_loc`` (see ``find_sequence``), so the launch depends only
@@ -32,6 +35,7 @@ on host integers and is safe to capture in a CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -158,6 +162,31 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _attend_context(
+    acc, l_i, m_i, q, k_src, v_src, table, row_shift, context_len, pos, window, qk_scale,
+    stride_kb, stride_row, d, d_valid,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+    IEEE_DOT: tl.constexpr, SOFTCAP: tl.constexpr, V_SLOT_MAJOR: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
+):
+    """``_attend_tiles`` over a sequence's cached context ``[0, context_len)``, visible to
+    every row (no window): whole tiles unmasked, the last one masked."""
+    context_full = context_len // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_src, v_src, table, row_shift, 0, context_full, context_len, pos,
+        window, qk_scale, stride_kb, stride_row, d, d_valid,
+        PAGE_SIZE, BLOCK_N, False, False, EVEN_D, IEEE_DOT, SOFTCAP, V_SLOT_MAJOR, BLOCK_D,
+        PAGED,
+    )
+    return _attend_tiles(
+        acc, l_i, m_i, q, k_src, v_src, table, row_shift, context_full, context_len,
+        context_len, pos, window, qk_scale, stride_kb, stride_row, d, d_valid,
+        PAGE_SIZE, BLOCK_N, True, False, EVEN_D, IEEE_DOT, SOFTCAP, V_SLOT_MAJOR, BLOCK_D,
+        PAGED,
+    )
+
+
 # ``num_seqs`` changes every step; specialising on its value (== 1, divisible by 16) would
 # compile new variants in the middle of a run.
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -186,6 +215,7 @@ def _prefill_kernel(
     stride_n2,
     stride_nt,
     stride_nh,
+    context_rows_ptr,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -201,6 +231,7 @@ def _prefill_kernel(
     LONGEST_FIRST: tl.constexpr,
     V_SLOT_MAJOR: tl.constexpr,
     NEW_KV: tl.constexpr,
+    CONTEXT_ROWS: tl.constexpr,
 ):
     if LONGEST_FIRST:
         tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -248,21 +279,25 @@ def _prefill_kernel(
     first_pos = context_len + q_off
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
     if NEW_KV:  # no window (the launcher's rule): the context is visible to every row
-        context_full = context_len // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, k_head, v_head, table, 0, 0, context_full, context_len, pos,
-            window, qk_scale, stride_kb, stride_ks, d, d_valid,
-            PAGE_SIZE, BLOCK_N, False, False, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
-            V_SLOT_MAJOR, BLOCK_D, True,
-        )
-        acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, k_head, v_head, table, 0, context_full, context_len, context_len,
-            pos, window, qk_scale, stride_kb, stride_ks, d, d_valid,
-            PAGE_SIZE, BLOCK_N, True, False, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP,
-            V_SLOT_MAJOR, BLOCK_D, True,
-        )
-        # The new keys: key n (n >= context_len) in row q_start + n - context_len.
         k_new = new_kv_ptr + kv_head.to(tl.int64) * stride_nh
+        context_row = -1  # the context's first row, or -1: its pages
+        if CONTEXT_ROWS:
+            context_row = tl.load(context_rows_ptr + seq)
+        if context_row >= 0:
+            acc, l_i, m_i = _attend_context(
+                acc, l_i, m_i, q, k_new, k_new + stride_n2, table, context_row, context_len,
+                pos, window, qk_scale, 0, stride_nt, d, d_valid,
+                PAGE_SIZE, BLOCK_N, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP, False, BLOCK_D,
+                False,
+            )
+        else:
+            acc, l_i, m_i = _attend_context(
+                acc, l_i, m_i, q, k_head, v_head, table, 0, context_len, pos, window,
+                qk_scale, stride_kb, stride_ks, d, d_valid,
+                PAGE_SIZE, BLOCK_N, BLOCK_D == HEAD_DIM, IEEE_DOT, SOFTCAP, V_SLOT_MAJOR,
+                BLOCK_D, True,
+            )
+        # The new keys: key n (n >= context_len) in row q_start + n - context_len.
         row_shift = q_start - context_len
         new_full = context_len + (q_off + 1) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = _attend_tiles(
@@ -336,6 +371,121 @@ def new_kv_rows_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype,
     return products_dtype(query_dtype, cache_dtype)
 
 
+# Whether prompt chunks over an FP8 cache have their cached context widened into rows
+# (``plan_context_rows``): off until timed in the engine (docs/benchmarks.md).
+PREFILL_CONTEXT_ROWS = switch("PAGEDLLM_PREFILL_CONTEXT_ROWS", False)
+# A prompt chunk of at least this many new tokens over a cached context (earlier chunks,
+# prefix-cache hits) has that context widened into rows once a step; shorter ones (a
+# speculative verify, a short chunk) read it from the pages, each query tile once.
+CONTEXT_ROWS_MIN_QUERY = 256
+# At most this many context tokens a step are widened (4 KiB a token for 8 KV heads of
+# 128 in float16: 128 MiB, transient); the sequences past it read their pages.
+CONTEXT_ROWS_MAX_TOKENS = 32768
+
+
+@dataclass(frozen=True)
+class ContextRows:
+    """Where a step's widened contexts lie in ``new_kv``'s rows (``plan_context_rows``).
+
+    ``rows_needed``: the rows ``new_kv`` must hold (the step's tokens, then the contexts).
+    ``starts: [num_seqs]`` int32: the row of each sequence's first context key, -1 where
+    it reads its context from the pages. ``seqs``, ``lens``, ``firsts``: ``[S]`` int32, the
+    widened sequences, their context lengths and first rows. ``longest``: the largest of
+    ``lens``."""
+
+    rows_needed: int
+    starts: torch.Tensor
+    seqs: torch.Tensor
+    lens: torch.Tensor
+    firsts: torch.Tensor
+    longest: int
+
+
+def widens_contexts(cache_dtype: torch.dtype) -> bool:
+    """Whether a step over a cache of ``cache_dtype`` that keeps new-key rows also widens
+    long chunks' contexts (``PREFILL_CONTEXT_ROWS``; FP8 caches only: a bf16 page reads as
+    fast as a row)."""
+    return PREFILL_CONTEXT_ROWS and cache_dtype == torch.float8_e4m3fn
+
+
+def plan_context_rows(query_start_loc: list[int], seq_lens: list[int], num_tokens: int,
+                      device: torch.device) -> ContextRows | None:
+    """The rows of the contexts to widen this step (host lists of the batch, as
+    ``AttentionMetadata``'s ``*_cpu``), after its ``num_tokens`` rows; None where no
+    sequence qualifies (``CONTEXT_ROWS_MIN_QUERY``, ``CONTEXT_ROWS_MAX_TOKENS``)."""
+    starts = [-1] * len(seq_lens)
+    seqs, lens, firsts = [], [], []
+    row = num_tokens
+    for b, seq_len in enumerate(seq_lens):
+        query_len = query_start_loc[b + 1] - query_start_loc[b]
+        context_len = seq_len - query_len
+        if (query_len < CONTEXT_ROWS_MIN_QUERY or context_len <= 0
+                or row + context_len - num_tokens > CONTEXT_ROWS_MAX_TOKENS):
+            continue
+        starts[b] = row
+        seqs.append(b)
+        lens.append(context_len)
+        firsts.append(row)
+        row += context_len
+    if not seqs:
+        return None
+    packed = torch.tensor(starts + seqs + lens + firsts, dtype=torch.int32).to(device)
+    b, s = len(seq_lens), len(seqs)
+    return ContextRows(row, packed[:b], packed[b:b + s], packed[b + s:b + 2 * s],
+                       packed[b + 2 * s:], max(lens))
+
+
+@triton.jit
+def _widen_context_kernel(
+    k_cache_ptr, v_cache_ptr, block_tables_ptr, seqs_ptr, lens_ptr, firsts_ptr, rows_ptr,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt, stride_r2, stride_rt, stride_rh,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    """Context token ``program_id(1)`` of widened sequence ``program_id(0)``: its key and
+    value read from their page (any strides: an FP8 cache's values are slot-major) into
+    its rows, cast to the rows' dtype (an FP8 value widens exactly)."""
+    i = tl.program_id(0)
+    t = tl.program_id(1)
+    if t >= tl.load(lens_ptr + i):
+        return
+    seq = tl.load(seqs_ptr + i).to(tl.int64)
+    block = tl.load(block_tables_ptr + seq * stride_bt + t // PAGE_SIZE).to(tl.int64)
+    slot = t % PAGE_SIZE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + block * stride_kb + slot * stride_ks + h[:, None] * stride_kh
+                + d[None, :] * stride_kd, mask=mask)
+    v = tl.load(v_cache_ptr + block * stride_vb + slot * stride_vs + h[:, None] * stride_vh
+                + d[None, :] * stride_vd, mask=mask)
+    row = tl.load(firsts_ptr + i).to(tl.int64) + t
+    dst = rows_ptr + row * stride_rt + h[:, None] * stride_rh + d[None, :]
+    tl.store(dst, k.to(rows_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_r2, v.to(rows_ptr.dtype.element_ty), mask=mask)
+
+
+def widen_context_rows(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_tables: torch.Tensor, plan: ContextRows,
+                       new_kv: torch.Tensor) -> None:
+    """Copy the cached keys and values of ``plan``'s sequences into ``new_kv``'s rows
+    (``[2, >= plan.rows_needed, Hkv, D]``, unit stride along ``D``), as
+    ``paged_prefill_attention``'s ``context_rows`` reads them."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    if new_kv.shape[1] < plan.rows_needed or new_kv.stride(-1) != 1:
+        raise ValueError(f"new_kv must hold {plan.rows_needed} rows with a unit stride along "
+                         f"head_dim, got {tuple(new_kv.shape)}.")
+    _widen_context_kernel[(plan.seqs.shape[0], plan.longest)](
+        key_cache, value_cache, block_tables, plan.seqs, plan.lens, plan.firsts, new_kv,
+        *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
+        new_kv.stride(0), new_kv.stride(1), new_kv.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_dim), PAGE_SIZE=key_cache.shape[1],
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
+
+
 def prefill_tile_config(
     max_query_len: int, queries_per_kv: int, head_dim: int, device: torch.device
 ) -> tuple[int, int, int, int]:
@@ -377,6 +527,7 @@ def paged_prefill_attention(
     logits_soft_cap: float | None = None,
     longest_first: bool | None = None,
     new_kv: torch.Tensor | None = None,
+    context_rows: torch.Tensor | None = None,
 ) -> None:
     """Attention of the first ``num_tokens`` rows of ``query: [T, H, D]`` into ``out``.
 
@@ -392,7 +543,9 @@ def paged_prefill_attention(
     longest rows run first and the launch does not end on them. ``new_kv: [2, >= T, Hkv,
     D]``: the step's keys (``[0]``) and values (``[1]``) as the cache holds them, row ``t``
     for query row ``t``, in ``products_dtype`` (``write_kv_cache``'s ``fresh``); the new
-    keys are then read there (no sliding window).
+    keys are then read there (no sliding window). ``context_rows: [B]`` int32 (with
+    ``new_kv``): the row of ``new_kv`` where each sequence's cached context starts
+    (``widen_context_rows``), -1 where it is read from the pages.
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
@@ -430,6 +583,9 @@ def paged_prefill_attention(
             raise ValueError(f"new_kv must be [2, >= {num_tokens}, {num_kv_heads}, {head_dim}] "
                              f"in {want_dtype} with a unit stride along head_dim, got "
                              f"{tuple(new_kv.shape)} in {new_kv.dtype}.")
+    if context_rows is not None and (new_kv is None or context_rows.dtype != torch.int32
+                                     or context_rows.shape != (num_seqs,)):
+        raise ValueError(f"context_rows must be [{num_seqs}] int32 beside new_kv.")
     if longest_first is None:
         longest_first = PREFILL_LONGEST_FIRST
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
@@ -456,6 +612,7 @@ def paged_prefill_attention(
         block_tables.stride(0),
         query if new_kv is None else new_kv,
         *((0, 0, 0) if new_kv is None else new_kv.stride()[:3]),
+        seq_lens if context_rows is None else context_rows,
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)),
@@ -471,6 +628,7 @@ def paged_prefill_attention(
         LONGEST_FIRST=longest_first,
         V_SLOT_MAJOR=slot_major,
         NEW_KV=new_kv is not None,
+        CONTEXT_ROWS=context_rows is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
