@@ -440,28 +440,29 @@ def _widen_context_kernel(
     k_cache_ptr, v_cache_ptr, block_tables_ptr, seqs_ptr, lens_ptr, firsts_ptr, rows_ptr,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt, stride_r2, stride_rt, stride_rh,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
-    """Context token ``program_id(1)`` of widened sequence ``program_id(0)``: its key and
-    value read from their page (any strides: an FP8 cache's values are slot-major) into
-    its rows, cast to the rows' dtype (an FP8 value widens exactly)."""
+    """Page ``program_id(1)`` of widened sequence ``program_id(0)``'s context, KV head
+    ``program_id(2)``: its keys and values (``[PAGE_SIZE, D]`` each, whole runs of the
+    page in either layout: an FP8 cache's values are slot-major) into their rows, cast to
+    the rows' dtype (an FP8 value widens exactly)."""
     i = tl.program_id(0)
-    t = tl.program_id(1)
-    if t >= tl.load(lens_ptr + i):
+    page = tl.program_id(1)
+    h = tl.program_id(2).to(tl.int64)
+    length = tl.load(lens_ptr + i)
+    if page * PAGE_SIZE >= length:
         return
     seq = tl.load(seqs_ptr + i).to(tl.int64)
-    block = tl.load(block_tables_ptr + seq * stride_bt + t // PAGE_SIZE).to(tl.int64)
-    slot = t % PAGE_SIZE
-    h = tl.arange(0, BLOCK_H)
+    block = tl.load(block_tables_ptr + seq * stride_bt + page).to(tl.int64)
+    slot = tl.arange(0, PAGE_SIZE)
     d = tl.arange(0, BLOCK_D)
-    mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + block * stride_kb + slot * stride_ks + h[:, None] * stride_kh
+    mask = (page * PAGE_SIZE + slot < length)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + block * stride_kb + h * stride_kh + slot[:, None] * stride_ks
                 + d[None, :] * stride_kd, mask=mask)
-    v = tl.load(v_cache_ptr + block * stride_vb + slot * stride_vs + h[:, None] * stride_vh
+    v = tl.load(v_cache_ptr + block * stride_vb + h * stride_vh + slot[:, None] * stride_vs
                 + d[None, :] * stride_vd, mask=mask)
-    row = tl.load(firsts_ptr + i).to(tl.int64) + t
-    dst = rows_ptr + row * stride_rt + h[:, None] * stride_rh + d[None, :]
+    row = tl.load(firsts_ptr + i).to(tl.int64) + page * PAGE_SIZE + slot
+    dst = rows_ptr + row[:, None] * stride_rt + h * stride_rh + d[None, :]
     tl.store(dst, k.to(rows_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_r2, v.to(rows_ptr.dtype.element_ty), mask=mask)
 
@@ -472,17 +473,17 @@ def widen_context_rows(key_cache: torch.Tensor, value_cache: torch.Tensor,
     """Copy the cached keys and values of ``plan``'s sequences into ``new_kv``'s rows
     (``[2, >= plan.rows_needed, Hkv, D]``, unit stride along ``D``), as
     ``paged_prefill_attention``'s ``context_rows`` reads them."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    _, page_size, num_kv_heads, head_dim = key_cache.shape
     if new_kv.shape[1] < plan.rows_needed or new_kv.stride(-1) != 1:
         raise ValueError(f"new_kv must hold {plan.rows_needed} rows with a unit stride along "
                          f"head_dim, got {tuple(new_kv.shape)}.")
-    _widen_context_kernel[(plan.seqs.shape[0], plan.longest)](
+    grid = (plan.seqs.shape[0], triton.cdiv(plan.longest, page_size), num_kv_heads)
+    _widen_context_kernel[grid](
         key_cache, value_cache, block_tables, plan.seqs, plan.lens, plan.firsts, new_kv,
         *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         new_kv.stride(0), new_kv.stride(1), new_kv.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=next_power_of_2(num_kv_heads),
-        BLOCK_D=next_power_of_2(head_dim), PAGE_SIZE=key_cache.shape[1],
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), PAGE_SIZE=page_size,
+        num_warps=4 if page_size * head_dim >= 2048 else 1,
     )
 
 
