@@ -177,12 +177,13 @@ def test_widened_contexts_stop_at_their_token_cap(monkeypatch) -> None:
     assert _plan(step) is None
 
 
-@pytest.mark.parametrize("switch, cache, widens", [
-    (True, "fp8", True), (True, "fp32", False), (False, "fp8", False),
+@pytest.mark.parametrize("new_kv, switch, cache, widens", [
+    ("fp8", True, "fp8", True), ("fp8", True, "fp32", False), ("all", True, "fp32", True),
+    ("fp8", False, "fp8", False),
 ])
-def test_the_backend_widens_long_chunks_contexts_over_an_fp8_cache(switch, cache, widens,
-                                                                     monkeypatch) -> None:
-    monkeypatch.setattr(triton_prefill, "PREFILL_NEW_KV", "all")
+def test_the_backend_widens_long_chunks_contexts_where_it_keeps_rows(new_kv, switch, cache,
+                                                                      widens, monkeypatch) -> None:
+    monkeypatch.setattr(triton_prefill, "PREFILL_NEW_KV", new_kv)
     monkeypatch.setattr(triton_prefill, "PREFILL_CONTEXT_ROWS", switch)
     monkeypatch.setattr(triton_prefill, "CONTEXT_ROWS_MIN_QUERY", 8)
     widened = []

@@ -10,8 +10,8 @@ One step runs at most three launches per layer::
 In a step with prompts, the write may also keep the step's keys and values as the cache
 holds them in contiguous rows (``triton_prefill.new_kv_rows_dtype``: over an FP8 cache by
 default), from which prefill attention reads the new keys instead of the pages; with
-``PAGEDLLM_PREFILL_CONTEXT_ROWS=1`` long chunks' cached contexts over an FP8 cache are
-widened into more rows once a step (``triton_prefill.plan_context_rows``; not inside a
+``PAGEDLLM_PREFILL_CONTEXT_ROWS=1`` long chunks' cached contexts are then widened into
+more rows once a step (``triton_prefill.plan_context_rows``; not inside a
 CUDA graph capture, whose host lists describe the capture, not a replay).
 
 A step of fresh long prompts alone may instead go to torch's fused attention
@@ -143,7 +143,7 @@ class TritonAttentionBackend:
                       if metadata.max_query_len > 1 else None)
         capturing = key.is_cuda and torch.cuda.is_current_stream_capturing()
         context = None
-        if rows_dtype is not None and widens_contexts(key_cache.dtype) and not capturing:
+        if rows_dtype is not None and widens_contexts() and not capturing:
             context = self._context_rows(metadata, key.device)
         new_rows = (None if rows_dtype is None else torch.empty(
             (2, n if context is None else context.rows_needed, *key.shape[1:]),

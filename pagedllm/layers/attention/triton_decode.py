@@ -451,10 +451,10 @@ def decode_tile_config(head_dim: int, device: torch.device, split: bool,
     on CUDA with head_dim up to 128, 64 keys, 4 warps, 2 stages for one pass over a bf16 or
     fp16 cache; 64 keys, 2 warps, 2 stages for one pass over an FP8 cache whose contexts
     are all within ``SHORT_DECODE_CONTEXT``; 128 keys, 4 warps, 2 stages for split
-    partitions and for longer passes over an FP8 cache; 32 keys for wider heads. The choices come from whole
-    workloads on an H200, not from one shape alone (the tiles, the sweeps and the
-    workloads that decided them: docs/benchmarks.md, "Decode tiles by cache dtype" and
-    "short contexts").
+    partitions and for longer passes over an FP8 cache; 32 keys for wider heads. The
+    choices come from whole workloads on an H200, not from one shape alone (the tiles, the
+    sweeps and the workloads that decided them: docs/benchmarks.md, "Decode tiles by cache
+    dtype", "short contexts" and "short decodes on two warps").
 
     For such measurements ``PAGEDLLM_DECODE_TILE`` / ``PAGEDLLM_DECODE_SPLIT_TILE``
     (``"BLOCK_N,num_warps,num_stages"``) override the one-pass / split choice on CUDA.

@@ -24,9 +24,9 @@ the sequence's cached context (``0 .. context_len``, visible to every query) fro
 pages and its new keys from those rows, which load straight into the products. Over an
 FP8 cache that skips the widening of every tile between shared memory and the tensor
 cores (the rows are already in the products' dtype); the values are the same. A long
-prompt chunk's cached context over an FP8 cache may be widened into more rows after the
-new ones (``plan_context_rows``, ``widen_context_rows``, opt-in): once a step, where each
-of its query tiles would widen every context tile again.
+prompt chunk's cached context may be widened into more rows after the new ones
+(``plan_context_rows``, ``widen_context_rows``, opt-in): once a step, where each of its
+query tiles would widen every FP8 context tile again (or look up every page).
 
 The grid is ``(T // BLOCK_Q + B, num_kv_heads)``; a program finds its sequence by a
 binary search over ``query_start_loc`` (see ``find_sequence``), so the launch depends only
@@ -371,8 +371,9 @@ def new_kv_rows_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype,
     return products_dtype(query_dtype, cache_dtype)
 
 
-# Whether prompt chunks over an FP8 cache have their cached context widened into rows
-# (``plan_context_rows``): off until timed in the engine (docs/benchmarks.md).
+# Whether prompt chunks whose step keeps new-key rows (``new_kv_rows_dtype``) have their
+# cached context widened into rows too (``plan_context_rows``): off until timed in the
+# engine (docs/benchmarks.md).
 PREFILL_CONTEXT_ROWS = switch("PAGEDLLM_PREFILL_CONTEXT_ROWS", False)
 # A prompt chunk of at least this many new tokens over a cached context (earlier chunks,
 # prefix-cache hits) has that context widened into rows once a step; shorter ones (a
@@ -401,11 +402,10 @@ class ContextRows:
     longest: int
 
 
-def widens_contexts(cache_dtype: torch.dtype) -> bool:
-    """Whether a step over a cache of ``cache_dtype`` that keeps new-key rows also widens
-    long chunks' contexts (``PREFILL_CONTEXT_ROWS``; FP8 caches only: a bf16 page reads as
-    fast as a row)."""
-    return PREFILL_CONTEXT_ROWS and cache_dtype == torch.float8_e4m3fn
+def widens_contexts() -> bool:
+    """Whether a step that keeps new-key rows also widens long chunks' contexts
+    (``PREFILL_CONTEXT_ROWS``)."""
+    return PREFILL_CONTEXT_ROWS
 
 
 def plan_context_rows(query_start_loc: list[int], seq_lens: list[int], num_tokens: int,
