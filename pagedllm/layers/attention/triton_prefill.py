@@ -429,7 +429,11 @@ def plan_context_rows(query_start_loc: list[int], seq_lens: list[int], num_token
         row += context_len
     if not seqs:
         return None
-    packed = torch.tensor(starts + seqs + lens + firsts, dtype=torch.int32).to(device)
+    packed = torch.tensor(starts + seqs + lens + firsts, dtype=torch.int32)
+    if device.type == "cuda":  # staged through pinned memory: no wait for the stream
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = packed.to(device)
     b, s = len(seq_lens), len(seqs)
     return ContextRows(row, packed[:b], packed[b:b + s], packed[b + s:b + 2 * s],
                        packed[b + 2 * s:], max(lens))
