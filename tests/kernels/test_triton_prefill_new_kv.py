@@ -231,3 +231,15 @@ def test_an_engine_over_an_fp8_cache_decodes_the_same_tokens_with_rows_or_pages(
         assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
         del llm
     assert widened and runs["fp8"] == runs["off"]
+
+
+def test_widening_contexts_without_new_key_rows_is_refused_at_start() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PAGEDLLM_PREFILL_CONTEXT_ROWS="1", PAGEDLLM_PREFILL_NEW_KV="off")
+    done = subprocess.run([sys.executable, "-c", "import pagedllm.layers.attention.triton_prefill"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "PAGEDLLM_PREFILL_NEW_KV=off" in done.stderr

@@ -104,6 +104,19 @@ def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def check_kv_rows(rows: torch.Tensor, min_rows: int, num_kv_heads: int, head_dim: int,
+                  name: str, dtype: torch.dtype | None = None) -> None:
+    """Raise ValueError unless ``rows`` holds keys and values as contiguous rows
+    (``[2, >= min_rows, num_kv_heads, head_dim]``, unit stride along ``head_dim``, of
+    ``dtype`` when given): the KV write's ``fresh`` and prefill's ``new_kv``."""
+    if (rows.dim() != 4 or rows.shape[0] != 2 or rows.shape[1] < min_rows
+            or tuple(rows.shape[2:]) != (num_kv_heads, head_dim) or rows.stride(-1) != 1
+            or (dtype is not None and rows.dtype != dtype)):
+        raise ValueError(f"{name} must be [2, >= {min_rows}, {num_kv_heads}, {head_dim}]"
+                         f"{'' if dtype is None else f' in {dtype}'} with a unit stride along "
+                         f"head_dim, got {tuple(rows.shape)} in {rows.dtype}.")
+
+
 def check_paged_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     """Raise ValueError unless ``query: [T, H, D]`` fits caches ``[blocks, block_size, Hkv, D]``
     that share their strides (the attention kernels address a key and its value with one

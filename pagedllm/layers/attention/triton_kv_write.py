@@ -33,7 +33,7 @@ import triton.language as tl
 
 from pagedllm.layers._triton_ops_kernels import follow_previous_kernel, rotate_half
 from pagedllm.layers.attention.kv_quant import cache_scales, values_slot_major
-from pagedllm.layers.attention.triton_common import to_cache, unit_last_stride
+from pagedllm.layers.attention.triton_common import check_kv_rows, to_cache, unit_last_stride
 from pagedllm.layers.launch_math import next_power_of_2
 from pagedllm.layers.pdl import launch_options
 
@@ -203,15 +203,11 @@ def _cache_block_size(key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv
 
 def _fresh_args(fresh: torch.Tensor | None, key: torch.Tensor, num_tokens: int) -> tuple:
     """The kernels' ``fresh_ptr, stride_f2, stride_ft, stride_fh`` (``key`` stands in when
-    there is none: the kernel then never touches it); raises ValueError unless ``fresh`` is
-    ``[2, >= num_tokens, Hkv, D]`` with a unit stride along ``D``."""
+    there is none: the kernel then never touches it); ``fresh`` checked by
+    ``check_kv_rows``."""
     if fresh is None:
         return key, 0, 0, 0
-    want = (2, key.shape[1], key.shape[2])
-    if (fresh.dim() != 4 or (fresh.shape[0], *fresh.shape[2:]) != want
-            or fresh.shape[1] < num_tokens or fresh.stride(-1) != 1):
-        raise ValueError(f"fresh must be [2, >= {num_tokens}, {want[1]}, {want[2]}] with a unit "
-                         f"stride along head_dim, got {tuple(fresh.shape)}.")
+    check_kv_rows(fresh, num_tokens, key.shape[1], key.shape[2], "fresh")
     return fresh, fresh.stride(0), fresh.stride(1), fresh.stride(2)
 
 

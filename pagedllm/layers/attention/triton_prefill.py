@@ -44,6 +44,7 @@ import triton.language as tl
 from pagedllm.layers.attention.kv_quant import cache_scales
 from pagedllm.layers.attention.triton_common import (
     LOG2_E,
+    check_kv_rows,
     check_paged_inputs,
     find_sequence,
     slot_major_values,
@@ -375,6 +376,9 @@ def new_kv_rows_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype,
 # cached context widened into rows too (``plan_context_rows``): off until timed in the
 # engine (docs/benchmarks.md).
 PREFILL_CONTEXT_ROWS = switch("PAGEDLLM_PREFILL_CONTEXT_ROWS", False)
+if PREFILL_CONTEXT_ROWS and PREFILL_NEW_KV == "off":
+    raise ValueError("PAGEDLLM_PREFILL_CONTEXT_ROWS=1 widens contexts into the new-key rows, "
+                     "which PAGEDLLM_PREFILL_NEW_KV=off turns off: set one of them otherwise.")
 # A prompt chunk of at least this many new tokens over a cached context (earlier chunks,
 # prefix-cache hits) has that context widened into rows once a step; shorter ones (a
 # speculative verify, a short chunk) read it from the pages, each query tile once.
@@ -478,9 +482,7 @@ def widen_context_rows(key_cache: torch.Tensor, value_cache: torch.Tensor,
     (``[2, >= plan.rows_needed, Hkv, D]``, unit stride along ``D``), as
     ``paged_prefill_attention``'s ``context_rows`` reads them."""
     _, page_size, num_kv_heads, head_dim = key_cache.shape
-    if new_kv.shape[1] < plan.rows_needed or new_kv.stride(-1) != 1:
-        raise ValueError(f"new_kv must hold {plan.rows_needed} rows with a unit stride along "
-                         f"head_dim, got {tuple(new_kv.shape)}.")
+    check_kv_rows(new_kv, plan.rows_needed, num_kv_heads, head_dim, "new_kv")
     grid = (plan.seqs.shape[0], triton.cdiv(plan.longest, page_size), num_kv_heads)
     _widen_context_kernel[grid](
         key_cache, value_cache, block_tables, plan.seqs, plan.lens, plan.firsts, new_kv,
@@ -579,15 +581,10 @@ def paged_prefill_attention(
     block_q = block_m // queries_per_kv
     k_scale, v_scale = cache_scales(key_cache, k_scale, v_scale)
     if new_kv is not None:
-        want_dtype = products_dtype(query.dtype, key_cache.dtype)
         if sliding_window is not None:
             raise ValueError("new_kv cannot be used with a sliding window.")
-        if (new_kv.dim() != 4 or new_kv.shape[0] != 2 or new_kv.shape[1] < num_tokens
-                or new_kv.shape[2:] != key_cache.shape[2:] or new_kv.stride(-1) != 1
-                or new_kv.dtype != want_dtype):
-            raise ValueError(f"new_kv must be [2, >= {num_tokens}, {num_kv_heads}, {head_dim}] "
-                             f"in {want_dtype} with a unit stride along head_dim, got "
-                             f"{tuple(new_kv.shape)} in {new_kv.dtype}.")
+        check_kv_rows(new_kv, num_tokens, num_kv_heads, head_dim, "new_kv",
+                      products_dtype(query.dtype, key_cache.dtype))
     if context_rows is not None and (new_kv is None or context_rows.dtype != torch.int32
                                      or context_rows.shape != (num_seqs,)):
         raise ValueError(f"context_rows must be [{num_seqs}] int32 beside new_kv.")
