@@ -524,20 +524,19 @@ def long_prefill_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], No
     return rows
 
 
-DENSE_PREFILL_SETTINGS = ("off", "cudnn", "flash", "efficient")
+DENSE_PREFILL_SETTINGS = ("off", "cudnn", "flash")
 
 
 def dense_prefill_rows() -> list[dict[str, Any]]:
-    """Fresh prompts (P2's 32,000 tokens in one step, P1's 4 x 2,048) through the whole
-    backend with each ``PAGEDLLM_DENSE_PREFILL`` setting: off is the Triton prefill kernel,
-    the others torch's fused attention by backend. TFLOP/s over the causally visible keys;
-    ``max_abs_diff`` against the Triton kernel's output."""
+    """Long prompts (P2's 32,000 tokens in one step and its chunks over cached context,
+    P1's 4 x 2,048) through the whole backend with each ``PAGEDLLM_DENSE_PREFILL``
+    setting: off is the Triton prefill kernel, the others a library's fused attention by
+    backend. TFLOP/s over the causally visible keys; ``max_abs_diff`` against the Triton
+    kernel's output."""
     rows: list[dict[str, Any]] = []
     setting = dense_prefill.DENSE_PREFILL
     try:
         for seed, (label, seqs) in enumerate(LONG_PREFILL_CASES, start=40):
-            if any(cached for cached, _ in seqs):
-                continue
             step = make_step(seqs, seed=seed)
             dense_prefill.DENSE_PREFILL = "off"
             kernel_out = forward(TritonAttentionBackend(), step, keep=True)()

@@ -22,8 +22,8 @@
 #            on llama-3.1-8b, then P2 again in chunks of each of $LONG_CHUNKS tokens
 #            (--max-num-batched-tokens; default "8192 16384"); P2 and P1 again with each
 #            setting of $LONG_AB (space-separated VAR=value; default
-#            "PAGEDLLM_DENSE_PREFILL=cudnn", set and empty for none); and check_kernels_gpu.py
-#            --long-context: fresh prompts through the Triton kernel and torch's fused
+#            "PAGEDLLM_DENSE_PREFILL=off", set and empty for none); and check_kernels_gpu.py
+#            --long-context: long prompts through the Triton kernel and a library's fused
 #            attention, prefill attention of long prompts over tiles and tile order,
 #            decode attention at long contexts over splits and tiles
 #   w1-small W1 on qwen3-0.6b (the host-overhead-bound regime)
@@ -90,7 +90,7 @@ if [ "$DRY" = "1" ]; then
     SERVE_ARGS=(--num-prompts 8 --input-len 16 --output-len 8 --api-server-counts 1,2)
     LONG_ARGS=(--input-len 200 --output-len 8 --prefill-batch 1 --prefill-len 300 --num-iters 1
                --num-iters-warmup 1) LONG_CHUNKS=${LONG_CHUNKS-128} LIMIT_LONG=120
-    LONG_AB=${LONG_AB-PAGEDLLM_DENSE_PREFILL=auto}
+    LONG_AB=${LONG_AB-PAGEDLLM_DENSE_PREFILL=off}
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b MOE=mixtral-8x7b MOE_SMALL=qwen3-30b-a3b
     read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine tests/structured}"
@@ -107,7 +107,7 @@ else
     LONG_ARGS=(--input-len 32000 --output-len 128 --prefill-batch 1 --prefill-len 32000
                --num-iters 3 --num-iters-warmup 1)
     LONG_CHUNKS=${LONG_CHUNKS-8192 16384} LIMIT_LONG=${LIMIT_LONG:-150}
-    LONG_AB=${LONG_AB-PAGEDLLM_DENSE_PREFILL=cudnn}
+    LONG_AB=${LONG_AB-PAGEDLLM_DENSE_PREFILL=off}
 fi
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers

@@ -8,9 +8,12 @@ head_dim 128, pages of 16):
     python scripts/prefill_new_kv.py --out prefill_new_kv.json
 
 Cases: four fresh prompts of 2,048 tokens (P1), one of 8,192, a chunk of 2,048 on 6,144
-cached tokens, two chunks of 2,048 on 1,000. Each launch is checked against the other
-(largest difference printed) and timed with ``triton.testing.do_bench``; TFLOP/s count the
-causally visible keys. CUDA only.
+cached tokens, two chunks of 2,048 on 1,000; with ``--long``, P2's one step of 32,000 and
+its last chunk of 8,192 on 23,808. Each launch is checked against the other (largest
+difference printed) and timed with ``triton.testing.do_bench``; TFLOP/s count the
+causally visible keys. With ``--sdpa cudnn,flash``, torch's fused attention of one
+sequence (bf16, its keys contiguous, causal from the bottom right) is timed beside the
+kernel: what library kernels built for the GPU reach on the same work. CUDA only.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,6 +41,9 @@ from tests.kernels.paged_batch import batch_args, make_fp8_step, make_step  # no
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 CASES = (("4 x 2048", ((0, 2048),) * 4), ("1 x 8192", ((0, 8192),)),
          ("2048 on 6144", ((6144, 2048),)), ("2 x 2048 on 1000", ((1000, 2048),) * 2))
+LONG_CASES = (("1 x 32000", ((0, 32000),)), ("8192 on 23808", ((23808, 8192),)))
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
 def visible_flops(seqs: tuple[tuple[int, int], ...]) -> float:
@@ -42,12 +51,54 @@ def visible_flops(seqs: tuple[tuple[int, int], ...]) -> float:
     return sum(4 * n * (c + (n + 1) / 2) * HEAD_DIM * HEADS for c, n in seqs)
 
 
+def sdpa_rows(label: str, seqs: tuple[tuple[int, int], ...], backends: list[str],
+              reference: torch.Tensor, query: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor) -> list[dict]:
+    """torch's fused attention of one sequence's ``query [n, H, D]`` over ``keys, values
+    [c + n, Hkv, D]`` (its whole context), bottom-right causal, by backend; each output is
+    compared with ``reference`` (the kernel's)."""
+    (context, n), = seqs
+    q = query.transpose(0, 1).unsqueeze(0)
+    k, v = (x.transpose(0, 1).unsqueeze(0) for x in (keys, values))
+    rows = []
+    for name in backends:
+        for gqa in ("native", "repeated"):
+            kk, vv = ((k, v) if gqa == "native"
+                      else (x.repeat_interleave(HEADS // KV_HEADS, dim=1) for x in (k, v)))
+            mask = None if context == 0 else causal_lower_right(n, context + n)
+
+            def launch(kk=kk, vv=vv, mask=mask, gqa=gqa) -> torch.Tensor:
+                with sdpa_kernel([SDPA_BACKENDS[name]]):
+                    return F.scaled_dot_product_attention(
+                        q, kk, vv, attn_mask=mask, is_causal=mask is None,
+                        scale=HEAD_DIM ** -0.5, enable_gqa=gqa == "native")
+
+            try:
+                out = launch()
+                torch.cuda.synchronize()
+            except RuntimeError as error:
+                print(f"  sdpa {name} ({gqa} groups): {str(error).splitlines()[0][:160]}")
+                continue
+            diff = (out[0].transpose(0, 1).float() - reference).abs().max().item()
+            us = triton.testing.do_bench(launch, warmup=20, rep=200) * 1000
+            row = dict(case=label, cache="bf16", keys_from=f"sdpa {name}, {gqa} groups",
+                       us=round(us, 1), tflops=round(visible_flops(seqs) / us / 1e6, 1),
+                       largest_difference=round(diff, 4))
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="Write the rows as JSON here.")
+    parser.add_argument("--long", action="store_true", help="Add P2's cases (32,000 tokens).")
+    parser.add_argument("--sdpa", default="", help="torch backends to time beside the kernel, "
+                        "comma-separated (cudnn, flash, efficient).")
     args = parser.parse_args()
+    backends = [b for b in args.sdpa.split(",") if b]
     rows = []
-    for label, seqs in CASES:
+    for label, seqs in CASES + (LONG_CASES if args.long else ()):
         for cache in ("bf16", "fp8"):
             shape = dict(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                          block_size=PAGE, seed=1)
@@ -87,6 +138,13 @@ def main() -> None:
             for source in list(outs)[1:]:
                 diff = (outs[source] - outs["pages"]).abs().max().item()
                 print(f"  {source}: largest difference {diff:.3g}", flush=True)
+            if backends and cache == "bf16" and len(seqs) == 1:
+                keys, values = (torch.cat([new_kv[i, md.num_actual_tokens:],
+                                           new_kv[i, :md.num_actual_tokens]])
+                                if plan else new_kv[i] for i in (0, 1))
+                rows += sdpa_rows(label, seqs, backends, outs["pages"], step.query, keys, values)
+            del step, new_kv, outs
+            torch.cuda.empty_cache()
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

@@ -169,26 +169,39 @@ def test_rotary_applied_by_the_backend_matches_the_reference(window, fused, seqs
     assert len(fused_calls) == (1 if fused and seqs is MIXED else 0)
 
 
-FRESH = ((0, 11), (0, 5), (0, 1), (0, 8))
+# Fresh prompts (and a fresh one-token prompt, a decode to the kernels); long chunks over
+# cached contexts that end mid-page, beside decodes.
+FRESH = ((0, 11), (0, 9), (0, 1), (0, 8))
+LONG_CHUNKS = ((0, 11), (9, 12), (17, 1), (6, 8), (30, 1))
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA library kernel")
 
 
-@pytest.mark.parametrize("setting", ["math", "auto"])
-def test_fresh_prompts_through_torch_fused_attention_match_the_reference(setting, monkeypatch) -> None:
-    """PAGEDLLM_DENSE_PREFILL: a step of fresh prompts attends through torch's fused
-    attention (grouped queries, rope applied by the backend) and still fills the cache;
-    output and cache agree with the reference backend's."""
+@pytest.mark.parametrize("context_step, shape_step", [(1, 1), (4, 8)],
+                         ids=["exact-shapes", "padded-shapes"])
+@pytest.mark.parametrize("seqs", [FRESH, LONG_CHUNKS], ids=["fresh", "chunks-on-context"])
+def test_long_prompts_through_fused_attention_match_the_reference(
+        seqs, context_step, shape_step, monkeypatch) -> None:
+    """PAGEDLLM_DENSE_PREFILL: a step whose prompts are all long attends them in one or two
+    calls of a fused attention (own keys causal, cached context unmasked, merged by their
+    log-sum-exps; with padded shapes, the context's last tokens among the own keys behind
+    dummy queries, and zeros after; grouped queries, rope applied by the backend), its
+    decodes on the decode kernel, and still fills the cache: output and cache agree with
+    the reference backend's."""
     from pagedllm.layers.attention import dense_prefill
     from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
     from pagedllm.layers.rotary import RotaryEmbedding
 
-    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", setting)
+    monkeypatch.setattr(dense_prefill, "CONTEXT_STEP", context_step)
+    monkeypatch.setattr(dense_prefill, "SHAPE_STEP", shape_step)
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "math")
     monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
+    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
     calls = []
     original = dense_prefill.dense_prefill
     monkeypatch.setattr(dense_prefill, "dense_prefill", lambda *a: calls.append(1) or original(*a))
-    step = make_step(FRESH, num_heads=4, num_kv_heads=2, head_dim=16, seed=9)
+    step = make_step(seqs, num_heads=4, num_kv_heads=2, head_dim=16, seed=9)
     rope = RotaryEmbedding(16, {"rope_type": "default", "rope_theta": 10000.0}).to(step.query.device)
-    positions = torch.cat([torch.arange(n) for _, n in FRESH]).to(step.query.device)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in seqs]).to(step.query.device)
     rotary = rope(positions, step.query.dtype)
     want_cache = step.kv_cache.clone()
     want = TorchReferenceBackend().forward(
@@ -201,43 +214,135 @@ def test_fresh_prompts_through_torch_fused_attention_match_the_reference(setting
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["math", pytest.param("cudnn", marks=CUDA_ONLY),
+                                     pytest.param("flash", marks=CUDA_ONLY)])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_fresh_half_precision_prompts_through_torch_fused_attention(dtype, monkeypatch) -> None:
-    """In fp16 and bf16 (on a GPU, the cuDNN and FlashAttention kernels' dtypes) the fused
-    path agrees with the float32 reference."""
+def test_long_half_precision_prompts_through_fused_attention(dtype, backend, monkeypatch) -> None:
+    """In fp16 and bf16 each backend (on a GPU, cuDNN's and FlashAttention's kernels) agrees
+    with the float32 reference, over cached contexts too (cut at multiples of 32, shapes
+    padded to 16), at Llama's head sizes."""
     from pagedllm.layers.attention import dense_prefill
 
-    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "auto")
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", backend)
+    monkeypatch.setattr(dense_prefill, "CONTEXT_STEP", 32)
+    monkeypatch.setattr(dense_prefill, "SHAPE_STEP", 16)
     monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
-    step = make_step(FRESH, num_heads=8, num_kv_heads=2, head_dim=64, seed=10, dtype=dtype)
+    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
+    seqs = ((0, 40), (37, 30), (17, 1), (100, 24))
+    step = make_step(seqs, num_heads=8, num_kv_heads=2, head_dim=128, block_size=16, seed=10,
+                     dtype=dtype)
     assert dense_prefill.applies(step.query, step.kv_cache, step.metadata, None, None)
-    expected, expected_cache = reference_attention(step, 0.125, None)
+    expected, expected_cache = reference_attention(step, 128 ** -0.5, None)
     out = TritonAttentionBackend().forward(
-        step.query, step.key, step.value, step.kv_cache, step.metadata, 0.125, None)
+        step.query, step.key, step.value, step.kv_cache, step.metadata, 128 ** -0.5, None)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
     assert torch.equal(step.kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0))
 
 
-def test_torch_fused_attention_takes_only_steps_of_fresh_long_prompts(monkeypatch) -> None:
-    """Context from the cache, a window or a soft cap keep a step on the Triton kernels,
-    and so do prompts under MIN_TOKENS; an unknown setting is refused by name."""
+def test_fused_attention_takes_only_steps_whose_prompts_are_all_long(monkeypatch) -> None:
+    """A short prompt beside long ones (too few new tokens, or too few keys in all), a
+    window, a soft cap, an FP8 cache or a sequence whose keys would gather past
+    MAX_GATHER_BYTES keep a step on the Triton kernels; the
+    default is off away from Hopper (here: the CPU); an unknown setting is refused by name."""
     from pagedllm.layers.attention import dense_prefill
 
-    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "auto")
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "math")
     monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
-    fresh, mixed = make_step(FRESH), make_step(MIXED)
+    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
+    fresh, chunks, mixed = make_step(FRESH), make_step(LONG_CHUNKS), make_step(MIXED)
 
-    def applies(step, window=None, cap=None):
-        return dense_prefill.applies(step.query, step.kv_cache, step.metadata, window, cap)
+    def applies(step, window=None, cap=None, cache=None):
+        cache = step.kv_cache if cache is None else cache
+        return dense_prefill.applies(step.query, cache, step.metadata, window, cap)
 
-    assert applies(fresh)
+    assert applies(fresh) and applies(chunks)
     assert not applies(mixed) and not applies(fresh, window=6) and not applies(fresh, cap=30.0)
-    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 12)
+    assert not applies(fresh, cache=fresh.kv_cache.to(torch.float8_e4m3fn))
+    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 9)
     assert not applies(fresh)
-    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "off")
     monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
+    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 11)  # a fresh 8 stays, 8 on 6 cached goes
+    assert not applies(fresh) and applies(chunks)
+    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
+    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
+    # LONG_CHUNKS' longest prompt sequence holds 21 tokens of 2 x 2 x 16 float32 values.
+    monkeypatch.setattr(dense_prefill, "MAX_GATHER_BYTES", 21 * 256)
+    assert applies(chunks)
+    monkeypatch.setattr(dense_prefill, "MAX_GATHER_BYTES", 21 * 256 - 1)
+    assert not applies(chunks)
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "off")
     assert not applies(fresh)
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "default")
+        assert not applies(fresh)
     monkeypatch.setenv("PAGEDLLM_DENSE_PREFILL", "fastest")
     with pytest.raises(ValueError, match="PAGEDLLM_DENSE_PREFILL='fastest'.*cudnn"):
         dense_prefill._setting()
+
+
+def test_a_library_call_that_fails_falls_back_to_the_kernel_for_good(monkeypatch, caplog) -> None:
+    """A fused-attention call that raises (a shape the installed library refuses) costs
+    neither the step nor the engine: the step runs the Triton kernel, the path is off from
+    then on, and the log says so once."""
+    from pagedllm.layers.attention import dense_prefill
+
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "math")
+    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
+    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
+    monkeypatch.setattr(dense_prefill, "_refused", False)
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+
+    monkeypatch.setattr(dense_prefill, "_attend", refuse)
+    backend = TritonAttentionBackend()
+    for seed in (1, 2):
+        step = make_step(LONG_CHUNKS, seed=seed)
+        expected, expected_cache = reference_attention(step, 0.25, None)
+        with caplog.at_level("WARNING"):
+            out = backend.forward(step.query, step.key, step.value, step.kv_cache,
+                                  step.metadata, 0.25, None)
+        torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+        torch.testing.assert_close(step.kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0))
+    assert calls == [1]
+    assert [r.message for r in caplog.records if "PAGEDLLM_DENSE_PREFILL" in r.message][0].endswith(
+        "No valid execution plans built.")
+
+
+def test_an_engine_decodes_the_same_tokens_with_long_prompts_through_fused_attention(
+        tmp_path, monkeypatch) -> None:
+    """A tiny Llama on the Triton backend, chunked prompts (12-token steps beside decodes)
+    and prefix hits: greedy tokens with the prompts' attention in fused calls (float32
+    reference products, chunks over cached contexts merged) equal the Triton kernel's."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.layers.attention import dense_prefill, selector
+    from tests.utils import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=128, max_position_embeddings=128,
+                                num_hidden_layers=2)
+    shared = [(5 * j) % 120 + 4 for j in range(20)]
+    prompts = [shared + [9, 10, 11], shared + [(7 * j) % 120 + 4 for j in range(9)],
+               [(3 * j) % 120 + 4 for j in range(30)]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    monkeypatch.setenv(selector.BACKEND_ENV, "triton")
+    monkeypatch.setattr(dense_prefill, "CONTEXT_STEP", 8)
+    monkeypatch.setattr(dense_prefill, "SHAPE_STEP", 4)
+    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 4)
+    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 4)
+    calls = []
+    original = dense_prefill.dense_prefill
+    monkeypatch.setattr(dense_prefill, "dense_prefill", lambda *a: calls.append(1) or original(*a))
+    runs = {}
+    for setting in ("off", "math"):
+        monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", setting)
+        llm = LLM(str(path), block_size=8, max_model_len=64, max_num_batched_tokens=12,
+                  enforce_eager=True, seed=0)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        runs[setting] = [o.outputs[0].token_ids for o in outputs]
+        assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
+        del llm
+    assert calls and runs["math"] == runs["off"]

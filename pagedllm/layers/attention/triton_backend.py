@@ -14,8 +14,10 @@ default), from which prefill attention reads the new keys instead of the pages; 
 more rows once a step (``triton_prefill.plan_context_rows``; not inside a
 CUDA graph capture, whose host lists describe the capture, not a replay).
 
-A step of fresh long prompts alone may instead go to torch's fused attention
-(``dense_prefill``, opt-in with ``PAGEDLLM_DENSE_PREFILL``), after the same cache write.
+A step whose prompts are all long (``dense_prefill.MIN_TOKENS``) attends them through a
+library's fused attention instead (``dense_prefill``: cuDNN's on Hopper by default, set by
+``PAGEDLLM_DENSE_PREFILL``), after the same cache write; its decodes still take the decode
+kernel.
 
 With ``rotary`` the decode launch ropes and caches its own sequences' new tokens
 (``triton_decode.NewKV``), so a step of decodes alone runs one launch per layer, a launch
@@ -139,8 +141,10 @@ class TritonAttentionBackend:
             rotary = None
         new_kv = None
         prefill_query = query
+        dense = metadata.max_query_len > 1 and dense_prefill.applies(
+            query, key_cache, metadata, sliding_window, logits_soft_cap)
         rows_dtype = (new_kv_rows_dtype(query.dtype, key_cache.dtype, sliding_window)
-                      if metadata.max_query_len > 1 else None)
+                      if metadata.max_query_len > 1 and not dense else None)
         capturing = key.is_cuda and torch.cuda.is_current_stream_capturing()
         context = None
         if rows_dtype is not None and widens_contexts() and not capturing:
@@ -165,19 +169,20 @@ class TritonAttentionBackend:
         num_seqs = metadata.num_seqs
         if n == 0 or num_seqs == 0:
             return out
-        if metadata.max_query_len > 1 and dense_prefill.applies(
-                query, key_cache, metadata, sliding_window, logits_soft_cap):
-            rotated_key = key if rotary is None else RotaryEmbedding.apply(key, *rotary)
-            dense_prefill.dense_prefill(prefill_query[:n], rotated_key[:n], value[:n], metadata,
-                                        scale, out)
-            return out
         query_start_loc = metadata.query_start_loc[: num_seqs + 1]
         seq_lens = metadata.seq_lens[:num_seqs]
         block_tables = metadata.block_tables[:num_seqs]
         has_decodes = self._step_has_decodes(metadata)
         if context is not None:
             widen_context_rows(key_cache, value_cache, block_tables, context, new_rows)
-        if metadata.max_query_len > 1:
+        if dense:
+            try:
+                dense_prefill.dense_prefill(prefill_query, key_cache, value_cache, block_tables,
+                                            metadata, scale, out)
+            except RuntimeError as error:
+                dense_prefill.refused(error)
+                dense = False
+        if metadata.max_query_len > 1 and not dense:
             paged_prefill_attention(
                 prefill_query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
                 num_tokens=n,
