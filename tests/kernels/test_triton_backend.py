@@ -176,6 +176,22 @@ LONG_CHUNKS = ((0, 11), (9, 12), (17, 1), (6, 8), (30, 1))
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA library kernel")
 
 
+def send_small_prompts_to_fused_attention(monkeypatch, setting: str, context_step: int,
+                                          shape_step: int, min_tokens: int = 8) -> list[int]:
+    """Test-sized thresholds for ``dense_prefill`` (prompts of ``min_tokens`` take the
+    ``setting`` path, plans free); returns the list each ``dense_prefill`` call appends to."""
+    from pagedllm.layers.attention import dense_prefill
+
+    for name, value in (("DENSE_PREFILL", setting), ("PLAN_COST_S", 0.0),
+                        ("CONTEXT_STEP", context_step), ("SHAPE_STEP", shape_step),
+                        ("MIN_TOKENS", min_tokens), ("MIN_KEYS", min_tokens)):
+        monkeypatch.setattr(dense_prefill, name, value)
+    calls: list[int] = []
+    original = dense_prefill.dense_prefill
+    monkeypatch.setattr(dense_prefill, "dense_prefill", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
 @pytest.mark.parametrize("context_step, shape_step", [(1, 1), (4, 8)],
                          ids=["exact-shapes", "padded-shapes"])
 @pytest.mark.parametrize("seqs", [FRESH, LONG_CHUNKS], ids=["fresh", "chunks-on-context"])
@@ -187,18 +203,10 @@ def test_long_prompts_through_fused_attention_match_the_reference(
     dummy queries, and zeros after; grouped queries, rope applied by the backend), its
     decodes on the decode kernel, and still fills the cache: output and cache agree with
     the reference backend's."""
-    from pagedllm.layers.attention import dense_prefill
     from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
     from pagedllm.layers.rotary import RotaryEmbedding
 
-    monkeypatch.setattr(dense_prefill, "CONTEXT_STEP", context_step)
-    monkeypatch.setattr(dense_prefill, "SHAPE_STEP", shape_step)
-    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "math")
-    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
-    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
-    calls = []
-    original = dense_prefill.dense_prefill
-    monkeypatch.setattr(dense_prefill, "dense_prefill", lambda *a: calls.append(1) or original(*a))
+    calls = send_small_prompts_to_fused_attention(monkeypatch, "math", context_step, shape_step)
     step = make_step(seqs, num_heads=4, num_kv_heads=2, head_dim=16, seed=9)
     rope = RotaryEmbedding(16, {"rope_type": "default", "rope_theta": 10000.0}).to(step.query.device)
     positions = torch.cat([torch.arange(c, c + n) for c, n in seqs]).to(step.query.device)
@@ -223,11 +231,7 @@ def test_long_half_precision_prompts_through_fused_attention(dtype, backend, mon
     padded to 16), at Llama's head sizes."""
     from pagedllm.layers.attention import dense_prefill
 
-    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", backend)
-    monkeypatch.setattr(dense_prefill, "CONTEXT_STEP", 32)
-    monkeypatch.setattr(dense_prefill, "SHAPE_STEP", 16)
-    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
-    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
+    send_small_prompts_to_fused_attention(monkeypatch, backend, 32, 16)
     seqs = ((0, 40), (37, 30), (17, 1), (100, 24))
     step = make_step(seqs, num_heads=8, num_kv_heads=2, head_dim=128, block_size=16, seed=10,
                      dtype=dtype)
@@ -240,11 +244,35 @@ def test_long_half_precision_prompts_through_fused_attention(dtype, backend, mon
     assert torch.equal(step.kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("backend, dtype", [
+    ("math", torch.float32),
+    pytest.param("cudnn", torch.bfloat16, marks=CUDA_ONLY),
+    pytest.param("flash", torch.bfloat16, marks=CUDA_ONLY),
+])
+def test_long_prompts_over_an_fp8_cache_through_fused_attention(backend, dtype, monkeypatch) -> None:
+    """Over an FP8 cache the keys and values are widened in the gather and the layer's
+    scales applied (k_scale to the scores, v_scale to the output): the same attention and
+    the same cache as the reference over the FP8 cache."""
+    from tests.kernels.paged_batch import make_fp8_step
+
+    calls = send_small_prompts_to_fused_attention(monkeypatch, backend, 32, 16)
+    seqs = ((0, 40), (37, 30), (17, 1), (100, 24))
+    step = make_fp8_step(seqs, k_scale=0.5, v_scale=2.0, num_heads=8, num_kv_heads=2,
+                         head_dim=128, block_size=16, seed=11, dtype=dtype)
+    expected, expected_cache = reference_attention(step, 128 ** -0.5, None, 0.5, 2.0)
+    out = TritonAttentionBackend().forward(
+        step.query, step.key, step.value, step.kv_cache, step.metadata, 128 ** -0.5, None,
+        k_scale=0.5, v_scale=2.0)
+    assert calls == [1] and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **TOLERANCE[torch.float16])
+    assert torch.equal(step.kv_cache.view(torch.uint8), expected_cache.view(torch.uint8))
+
+
 def test_fused_attention_takes_only_steps_whose_prompts_are_all_long(monkeypatch) -> None:
     """A short prompt beside long ones (too few new tokens, or too few keys in all), a
-    window, a soft cap, an FP8 cache or a sequence whose keys would gather past
-    MAX_GATHER_BYTES keep a step on the Triton kernels; the
-    default is off away from Hopper (here: the CPU); an unknown setting is refused by name."""
+    window, a soft cap, a cache in another 16-bit dtype or a sequence whose keys would
+    gather past MAX_GATHER_BYTES keep a step on the Triton kernels; the default is off away
+    from Hopper (here: the CPU); an unknown setting is refused by name."""
     from pagedllm.layers.attention import dense_prefill
 
     monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "math")
@@ -258,13 +286,12 @@ def test_fused_attention_takes_only_steps_whose_prompts_are_all_long(monkeypatch
 
     assert applies(fresh) and applies(chunks)
     assert not applies(mixed) and not applies(fresh, window=6) and not applies(fresh, cap=30.0)
-    assert not applies(fresh, cache=fresh.kv_cache.to(torch.float8_e4m3fn))
+    assert not applies(fresh, cache=fresh.kv_cache.to(torch.float16))
     monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 9)
     assert not applies(fresh)
     monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
     monkeypatch.setattr(dense_prefill, "MIN_KEYS", 11)  # a fresh 8 stays, 8 on 6 cached goes
     assert not applies(fresh) and applies(chunks)
-    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
     monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
     # LONG_CHUNKS' longest prompt sequence holds 21 tokens of 2 x 2 x 16 float32 values.
     monkeypatch.setattr(dense_prefill, "MAX_GATHER_BYTES", 21 * 256)
@@ -287,9 +314,7 @@ def test_a_library_call_that_fails_falls_back_to_the_kernel_for_good(monkeypatch
     then on, and the log says so once."""
     from pagedllm.layers.attention import dense_prefill
 
-    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "math")
-    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
-    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
+    send_small_prompts_to_fused_attention(monkeypatch, "math", 4, 8)
     monkeypatch.setattr(dense_prefill, "_refused", False)
     calls = []
 
@@ -328,13 +353,7 @@ def test_an_engine_decodes_the_same_tokens_with_long_prompts_through_fused_atten
                [(3 * j) % 120 + 4 for j in range(30)]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     monkeypatch.setenv(selector.BACKEND_ENV, "triton")
-    monkeypatch.setattr(dense_prefill, "CONTEXT_STEP", 8)
-    monkeypatch.setattr(dense_prefill, "SHAPE_STEP", 4)
-    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 4)
-    monkeypatch.setattr(dense_prefill, "MIN_KEYS", 4)
-    calls = []
-    original = dense_prefill.dense_prefill
-    monkeypatch.setattr(dense_prefill, "dense_prefill", lambda *a: calls.append(1) or original(*a))
+    calls = send_small_prompts_to_fused_attention(monkeypatch, "math", 8, 4, min_tokens=4)
     runs = {}
     for setting in ("off", "math"):
         monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", setting)
@@ -346,3 +365,36 @@ def test_an_engine_decodes_the_same_tokens_with_long_prompts_through_fused_atten
         assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
         del llm
     assert calls and runs["math"] == runs["off"]
+
+
+def test_a_cudnn_shape_waits_for_its_plan_to_pay(monkeypatch) -> None:
+    """cuDNN builds a plan per new shape: a step whose shapes have none stays on the kernel
+    until the time their calls would have saved reaches PLAN_COST_S, then takes the path,
+    and so does every later step of those shapes at once; other backends never wait."""
+    from pagedllm.layers.attention import dense_prefill
+
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "cudnn")
+    monkeypatch.setattr(dense_prefill, "_plans", dense_prefill._PlanLedger())
+    for name, value in (("MIN_TOKENS", 8), ("MIN_KEYS", 8), ("CONTEXT_STEP", 4),
+                        ("SHAPE_STEP", 8)):
+        monkeypatch.setattr(dense_prefill, name, value)
+    step = make_step(LONG_CHUNKS, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+
+    def applies(seqs_step=step):
+        return dense_prefill.applies(seqs_step.query, seqs_step.kv_cache, seqs_step.metadata,
+                                     None, None)
+
+    # LONG_CHUNKS' shapes (heads 8, head size 64): own 16 x 16 causal (all three prompts),
+    # 16 x 8 and 8 x 4 over the contexts cut at 8 and 4.
+    per_call = 4 * 64 * 8 * (16 * 8 + 16 * 8 + 8 * 4) * (1 / 380.0 - 1 / 590.0) / 1e12
+    monkeypatch.setattr(dense_prefill, "PLAN_COST_S", 2.5 / 3 * per_call)
+    assert [applies() for _ in range(4)] == [False, False, True, True]
+    fresh = make_step(FRESH[:2], num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    assert applies(fresh)  # own 16 x 16 twice: built
+    longer = make_step(((0, 30),), num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    assert applies(longer)  # own 32 x 32: one call saves more than its plan costs
+    monkeypatch.setattr(dense_prefill, "PLAN_COST_S", 1.0)
+    other = make_step(((0, 40),), num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    assert not applies(other)  # own 40 x 40: new, and far from paying
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "flash")
+    assert applies(other)

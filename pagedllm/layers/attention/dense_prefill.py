@@ -16,10 +16,10 @@ sequence of ``n`` new tokens after ``c`` cached ones is attended in at most two 
 
 each returning its log-sum-exp, and the two are merged exactly (``merge_attention_parts``).
 Both calls' query counts are padded at the end to a multiple of ``SHAPE_STEP`` (the own
-keys too, zeros the causal mask hides), so the shapes a workload needs are few: plans
-are built once, not for every chunk length. Keys and values are gathered from the
-sequence's pages (written by this step's cache write first, so the new keys are the
-cache's own values, rotated) with one ``index_select`` of its blocks each.
+keys too, zeros the causal mask hides), so the shapes a workload needs are few; and a
+shape takes the path only once its plan has paid (``PLAN_COST_S``). Keys and values are
+gathered from the sequence's pages (written by this step's cache write first, so the new
+keys are the cache's own values, rotated) with one ``index_select`` of its blocks each.
 
 ``PAGEDLLM_DENSE_PREFILL`` chooses (read at import; ``DENSE_PREFILL`` may be reassigned):
 
@@ -31,14 +31,14 @@ cache's own values, rotated) with one ``index_select`` of its blocks each.
 
 The path takes a step only where it computes what the Triton kernel computes and is faster:
 every prompt sequence of the step (query length above 1) with at least ``MIN_TOKENS`` new
-tokens and ``MIN_KEYS`` keys in all, no sliding
-window and no soft cap, the cache in the queries' dtype (an FP8 cache stays on the
-kernel), never while a CUDA graph is captured, and no sequence's keys and values above
-``MAX_GATHER_BYTES`` (the gathered copy is memory the start-up profile does not count);
-the libraries' kernels also want fp16 or bf16 and a head size of at most 128, a multiple
-of 8. The step's decode rows still go to the decode kernel. A library call that fails
-(``refused``) turns the path off for the process, with a warning, and its step runs the
-Triton kernel.
+tokens and ``MIN_KEYS`` keys in all, no sliding window and no soft cap, the cache in the
+queries' dtype or FP8 (its keys and values widened exactly in the gather, as the Triton
+kernels widen them), never while a CUDA graph is captured, and no sequence's keys and
+values above ``MAX_GATHER_BYTES`` (the gathered copy is memory the start-up profile does
+not count); the libraries' kernels also want fp16 or bf16 and a head size of at most 128,
+a multiple of 8. The step's decode rows still go to the decode kernel. A library call
+that fails (``refused``) turns the path off for the process, with a warning, and its
+step runs the Triton kernel.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ import triton
 import triton.language as tl
 
 from pagedllm.layers.attention.backend import AttentionMetadata
+from pagedllm.layers.attention.triton_common import uses_fp16_dot
+from pagedllm.quantization.fp8 import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,14 @@ MIN_KEYS = 4096
 # Shapes: the own keys' cut below the context (tokens), and the padding of query counts.
 CONTEXT_STEP = 1024
 SHAPE_STEP = 256
+
+# cuDNN builds a plan per new shape (43-61 ms on an H200's host; torch then keeps it), so
+# a shape without one is first left to the Triton kernel until the time its calls would
+# have saved (at the rates measured on an H200, TFLOP/s over the visible keys) reaches the
+# build's: a workload of ever new chunk shapes stays on the kernel, a recurring one moves.
+PLAN_COST_S = 0.05
+KERNEL_TFLOPS = {16: 380.0, 8: 260.0}  # by the cache's bits
+LIBRARY_TFLOPS = 590.0
 
 # The largest gathered keys plus values of one sequence, bytes (65,536 tokens of
 # Llama-3.1-8B's 8 KV heads of 128 in bf16).
@@ -117,53 +127,106 @@ def refused(error: RuntimeError) -> None:
 def applies(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
             sliding_window: int | None, logits_soft_cap: float | None) -> bool:
     """Whether this step's prompts go through ``dense_prefill`` (see the module docstring)."""
-    if sliding_window is not None or logits_soft_cap or kv_cache.dtype != query.dtype:
+    if sliding_window is not None or logits_soft_cap or kv_cache.dtype not in (query.dtype,
+                                                                               FP8_DTYPE):
         return False
-    if metadata.max_query_len < MIN_TOKENS or _backend(query) == "off":
+    backend = _backend(query)
+    if metadata.max_query_len < MIN_TOKENS or backend == "off":
         return False
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     qsl = metadata.query_start_loc_cpu
-    # One token of K and of V, bytes.
-    token_bytes = 2 * math.prod(kv_cache.shape[-2:]) * kv_cache.element_size()
+    # One token of K and of V as gathered (an FP8 cache's widened to 16 bits), bytes.
+    token_bytes = 2 * math.prod(kv_cache.shape[-2:]) * query.element_size()
+    shapes = []
     for b, seq_len in enumerate(metadata.seq_lens_cpu):
         query_len = qsl[b + 1] - qsl[b]
-        if query_len > 1 and (query_len < MIN_TOKENS or seq_len < MIN_KEYS
-                              or seq_len * token_bytes > MAX_GATHER_BYTES):
+        if query_len <= 1:
+            continue
+        if (query_len < MIN_TOKENS or seq_len < MIN_KEYS
+                or seq_len * token_bytes > MAX_GATHER_BYTES):
             return False
-    return True
+        cut, _, own_len, past_len = _layout(query_len, seq_len)
+        shapes.append((own_len, own_len, True))
+        if cut:
+            shapes.append((past_len, cut, False))
+    if backend != "cudnn":
+        return True
+    model = (query.shape[1], kv_cache.shape[-2], query.shape[-1], query.dtype)
+    return _plans.ready([(*shape, *model) for shape in shapes], kv_cache.element_size())
+
+
+class _PlanLedger:
+    """Which cuDNN shapes have plans, and what the calls of those without one would have
+    saved so far (seconds)."""
+
+    def __init__(self) -> None:
+        self.built: set[tuple] = set()
+        self.saved: dict[tuple, float] = {}
+
+    def ready(self, shapes: list[tuple], cache_bytes: int) -> bool:
+        """Whether a call's shapes all have plans, or those without one have now saved,
+        together, what their plans cost (they then count as built); each missing shape is
+        credited with this call's saving on it first."""
+        missing = [shape for shape in dict.fromkeys(shapes) if shape not in self.built]
+        kernel = KERNEL_TFLOPS[16 if cache_bytes > 1 else 8]
+        for shape in missing:
+            q_len, k_len, causal, heads, _, dim, _ = shape
+            flops = 4 * q_len * (k_len / 2 if causal else k_len) * dim * heads
+            self.saved[shape] = self.saved.get(shape, 0.0) + flops * (
+                1 / kernel - 1 / LIBRARY_TFLOPS) / 1e12
+        if sum(self.saved[shape] for shape in missing) < PLAN_COST_S * len(missing):
+            return False
+        self.built.update(missing)
+        return True
+
+
+_plans = _PlanLedger()
+
+
+def _layout(n: int, seq_len: int) -> tuple[int, int, int, int]:
+    """A prompt sequence's calls (module docstring): the context's cut, the dummy queries
+    before the ``n`` real ones, the own call's length (queries and keys), the context
+    call's query count."""
+    cut = (seq_len - n) // CONTEXT_STEP * CONTEXT_STEP
+    dummies = seq_len - n - cut
+    return cut, dummies, _round_up(dummies + n, SHAPE_STEP), _round_up(n, SHAPE_STEP)
 
 
 def dense_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Attention of each prompt sequence (query length above 1) into ``out[rows]``.
 
     ``query: [T, H, D]`` rotated; ``key_cache, value_cache: [blocks, page, Hkv, D]``
-    holding every sequence's keys and values, this step's included; ``H`` a multiple of
-    ``Hkv``. Decode rows of ``out`` are left alone."""
+    (``paged_kv_views``) holding every sequence's keys and values, this step's included;
+    ``H`` a multiple of ``Hkv``. An FP8 cache's values are gathered widened (exactly) to
+    the dtype the Triton kernels multiply them in (``uses_fp16_dot``), the queries cast to
+    it, ``k_scale`` folded into the score scale and ``v_scale`` applied to the output.
+    Decode rows of ``out`` are left alone."""
     backend = _backend(query)
-    page = key_cache.shape[1]
+    dtype = (torch.float16 if uses_fp16_dot(query.dtype, key_cache.dtype) else query.dtype)
+    query = query.to(dtype)
+    scale *= k_scale
     qsl = metadata.query_start_loc_cpu
     for b, seq_len in enumerate(metadata.seq_lens_cpu):
         start, end = qsl[b], qsl[b + 1]
         n = end - start
         if n <= 1:
             continue
-        cut = (seq_len - n) // CONTEXT_STEP * CONTEXT_STEP
-        dummies = seq_len - n - cut
-        own_len = _round_up(dummies + n, SHAPE_STEP)
-        key, value = _gather(key_cache, value_cache, block_tables[b], seq_len, cut + own_len)
-        q = _padded(query[start:end], dummies, max(own_len, dummies + _round_up(n, SHAPE_STEP)))
+        cut, dummies, own_len, past_len = _layout(n, seq_len)
+        key, value = _gather(key_cache, value_cache, block_tables[b], seq_len, cut + own_len,
+                             dtype)
+        q = _padded(query[start:end], dummies, max(own_len, dummies + past_len))
         own, own_lse = _attend(backend, q[:own_len], key[cut:cut + own_len],
                                value[cut:cut + own_len], scale, causal=True)
         own, own_lse = own[dummies:dummies + n], own_lse[:, dummies:dummies + n]
         if cut == 0:
-            out[start:end].copy_(own)
+            out[start:end].copy_(own if v_scale == 1.0 else own * v_scale)
             continue
-        past, past_lse = _attend(backend, q[dummies:dummies + _round_up(n, SHAPE_STEP)],
-                                 key[:cut], value[:cut], scale, causal=False)
-        merge_attention_parts(own, own_lse, past[:n], past_lse[:, :n], out[start:end])
+        past, past_lse = _attend(backend, q[dummies:dummies + past_len], key[:cut], value[:cut],
+                                 scale, causal=False)
+        merge_attention_parts(own, own_lse, past[:n], past_lse[:, :n], out[start:end], v_scale)
 
 
 def _round_up(x: int, step: int) -> int:
@@ -171,19 +234,24 @@ def _round_up(x: int, step: int) -> int:
 
 
 def _gather(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-            seq_len: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+            seq_len: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A sequence's ``seq_len`` keys and values from its pages, ``[length, Hkv, D]`` each
-    (``length >= seq_len``), zero past ``seq_len`` (a page's unwritten slots may hold
-    anything, and a masked key's value still meets a zero weight)."""
+    in ``dtype`` (``length >= seq_len``), zero past ``seq_len`` (a page's unwritten slots
+    may hold anything, and a masked key's value still meets a zero weight)."""
     page = key_cache.shape[1]
     blocks = block_table[:triton.cdiv(seq_len, page)]
     rows = []
     for cache in (key_cache, value_cache):
+        fp8 = cache.dtype == FP8_DTYPE
+        if fp8:  # moved as bytes (any layout: an FP8 cache's values are slot-major)
+            cache = cache.view(torch.uint8)
         buf = cache.new_empty((triton.cdiv(length, page), *cache.shape[1:]))
         torch.index_select(cache, 0, blocks, out=buf[:blocks.shape[0]])
-        buf = buf.flatten(0, 1)
+        buf = buf.flatten(0, 1)[:length]
+        if fp8:
+            buf = buf.view(FP8_DTYPE).to(dtype)
         buf[seq_len:].zero_()
-        rows.append(buf[:length])
+        rows.append(buf)
     return rows[0], rows[1]
 
 
@@ -224,20 +292,21 @@ def _attend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 
 
 def merge_attention_parts(a: torch.Tensor, a_lse: torch.Tensor, b: torch.Tensor,
-                          b_lse: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = (a e^a_lse + b e^b_lse) / (e^a_lse + e^b_lse)`` row by row: the attention
-    over two disjoint sets of keys from each part's output and log-sum-exp. ``a, b,
-    out: [n, H, D]`` (a unit stride along ``D``); ``a_lse, b_lse: [H, n]`` float32."""
+                          b_lse: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> None:
+    """``out = scale (a e^a_lse + b e^b_lse) / (e^a_lse + e^b_lse)`` row by row: the
+    attention over two disjoint sets of keys from each part's output and log-sum-exp.
+    ``a, b, out: [n, H, D]`` (a unit stride along ``D``); ``a_lse, b_lse: [H, n]``
+    float32."""
     n, heads, dim = out.shape
     _merge_kernel[(n,)](
-        a, a_lse, b, b_lse, out, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        a, a_lse, b, b_lse, out, scale, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         a_lse.stride(0), b_lse.stride(0), out.stride(0), out.stride(1), heads, dim,
         BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim),
     )
 
 
 @triton.jit
-def _merge_kernel(a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, out_ptr, stride_at, stride_ah,
+def _merge_kernel(a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, out_ptr, scale, stride_at, stride_ah,
                   stride_bt, stride_bh, stride_alse, stride_blse, stride_ot, stride_oh,
                   HEADS, HEAD_DIM, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token ``program_id(0)``, every head: weights from the two log-sum-exps in float32."""
@@ -249,7 +318,7 @@ def _merge_kernel(a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, out_ptr, stride_at, stride
     top = tl.maximum(a_lse, b_lse)
     wa = tl.exp(a_lse - top)
     wb = tl.exp(b_lse - top)
-    total = wa + wb
+    total = (wa + wb) / scale
     mask = (h < HEADS)[:, None] & (d < HEAD_DIM)[None, :]
     a = tl.load(a_ptr + t * stride_at + h[:, None] * stride_ah + d[None, :], mask=mask)
     b = tl.load(b_ptr + t * stride_bt + h[:, None] * stride_bh + d[None, :], mask=mask)

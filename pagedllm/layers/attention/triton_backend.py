@@ -178,7 +178,7 @@ class TritonAttentionBackend:
         if dense:
             try:
                 dense_prefill.dense_prefill(prefill_query, key_cache, value_cache, block_tables,
-                                            metadata, scale, out)
+                                            metadata, scale, out, k_scale, v_scale)
             except RuntimeError as error:
                 dense_prefill.refused(error)
                 dense = False
