@@ -6,7 +6,8 @@ first or not, prompts beside decodes or alone, greedy or random sampling. On a s
 host each compilation takes about a second, so without a warm-up the first steps of each
 kind stall while the engine serves them. The CUDA graphs compile what they capture
 (decode batches, single prompts); ``warm_up_kernels`` runs eagerly, once, a small step of
-each other kind the scheduler can send (``warm_up_layouts``) and samples from its logits.
+each other kind the scheduler can send (``warm_up_layouts``) and samples from its logits,
+then readies long prompts' library attention (``dense_prefill.warm_up``).
 
 The warm-up steps cache nothing (every slot is -1) and attend to block 0 of the cache,
 whatever it holds; their outputs are thrown away.
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention.backend import AttentionMetadata, set_forward_context
+from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.sampler import Sampler, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
@@ -136,6 +138,13 @@ def warm_up_kernels(
                     output_token_ids=[[] for _ in params], generators=[None] * rows,
                     vocab_size=vocab_size, device=device,
                 ))
+    # Long prompts' library attention (dense_prefill), which no warm-up step reaches;
+    # imported here for the reason warm_up_layouts gives.
+    from pagedllm.layers.attention import dense_prefill
+
+    attention = next((m for m in model.modules() if isinstance(m, Attention)), None)
+    if layouts and attention is not None and kv_caches:
+        dense_prefill.warm_up(hidden.dtype, kv_caches[0], attention.num_heads)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     logger.info("Compiled the kernels of %d warm-up step shapes in %.1f s.", len(layouts),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
-from tests.kernels.paged_batch import HALF_DTYPES, TOLERANCE, make_step, reference_attention
+from tests.kernels.paged_batch import DEVICE, HALF_DTYPES, TOLERANCE, make_step, reference_attention
 
 # A fresh prompt, a chunk on top of cached context, decodes at several context lengths.
 MIXED = ((0, 11), (9, 4), (17, 1), (0, 1), (30, 1), (6, 7))
@@ -194,15 +194,16 @@ def send_small_prompts_to_fused_attention(monkeypatch, setting: str, context_ste
 
 @pytest.mark.parametrize("context_step, shape_step", [(1, 1), (4, 8)],
                          ids=["exact-shapes", "padded-shapes"])
-@pytest.mark.parametrize("seqs", [FRESH, LONG_CHUNKS], ids=["fresh", "chunks-on-context"])
+@pytest.mark.parametrize("seqs", [FRESH, LONG_CHUNKS, MIXED],
+                         ids=["fresh", "chunks-on-context", "beside-short-prompts"])
 def test_long_prompts_through_fused_attention_match_the_reference(
         seqs, context_step, shape_step, monkeypatch) -> None:
-    """PAGEDLLM_DENSE_PREFILL: a step whose prompts are all long attends them in one or two
-    calls of a fused attention (own keys causal, cached context unmasked, merged by their
+    """PAGEDLLM_DENSE_PREFILL: a step's long prompts attend in one or two calls of a fused
+    attention each (own keys causal, cached context unmasked, merged by their
     log-sum-exps; with padded shapes, the context's last tokens among the own keys behind
     dummy queries, and zeros after; grouped queries, rope applied by the backend), its
-    decodes on the decode kernel, and still fills the cache: output and cache agree with
-    the reference backend's."""
+    short prompts on the prefill kernel, its decodes on the decode kernel, and the cache
+    is still filled: output and cache agree with the reference backend's."""
     from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
     from pagedllm.layers.rotary import RotaryEmbedding
 
@@ -235,7 +236,7 @@ def test_long_half_precision_prompts_through_fused_attention(dtype, backend, mon
     seqs = ((0, 40), (37, 30), (17, 1), (100, 24))
     step = make_step(seqs, num_heads=8, num_kv_heads=2, head_dim=128, block_size=16, seed=10,
                      dtype=dtype)
-    assert dense_prefill.applies(step.query, step.kv_cache, step.metadata, None, None)
+    assert dense_prefill.select(step.query, step.kv_cache, step.metadata, None, None)
     expected, expected_cache = reference_attention(step, 128 ** -0.5, None)
     out = TritonAttentionBackend().forward(
         step.query, step.key, step.value, step.kv_cache, step.metadata, 128 ** -0.5, None)
@@ -268,11 +269,11 @@ def test_long_prompts_over_an_fp8_cache_through_fused_attention(backend, dtype, 
     assert torch.equal(step.kv_cache.view(torch.uint8), expected_cache.view(torch.uint8))
 
 
-def test_fused_attention_takes_only_steps_whose_prompts_are_all_long(monkeypatch) -> None:
-    """A short prompt beside long ones (too few new tokens, or too few keys in all), a
-    window, a soft cap, a cache in another 16-bit dtype or a sequence whose keys would
-    gather past MAX_GATHER_BYTES keep a step on the Triton kernels; the default is off away
-    from Hopper (here: the CPU); an unknown setting is refused by name."""
+def test_fused_attention_takes_only_long_prompts(monkeypatch) -> None:
+    """A prompt with too few new tokens or too few keys in all, or whose keys would gather
+    past MAX_GATHER_BYTES, stays on the Triton kernel (beside long ones that go); a window,
+    a soft cap or a cache in another 16-bit dtype keep the whole step there; the default is
+    off away from Hopper (here: the CPU); an unknown setting is refused by name."""
     from pagedllm.layers.attention import dense_prefill
 
     monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "math")
@@ -280,29 +281,30 @@ def test_fused_attention_takes_only_steps_whose_prompts_are_all_long(monkeypatch
     monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
     fresh, chunks, mixed = make_step(FRESH), make_step(LONG_CHUNKS), make_step(MIXED)
 
-    def applies(step, window=None, cap=None, cache=None):
+    def taken(step, window=None, cap=None, cache=None):
         cache = step.kv_cache if cache is None else cache
-        return dense_prefill.applies(step.query, cache, step.metadata, window, cap)
+        return dense_prefill.select(step.query, cache, step.metadata, window, cap)
 
-    assert applies(fresh) and applies(chunks)
-    assert not applies(mixed) and not applies(fresh, window=6) and not applies(fresh, cap=30.0)
-    assert not applies(fresh, cache=fresh.kv_cache.to(torch.float16))
+    assert taken(fresh) == (0, 1, 3) and taken(chunks) == (0, 1, 3)
+    assert taken(mixed) == (0,)  # (9, 4) and (6, 7) stay on the kernel
+    assert not taken(fresh, window=6) and not taken(fresh, cap=30.0)
+    assert not taken(fresh, cache=fresh.kv_cache.to(torch.float16))
     monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 9)
-    assert not applies(fresh)
+    assert taken(fresh) == (0, 1)
     monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
     monkeypatch.setattr(dense_prefill, "MIN_KEYS", 11)  # a fresh 8 stays, 8 on 6 cached goes
-    assert not applies(fresh) and applies(chunks)
+    assert taken(fresh) == (0,) and taken(chunks) == (0, 1, 3)
     monkeypatch.setattr(dense_prefill, "MIN_KEYS", 8)
     # LONG_CHUNKS' longest prompt sequence holds 21 tokens of 2 x 2 x 16 float32 values.
     monkeypatch.setattr(dense_prefill, "MAX_GATHER_BYTES", 21 * 256)
-    assert applies(chunks)
+    assert taken(chunks) == (0, 1, 3)
     monkeypatch.setattr(dense_prefill, "MAX_GATHER_BYTES", 21 * 256 - 1)
-    assert not applies(chunks)
+    assert taken(chunks) == (0, 3)
     monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "off")
-    assert not applies(fresh)
+    assert not taken(fresh)
     if not torch.cuda.is_available():
         monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "default")
-        assert not applies(fresh)
+        assert not taken(fresh)
     monkeypatch.setenv("PAGEDLLM_DENSE_PREFILL", "fastest")
     with pytest.raises(ValueError, match="PAGEDLLM_DENSE_PREFILL='fastest'.*cudnn"):
         dense_prefill._setting()
@@ -381,8 +383,8 @@ def test_a_cudnn_shape_waits_for_its_plan_to_pay(monkeypatch) -> None:
     step = make_step(LONG_CHUNKS, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
 
     def applies(seqs_step=step):
-        return dense_prefill.applies(seqs_step.query, seqs_step.kv_cache, seqs_step.metadata,
-                                     None, None)
+        return bool(dense_prefill.select(seqs_step.query, seqs_step.kv_cache, seqs_step.metadata,
+                                          None, None))
 
     # LONG_CHUNKS' shapes (heads 8, head size 64): own 16 x 16 causal (all three prompts),
     # 16 x 8 and 8 x 4 over the contexts cut at 8 and 4.
@@ -398,3 +400,27 @@ def test_a_cudnn_shape_waits_for_its_plan_to_pay(monkeypatch) -> None:
     assert not applies(other)  # own 40 x 40: new, and far from paying
     monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "flash")
     assert applies(other)
+
+
+def test_warm_up_readies_the_path_where_it_is_on(monkeypatch) -> None:
+    """``warm_up`` runs one tiny library call and merge for a model's attention (a 16-bit
+    or FP8 cache) where the path is on, and nothing where it is off (here: the CPU's
+    default)."""
+    from pagedllm.layers.attention import dense_prefill
+
+    cache = torch.zeros((2, 4, 16, 2, 64), dtype=torch.float32, device=DEVICE)
+    fp8_cache = torch.zeros((2, 4, 16, 2, 64), dtype=torch.float8_e4m3fn, device=DEVICE)
+    calls = []
+    attend = dense_prefill._attend
+    monkeypatch.setattr(dense_prefill, "_attend",
+                        lambda *a, **k: calls.append(a[1].shape) or attend(*a, **k))
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "math")
+    assert dense_prefill.warm_up(torch.float32, cache, 8)
+    assert dense_prefill.warm_up(torch.float32, fp8_cache, 8)
+    assert calls == [(dense_prefill.SHAPE_STEP, 8, 64)] * 2
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "off")
+    assert not dense_prefill.warm_up(torch.float32, cache, 8)
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "default")
+        assert not dense_prefill.warm_up(torch.float16, cache.half(), 8)
+    assert len(calls) == 2

@@ -62,8 +62,9 @@ def test_layouts_reach_every_prefill_tile_a_step_can(max_num_seqs, budget, max_m
 
 
 def test_warm_up_runs_every_layout_and_caches_nothing(monkeypatch, tmp_path) -> None:
-    """On the Triton kernels (the interpreter here): every step of the warm-up runs, and
-    the KV cache holds afterwards exactly what it held before."""
+    """On the Triton kernels (the interpreter here): every step of the warm-up runs, the
+    KV cache holds afterwards exactly what it held before, and long prompts' library
+    attention is readied with the model's dtype, cache and head count."""
     from tests.utils import make_tiny_checkpoint
 
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
@@ -75,13 +76,18 @@ def test_warm_up_runs_every_layout_and_caches_nothing(monkeypatch, tmp_path) -> 
         cache.normal_()
     before = [cache.clone() for cache in runner.kv_caches]
     layouts = warm_up_layouts(4, 64, 64)
-    forwards = []
+    forwards, dense = [], []
     original = runner.model.forward
     monkeypatch.setattr(runner.model, "forward", lambda *a: forwards.append(1) or original(*a))
+    from pagedllm.layers.attention import dense_prefill
+    monkeypatch.setattr(dense_prefill, "warm_up", lambda dtype, cache, heads: dense.append(
+        (dtype, cache.shape, heads)))
     warm_up_kernels(runner.model, runner.sampler, runner.kv_caches, layouts,
                     block_size=8, vocab_size=128, device=runner.device)
     assert len(forwards) == len(layouts)
     assert all(torch.equal(a, b) for a, b in zip(runner.kv_caches, before))
+    config = runner.model.config  # long prompts' library path readied for this model
+    assert dense == [(runner.dtype, runner.kv_caches[0].shape, config.num_heads)]
 
 
 def test_warm_up_block_tables_are_strided_as_a_real_steps() -> None:

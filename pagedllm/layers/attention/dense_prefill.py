@@ -29,16 +29,16 @@ keys are the cache's own values, rotated) with one ``index_select`` of its block
     flash      torch's FlashAttention (key heads repeated to the query heads)
     math       float32 products in plain torch ops (a reference, for tests)
 
-The path takes a step only where it computes what the Triton kernel computes and is faster:
-every prompt sequence of the step (query length above 1) with at least ``MIN_TOKENS`` new
-tokens and ``MIN_KEYS`` keys in all, no sliding window and no soft cap, the cache in the
-queries' dtype or FP8 (its keys and values widened exactly in the gather, as the Triton
-kernels widen them), never while a CUDA graph is captured, and no sequence's keys and
-values above ``MAX_GATHER_BYTES`` (the gathered copy is memory the start-up profile does
-not count); the libraries' kernels also want fp16 or bf16 and a head size of at most 128,
-a multiple of 8. The step's decode rows still go to the decode kernel. A library call
-that fails (``refused``) turns the path off for the process, with a warning, and its
-step runs the Triton kernel.
+A prompt sequence takes the path where it computes what the Triton kernel computes and is
+faster: at least ``MIN_TOKENS`` new tokens and ``MIN_KEYS`` keys in all, no sliding window
+and no soft cap, the cache in the queries' dtype or FP8 (its keys and values widened
+exactly in the gather, as the Triton kernels widen them), never while a CUDA graph is
+captured, and its keys and values within ``MAX_GATHER_BYTES`` (the gathered copy is memory
+the start-up profile does not count); the libraries' kernels also want fp16 or bf16 and a
+head size of at most 128, a multiple of 8. The step's other prompts stay on the Triton
+kernel (which skips the sequences taken here) and its decodes on the decode kernel. A
+library call that fails (``refused``) turns the path off for the process, with a warning,
+and its step runs the Triton kernel.
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def _backend(query: torch.Tensor) -> str:
     setting = "off" if _refused else DENSE_PREFILL
     if setting == "default":
         cuda = query.is_cuda and torch.backends.cudnn.is_available()
-        setting = "cudnn" if cuda and torch.cuda.get_device_capability(query.device)[0] == 9 else "off"
+        hopper = cuda and torch.cuda.get_device_capability(query.device)[0] == 9
+        setting = "cudnn" if hopper else "off"
     if setting in ("cudnn", "flash") and (
             query.dtype not in (torch.float16, torch.bfloat16)
             or query.shape[-1] % 8 or query.shape[-1] > 128):
@@ -124,36 +125,55 @@ def refused(error: RuntimeError) -> None:
                    DENSE_PREFILL, str(error).splitlines()[0] if str(error) else error)
 
 
-def applies(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-            sliding_window: int | None, logits_soft_cap: float | None) -> bool:
-    """Whether this step's prompts go through ``dense_prefill`` (see the module docstring)."""
-    if sliding_window is not None or logits_soft_cap or kv_cache.dtype not in (query.dtype,
-                                                                               FP8_DTYPE):
-        return False
+def select(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+           sliding_window: int | None, logits_soft_cap: float | None) -> tuple[int, ...]:
+    """The prompt sequences of this step that attend through ``dense_prefill`` (see the
+    module docstring); the step's other prompts stay on the Triton kernel."""
     backend = _backend(query)
-    if metadata.max_query_len < MIN_TOKENS or backend == "off":
-        return False
+    if (backend == "off" or sliding_window is not None or logits_soft_cap
+            or kv_cache.dtype not in (query.dtype, FP8_DTYPE)
+            or metadata.max_query_len < MIN_TOKENS):
+        return ()
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    qsl = metadata.query_start_loc_cpu
+        return ()
     # One token of K and of V as gathered (an FP8 cache's widened to 16 bits), bytes.
     token_bytes = 2 * math.prod(kv_cache.shape[-2:]) * query.element_size()
-    shapes = []
+    seqs, shapes = _candidates(metadata, token_bytes)
+    if not seqs or backend != "cudnn":
+        return seqs
+    model = (query.shape[1], kv_cache.shape[-2], query.shape[-1], query.dtype)
+    ready = _plans.ready([(*shape, *model) for shape in shapes], kv_cache.element_size())
+    return seqs if ready else ()
+
+
+_last_candidates: tuple = (None, None, ((), ()))
+
+
+def _candidates(metadata: AttentionMetadata, token_bytes: int) -> tuple[tuple[int, ...], list]:
+    """The step's prompt sequences long enough for the path (``MIN_TOKENS``, ``MIN_KEYS``,
+    ``MAX_GATHER_BYTES``) and the calls' shapes, ``(queries, keys, causal)``; found by the
+    step's first layer and kept for the others (the same metadata and host lists)."""
+    global _last_candidates
+    qsl = metadata.query_start_loc_cpu
+    key = (tuple(qsl), tuple(metadata.seq_lens_cpu), token_bytes, MIN_TOKENS, MIN_KEYS,
+           CONTEXT_STEP, SHAPE_STEP, MAX_GATHER_BYTES)
+    cached_metadata, cached_key, found = _last_candidates
+    if cached_metadata is metadata and cached_key == key:
+        return found
+    seqs, shapes = [], []
     for b, seq_len in enumerate(metadata.seq_lens_cpu):
         query_len = qsl[b + 1] - qsl[b]
-        if query_len <= 1:
-            continue
-        if (query_len < MIN_TOKENS or seq_len < MIN_KEYS
+        if (query_len <= 1 or query_len < MIN_TOKENS or seq_len < MIN_KEYS
                 or seq_len * token_bytes > MAX_GATHER_BYTES):
-            return False
+            continue
+        seqs.append(b)
         cut, _, own_len, past_len = _layout(query_len, seq_len)
         shapes.append((own_len, own_len, True))
         if cut:
             shapes.append((past_len, cut, False))
-    if backend != "cudnn":
-        return True
-    model = (query.shape[1], kv_cache.shape[-2], query.shape[-1], query.dtype)
-    return _plans.ready([(*shape, *model) for shape in shapes], kv_cache.element_size())
+    found = (tuple(seqs), shapes)
+    _last_candidates = (metadata, key, found)
+    return found
 
 
 class _PlanLedger:
@@ -194,26 +214,25 @@ def _layout(n: int, seq_len: int) -> tuple[int, int, int, int]:
 
 
 def dense_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  block_tables: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                  out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Attention of each prompt sequence (query length above 1) into ``out[rows]``.
+                  block_tables: torch.Tensor, metadata: AttentionMetadata, seqs: tuple[int, ...],
+                  scale: float, out: torch.Tensor, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> None:
+    """Attention of prompt sequences ``seqs`` (``select``) into their rows of ``out``.
 
     ``query: [T, H, D]`` rotated; ``key_cache, value_cache: [blocks, page, Hkv, D]``
     (``paged_kv_views``) holding every sequence's keys and values, this step's included;
     ``H`` a multiple of ``Hkv``. An FP8 cache's values are gathered widened (exactly) to
     the dtype the Triton kernels multiply them in (``uses_fp16_dot``), the queries cast to
     it, ``k_scale`` folded into the score scale and ``v_scale`` applied to the output.
-    Decode rows of ``out`` are left alone."""
+    Other rows of ``out`` are left alone."""
     backend = _backend(query)
     dtype = (torch.float16 if uses_fp16_dot(query.dtype, key_cache.dtype) else query.dtype)
     query = query.to(dtype)
     scale *= k_scale
     qsl = metadata.query_start_loc_cpu
-    for b, seq_len in enumerate(metadata.seq_lens_cpu):
-        start, end = qsl[b], qsl[b + 1]
+    for b in seqs:
+        seq_len, start, end = metadata.seq_lens_cpu[b], qsl[b], qsl[b + 1]
         n = end - start
-        if n <= 1:
-            continue
         cut, dummies, own_len, past_len = _layout(n, seq_len)
         key, value = _gather(key_cache, value_cache, block_tables[b], seq_len, cut + own_len,
                              dtype)
@@ -227,6 +246,23 @@ def dense_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         past, past_lse = _attend(backend, q[dummies:dummies + past_len], key[:cut], value[:cut],
                                  scale, causal=False)
         merge_attention_parts(own, own_lse, past[:n], past_lse[:, :n], out[start:end], v_scale)
+
+
+def warm_up(query_dtype: torch.dtype, kv_cache: torch.Tensor, num_heads: int) -> bool:
+    """Make the path's first real call cheap: initialise the library (its first call takes
+    0.6-1 s on an H200's host) and compile the merge kernel for a model's attention
+    (``kv_cache: [2, blocks, page, Hkv, D]``, the queries' dtype and head count), on tiny
+    tensors. Returns whether the path is on for that model."""
+    tokens, kv_heads, dim = SHAPE_STEP, kv_cache.shape[-2], kv_cache.shape[-1]
+    query = torch.zeros((tokens, num_heads, dim), dtype=query_dtype, device=kv_cache.device)
+    backend = _backend(query)
+    if backend == "off" or kv_cache.dtype not in (query_dtype, FP8_DTYPE):
+        return False
+    dtype = torch.float16 if uses_fp16_dot(query_dtype, kv_cache.dtype) else query_dtype
+    keys = torch.zeros((tokens, kv_heads, dim), dtype=dtype, device=kv_cache.device)
+    own, own_lse = _attend(backend, query.to(dtype), keys, keys, 1.0, causal=True)
+    merge_attention_parts(own, own_lse, own, own_lse, query, 1.0)
+    return True
 
 
 def _round_up(x: int, step: int) -> int:

@@ -14,10 +14,10 @@ default), from which prefill attention reads the new keys instead of the pages; 
 more rows once a step (``triton_prefill.plan_context_rows``; not inside a
 CUDA graph capture, whose host lists describe the capture, not a replay).
 
-A step whose prompts are all long (``dense_prefill.MIN_TOKENS``) attends them through a
-library's fused attention instead (``dense_prefill``: cuDNN's on Hopper by default, set by
-``PAGEDLLM_DENSE_PREFILL``), after the same cache write; its decodes still take the decode
-kernel.
+A step's long prompt chunks (``dense_prefill.select``) attend through a library's fused
+attention instead (``dense_prefill``: cuDNN's on Hopper by default, set by
+``PAGEDLLM_DENSE_PREFILL``), after the same cache write; the prefill kernel skips them
+(``skip_seqs``) and takes the step's other prompts, the decode kernel its decodes.
 
 With ``rotary`` the decode launch ropes and caches its own sequences' new tokens
 (``triton_decode.NewKV``), so a step of decodes alone runs one launch per layer, a launch
@@ -79,6 +79,8 @@ class TritonAttentionBackend:
         self._has_decodes = False
         self._order: tuple[AttentionMetadata, bool, torch.Tensor | None] | None = None
         self._context_plan: tuple[AttentionMetadata, tuple, ContextRows | None] | None = None
+        self._prompts: tuple[AttentionMetadata, list[int], int] | None = None
+        self._skips: tuple[AttentionMetadata, tuple[int, ...], torch.Tensor] | None = None
 
     def _context_rows(self, metadata: AttentionMetadata,
                       device: torch.device) -> ContextRows | None:
@@ -102,6 +104,28 @@ class TritonAttentionBackend:
         if cached is None or cached[0] is not metadata or cached[1] != capturing:
             order = longest_first(seq_lens) if wants_longest_first(metadata.num_seqs) else None
             self._order = cached = (metadata, capturing, order)
+        return cached[2]
+
+    def _num_prompts(self, metadata: AttentionMetadata) -> int:
+        """The step's sequences of query length above 1, counted by its first layer."""
+        qsl = metadata.query_start_loc_cpu
+        cached = self._prompts
+        if cached is None or cached[0] is not metadata or cached[1] != qsl:
+            count = sum(qsl[b + 1] - qsl[b] > 1 for b in range(metadata.num_seqs))
+            self._prompts = cached = (metadata, list(qsl), count)
+        return cached[2]
+
+    def _skip_seqs(self, metadata: AttentionMetadata, seqs: tuple[int, ...],
+                   device: torch.device) -> torch.Tensor:
+        """The prefill kernel's ``skip_seqs`` for ``seqs`` (taken by ``dense_prefill``),
+        uploaded once a step (through pinned memory on CUDA: no wait for the stream)."""
+        cached = self._skips
+        if cached is None or cached[0] is not metadata or cached[1] != seqs:
+            flags = torch.zeros(metadata.num_seqs, dtype=torch.int32)
+            flags[list(seqs)] = 1
+            flags = (flags.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
+                     else flags.to(device))
+            self._skips = cached = (metadata, seqs, flags)
         return cached[2]
 
     def _step_has_decodes(self, metadata: AttentionMetadata) -> bool:
@@ -141,10 +165,11 @@ class TritonAttentionBackend:
             rotary = None
         new_kv = None
         prefill_query = query
-        dense = metadata.max_query_len > 1 and dense_prefill.applies(
-            query, key_cache, metadata, sliding_window, logits_soft_cap)
+        dense = (dense_prefill.select(query, key_cache, metadata, sliding_window, logits_soft_cap)
+                 if metadata.max_query_len > 1 else ())
+        kernel_prompts = metadata.max_query_len > 1 and len(dense) < self._num_prompts(metadata)
         rows_dtype = (new_kv_rows_dtype(query.dtype, key_cache.dtype, sliding_window)
-                      if metadata.max_query_len > 1 and not dense else None)
+                      if kernel_prompts else None)
         capturing = key.is_cuda and torch.cuda.is_current_stream_capturing()
         context = None
         if rows_dtype is not None and widens_contexts() and not capturing:
@@ -178,11 +203,11 @@ class TritonAttentionBackend:
         if dense:
             try:
                 dense_prefill.dense_prefill(prefill_query, key_cache, value_cache, block_tables,
-                                            metadata, scale, out, k_scale, v_scale)
+                                            metadata, dense, scale, out, k_scale, v_scale)
             except RuntimeError as error:
                 dense_prefill.refused(error)
-                dense = False
-        if metadata.max_query_len > 1 and not dense:
+                dense, kernel_prompts = (), True
+        if kernel_prompts:
             paged_prefill_attention(
                 prefill_query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
                 num_tokens=n,
@@ -195,6 +220,7 @@ class TritonAttentionBackend:
                 logits_soft_cap=logits_soft_cap,
                 new_kv=new_rows,
                 context_rows=None if context is None else context.starts,
+                skip_seqs=self._skip_seqs(metadata, dense, key.device) if dense else None,
             )
         if has_decodes:
             paged_decode_attention(
