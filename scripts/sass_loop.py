@@ -97,7 +97,6 @@ def compile_attention(kind: str, tile: list[int], kv: str, pdl: bool = False,
                     part_max_ptr="*fp32", part_sum_ptr="*fp32", counters_ptr="*i32",
                     block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
                     order_ptr="*i32", slot_mapping_ptr="*i64", context_rows_ptr="*i32",
-                    skip_seqs_ptr="*i32",
                     new_kv_ptr="*fp16" if kv == "fp8e4nv" else "*bf16")
     signature = {name: pointers.get(name, "*bf16") if name.endswith("_ptr")
                  else "fp32" if name in ("qk_scale", "k_scale", "v_scale") else "i32"
@@ -114,7 +113,7 @@ def compile_attention(kind: str, tile: list[int], kv: str, pdl: bool = False,
         block_m, block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_M=block_m, BLOCK_Q=block_m // 4, BLOCK_N=block_n,
                          SKIP_DECODES=True, LONGEST_FIRST=False, NEW_KV=new_kv != "pages",
-                         CONTEXT_ROWS=new_kv == "context-rows", SKIP_SEQS=False)
+                         CONTEXT_ROWS=new_kv == "context-rows")
     signature.update({name: "constexpr" for name in constants})
     aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}

@@ -405,7 +405,8 @@ def test_a_cudnn_shape_waits_for_its_plan_to_pay(monkeypatch) -> None:
 def test_warm_up_readies_the_path_where_it_is_on(monkeypatch) -> None:
     """``warm_up`` runs one tiny library call and merge for a model's attention (a 16-bit
     or FP8 cache) where the path is on, and nothing where it is off (here: the CPU's
-    default)."""
+    default); a library that refuses the call turns the path off instead of failing the
+    start."""
     from pagedllm.layers.attention import dense_prefill
 
     cache = torch.zeros((2, 4, 16, 2, 64), dtype=torch.float32, device=DEVICE)
@@ -424,3 +425,12 @@ def test_warm_up_readies_the_path_where_it_is_on(monkeypatch) -> None:
         monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "default")
         assert not dense_prefill.warm_up(torch.float16, cache.half(), 8)
     assert len(calls) == 2
+    monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "math")
+    monkeypatch.setattr(dense_prefill, "_refused", False)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuDNN Frontend error: no engine for this GPU")
+
+    monkeypatch.setattr(dense_prefill, "_attend", refuse)
+    assert not dense_prefill.warm_up(torch.float32, cache, 8)  # the engine still starts
+    assert dense_prefill._backend(torch.zeros((1, 8, 64))) == "off"

@@ -15,8 +15,7 @@ from tests.kernels.paged_batch import HALF_DTYPES, TOLERANCE, batch_args, make_s
 SEQS = ((0, 13), (8, 8), (5, 3), (0, 1), (14, 5), (0, 37))
 
 
-def _run(step, window=None, *, scale=0.25, skip_decodes=False, block_m=None, block_n=None,
-         skip_seqs=None):
+def _run(step, window=None, *, scale=0.25, skip_decodes=False, block_m=None, block_n=None):
     md = step.metadata
     write_kv_cache(step.key, step.value, step.kv_cache[0], step.kv_cache[1], md.slot_mapping)
     out = torch.zeros_like(step.query)
@@ -29,7 +28,6 @@ def _run(step, window=None, *, scale=0.25, skip_decodes=False, block_m=None, blo
         skip_decodes=skip_decodes,
         block_m=block_m,
         block_n=block_n,
-        skip_seqs=skip_seqs,
     )
     return out
 
@@ -125,15 +123,20 @@ def test_skip_decodes_leaves_query_length_one_rows_to_the_decode_kernel() -> Non
 
 
 
-def test_skipped_sequences_are_left_to_whoever_took_them() -> None:
-    """``skip_seqs``: a prompt taken elsewhere (``dense_prefill``) keeps its rows of ``out``
-    untouched, beside skipped decodes; the other prompts match the reference."""
+def test_sequences_marked_with_no_length_are_left_to_whoever_took_them() -> None:
+    """A prompt whose ``seq_lens`` entry is 0 (taken by ``dense_prefill``) keeps its rows of
+    ``out`` untouched, beside a skipped decode; the other prompts match the reference."""
     step = make_step(((4, 5), (9, 1), (0, 3), (2, 6)), seed=8)
-    skip = torch.tensor([0, 0, 1, 0], dtype=torch.int32, device=step.query.device)
-    out = _run(step, skip_decodes=True, skip_seqs=skip)
+    md = step.metadata
+    write_kv_cache(step.key, step.value, step.kv_cache[0], step.kv_cache[1], md.slot_mapping)
+    out = torch.zeros_like(step.query)
+    marked = md.seq_lens.clone()
+    marked[2] = 0
+    paged_prefill_attention(
+        step.query, step.kv_cache[0], step.kv_cache[1], md.block_tables, marked,
+        md.query_start_loc, out, num_tokens=md.num_actual_tokens,
+        max_query_len=md.max_query_len, scale=0.25, skip_decodes=True)
     expected, _ = reference_attention(step, 0.25, None)
     computed = torch.tensor([0, 1, 2, 3, 4, 9, 10, 11, 12, 13, 14], device=out.device)
-    assert torch.count_nonzero(out[5:9]) == 0  # the decode, the skipped prompt
+    assert torch.count_nonzero(out[5:9]) == 0  # the decode, the marked prompt
     torch.testing.assert_close(out[computed], expected[computed], **TOLERANCE[torch.float32])
-    with pytest.raises(ValueError, match="skip_seqs must be"):
-        _run(step, skip_seqs=skip[:3])

@@ -252,7 +252,8 @@ def warm_up(query_dtype: torch.dtype, kv_cache: torch.Tensor, num_heads: int) ->
     """Make the path's first real call cheap: initialise the library (its first call takes
     0.6-1 s on an H200's host) and compile the merge kernel for a model's attention
     (``kv_cache: [2, blocks, page, Hkv, D]``, the queries' dtype and head count), on tiny
-    tensors. Returns whether the path is on for that model."""
+    tensors. Returns whether the path is on for that model (a library that refuses the
+    call turns it off, as ``refused`` says)."""
     tokens, kv_heads, dim = SHAPE_STEP, kv_cache.shape[-2], kv_cache.shape[-1]
     query = torch.zeros((tokens, num_heads, dim), dtype=query_dtype, device=kv_cache.device)
     backend = _backend(query)
@@ -260,7 +261,11 @@ def warm_up(query_dtype: torch.dtype, kv_cache: torch.Tensor, num_heads: int) ->
         return False
     dtype = torch.float16 if uses_fp16_dot(query_dtype, kv_cache.dtype) else query_dtype
     keys = torch.zeros((tokens, kv_heads, dim), dtype=dtype, device=kv_cache.device)
-    own, own_lse = _attend(backend, query.to(dtype), keys, keys, 1.0, causal=True)
+    try:
+        own, own_lse = _attend(backend, query.to(dtype), keys, keys, 1.0, causal=True)
+    except RuntimeError as error:
+        refused(error)
+        return False
     merge_attention_parts(own, own_lse, own, own_lse, query, 1.0)
     return True
 

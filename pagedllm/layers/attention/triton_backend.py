@@ -17,7 +17,8 @@ CUDA graph capture, whose host lists describe the capture, not a replay).
 A step's long prompt chunks (``dense_prefill.select``) attend through a library's fused
 attention instead (``dense_prefill``: cuDNN's on Hopper by default, set by
 ``PAGEDLLM_DENSE_PREFILL``), after the same cache write; the prefill kernel skips them
-(``skip_seqs``) and takes the step's other prompts, the decode kernel its decodes.
+(their ``seq_lens`` given as 0) and takes the step's other prompts, the decode kernel its
+decodes.
 
 With ``rotary`` the decode launch ropes and caches its own sequences' new tokens
 (``triton_decode.NewKV``), so a step of decodes alone runs one launch per layer, a launch
@@ -115,17 +116,18 @@ class TritonAttentionBackend:
             self._prompts = cached = (metadata, list(qsl), count)
         return cached[2]
 
-    def _skip_seqs(self, metadata: AttentionMetadata, seqs: tuple[int, ...],
-                   device: torch.device) -> torch.Tensor:
-        """The prefill kernel's ``skip_seqs`` for ``seqs`` (taken by ``dense_prefill``),
-        uploaded once a step (through pinned memory on CUDA: no wait for the stream)."""
+    def _kernel_seq_lens(self, metadata: AttentionMetadata, seqs: tuple[int, ...],
+                         device: torch.device) -> torch.Tensor:
+        """The step's ``seq_lens`` with those of ``seqs`` (taken by ``dense_prefill``) set to
+        0, which the prefill kernel skips; uploaded once a step (through pinned memory on
+        CUDA: no wait for the stream)."""
         cached = self._skips
         if cached is None or cached[0] is not metadata or cached[1] != seqs:
-            flags = torch.zeros(metadata.num_seqs, dtype=torch.int32)
-            flags[list(seqs)] = 1
-            flags = (flags.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
-                     else flags.to(device))
-            self._skips = cached = (metadata, seqs, flags)
+            lens = torch.tensor(metadata.seq_lens_cpu, dtype=torch.int32)
+            lens[list(seqs)] = 0
+            lens = (lens.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
+                    else lens.to(device))
+            self._skips = cached = (metadata, seqs, lens)
         return cached[2]
 
     def _step_has_decodes(self, metadata: AttentionMetadata) -> bool:
@@ -209,7 +211,9 @@ class TritonAttentionBackend:
                 dense, kernel_prompts = (), True
         if kernel_prompts:
             paged_prefill_attention(
-                prefill_query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+                prefill_query, key_cache, value_cache, block_tables,
+                self._kernel_seq_lens(metadata, dense, key.device) if dense else seq_lens,
+                query_start_loc, out,
                 num_tokens=n,
                 max_query_len=metadata.max_query_len,
                 scale=scale,
@@ -220,7 +224,6 @@ class TritonAttentionBackend:
                 logits_soft_cap=logits_soft_cap,
                 new_kv=new_rows,
                 context_rows=None if context is None else context.starts,
-                skip_seqs=self._skip_seqs(metadata, dense, key.device) if dense else None,
             )
         if has_decodes:
             paged_decode_attention(

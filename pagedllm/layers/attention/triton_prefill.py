@@ -217,7 +217,6 @@ def _prefill_kernel(
     stride_nt,
     stride_nh,
     context_rows_ptr,
-    skip_seqs_ptr,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -234,7 +233,6 @@ def _prefill_kernel(
     V_SLOT_MAJOR: tl.constexpr,
     NEW_KV: tl.constexpr,
     CONTEXT_ROWS: tl.constexpr,
-    SKIP_SEQS: tl.constexpr,
 ):
     if LONGEST_FIRST:
         tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -250,10 +248,9 @@ def _prefill_kernel(
     if SKIP_DECODES:
         if q_len == 1:
             return
-    if SKIP_SEQS:
-        if tl.load(skip_seqs_ptr + seq) != 0:
-            return
     seq_len = tl.load(seq_lens_ptr + seq)
+    if seq_len < q_len:  # marked as taken elsewhere (``paged_prefill_attention``)
+        return
     context_len = seq_len - q_len
 
     r = tl.arange(0, BLOCK_M)
@@ -540,7 +537,6 @@ def paged_prefill_attention(
     longest_first: bool | None = None,
     new_kv: torch.Tensor | None = None,
     context_rows: torch.Tensor | None = None,
-    skip_seqs: torch.Tensor | None = None,
 ) -> None:
     """Attention of the first ``num_tokens`` rows of ``query: [T, H, D]`` into ``out``.
 
@@ -558,9 +554,9 @@ def paged_prefill_attention(
     for query row ``t``, in ``products_dtype`` (``write_kv_cache``'s ``fresh``); the new
     keys are then read there (no sliding window). ``context_rows: [B]`` int32 (with
     ``new_kv``): the row of ``new_kv`` where each sequence's cached context starts
-    (``widen_context_rows``), -1 where it is read from the pages. ``skip_seqs: [B]``
-    int32: the sequences whose rows of ``out`` are left untouched where non-zero (computed
-    elsewhere: ``dense_prefill``).
+    (``widen_context_rows``), -1 where it is read from the pages. A sequence whose
+    ``seq_lens`` entry is below its query length (0) is skipped: its rows of ``out`` are
+    left untouched (the backend marks so the prompts ``dense_prefill`` takes).
     """
     check_paged_inputs(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
@@ -596,9 +592,6 @@ def paged_prefill_attention(
     if context_rows is not None and (new_kv is None or context_rows.dtype != torch.int32
                                      or context_rows.shape != (num_seqs,)):
         raise ValueError(f"context_rows must be [{num_seqs}] int32 beside new_kv.")
-    if skip_seqs is not None and (skip_seqs.dtype != torch.int32
-                                  or skip_seqs.shape != (num_seqs,)):
-        raise ValueError(f"skip_seqs must be [{num_seqs}] int32.")
     if longest_first is None:
         longest_first = PREFILL_LONGEST_FIRST
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
@@ -626,7 +619,6 @@ def paged_prefill_attention(
         query if new_kv is None else new_kv,
         *((0, 0, 0) if new_kv is None else new_kv.stride()[:3]),
         seq_lens if context_rows is None else context_rows,
-        seq_lens if skip_seqs is None else skip_seqs,
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)),
@@ -643,7 +635,6 @@ def paged_prefill_attention(
         V_SLOT_MAJOR=slot_major,
         NEW_KV=new_kv is not None,
         CONTEXT_ROWS=context_rows is not None,
-        SKIP_SEQS=skip_seqs is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
