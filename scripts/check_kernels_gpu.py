@@ -527,37 +527,42 @@ def long_prefill_rows(budget_s: float, save: Callable[[list[dict[str, Any]]], No
 DENSE_PREFILL_SETTINGS = ("off", "cudnn", "flash")
 
 
-def dense_prefill_rows() -> list[dict[str, Any]]:
+def dense_prefill_rows(caches: tuple[str, ...] = ("bf16", "fp8")) -> list[dict[str, Any]]:
     """Long prompts (P2's 32,000 tokens in one step and its chunks over cached context,
     P1's 4 x 2,048) through the whole backend with each ``PAGEDLLM_DENSE_PREFILL``
-    setting: off is the Triton prefill kernel, the others a library's fused attention by
-    backend. TFLOP/s over the causally visible keys; ``max_abs_diff`` against the Triton
+    setting, over a bf16 and an FP8 cache: off is the Triton prefill kernel, the others a
+    library's fused attention by backend (its plans taken as paid: the path itself is
+    timed). TFLOP/s over the causally visible keys; ``max_abs_diff`` against the Triton
     kernel's output."""
     rows: list[dict[str, Any]] = []
-    setting = dense_prefill.DENSE_PREFILL
+    setting, plan_cost = dense_prefill.DENSE_PREFILL, dense_prefill.PLAN_COST_S
+    dense_prefill.PLAN_COST_S = 0.0
     try:
-        for seed, (label, seqs) in enumerate(LONG_PREFILL_CASES, start=40):
-            step = make_step(seqs, seed=seed)
-            dense_prefill.DENSE_PREFILL = "off"
-            kernel_out = forward(TritonAttentionBackend(), step, keep=True)()
-            for name in DENSE_PREFILL_SETTINGS:
-                dense_prefill.DENSE_PREFILL = name
-                row: dict[str, Any] = dict(case=label, setting=name)
-                try:
-                    out = forward(TritonAttentionBackend(), step, keep=True)()
-                    row["max_abs_diff"] = float((out.float() - kernel_out.float()).abs().max())
-                    row["ms"] = bench_ms(forward(TritonAttentionBackend(), step))
-                except Exception as exc:  # a backend that cannot take the shape
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                else:
-                    row["tflop_s"] = round(causal_flops(step) / row["ms"] / 1e9, 1)
-                    print(f"{label:24} {name:10} {row['ms']:8.3f} ms {row['tflop_s']:6.0f} TFLOP/s "
-                          f"max |diff| {row['max_abs_diff']:.2e}")
-                rows.append(row)
-            del step, kernel_out
-            torch.cuda.empty_cache()
+        for cache in caches:
+            for seed, (label, seqs) in enumerate(LONG_PREFILL_CASES, start=40):
+                step = make_step(seqs, seed=seed)
+                if cache == "fp8":
+                    step = fp8_kv_step(step)
+                dense_prefill.DENSE_PREFILL = "off"
+                kernel_out = forward(TritonAttentionBackend(), step, keep=True)()
+                for name in DENSE_PREFILL_SETTINGS:
+                    dense_prefill.DENSE_PREFILL = name
+                    row: dict[str, Any] = dict(case=label, cache=cache, setting=name)
+                    try:
+                        out = forward(TritonAttentionBackend(), step, keep=True)()
+                        row["max_abs_diff"] = float((out.float() - kernel_out.float()).abs().max())
+                        row["ms"] = bench_ms(forward(TritonAttentionBackend(), step))
+                    except Exception as exc:  # a backend that cannot take the shape
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    else:
+                        row["tflop_s"] = round(causal_flops(step) / row["ms"] / 1e9, 1)
+                        print(f"{label:24} {cache:4} {name:10} {row['ms']:8.3f} ms "
+                              f"{row['tflop_s']:6.0f} TFLOP/s max |diff| {row['max_abs_diff']:.2e}")
+                    rows.append(row)
+                del step, kernel_out
+                torch.cuda.empty_cache()
     finally:
-        dense_prefill.DENSE_PREFILL = setting
+        dense_prefill.DENSE_PREFILL, dense_prefill.PLAN_COST_S = setting, plan_cost
     return rows
 
 
