@@ -13,7 +13,9 @@ its last chunk of 8,192 on 23,808. Each launch is checked against the other (lar
 difference printed) and timed with ``triton.testing.do_bench``; TFLOP/s count the
 causally visible keys. With ``--sdpa cudnn,flash``, torch's fused attention of one
 sequence (bf16, its keys contiguous, causal from the bottom right) is timed beside the
-kernel: what library kernels built for the GPU reach on the same work. CUDA only.
+kernel: what library kernels built for the GPU reach on the same work; and fresh prompts
+of one length (P1's four) through one cuDNN call with a batch dimension, over either cache
+(its keys from the rows). CUDA only.
 """
 
 from __future__ import annotations
@@ -89,6 +91,29 @@ def sdpa_rows(label: str, seqs: tuple[tuple[int, int], ...], backends: list[str]
     return rows
 
 
+def batched_fresh_row(label: str, cache: str, seqs: tuple[tuple[int, int], ...],
+                      reference: torch.Tensor, query: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor) -> dict:
+    """Fresh prompts of one length through one cuDNN call with a batch dimension (the
+    queries cast to the keys' dtype inside the timing, as a step would), compared with the
+    kernel's output."""
+    batch, n = len(seqs), seqs[0][1]
+
+    def launch() -> torch.Tensor:
+        q, k, v = (x.to(keys.dtype).view(batch, n, *x.shape[1:]).transpose(1, 2)
+                   for x in (query, keys, values))
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, False, 0.0, True, False, scale=HEAD_DIM ** -0.5)[0]
+
+    out = launch().transpose(1, 2).reshape(reference.shape)
+    diff = (out.float() - reference).abs().max().item()
+    us = triton.testing.do_bench(launch, warmup=20, rep=200) * 1000
+    row = dict(case=label, cache=cache, keys_from="cudnn, one batched call", us=round(us, 1),
+               tflops=round(visible_flops(seqs) / us / 1e6, 1), largest_difference=round(diff, 4))
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="Write the rows as JSON here.")
@@ -138,6 +163,12 @@ def main() -> None:
             for source in list(outs)[1:]:
                 diff = (outs[source] - outs["pages"]).abs().max().item()
                 print(f"  {source}: largest difference {diff:.3g}", flush=True)
+            lengths = {n for c, n in seqs}
+            if "cudnn" in backends and len(seqs) > 1 and len(lengths) == 1 and not any(
+                    c for c, _ in seqs):
+                rows.append(batched_fresh_row(label, cache, seqs, outs["pages"], step.query,
+                                              new_kv[0, :md.num_actual_tokens],
+                                              new_kv[1, :md.num_actual_tokens]))
             if backends and cache == "bf16" and len(seqs) == 1:
                 keys, values = (torch.cat([new_kv[i, md.num_actual_tokens:],
                                            new_kv[i, :md.num_actual_tokens]])
