@@ -116,15 +116,17 @@ def test_sigterm_lets_every_process_finish_its_streams_then_exits_0(server_model
 
         def stream() -> None:
             with httpx.Client(base_url=remote.base_url, timeout=60) as c:
+                # Long enough that none can finish before the six are running together.
                 with c.stream("POST", "/v1/completions", json={
-                        **PROMPT, "max_tokens": 200, "stream": True}) as response:
+                        **PROMPT, "max_tokens": 800, "stream": True}) as response:
                     lines = [line for line in response.iter_lines() if line]
             endings.append({"last": lines[-1], "finish": json.loads(lines[-2][6:])})
 
         streams = [threading.Thread(target=stream) for _ in range(6)]
         for thread in streams:
             thread.start()
-        assert wait_for(lambda: remote.metric("pagedllm:num_requests_running") == 6, 30)
+        running = wait_for(lambda: remote.metric("pagedllm:num_requests_running") == 6, 30)
+        assert running, (endings, remote.log()[-3000:])
         remote.proc.send_signal(signal.SIGTERM)
         for thread in streams:
             thread.join(60)
