@@ -344,28 +344,16 @@ def test_an_engine_decodes_the_same_tokens_with_long_prompts_through_fused_atten
     """A tiny Llama on the Triton backend, chunked prompts (12-token steps beside decodes)
     and prefix hits: greedy tokens with the prompts' attention in fused calls (float32
     reference products, chunks over cached contexts merged) equal the Triton kernel's."""
-    from pagedllm import LLM, SamplingParams
     from pagedllm.layers.attention import dense_prefill, selector
-    from tests.utils import make_tiny_checkpoint
+    from tests.kernels.engine_runs import chunked_prefix_greedy_tokens, tiny_llama
 
-    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=128, max_position_embeddings=128,
-                                num_hidden_layers=2)
-    shared = [(5 * j) % 120 + 4 for j in range(20)]
-    prompts = [shared + [9, 10, 11], shared + [(7 * j) % 120 + 4 for j in range(9)],
-               [(3 * j) % 120 + 4 for j in range(30)]]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    path = tiny_llama(tmp_path)
     monkeypatch.setenv(selector.BACKEND_ENV, "triton")
     calls = send_small_prompts_to_fused_attention(monkeypatch, "math", 8, 4, min_tokens=4)
     runs = {}
     for setting in ("off", "math"):
         monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", setting)
-        llm = LLM(str(path), block_size=8, max_model_len=64, max_num_batched_tokens=12,
-                  enforce_eager=True, seed=0)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                               use_tqdm=False)
-        runs[setting] = [o.outputs[0].token_ids for o in outputs]
-        assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
-        del llm
+        runs[setting] = chunked_prefix_greedy_tokens(path)
     assert calls and runs["math"] == runs["off"]
 
 
@@ -418,7 +406,7 @@ def test_warm_up_readies_the_path_where_it_is_on(monkeypatch) -> None:
     monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "math")
     assert dense_prefill.warm_up(torch.float32, cache, 8)
     assert dense_prefill.warm_up(torch.float32, fp8_cache, 8)
-    assert calls == [(dense_prefill.SHAPE_STEP, 8, 64)] * 2
+    assert [shape[1:] for shape in calls] == [(8, 64)] * 2  # the model's heads and size
     monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", "off")
     assert not dense_prefill.warm_up(torch.float32, cache, 8)
     if not torch.cuda.is_available():

@@ -203,16 +203,10 @@ def test_an_engine_over_an_fp8_cache_decodes_the_same_tokens_with_rows_or_pages(
     """A tiny Llama on the Triton backend with an FP8 cache, chunked prompts (12-token
     steps) and prefix hits: greedy tokens with new-key rows and widened contexts equal those
     read from the pages alone."""
-    from pagedllm import LLM, SamplingParams
     from pagedllm.layers.attention import selector
-    from tests.utils import make_tiny_checkpoint
+    from tests.kernels.engine_runs import chunked_prefix_greedy_tokens, tiny_llama
 
-    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=128, max_position_embeddings=128,
-                                num_hidden_layers=2)
-    shared = [(5 * j) % 120 + 4 for j in range(20)]
-    prompts = [shared + [9, 10, 11], shared + [(7 * j) % 120 + 4 for j in range(9)],
-               [(3 * j) % 120 + 4 for j in range(30)]]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    path = tiny_llama(tmp_path)
     monkeypatch.setenv(selector.BACKEND_ENV, "triton")
     monkeypatch.setattr(triton_prefill, "CONTEXT_ROWS_MIN_QUERY", 4)
     widened = []
@@ -223,13 +217,7 @@ def test_an_engine_over_an_fp8_cache_decodes_the_same_tokens_with_rows_or_pages(
     for setting, context_rows in (("off", False), ("fp8", True)):
         monkeypatch.setattr(triton_prefill, "PREFILL_NEW_KV", setting)
         monkeypatch.setattr(triton_prefill, "PREFILL_CONTEXT_ROWS", context_rows)
-        llm = LLM(str(path), kv_cache_dtype="fp8", block_size=8, max_model_len=64,
-                  max_num_batched_tokens=12, enforce_eager=True, seed=0)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                               use_tqdm=False)
-        runs[setting] = [o.outputs[0].token_ids for o in outputs]
-        assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
-        del llm
+        runs[setting] = chunked_prefix_greedy_tokens(path, kv_cache_dtype="fp8")
     assert widened and runs["fp8"] == runs["off"]
 
 

@@ -1,10 +1,9 @@
 """Long prompts' attention through a library's fused kernel (cuDNN's on Hopper).
 
-cuDNN's fused attention reaches about 1.5 times the Triton prefill kernel's rate on long
-causal prompts on an H200 (590 against 390-410 TFLOP/s at 32,000 tokens; 610-630 over a
-cached context without the causal mask), but it reads contiguous keys, not pages, knows
-only the causal mask aligned to the first query, and builds a plan for each new shape
-(about 45 ms on the H200's host, then cached by torch for the process). So a prompt
+cuDNN's fused attention outruns the Triton prefill kernel on long prompts on Hopper
+(docs/benchmarks.md, "Long prompts through cuDNN's fused attention"), but it reads
+contiguous keys, not pages, knows only the causal mask aligned to the first query, and
+builds a plan for each new shape (then cached by torch for the process). So a prompt
 sequence of ``n`` new tokens after ``c`` cached ones is attended in at most two calls, in
 ``[tokens, heads, head_dim]`` layout, with ``c = c0 + r`` (``c0`` a multiple of
 ``CONTEXT_STEP``, ``r`` below it):
@@ -60,10 +59,8 @@ logger = logging.getLogger(__name__)
 CHOICES = ("default", "off", "cudnn", "flash", "math")
 
 # A prompt sequence takes the path with at least MIN_TOKENS new tokens and MIN_KEYS keys
-# in all (cached context included). Below, the Triton kernel's one launch for the whole
-# batch wins over calls per sequence: on an H200, four fresh 2,048-token prompts took
-# 0.454 ms in the kernel and 0.476 ms here, a chunk of 2,048 on 6,144 cached tokens
-# 0.705 and 0.445 ms.
+# in all (cached context included); below, the Triton kernel's one launch for the whole
+# batch beats calls per sequence (docs/benchmarks.md).
 MIN_TOKENS = 2048
 MIN_KEYS = 4096
 
@@ -71,12 +68,13 @@ MIN_KEYS = 4096
 CONTEXT_STEP = 1024
 SHAPE_STEP = 256
 
-# cuDNN builds a plan per new shape (43-61 ms on an H200's host; torch then keeps it), so
-# a shape without one is first left to the Triton kernel until the time its calls would
-# have saved (at the rates measured on an H200, TFLOP/s over the visible keys) reaches the
-# build's: a workload of ever new chunk shapes stays on the kernel, a recurring one moves.
+# cuDNN builds a plan per new shape (torch then keeps it), so a shape without one is left
+# to the Triton kernel until the time its calls would have saved reaches the plan's cost:
+# a workload of ever new chunk shapes stays on the kernel, a recurring one moves. The
+# plan's cost in seconds and the rates the saving is estimated from (TFLOP/s over the
+# visible keys; the kernel's by the cache's bits) are an H200's, from docs/benchmarks.md.
 PLAN_COST_S = 0.05
-KERNEL_TFLOPS = {16: 380.0, 8: 260.0}  # by the cache's bits
+KERNEL_TFLOPS = {16: 380.0, 8: 260.0}
 LIBRARY_TFLOPS = 590.0
 
 # The largest gathered keys plus values of one sequence, bytes (65,536 tokens of
@@ -129,10 +127,11 @@ def select(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetad
            sliding_window: int | None, logits_soft_cap: float | None) -> tuple[int, ...]:
     """The prompt sequences of this step that attend through ``dense_prefill`` (see the
     module docstring); the step's other prompts stay on the Triton kernel."""
+    if (metadata.max_query_len < MIN_TOKENS or sliding_window is not None or logits_soft_cap
+            or kv_cache.dtype not in (query.dtype, FP8_DTYPE)):
+        return ()
     backend = _backend(query)
-    if (backend == "off" or sliding_window is not None or logits_soft_cap
-            or kv_cache.dtype not in (query.dtype, FP8_DTYPE)
-            or metadata.max_query_len < MIN_TOKENS):
+    if backend == "off":
         return ()
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
         return ()
@@ -249,8 +248,8 @@ def dense_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
 
 def warm_up(query_dtype: torch.dtype, kv_cache: torch.Tensor, num_heads: int) -> bool:
-    """Make the path's first real call cheap: initialise the library (its first call takes
-    0.6-1 s on an H200's host) and compile the merge kernel for a model's attention
+    """Make the path's first real call cheap: initialise the library (its first call is
+    the slowest by far) and compile the merge kernel for a model's attention
     (``kv_cache: [2, blocks, page, Hkv, D]``, the queries' dtype and head count), on tiny
     tensors. Returns whether the path is on for that model (a library that refuses the
     call turns it off, as ``refused`` says)."""

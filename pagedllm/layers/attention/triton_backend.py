@@ -169,7 +169,8 @@ class TritonAttentionBackend:
         prefill_query = query
         dense = (dense_prefill.select(query, key_cache, metadata, sliding_window, logits_soft_cap)
                  if metadata.max_query_len > 1 else ())
-        kernel_prompts = metadata.max_query_len > 1 and len(dense) < self._num_prompts(metadata)
+        kernel_prompts = metadata.max_query_len > 1 and (
+            not dense or len(dense) < self._num_prompts(metadata))
         rows_dtype = (new_kv_rows_dtype(query.dtype, key_cache.dtype, sliding_window)
                       if kernel_prompts else None)
         capturing = key.is_cuda and torch.cuda.is_current_stream_capturing()
