@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.layers.attention.backend import OutputRows, get_forward_context
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import Embedding
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters_from_hf
@@ -95,16 +96,23 @@ class GemmaDecoderLayer(nn.Module):
                      "pre_feedforward_layernorm", "post_feedforward_layernorm"):
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> torch.Tensor:
-        """The residual stream in, the residual stream out (``[T, hidden]``)."""
-        attn = self.self_attn.o_proj(self.self_attn(self.input_layernorm(hidden), cos, sin))
-        hidden = hidden + self.post_attention_layernorm(attn)
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                outputs: OutputRows | None = None) -> torch.Tensor:
+        """The residual stream in, the residual stream out (``[T, hidden]``; with
+        ``outputs``, of those rows alone: see ``LlamaDecoderLayer``)."""
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, outputs)
+        if outputs is not None:
+            hidden = hidden[outputs.indices]
+            if not hidden.shape[0]:
+                return hidden
+        hidden = hidden + self.post_attention_layernorm(self.self_attn.o_proj(attn))
         mlp = self.mlp.down_proj(self.mlp(self.pre_feedforward_layernorm(hidden)))
         return hidden + self.post_feedforward_layernorm(mlp)
 
 
 class GemmaModel(nn.Module):
+    prunes_to_output_rows = True  # see LlamaModel
+
     def __init__(self, cfg: GemmaArchConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel=True)
@@ -124,9 +132,11 @@ class GemmaModel(nn.Module):
         rope = self.rotary_emb(positions, hidden.dtype)
         local = rope if self.local_rotary_emb is None else self.local_rotary_emb(
             positions, hidden.dtype)
+        outputs = get_forward_context().output_rows
         for layer in self.layers:
-            hidden = layer(hidden, *(local if layer.sliding else rope))
-        return self.norm(hidden)
+            hidden = layer(hidden, *(local if layer.sliding else rope),
+                           outputs if layer is self.layers[-1] else None)
+        return self.norm(hidden) if hidden.shape[0] else hidden
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

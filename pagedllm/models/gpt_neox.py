@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.activation import activation
+from pagedllm.layers.attention.backend import OutputRows, get_forward_context
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.layernorm import LayerNorm
 from pagedllm.layers.linear import Embedding, Linear
@@ -136,16 +137,17 @@ class GPTNeoXAttention(nn.Module):
         groups = qkv.view(tokens, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads + 2, d)
         return groups[:, :, :-2].flatten(1, 2), groups[:, :, -2], groups[:, :, -1]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                outputs: OutputRows | None = None) -> torch.Tensor:
+        """The attention output before ``dense`` (of the ``outputs`` rows alone, if given)."""
         cfg, tokens = self.cfg, x.shape[0]
         q, k, v = self.split_qkv(self.query_key_value(x))
         rotary = (cos, sin)
         if cfg.rotary_dim != cfg.head_dim:
             q, k = (rotate_leading(t, cfg.rotary_dim, cos, sin) for t in (q, k))
             rotary = None
-        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1),
-                        rotary=rotary)
-        return self.dense(out)
+        return self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1),
+                         rotary=rotary, outputs=outputs)
 
 
 class GPTNeoXMLP(nn.Module):
@@ -169,10 +171,17 @@ class GPTNeoXLayer(nn.Module):
         self.attention = GPTNeoXAttention(cfg, layer_idx)
         self.mlp = GPTNeoXMLP(cfg)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                outputs: OutputRows | None = None) -> torch.Tensor:
+        """The residual stream in and out; with ``outputs``, out for those rows alone
+        (see ``LlamaDecoderLayer``)."""
         normed = self.input_layernorm(hidden)
-        attn = self.attention(normed, cos, sin)
+        attn = self.attention(normed, cos, sin, outputs)
+        if outputs is not None:
+            hidden, normed = hidden[outputs.indices], normed[outputs.indices]
+            if not hidden.shape[0]:
+                return hidden
+        attn = self.attention.dense(attn)
         if self.parallel:
             if self.post_attention_layernorm is not None:
                 normed = self.post_attention_layernorm(hidden)
@@ -182,6 +191,8 @@ class GPTNeoXLayer(nn.Module):
 
 
 class GPTNeoXModel(nn.Module):
+    prunes_to_output_rows = True  # see LlamaModel
+
     def __init__(self, cfg: GPTNeoXArchConfig) -> None:
         super().__init__()
         self.embed_in = Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -193,8 +204,9 @@ class GPTNeoXModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_in(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
+        outputs = get_forward_context().output_rows
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
+            hidden = layer(hidden, cos, sin, outputs if layer is self.layers[-1] else None)
         return self.final_layer_norm(hidden)
 
 

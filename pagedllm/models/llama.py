@@ -53,6 +53,7 @@ from pagedllm.distributed.parallel_state import (
     send_to_next_stage,
 )
 from pagedllm.layers.activation import GatedActivation
+from pagedllm.layers.attention.backend import OutputRows, get_forward_context
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.fused_moe import FusedMoE, MoEBlock
 from pagedllm.layers.layernorm import RMSNorm, linear_and_norm
@@ -212,9 +213,10 @@ class LlamaAttentionBlock(nn.Module):
             logits_soft_cap=cfg.attn_softcap,
         )
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                outputs: OutputRows | None = None) -> torch.Tensor:
         """The attention output before ``o_proj`` (the decoder layer applies ``o_proj``
-        together with the norm after it)."""
+        together with the norm after it); with ``outputs``, of those rows alone."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q = qkv[:, : self.q_size]
@@ -226,9 +228,9 @@ class LlamaAttentionBlock(nn.Module):
         if self.rotary_dim != self.head_dim:  # partial rotary (Phi-4-mini)
             q, k = (rotate_leading(t.view(num_tokens, -1, self.head_dim), self.rotary_dim,
                                    cos, sin).flatten(1) for t in (q, k))
-            return self.attn(q, k, v)
+            return self.attn(q, k, v, outputs=outputs)
         # The attention layer applies the rope (on CUDA in the kernel that caches k and v).
-        return self.attn(q, k, v, rotary=(cos, sin))
+        return self.attn(q, k, v, rotary=(cos, sin), outputs=outputs)
 
 
 class LlamaMLP(nn.Module):
@@ -298,10 +300,17 @@ class LlamaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         next_norm: RMSNorm,
+        outputs: OutputRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden``: this layer's input, already through ``input_layernorm``; returns
-        ``next_norm`` of the layer's output plus the residual, and that sum."""
-        attn = self.self_attn(hidden, cos, sin)
+        ``next_norm`` of the layer's output plus the residual, and that sum. With
+        ``outputs`` every row is cached but only those rows go on past the attention, and
+        the results are theirs alone (everything after the attention is row by row)."""
+        attn = self.self_attn(hidden, cos, sin, outputs)
+        if outputs is not None:
+            residual = residual[outputs.indices]
+            if not residual.shape[0]:
+                return residual, residual
         hidden, residual = linear_and_norm(
             attn, self.self_attn.o_proj, self.post_attention_layernorm, residual
         )
@@ -324,7 +333,12 @@ class LlamaModel(nn.Module):
     """The decoder. With pipeline parallelism this stage holds layers ``start .. end``
     (``PipelineStage.layer_range``): the first stage embeds the tokens, every later one
     receives the previous stage's normalised hidden states and residual stream, every
-    stage but the last sends its own on, and the last ends with the final norm."""
+    stage but the last sends its own on, and the last ends with the final norm.
+
+    A step's ``OutputRows`` (forward context) reach the last layer: the model then returns
+    the hidden states of those rows alone, in their order."""
+
+    prunes_to_output_rows = True
 
     def __init__(self, cfg: LlamaArchConfig) -> None:
         super().__init__()
@@ -359,8 +373,11 @@ class LlamaModel(nn.Module):
             hidden, residual = recv_from_previous_stage(
                 2, (positions.shape[0], self.hidden_size), norm.dtype, positions.device)
         cos, sin = self.rotary_emb(positions, residual.dtype)
+        outputs = get_forward_context().output_rows if self.last else None
         for layer, next_norm in zip(self._local, self._norms_after):
-            hidden, residual = layer(hidden, residual, cos, sin, next_norm)
+            final = layer is self._local[-1]
+            hidden, residual = layer(hidden, residual, cos, sin, next_norm,
+                                     outputs if final else None)
         if not self.last:
             send_to_next_stage(hidden, residual)
         return hidden
@@ -415,6 +432,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    @property
+    def prunes_to_output_rows(self) -> bool:
+        """Whether the forward pass returns only the step's ``OutputRows`` when its
+        context carries them (the decoder's last layer computes no other row)."""
+        return getattr(self.model, "prunes_to_output_rows", False)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` in the activation dtype (the sampler widens them

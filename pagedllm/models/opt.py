@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.activation import activation
+from pagedllm.layers.attention.backend import OutputRows, get_forward_context
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.layernorm import LayerNorm
 from pagedllm.layers.linear import Embedding, FusedLinear, Linear
@@ -70,9 +71,12 @@ class OPTAttention(nn.Module):
         self.attn = Attention(cfg.num_heads, cfg.head_dim, cfg.num_heads,
                               scale=cfg.head_dim ** -0.5, layer_idx=layer_idx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, outputs: OutputRows | None = None) -> torch.Tensor:
+        """Attention through ``out_proj`` (of the ``outputs`` rows alone, if given; none
+        when there are none)."""
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
-        return self.out_proj(self.attn(q, k, v))
+        out = self.attn(q, k, v, outputs=outputs)
+        return self.out_proj(out) if out.shape[0] else out
 
 
 class OPTDecoderLayer(nn.Module):
@@ -86,14 +90,19 @@ class OPTDecoderLayer(nn.Module):
         self.final_layer_norm = LayerNorm(cfg.hidden_size)
         self.act = activation(cfg.activation)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        for norm, block in ((self.self_attn_layer_norm, self.self_attn),
-                            (self.final_layer_norm, self._mlp)):
-            if self.norm_before:
-                hidden = hidden + block(norm(hidden))
-            else:
-                hidden = norm(hidden + block(hidden))
-        return hidden
+    def forward(self, hidden: torch.Tensor, outputs: OutputRows | None = None) -> torch.Tensor:
+        """The residual stream in and out; with ``outputs``, out for those rows alone
+        (see ``LlamaDecoderLayer``)."""
+        attn = self.self_attn(self.self_attn_layer_norm(hidden) if self.norm_before else hidden,
+                              outputs)
+        if outputs is not None:
+            hidden = hidden[outputs.indices]
+            if not hidden.shape[0]:
+                return hidden
+        hidden = hidden + attn if self.norm_before else self.self_attn_layer_norm(hidden + attn)
+        if self.norm_before:
+            return hidden + self._mlp(self.final_layer_norm(hidden))
+        return self.final_layer_norm(hidden + self._mlp(hidden))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -116,8 +125,11 @@ class OPTDecoder(nn.Module):
         if self.project_in is not None:
             hidden = self.project_in(hidden)
         hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
+        outputs = get_forward_context().output_rows
         for layer in self.layers:
-            hidden = layer(hidden)
+            hidden = layer(hidden, outputs if layer is self.layers[-1] else None)
+        if not hidden.shape[0]:
+            return hidden
         if self.final_layer_norm is not None:
             hidden = self.final_layer_norm(hidden)
         if self.project_out is not None:
@@ -126,6 +138,8 @@ class OPTDecoder(nn.Module):
 
 
 class OPTModel(nn.Module):
+    prunes_to_output_rows = True  # see LlamaModel
+
     def __init__(self, cfg: OPTArchConfig) -> None:
         super().__init__()
         self.decoder = OPTDecoder(cfg)

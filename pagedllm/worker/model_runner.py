@@ -69,7 +69,7 @@ from pagedllm.distributed.parallel_state import (
     recv_sampled_ids,
     send_sampled_ids,
 )
-from pagedllm.layers.attention.backend import AttentionMetadata, set_forward_context
+from pagedllm.layers.attention.backend import AttentionMetadata, OutputRows, set_forward_context
 from pagedllm.layers.attention.kv_quant import kv_cache_torch_dtype
 from pagedllm.layers.attention.selector import attention_backend_name
 from pagedllm.layers.sampler import (
@@ -375,7 +375,12 @@ class ModelRunner:
                                           scheduler_output.spec_token_ids)
         if self._unchecked is not None:  # its ids feed this forward pass: check them first
             self._unchecked.settle()
-        hidden_states, logits_indices = self._run_model(inputs)
+        speculative = bool(scheduler_output.spec_token_ids or scheduler_output.num_lookahead_tokens)
+        # Every row samples in a decode step: no other row to leave out, nothing to ask.
+        samples_only = not speculative and (
+            len(inputs.sample_req_indices) == inputs.num_tokens
+            or not self._wants_prompt_logprobs(inputs))
+        hidden_states, logits_indices = self._run_model(inputs, samples_only=samples_only)
         self._take_redrawn_ids()
         if self._after_launch is not None:
             after_launch, self._after_launch = self._after_launch, None
@@ -384,7 +389,7 @@ class ModelRunner:
             return self._take_sampled_ids(inputs)
 
         prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
-        if scheduler_output.spec_token_ids or scheduler_output.num_lookahead_tokens:
+        if speculative:
             return AsyncStepOutput.ready(self._speculative_step(
                 scheduler_output, inputs, hidden_states, prompt_logprobs, grammar))
         pending = self._last_sampled  # the previous step's ids: this step's pending tokens
@@ -759,6 +764,7 @@ class ModelRunner:
         inputs: StepInputs,
         drafter: DraftModel | None = None,
         pending: torch.Tensor | None = None,
+        samples_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward pass: hidden states ``[T, hidden]`` of the step's tokens, and the
         device indices of the rows whose logits are sampled (None when every row is, in
@@ -766,7 +772,10 @@ class ModelRunner:
 
         ``drafter``: run the draft model (its weights, KV cache and graphs) instead of the
         target; ``pending``: the device ids the step's pending tokens are read from
-        (default: the last launched step's sampled ids)."""
+        (default: the last launched step's sampled ids). ``samples_only``: the caller
+        reads the sampled rows alone, so a model that can (``prunes_to_output_rows``)
+        computes only those in its last layer outside CUDA graphs; the hidden states are
+        then those rows', in order (and the indices None)."""
         model, kv_caches, graph_runner = self.model, self.kv_caches, self.graph_runner
         if drafter is not None:
             model, kv_caches, graph_runner = drafter.model, drafter.kv_caches, drafter.graph_runner
@@ -786,20 +795,26 @@ class ModelRunner:
                 inputs, staged.slot_mapping, staged.query_start_loc, staged.seq_lens,
                 staged.block_tables,
             )
-            fill(staged.input_ids, inputs)
-            with set_forward_context(metadata, kv_caches):
-                hidden_states = model(staged.input_ids, staged.positions)
-            return hidden_states, None if every_row_samples else staged.logits_indices
-        to = self._to_device
-        metadata = self._attention_metadata(
-            inputs, to(inputs.slot_mapping), to(inputs.query_start_loc.astype(np.int32)),
-            to(inputs.seq_lens.astype(np.int32)), to(inputs.block_tables),
-        )
-        input_ids = to(inputs.input_ids)
+            input_ids, positions, logits_indices = (
+                staged.input_ids, staged.positions, staged.logits_indices)
+        else:
+            to = self._to_device
+            metadata = self._attention_metadata(
+                inputs, to(inputs.slot_mapping), to(inputs.query_start_loc.astype(np.int32)),
+                to(inputs.seq_lens.astype(np.int32)), to(inputs.block_tables),
+            )
+            input_ids, positions = to(inputs.input_ids), to(inputs.positions)
+            logits_indices = None if every_row_samples else to(inputs.logits_indices)
         fill(input_ids, inputs)
-        with set_forward_context(metadata, kv_caches):
-            hidden_states = model(input_ids, to(inputs.positions))
-        return hidden_states, None if every_row_samples else to(inputs.logits_indices)
+        outputs = None
+        if (samples_only and not every_row_samples and get_pp().is_last
+                and getattr(model, "prunes_to_output_rows", False)):
+            outputs = OutputRows.last_tokens(metadata, inputs.sample_req_indices, logits_indices)
+        with set_forward_context(metadata, kv_caches, outputs):
+            hidden_states = model(input_ids, positions)
+        if outputs is not None or every_row_samples:
+            return hidden_states, None
+        return hidden_states, logits_indices
 
     def _fill_pending_tokens(
         self, input_ids: torch.Tensor, inputs: StepInputs, source: torch.Tensor | None = None
@@ -846,6 +861,13 @@ class ModelRunner:
         """A host array on a device with no staging buffers (the CPU: no copy at all)."""
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         return tensor if self.device.type == "cpu" else tensor.to(self.device)
+
+    @staticmethod
+    def _wants_prompt_logprobs(inputs: StepInputs) -> bool:
+        """Whether a request of the step asks logprobs of prompt tokens it computes."""
+        return any(state.sampling_params.prompt_logprobs is not None
+                   and state.num_computed_tokens < state.num_prompt_tokens
+                   for state in inputs.states)
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden_states: torch.Tensor

@@ -169,6 +169,53 @@ def test_rotary_applied_by_the_backend_matches_the_reference(window, fused, seqs
     assert len(fused_calls) == (1 if fused and seqs is MIXED else 0)
 
 
+def last_token_rows(step, seqs: list[int]):
+    """``OutputRows`` of the last new tokens of ``seqs`` (indices of the step's sequences)."""
+    from pagedllm.layers.attention.backend import OutputRows
+
+    qsl = step.metadata.query_start_loc_cpu
+    rows = torch.tensor([qsl[b + 1] - 1 for b in seqs], dtype=torch.int64, device=DEVICE)
+    return OutputRows.last_tokens(step.metadata, seqs, rows)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch_ref"])
+@pytest.mark.parametrize("cache, rope", [("fp32", True), ("fp32", False), ("fp8", False)],
+                         ids=["rope", "no-rope", "fp8-cache"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_output_rows_alone_attend_and_every_row_is_cached(backend, cache, rope, window) -> None:
+    """A model's last layer passes the step's output rows (the last new token of each
+    sampling sequence): the backend caches every row as before, and its rows are those of
+    the whole step's attention, in the rows' order; with none, it caches and returns none.
+    (An FP8 cache without rope: rotated keys would need the rounding the interpreter gets
+    wrong, see ``on_fp8_grid``.)"""
+    from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
+    from pagedllm.layers.rotary import RotaryEmbedding
+    from tests.kernels.paged_batch import make_fp8_step
+
+    scales = dict(k_scale=0.5, v_scale=0.25) if cache == "fp8" else {}
+    make = (lambda: make_fp8_step(MIXED, seed=9, **scales)) if scales else (
+        lambda: make_step(MIXED, seed=9))
+    step = make()
+    rotary = None
+    if rope:
+        positions = torch.arange(step.query.shape[0], device=DEVICE) * 5 % 37
+        rotary = RotaryEmbedding(16, {"rope_type": "default", "rope_theta": 10000.0}).to(
+            DEVICE)(positions, step.query.dtype)
+    impl = TritonAttentionBackend if backend == "triton" else TorchReferenceBackend
+    full_cache = step.kv_cache.clone()
+    full = TorchReferenceBackend().forward(step.query, step.key, step.value, full_cache,
+                                           step.metadata, 0.25, window, rotary=rotary, **scales)
+    for seqs in ([1, 2, 5], []):  # a chunk's end, decodes, a prompt's end; then no row
+        step = make()
+        outputs = last_token_rows(step, seqs)
+        out = impl().forward(step.query, step.key, step.value, step.kv_cache, step.metadata,
+                             0.25, window, rotary=rotary, outputs=outputs, **scales)
+        assert out.shape == (len(seqs), *step.query.shape[1:])
+        torch.testing.assert_close(out, full[outputs.indices], **TOLERANCE[torch.float32])
+        torch.testing.assert_close(step.kv_cache.float().nan_to_num(7.0),
+                                   full_cache.float().nan_to_num(7.0), rtol=1e-6, atol=1e-6)
+
+
 # Fresh prompts (and a fresh one-token prompt, a decode to the kernels); long chunks over
 # cached contexts that end mid-page, beside decodes.
 FRESH = ((0, 11), (0, 9), (0, 1), (0, 8))
@@ -355,6 +402,38 @@ def test_an_engine_decodes_the_same_tokens_with_long_prompts_through_fused_atten
         monkeypatch.setattr(dense_prefill, "DENSE_PREFILL", setting)
         runs[setting] = chunked_prefix_greedy_tokens(path)
     assert calls and runs["math"] == runs["off"]
+
+
+@pytest.mark.parametrize("family, backend", [
+    ("llama", "triton"), ("llama", "torch"), ("gemma2", "torch"), ("gpt_neox", "torch"),
+    ("opt", "torch")])
+def test_an_engine_decodes_the_same_tokens_computing_only_its_output_rows_last(
+        tmp_path, monkeypatch, family, backend) -> None:
+    """Chunked prompts beside decodes, prefix hits: the model's last layer computes only
+    the rows whose logits are sampled, and the greedy tokens and their logprobs are those
+    of the whole step."""
+    from pagedllm.layers.attention import backend as attention_backend, selector
+    from pagedllm.models.llama import LlamaForCausalLM
+    from tests.kernels.engine_runs import chunked_prefix_greedy_outputs
+    from tests.utils import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path, family, vocab_size=128, max_position_embeddings=128,
+                                num_hidden_layers=2)
+    monkeypatch.setenv(selector.BACKEND_ENV, backend)
+    counts = []
+    last_tokens = attention_backend.OutputRows.last_tokens.__func__
+    monkeypatch.setattr(attention_backend.OutputRows, "last_tokens", classmethod(
+        lambda cls, md, seqs, rows: counts.append((md.num_actual_tokens, len(seqs)))
+        or last_tokens(cls, md, seqs, rows)))
+    pruned = chunked_prefix_greedy_outputs(path)
+    assert (12, 0) in counts and any(0 < s < t for t, s in counts)  # none; some of a mix
+    monkeypatch.setattr(LlamaForCausalLM, "prunes_to_output_rows", False)
+    steps = len(counts)
+    whole = chunked_prefix_greedy_outputs(path)
+    assert len(counts) == steps
+    assert [o.token_ids for o in whole] == [o.token_ids for o in pruned]
+    torch.testing.assert_close([o.cumulative_logprob for o in whole],
+                               [o.cumulative_logprob for o in pruned], rtol=1e-5, atol=1e-5)
 
 
 def test_a_cudnn_shape_waits_for_its_plan_to_pay(monkeypatch) -> None:

@@ -19,6 +19,11 @@ KV cache layout, one tensor per layer, of the model's dtype or float8_e4m3fn
 Sequence ``b`` has ``seq_lens[b]`` tokens of context after this step (cached + new); its
 token at absolute position ``p`` lives in block ``block_tables[b, p // block_size]`` at
 offset ``p % block_size``. Its new tokens are the last ``query_len`` of those positions.
+
+Only some rows' hidden states may leave the model: those whose logits are sampled. A step
+may then carry ``OutputRows`` in its context, and the model's last decoder layer (what
+follows its attention is row-wise) computes those rows alone: its attention still caches
+every row's key and value, but attends with the output rows' queries only.
 """
 
 from __future__ import annotations
@@ -61,9 +66,45 @@ class AttentionMetadata:
 
 
 @dataclass
+class OutputRows:
+    """The rows of a step whose hidden states leave the model: the last new token of each
+    sequence ``seqs[i]``, at flat row ``indices[i]``, in that order.
+
+    ``metadata`` lays them out as a batch of single-token queries: row ``i`` is a sequence
+    of query length 1 with its own sequence's context (``seq_lens``, ``block_tables``), so
+    attending it is a decode over keys the step has already cached."""
+
+    indices: torch.Tensor  # [S] int64, device
+    metadata: AttentionMetadata
+
+    @classmethod
+    def last_tokens(cls, metadata: AttentionMetadata, seqs: list[int],
+                    indices: torch.Tensor) -> OutputRows:
+        """The last new tokens of ``seqs`` (sequence indices of ``metadata``, ascending),
+        found at flat rows ``indices``."""
+        device = metadata.seq_lens.device
+        index = torch.tensor(seqs, dtype=torch.int64)
+        index = index.to(device, non_blocking=True) if device.type == "cuda" else index.to(device)
+        seq_lens = [metadata.seq_lens_cpu[b] for b in seqs]
+        return cls(indices, AttentionMetadata(
+            num_actual_tokens=len(seqs),
+            slot_mapping=metadata.slot_mapping[indices],
+            query_start_loc=torch.arange(len(seqs) + 1, dtype=torch.int32, device=device),
+            seq_lens=metadata.seq_lens.index_select(0, index),
+            block_tables=metadata.block_tables.index_select(0, index),
+            max_query_len=1,
+            max_seq_len=max(seq_lens, default=0),
+            block_size=metadata.block_size,
+            query_start_loc_cpu=list(range(len(seqs) + 1)),
+            seq_lens_cpu=seq_lens,
+        ))
+
+
+@dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     kv_caches: list[torch.Tensor]
+    output_rows: OutputRows | None = None
 
 
 _forward_context: ForwardContext | None = None
@@ -71,11 +112,14 @@ _forward_context: ForwardContext | None = None
 
 @contextlib.contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor]
+    attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor],
+    output_rows: OutputRows | None = None,
 ) -> Iterator[None]:
+    """``output_rows``: a model that computes only the output rows in its last layer
+    (``prunes_to_output_rows``) returns their hidden states alone, in that order."""
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata, kv_caches)
+    _forward_context = ForwardContext(attn_metadata, kv_caches, output_rows)
     try:
         yield
     finally:
@@ -103,6 +147,9 @@ class AttentionBackend(Protocol):
     a cache of another dtype ignores them.
     ``logits_soft_cap`` (or None): each scaled score ``s`` becomes ``cap * tanh(s / cap)``
     before the mask and the softmax (Gemma 2's ``attn_logit_softcapping``).
+    ``outputs`` (or None): every row's key and value are still cached, but only the rows
+    ``outputs.indices`` attend, each as its sequence's query of length 1
+    (``outputs.metadata``); the result then has one row per output row.
     """
 
     def forward(
@@ -118,4 +165,5 @@ class AttentionBackend(Protocol):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         logits_soft_cap: float | None = None,
+        outputs: OutputRows | None = None,
     ) -> torch.Tensor: ...

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.attention.backend import get_forward_context
+from pagedllm.layers.attention.backend import OutputRows, get_forward_context
 from pagedllm.layers.attention.selector import get_attention_backend
 from pagedllm.layers.attention.torch_ref import causal_attention_without_cache
 from pagedllm.layers.rotary import RotaryEmbedding
@@ -69,9 +69,12 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        outputs: OutputRows | None = None,
     ) -> torch.Tensor:
         """``rotary=(cos, sin)`` (``[T, head_dim // 2]`` each): q and k are rotated first
-        (rotate-half rope), by the backend, which may fuse it with the KV-cache write."""
+        (rotate-half rope), by the backend, which may fuse it with the KV-cache write.
+        ``outputs``: every row is cached, only these rows attend; returns ``[S, ...]``
+        (``AttentionBackend.forward``)."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -82,14 +85,16 @@ class Attention(nn.Module):
                 q, k = (RotaryEmbedding.apply(x, *rotary) for x in (q, k))
             out = causal_attention_without_cache(q, k, v, self.scale, self.sliding_window,
                                                  self.logits_soft_cap)
+            if outputs is not None:
+                out = out[outputs.indices]
         else:
             out = self.backend.forward(
                 q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
                 self.scale, self.sliding_window, rotary=rotary,
                 k_scale=self.k_scale, v_scale=self.v_scale,
-                logits_soft_cap=self.logits_soft_cap,
+                logits_soft_cap=self.logits_soft_cap, outputs=outputs,
             )
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (

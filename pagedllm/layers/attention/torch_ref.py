@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.attention.backend import AttentionMetadata
+from pagedllm.layers.attention.backend import AttentionMetadata, OutputRows
 from pagedllm.layers.attention.kv_quant import (
     dequantize_kv, paged_kv_views, quantize_kv, values_slot_major,
 )
@@ -154,6 +154,7 @@ class TorchReferenceBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         logits_soft_cap: float | None = None,
+        outputs: OutputRows | None = None,
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``. Rows past ``num_actual_tokens`` (padding) are
         neither written to the cache nor attended; their output is zero.
@@ -161,11 +162,29 @@ class TorchReferenceBackend:
         and softmax (Gemma 2)."""
         if rotary is not None:
             query, key = (RotaryEmbedding.apply(x, *rotary) for x in (query, key))
-        num_tokens, num_heads, head_dim = query.shape
-        num_kv_heads = key.shape[1]
         n = metadata.num_actual_tokens
         self.write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], k_scale, v_scale)
+        if outputs is not None:
+            query, metadata = query[outputs.indices], outputs.metadata
+        return self._attend_cached(query, kv_cache, metadata, scale, sliding_window,
+                                   k_scale, v_scale, logits_soft_cap)
 
+    def _attend_cached(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        k_scale: float,
+        v_scale: float,
+        logits_soft_cap: float | None,
+    ) -> torch.Tensor:
+        """Attention of ``query`` (laid out by ``metadata``) over keys already cached."""
+        num_tokens, num_heads, head_dim = query.shape
+        n = metadata.num_actual_tokens
+        if metadata.num_seqs == 0:
+            return query.new_zeros(query.shape)
         plan = self._plan_for(metadata)
         batch, max_q, max_kv = plan.num_seqs, plan.max_query_len, plan.max_seq_len
 

@@ -27,6 +27,11 @@ kernel ropes and caches every row first (the decode rows too: the decode launch 
 stores their key and value again), so decodes run the same kernel variant in every step,
 the one the decode CUDA graphs compile.
 
+A model's last layer may pass the step's ``OutputRows`` (the rows whose logits are
+sampled): every row is cached as above (rope included), then the output rows alone attend,
+through the decode kernel, each as its sequence's one query over the context just cached;
+a prompt chunk that samples nothing attends not at all there.
+
 Both attention kernels take the whole batch and each leaves the other's sequences alone,
 so a mixed step (prefill chunks beside decodes) needs no reordering or index copies. Rows
 past ``num_actual_tokens`` (padding to a captured shape) are zero in the output.
@@ -42,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.layers.attention import dense_prefill
-from pagedllm.layers.attention.backend import AttentionMetadata
+from pagedllm.layers.attention.backend import AttentionMetadata, OutputRows
 from pagedllm.layers.attention.kv_quant import paged_kv_views
 from pagedllm.layers.attention.triton_decode import (
     NewKV,
@@ -157,6 +162,7 @@ class TritonAttentionBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         logits_soft_cap: float | None = None,
+        outputs: OutputRows | None = None,
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``."""
         num_tokens = query.shape[0]
@@ -165,6 +171,10 @@ class TritonAttentionBackend:
         if rotary is not None and not fused_ops_enabled():  # PAGEDLLM_FUSED_OPS=0: torch rope
             query, key = (RotaryEmbedding.apply(x, *rotary) for x in (query, key))
             rotary = None
+        if outputs is not None:
+            return self._attend_outputs(query, key, value, key_cache, value_cache, metadata,
+                                        outputs, scale, sliding_window, rotary, k_scale,
+                                        v_scale, logits_soft_cap)
         new_kv = None
         prefill_query = query
         dense = (dense_prefill.select(query, key_cache, metadata, sliding_window, logits_soft_cap)
@@ -233,6 +243,57 @@ class TritonAttentionBackend:
                 scale=scale,
                 sliding_window=sliding_window,
                 order=self._decode_order(metadata, seq_lens),
+                new_kv=new_kv,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                logits_soft_cap=logits_soft_cap,
+            )
+        return out
+
+    def _attend_outputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        outputs: OutputRows,
+        scale: float,
+        sliding_window: int | None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        k_scale: float,
+        v_scale: float,
+        logits_soft_cap: float | None,
+    ) -> torch.Tensor:
+        """Every row's key and value into the cache, then the output rows alone through the
+        decode kernel, each its sequence's one query over the context just cached. With
+        ``rotary`` the decode launch ropes its rows' queries and caches their keys again,
+        as in a decode step: the kernel variant the decode graphs compile."""
+        n = metadata.num_actual_tokens
+        rows = outputs.indices
+        layout = outputs.metadata
+        new_kv = None
+        if rotary is None:
+            write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping[:n],
+                           k_scale, v_scale)
+        else:
+            rotate_and_write_kv(query, key, value, *rotary, key_cache, value_cache,
+                                metadata.slot_mapping, n, k_scale, v_scale)
+            cos, sin = rotary
+            new_kv = NewKV(key[rows], value[rows], layout.slot_mapping, cos[rows], sin[rows],
+                           layout.num_actual_tokens)
+        out = torch.empty((layout.num_actual_tokens, *query.shape[1:]), dtype=query.dtype,
+                          device=query.device)
+        if layout.num_seqs:
+            seq_lens = layout.seq_lens
+            paged_decode_attention(
+                query[rows], key_cache, value_cache, layout.block_tables, seq_lens,
+                layout.query_start_loc, out,
+                max_seq_len=layout.max_seq_len,
+                scale=scale,
+                sliding_window=sliding_window,
+                order=longest_first(seq_lens) if wants_longest_first(layout.num_seqs) else None,
                 new_kv=new_kv,
                 k_scale=k_scale,
                 v_scale=v_scale,
