@@ -83,8 +83,9 @@ class OutputRows:
         """The last new tokens of ``seqs`` (sequence indices of ``metadata``, ascending),
         found at flat rows ``indices``."""
         device = metadata.seq_lens.device
-        index = torch.tensor(seqs, dtype=torch.int64)
-        index = index.to(device, non_blocking=True) if device.type == "cuda" else index.to(device)
+        # Each row's sequence, found on the device (no upload): the first whose end passes it.
+        ends = metadata.query_start_loc[1:metadata.num_seqs + 1]
+        index = torch.searchsorted(ends, indices.to(ends.dtype), right=True)
         seq_lens = [metadata.seq_lens_cpu[b] for b in seqs]
         return cls(indices, AttentionMetadata(
             num_actual_tokens=len(seqs),
