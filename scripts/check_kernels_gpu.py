@@ -388,8 +388,10 @@ def decode_order_rows(save: Callable[[list[dict[str, Any]]], None]) -> list[dict
 DECODE_SPLIT_BATCHES = ((2, 1000, 2048), (4, 1000, 2048), (8, 900, 2048), (16, 900, 2048),
                         (32, 800, 2048), (48, 700, 2000), (64, 600, 1900), (96, 500, 1800),
                         (128, 400, 1700), (192, 300, 1500), (256, 200, 1200))
+# Five stages: the tiles whose K and V Triton double-buffers (64 or 32 keys; docs/benchmarks.md,
+# "Decode attention with double-buffered tiles").
 DECODE_SPLIT_TILES = ((64, 4, 2), (128, 4, 2), (128, 4, 3), (64, 4, 3), (32, 4, 2), (128, 8, 3),
-                      (64, 8, 3))
+                      (64, 8, 3), (64, 2, 5), (64, 4, 5), (32, 4, 5))
 
 
 def decode_split_rows(batches=DECODE_SPLIT_BATCHES, tiles=DECODE_SPLIT_TILES,
@@ -442,7 +444,7 @@ def decode_split_rows(batches=DECODE_SPLIT_BATCHES, tiles=DECODE_SPLIT_TILES,
 LONG_DECODES = ((1, 32000, 32000), (2, 32000, 32000), (4, 32000, 32000), (1, 8000, 8000),
                 (1, 120000, 120000))
 LONG_DECODE_TILES = ((128, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 2, 3), (64, 2, 3),
-                     (256, 8, 2), (32, 4, 4))
+                     (256, 8, 2), (32, 4, 4), (64, 2, 5), (64, 8, 5), (32, 4, 5))
 
 
 def long_decode_rows() -> list[dict[str, Any]]:

@@ -13,7 +13,9 @@ attention over an FP8 cache.
 ``--group``), ``--fp8`` for FP8 weights, neither for bf16. Arguments are compiled with the
 16-byte alignment a real launch of contiguous tensors gets. Prints the loop's instruction
 count, instructions per weight (per thread: the tile's weights over the threads), and the
-most frequent opcodes; ``--print-loop`` the loop itself, ``--json`` the counts as JSON.
+most frequent opcodes, and the shared memory a program takes (which shows how many buffers
+the pipeliner gave its loads); ``--print-loop`` the loop itself, ``--json`` the counts as
+JSON.
 ``--pdl`` compiles the kernel as programmatic dependent launch runs it
 (``pagedllm.layers.pdl``) and also reports the global-memory instructions placed before its
 wait for the previous kernel (``memory_before_wait``, 0 by that module's contract).
@@ -188,22 +190,25 @@ def main(argv: list[str] | None = None) -> dict:
         tile = [int(v) for v in attention.split(",")]
         kv = "fp8e4nv" if args.kv == "fp8" else "bf16"
         kind = "decode" if args.decode else "prefill"
-        code = sass(compile_attention(kind, tile, kv, args.pdl, args.new_kv))
+        compiled = compile_attention(kind, tile, kv, args.pdl, args.new_kv)
+        code = sass(compiled)
         block_n, num_warps = tile[-3], tile[-2]
         unit, per_thread = "KV byte", block_n * 128 * 2 * (1 if args.kv == "fp8" else 2) / (32 * num_warps)
     else:
         tile = _parse_tile(GEMV_TILE_ENV, args.tile, rows=1)
-        code = sass(compile_kernel(tile, args.int_bits, args.group, args.fp8, args.pdl))
+        compiled = compile_kernel(tile, args.int_bits, args.group, args.fp8, args.pdl)
+        code = sass(compiled)
         unit, per_thread = "weight", tile.block_n * tile.block_k / (32 * tile.num_warps)
     loop = main_loop(code)
     opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in loop)
     per_unit = len(loop) / per_thread
     result = {"instructions": len(loop), f"per_{unit.replace(' ', '_').lower()}": per_unit,
-              "opcodes": dict(opcodes.most_common())}
+              "shared_bytes": compiled.metadata.shared, "opcodes": dict(opcodes.most_common())}
     if args.pdl:
         result["memory_before_wait"] = memory_before_wait(code)
     print(f"loop: {len(loop)} instructions, {per_unit:.2f} per {unit} "
-          f"({per_thread:.0f} {unit}s a thread an iteration)")
+          f"({per_thread:.0f} {unit}s a thread an iteration); shared memory "
+          f"{compiled.metadata.shared} bytes a program (multi-buffered loads show here)")
     print("  " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(12)))
     if args.pdl:
         print(f"  global-memory instructions before the wait: {result['memory_before_wait']}")

@@ -55,6 +55,16 @@ def test_a_decode_tile_pages_its_keys_and_values_with_one_offset():
     assert sass_loop(["--decode", "64,4,2"])["per_kv_byte"] < 1.8
 
 
+def test_the_script_shows_which_decode_tiles_double_buffer_their_keys_and_values():
+    """The shared memory a program takes shows the pipeliner's buffers: a 64-key tile at
+    five stages holds two K and two V tiles (16 KB each), at three stages one of each
+    (docs/benchmarks.md, "Decode attention with double-buffered tiles")."""
+    single = sass_loop(["--decode", "64,2,3"])["shared_bytes"]
+    double = sass_loop(["--decode", "64,2,5"])["shared_bytes"]
+    assert 32 << 10 <= single < 48 << 10
+    assert double - single >= 32 << 10
+
+
 @pytest.mark.parametrize("new_kv", ["rows", "context-rows"])
 def test_prefill_over_an_fp8_cache_takes_its_keys_from_rows_without_widening_them(new_kv):
     """A prompt step's keys read from rows already in the products' dtype go from the copy
