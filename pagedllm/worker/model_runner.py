@@ -863,11 +863,13 @@ class ModelRunner:
         return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
     @staticmethod
-    def _wants_prompt_logprobs(inputs: StepInputs) -> bool:
-        """Whether a request of the step asks logprobs of prompt tokens it computes."""
-        return any(state.sampling_params.prompt_logprobs is not None
-                   and state.num_computed_tokens < state.num_prompt_tokens
-                   for state in inputs.states)
+    def _asks_prompt_logprobs(state: CachedRequestState) -> bool:
+        """Whether the request asks logprobs of prompt tokens the step computes."""
+        return (state.sampling_params.prompt_logprobs is not None
+                and state.num_computed_tokens < state.num_prompt_tokens)
+
+    def _wants_prompt_logprobs(self, inputs: StepInputs) -> bool:
+        return any(map(self._asks_prompt_logprobs, inputs.states))
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden_states: torch.Tensor
@@ -875,10 +877,10 @@ class ModelRunner:
         """Logprobs of the prompt tokens this step computed (logits at p score token p+1)."""
         result: dict[str, list[LogprobsEntry | None]] = {}
         for i, state in enumerate(inputs.states):
+            if not self._asks_prompt_logprobs(state):
+                continue
             k = state.sampling_params.prompt_logprobs
             start = state.num_computed_tokens
-            if k is None or start >= state.num_prompt_tokens:
-                continue
             flat = int(inputs.query_start_loc[i])
             end = start + int(inputs.query_start_loc[i + 1]) - flat
             entries: list[LogprobsEntry | None] = [None] if start == 0 else []

@@ -44,6 +44,8 @@ graph captured with ``max_seq_len`` at its largest value stays correct for short
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 
 from pagedllm.layers.attention import dense_prefill
@@ -67,6 +69,8 @@ from pagedllm.layers.attention.triton_prefill import (
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.triton_ops import fused_ops_enabled
 
+T = TypeVar("T")
+
 
 class TritonAttentionBackend:
     """Implements ``AttentionBackend`` with Triton kernels (see the module docstring).
@@ -81,73 +85,65 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self) -> None:
-        self._routing_source: tuple[AttentionMetadata, list[int]] | None = None
-        self._has_decodes = False
-        self._order: tuple[AttentionMetadata, bool, torch.Tensor | None] | None = None
-        self._context_plan: tuple[AttentionMetadata, tuple, ContextRows | None] | None = None
-        self._prompts: tuple[AttentionMetadata, list[int], int] | None = None
-        self._skips: tuple[AttentionMetadata, tuple[int, ...], torch.Tensor] | None = None
+        # What each layer of a step would derive alike: name -> (metadata, key, value).
+        self._per_step: dict[str, tuple[AttentionMetadata, object, object]] = {}
+
+    def _once_per_step(self, name: str, metadata: AttentionMetadata, key: object,
+                       compute: Callable[[], T]) -> T:
+        """``compute()`` by the step's first layer, kept for the others: again whenever
+        another metadata object, or other host values (``key``), come."""
+        cached = self._per_step.get(name)
+        if cached is None or cached[0] is not metadata or cached[1] != key:
+            cached = self._per_step[name] = (metadata, key, compute())
+        return cached[2]
 
     def _context_rows(self, metadata: AttentionMetadata,
                       device: torch.device) -> ContextRows | None:
-        """The step's widened contexts (``plan_context_rows``), planned by its first layer
-        (again whenever the batch's host lists differ)."""
-        key = (tuple(metadata.query_start_loc_cpu), tuple(metadata.seq_lens_cpu),
-               metadata.num_actual_tokens)
-        cached = self._context_plan
-        if cached is None or cached[0] is not metadata or cached[1] != key:
-            plan = plan_context_rows(metadata.query_start_loc_cpu, metadata.seq_lens_cpu,
-                                     metadata.num_actual_tokens, device)
-            self._context_plan = cached = (metadata, key, plan)
-        return cached[2]
+        """The step's widened contexts (``plan_context_rows``)."""
+        qsl, seq_lens, n = (metadata.query_start_loc_cpu, metadata.seq_lens_cpu,
+                            metadata.num_actual_tokens)
+        return self._once_per_step(
+            "context rows", metadata, (tuple(qsl), tuple(seq_lens), n),
+            lambda: plan_context_rows(qsl, seq_lens, n, device))
 
     def _decode_order(self, metadata: AttentionMetadata, seq_lens: torch.Tensor) -> torch.Tensor | None:
-        """The step's decode start order, computed by its first layer. A CUDA graph's capture
-        reuses the metadata of its eager warm-up run, so the order is recomputed inside the
-        capture: the graph must hold the kernel that writes it, not a buffer from outside."""
+        """The step's decode start order. A CUDA graph's capture reuses the metadata of its
+        eager warm-up run, so the order is recomputed inside the capture: the graph must
+        hold the kernel that writes it, not a buffer from outside."""
         capturing = seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()
-        cached = self._order
-        if cached is None or cached[0] is not metadata or cached[1] != capturing:
-            order = longest_first(seq_lens) if wants_longest_first(metadata.num_seqs) else None
-            self._order = cached = (metadata, capturing, order)
-        return cached[2]
+        return self._once_per_step(
+            "decode order", metadata, capturing,
+            lambda: longest_first(seq_lens) if wants_longest_first(metadata.num_seqs) else None)
 
     def _num_prompts(self, metadata: AttentionMetadata) -> int:
-        """The step's sequences of query length above 1, counted by its first layer."""
+        """The step's sequences of query length above 1."""
         qsl = metadata.query_start_loc_cpu
-        cached = self._prompts
-        if cached is None or cached[0] is not metadata or cached[1] != qsl:
-            count = sum(qsl[b + 1] - qsl[b] > 1 for b in range(metadata.num_seqs))
-            self._prompts = cached = (metadata, list(qsl), count)
-        return cached[2]
+        return self._once_per_step(
+            "prompts", metadata, tuple(qsl),
+            lambda: sum(qsl[b + 1] - qsl[b] > 1 for b in range(metadata.num_seqs)))
 
     def _kernel_seq_lens(self, metadata: AttentionMetadata, seqs: tuple[int, ...],
                          device: torch.device) -> torch.Tensor:
         """The step's ``seq_lens`` with those of ``seqs`` (taken by ``dense_prefill``) set to
         0, which the prefill kernel skips; uploaded once a step (through pinned memory on
         CUDA: no wait for the stream)."""
-        cached = self._skips
-        if cached is None or cached[0] is not metadata or cached[1] != seqs:
+        def upload() -> torch.Tensor:
             lens = torch.tensor(metadata.seq_lens_cpu, dtype=torch.int32)
             lens[list(seqs)] = 0
-            lens = (lens.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
+            return (lens.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
                     else lens.to(device))
-            self._skips = cached = (metadata, seqs, lens)
-        return cached[2]
+
+        return self._once_per_step("kernel seq_lens", metadata, seqs, upload)
 
     def _step_has_decodes(self, metadata: AttentionMetadata) -> bool:
         if metadata.max_query_len == 1:
             return True
         if metadata.has_decodes is not None:
             return metadata.has_decodes
-        source = self._routing_source
         qsl = metadata.query_start_loc_cpu
-        if source is None or source[0] is not metadata or source[1] != qsl:
-            self._has_decodes = any(
-                qsl[b + 1] - qsl[b] == 1 for b in range(metadata.num_seqs)
-            )
-            self._routing_source = (metadata, list(qsl))
-        return self._has_decodes
+        return self._once_per_step(
+            "has decodes", metadata, tuple(qsl),
+            lambda: any(qsl[b + 1] - qsl[b] == 1 for b in range(metadata.num_seqs)))
 
     def forward(
         self,
