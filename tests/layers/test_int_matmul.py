@@ -189,6 +189,28 @@ def test_small_batch_kernel_takes_integer_weights(monkeypatch, rows, tile, bits,
     assert not triton_ops.arrival_counters(x.device, 1).any()  # every counter reset
 
 
+@pytest.mark.parametrize("magnitude", [1e-5, 1.0, 3e4])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_one_row_of_4bit_weights_at_any_input_magnitude(monkeypatch, magnitude, act_order):
+    """One row of 4-bit weights equals the dequantized product whatever the row's
+    magnitude: massive activations of tens of thousands (past float16's range once
+    multiplied) and rows of 1e-5 alike, with one input 40 times the rest."""
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config",
+                        lambda *a, **kw: GemvTile(32, 64, 4, 2, False, 2))
+    dtype = torch.bfloat16
+    n, k = 64, 256
+    qweight, scales, zeros, perm = packed_projection(n, k, 4, 64, seed=7, act_order=act_order,
+                                                     dtype=dtype)
+    ints = IntWeights(scales, zeros, 4, 64, perm)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(8))
+    x[0, 5] = 40.0
+    x = (x * magnitude).to(DEVICE, dtype)
+    want = _reference(x, qweight, scales, zeros, 4, 64, perm=perm, weight_dtype=torch.float32)
+    got = triton_ops.small_batch_matmul(x, qweight, int_weights=ints)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float() / magnitude, want / magnitude, rtol=8e-3, atol=8e-3)
+
+
 def test_small_batch_integer_tiles_fit_the_groups_and_split_narrow_outputs():
     # Llama-3.1-8B's projections in groups of 128, one row: steps of one group, K split
     # until the launch fills the GPU, each slice whole steps.
