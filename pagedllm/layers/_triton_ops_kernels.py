@@ -52,9 +52,7 @@ def rms_norm_kernel(
     residual_out_ptr,
     scale_ptr,
     input_scale_ptr,
-    heads,
     stride_xt,
-    stride_xh,
     stride_rt,
     eps,
     N: tl.constexpr,
@@ -69,10 +67,8 @@ def rms_norm_kernel(
     into ``out`` and the row's float32 scale into ``scale``."""
     follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
-    token = row // heads
-    head = row % heads
     y = _rms_norm_row(
-        x_ptr + token * stride_xt + head * stride_xh, residual_ptr + token * stride_rt,
+        x_ptr + row * stride_xt, residual_ptr + row * stride_rt,
         weight_ptr, out_ptr + row * N, residual_out_ptr + row * N, eps,
         N, BLOCK, HAS_RESIDUAL, "", not FP8_OUT,
     )
@@ -81,6 +77,51 @@ def rms_norm_kernel(
         scale = fp8_row_scale(tl.max(tl.abs(y), 0), input_scale_ptr, STATIC_INPUT)
         tl.store(out_ptr + row * N + cols, to_fp8(y, scale), mask=cols < N)
         tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def head_rms_norm_kernel(
+    x_ptr,
+    weight_ptr,
+    later_weight_ptr,
+    out_ptr,
+    later_out_ptr,
+    rows,
+    heads,
+    later_from,
+    stride_xt,
+    stride_xh,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``ROWS`` heads per program of ``x [T, heads, N]`` (row ``r`` = token ``r // heads``,
+    head ``r % heads``), each normalised as ``_rms_norm_row`` does: heads before
+    ``later_from`` with ``weight`` into the contiguous ``out [T, later_from, N]``, the
+    others with ``later_weight`` into ``later_out [T, heads - later_from, N]``."""
+    follow_previous_kernel(PDL)
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    token = row // heads
+    head = row - token * heads
+    first_group = head < later_from
+    cols = tl.arange(0, BLOCK)
+    col_valid = cols < N
+    mask = (row < rows)[:, None] & col_valid[None, :]
+    x = tl.load(x_ptr + (token * stride_xt + head * stride_xh)[:, None] + cols[None, :],
+                mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    mean_square = tl.sum(x * x, axis=1) / N
+    normed = (x * tl.math.rsqrt(mean_square + eps)[:, None]).to(dtype)
+    first = tl.load(weight_ptr + cols, mask=col_valid, other=0.0)
+    later = tl.load(later_weight_ptr + cols, mask=col_valid, other=0.0)
+    w = tl.where(first_group[:, None], first[None, :], later[None, :])
+    y = (normed.to(tl.float32) * w.to(tl.float32)).to(dtype)
+    dest = tl.where(first_group, out_ptr + (token * later_from + head) * N,
+                    later_out_ptr + (token * (heads - later_from) + head - later_from) * N)
+    tl.store(dest[:, None] + cols[None, :], y, mask=mask)
 
 
 @triton.jit

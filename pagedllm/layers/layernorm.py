@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.linear import Linear, small_batch_product
-from pagedllm.layers.triton_ops import rms_norm, use_fused_ops
+from pagedllm.layers.triton_ops import head_rms_norm, rms_norm, use_fused_ops
 from pagedllm.quantization.fp8 import Fp8Rows
 
 
@@ -57,7 +57,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | Fp8Rows | tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
-        if use_fused_ops(x) and self.weight.dtype == x.dtype and not self.weight_offset:
+        if self._runs_fused(x):
             if not self._consumer or not self._consumer[0].takes_fp8_rows(x):
                 return rms_norm(x, self.weight, self.eps, residual)
             out = rms_norm(x, self.weight, self.eps, residual, fp8=True,
@@ -72,6 +72,24 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+    def _runs_fused(self, x: torch.Tensor) -> bool:
+        return use_fused_ops(x) and self.weight.dtype == x.dtype and not self.weight_offset
+
+
+def qk_norms(qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, q_heads: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's and Gemma 3's per-head norms: ``q_norm`` over each of the first ``q_heads``
+    heads of ``qk`` (``[T, heads * head_dim]``, e.g. the q and k columns of a fused qkv
+    output; ``head_dim`` is the norms' size) and ``k_norm`` over each of the rest. Returns
+    ``(q, k)``, ``[T, q_heads * head_dim]`` and ``[T, (heads - q_heads) * head_dim]``. On
+    CUDA one launch for both (``head_rms_norm``)."""
+    heads = qk.view(qk.shape[0], -1, q_norm.weight.shape[0])
+    if q_norm._runs_fused(qk) and k_norm._runs_fused(qk) and q_norm.eps == k_norm.eps:
+        q, k = head_rms_norm(heads, q_norm.weight, q_norm.eps, k_norm.weight, q_heads)
+    else:
+        q, k = q_norm(heads[:, :q_heads]), k_norm(heads[:, q_heads:])
+    return q.flatten(1), k.flatten(1)
 
 
 class LayerNorm(nn.Module):

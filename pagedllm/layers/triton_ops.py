@@ -116,35 +116,31 @@ def rms_norm(
 ):
     """``RMSNorm`` over the last dimension in one kernel; see ``layers/layernorm.py``.
 
-    ``x``: ``[T, N]`` or ``[T, H, N]`` (any strides with a unit last stride, e.g. the q
-    slice of a fused qkv output); ``weight``: ``[N]`` in ``x``'s dtype. With ``residual``
-    (``[T, N]``) returns ``(norm(x + residual), x + residual)``, else ``norm(x)``; outputs
-    are new contiguous tensors.
+    ``x``: ``[T, N]``, or ``[T, H, N]`` without a residual (``head_rms_norm``); any strides
+    with a unit last stride, e.g. the q slice of a fused qkv output. ``weight``: ``[N]`` in
+    ``x``'s dtype. With ``residual`` (``[T, N]``) returns ``(norm(x + residual), x +
+    residual)``, else ``norm(x)``; outputs are new contiguous tensors.
 
     With ``fp8`` (``[T, N]`` inputs) the normalised rows come quantized for an FP8
     product, as ``quantize_rows_fp8`` would quantize them (per row, or with the static
     ``input_scale``): a pair (float8_e4m3fn ``[T, N]``, float32 scales ``[T, 1]``) in
     place of ``norm(...)``.
     """
+    if x.dim() == 3 and not fp8 and residual is None:
+        return head_rms_norm(x, weight, eps)
+    if x.dim() != 2:
+        raise ValueError(f"rms_norm takes [T, N]{'' if fp8 else ' or [T, H, N]'} inputs "
+                         f"(these without a residual), got shape {tuple(x.shape)}.")
     k = _kernels()
     n = x.shape[-1]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if x.dim() == 2:
-        num_tokens, heads = x.shape[0], 1
-        stride_t, stride_h = x.stride(0), 0
-    elif x.dim() == 3 and not fp8:
-        num_tokens, heads = x.shape[0], x.shape[1]
-        stride_t, stride_h = x.stride(0), x.stride(1)
-    else:
-        raise ValueError(f"rms_norm takes [T, N]{'' if fp8 else ' or [T, H, N]'} inputs, "
-                         f"got shape {tuple(x.shape)}.")
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
-    rows = num_tokens * heads
+    rows = x.shape[0]
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if fp8 else out
     normed = (out, scale) if fp8 else out
     if residual is not None:
-        if residual.shape != x.shape or x.dim() != 2:
+        if residual.shape != x.shape:
             raise ValueError(
                 f"residual shape {tuple(residual.shape)} must equal x's {tuple(x.shape)} ([T, N])."
             )
@@ -158,8 +154,7 @@ def rms_norm(
     block = k.next_power_of_2(n)
     k.rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, residual_out,
-        scale, input_scale if input_scale is not None else scale,
-        heads, stride_t, stride_h,
+        scale, input_scale if input_scale is not None else scale, x.stride(0),
         residual.stride(0) if residual is not None else 0,
         eps,
         N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, FP8_OUT=fp8,
@@ -167,6 +162,42 @@ def rms_norm(
         num_warps=_norm_warps(block, fp8), **launch_options(x.device),
     )
     return (normed, residual_out) if residual is not None else normed
+
+
+# Elements of a head norm's program (``HEAD_NORM_ELEMENTS / head_dim`` heads): one head
+# a program left most of a 4-warp program idle and launched a program per token and head
+# (docs/benchmarks.md, "Qwen3's q and k norms").
+HEAD_NORM_ELEMENTS = 4096
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  later_weight: torch.Tensor | None = None, later_from: int | None = None):
+    """``RMSNorm`` of each head of ``x`` (``[T, H, N]``, a unit last stride, any token and
+    head strides, e.g. heads of a fused qkv output) with ``weight`` (``[N]``, ``x``'s
+    dtype), rounded as ``RMSNorm`` rounds: a new contiguous ``[T, H, N]``. With
+    ``later_weight`` and ``later_from``, the heads from ``later_from`` on take
+    ``later_weight`` (q's and k's norms in one launch) and the result is the pair of new
+    contiguous ``[T, later_from, N]`` and ``[T, H - later_from, N]``."""
+    if x.dim() != 3:
+        raise ValueError(f"head_rms_norm takes [T, H, N] inputs, got shape {tuple(x.shape)}.")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_tokens, heads, n = x.shape
+    split = later_weight is not None
+    first_heads = later_from if split else heads
+    out = torch.empty((num_tokens, first_heads, n), dtype=x.dtype, device=x.device)
+    later_out = torch.empty((num_tokens, heads - first_heads, n), dtype=x.dtype, device=x.device)
+    rows = num_tokens * heads
+    if rows:
+        k = _kernels()
+        block = k.next_power_of_2(n)
+        per_program = max(1, HEAD_NORM_ELEMENTS // block)
+        k.head_rms_norm_kernel[(k.cdiv(rows, per_program),)](
+            x, weight, later_weight if split else weight, out, later_out,
+            rows, heads, first_heads, x.stride(0), x.stride(1), eps,
+            N=n, BLOCK=block, ROWS=per_program, num_warps=4, **launch_options(x.device),
+        )
+    return (out, later_out) if split else out
 
 
 def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,

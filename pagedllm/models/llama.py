@@ -56,7 +56,7 @@ from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.attention.backend import OutputRows, get_forward_context
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.fused_moe import FusedMoE, MoEBlock
-from pagedllm.layers.layernorm import RMSNorm, linear_and_norm
+from pagedllm.layers.layernorm import RMSNorm, linear_and_norm, qk_norms
 from pagedllm.layers.linear import (
     Embedding,
     FusedLinear,
@@ -219,12 +219,13 @@ class LlamaAttentionBlock(nn.Module):
         together with the norm after it); with ``outputs``, of those rows alone."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q = qkv[:, : self.q_size]
-        k = qkv[:, self.q_size : self.q_size + self.kv_size]
         v = qkv[:, self.q_size + self.kv_size :]
         if self.qk_norm:
-            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).flatten(1)
-            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).flatten(1)
+            q, k = qk_norms(qkv[:, : self.q_size + self.kv_size], self.q_norm, self.k_norm,
+                            self.num_heads)
+        else:
+            q = qkv[:, : self.q_size]
+            k = qkv[:, self.q_size : self.q_size + self.kv_size]
         if self.rotary_dim != self.head_dim:  # partial rotary (Phi-4-mini)
             q, k = (rotate_leading(t.view(num_tokens, -1, self.head_dim), self.rotary_dim,
                                    cos, sin).flatten(1) for t in (q, k))
