@@ -86,7 +86,6 @@ def head_rms_norm_kernel(
     later_weight_ptr,
     out_ptr,
     later_out_ptr,
-    rows,
     heads,
     later_from,
     stride_xt,
@@ -94,22 +93,21 @@ def head_rms_norm_kernel(
     eps,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """``ROWS`` heads per program of ``x [T, heads, N]`` (row ``r`` = token ``r // heads``,
-    head ``r % heads``), each normalised as ``_rms_norm_row`` does: heads before
-    ``later_from`` with ``weight`` into the contiguous ``out [T, later_from, N]``, the
-    others with ``later_weight`` into ``later_out [T, heads - later_from, N]``."""
+    """Every head of one token of ``x [T, heads, N]`` per program, each normalised as
+    ``_rms_norm_row`` does: heads before ``later_from`` with ``weight`` into the contiguous
+    ``out [T, later_from, N]``, the others with ``later_weight`` into ``later_out [T, heads -
+    later_from, N]``. ``BLOCK_H >= heads``."""
     follow_previous_kernel(PDL)
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    token = row // heads
-    head = row - token * heads
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.arange(0, BLOCK_H)
     first_group = head < later_from
     cols = tl.arange(0, BLOCK)
     col_valid = cols < N
-    mask = (row < rows)[:, None] & col_valid[None, :]
-    x = tl.load(x_ptr + (token * stride_xt + head * stride_xh)[:, None] + cols[None, :],
+    mask = (head < heads)[:, None] & col_valid[None, :]
+    x = tl.load(x_ptr + token * stride_xt + (head * stride_xh)[:, None] + cols[None, :],
                 mask=mask, other=0.0)
     dtype = x.dtype
     x = x.to(tl.float32)

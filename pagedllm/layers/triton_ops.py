@@ -164,12 +164,6 @@ def rms_norm(
     return (normed, residual_out) if residual is not None else normed
 
 
-# Elements of a head norm's program (``HEAD_NORM_ELEMENTS / head_dim`` heads): one head
-# a program left most of a 4-warp program idle and launched a program per token and head
-# (docs/benchmarks.md, "Qwen3's q and k norms").
-HEAD_NORM_ELEMENTS = 4096
-
-
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                   later_weight: torch.Tensor | None = None, later_from: int | None = None):
     """``RMSNorm`` of each head of ``x`` (``[T, H, N]``, a unit last stride, any token and
@@ -187,15 +181,16 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     first_heads = later_from if split else heads
     out = torch.empty((num_tokens, first_heads, n), dtype=x.dtype, device=x.device)
     later_out = torch.empty((num_tokens, heads - first_heads, n), dtype=x.dtype, device=x.device)
-    rows = num_tokens * heads
-    if rows:
+    if num_tokens and heads:
+        # One token's heads a program: one head a program (one launch for q, another for
+        # k) left most of its warps idle (docs/benchmarks.md, "Qwen3's q and k norms").
         k = _kernels()
-        block = k.next_power_of_2(n)
-        per_program = max(1, HEAD_NORM_ELEMENTS // block)
-        k.head_rms_norm_kernel[(k.cdiv(rows, per_program),)](
+        block, block_h = k.next_power_of_2(n), k.next_power_of_2(heads)
+        k.head_rms_norm_kernel[(num_tokens,)](
             x, weight, later_weight if split else weight, out, later_out,
-            rows, heads, first_heads, x.stride(0), x.stride(1), eps,
-            N=n, BLOCK=block, ROWS=per_program, num_warps=4, **launch_options(x.device),
+            heads, first_heads, x.stride(0), x.stride(1), eps,
+            N=n, BLOCK=block, BLOCK_H=block_h, num_warps=_norm_warps(block * block_h),
+            **launch_options(x.device),
         )
     return (out, later_out) if split else out
 

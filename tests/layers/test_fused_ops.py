@@ -56,25 +56,24 @@ def test_rms_norm_of_strided_heads_normalises_each_head() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 37])
-def test_q_and_k_norms_in_one_launch_equal_each_norm(monkeypatch, dtype, tokens) -> None:
+def test_q_and_k_norms_in_one_launch_equal_each_norm(dtype, tokens) -> None:
     """Qwen3's per-head norms of a fused qkv output: q's heads with q_norm, k's with k_norm,
-    in one launch of several heads a program (some programs with heads past the last
-    token), equal to each norm on its own heads; v is left alone."""
-    monkeypatch.setattr(triton_ops, "HEAD_NORM_ELEMENTS", 64)  # 4 heads of 16 a program
+    in one launch (each program a token's 9 heads, padded to 16), equal to each norm on
+    its own heads; v is left alone."""
     q_norm, k_norm = RMSNorm(16, eps=1e-6).to(DEVICE, dtype), RMSNorm(16, eps=1e-6).to(DEVICE, dtype)
     q_norm.weight.data = _rand(16, dtype=dtype, seed=4)
     k_norm.weight.data = _rand(16, dtype=dtype, seed=6)
-    qkv = _rand(tokens, (6 + 2 + 2) * 16, dtype=dtype, seed=5)
+    qkv = _rand(tokens, (6 + 3 + 3) * 16, dtype=dtype, seed=5)
     want_q = _torch_norm(q_norm, qkv[:, : 6 * 16].view(tokens, 6, 16))
-    want_k = _torch_norm(k_norm, qkv[:, 6 * 16 : 8 * 16].view(tokens, 2, 16))
+    want_k = _torch_norm(k_norm, qkv[:, 6 * 16 : 9 * 16].view(tokens, 3, 16))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    got_q, got_k = triton_ops.head_rms_norm(qkv[:, : 8 * 16].view(tokens, 8, 16), q_norm.weight,
+    got_q, got_k = triton_ops.head_rms_norm(qkv[:, : 9 * 16].view(tokens, 9, 16), q_norm.weight,
                                             q_norm.eps, k_norm.weight, 6)
     assert got_q.is_contiguous() and got_k.is_contiguous()
     torch.testing.assert_close(got_q, want_q, rtol=tol, atol=tol)
     torch.testing.assert_close(got_k, want_k, rtol=tol, atol=tol)
-    q, k = qk_norms(qkv[:, : 8 * 16], q_norm, k_norm, 6)  # the model's call (torch off CUDA)
-    assert q.shape == (tokens, 6 * 16) and k.shape == (tokens, 2 * 16)
+    q, k = qk_norms(qkv[:, : 9 * 16], q_norm, k_norm, 6)  # the model's call (torch off CUDA)
+    assert q.shape == (tokens, 6 * 16) and k.shape == (tokens, 3 * 16)
     torch.testing.assert_close(q, want_q.flatten(1), rtol=tol, atol=tol)
     torch.testing.assert_close(k, want_k.flatten(1), rtol=tol, atol=tol)
 
