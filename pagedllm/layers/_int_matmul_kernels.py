@@ -118,12 +118,25 @@ def int_weight_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0,
 
 
 @triton.jit
-def int_row_products(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0, x, one_bits,
-                     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """``sum_k (q[n, k] - zero[n]) * scale[n] * x[k]`` over inputs ``k0 .. k0 + BLOCK_K``
-    (one group: ``BLOCK_K`` divides ``GROUP``) for one row ``x`` (``[1, BLOCK_K]``,
-    float32): ``[BLOCK_N]`` float32, from the packed rows at ``q_rows``.
+def int_row_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """What ``int_row_products`` multiplies for inputs ``k0 .. k0 + BLOCK_K`` (one group)
+    of the rows at ``q_rows``: their packed words (``[BLOCK_N, BLOCK_K * BITS / 32]``
+    uint32) and their group's scales and zero points (``[BLOCK_N]``, as stored)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    q = tl.load(q_rows + word[None, :]).to(tl.uint32, bitcast=True)
+    group = k0 // GROUP
+    scale = tl.load(scales_ptr + n_rows * stride_sn + group)
+    zero = tl.load(zeros_ptr + n_rows * stride_sn + group)
+    return q, scale, zero
+
+
+@triton.jit
+def int_row_products(q, scale, zero, x, one_bits, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``sum_k (q[n, k] - zero[n]) * scale[n] * x[k]`` over one tile of ``BLOCK_K`` inputs
+    (one group) for one row ``x`` (``[1, BLOCK_K]``, float32): ``[BLOCK_N]`` float32, from
+    the tile's packed words, scales and zero points (``int_row_tile``).
 
     Three instructions a weight: each (interleaved, as ``int_weight_tile`` does) copy of a
     word is shifted so its value lands in the top ``BITS`` bits of a float32 mantissa, one
@@ -137,8 +150,6 @@ def int_row_products(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0, x, on
     PER_WORD: tl.constexpr = 32 // BITS
     DOUBLINGS: tl.constexpr = 3 if BITS == 4 else 2  # log2(PER_WORD): 4 or 8 bits
     FIELD: tl.constexpr = 23 - BITS  # the value's lowest bit in the mantissa
-    word = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-    q = tl.load(q_rows + word[None, :]).to(tl.uint32, bitcast=True)
     for _ in tl.static_range(DOUBLINGS):
         q = tl.interleave(q, q)
     # One shift per copy (left or right: a constant for each register) brings the value
@@ -151,10 +162,7 @@ def int_row_products(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0, x, on
     v = ((moved & field) | one_bits).to(tl.float32, bitcast=True)
     sum_vx = tl.sum(v * x, 1)
     sum_x = tl.sum(x, 1)
-    group = k0 // GROUP
-    scale = tl.load(scales_ptr + n_rows * stride_sn + group).to(tl.float32)
-    zero = tl.load(zeros_ptr + n_rows * stride_sn + group).to(tl.float32)
-    return scale * ((sum_vx - sum_x) * (1 << BITS) - zero * sum_x)
+    return scale.to(tl.float32) * ((sum_vx - sum_x) * (1 << BITS) - zero.to(tl.float32) * sum_x)
 
 
 @triton.jit

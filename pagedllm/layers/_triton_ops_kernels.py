@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from pagedllm.layers._int_matmul_kernels import int_row_products, int_weight_tile
+from pagedllm.layers._int_matmul_kernels import int_row_products, int_row_tile, int_weight_tile
 from pagedllm.layers.launch_math import cdiv, next_power_of_2  # noqa: F401 - host helpers for launches
 
 
@@ -361,6 +361,16 @@ def row_argmax_reduce_kernel(best_ptr, index_ptr, out_ptr, parts, BLOCK_PARTS: t
 
 
 @triton.jit
+def _int_row_inputs(x_rows, perm_ptr, m_valid, k0, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row's inputs ``k0 .. k0 + BLOCK_K`` in float32 (``HAS_PERM``: the columns the
+    permutation names there), ``[1, BLOCK_K]``."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    if HAS_PERM:
+        k = tl.load(perm_ptr + k)
+    return tl.load(x_rows + k[None, :], mask=m_valid[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def small_batch_matmul_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
@@ -384,6 +394,7 @@ def small_batch_matmul_kernel(
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH_WORDS: tl.constexpr = False,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
     output columns and ``K`` slice (``SPLIT`` slices of ``k_per_split`` inputs, a multiple
@@ -432,6 +443,9 @@ def small_batch_matmul_kernel(
     (``int_weight_tile``) rounded to ``x``'s dtype; one row sums ``(q - zero) * x`` per
     column and tile and scales the sum (``int_row_products``: three instructions a weight).
     ``HAS_PERM``: act-order, stored column ``k`` multiplies ``x[perm[k]]``.
+    ``PREFETCH_WORDS`` (one row): each iteration loads the next tile's packed words before
+    it multiplies its own, so the loads of one overlap the arithmetic of the other (the
+    last iteration loads its own tile again).
 
     ``PDL``: launched early (``pagedllm.layers.pdl``); the next kernel is released after
     the main loop, so its waiting programs take no room from this one's.
@@ -486,6 +500,15 @@ def small_batch_matmul_kernel(
         x_scale = tl.full([BLOCK_M], 1.0, tl.float32)  # unused
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if INT_ROWS and PREFETCH_WORDS:  # the first tile, loaded ahead of the loop
+        x_next = _int_row_inputs(x_rows, perm_ptr, m_valid, k_start, HAS_PERM, BLOCK_K)
+        q_next, scale_next, zero_next = int_row_tile(w_rows, weight_scale_ptr, zeros_ptr, n_rows,
+                                                     stride_sn, k_start, INT_BITS, GROUP, BLOCK_K)
+        q_up_next, scale_up_next, zero_up_next = q_next, scale_next, zero_next
+        if SILU_GATED:
+            q_up_next, scale_up_next, zero_up_next = int_row_tile(
+                up_rows, weight_scale_ptr + N * stride_sn, zeros_ptr + N * stride_sn, n_rows,
+                stride_sn, k_start, INT_BITS, GROUP, BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if HAS_PERM:
@@ -493,13 +516,29 @@ def small_batch_matmul_kernel(
         else:
             columns = k
         if INT_ROWS:
-            x = tl.load(x_rows + columns[None, :], mask=m_valid[:, None], other=0.0).to(tl.float32)
-            acc += int_row_products(w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, k0,
-                                    x, one_bits, INT_BITS, GROUP, BLOCK_N, BLOCK_K)
+            if PREFETCH_WORDS:  # this tile came one iteration ahead; the next one's loads now
+                x, q, scale, zero = x_next, q_next, scale_next, zero_next
+                q_up, scale_up, zero_up = q_up_next, scale_up_next, zero_up_next
+                ahead = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)  # the last tile: again
+                x_next = _int_row_inputs(x_rows, perm_ptr, m_valid, ahead, HAS_PERM, BLOCK_K)
+                q_next, scale_next, zero_next = int_row_tile(
+                    w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, ahead, INT_BITS,
+                    GROUP, BLOCK_K)
+                if SILU_GATED:
+                    q_up_next, scale_up_next, zero_up_next = int_row_tile(
+                        up_rows, weight_scale_ptr + N * stride_sn, zeros_ptr + N * stride_sn,
+                        n_rows, stride_sn, ahead, INT_BITS, GROUP, BLOCK_K)
+            else:
+                x = _int_row_inputs(x_rows, perm_ptr, m_valid, k0, HAS_PERM, BLOCK_K)
+                q, scale, zero = int_row_tile(w_rows, weight_scale_ptr, zeros_ptr, n_rows,
+                                              stride_sn, k0, INT_BITS, GROUP, BLOCK_K)
+                if SILU_GATED:
+                    q_up, scale_up, zero_up = int_row_tile(
+                        up_rows, weight_scale_ptr + N * stride_sn, zeros_ptr + N * stride_sn,
+                        n_rows, stride_sn, k0, INT_BITS, GROUP, BLOCK_K)
+            acc += int_row_products(q, scale, zero, x, one_bits, INT_BITS, BLOCK_K)
             if SILU_GATED:
-                acc_up += int_row_products(up_rows, weight_scale_ptr + N * stride_sn,
-                                           zeros_ptr + N * stride_sn, n_rows, stride_sn, k0, x,
-                                           one_bits, INT_BITS, GROUP, BLOCK_N, BLOCK_K)
+                acc_up += int_row_products(q_up, scale_up, zero_up, x, one_bits, INT_BITS, BLOCK_K)
         else:
             if INT_BITS > 0:  # tensor cores: weights rounded to x's dtype
                 w = int_weight_tile(w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, k0,

@@ -421,6 +421,12 @@ GEMV_FP8_TILE_ENV = "PAGEDLLM_GEMV_FP8_TILE"
 GEMV_INT_TILE_ENV = "PAGEDLLM_GEMV_INT_TILE"
 
 
+# One row of integer weights loads each tile's packed words an iteration ahead
+# (``small_batch_matmul_kernel``'s ``PREFETCH_WORDS``). Off until an H200 times it
+# (docs/benchmarks.md, "One row of 4-bit weights on float16 pairs").
+INT_ROW_PREFETCH = switch("PAGEDLLM_INT_ROW_PREFETCH", False)
+
+
 @functools.cache
 def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False, int_bits: int = 0,
                               group: int = 0) -> GemvTile | None:
@@ -669,6 +675,7 @@ def small_batch_matmul(
         GROUP=group,
         HAS_PERM=int_weights is not None and int_weights.perm is not None,
         SPLIT=tile.split,
+        PREFETCH_WORDS=INT_ROW_PREFETCH and int_weights is not None and not tile.use_dot,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **launch_options(x.device),

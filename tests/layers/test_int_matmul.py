@@ -211,6 +211,35 @@ def test_one_row_of_4bit_weights_at_any_input_magnitude(monkeypatch, magnitude, 
     torch.testing.assert_close(got.float() / magnitude, want / magnitude, rtol=8e-3, atol=8e-3)
 
 
+@pytest.mark.parametrize("bits, group_size, act_order, split", [
+    (4, 32, False, 1), (4, 64, True, 2), (8, 32, True, 4)])
+def test_one_row_with_tiles_loaded_an_iteration_ahead_gives_the_same_bits(
+        monkeypatch, bits, group_size, act_order, split):
+    """``PAGEDLLM_INT_ROW_PREFETCH``: one row's tiles (words, scales, zero points, inputs)
+    loaded an iteration ahead are the same tiles in the same order: the products, the
+    gated products and the norm riding on them equal the plain loop's bit for bit."""
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config",
+                        lambda *a, **kw: GemvTile(32, 16, 4, 2, False, split))
+    n, k = 48, 128
+    qweight, scales, zeros, perm = packed_projection(2 * n, k, bits, group_size, seed=3,
+                                                     act_order=act_order)
+    ints = IntWeights(scales, zeros, bits, group_size, perm)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, DTYPE)
+    norm = (torch.randn(2 * n, generator=gen).to(DEVICE, DTYPE), 1e-6,
+            torch.randn(1, 2 * n, generator=gen).to(DEVICE, DTYPE))
+
+    def products():
+        return (triton_ops.small_batch_matmul(x, qweight, int_weights=ints),
+                triton_ops.small_batch_matmul(x, qweight, silu_gated=True, int_weights=ints),
+                *triton_ops.small_batch_matmul(x, qweight, norm=norm, int_weights=ints))
+
+    plain = products()
+    monkeypatch.setattr(triton_ops, "INT_ROW_PREFETCH", True)
+    for got, want in zip(products(), plain):
+        assert torch.equal(got, want)
+
+
 def test_small_batch_integer_tiles_fit_the_groups_and_split_narrow_outputs():
     # Llama-3.1-8B's projections in groups of 128, one row: steps of one group, K split
     # until the launch fills the GPU, each slice whole steps.
