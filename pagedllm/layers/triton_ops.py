@@ -421,10 +421,10 @@ GEMV_FP8_TILE_ENV = "PAGEDLLM_GEMV_FP8_TILE"
 GEMV_INT_TILE_ENV = "PAGEDLLM_GEMV_INT_TILE"
 
 
-# One row of integer weights loads each tile's packed words an iteration ahead
-# (``small_batch_matmul_kernel``'s ``PREFETCH_WORDS``). Off until an H200 times it
-# (docs/benchmarks.md, "One row of 4-bit weights on float16 pairs").
-INT_ROW_PREFETCH = switch("PAGEDLLM_INT_ROW_PREFETCH", False)
+# One row of quantized weights (integer, or FP8 in lane-wise tiles) loads each tile an
+# iteration ahead (``small_batch_matmul_kernel``'s ``ROW_PREFETCH``). Off until an H200
+# times it (docs/benchmarks.md, "One row of 4-bit weights on float16 pairs").
+ROW_PREFETCH = switch("PAGEDLLM_ROW_PREFETCH", False)
 
 
 @functools.cache
@@ -675,7 +675,8 @@ def small_batch_matmul(
         GROUP=group,
         HAS_PERM=int_weights is not None and int_weights.perm is not None,
         SPLIT=tile.split,
-        PREFETCH_WORDS=INT_ROW_PREFETCH and int_weights is not None and not tile.use_dot,
+        ROW_PREFETCH=(ROW_PREFETCH and not tile.use_dot
+                      and (int_weights is not None or weight_scale is not None)),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **launch_options(x.device),

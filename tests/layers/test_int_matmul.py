@@ -17,6 +17,7 @@ from pagedllm.quantization.int_weights import (
     num_groups,
     pack_rows,
 )
+from tests.utils import assert_row_prefetch_keeps_the_bits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16
@@ -215,7 +216,7 @@ def test_one_row_of_4bit_weights_at_any_input_magnitude(monkeypatch, magnitude, 
     (4, 32, False, 1), (4, 64, True, 2), (8, 32, True, 4)])
 def test_one_row_with_tiles_loaded_an_iteration_ahead_gives_the_same_bits(
         monkeypatch, bits, group_size, act_order, split):
-    """``PAGEDLLM_INT_ROW_PREFETCH``: one row's tiles (words, scales, zero points, inputs)
+    """``PAGEDLLM_ROW_PREFETCH``: one row's tiles (words, scales, zero points, inputs)
     loaded an iteration ahead are the same tiles in the same order: the products, the
     gated products and the norm riding on them equal the plain loop's bit for bit."""
     monkeypatch.setattr(triton_ops, "small_batch_matmul_config",
@@ -228,16 +229,7 @@ def test_one_row_with_tiles_loaded_an_iteration_ahead_gives_the_same_bits(
     x = torch.randn(1, k, generator=gen).to(DEVICE, DTYPE)
     norm = (torch.randn(2 * n, generator=gen).to(DEVICE, DTYPE), 1e-6,
             torch.randn(1, 2 * n, generator=gen).to(DEVICE, DTYPE))
-
-    def products():
-        return (triton_ops.small_batch_matmul(x, qweight, int_weights=ints),
-                triton_ops.small_batch_matmul(x, qweight, silu_gated=True, int_weights=ints),
-                *triton_ops.small_batch_matmul(x, qweight, norm=norm, int_weights=ints))
-
-    plain = products()
-    monkeypatch.setattr(triton_ops, "INT_ROW_PREFETCH", True)
-    for got, want in zip(products(), plain):
-        assert torch.equal(got, want)
+    assert_row_prefetch_keeps_the_bits(monkeypatch, x, qweight, norm, int_weights=ints)
 
 
 def test_small_batch_integer_tiles_fit_the_groups_and_split_narrow_outputs():
