@@ -178,9 +178,13 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x = x.contiguous()
     num_tokens, heads, n = x.shape
     split = later_weight is not None
+    if split != (later_from is not None) or (split and not 0 <= later_from <= heads):
+        raise ValueError(f"head_rms_norm: give later_weight with later_from in 0..{heads} "
+                         f"(got later_from={later_from!r}).")
     first_heads = later_from if split else heads
     out = torch.empty((num_tokens, first_heads, n), dtype=x.dtype, device=x.device)
-    later_out = torch.empty((num_tokens, heads - first_heads, n), dtype=x.dtype, device=x.device)
+    later_out = (torch.empty((num_tokens, heads - first_heads, n), dtype=x.dtype, device=x.device)
+                 if split else out)  # not written without later heads
     if num_tokens and heads:
         # One token's heads a program: one head a program (one launch for q, another for
         # k) left most of its warps idle (docs/benchmarks.md, "Qwen3's q and k norms").
