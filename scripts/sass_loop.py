@@ -57,8 +57,7 @@ ALIGNED = ("x_ptr", "weight_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm", 
            "perm_ptr", "partial_ptr", "k_per_split")
 
 
-def compile_kernel(tile, int_bits: int, group: int, fp8: bool, pdl: bool = False,
-                   row_prefetch: bool = False):
+def compile_kernel(tile, int_bits: int, group: int, fp8: bool, pdl: bool = False):
     """The compiled kernel (``triton.compile``'s result) for sm_90."""
     weight = "*i32" if int_bits else ("*fp8e4nv" if fp8 else "*bf16")
     signature = dict(
@@ -75,7 +74,7 @@ def compile_kernel(tile, int_bits: int, group: int, fp8: bool, pdl: bool = False
         FP8=fp8, STATIC_INPUT=False, AMAX_BLOCK=tile.block_k, ROW_LOOP=not tile.use_dot,
         INT_BITS=int_bits,
         GROUP=group if int_bits else 0, HAS_PERM=False, SPLIT=tile.split,
-        PDL=pdl, ROW_PREFETCH=row_prefetch,
+        PDL=pdl,
     )
     if not tile.use_dot:  # a launch for one row passes M = 1, which Triton makes a constant
         constants["M"] = 1
@@ -181,9 +180,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--pdl", action="store_true",
                         help="compile for programmatic dependent launch (pagedllm.layers.pdl)")
-    parser.add_argument("--row-prefetch", action="store_true",
-                        help="one row of integer or FP8 weights: each tile loaded an "
-                             "iteration ahead (PAGEDLLM_ROW_PREFETCH)")
     parser.add_argument("--print-loop", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the counts as JSON last")
     args = parser.parse_args(argv)
@@ -200,8 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         unit, per_thread = "KV byte", block_n * 128 * 2 * (1 if args.kv == "fp8" else 2) / (32 * num_warps)
     else:
         tile = _parse_tile(GEMV_TILE_ENV, args.tile, rows=1)
-        compiled = compile_kernel(tile, args.int_bits, args.group, args.fp8, args.pdl,
-                                  args.row_prefetch)
+        compiled = compile_kernel(tile, args.int_bits, args.group, args.fp8, args.pdl)
         code = sass(compiled)
         unit, per_thread = "weight", tile.block_n * tile.block_k / (32 * tile.num_warps)
     loop = main_loop(code)

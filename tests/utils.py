@@ -216,21 +216,3 @@ def token_bitmask(allowed: torch.Tensor) -> torch.Tensor:
     bits[:, :vocab] = allowed.long()
     words = (bits.view(rows, -1, 32) << torch.arange(32)).sum(-1)  # in [0, 2^32)
     return (words - (words >= 2**31).long() * 2**32).int()
-
-
-def assert_row_prefetch_keeps_the_bits(monkeypatch, x: torch.Tensor, weight: torch.Tensor,
-                                       norm: tuple, **weights) -> None:
-    """``small_batch_matmul`` of one row with ``PAGEDLLM_ROW_PREFETCH`` on equals it off, bit
-    for bit: plain, gated, and with ``norm`` riding on it (``weights``: the format's
-    keyword arguments, e.g. ``weight_scale`` or ``int_weights``)."""
-    from pagedllm.layers import triton_ops
-
-    def products():
-        return (triton_ops.small_batch_matmul(x, weight, **weights),
-                triton_ops.small_batch_matmul(x, weight, silu_gated=True, **weights),
-                *triton_ops.small_batch_matmul(x, weight, norm=norm, **weights))
-
-    plain = products()
-    monkeypatch.setattr(triton_ops, "ROW_PREFETCH", True)
-    for got, want in zip(products(), plain, strict=True):
-        assert torch.equal(got, want)

@@ -371,18 +371,6 @@ def _int_row_inputs(x_rows, perm_ptr, m_valid, k0, HAS_PERM: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _row_weights(w_rows, up_rows, k0, SILU_GATED: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The weights of inputs ``k0 .. k0 + BLOCK_K`` of the rows at ``w_rows``, and the up
-    projection's (gated; else the same again)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    w = tl.load(w_rows + k[None, :])
-    w_up = w
-    if SILU_GATED:
-        w_up = tl.load(up_rows + k[None, :])
-    return w, w_up
-
-
-@triton.jit
 def small_batch_matmul_kernel(
     x_ptr, weight_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
@@ -406,7 +394,6 @@ def small_batch_matmul_kernel(
     HAS_PERM: tl.constexpr,
     SPLIT: tl.constexpr,
     PDL: tl.constexpr,
-    ROW_PREFETCH: tl.constexpr = False,
 ):
     """``out[:M, n-block] = x[:M] @ weight[n-block].T (+ bias)``, one program per ``BLOCK_N``
     output columns and ``K`` slice (``SPLIT`` slices of ``k_per_split`` inputs, a multiple
@@ -453,14 +440,11 @@ def small_batch_matmul_kernel(
     the zero points (``[N, K / GROUP]``, row stride ``stride_sn``); ``BLOCK_K`` divides
     ``GROUP`` and ``K``. On tensor cores a weight is ``(q - zero) * scale``
     (``int_weight_tile``) rounded to ``x``'s dtype; one row sums ``(q - zero) * x`` per
-    column and tile and scales the sum (``int_row_products``: three instructions a weight).
+    column and tile and scales the sum (``int_row_products``: three instructions a weight),
+    each iteration loading the next tile (words, scales, zero points, inputs) before it
+    multiplies the one loaded the iteration before, so the loads of one overlap the
+    arithmetic of the other (the last iteration loads its own tile again).
     ``HAS_PERM``: act-order, stored column ``k`` multiplies ``x[perm[k]]``.
-    ``ROW_PREFETCH`` (one row of integer weights, or of FP8 weights with ``ROW_TILE_X``):
-    each iteration loads the next tile (weights; for integers also their scales, zero
-    points and the inputs) before it multiplies the one loaded the iteration before, so
-    the loads of one overlap the arithmetic of the other (the last iteration loads its own
-    tile again): the same tiles in the same order.
-
     ``PDL``: launched early (``pagedllm.layers.pdl``); the next kernel is released after
     the main loop, so its waiting programs take no room from this one's.
     """
@@ -514,10 +498,7 @@ def small_batch_matmul_kernel(
         x_scale = tl.full([BLOCK_M], 1.0, tl.float32)  # unused
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    FP8_ROW_AHEAD: tl.constexpr = ROW_PREFETCH and ROW_TILE_X
-    if FP8_ROW_AHEAD:  # the first tile, loaded ahead of the loop
-        w_next, w_up_next = _row_weights(w_rows, up_rows, k_start, SILU_GATED, BLOCK_K)
-    if INT_ROWS and ROW_PREFETCH:  # the first tile, loaded ahead of the loop
+    if INT_ROWS:  # the first tile, loaded ahead of the loop
         x_next = _int_row_inputs(x_rows, perm_ptr, m_valid, k_start, HAS_PERM, BLOCK_K)
         q_next, scale_next, zero_next = int_row_tile(w_rows, weight_scale_ptr, zeros_ptr, n_rows,
                                                      stride_sn, k_start, INT_BITS, GROUP, BLOCK_K)
@@ -527,43 +508,29 @@ def small_batch_matmul_kernel(
                 up_rows, weight_scale_ptr + N * stride_sn, zeros_ptr + N * stride_sn, n_rows,
                 stride_sn, k_start, INT_BITS, GROUP, BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        if HAS_PERM:
-            columns = tl.load(perm_ptr + k)
-        else:
-            columns = k
         if INT_ROWS:
-            if ROW_PREFETCH:  # this tile came one iteration ahead; the next one's loads now
-                x, q, scale, zero = x_next, q_next, scale_next, zero_next
-                q_up, scale_up, zero_up = q_up_next, scale_up_next, zero_up_next
-                ahead = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)  # the last tile: again
-                x_next = _int_row_inputs(x_rows, perm_ptr, m_valid, ahead, HAS_PERM, BLOCK_K)
-                q_next, scale_next, zero_next = int_row_tile(
-                    w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, ahead, INT_BITS,
-                    GROUP, BLOCK_K)
-                if SILU_GATED:
-                    q_up_next, scale_up_next, zero_up_next = int_row_tile(
-                        up_rows, weight_scale_ptr + N * stride_sn, zeros_ptr + N * stride_sn,
-                        n_rows, stride_sn, ahead, INT_BITS, GROUP, BLOCK_K)
-            else:
-                x = _int_row_inputs(x_rows, perm_ptr, m_valid, k0, HAS_PERM, BLOCK_K)
-                q, scale, zero = int_row_tile(w_rows, weight_scale_ptr, zeros_ptr, n_rows,
-                                              stride_sn, k0, INT_BITS, GROUP, BLOCK_K)
-                if SILU_GATED:
-                    q_up, scale_up, zero_up = int_row_tile(
-                        up_rows, weight_scale_ptr + N * stride_sn, zeros_ptr + N * stride_sn,
-                        n_rows, stride_sn, k0, INT_BITS, GROUP, BLOCK_K)
+            # This tile came one iteration ahead; the next one's loads now.
+            x, q, scale, zero = x_next, q_next, scale_next, zero_next
+            q_up, scale_up, zero_up = q_up_next, scale_up_next, zero_up_next
+            ahead = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)  # the last tile: again
+            x_next = _int_row_inputs(x_rows, perm_ptr, m_valid, ahead, HAS_PERM, BLOCK_K)
+            q_next, scale_next, zero_next = int_row_tile(
+                w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, ahead, INT_BITS,
+                GROUP, BLOCK_K)
+            if SILU_GATED:
+                q_up_next, scale_up_next, zero_up_next = int_row_tile(
+                    up_rows, weight_scale_ptr + N * stride_sn, zeros_ptr + N * stride_sn,
+                    n_rows, stride_sn, ahead, INT_BITS, GROUP, BLOCK_K)
             acc += int_row_products(q, scale, zero, x, one_bits, INT_BITS, BLOCK_K)
             if SILU_GATED:
                 acc_up += int_row_products(q_up, scale_up, zero_up, x, one_bits, INT_BITS, BLOCK_K)
         else:
-            if FP8_ROW_AHEAD:  # this tile came one iteration ahead; the next one's loads now
-                w, w_up = w_next, w_up_next
-                w_next, w_up_next = _row_weights(w_rows, up_rows,
-                                                 tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K),
-                                                 SILU_GATED, BLOCK_K)
-                x_mask = m_valid[:, None]
-            elif INT_BITS > 0:  # tensor cores: weights rounded to x's dtype
+            k = k0 + tl.arange(0, BLOCK_K)
+            if HAS_PERM:
+                columns = tl.load(perm_ptr + k)
+            else:
+                columns = k
+            if INT_BITS > 0:  # tensor cores: weights rounded to x's dtype
                 w = int_weight_tile(w_rows, weight_scale_ptr, zeros_ptr, n_rows, stride_sn, k0,
                                      INT_BITS, GROUP, BLOCK_N, BLOCK_K, True,
                                      x_ptr.dtype.element_ty)
@@ -574,7 +541,9 @@ def small_batch_matmul_kernel(
                                             x_ptr.dtype.element_ty)
                 x_mask = m_valid[:, None]
             elif EVEN_K:
-                w, w_up = _row_weights(w_rows, up_rows, k0, SILU_GATED, BLOCK_K)
+                w = tl.load(w_rows + k[None, :])
+                if SILU_GATED:
+                    w_up = tl.load(up_rows + k[None, :])
                 x_mask = m_valid[:, None]
             else:
                 k_valid = k < K

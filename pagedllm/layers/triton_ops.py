@@ -425,12 +425,6 @@ GEMV_FP8_TILE_ENV = "PAGEDLLM_GEMV_FP8_TILE"
 GEMV_INT_TILE_ENV = "PAGEDLLM_GEMV_INT_TILE"
 
 
-# One row of quantized weights (integer, or FP8 in lane-wise tiles) loads each tile an
-# iteration ahead (``small_batch_matmul_kernel``'s ``ROW_PREFETCH``). Off until an H200
-# times it (docs/benchmarks.md, "One row of 4-bit weights on float16 pairs").
-ROW_PREFETCH = switch("PAGEDLLM_ROW_PREFETCH", False)
-
-
 @functools.cache
 def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False, int_bits: int = 0,
                               group: int = 0) -> GemvTile | None:
@@ -495,13 +489,16 @@ def _int_tile(rows: int, n: int, k: int, group: int) -> GemvTile | None:
     """Integer weights (``scripts/gemv_quant_sweep.py`` on an H200, Llama-3.1-8B's
     projections in groups of 128, inside CUDA graphs, weights out of L2).
 
-    One row, lane-wise (``int_row_products``), ``K`` in eight slices: 128 x 128 tiles
-    (qkv 9.1 us with 8 warps against bf16's 15.0, o_proj 7.8 against 11.5, gate/up 29.1
-    with 4 warps against 63.6); a long ``K`` (down, 14,336) in 64 x 128 tiles and slices
-    of 1,024 inputs (18.1 against 32.4). Several rows on tensor cores in 64 x 128 tiles (qkv
-    18.2 against 15.7 at 4 rows), narrow outputs in eight slices, wide ones (gate/up) in
-    four. The steps are the largest power of two up to the tile's which divides the group
-    and ``K``; each slice is at least two steps long."""
+    One row, lane-wise (``int_row_products``, each tile loaded an iteration ahead), ``K``
+    in eight slices: 128 x 128 tiles (qkv 9.3 us with 8 warps against bf16's 14.8, o_proj
+    8.3 against 10.8, gate/up 31.0 with 4 warps against 64.1); a long ``K`` (down, 14,336)
+    in 64 x 128 tiles and slices of 1,024 inputs (19.8 against 30.7). Alone, 4 warps a
+    128 x 128 tile everywhere and gate/up in four slices time 8% less; in the decode step
+    (L1) they are 1.2% slower, so the step's figures chose (docs/benchmarks.md). Several
+    rows on tensor cores in 64 x 128 tiles (qkv 18.2 against 15.7 at 4 rows), narrow
+    outputs in eight slices, wide ones (gate/up) in four. The steps are the largest power
+    of two up to the tile's which divides the group and ``K``; each slice is at least two
+    steps long."""
     if rows == 1:
         long_k = k > 8192
         block_n, block_k = (64, 128) if long_k else (128, 128)
@@ -679,8 +676,6 @@ def small_batch_matmul(
         GROUP=group,
         HAS_PERM=int_weights is not None and int_weights.perm is not None,
         SPLIT=tile.split,
-        ROW_PREFETCH=(ROW_PREFETCH and not tile.use_dot
-                      and (int_weights is not None or weight_scale is not None)),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **launch_options(x.device),

@@ -13,7 +13,7 @@ from pagedllm.layers.layernorm import RMSNorm, qk_norms
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.sampler import Draw, Sampler, SamplingMetadata, masked_rows
 from pagedllm.sampling_params import SamplingParams
-from tests.utils import assert_row_prefetch_keeps_the_bits, token_bitmask
+from tests.utils import token_bitmask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -359,22 +359,6 @@ def test_fp8_small_batch_matmul_is_the_w8a8_product(monkeypatch, mode, rows) -> 
     want = dequantize_rows(xq, x_scale) @ dequantize_rows(wq, scale).t() + bias.float()
     got = triton_ops.small_batch_matmul(x, wq, bias, weight_scale=scale, input_scale=input_scale)
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("split", [1, 2])
-def test_one_row_of_fp8_weights_loaded_an_iteration_ahead_gives_the_same_bits(monkeypatch,
-                                                                               split) -> None:
-    """``PAGEDLLM_ROW_PREFETCH``: one row of FP8 weights in lane-wise tiles, each tile's
-    weights loaded an iteration ahead: the same products, gated products and norm riding
-    on them, bit for bit."""
-    from pagedllm.quantization.fp8 import quantize_rows
-
-    monkeypatch.setattr(triton_ops, "small_batch_matmul_config",
-                        lambda m, n, k, fp8=False: (32, 64, 4, 2, False, split))
-    x = _rand(1, 256, dtype=torch.bfloat16, seed=41)
-    wq, scale = quantize_rows(_rand(2 * 45, 256, seed=42))
-    norm = (_rand(90, dtype=torch.bfloat16, seed=43), 1e-6, _rand(1, 90, dtype=torch.bfloat16, seed=44))
-    assert_row_prefetch_keeps_the_bits(monkeypatch, x, wq, norm, weight_scale=scale)
 
 
 @pytest.mark.parametrize("static", [False, True])

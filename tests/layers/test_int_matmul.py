@@ -17,7 +17,6 @@ from pagedllm.quantization.int_weights import (
     num_groups,
     pack_rows,
 )
-from tests.utils import assert_row_prefetch_keeps_the_bits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16
@@ -210,26 +209,6 @@ def test_one_row_of_4bit_weights_at_any_input_magnitude(monkeypatch, magnitude, 
     got = triton_ops.small_batch_matmul(x, qweight, int_weights=ints)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float() / magnitude, want / magnitude, rtol=8e-3, atol=8e-3)
-
-
-@pytest.mark.parametrize("bits, group_size, act_order, split", [
-    (4, 32, False, 1), (4, 64, True, 2), (8, 32, True, 4)])
-def test_one_row_with_tiles_loaded_an_iteration_ahead_gives_the_same_bits(
-        monkeypatch, bits, group_size, act_order, split):
-    """``PAGEDLLM_ROW_PREFETCH``: one row's tiles (words, scales, zero points, inputs)
-    loaded an iteration ahead are the same tiles in the same order: the products, the
-    gated products and the norm riding on them equal the plain loop's bit for bit."""
-    monkeypatch.setattr(triton_ops, "small_batch_matmul_config",
-                        lambda *a, **kw: GemvTile(32, 16, 4, 2, False, split))
-    n, k = 48, 128
-    qweight, scales, zeros, perm = packed_projection(2 * n, k, bits, group_size, seed=3,
-                                                     act_order=act_order)
-    ints = IntWeights(scales, zeros, bits, group_size, perm)
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn(1, k, generator=gen).to(DEVICE, DTYPE)
-    norm = (torch.randn(2 * n, generator=gen).to(DEVICE, DTYPE), 1e-6,
-            torch.randn(1, 2 * n, generator=gen).to(DEVICE, DTYPE))
-    assert_row_prefetch_keeps_the_bits(monkeypatch, x, qweight, norm, int_weights=ints)
 
 
 def test_small_batch_integer_tiles_fit_the_groups_and_split_narrow_outputs():
