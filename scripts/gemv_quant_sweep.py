@@ -23,7 +23,9 @@ quantizing the row once, where it is produced, would save). Prints a table last
 JSON.
 
 ``--int-gemm-rows`` times the larger decode batches of 4-bit weights the same way: the
-``int_matmul`` tiles (whole ``K``, tensor cores) against cuBLAS on the bf16 weights.
+``int_matmul`` tiles (whole ``K``, tensor cores) against cuBLAS on the bf16 weights, and
+the prompts' way (``dequantize``: ``int_dequantize`` writes the weight in bf16, then
+cuBLAS), which any batch could take.
 """
 
 from __future__ import annotations
@@ -129,6 +131,13 @@ def int_gemm_sweep(row_counts: list[int], budget_s: float,
             results.append(dict(kind="int4-gemm", shape=name, rows=m, impl="bf16",
                                 us=graph_us_per_launch(lambda w: torch.nn.functional.linear(x, w),
                                                        bf16)))
+
+            def dequantized(w):
+                weight = int_matmul.int_dequantize(w[0], w[1].scales, w[1].zeros, bits=4,
+                                                   group_size=GROUP, in_features=k, dtype=DTYPE)
+                return torch.nn.functional.linear(x, weight)
+            results.append(measure(dict(kind="int4-gemm", shape=name, rows=m, impl="dequantize"),
+                                   dequantized, weights, want, n * k * 0.5))
             configured = int_matmul.int_matmul_config(m, n, k, GROUP)
             for label, tile in [("configured", configured)] + [
                     ("tile", t) for t in int_gemm_candidates(m) if t != configured]:

@@ -7,9 +7,10 @@ tokens to compute) and the decode steps (every prompt is in) apart:
 - device time by kernel family (``kernel_family``: the products, decode and prefill
   attention, norms, SiLU-and-mul, the sampler, ...), in seconds and shares;
 - the device's idle time inside the profiled span (``common.device_idle``);
-- decode steps by running batch, in buckets of 32 requests: how many steps, and their mean
-  host wall time. With the device busy (idle near zero) a step's wall time is its device
-  time, so the buckets show how a step's cost grows with the batch.
+- decode steps by running batch, in buckets of 32 requests: how many steps, their mean
+  host wall time and (CUDA) the device's mean idle time a step (``idle_by_step``). With the
+  device busy (idle near zero) a step's wall time is its device time, so the buckets show
+  how a step's cost grows with the batch, and the idle column which batches the host bounds.
 
 Without CUDA the same tables come from the host's op times (each op's own time, so nested
 ops are not counted twice): the plumbing is testable on a CPU, the figures mean little.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pagedllm.benchmarks.common import reported_seconds
 
 PROMPT, DECODE = "prompt", "decode"
-STEP_MARK = "pagedllm step: "  # record_function name prefix of a profiled step
+STEP_MARK = "pagedllm step: "  # record_function name of a profiled step: mark, phase, index
 BATCH_BUCKET = 32
 
 # (substring of the lower-cased kernel or op name, family); the first match wins.
@@ -94,27 +95,55 @@ class RunProfile:
             lines.append(f"{family:30s} {' '.join(cells)}")
         if self.device_idle:
             lines.append(self.device_idle)
-        lines.append("decode steps by running batch (host wall time per step):")
-        lines.append(f"{'requests':>12s} {'steps':>6s} {'mean ms':>8s} {'total s':>8s}")
+        lines.append("decode steps by running batch (host wall time and device idle per step):")
+        lines.append(f"{'requests':>12s} {'steps':>6s} {'mean ms':>8s} {'total s':>8s} "
+                     f"{'idle ms':>8s}")
         for row in self.decode_by_batch:
+            idle = f"{row['idle_ms']:8.3f}" if "idle_ms" in row else f"{'-':>8s}"
             lines.append(f"{row['low']:5d}-{row['high']:<6d} {row['steps']:6d} "
-                         f"{row['mean_ms']:8.2f} {row['total_s']:8.3f}")
+                         f"{row['mean_ms']:8.2f} {row['total_s']:8.3f} {idle}")
         return "\n".join(lines)
 
 
-def batch_buckets(steps: list[tuple[int, float]], width: int = BATCH_BUCKET) -> list[dict]:
-    """Decode steps ``(running requests, wall seconds)`` grouped by batch: rows of
-    ``{"low", "high", "steps", "mean_ms", "total_s"}`` for batches ``low..high``
-    (``width`` wide: 1-32, 33-64, ...), in increasing order, empty buckets left out."""
-    grouped: dict[int, list[float]] = collections.defaultdict(list)
-    for batch, seconds in steps:
-        grouped[max(batch - 1, 0) // width].append(seconds)
+def batch_buckets(steps: list[tuple], width: int = BATCH_BUCKET) -> list[dict]:
+    """Decode steps ``(running requests, wall seconds[, device idle seconds])`` grouped by
+    batch: rows of ``{"low", "high", "steps", "mean_ms", "total_s"}`` (and ``"idle_ms"``,
+    the mean idle a step, when every step has one) for batches ``low..high`` (``width``
+    wide: 1-32, 33-64, ...), in increasing order, empty buckets left out."""
+    grouped: dict[int, list[tuple]] = collections.defaultdict(list)
+    for batch, *times in steps:
+        grouped[max(batch - 1, 0) // width].append(times)
     rows = []
     for k, v in sorted(grouped.items()):
-        total_s = reported_seconds(sum(v))
-        rows.append({"low": k * width + 1, "high": (k + 1) * width, "steps": len(v),
-                     "mean_ms": round(1e3 * total_s / len(v), 3), "total_s": total_s})
+        total_s = reported_seconds(sum(t[0] for t in v))
+        row = {"low": k * width + 1, "high": (k + 1) * width, "steps": len(v),
+               "mean_ms": round(1e3 * total_s / len(v), 3), "total_s": total_s}
+        if all(len(t) > 1 for t in v):
+            row["idle_ms"] = round(1e3 * sum(t[1] for t in v) / len(v), 3)
+        rows.append(row)
     return rows
+
+
+def idle_by_step(ranges: list[tuple[float, float]], intervals: list[tuple[float, float]]
+                 ) -> list[float]:
+    """The device's idle time charged to each step, in seconds, in the order of ``ranges``
+    (the steps' device spans ``(start, end)``, sorted, not overlapping). An idle gap between
+    ``intervals`` (kernels, overlapping or not; microseconds) is charged to the step whose
+    span holds the gap's end, else to the next step: the step whose work the device waited
+    for. Gaps before the first step's span or after the last are left out."""
+    starts = [r[0] for r in ranges]
+    idle = [0.0] * len(ranges)
+    intervals = sorted(intervals)
+    covered_until = intervals[0][0] if intervals else 0.0
+    for start, end in intervals:
+        if start > covered_until:
+            i = bisect.bisect_right(starts, start) - 1
+            if i < 0 or start > ranges[i][1]:
+                i += 1
+            if 0 <= i < len(ranges) and covered_until >= starts[0]:
+                idle[i] += (start - covered_until) / 1e6
+        covered_until = max(covered_until, end)
+    return idle
 
 
 def attribute(ranges: list[tuple[float, float, str]], events: list[tuple[float, float, str]]
@@ -151,7 +180,7 @@ def profile_run(engine) -> RunProfile:
 
     cuda = torch.cuda.is_available()
     scheduler = engine.engine_core.scheduler
-    decode_steps: list[tuple[int, float]] = []
+    steps: list[tuple[str, int, float]] = []  # (phase, running requests, wall seconds)
     num_steps = {PROMPT: 0, DECODE: 0}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
@@ -159,23 +188,33 @@ def profile_run(engine) -> RunProfile:
             phase = PROMPT if prompts_pending(scheduler) else DECODE
             batch = len(scheduler.running)
             start = time.perf_counter()
-            with torch.profiler.record_function(STEP_MARK + phase):
+            with torch.profiler.record_function(f"{STEP_MARK}{phase} {len(steps)}"):
                 engine.step()
             num_steps[phase] += 1
-            if phase == DECODE:
-                decode_steps.append((batch, time.perf_counter() - start))
+            steps.append((phase, batch, time.perf_counter() - start))
         if cuda:
             torch.cuda.synchronize()
     device = DeviceType.CUDA if cuda else DeviceType.CPU
-    ranges, events = [], []
+    ranges, events, range_steps = [], [], []
     for e in prof.events():
         if e.device_type != device:
             continue
         if e.name.startswith(STEP_MARK):
-            ranges.append((e.time_range.start, e.time_range.end, e.name[len(STEP_MARK):]))
+            phase, index = e.name[len(STEP_MARK):].split()
+            ranges.append((e.time_range.start, e.time_range.end, phase))
+            range_steps.append(int(index))
         elif cuda:
             events.append((e.time_range.start, e.time_range.end, e.name))
         else:  # a host op: its own time only, nested ops count for themselves
             events.append((e.time_range.start, e.time_range.start + e.self_cpu_time_total, e.name))
-    idle = device_idle([(s, t) for s, t, _ in events]) if cuda and events else ""
+    kernels = [(s, t) for s, t, _ in events]
+    idle = device_idle(kernels) if cuda and events else ""
+    if cuda and events:  # a step that launched nothing has no device span, and no idle
+        spans = sorted(zip(ranges, range_steps))
+        step_idle = [0.0] * len(steps)
+        for index, gap in zip((i for _, i in spans),
+                              idle_by_step([(s, t) for (s, t, _), _ in spans], kernels)):
+            step_idle[index] += gap
+        steps = [(*step, gap) for step, gap in zip(steps, step_idle, strict=True)]
+    decode_steps = [(batch, *times) for phase, batch, *times in steps if phase == DECODE]
     return RunProfile(num_steps, attribute(ranges, events), idle, batch_buckets(decode_steps))

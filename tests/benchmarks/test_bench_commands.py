@@ -262,6 +262,24 @@ def test_run_profile_attributes_events_to_the_step_they_start_in() -> None:
     rows = batch_buckets([(1, 0.001), (32, 0.003), (33, 0.010), (256, 0.020)])
     assert [(r["low"], r["high"], r["steps"], r["mean_ms"]) for r in rows] == [
         (1, 32, 2, 2.0), (33, 64, 1, 10.0), (225, 256, 1, 20.0)]
+    assert "idle_ms" not in rows[0]
+
+
+def test_run_profile_charges_device_idle_to_the_step_it_waited_for() -> None:
+    """A gap between kernels is charged to the step whose span holds its end (a gap
+    inside a step) or, between two steps, to the next one; gaps outside every step are
+    not; the buckets report the mean idle a step."""
+    from pagedllm.benchmarks.run_profile import batch_buckets, idle_by_step
+
+    ranges = [(0.0, 100.0), (150.0, 300.0), (300.0, 400.0)]
+    kernels = [(-50.0, -40.0),               # before the first step: its gap is left out
+               (0.0, 40.0), (60.0, 100.0),   # 20 us idle inside step 0
+               (150.0, 200.0), (190.0, 300.0),  # 50 us between steps 0 and 1: step 1's
+               (320.0, 400.0),               # 20 us between steps 1 and 2 (back to back)
+               (500.0, 510.0)]               # after the last step: left out
+    assert idle_by_step(ranges, kernels) == pytest.approx([20e-6, 50e-6, 20e-6])
+    rows = batch_buckets([(3, 0.002, 0.0005), (4, 0.004, 0.0015), (40, 0.01, 0.0)])
+    assert [(r["low"], r["idle_ms"]) for r in rows] == [(1, 1.0), (33, 0.0)]
 
 
 def test_structured_output_run_beside_the_unconstrained_one(tmp_path) -> None:
