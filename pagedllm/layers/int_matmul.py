@@ -12,11 +12,12 @@ not tile). By the step's rows:
   else ``int_matmul`` with 16-row tiles and ``K`` split into ``SPLIT`` slices (split-K),
   so a narrow output still spreads over every SM; the float32 partial sums are added in
   a fixed order (the result does not depend on timing);
-* 17 to ``DEQUANTIZE_ROWS`` rows (large decode batches): ``int_matmul`` with 64- or
-  128-row output tiles, the weight dequantized in registers as it streams in, ``K`` split
-  when the output tiles alone would leave SMs idle;
-* more rows (prompts): ``int_dequantize`` writes the weight in the activation dtype once,
-  and BLAS multiplies.
+* 17 to 64 rows, and 65 to ``DEQUANTIZE_ROWS`` rows of a wide output (``WIDE_OUTPUT``
+  columns or more: an MLP's gate/up): ``int_matmul`` with 64- or 128-row output tiles,
+  the weight dequantized in registers as it streams in, ``K`` split when the output tiles
+  alone would leave SMs idle;
+* more rows (the larger decode batches, prompts; ``dequantizes``): ``int_dequantize``
+  writes the weight in the activation dtype once, and BLAS multiplies.
 
 Act-order weights carry ``perm``: the kernel reads input column ``perm[k]`` for stored
 column ``k`` (the activation is gathered in the kernel; the weight never is).
@@ -38,10 +39,13 @@ from pagedllm.quantization.int_weights import int_linear_reference
 INT_TILE_ENV = "PAGEDLLM_INT_TILE"
 # Batches of at most this many rows take the split-K tiles.
 SMALL_BATCH_ROWS = 16
-# Steps of more rows dequantize the weight once (a kernel) and multiply with BLAS: a
-# prompt re-reads each weight tile for every block of rows, which costs more than one
-# pass that writes the weight in the model's dtype.
-DEQUANTIZE_ROWS = 512
+# Steps of more rows (and of more than 64 rows into a narrower output) dequantize the
+# weight once (a kernel) and multiply with BLAS: ``int_matmul`` re-reads and
+# re-dequantizes each weight tile for every block of rows, which from there costs more
+# than one pass that writes the weight in the model's dtype (``scripts/gemv_quant_sweep.py
+# --int-gemm-rows`` on an H200, Llama-3.1-8B; docs/benchmarks.md).
+DEQUANTIZE_ROWS = 128
+WIDE_OUTPUT = 16384
 _BLOCK_KS = (128, 64, 32, 16)
 
 
@@ -57,6 +61,12 @@ class IntTile:
     split: int
     num_warps: int
     num_stages: int
+
+
+def dequantizes(rows: int, n: int) -> bool:
+    """Whether a step of ``rows`` rows into ``n`` outputs dequantizes the weight once and
+    multiplies with BLAS (else ``int_matmul`` or the small-batch kernel)."""
+    return rows > DEQUANTIZE_ROWS or (rows > 64 and n < WIDE_OUTPUT)
 
 
 @functools.cache
@@ -90,10 +100,10 @@ def int_matmul_config(rows: int, n: int, k: int, group_size: int,
     block_k = next((b for b in _BLOCK_KS if k % b == 0 and group % b == 0), None)
     if block_k is None:
         return None
-    if n >= 16384 and rows > 64:
+    if n >= WIDE_OUTPUT and rows > 64:
         block_k = 64 if block_k == 128 else block_k
         tile = IntTile(128, 128, block_k, 1, num_warps=8, num_stages=4)
-    elif n >= 16384:
+    elif n >= WIDE_OUTPUT:
         tile = IntTile(64, 128, block_k, 1, num_warps=4, num_stages=3)
     else:
         tile = IntTile(64, 64, block_k, 1, num_warps=4, num_stages=4 if rows <= 64 else 3)
@@ -200,8 +210,8 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             128, 1 << (rows - 1).bit_length())
         tile = int_matmul_config(bucket, qweight.shape[0], in_features, group_size,
                                  _sm_count(x.device))
-        if tile is not None and rows > DEQUANTIZE_ROWS:
-            # Prompt-sized steps: the weight dequantized once, then the BLAS product.
+        if tile is not None and dequantizes(rows, qweight.shape[0]):
+            # The weight dequantized once, then the BLAS product.
             weight = int_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size,
                                     in_features=in_features, dtype=x.dtype)
             x_in = x2 if perm is None else x2[:, perm.long()]

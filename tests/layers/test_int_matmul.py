@@ -147,6 +147,16 @@ def test_prompt_sized_steps_dequantize_once_then_multiply(monkeypatch):
                                rtol=2e-3, atol=2e-3)
 
 
+def test_larger_decode_batches_dequantize_where_the_row_tiles_lose():
+    # Llama-3.1-8B's projections: up to 64 rows every product keeps the row tiles; to 128
+    # rows the MLP's wide gate/up keeps them and the narrower outputs dequantize; above,
+    # every product dequantizes once.
+    narrow, wide = (6144, 4096, 4096), 28672
+    assert not any(int_matmul.dequantizes(64, n) for n in (*narrow, wide))
+    assert all(int_matmul.dequantizes(65, n) for n in narrow)
+    assert not int_matmul.dequantizes(128, wide) and int_matmul.dequantizes(129, wide)
+
+
 @pytest.mark.parametrize("rows, tile", [
     (1, GemvTile(32, 32, 4, 2, False)),      # one row, lane-wise, the whole of K
     (1, GemvTile(32, 16, 4, 2, False, 4)),   # one row, K in four slices
