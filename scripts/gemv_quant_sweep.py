@@ -101,13 +101,16 @@ def candidates(kind: str, rows: int, k: int) -> list[GemvTile]:
 
 def int_gemm_candidates(rows: int) -> list[IntTile]:
     """``int_matmul`` tiles for a decode batch of ``rows`` rows (tensor cores; ``K`` whole or
-    split in two or four for the narrow tiles), likeliest first."""
+    split in two or four for the narrow tiles), likeliest first. From 256 rows, tiles of all
+    256 rows too: each weight tile dequantized once a step, as the dequantize-then-BLAS way
+    does, without writing the weight out."""
     tiles = [IntTile(64, 64, 128, s, 4, st) for s in (2, 4) for st in (4, 3)]
     tiles += [IntTile(bm, bn, bk, 1, w, st) for bm, bn, bk, w in (
         (64, 64, 128, 4), (64, 128, 128, 4), (128, 128, 64, 8), (64, 256, 64, 8),
-        (128, 256, 64, 8), (128, 64, 128, 4), (128, 128, 128, 8), (32, 128, 128, 4))
+        (128, 256, 64, 8), (128, 64, 128, 4), (128, 128, 128, 8), (32, 128, 128, 4),
+        (256, 64, 64, 8), (256, 128, 64, 8), (256, 64, 128, 8))
         for st in (4, 3) if bm <= max(32, rows)]
-    return tiles
+    return sorted(tiles, key=lambda t: t.block_m != 256)  # stable: those first when listed
 
 
 def int_gemm_sweep(row_counts: list[int], budget_s: float,

@@ -33,6 +33,8 @@ def test_every_candidate_tiles_the_projection(kind, rows):
 def test_int_gemm_candidates_tile_the_projections(rows):
     tiles = sweep.int_gemm_candidates(rows)
     assert tiles and all(t.block_m <= rows for t in tiles) and len(set(tiles)) == len(tiles)
+    # A batch of 256 tries whole-batch tiles (each weight tile dequantized once) first.
+    assert (tiles[0].block_m == 256) == (rows >= 256)
     for _, n, k in sweep.GEMV_SHAPES[:4]:
         assert all(k % t.block_k == 0 and sweep.GROUP % t.block_k == 0
                    and (k // t.block_k) % t.split == 0 for t in tiles)
