@@ -131,6 +131,8 @@ def idle_by_step(ranges: list[tuple[float, float]], intervals: list[tuple[float,
     ``intervals`` (kernels, overlapping or not; microseconds) is charged to the step whose
     span holds the gap's end, else to the next step: the step whose work the device waited
     for. Gaps before the first step's span or after the last are left out."""
+    if not ranges:
+        return []
     starts = [r[0] for r in ranges]
     idle = [0.0] * len(ranges)
     intervals = sorted(intervals)

@@ -278,6 +278,7 @@ def test_run_profile_charges_device_idle_to_the_step_it_waited_for() -> None:
                (320.0, 400.0),               # 20 us between steps 1 and 2 (back to back)
                (500.0, 510.0)]               # after the last step: left out
     assert idle_by_step(ranges, kernels) == pytest.approx([20e-6, 50e-6, 20e-6])
+    assert idle_by_step([], kernels) == []  # no step launched anything on the device
     rows = batch_buckets([(3, 0.002, 0.0005), (4, 0.004, 0.0015), (40, 0.01, 0.0)])
     assert [(r["low"], r["idle_ms"]) for r in rows] == [(1, 1.0), (33, 0.0)]
 
