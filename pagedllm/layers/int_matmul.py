@@ -110,7 +110,8 @@ def int_matmul_config(rows: int, n: int, k: int, group_size: int,
     steps = k // tile.block_k
     programs = -(-rows // tile.block_m) * -(-n // tile.block_n)
     wanted = max(1, (2 * sm_count) // programs)
-    split = max(s for s in range(1, min(wanted, steps) + 1) if steps % s == 0 and steps >= 4 * s)
+    split = max(s for s in range(1, min(wanted, steps) + 1)
+                if steps % s == 0 and (s == 1 or steps >= 4 * s))  # K of under 4 steps: whole
     return replace(tile, split=split)
 
 

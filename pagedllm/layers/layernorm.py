@@ -82,8 +82,9 @@ def qk_norms(qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, q_heads: int
     """Qwen3's and Gemma 3's per-head norms: ``q_norm`` over each of the first ``q_heads``
     heads of ``qk`` (``[T, heads * head_dim]``, e.g. the q and k columns of a fused qkv
     output; ``head_dim`` is the norms' size) and ``k_norm`` over each of the rest. Returns
-    ``(q, k)``, ``[T, q_heads * head_dim]`` and ``[T, (heads - q_heads) * head_dim]``. On
-    CUDA one launch for both (``head_rms_norm``)."""
+    ``(q, k)``, ``[T, q_heads * head_dim]`` and ``[T, (heads - q_heads) * head_dim]``. Where
+    both norms run fused (CUDA, plain weights, one eps) one launch does both
+    (``head_rms_norm``); else each norm on its own heads (Gemma 3's offset weights)."""
     heads = qk.view(qk.shape[0], -1, q_norm.weight.shape[0])
     if q_norm._runs_fused(qk) and k_norm._runs_fused(qk) and q_norm.eps == k_norm.eps:
         q, k = head_rms_norm(heads, q_norm.weight, q_norm.eps, k_norm.weight, q_heads)

@@ -147,14 +147,27 @@ def test_prompt_sized_steps_dequantize_once_then_multiply(monkeypatch):
                                rtol=2e-3, atol=2e-3)
 
 
-def test_larger_decode_batches_dequantize_where_the_row_tiles_lose():
-    # Llama-3.1-8B's projections: up to 64 rows every product keeps the row tiles; to 128
-    # rows the MLP's wide gate/up keeps them and the narrower outputs dequantize; above,
-    # every product dequantizes once.
-    narrow, wide = (6144, 4096, 4096), 28672
-    assert not any(int_matmul.dequantizes(64, n) for n in (*narrow, wide))
-    assert all(int_matmul.dequantizes(65, n) for n in narrow)
-    assert not int_matmul.dequantizes(128, wide) and int_matmul.dequantizes(129, wide)
+def test_every_decode_batch_size_gives_the_dequantized_product(monkeypatch):
+    """Larger decode batches take the row tiles or dequantize once, by their rows and the
+    output's width (``int_matmul.dequantizes``; the wide-output bound lowered to these
+    shapes): every batch size, narrow or wide, act-order or not, gives the reference's
+    product, and both ways are taken."""
+    monkeypatch.setattr(int_matmul, "use_fused_ops", lambda x: True)  # as on a GPU
+    monkeypatch.setattr(int_matmul, "WIDE_OUTPUT", 64)
+    ways = set()
+    for name in ("int_dequantize", "int_matmul"):
+        monkeypatch.setattr(int_matmul, name, (lambda f, name: lambda *a, **k: (
+            ways.add(name), f(*a, **k))[1])(getattr(int_matmul, name), name))
+    for n, rows, act_order in ((32, 40, False), (32, 70, True), (64, 70, False),
+                               (64, 130, True)):
+        qweight, scales, zeros, perm = packed_projection(n, 64, 4, 32, seed=rows + n,
+                                                         act_order=act_order)
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(n)).to(DEVICE, DTYPE)
+        got = int_linear(x, qweight, scales, zeros, bits=4, group_size=32, in_features=64,
+                         perm=perm)
+        torch.testing.assert_close(got.float(), _reference(x, qweight, scales, zeros, 4, 32,
+                                                           perm=perm), rtol=2e-3, atol=2e-3)
+    assert ways == {"int_dequantize", "int_matmul"}
 
 
 @pytest.mark.parametrize("rows, tile", [
