@@ -85,9 +85,18 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
         **template_kwargs,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, using the chat template."""
+        """Generate replies to one conversation or a list of them, using the chat template.
+
+        ``tools`` (JSON-schema function definitions) reach the template as its ``tools``;
+        ``continue_final_message`` leaves the last message open for the model to continue
+        (with ``add_generation_prompt=False``). ``chat_template_kwargs`` and any further
+        keyword arguments become template variables (``enable_thinking=False``...).
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
@@ -96,11 +105,15 @@ class LLM:
                 "tokenizer (skip_tokenizer_init): load a model with a tokenizer, or pass "
                 "--tokenizer, or call generate() with prompt_token_ids."
             )
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError("chat_template_kwargs must be a dict of template variables.")
+        variables = {**(chat_template_kwargs or {}), **template_kwargs}
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, **template_kwargs,
+                chat_template=chat_template, tools=tools,
+                continue_final_message=continue_final_message, **variables,
             )
             # The template already holds any BOS token; do not add special tokens twice.
             prompts.append({"prompt": text,

@@ -243,6 +243,28 @@ def test_chat_uses_the_template(llm):
     assert out.prompt_token_ids == llm.get_tokenizer().encode(rendered, add_special_tokens=False)
 
 
+def test_chat_passes_tools_and_template_variables(llm):
+    """vLLM's ``LLM.chat`` arguments reach the template: ``chat_template_kwargs`` (Qwen3's
+    ``enable_thinking``), ``tools``, and ``continue_final_message``."""
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% if not (continue_final_message and loop.last) %}</{{ m.role }}>{% endif %}"
+                "{% endfor %}{% if tools %}[{{ tools | map(attribute='function.name') | join(',') }}]"
+                "{% endif %}{% if enable_thinking is false %}<nothink>{% endif %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    out = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False,
+                   chat_template=template, tools=[tool],
+                   chat_template_kwargs={"enable_thinking": False})[0]
+    assert out.prompt == "<user>hi</user>[get_weather]<nothink><assistant>"
+    out = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+                   params, use_tqdm=False, chat_template=template, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    assert out.prompt == "<user>hi</user><assistant>Hel"
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        llm.chat([{"role": "user", "content": "hi"}], params, chat_template_kwargs=["x"])
+
+
 def test_seeded_sampling_is_unchanged_by_preemption(tiny_model_dir):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 3, 40, seed=1)]
     params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=12, ignore_eos=True)
