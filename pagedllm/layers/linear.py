@@ -11,11 +11,13 @@ model on a GPU costs no initialisation kernels and no host copy.
 
 An FP8 projection (``pagedllm.quantization.fp8``) holds a float8_e4m3fn ``weight``, a
 float32 ``weight_scale [out, 1]`` and, with static activation scales, a float32
-``input_scale [1]``. An integer-weight projection (W4A16, W8A16) holds no ``weight`` but
-``qweight``, ``scales`` and ``zeros`` in the stored layout of
-``pagedllm.quantization.int_weights`` (rows are output channels there too, so shards are
-row blocks), and with act-order the ``act_perm`` of its input columns. ``Linear.load``
-fills all of them from checkpoint tensors, converting each format's tensors.
+``input_scale [1]``; with block-wise weights (``fp8_block = (rows, columns)``)
+``weight_scale [cdiv(out, rows), cdiv(in, columns)]``, one scale per block, so each
+shard of a fused projection, and each rank's part, starts on a block. An integer-weight
+projection (W4A16, W8A16) holds no ``weight`` but ``qweight``, ``scales`` and ``zeros`` in
+the stored layout of ``pagedllm.quantization.int_weights`` (rows are output channels there
+too, so shards are row blocks), and with act-order the ``act_perm`` of its input columns.
+``Linear.load`` fills all of them from checkpoint tensors, converting each format's tensors.
 
 Tensor parallelism (``pagedllm.distributed``): a ``parallel="column"`` projection holds
 its rank's output rows (each shard of a fused one split on its own, in whole heads), a
@@ -47,7 +49,13 @@ from pagedllm.layers.triton_ops import (
 )
 from pagedllm.quantization import int_weights
 from pagedllm.quantization.checkpoint import IntWeightScheme
-from pagedllm.quantization.fp8 import FP8_DTYPE, Fp8Rows, fp8_linear, quantize_rows
+from pagedllm.quantization.fp8 import (
+    FP8_DTYPE,
+    Fp8Rows,
+    fp8_block_linear,
+    fp8_linear,
+    quantize_rows,
+)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -76,7 +84,7 @@ def small_batch_product(proj: Linear, x: torch.Tensor | Fp8Rows, bias: torch.Ten
     packed integers. None where that kernel does not take the product (not CUDA, more rows
     than ``gemv_max_rows``, integer groups no tile fits, rows already quantized for a
     larger FP8 product): the caller multiplies."""
-    if isinstance(x, Fp8Rows):
+    if isinstance(x, Fp8Rows) or proj.fp8_block is not None:
         return None
     scheme = proj.int_scheme
     if scheme is None:
@@ -91,6 +99,11 @@ def small_batch_product(proj: Linear, x: torch.Tensor | Fp8Rows, bias: torch.Ten
         return None
     return small_batch_matmul(x, proj.qweight, bias, silu_gated=silu_gated, norm=norm,
                               int_weights=ints)
+
+
+# The block scales' name in Qwen3's and DeepSeek-V3's FP8 checkpoints (``weight_scale`` in
+# compressed-tensors'); either fills ``weight_scale``.
+BLOCK_SCALE_NAME = "weight_scale_inv"
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -140,6 +153,8 @@ class Linear(nn.Module):
         self.register_parameter("weight_scale", None)
         self.register_parameter("input_scale", None)
         self.int_scheme: IntWeightScheme | None = None
+        # Block-wise FP8 weights: the (rows, columns) one weight scale covers.
+        self.fp8_block: tuple[int, int] | None = None
         self.register_buffer("act_perm", None)
         # Parameters the checkpoint need not hold (filled when made); act-order g_idx per
         # shard, until finish_int_load.
@@ -156,14 +171,16 @@ class Linear(nn.Module):
         input's rows, dtype and device) for an FP8 product of its own: FP8 weights, on
         CUDA, more rows than the small-batch kernel takes. The op that makes the input may
         then hand it over quantized (``Fp8Rows``, see ``RMSNorm.feeds``)."""
-        return (self.weight_scale is not None and x.dim() == 2 and use_fused_ops(x)
-                and not use_small_batch_matmul(x, self.weight))
+        return (self.weight_scale is not None and self.fp8_block is None and x.dim() == 2
+                and use_fused_ops(x) and not use_small_batch_matmul(x, self.weight))
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         bias = None if self.reduces else self.bias
         out = small_batch_product(self, x, bias)
         if out is None and isinstance(x, Fp8Rows):
             out = fp8_linear(x, self.weight, self.weight_scale, bias)
+        elif out is None and self.fp8_block is not None:
+            out = fp8_block_linear(x, self.weight, self.weight_scale, self.fp8_block, bias)
         elif out is None and self.int_scheme is not None:
             out = int_linear(x, self.qweight, self.scales, self.zeros,
                              bits=self.int_scheme.bits, group_size=self.int_scheme.group_size,
@@ -230,6 +247,8 @@ class Linear(nn.Module):
         if self.int_scheme is not None and param_name in int_weights.checkpoint_names(
                 self.int_scheme):
             return True
+        if param_name == BLOCK_SCALE_NAME:
+            return self.fp8_block is not None
         return isinstance(getattr(self, param_name, None), nn.Parameter)
 
     def _shards(self) -> list[str | None]:
@@ -242,14 +261,18 @@ class Linear(nn.Module):
             self.weight = _frozen(quantized)
             self.weight_scale = _frozen(scale)
 
-    def make_fp8(self, static_input: bool) -> None:
+    def make_fp8(self, static_input: bool, block: tuple[int, int] | None = None) -> None:
         """Give this projection the parameters an FP8 checkpoint fills: the FP8 weight, its
-        row scales, and with ``static_input`` the activation scale (starting at 0: the
-        largest of the loaded shards' scales is kept)."""
+        row scales (with ``block``: one per block of ``(rows, columns)``), and with
+        ``static_input`` the activation scale (starting at 0: the largest of the loaded
+        shards' scales is kept)."""
         device = self.weight.device
         self.weight = _frozen(torch.empty(self.weight.shape, dtype=FP8_DTYPE, device=device))
-        self.weight_scale = _frozen(torch.empty(self.output_size, 1, dtype=torch.float32,
-                                                device=device))
+        scale_shape = (self.output_size, 1)
+        if block is not None:
+            self.fp8_block = block
+            scale_shape = (-(-self.output_size // block[0]), -(-self.input_size // block[1]))
+        self.weight_scale = _frozen(torch.empty(scale_shape, dtype=torch.float32, device=device))
         if static_input:
             self.input_scale = _frozen(torch.zeros(1, dtype=torch.float32, device=device))
 
@@ -269,6 +292,8 @@ class Linear(nn.Module):
         With tensor parallelism ``tensor`` is the checkpoint's whole tensor (or a
         ``CheckpointSlice`` of it): only this rank's part is read (``_rank_part``).
         """
+        if param_name == BLOCK_SCALE_NAME and self.fp8_block is not None:
+            param_name = "weight_scale"  # a multiplier despite its name
         tensor = self._rank_part(param_name, tensor, shard)
         if self.int_scheme is not None and param_name in int_weights.checkpoint_names(
                 self.int_scheme):
@@ -301,8 +326,11 @@ class Linear(nn.Module):
                                  f"{tuple(tensor.shape)}.")
             param.data.copy_(torch.maximum(param.data, tensor.reshape(1).to(param.dtype)))
             return param_name
-        rows = self._rows(param, shard)
-        if param_name == "weight_scale":
+        if param_name == "weight_scale" and self.fp8_block is not None:
+            rows = self._block_rows(param, shard)
+        else:
+            rows = self._rows(param, shard)
+        if param_name == "weight_scale" and self.fp8_block is None:
             if tensor.numel() == 1:
                 rows.fill_(tensor.reshape(()).item())
                 return param_name
@@ -328,6 +356,20 @@ class Linear(nn.Module):
             raise ValueError(f"This layer is not fused; it has no shard {shard!r}.")
         return param.data
 
+    def _row_range(self, shard: str | None) -> tuple[int, int]:
+        """(first row, rows) of ``shard`` in this rank's weight."""
+        self._rows(self.weight, shard)  # checks the shard
+        return 0, self.output_size
+
+    def _block_rows(self, param: nn.Parameter, shard: str | None) -> torch.Tensor:
+        """The rows of block scales ``shard`` fills: its rows must start on a block."""
+        start, length = self._row_range(shard)
+        rows = self.fp8_block[0]
+        if start % rows:
+            raise ValueError(f"shard {shard!r} starts at row {start}, inside a block of {rows} "
+                             "rows: block-wise FP8 needs every fused shard to start on a block.")
+        return param.data.narrow(0, start // rows, -(-length // rows))
+
     def _part(self, shard: str | None) -> tuple[int, int, int] | None:
         """(dim, start, length) of the checkpoint tensor ``shard`` this rank holds."""
         return self.tp_part
@@ -341,6 +383,15 @@ class Linear(nn.Module):
         if part is None or self.int_scheme is not None:  # integer weights: split in load
             return sharding.read(tensor)
         dim, start, length = part
+        if param_name == "weight_scale" and self.fp8_block is not None:
+            block = self.fp8_block[dim]
+            full = self.checkpoint_shape("weight", shard)[dim]
+            if start % block or (length % block and start + length < full):
+                raise ValueError(
+                    f"this rank's {'rows' if dim == 0 else 'columns'} [{start}, "
+                    f"{start + length}) cut the checkpoint's FP8 blocks of {block}: use a "
+                    "tensor-parallel size that splits the projection in whole blocks.")
+            return sharding.narrow(tensor, dim, start // block, -(-length // block))
         if dim == 1:
             return sharding.narrow(tensor, 1, start, length) if param_name == "weight" \
                 else sharding.read(tensor)
@@ -362,6 +413,8 @@ class Linear(nn.Module):
             scheme = self.int_scheme
             order = ", act-order" if self.act_perm is not None else ""
             return f", int{scheme.bits} groups of {scheme.group_size}{order}"
+        if self.fp8_block is not None:
+            return f", fp8 blocks of {self.fp8_block[0]}x{self.fp8_block[1]}"
         if self.weight_scale is not None:
             return ", fp8 static input" if self.input_scale is not None else ", fp8"
         return ""
@@ -412,6 +465,10 @@ class FusedLinear(Linear):
 
     def _shards(self) -> list[str | None]:
         return list(self.shard_sizes)
+
+    def _row_range(self, shard: str | None) -> tuple[int, int]:
+        self._rows(self.weight, shard)  # checks the shard
+        return self.shard_offsets[shard], self.shard_sizes[shard]
 
     def _part(self, shard: str | None) -> tuple[int, int, int] | None:
         if not self._shard_parts or shard not in self._shard_parts:

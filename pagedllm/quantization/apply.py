@@ -33,7 +33,7 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
                 except ValueError as exc:
                     raise ValueError(f"{checkpoint_names[0]}: {exc}") from exc
         elif when == "before_load" and scheme.prequantized:
-            module.make_fp8(static_input=scheme.static_input)
+            module.make_fp8(static_input=scheme.static_input, block=scheme.block)
         elif when == "after_load" and not scheme.prequantized:
             module.quantize_fp8()
     if count == 0:

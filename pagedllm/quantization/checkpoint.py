@@ -6,22 +6,26 @@ Formats read:
 * ``compressed-tensors`` as llm-compressor writes it, FP8 schemes (``format``
   ``float-quantized``): 8-bit float weights with ``weight_scale`` per tensor or per output
   channel, and input activations either dynamic per token or static per tensor
-  (``input_scale``). ``config_groups`` map ``targets`` (``"Linear"``, module names, or
-  ``re:``-prefixed regexes over the checkpoint's module names) to a scheme; ``ignore``
-  names modules left unquantized (same matching).
+  (``input_scale``); or block-wise (``FP8_BLOCK``: ``strategy: block`` weights, a scale per
+  ``block_structure`` block, inputs dynamic per token and group of the block's width).
+  ``config_groups`` map ``targets`` (``"Linear"``, module names, or ``re:``-prefixed
+  regexes over the checkpoint's module names) to a scheme; ``ignore`` names modules left
+  unquantized (same matching).
 * ``compressed-tensors`` integer weight-only schemes (``format`` ``pack-quantized``,
   llm-compressor's W4A16, W4A16_ASYM and W8A16, from its GPTQ, AWQ or round-to-nearest
   recipes): ``weight_packed``, ``weight_scale`` per group or channel, ``weight_zero_point``
   when asymmetric, ``weight_g_idx`` with ``actorder: group``.
 * The plain ``fp8`` method (``quant_method: "fp8"``): FP8 ``weight`` with ``weight_scale``
   per tensor or per channel, ``activation_scheme`` ``dynamic`` or ``static`` (then an
-  ``input_scale`` per projection), ``ignored_layers`` left unquantized.
+  ``input_scale`` per projection), ``ignored_layers`` left unquantized; or block-wise with
+  ``weight_block_size`` ``[rows, columns]`` (Qwen3's and DeepSeek-V3's FP8 checkpoints: a
+  ``weight_scale_inv`` per block, a multiplier despite its name; dynamic activations).
 * ``gptq`` (AutoGPTQ / GPTQModel): 4- or 8-bit ``qweight``, ``qzeros``, ``scales``,
   ``g_idx``; ``checkpoint_format`` ``gptq`` (zero points stored minus one) or ``gptq_v2``.
 * ``awq`` (AutoAWQ's ``gemm`` version): 4-bit ``qweight``, ``qzeros``, ``scales``.
 
 The integer layouts are described in ``pagedllm.quantization.int_weights``. Anything else
-(another method, a block-wise FP8 or FP8 weight-only scheme, integer activations, other
+(another method, an FP8 weight-only scheme, integer activations, other
 bit widths or kernel-specific layouts) is refused at start-up with the field and value in
 the message. A ``--quantization`` flag must agree with the checkpoint; on a checkpoint
 with no ``quantization_config`` it quantizes at load (``fp8``) or, with
@@ -51,10 +55,14 @@ class Fp8Scheme:
     ``static_input``: the input is quantized with the checkpoint's per-tensor
     ``input_scale`` (else per token, with a scale computed in the step).
     ``prequantized``: the checkpoint holds FP8 weights (else they are quantized at load).
+    ``block``: block-wise weights, ``(rows, columns)`` a scale (``weight_scale`` is then
+    ``[cdiv(out, rows), cdiv(in, columns)]``), and each input row quantized per group of
+    ``columns`` (dynamic; ``pagedllm.quantization.fp8.fp8_block_linear``).
     """
 
     static_input: bool = False
     prequantized: bool = True
+    block: tuple[int, int] | None = None
 
 
 ON_LOAD_FP8 = Fp8Scheme(static_input=False, prequantized=False)
@@ -258,11 +266,11 @@ def _ct_fp8_scheme(group: dict, where: str) -> Fp8Scheme:
             f"{weights.get('type')!r}; pagedllm reads 8-bit float (FP8) compressed-tensors weights."
         )
     strategy = weights.get("strategy")
-    if strategy not in ("channel", "tensor") or weights.get("dynamic"):
+    if strategy not in ("channel", "tensor", "block") or weights.get("dynamic"):
         raise ValueError(
             f"The checkpoint's {where}.weights.strategy={strategy!r} is not supported by "
-            "pagedllm: FP8 weights with a scale per tensor or per channel are (not block- "
-            "or group-wise)."
+            "pagedllm: FP8 weights with a scale per tensor, per channel or per block are "
+            "(not group-wise)."
         )
     if not weights.get("symmetric", True):
         raise ValueError(f"The checkpoint's {where}.weights.symmetric=false (zero points) is "
@@ -279,6 +287,17 @@ def _ct_fp8_scheme(group: dict, where: str) -> Fp8Scheme:
                          f"{activations.get('num_bits')}-bit {activations.get('type')!r}; "
                          "pagedllm reads FP8 activations.")
     act_strategy = activations.get("strategy")
+    if strategy == "block":
+        block = _fp8_block(weights.get("block_structure"), f"{where}.weights.block_structure")
+        if not (activations.get("dynamic") and act_strategy == "group"
+                and activations.get("group_size") == block[1]):
+            raise ValueError(
+                f"The checkpoint's {where}.input_activations (strategy={act_strategy!r}, "
+                f"group_size={activations.get('group_size')!r}, dynamic="
+                f"{activations.get('dynamic')!r}) is not supported by pagedllm with block-wise "
+                f"FP8 weights: dynamic groups of the block's {block[1]} columns are."
+            )
+        return Fp8Scheme(block=block)
     if activations.get("dynamic") and act_strategy == "token":
         static = False
     elif not activations.get("dynamic") and act_strategy == "tensor":
@@ -292,18 +311,32 @@ def _ct_fp8_scheme(group: dict, where: str) -> Fp8Scheme:
     return Fp8Scheme(static_input=static)
 
 
+def _fp8_block(value, field: str) -> tuple[int, int]:
+    """A block-wise FP8 checkpoint's ``[rows, columns]`` a weight scale covers."""
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and v > 0 for v in value)):
+        raise ValueError(f"The checkpoint's {field}={value!r} is not supported by pagedllm: "
+                         "block-wise FP8 needs [rows, columns], two positive integers.")
+    return int(value[0]), int(value[1])
+
+
 def _plain_fp8(declared: dict) -> QuantizationConfig:
-    if declared.get("weight_block_size"):
-        raise ValueError(
-            f"The checkpoint's quantization_config.weight_block_size="
-            f"{declared['weight_block_size']} (block-wise FP8) is not supported by pagedllm: "
-            "FP8 weights with a scale per tensor or per channel are."
-        )
+    if declared.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"The checkpoint's quantization_config.fmt={declared['fmt']!r} is not "
+                         "supported by pagedllm: it reads e4m3 (float8_e4m3fn) weights.")
     activation_scheme = declared.get("activation_scheme", "dynamic")
     if activation_scheme not in ("dynamic", "static"):
         raise ValueError(f"The checkpoint's quantization_config.activation_scheme="
                          f"{activation_scheme!r} is not supported: dynamic or static.")
-    scheme = Fp8Scheme(static_input=activation_scheme == "static")
+    if declared.get("weight_block_size") is not None:
+        block = _fp8_block(declared["weight_block_size"], "quantization_config.weight_block_size")
+        if activation_scheme != "dynamic":
+            raise ValueError("The checkpoint's quantization_config.activation_scheme='static' "
+                             "with weight_block_size is not supported by pagedllm: block-wise "
+                             "FP8 weights take dynamic activations.")
+        scheme = Fp8Scheme(block=block)
+    else:
+        scheme = Fp8Scheme(static_input=activation_scheme == "static")
     ignored = tuple(declared.get("ignored_layers") or declared.get("modules_to_not_convert") or ())
     return QuantizationConfig("fp8", (_Group(("Linear",), scheme),), ignored)
 

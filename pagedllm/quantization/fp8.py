@@ -16,6 +16,13 @@ same quantized operands are dequantized and multiplied in float32: the reference
 tests compare with (an HF model whose weights and projection inputs are quantized the
 same way gives the same greedy tokens).
 
+Block-wise weights (``fp8_block_linear``; a checkpoint's ``weight_block_size`` or
+compressed-tensors' ``block`` strategy) hold one scale per ``(rows, columns)`` block of the
+weight, and each input row is quantized per group of ``columns`` inputs::
+
+    y[t, n] = sum_g x_scale[t, g] * w_scale[n // rows, g] * sum_{k in group g} xq[t, k] * wq[n, k]
+    x_scale[t, g] = max_{k in group g} |x[t, k]| / 448
+
 The op that produces a projection's input can hand it over already quantized
 (``Fp8Rows``: the norm before qkv and gate/up, SiLU-and-mul before down, on CUDA), the
 same values ``quantize_rows`` gives, so the product skips its own quantization pass.
@@ -27,6 +34,7 @@ import functools
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.layers.triton_ops import quantize_rows_fp8, use_fused_ops
 
@@ -102,6 +110,52 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
                                out_dtype=torch.bfloat16).to(dtype)
     else:
         out = dequantize_rows(xq, x_scale) @ dequantize_rows(weight, weight_scale).t()
+        if bias is not None:
+            out = out + bias.float()
+        out = out.to(dtype)
+    return out.reshape(*shape[:-1], weight.shape[0])
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R, C]`` -> (float8_e4m3fn ``[R, C]``, float32 scales ``[R, cdiv(C, group)]``):
+    one scale per row and group of ``group`` columns, each group's largest magnitude mapped
+    to 448 (the last group may be narrower)."""
+    rows, columns = x.shape
+    groups = -(-columns // group)
+    padded = F.pad(x.float(), (0, groups * group - columns)).view(rows, groups, group)
+    scale = (padded.abs().amax(dim=-1) / FP8_MAX).clamp_(min=_MIN_SCALE)
+    quantized = (padded / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized.view(rows, groups * group)[:, :columns].contiguous(), scale
+
+
+def dequantize_blocks(quantized: torch.Tensor, scale: torch.Tensor,
+                      block: tuple[int, int]) -> torch.Tensor:
+    """float32 values of ``quantized [R, C]`` whose ``scale [cdiv(R, rows), cdiv(C, columns)]``
+    holds one value per ``block = (rows, columns)`` (``(1, group)``: rows quantized per
+    group, as ``quantize_groups`` gives them)."""
+    rows, columns = quantized.shape
+    expanded = scale.float().repeat_interleave(block[0], dim=0)[:rows]
+    return quantized.float() * expanded.repeat_interleave(block[1], dim=1)[:, :columns]
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias`` for block-wise FP8 weights (``weight [N, K]``
+    float8_e4m3fn, ``weight_scale [cdiv(N, block[0]), cdiv(K, block[1])]`` float32), ``x
+    [T, K]`` quantized per token and group of ``block[1]`` inputs. On GPUs with FP8 tensor
+    cores the Triton kernels of ``layers.fp8_block_matmul`` quantize and multiply;
+    elsewhere the dequantized operands are multiplied in float32 (the reference). Returns ``[T, N]`` in ``x``'s dtype."""
+    shape, dtype = x.shape, x.dtype
+    x2 = x.reshape(-1, shape[-1])
+    if _fp8_matmul_supported(x.device) and dtype in (torch.bfloat16, torch.float16):
+        from pagedllm.layers.fp8_block_matmul import block_fp8_matmul, quantize_groups_fp8
+
+        xq, x_scale = quantize_groups_fp8(x2, block[1])
+        out = block_fp8_matmul(xq, x_scale, weight, weight_scale, block, bias, dtype)
+    else:
+        xq, x_scale = quantize_groups(x2, block[1])
+        out = dequantize_blocks(xq, x_scale, (1, block[1])) @ dequantize_blocks(
+            weight, weight_scale, block).t()
         if bias is not None:
             out = out + bias.float()
         out = out.to(dtype)

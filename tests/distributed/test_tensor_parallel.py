@@ -141,16 +141,23 @@ def test_constrained_and_free_requests_with_steps_in_flight(tmp_path, tp, pp) ->
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_fp8_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path) -> None:
+@pytest.mark.parametrize("block", [None, (32, 64)])
+def test_fp8_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path, block) -> None:
     """Per-channel FP8 weights split with their scales (column-parallel: the rows' scales;
-    row-parallel: every scale), a static input scale on every rank."""
+    row-parallel: every scale), a static input scale on every rank; block-wise ones with
+    their block scales in whole blocks (column-parallel: rows of blocks of each fused
+    shard; row-parallel: columns of blocks), and a split that would cut a block refused at
+    start-up with the sizes."""
     from tests.quantization.test_fp8_checkpoints import (
         dequantized_hf_reference,
         write_plain_fp8_checkpoint,
     )
 
-    src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128)
-    fp8_dir = write_plain_fp8_checkpoint(src, tmp_path / "fp8", per_channel=True, static=True)
+    sizes = {} if block is None else dict(hidden_size=256, intermediate_size=384)
+    src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128,
+                               **sizes)
+    fp8_dir = write_plain_fp8_checkpoint(src, tmp_path / "fp8", per_channel=block is None,
+                                         static=block is None, block=block)
     prompts = random_prompts(3, 3, 20, seed=4, vocab=256)
     llm = LLM(str(fp8_dir), tensor_parallel_size=2, dtype="float32", block_size=8,
               max_model_len=128)
@@ -158,9 +165,15 @@ def test_fp8_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path) ->
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-        assert got == dequantized_hf_reference(fp8_dir, src, prompts, 10)
+        assert got == dequantized_hf_reference(fp8_dir, src, prompts, 10, block)
     finally:
         llm.llm_engine.engine_core.shutdown()
+    if block is not None:  # down_proj's 320 inputs split in two cut its blocks of 64
+        src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128,
+                                   hidden_size=256, intermediate_size=320)
+        cut = write_plain_fp8_checkpoint(src, tmp_path / "cut", False, False, block)
+        with pytest.raises(Exception, match=r"columns \[\d+, \d+\) cut the checkpoint's FP8"):
+            LLM(str(cut), tensor_parallel_size=2, dtype="float32", max_model_len=128)
 
 
 def test_each_rank_reads_only_its_part_of_the_checkpoint(tmp_path, monkeypatch) -> None:

@@ -1,7 +1,7 @@
 """Pre-quantized FP8 checkpoints: made by llm-compressor (compressed-tensors) or written by
-the plain ``fp8`` method's layout, detected from config.json with no flag, and run to the
-same greedy tokens as HF transformers on the dequantized weights with the same
-quantization of every projection's input."""
+the plain ``fp8`` method's layout, per tensor, per channel or per block, detected from
+config.json with no flag, and run to the same greedy tokens as HF transformers on the
+dequantized weights with the same quantization of every projection's input."""
 
 from __future__ import annotations
 
@@ -16,7 +16,14 @@ from safetensors.torch import save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import resolve_model_path
-from pagedllm.quantization.fp8 import FP8_DTYPE, FP8_MAX, dequantize_rows, quantize_rows
+from pagedllm.quantization.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_blocks,
+    dequantize_rows,
+    quantize_groups,
+    quantize_rows,
+)
 from tests.engine.conftest import hf_greedy, random_prompts
 from tests.quantization.llm_compressor import make_checkpoints
 from tests.utils import make_tiny_checkpoint
@@ -31,7 +38,11 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     llama = make_tiny_checkpoint(root, "llama", vocab_size=256, max_position_embeddings=128)
     qwen3 = make_tiny_checkpoint(root, "qwen3", vocab_size=256, max_position_embeddings=128)
     demo = resolve_model_path("pagedllm-demo")
+    # Projections of whole 128 x 128 blocks (FP8_BLOCK's), fused shards starting on one.
+    wide = make_tiny_checkpoint(root, "llama", vocab_size=256, max_position_embeddings=128,
+                                hidden_size=256, intermediate_size=384)
     jobs = {
+        "llama-block": (wide, "FP8_BLOCK", False),
         "llama-dynamic": (llama, "FP8_DYNAMIC", False),
         "qwen3-dynamic": (qwen3, "FP8_DYNAMIC", False),
         "llama-static": (llama, "FP8", False),
@@ -50,10 +61,22 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def quantized_input(x: torch.Tensor, input_scale: torch.Tensor | None = None,
+                    group: int | None = None) -> torch.Tensor:
+    """``x`` as an FP8 product sees it: quantized per token (or with the static
+    ``input_scale``), or per token and group of ``group`` inputs, then dequantized."""
+    rows = x.reshape(-1, x.shape[-1])
+    if group is not None:
+        q, scale = quantize_groups(rows, group)
+        return dequantize_blocks(q, scale, (1, group)).reshape(x.shape)
+    q, scale = quantize_rows(rows, input_scale)
+    return dequantize_rows(q, scale).reshape(x.shape)
+
+
 def hf_fp8_reference(model_dir: Path, prompts, max_new_tokens: int) -> list[list[int]]:
     """HF transformers' greedy tokens on the checkpoint as compressed-tensors decompresses
-    it, each quantized projection's input quantized as the checkpoint says: per token, or
-    with the projection's own static ``input_scale``."""
+    it, each quantized projection's input quantized as the checkpoint says: per token, per
+    token and group, or with the projection's own static ``input_scale``."""
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
@@ -61,12 +84,13 @@ def hf_fp8_reference(model_dir: Path, prompts, max_new_tokens: int) -> list[list
         model_dir, dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
     tensors = checkpoint_tensors(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    activations = config["config_groups"]["group_0"]["input_activations"]
+    group = activations["group_size"] if activations["strategy"] == "group" else None
 
     def quantize_input(input_scale):
         def hook(module, args):
-            (x,) = args
-            q, scale = quantize_rows(x.reshape(-1, x.shape[-1]), input_scale)
-            return (dequantize_rows(q, scale).reshape(x.shape),)
+            return (quantized_input(args[0], input_scale, group),)
         return hook
 
     for name, module in model.model.layers.named_modules(prefix="model.layers"):
@@ -85,7 +109,7 @@ def runner_model(llm: LLM):
     return llm.llm_engine.engine_core.model_runner.model
 
 
-@pytest.mark.parametrize("name", ["llama-dynamic", "qwen3-dynamic", "llama-static"])
+@pytest.mark.parametrize("name", ["llama-dynamic", "qwen3-dynamic", "llama-static", "llama-block"])
 def test_llm_compressor_fp8_checkpoint_greedy_equals_hf(checkpoints, name):
     model_dir = checkpoints[name]
     prompts = random_prompts(4, 3, 20, seed=3, vocab=256)
@@ -154,8 +178,8 @@ def with_quantization_config(src: Path, dst: Path, edit) -> Path:
     (lambda q: q.update(quant_method="bitsandbytes"), "quant_method='bitsandbytes' is not"),
     (lambda q: q["config_groups"]["group_0"].update(input_activations=None),
      "input_activations is null"),
-    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="block"),
-     "weights.strategy='block'"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group"),
+     "weights.strategy='group'"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int"),
      "4-bit 'int'"),
     (lambda q: q["config_groups"]["group_0"].update(format="marlin-24"),
@@ -169,23 +193,43 @@ def test_a_scheme_pagedllm_does_not_read_is_refused_by_name(checkpoints, tmp_pat
         LLM(str(model_dir), device="cpu")
 
 
-def write_plain_fp8_checkpoint(src: Path, dst: Path, per_channel: bool, static: bool) -> Path:
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]):
+    """``weight`` in float8_e4m3fn with one float32 scale per ``block`` (its largest
+    magnitude to 448), as DeepSeek-V3's and Qwen3's FP8 checkpoints store them."""
+    rows, columns = weight.shape
+    scale = torch.empty(-(-rows // block[0]), -(-columns // block[1]))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            scale[i, j] = tile.abs().amax().float().clamp(min=1e-12) / FP8_MAX
+    expanded = dequantize_blocks(torch.ones(rows, columns), scale, block)
+    return (weight.float() / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def write_plain_fp8_checkpoint(src: Path, dst: Path, per_channel: bool, static: bool,
+                               block: tuple[int, int] | None = None) -> Path:
     """The plain ``fp8`` method's layout (AutoFP8 and vLLM's FP8 export): each decoder
     projection's ``weight`` in float8_e4m3fn with ``weight_scale`` (one value, or one per
     output channel), ``input_scale`` (one value) when static, and
-    ``quantization_config: {"quant_method": "fp8", "activation_scheme": ...}``."""
+    ``quantization_config: {"quant_method": "fp8", "activation_scheme": ...}``. With
+    ``block``, Qwen3's and DeepSeek-V3's: ``weight_scale_inv`` per block and
+    ``weight_block_size``."""
     dst.mkdir()
     tensors = checkpoint_tensors(src)
     out = {}
     for name, tensor in tensors.items():
         if ".layers." in name and name.endswith("_proj.weight"):
-            if per_channel:
+            scale_name = name.replace(".weight", ".weight_scale")
+            if block is not None:
+                quantized, scale = quantize_blocks(tensor, block)
+                scale_name += "_inv"
+            elif per_channel:
                 quantized, scale = quantize_rows(tensor)
             else:
                 scale = tensor.abs().amax().float().reshape(()) / FP8_MAX
                 quantized = (tensor / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
             out[name] = quantized
-            out[name.replace(".weight", ".weight_scale")] = scale
+            out[scale_name] = scale
             if static:  # a calibrated-looking scale: a bound on the inputs / 448
                 out[name.replace(".weight", ".input_scale")] = torch.tensor([4.0 / FP8_MAX])
         else:
@@ -194,29 +238,38 @@ def write_plain_fp8_checkpoint(src: Path, dst: Path, per_channel: bool, static: 
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8",
                                      "activation_scheme": "static" if static else "dynamic"}
+    if block is not None:
+        config["quantization_config"].update(fmt="e4m3", weight_block_size=list(block))
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
 
-def dequantized_hf_reference(fp8_dir: Path, src: Path, prompts, max_new_tokens: int):
-    """HF on the unquantized checkpoint with each projection's weight replaced by its
-    dequantized FP8 weight and its input quantized like the checkpoint says."""
-    from transformers import AutoModelForCausalLM
+def dequantized_hf_reference(fp8_dir: Path, src: Path, prompts, max_new_tokens: int,
+                             block: tuple[int, int] | None = None):
+    """HF with each projection's weight replaced by its dequantized FP8 weight and its input
+    quantized like the checkpoint says: block-wise checkpoints dequantized by transformers'
+    own FP8 integration (``FineGrainedFP8Config(dequantize=True)``), the others on the
+    unquantized checkpoint by the scales."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     tensors = checkpoint_tensors(fp8_dir)
+    if block is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            fp8_dir, dtype=torch.float32,
+            quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, module in model.model.layers.named_modules(prefix="model.layers"):
-            if f"{name}.weight_scale" in tensors:
+            if f"{name}.weight_scale_inv" in tensors:
+                module.register_forward_pre_hook(
+                    lambda module, args: (quantized_input(args[0], group=block[1]),))
+            elif f"{name}.weight_scale" in tensors:
                 scale = tensors[f"{name}.weight_scale"].reshape(-1, 1)
                 module.weight.copy_(tensors[f"{name}.weight"].float() * scale)
                 input_scale = tensors.get(f"{name}.input_scale")
-
-                def hook(module, args, input_scale=input_scale):
-                    q, s = quantize_rows(args[0].reshape(-1, args[0].shape[-1]), input_scale)
-                    return (dequantize_rows(q, s).reshape(args[0].shape),)
-
-                module.register_forward_pre_hook(hook)
+                module.register_forward_pre_hook(
+                    lambda module, args, s=input_scale: (quantized_input(args[0], s),))
     return [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
 
 
@@ -231,11 +284,51 @@ def test_plain_fp8_checkpoint_greedy_equals_hf_on_its_dequantized_weights(tmp_pa
     assert engine_greedy(llm, prompts, 10) == dequantized_hf_reference(fp8_dir, src, prompts, 10)
 
 
-def test_block_wise_plain_fp8_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("family, block, intermediate", [
+    ("qwen3", (128, 128), 384),
+    ("llama", (32, 64), 320),
+])
+def test_block_wise_plain_fp8_checkpoint_greedy_equals_hf_on_its_dequantized_weights(
+        tmp_path, family, block, intermediate):
+    """Qwen3's and DeepSeek-V3's FP8 layout: the stored bytes and block scales are used as
+    they are (fused q/k/v and gate/up each keep their own blocks' rows), the inputs
+    quantized per token and group of the block's width."""
+    src = make_tiny_checkpoint(tmp_path, family, vocab_size=256, max_position_embeddings=128,
+                               hidden_size=256, intermediate_size=intermediate, head_dim=64)
+    fp8_dir = write_plain_fp8_checkpoint(src, tmp_path / "fp8", False, False, block)
+    prompts = random_prompts(3, 3, 20, seed=5, vocab=256)
+    llm = LLM(str(fp8_dir), dtype="float32", block_size=8, max_model_len=128, device="cpu")
+    qkv = runner_model(llm).model.layers[0].self_attn.qkv_proj
+    tensors = checkpoint_tensors(fp8_dir)
+    prefix = "model.layers.0.self_attn"
+    assert qkv.fp8_block == block and qkv.weight.dtype == FP8_DTYPE
+    assert torch.equal(qkv.weight_scale, torch.cat(
+        [tensors[f"{prefix}.{p}_proj.weight_scale_inv"] for p in "qkv"]))
+    assert engine_greedy(llm, prompts, 10) == dequantized_hf_reference(fp8_dir, src, prompts, 10,
+                                                                       block)
+
+
+@pytest.mark.parametrize("declared, message", [
+    ({"activation_scheme": "static", "weight_block_size": [128, 128]},
+     "static.*weight_block_size"),
+    ({"activation_scheme": "dynamic", "weight_block_size": [128]}, r"weight_block_size=\[128\]"),
+    ({"activation_scheme": "dynamic", "fmt": "e5m2"}, "fmt='e5m2'"),
+])
+def test_plain_fp8_schemes_pagedllm_does_not_read_are_refused(tmp_path, declared,
+                                                                          message):
     src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "weight_block_size": [128, 128]}
+    config["quantization_config"] = {"quant_method": "fp8", **declared}
     (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"weight_block_size=\[128, 128\]"):
+    with pytest.raises(ValueError, match=message):
         LLM(str(src), device="cpu")
+
+
+def test_blocks_that_cut_a_fused_shard_are_refused(tmp_path):
+    """up's rows start after gate's 320 (k's after q's 256), inside a block of 96: one
+    scale would straddle two projections that pagedllm multiplies as one."""
+    src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128,
+                               hidden_size=256, intermediate_size=320)
+    fp8_dir = write_plain_fp8_checkpoint(src, tmp_path / "fp8", False, False, (96, 128))
+    with pytest.raises(ValueError, match=r"shard '(up|k)' starts at row (320|256), inside a block"):
+        LLM(str(fp8_dir), device="cpu")
