@@ -13,8 +13,11 @@ Operands, as ``pagedllm.quantization.fp8.fp8_block_linear`` prepares them::
 Each program owns a ``BLOCK_M x BLOCK_N`` output tile and walks ``K`` one scale group
 (``BLOCK_K = GROUP_K`` columns) a step: the group's FP8 product on the tensor cores in
 float32, scaled by the rows' and the columns' scales, added to the float32 sum. A column
-tile may straddle weight blocks (each column reads its own block's scale). The kernel
-sizes (``block_fp8_tile``) are chosen from the row count alone, not tuned on a GPU yet.
+tile may straddle weight blocks (each column reads its own block's scale). Decode batches
+(up to ``SPLIT_ROWS`` rows) have too few output tiles to keep every SM reading weights, so
+their groups are split into ``SPLIT`` slices: each program writes its slice's float32
+partial sums, added in slice order afterwards (the result does not depend on timing). The
+tiles (``block_fp8_tile``) follow the row count and the SM count, not yet tuned on a GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ import triton.language as tl
 
 from pagedllm.layers._triton_ops_kernels import fp8_row_scale, to_fp8
 from pagedllm.layers.launch_math import cdiv, next_power_of_2
+from pagedllm.layers.triton_ops import _sm_count
+
+# Products of at most this many rows split K (decode batches).
+SPLIT_ROWS = 16
 
 
 @triton.jit
@@ -64,16 +71,22 @@ def quantize_groups_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
 @triton.jit(do_not_specialize=["M"])
 def _block_fp8_matmul_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, bias_ptr,
-    M, N, K,
+    M, N, K, groups_per_split,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_om,
     GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
 ):
+    """Output tile ``(program_id(0), program_id(1))`` over scale groups
+    ``[program_id(2) * groups_per_split, ...)``; with ``PARTIAL`` its float32 sums go to
+    slice ``program_id(2)`` of ``out`` (``[SPLIT, M, N]``, no bias), else the tile itself
+    (with the bias, in ``out``'s dtype)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_valid = m < M
@@ -84,7 +97,8 @@ def _block_fp8_matmul_kernel(
     a_scales = a_scale_ptr + m.to(tl.int64) * stride_asm
     b_scales = b_scale_ptr + (n // GROUP_N).to(tl.int64) * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(0, tl.cdiv(K, BLOCK_K)):
+    first = split * groups_per_split
+    for g in range(first, tl.minimum(first + groups_per_split, tl.cdiv(K, BLOCK_K))):
         kk = g * BLOCK_K + k
         k_valid = kk < K
         a = tl.load(a_rows + kk[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
@@ -94,15 +108,25 @@ def _block_fp8_matmul_kernel(
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    if PARTIAL:
+        out_ptr += split.to(tl.int64) * M * N
     out = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
 
 
-def block_fp8_tile(rows: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a product of ``rows`` rows: the
-    smallest row tile of 16 to 128 that holds them, 128 columns."""
+def block_fp8_tile(rows: int, n: int, groups: int, sm_count: int
+                   ) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, SPLIT, num_warps, num_stages)`` for ``rows x n`` outputs over
+    ``groups`` scale groups: the smallest row tile of 16 to 128 that holds the rows, 128
+    columns; decode batches (``SPLIT_ROWS`` rows or fewer) take 64 columns and split the
+    groups until the tiles times the slices reach about two programs per SM, keeping at
+    least two groups a slice."""
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    return block_m, 128, 8 if block_m == 128 else 4, 3
+    if rows > SPLIT_ROWS:
+        return block_m, 128, 1, 8 if block_m == 128 else 4, 3
+    tiles = cdiv(n, 64)
+    split = max(1, min(cdiv(2 * sm_count, tiles), groups // 2))
+    return block_m, 64, split, 4, 4
 
 
 def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
@@ -119,15 +143,27 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
         raise ValueError("block_fp8_matmul: a and b must be contiguous along K.")
     rows, k = a.shape
     n = b.shape[0]
-    out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
     if rows == 0:
-        return out
-    block_m, block_n, num_warps, num_stages = block_fp8_tile(rows)
-    _block_fp8_matmul_kernel[(cdiv(rows, block_m), cdiv(n, block_n))](
-        a, a_scale, b, b_scale, out, bias if bias is not None else out,
-        rows, n, k,
-        a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
+        return torch.empty(rows, n, dtype=out_dtype, device=a.device)
+    groups = cdiv(k, group_k)
+    block_m, block_n, split, num_warps, num_stages = block_fp8_tile(
+        rows, n, groups, _sm_count(a.device))
+    groups_per_split = cdiv(groups, split)
+    split = cdiv(groups, groups_per_split)  # no slice without a group
+    partial = split > 1
+    out = torch.empty((split, rows, n) if partial else (rows, n),
+                      dtype=torch.float32 if partial else out_dtype, device=a.device)
+    _block_fp8_matmul_kernel[(cdiv(rows, block_m), cdiv(n, block_n), split)](
+        a, a_scale, b, b_scale, out, bias if bias is not None and not partial else out,
+        rows, n, k, groups_per_split,
+        a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), n,
         GROUP_N=group_n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=group_k,
-        HAS_BIAS=bias is not None, num_warps=num_warps, num_stages=num_stages,
+        HAS_BIAS=bias is not None and not partial, PARTIAL=partial,
+        num_warps=num_warps, num_stages=num_stages,
     )
-    return out
+    if not partial:
+        return out
+    summed = out.sum(dim=0)
+    if bias is not None:
+        summed += bias.float()
+    return summed.to(out_dtype)
