@@ -79,6 +79,20 @@ def resolve_model_path(model: str | None, revision: str | None = None,
     return Path(local)
 
 
+def merge_overrides(config: dict, overrides: dict) -> dict:
+    """``config`` with ``overrides`` applied: a key's value replaces the config's, an object
+    merges into the config's object of that key the same way, and ``None`` removes it."""
+    merged = dict(config)
+    for key, value in overrides.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def _normalize_dtype(dtype: str) -> str:
     dtype = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
     if dtype.startswith("torch."):
@@ -107,6 +121,8 @@ class ModelConfig:
     # the method a quantized checkpoint declares (compressed-tensors, gptq, awq; with
     # load_format "dummy" gptq/awq give random 4-bit weights); None: the checkpoint's own.
     quantization: str | None = None
+    # config.json fields to override (``merge_overrides``), before anything reads it.
+    hf_overrides: dict | None = None
     # Derived in __post_init__:
     path: Path = field(init=False)
     hf_config: dict = field(init=False, repr=False)
@@ -122,10 +138,13 @@ class ModelConfig:
         self.dtype = _normalize_dtype(self.dtype)
         self.quantization = check_quantization(self.quantization)
         self.path = resolve_model_path(self.model, self.revision)
-        self.hf_config = json.loads((self.path / "config.json").read_text())
+        overrides = self.hf_overrides or {}
+        self.hf_config = merge_overrides(json.loads((self.path / "config.json").read_text()),
+                                         overrides)
         cfg = self.hf_config
         if "text_config" in cfg and "num_hidden_layers" not in cfg:
-            cfg = {**cfg, **cfg["text_config"]}
+            # The text model's fields at the top, the overrides' top-level ones over them.
+            cfg = merge_overrides({**cfg, **cfg["text_config"]}, overrides)
             self.hf_config = cfg
         self.quant_config = resolve_quantization(self.quantization, cfg, self.load_format)
         self.quantization = self.quant_config.method if self.quant_config else None

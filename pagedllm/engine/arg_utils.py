@@ -45,6 +45,19 @@ CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 CUDA_MAX_NUM_SEQS = 512
 
 
+def _json_object(given: dict | str | None, flag: str, example: str) -> dict | None:
+    """A flag's JSON object (or the dict the Python keyword passed); ValueError naming the
+    flag when it is not valid JSON or not an object."""
+    if isinstance(given, str):
+        try:
+            given = json.loads(given)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} is not valid JSON: {exc}.") from exc
+    if given is not None and not isinstance(given, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. {example}.")
+    return given
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """``--help`` of the ``pagedllm`` commands: descriptions keep their layout but lose
     reStructuredText's double backticks, and each option's help ends with its default.
@@ -88,6 +101,8 @@ class EngineArgs:
     device: str | None = None
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
+    # config.json fields to override (a dict, or its JSON from --hf-overrides).
+    hf_overrides: dict | str | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     # None: on with CUDA (the host prepares a step while the GPU runs the previous one),
@@ -133,7 +148,7 @@ class EngineArgs:
             model=self.model, tokenizer=self.tokenizer, revision=self.revision, dtype=self.dtype,
             load_format=self.load_format, seed=self.seed, max_model_len=self.max_model_len,
             skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager,
-            quantization=self.quantization,
+            quantization=self.quantization, hf_overrides=self._hf_overrides(),
         )
         cache_config = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
@@ -169,16 +184,17 @@ class EngineArgs:
                             speculative_config=speculative_config,
                             parallel_config=parallel_config)
 
+    def _hf_overrides(self) -> dict | None:
+        """``hf_overrides`` as a dict (``--hf-overrides`` gives its JSON)."""
+        return _json_object(self.hf_overrides, "--hf-overrides",
+                            '\'{"max_position_embeddings": 65536}\'') or None
+
     def _speculative_config(self) -> SpeculativeConfig | None:
         """``--speculative-config`` (a dict, or its JSON text) merged with the individual
         flags; None when neither asks for speculation. A flag and a key that disagree are
         refused."""
-        given = self.speculative_config
-        if isinstance(given, str):
-            try:
-                given = json.loads(given)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--speculative-config is not valid JSON: {exc}.") from exc
+        given = _json_object(self.speculative_config, "--speculative-config",
+                             '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
         given = dict(given or {})
         unknown = sorted(set(given) - set(_SPECULATIVE_FLAGS.values()))
         if unknown:
@@ -214,6 +230,10 @@ class EngineArgs:
                            help="'auto' follows the checkpoint (float32 on the CPU).")
         group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                            help="'dummy' uses random weights at the model's real shape.")
+        group.add_argument("--hf-overrides", default=None,
+                           help="JSON object of config.json fields to override, merged into "
+                                "nested objects (e.g. '{\"rope_scaling\": {\"factor\": 4.0}}'); "
+                                "a key of null removes the field.")
         group.add_argument("--seed", type=int, default=0,
                            help="Seed of unseeded sampling and of dummy weights.")
         group.add_argument("--max-model-len", type=int, default=None,

@@ -23,8 +23,8 @@ class LLM:
     Keyword arguments are the engine arguments (see ``pagedllm.engine.arg_utils.EngineArgs``):
     dtype, max_model_len, block_size, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, enable_chunked_prefill, num_kv_blocks, gpu_memory_utilization,
-    kv_cache_memory_gb, seed, load_format, tokenizer, revision, device, skip_tokenizer_init,
-    enforce_eager.
+    kv_cache_memory_gb, seed, load_format, hf_overrides, tokenizer, revision, device,
+    skip_tokenizer_init, enforce_eager.
 
     A model with no tokenizer (the built-in benchmark configs, or ``skip_tokenizer_init=True``)
     takes prompts as ``{"prompt_token_ids": [...]}`` and returns token ids with empty text.

@@ -37,3 +37,29 @@ def test_unsupported_option_names_the_flag_to_drop_and_the_keyword():
         "quantization keyword in Python).")
     with pytest.raises(ValueError, match=r"^--enable-lora \(enable_lora=True\) is not supported"):
         LLM(enable_lora=True)
+
+
+def test_hf_overrides_change_the_config_before_anything_reads_it(tiny_model_dir):
+    """vLLM's --hf-overrides: a field replaced (the context bound the engine derives from
+    it), an object merged key by key, null removing a field, and through it a block-wise
+    FP8 quantization_config that random weights take (how a benchmark runs a layout no
+    local checkpoint has)."""
+    from pagedllm.config import merge_overrides
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    assert merge_overrides({"a": 1, "rope": {"type": "x", "factor": 2}, "b": 3},
+                           {"rope": {"factor": 8}, "b": None, "c": [1]}) == {
+        "a": 1, "rope": {"type": "x", "factor": 8}, "c": [1]}
+    config = EngineArgs(model=str(tiny_model_dir), device="cpu",
+                        hf_overrides='{"max_position_embeddings": 64}').create_engine_config()
+    assert config.model_config.max_model_len == 64
+    llm = LLM(str(tiny_model_dir), device="cpu", load_format="dummy", hf_overrides={
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 32]}})
+    qkv = llm.llm_engine.engine_core.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.fp8_block == (16, 32) and qkv.weight.dtype == torch.float8_e4m3fn
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 16
+    with pytest.raises(ValueError, match="--hf-overrides is not valid JSON"):
+        EngineArgs(model=str(tiny_model_dir), hf_overrides="{max: 1}").create_engine_config()
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        EngineArgs(model=str(tiny_model_dir), hf_overrides="[1]").create_engine_config()
