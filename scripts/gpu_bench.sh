@@ -42,7 +42,10 @@
 #            with FP8 keys and values, held-out perplexity within 1%); and
 #            check_kernels_gpu.py --fp8-kv (the kernels over an FP8 cache at real sizes
 #            against the torch reference; decode over bf16 and FP8 caches by tile); and
-#            scripts/gemv_quant_sweep.py --kinds fp8 (the small-batch product's tiles)
+#            scripts/gemv_quant_sweep.py --kinds fp8 (the small-batch product's tiles);
+#            then W1 and L1/P1 with block-wise FP8 weights (Qwen3's and DeepSeek-V3's
+#            128 x 128 layout, given to the dummy weights by --hf-overrides) into
+#            fp8-block-*.json, beside the per-channel runs above
 #   w4a16    W1 and L1/P1 on llama-3.1-8b with dummy 4-bit weights (--quantization gptq
 #            --load-format dummy: groups of 128, the W4A16 kernels of layers/int_matmul.py
 #            and the small-batch product); the report sets each beside the bf16 record of
@@ -91,6 +94,7 @@ if [ "$DRY" = "1" ]; then
     LONG_ARGS=(--input-len 200 --output-len 8 --prefill-batch 1 --prefill-len 300 --num-iters 1
                --num-iters-warmup 1) LONG_CHUNKS=${LONG_CHUNKS-128} LIMIT_LONG=120
     LONG_AB=${LONG_AB-PAGEDLLM_DENSE_PREFILL=off}
+    FP8_BLOCK=32  # the demo model's fused shards start on blocks of 32
 else
     BIG=llama-3.1-8b SMALL=qwen3-0.6b MOE=mixtral-8x7b MOE_SMALL=qwen3-30b-a3b
     read -r -a TESTS <<<"${GPU_BENCH_TESTS:-tests/worker tests/layers tests/kernels tests/models tests/engine tests/structured}"
@@ -108,7 +112,9 @@ else
                --num-iters 3 --num-iters-warmup 1)
     LONG_CHUNKS=${LONG_CHUNKS-8192 16384} LIMIT_LONG=${LIMIT_LONG:-150}
     LONG_AB=${LONG_AB-PAGEDLLM_DENSE_PREFILL=off}
+    FP8_BLOCK=128
 fi
+BLOCK_FP8_CONFIG="{\"quantization_config\": {\"quant_method\": \"fp8\", \"weight_block_size\": [$FP8_BLOCK, $FP8_BLOCK]}}"
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
 STRUCTURED_AB=${STRUCTURED_AB-PAGEDLLM_GRAMMAR_FILL_THREADS=4}  # set and empty: no second run
@@ -182,6 +188,11 @@ if [ "$DRY" != "1" ]; then
     step fp8 "$LIMIT_SWEEP" $PY scripts/gemv_quant_sweep.py --kinds fp8 --rows 1,4 \
         --budget-s 100 --out "$OUT/gemv-fp8.json"
 fi
+step fp8 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
+    "${W1_ARGS[@]}" --hf-overrides "$BLOCK_FP8_CONFIG" --output-json "$OUT/fp8-block-w1-$BIG.json"
+step fp8 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
+    "${LAT_ARGS[@]}" --hf-overrides "$BLOCK_FP8_CONFIG" \
+    --output-json "$OUT/fp8-block-latency-$BIG.json"
 
 step w4a16 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
     "${LAT_ARGS[@]}" --quantization gptq --step-timing --torch-profile \

@@ -271,6 +271,11 @@ def main() -> int:
         fp8[cache] = _throughput(_load(path), "W1", args.big, meta, None)
         fp8[cache].update(quantization="fp8", variant=variant)
         records.append(fp8[cache])
+    block_w1 = args.dir / f"fp8-block-w1-{args.big}.json"
+    if block_w1.is_file():  # block-wise FP8 weights (hf-overrides), beside per-channel
+        block = _throughput(_load(block_w1), "W1", args.big, meta, None)
+        block.update(quantization="fp8", variant="fp8-block")
+        records.append(block)
     if fp8["auto"].get("kv_cache_tokens") and fp8["fp8"].get("kv_cache_tokens"):
         fp8["fp8"]["kv_capacity_vs_auto"] = round(
             fp8["fp8"]["kv_cache_tokens"] / fp8["auto"]["kv_cache_tokens"], 3)
