@@ -83,7 +83,7 @@ def small_batch_product(proj: Linear, x: torch.Tensor | Fp8Rows, bias: torch.Ten
     ``silu_gated`` or ``norm`` riding on it), for every weight format: bf16/fp16, FP8 and
     packed integers. None where that kernel does not take the product (not CUDA, more rows
     than ``gemv_max_rows``, integer groups no tile fits, rows already quantized for a
-    larger FP8 product): the caller multiplies."""
+    larger FP8 product, block-wise FP8 weights): the caller multiplies."""
     if isinstance(x, Fp8Rows) or proj.fp8_block is not None:
         return None
     scheme = proj.int_scheme
