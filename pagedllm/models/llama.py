@@ -565,22 +565,27 @@ class LlamaForCausalLM(nn.Module):
             return None
         return module if isinstance(module, (Linear, Embedding)) else None
 
-    def projections(self) -> Iterator[tuple[Linear, list[str]]]:
+    def projections(self) -> Iterator[tuple[Linear | FusedMoE, list[str]]]:
         """Each projection inside the decoder layers with the checkpoint module names it
         holds (``...self_attn.q_proj``, ``k_proj``, ``v_proj`` for the fused qkv): what a
-        checkpoint's quantization config names. Raises ValueError for a mixture-of-experts
-        model: its experts have no quantized product."""
-        if self.config.num_experts:
-            raise ValueError(
-                f"{type(self).__name__} cannot be quantized: pagedllm has no quantized "
-                "product for mixture-of-experts weights. Serve an unquantized checkpoint "
-                "without --quantization.")
+        checkpoint's quantization config names. A layer's experts come as one
+        ``FusedMoE`` named by its first expert's ``gate_proj``, ``up_proj`` and
+        ``down_proj``; the routers (``mlp.gate``, ``shared_expert_gate``) are never
+        quantized and not listed."""
+        routers = set()
+        for module in self.model.layers.modules():
+            if isinstance(module, MoEBlock):
+                routers.add(id(module.gate))
+                if isinstance(getattr(module, "shared_expert_gate", None), Linear):
+                    routers.add(id(module.shared_expert_gate))
         for name, module in self.model.layers.named_modules(prefix="model.layers"):
-            if isinstance(module, FusedLinear):
+            if isinstance(module, FusedMoE):
+                yield module, [f"{name}.0.{p}_proj" for p in ("gate", "up", "down")]
+            elif isinstance(module, FusedLinear):
                 parent, fused = name.rsplit(".", 1)
                 shards = {shard: original for f, original, shard in STACKED_PARAMS if f == fused}
                 yield module, [f"{parent}.{shards[shard]}" for shard in module.shard_sizes]
-            elif isinstance(module, Linear):
+            elif isinstance(module, Linear) and id(module) not in routers:
                 yield module, [name]
 
     def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> None:

@@ -189,7 +189,7 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
             continue
         if id(param) in norm_weights:
             param.fill_(1.0)
-        elif name.endswith(".weight_scale"):
+        elif name.endswith((".weight_scale", ".w13_scale", ".w2_scale")):
             param.fill_(DUMMY_WEIGHT_RANGE / FP8_MAX)
         elif name.endswith(".input_scale"):
             param.fill_(1.0 / FP8_MAX)

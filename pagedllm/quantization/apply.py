@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.quantization.checkpoint import IntWeightScheme, QuantizationConfig
 
 
@@ -12,11 +13,12 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
     how many are quantized.
 
     ``when="before_load"`` gives the projections a quantized checkpoint fills their
-    parameters: FP8 weights and scales (``Linear.make_fp8``) or packed integer weights
-    (``Linear.make_int``). ``when="after_load"`` quantizes the loaded weights of the
-    projections an unquantized checkpoint is quantized at load (``Linear.quantize_fp8``)
-    and sorts act-order integer weights (``Linear.finish_int_load``). A projection's
-    checkpoint names (q/k/v for a fused qkv) pick its scheme.
+    parameters: FP8 weights and scales (``Linear.make_fp8``, ``FusedMoE.make_fp8``) or
+    packed integer weights (``Linear.make_int``). ``when="after_load"`` quantizes the
+    loaded weights of the projections an unquantized checkpoint is quantized at load
+    (``quantize_fp8``) and sorts act-order integer weights (``Linear.finish_int_load``). A
+    projection's checkpoint names (q/k/v for a fused qkv) pick its scheme. Experts take FP8
+    with dynamic activations only; another scheme for them is a ValueError naming it.
     """
     count = 0
     for module, checkpoint_names in model.projections():
@@ -24,7 +26,9 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
         if scheme is None:
             continue
         count += 1
-        if isinstance(scheme, IntWeightScheme):
+        if isinstance(module, FusedMoE):
+            _quantize_experts(module, scheme, checkpoint_names[0], when)
+        elif isinstance(scheme, IntWeightScheme):
             if when == "before_load":
                 module.make_int(scheme)
             else:
@@ -40,3 +44,19 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
         raise ValueError(f"quantization {config.method!r} found no projection to quantize "
                          "in this model.")
     return count
+
+
+def _quantize_experts(experts: FusedMoE, scheme, name: str, when: str) -> None:
+    if isinstance(scheme, IntWeightScheme):
+        raise ValueError(f"{name}: {scheme.bits}-bit integer weights for mixture-of-experts "
+                         "layers are not supported by pagedllm (their experts take FP8).")
+    if scheme.static_input:
+        raise ValueError(f"{name}: static FP8 input scales for mixture-of-experts layers are "
+                         "not supported by pagedllm (their experts take dynamic ones).")
+    try:
+        if when == "before_load" and scheme.prequantized:
+            experts.make_fp8(scheme.block)
+        elif when == "after_load" and not scheme.prequantized:
+            experts.quantize_fp8()
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from exc

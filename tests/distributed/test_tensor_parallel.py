@@ -176,6 +176,30 @@ def test_fp8_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path, bl
             LLM(str(cut), tensor_parallel_size=2, dtype="float32", max_model_len=128)
 
 
+def test_block_wise_fp8_experts_at_tp2_give_the_tokens_of_one_rank(tmp_path) -> None:
+    """Block-wise FP8 experts split over two ranks in whole blocks of rows and columns
+    with their scales; each rank quantizes its inputs in the same groups one rank does, so
+    the tokens are the same. (Per-channel experts quantize the down projection's input per
+    token over each rank's columns, so their tokens may differ from one rank's, as a
+    row-parallel dense projection's do.)"""
+    from tests.quantization.test_fp8_checkpoints import write_plain_fp8_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path, "qwen3_moe", vocab_size=256, max_position_embeddings=128)
+    fp8_dir = write_plain_fp8_checkpoint(src, tmp_path / "fp8", False, False, (8, 8))
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 3, 20, seed=7, vocab=256)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(
+        str(fp8_dir), dtype="float32", block_size=8, max_model_len=128,
+        device="cpu").generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(fp8_dir), tensor_parallel_size=2, dtype="float32", block_size=8,
+              max_model_len=128)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def test_each_rank_reads_only_its_part_of_the_checkpoint(tmp_path, monkeypatch) -> None:
     """Rank 1 of 2, built in this process: its layers hold its heads, columns and
     vocabulary rows of the checkpoint's tensors, and no projection, embedding or head

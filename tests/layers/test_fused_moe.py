@@ -10,7 +10,11 @@ import torch
 from pagedllm.layers.fused_moe import MoEBlock, select_experts
 from pagedllm.layers.fused_moe.tiles import (DEFAULT_TILES, TILE_ENV,
                                               MoeTile, choose_tile, parse_tile, row_bucket)
-from pagedllm.layers.fused_moe.torch_ref import fused_moe_dense, fused_moe_reference
+from pagedllm.layers.fused_moe.torch_ref import (
+    ExpertScales,
+    fused_moe_dense,
+    fused_moe_reference,
+)
 from pagedllm.layers.fused_moe.triton_moe import fused_moe_triton, sort_slots_by_expert
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,6 +124,48 @@ def test_triton_grouped_gemm_matches_the_torch_reference(num_tokens, top_k, tile
     # bf16: the products accumulate in another order than BLAS's (a rounding step apart).
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def _fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | None):
+    """The experts' weights in FP8 with their scales: per output channel, or per block."""
+    from pagedllm.quantization.fp8 import FP8_MAX, quantize_rows
+
+    def quantize(weights):
+        values, scales = [], []
+        for weight in weights.float().cpu():
+            if block is None:
+                q, scale = quantize_rows(weight)
+            else:
+                rows = -(-weight.shape[0] // block[0])
+                cols = -(-weight.shape[1] // block[1])
+                scale = torch.rand(rows, cols, generator=torch.Generator().manual_seed(rows))
+                scale = scale * 1e-3 + 1e-3
+                q = (torch.rand(weight.shape) * 2 - 1) * FP8_MAX
+                q = q.to(torch.float8_e4m3fn)
+            values.append(q)
+            scales.append(scale)
+        return torch.stack(values).to(DEVICE), torch.stack(scales).to(DEVICE)
+
+    (q13, s13), (q2, s2) = quantize(w13), quantize(w2)
+    return q13, q2, ExpertScales(s13, s2, block)
+
+
+@pytest.mark.parametrize("block, tile", [
+    (None, MoeTile(16, 32, 16)),
+    (None, MoeTile(16, 16, 32, group_m=1)),
+    ((8, 16), MoeTile(16, 16, 32)),  # BLOCK_K cut to the block's 16 inputs; ragged blocks
+    ((16, 32), MoeTile(16, 32, 64, group_m=1)),
+])
+def test_triton_grouped_gemm_with_fp8_experts_matches_the_fp8_reference(block, tile) -> None:
+    """FP8 experts, per channel and per block: inputs quantized per token (and group), each
+    group's product scaled, as the reference dequantizes and multiplies."""
+    x, w13, w2, weights, ids = _moe_inputs(11, 2)
+    q13, q2, scales = _fp8_experts(w13, w2, block)
+    got = fused_moe_triton(x, q13, q2, weights, ids, tile=tile, scales=scales)
+    want = fused_moe_reference(x, q13, q2, weights, ids, scales=scales)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    dense = fused_moe_dense(x, q13, q2, weights, ids, scales=scales)
+    torch.testing.assert_close(dense, want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_environment_tile_sorts_and_multiplies_with_its_own_block_m(monkeypatch) -> None:

@@ -57,7 +57,10 @@ def test_a_missing_expert_is_named(tmp_path) -> None:
         load_model(ModelConfig(model=str(path)), "cpu", torch.float32)
 
 
-def test_quantizing_a_mixture_of_experts_model_is_refused(tmp_path) -> None:
+def test_integer_weights_for_experts_are_refused_by_name(tmp_path) -> None:
+    """Experts take FP8; 4-bit weights (here random, in GPTQ's layout) name the experts."""
     path = make_tiny_checkpoint(tmp_path, "qwen3_moe")
-    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM cannot be quantized"):
-        load_model(ModelConfig(model=str(path), quantization="fp8"), "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj: "
+                                         r"4-bit integer weights for mixture-of-experts"):
+        load_model(ModelConfig(model=str(path), quantization="gptq", load_format="dummy"),
+                   "cpu", torch.float32)

@@ -332,3 +332,71 @@ def test_blocks_that_cut_a_fused_shard_are_refused(tmp_path):
     fp8_dir = write_plain_fp8_checkpoint(src, tmp_path / "fp8", False, False, (96, 128))
     with pytest.raises(ValueError, match=r"shard '(up|k)' starts at row (320|256), inside a block"):
         LLM(str(fp8_dir), device="cpu")
+
+
+def hf_moe_fp8_reference(fp8_dir: Path, src: Path, prompts, max_new_tokens: int,
+                         block: tuple[int, int] | None = None):
+    """HF's Qwen3-MoE with every quantized projection's weight dequantized from the FP8
+    checkpoint (its experts' too, into HF's stacked expert weights) and each product's input
+    quantized per token (per token and group with blocks); the routers stay as they are."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    tensors = checkpoint_tensors(fp8_dir)
+    group = None if block is None else block[1]
+
+    def dequantized(name: str) -> torch.Tensor:
+        if block is not None:
+            return dequantize_blocks(tensors[f"{name}.weight"],
+                                     tensors[f"{name}.weight_scale_inv"], block)
+        scale = tensors[f"{name}.weight_scale"].reshape(-1, 1)
+        return tensors[f"{name}.weight"].float() * scale
+
+    def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for expert in range(experts.num_experts):
+            token_idx, top_k_pos = torch.where(top_k_index == expert)
+            if token_idx.numel() == 0:
+                continue
+            state = quantized_input(hidden_states[token_idx], group=group)
+            gate, up = torch.nn.functional.linear(state, experts.gate_up_proj[expert]).chunk(2, -1)
+            hidden = quantized_input(experts.act_fn(gate) * up, group=group)
+            hidden = torch.nn.functional.linear(hidden, experts.down_proj[expert])
+            out.index_add_(0, token_idx, hidden * top_k_weights[token_idx, top_k_pos, None])
+        return out
+
+    with torch.no_grad():
+        for index, layer in enumerate(model.model.layers):
+            prefix = f"model.layers.{index}"
+            for name, module in layer.self_attn.named_children():
+                if f"{prefix}.self_attn.{name}.weight" in tensors and name.endswith("_proj"):
+                    module.weight.copy_(dequantized(f"{prefix}.self_attn.{name}"))
+                    module.register_forward_pre_hook(
+                        lambda module, args: (quantized_input(args[0], group=group),))
+            experts = layer.mlp.experts
+            for e in range(experts.num_experts):
+                name = f"{prefix}.mlp.experts.{e}"
+                experts.gate_up_proj[e].copy_(torch.cat(
+                    [dequantized(f"{name}.gate_proj"), dequantized(f"{name}.up_proj")]))
+                experts.down_proj[e].copy_(dequantized(f"{name}.down_proj"))
+            experts.forward = lambda *args, experts=experts: experts_forward(experts, *args)
+    return [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
+
+
+@pytest.mark.parametrize("block", [None, (16, 16)])
+def test_mixture_of_experts_fp8_greedy_equals_hf_on_its_dequantized_weights(tmp_path, block):
+    """Qwen3-MoE's experts in FP8 from a checkpoint, per channel or per block (its routers
+    left unquantized), and per channel at load (``--quantization fp8``): the tokens of HF
+    with the dequantized experts and every product's input quantized the same way."""
+    src = make_tiny_checkpoint(tmp_path, "qwen3_moe", vocab_size=256, max_position_embeddings=128)
+    fp8_dir = write_plain_fp8_checkpoint(src, tmp_path / "fp8", block is None, False, block)
+    prompts = random_prompts(3, 3, 20, seed=6, vocab=256)
+    llm = LLM(str(fp8_dir), dtype="float32", block_size=8, max_model_len=128, device="cpu")
+    layer = runner_model(llm).model.layers[0].mlp
+    assert layer.experts.w13.dtype == FP8_DTYPE and layer.gate.weight.dtype == torch.float32
+    got = engine_greedy(llm, prompts, 10)
+    assert got == hf_moe_fp8_reference(fp8_dir, src, prompts, 10, block)
+    if block is None:  # the same per-channel scales as quantizing at load gives
+        on_load = LLM(str(src), quantization="fp8", dtype="float32", block_size=8,
+                      max_model_len=128, device="cpu")
+        assert engine_greedy(on_load, prompts, 10) == got

@@ -10,6 +10,12 @@ columns and the group's activation rows in L2. A slot is a flat ``token * top_k 
 index; pad slots (``>= num_slots``) are masked. Rows of ``a`` are read at
 ``slot // A_DIV`` and results written at row ``slot`` of ``c``. Offsets are computed in
 int64; accumulation is float32.
+
+With ``FP8`` the operands are float8_e4m3fn: ``a``'s rows with float32 scales
+``a_scale[row, g]`` and the experts' weights with ``b_scale[e, n // group_n, g]``, one per
+group ``g`` of ``group_k`` inputs (per channel: ``group_n`` 1, ``group_k`` the whole K).
+Each ``BLOCK_K`` step lies in one group (``BLOCK_K`` divides ``group_k``, or there is one
+group) and its product is scaled by its row's and its column's scales before it is added.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, block_expert_ptr,
-    num_slots, num_blocks, N, K,
-    stride_am, stride_be, stride_bn, stride_cm,
+    a_scale_ptr, b_scale_ptr,
+    num_slots, num_blocks, N, K, group_n, group_k,
+    stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
     A_DIV: tl.constexpr,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     DOT_F32: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -53,6 +61,9 @@ def moe_gemm_kernel(
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         n_ok = offs_n < N
         b_base = b_ptr + expert * stride_be
+        a_scales = a_scale_ptr + a_rows * stride_asm
+        b_scales = b_scale_ptr + expert * stride_bse + (offs_n // group_n) * stride_bsn
+        b_scales_up = b_scale_ptr + expert * stride_bse + ((offs_n + N) // group_n) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -65,16 +76,25 @@ def moe_gemm_kernel(
                         mask=b_mask, other=0.0)
             if DOT_F32:
                 a = a.to(tl.float32)
-                acc += tl.dot(a, b.to(tl.float32), input_precision="ieee")
+                part = tl.dot(a, b.to(tl.float32), input_precision="ieee")
             else:
-                acc += tl.dot(a, b)
+                part = tl.dot(a, b)
+            if FP8:
+                group = k0 // group_k
+                a_s = tl.load(a_scales + group, mask=row_ok, other=0.0)[:, None]
+                part = part * a_s * tl.load(b_scales + group, mask=n_ok, other=0.0)[None, :]
+            acc += part
             if GATED:
                 b_up = tl.load(b_base + (offs_n[None, :] + N) * stride_bn + offs_k[:, None],
                                mask=b_mask, other=0.0)
                 if DOT_F32:
-                    acc_up += tl.dot(a, b_up.to(tl.float32), input_precision="ieee")
+                    part = tl.dot(a, b_up.to(tl.float32), input_precision="ieee")
                 else:
-                    acc_up += tl.dot(a, b_up)
+                    part = tl.dot(a, b_up)
+                if FP8:
+                    part = part * a_s * tl.load(b_scales_up + group, mask=n_ok,
+                                                other=0.0)[None, :]
+                acc_up += part
         if GATED:
             # Gate and up rounded to the activation dtype first, as the torch path does.
             gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)

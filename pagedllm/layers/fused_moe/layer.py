@@ -10,6 +10,13 @@ their expert's rows at load.
 With tensor parallelism every rank holds every expert, each with its share of the
 intermediate width (``I / tp`` gate, up and down columns, split like a dense MLP's), and
 ``MoEBlock`` sums the ranks' outputs.
+
+FP8 experts (``make_fp8`` for an FP8 checkpoint, ``quantize_fp8`` at load): ``w13`` and
+``w2`` in float8_e4m3fn with float32 scales ``w13_scale`` / ``w2_scale``, one per output
+channel (``[E, 2I, 1]``, ``[E, H, 1]``) or, block-wise, one per ``fp8_block = (rows,
+columns)`` of each expert's weight; inputs are quantized per token (and group) in the step,
+dynamically (``torch_ref.ExpertScales``). Block-wise, the up rows and each rank's part start
+on a block. The router is never quantized.
 """
 
 from __future__ import annotations
@@ -22,9 +29,14 @@ from pagedllm.distributed import sharding
 from pagedllm.distributed.parallel_state import all_reduce, get_tp
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.fused_moe.routing import select_experts
-from pagedllm.layers.fused_moe.torch_ref import fused_moe_dense, fused_moe_reference
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.fused_moe.torch_ref import (
+    ExpertScales,
+    fused_moe_dense,
+    fused_moe_reference,
+)
+from pagedllm.layers.linear import BLOCK_SCALE_NAME, Linear
 from pagedllm.layers.triton_ops import use_fused_ops
+from pagedllm.quantization.fp8 import FP8_DTYPE, quantize_rows
 
 # Per-expert checkpoint module -> (our parameter, shard); shard None fills the whole expert.
 EXPERT_TENSORS = {
@@ -49,6 +61,7 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         tp = get_tp()
+        self.checkpoint_intermediate_size = intermediate_size
         # This rank's intermediate columns of each expert (start, length).
         self.tp_part = sharding.shard_range(intermediate_size, 1, tp.rank, tp.size)
         intermediate_size = self.tp_part[1]
@@ -59,22 +72,78 @@ class FusedMoE(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                requires_grad=False)
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
+        self.fp8_block: tuple[int, int] | None = None
+
+    @property
+    def scales(self) -> ExpertScales | None:
+        """The FP8 weights' scales (None: the experts are in the model's dtype)."""
+        if self.w13_scale is None:
+            return None
+        return ExpertScales(self.w13_scale, self.w2_scale, self.fp8_block)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        scales = self.scales
         if self.act.is_silu and use_fused_ops(x):
             from pagedllm.layers.fused_moe.triton_moe import fused_moe_triton
 
-            return fused_moe_triton(x, self.w13, self.w2, weights, ids)
+            return fused_moe_triton(x, self.w13, self.w2, weights, ids, scales=scales)
         if x.is_cuda:  # no host sync: the step may be captured in a CUDA graph
-            return fused_moe_dense(x, self.w13, self.w2, weights, ids, self.act._fn)
-        return fused_moe_reference(x, self.w13, self.w2, weights, ids, self.act._fn)
+            return fused_moe_dense(x, self.w13, self.w2, weights, ids, self.act._fn, scales)
+        return fused_moe_reference(x, self.w13, self.w2, weights, ids, self.act._fn, scales)
+
+    def make_fp8(self, block: tuple[int, int] | None = None) -> None:
+        """The parameters an FP8 checkpoint fills: FP8 weights and their scales, per output
+        channel or per ``block``. Raises ValueError when the up rows or this rank's
+        intermediate columns would start inside a block."""
+        experts, two_inter, hidden = self.w13.shape
+        inter = self.intermediate_size
+        device = self.w13.device
+        if block is not None:
+            start = self.tp_part[0]
+            last = start + inter == self.checkpoint_intermediate_size
+            if inter % block[0] or start % block[0] or start % block[1] or (
+                    inter % block[1] and not last):
+                raise ValueError(
+                    f"block-wise FP8 experts of {inter} intermediate rows (from {start} on "
+                    f"this rank) in blocks of {list(block)}: the up rows and each rank's part "
+                    "must start on a block; use a tensor-parallel size that splits the "
+                    "experts in whole blocks.")
+            self.fp8_block = block
+            shapes = ((experts, two_inter // block[0], -(-hidden // block[1])),
+                      (experts, -(-hidden // block[0]), -(-inter // block[1])))
+        else:
+            shapes = ((experts, two_inter, 1), (experts, hidden, 1))
+        self.w13 = nn.Parameter(torch.empty(self.w13.shape, dtype=FP8_DTYPE, device=device),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.w2.shape, dtype=FP8_DTYPE, device=device),
+                               requires_grad=False)
+        self.w13_scale, self.w2_scale = (
+            nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device),
+                         requires_grad=False) for shape in shapes)
+
+    def quantize_fp8(self) -> None:
+        """Replace the loaded weights by their FP8 rows and per-channel scales (once)."""
+        if self.w13_scale is not None:
+            return
+        quantized = []
+        for weight in (self.w13.data, self.w2.data):
+            values, scale = quantize_rows(weight.reshape(-1, weight.shape[-1]))
+            quantized.append((values.view(weight.shape), scale.view(*weight.shape[:2], 1)))
+        (w13, s13), (w2, s2) = quantized
+        self.w13, self.w2, self.w13_scale, self.w2_scale = (
+            nn.Parameter(t, requires_grad=False) for t in (w13, w2, s13, s2))
 
     def load_parts(self) -> list[tuple[str, str]]:
         """Every (parameter, part) a checkpoint must fill: ``"e:gate"``, ``"e:up"``,
-        ``"e:down"`` per expert ``e``."""
+        ``"e:down"`` per expert ``e`` (of the scales too, for FP8 experts)."""
+        params = (("w13", "gate"), ("w13", "up"), ("w2", "down"))
+        if self.w13_scale is not None:
+            params += (("w13_scale", "gate"), ("w13_scale", "up"), ("w2_scale", "down"))
         return [(param, f"{e}:{part}") for e in range(self.num_experts)
-                for param, part in (("w13", "gate"), ("w13", "up"), ("w2", "down"))]
+                for param, part in params]
 
     def load(self, name: str, tensor: torch.Tensor) -> list[tuple[str, str]]:
         """Copy a checkpoint tensor named relative to this module (``N.w1.weight``,
@@ -92,14 +161,23 @@ class FusedMoE(nn.Module):
             _copy(param.data, tensor)
             return [(p, part) for p, part in self.load_parts()
                     if p == STACKED_TENSORS[name]]
+        scale_names = ("weight_scale",) + ((BLOCK_SCALE_NAME,) if self.fp8_block else ())
+        is_scale = len(parts) == 3 and parts[2] in scale_names and self.w13_scale is not None
         if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in EXPERT_TENSORS \
-                or parts[2] != "weight":
-            raise ValueError(f"no expert tensor is called {name!r}.")
+                or not (parts[2] == "weight" or is_scale):
+            raise ValueError(f"no expert tensor is called {name!r}"
+                             + (" (the experts are not FP8)." if parts[-1] in (
+                                 "weight_scale", BLOCK_SCALE_NAME) else "."))
         expert = int(parts[0])
         if expert >= self.num_experts:
             raise ValueError(f"expert {expert} is past the {self.num_experts} experts "
                              "config.json declares.")
         param_name, shard = EXPERT_TENSORS[parts[1]]
+        if is_scale:
+            return self._load_scale(param_name, shard, expert, tensor)
+        if self.w13_scale is not None and tensor.dtype != FP8_DTYPE:
+            raise ValueError(f"expert weights are FP8 (float8_e4m3fn) in this checkpoint's "
+                             f"quantization_config, got {tensor.dtype}.")
         rows = getattr(self, param_name).data[expert]
         size = self.intermediate_size
         if shard == "gate":
@@ -111,6 +189,35 @@ class FusedMoE(nn.Module):
         _copy(rows, tensor)
         return [(param_name, f"{expert}:{shard or 'down'}")]
 
+    def _load_scale(self, param_name: str, shard: str | None, expert: int,
+                    tensor: torch.Tensor) -> list[tuple[str, str]]:
+        """An FP8 expert weight's scales into the rows of ``expert``'s: per channel (one
+        value per row, or one for the whole tensor) or per block, this rank's part."""
+        scale_name = f"{param_name}_scale"
+        rows = getattr(self, scale_name).data[expert]
+        block = self.fp8_block
+        start, length = self.tp_part
+        size = self.intermediate_size
+        if block is None:
+            if shard in ("gate", "up"):
+                rows = rows[:size] if shard == "gate" else rows[size:]
+            values = tensor.float().reshape(-1)
+            if values.numel() == 1:  # per tensor: the same scale on every row
+                values = values.expand(rows.shape[0])
+            elif shard in ("gate", "up"):
+                values = values.narrow(0, start, length)
+            values = values.reshape(-1, 1)
+        else:
+            if shard in ("gate", "up"):
+                blocks = size // block[0]
+                rows = rows[:blocks] if shard == "gate" else rows[blocks:]
+                tensor = tensor.narrow(0, start // block[0], blocks)
+            else:
+                tensor = tensor.narrow(1, start // block[1], -(-size // block[1]))
+            values = tensor.float()
+        _copy(rows, values)
+        return [(scale_name, f"{expert}:{shard or 'down'}")]
+
     def _rank_rows(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's intermediate rows (along ``dim``) of a gate or up weight."""
         return tensor.narrow(dim, *self.tp_part)
@@ -120,8 +227,12 @@ class FusedMoE(nn.Module):
         return tensor.narrow(-1, *self.tp_part)
 
     def extra_repr(self) -> str:
+        fp8 = ""
+        if self.w13_scale is not None:
+            fp8 = ", fp8" + (f" blocks of {self.fp8_block[0]}x{self.fp8_block[1]}"
+                             if self.fp8_block else "")
         return (f"experts={self.num_experts}, top_k={self.top_k}, "
-                f"intermediate={self.intermediate_size}, renormalize={self.renormalize}")
+                f"intermediate={self.intermediate_size}, renormalize={self.renormalize}{fp8}")
 
 
 def _copy(dest: torch.Tensor, tensor: torch.Tensor) -> None:

@@ -13,7 +13,10 @@ host and the launches can be captured in a CUDA graph. ``BLOCK_M`` and the rest 
 tile come from ``tiles.choose_tile`` before the sort, and both GEMMs use that one tile.
 The first GEMM computes ``silu(gate) * up`` per slot with gate and up in one program,
 the second the down projection times the slot's routing weight (float32 rows); the
-combine sums each token's ``top_k`` rows and casts once, as ``torch_ref`` does.
+combine sums each token's ``top_k`` rows and casts once, as ``torch_ref`` does. FP8 experts
+(``scales``): each GEMM's input is first quantized per row and group
+(``fp8_block_matmul.quantize_groups_fp8``: per token, then per slot) and the kernel scales
+each group's product (``_kernels``).
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ import os
 
 import torch
 
+from dataclasses import replace
+
 from pagedllm.core.kv_cache import cdiv
 from pagedllm.layers.fused_moe.tiles import MoeTile, choose_tile
+from pagedllm.layers.fused_moe.torch_ref import ExpertScales
 
 
 @functools.cache
@@ -59,18 +65,43 @@ def sort_slots_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_slots, block_expert
 
 
+def _fp8_operand(rows: torch.Tensor, weight_scale: torch.Tensor,
+                 block: tuple[int, int] | None) -> tuple[torch.Tensor, tuple, dict]:
+    """``rows`` quantized for an FP8 GEMM over weights scaled by ``weight_scale``: the
+    kernel's ``a`` and its scale and weight-scale arguments."""
+    from pagedllm.layers.fp8_block_matmul import quantize_groups_fp8
+    from pagedllm.quantization.fp8 import quantize_groups
+
+    group_n, group_k = block if block is not None else (1, rows.shape[1])
+    quantize = quantize_groups_fp8 if rows.is_cuda else quantize_groups
+    quantized, scale = quantize(rows, group_k)
+    weight_scale = weight_scale.contiguous()
+    args = (scale, weight_scale)
+    sizes = dict(group_n=group_n, group_k=group_k, stride_asm=scale.stride(0),
+                 stride_bse=weight_scale.stride(0), stride_bsn=weight_scale.stride(1))
+    return quantized, args, sizes
+
+
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     tile: MoeTile | None = None) -> torch.Tensor:
+                     tile: MoeTile | None = None,
+                     scales: ExpertScales | None = None) -> torch.Tensor:
     """Same arguments and result as ``torch_ref.fused_moe_reference`` with SiLU (the
     only activation this kernel computes). ``tile`` (for sweeps and tests) replaces
-    ``choose_tile``'s, the environment's included."""
+    ``choose_tile``'s, the environment's included; with block-wise FP8 weights its
+    ``BLOCK_K`` is cut to the block's width if wider."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
     tile = tile or choose_tile(num_experts, num_slots)
+    if scales is not None and scales.block is not None:
+        width = scales.block[1]
+        if width < 16 or width & (width - 1):
+            raise ValueError(f"block-wise FP8 experts on the GPU need a block width that is a "
+                             f"power of two of at least 16, got {width}.")
+        tile = replace(tile, block_k=min(tile.block_k, width))
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     sorted_slots, block_expert = sort_slots_by_expert(topk_ids, num_experts, tile.block_m)
     num_blocks = block_expert.numel()
@@ -78,19 +109,31 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     kernel = _kernels().moe_gemm_kernel
     activated = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     meta = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages)
+                GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
+                FP8=scales is not None)
+
+    def operand(rows: torch.Tensor, weight_scale: torch.Tensor | None):
+        if scales is None:  # the scale arguments unused
+            return rows, (rows, rows), dict(group_n=1, group_k=1, stride_asm=0,
+                                            stride_bse=0, stride_bsn=0)
+        return _fp8_operand(rows, weight_scale, scales.block)
+
+    a, scale_args, sizes = operand(x, None if scales is None else scales.w13)
     kernel[(num_blocks * cdiv(inter, tile.block_n),)](
-        x, w13, activated, topk_weights, sorted_slots, block_expert,
-        num_slots, num_blocks, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
+        a, w13, activated, topk_weights, sorted_slots, block_expert, *scale_args,
+        num_slots, num_blocks, inter, hidden, sizes["group_n"], sizes["group_k"],
+        a.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
+        sizes["stride_asm"], sizes["stride_bse"], sizes["stride_bsn"],
         A_DIV=top_k, GATED=True, WEIGHTED=False, DOT_F32=dot_f32, **meta,
     )
     weights = topk_weights.flatten().float().contiguous()
     rows = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
+    a, scale_args, sizes = operand(activated, None if scales is None else scales.w2)
     kernel[(num_blocks * cdiv(hidden, tile.block_n),)](
-        activated, w2, rows, weights, sorted_slots, block_expert,
-        num_slots, num_blocks, hidden, inter,
-        activated.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
+        a, w2, rows, weights, sorted_slots, block_expert, *scale_args,
+        num_slots, num_blocks, hidden, inter, sizes["group_n"], sizes["group_k"],
+        a.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
+        sizes["stride_asm"], sizes["stride_bse"], sizes["stride_bsn"],
         A_DIV=1, GATED=False, WEIGHTED=True, DOT_F32=dot_f32, **meta,
     )
     return rows.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
