@@ -400,3 +400,14 @@ def test_mixture_of_experts_fp8_greedy_equals_hf_on_its_dequantized_weights(tmp_
         on_load = LLM(str(src), quantization="fp8", dtype="float32", block_size=8,
                       max_model_len=128, device="cpu")
         assert engine_greedy(on_load, prompts, 10) == got
+
+
+def test_an_expert_scale_the_scheme_does_not_take_is_named(tmp_path):
+    src = make_tiny_checkpoint(tmp_path, "qwen3_moe", vocab_size=256, max_position_embeddings=128)
+    fp8_dir = write_plain_fp8_checkpoint(src, tmp_path / "fp8", True, False)
+    tensors = checkpoint_tensors(fp8_dir)
+    tensors["model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, str(fp8_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"experts\.1\.up_proj\.weight_scale_inv.*takes weight, "
+                                         r"weight_scale\)"):
+        LLM(str(fp8_dir), device="cpu")

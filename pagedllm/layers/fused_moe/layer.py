@@ -161,13 +161,14 @@ class FusedMoE(nn.Module):
             _copy(param.data, tensor)
             return [(p, part) for p, part in self.load_parts()
                     if p == STACKED_TENSORS[name]]
-        scale_names = ("weight_scale",) + ((BLOCK_SCALE_NAME,) if self.fp8_block else ())
-        is_scale = len(parts) == 3 and parts[2] in scale_names and self.w13_scale is not None
+        scale_names = () if self.w13_scale is None else (
+            ("weight_scale", BLOCK_SCALE_NAME) if self.fp8_block else ("weight_scale",))
+        is_scale = len(parts) == 3 and parts[2] in scale_names
         if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in EXPERT_TENSORS \
                 or not (parts[2] == "weight" or is_scale):
-            raise ValueError(f"no expert tensor is called {name!r}"
-                             + (" (the experts are not FP8)." if parts[-1] in (
-                                 "weight_scale", BLOCK_SCALE_NAME) else "."))
+            takes = ", ".join(("weight",) + scale_names)
+            raise ValueError(f"no expert tensor is called {name!r} (each expert's "
+                             f"projection takes {takes}).")
         expert = int(parts[0])
         if expert >= self.num_experts:
             raise ValueError(f"expert {expert} is past the {self.num_experts} experts "
