@@ -41,8 +41,13 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     # Projections of whole 128 x 128 blocks (FP8_BLOCK's), fused shards starting on one.
     wide = make_tiny_checkpoint(root, "llama", vocab_size=256, max_position_embeddings=128,
                                 hidden_size=256, intermediate_size=384)
+    moe = make_tiny_checkpoint(root, "qwen3_moe", vocab_size=256, max_position_embeddings=128)
+    wide_moe = make_tiny_checkpoint(root, "qwen3_moe", vocab_size=256, max_position_embeddings=128,
+                                    hidden_size=256, head_dim=64, moe_intermediate_size=128)
     jobs = {
         "llama-block": (wide, "FP8_BLOCK", False),
+        "qwen3-moe-dynamic": (moe, "FP8_DYNAMIC", False),
+        "qwen3-moe-block": (wide_moe, "FP8_BLOCK", False),
         "llama-dynamic": (llama, "FP8_DYNAMIC", False),
         "qwen3-dynamic": (qwen3, "FP8_DYNAMIC", False),
         "llama-static": (llama, "FP8", False),
@@ -50,7 +55,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         "demo-dynamic": (demo, "FP8_DYNAMIC", False),
     }
     make_checkpoints([(src, root / name, scheme, kv) for name, (src, scheme, kv) in jobs.items()])
-    return {name: root / name for name in jobs}
+    checkpoints = {name: root / name for name in jobs}
+    checkpoints.update({"qwen3-moe-source": moe, "qwen3-moe-wide-source": wide_moe})
+    return checkpoints
 
 
 def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -335,10 +342,12 @@ def test_blocks_that_cut_a_fused_shard_are_refused(tmp_path):
 
 
 def hf_moe_fp8_reference(fp8_dir: Path, src: Path, prompts, max_new_tokens: int,
-                         block: tuple[int, int] | None = None):
+                         block: tuple[int, int] | None = None,
+                         scale_name: str | None = None):
     """HF's Qwen3-MoE with every quantized projection's weight dequantized from the FP8
     checkpoint (its experts' too, into HF's stacked expert weights) and each product's input
-    quantized per token (per token and group with blocks); the routers stay as they are."""
+    quantized per token (per token and group with blocks); the routers stay as they are.
+    ``scale_name``: the block scales' tensor name (default ``weight_scale_inv``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -348,7 +357,8 @@ def hf_moe_fp8_reference(fp8_dir: Path, src: Path, prompts, max_new_tokens: int,
     def dequantized(name: str) -> torch.Tensor:
         if block is not None:
             return dequantize_blocks(tensors[f"{name}.weight"],
-                                     tensors[f"{name}.weight_scale_inv"], block)
+                                     tensors[f"{name}.{scale_name or 'weight_scale_inv'}"],
+                                     block)
         scale = tensors[f"{name}.weight_scale"].reshape(-1, 1)
         return tensors[f"{name}.weight"].float() * scale
 
@@ -411,3 +421,19 @@ def test_an_expert_scale_the_scheme_does_not_take_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"experts\.1\.up_proj\.weight_scale_inv.*takes weight, "
                                          r"weight_scale\)"):
         LLM(str(fp8_dir), device="cpu")
+
+
+@pytest.mark.parametrize("name, source, block", [
+    ("qwen3-moe-dynamic", "qwen3-moe-source", None),
+    ("qwen3-moe-block", "qwen3-moe-wide-source", (128, 128)),
+])
+def test_llm_compressor_fp8_mixture_of_experts_greedy_equals_hf(checkpoints, name, source, block):
+    """llm-compressor's FP8 checkpoints of a Qwen3-MoE (per-expert tensors, the routers in
+    its ignore list) against HF with the same dequantized experts and input quantization."""
+    prompts = random_prompts(3, 3, 20, seed=8, vocab=256)
+    llm = LLM(str(checkpoints[name]), dtype="float32", block_size=8, max_model_len=128,
+              device="cpu")
+    assert runner_model(llm).model.layers[0].mlp.experts.fp8_block == block
+    want = hf_moe_fp8_reference(checkpoints[name], checkpoints[source], prompts, 10, block,
+                                scale_name="weight_scale")
+    assert engine_greedy(llm, prompts, 10) == want
