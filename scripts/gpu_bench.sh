@@ -56,7 +56,9 @@
 #   moe      L1, P1 and W1 on $MOE (mixtral-8x7b, dummy bf16) and W1 on $MOE_SMALL
 #            (qwen3-30b-a3b): the report sets Mixtral's W1 beside llama-3.1-8b's of the same
 #            run (target: at least 0.6x); and scripts/bench_fused_moe.py --sweep: the grouped
-#            MoE GEMM's tiles against the loop over experts at both models' expert shapes
+#            MoE GEMM's tiles against the loop over experts at both models' expert shapes;
+#            and W1 on $MOE_SMALL with FP8 experts, per channel (--quantization fp8) and
+#            block-wise (--hf-overrides) into moe-fp8-w1-*.json and moe-fp8-block-w1-*.json
 #   serve    the HTTP path beside the offline engine on both models (scripts/gpu_bench_serve.py):
 #            bench throughput, then pagedllm serve and bench serve (streaming, all at once)
 #            on the same $SERVE_ARGS workload (1,000 requests of 1,024 prompt and 128 output
@@ -219,6 +221,12 @@ if [ "$DRY" != "1" ]; then
     step moe "$LIMIT_SWEEP" $PY scripts/bench_fused_moe.py --sweep --budget-s 120 \
         --out "$OUT/moe-tiles.json"
 fi
+step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
+    --load-format dummy "${W1_ARGS[@]}" --quantization fp8 \
+    --output-json "$OUT/moe-fp8-w1-$MOE_SMALL.json"
+step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
+    --load-format dummy "${W1_ARGS[@]}" --hf-overrides "$BLOCK_FP8_CONFIG" \
+    --output-json "$OUT/moe-fp8-block-w1-$MOE_SMALL.json"
 
 for model in "$BIG" "$SMALL"; do
     tokenizer=()
