@@ -107,7 +107,7 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
 
     Every parameter takes ``element_size`` bytes, except the decoder layers' projections
     with ``quantization="fp8"`` (one byte per weight plus a float32 scale per output
-    channel) or ``"int4"`` / ``"int8"`` (integer weights as pagedllm stores them: packed
+    channel; experts included, routers not) or ``"int4"`` / ``"int8"`` (integer weights as pagedllm stores them: packed
     in int32 words, plus per output channel and group of ``group_size`` inputs (-1: one
     group) a scale of ``element_size`` bytes and a one-byte zero point). The embedding, the
     LM head and the norms keep ``element_size``.
@@ -149,7 +149,18 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
                 + embeddings) * element_size
     if quantization == "fp8":
         per_layer = projections * FP8_BYTES + out_channels * 4 + (biases + norms) * element_size
-        return layers * per_layer + embeddings * element_size
+        total = layers * per_layer + embeddings * element_size
+        if sparse_layers:
+            # A sparse layer's MLP: the experts' FP8 gate, up and down (a float32 scale
+            # per output channel), a quantized shared expert, and the unquantized routers.
+            shared = (3 * hidden * shared_inter, 2 * shared_inter + hidden, hidden) \
+                if shared_inter else (0, 0, 0)
+            weights = experts * 3 * hidden * expert_inter + shared[0] - 3 * hidden * inter
+            channels = experts * (2 * expert_inter + hidden) + shared[1] - (2 * inter + hidden)
+            routers = experts * hidden + shared[2]
+            total += sparse_layers * (weights * FP8_BYTES + channels * 4
+                                      + routers * element_size)
+        return total
     if quantization in INT_WEIGHT_BITS:
         bits = INT_WEIGHT_BITS[quantization]
         shapes = ((qkv_out, hidden), (hidden, q_size), (2 * inter, hidden), (hidden, inter))
