@@ -18,7 +18,7 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
     loaded weights of the projections an unquantized checkpoint is quantized at load
     (``quantize_fp8``) and sorts act-order integer weights (``Linear.finish_int_load``). A
     projection's checkpoint names (q/k/v for a fused qkv) pick its scheme. Experts take FP8
-    with dynamic activations only; another scheme for them is a ValueError naming it.
+    only; an integer scheme for them is a ValueError naming it.
     """
     count = 0
     for module, checkpoint_names in model.projections():
@@ -50,12 +50,9 @@ def _quantize_experts(experts: FusedMoE, scheme, name: str, when: str) -> None:
     if isinstance(scheme, IntWeightScheme):
         raise ValueError(f"{name}: {scheme.bits}-bit integer weights for mixture-of-experts "
                          "layers are not supported by pagedllm (their experts take FP8).")
-    if scheme.static_input:
-        raise ValueError(f"{name}: static FP8 input scales for mixture-of-experts layers are "
-                         "not supported by pagedllm (their experts take dynamic ones).")
     try:
         if when == "before_load" and scheme.prequantized:
-            experts.make_fp8(scheme.block)
+            experts.make_fp8(scheme.block, static_input=scheme.static_input)
         elif when == "after_load" and not scheme.prequantized:
             experts.quantize_fp8()
     except ValueError as exc:

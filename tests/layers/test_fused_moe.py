@@ -157,15 +157,24 @@ def _fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | N
     ((16, 32), MoeTile(16, 32, 64, group_m=1)),
 ])
 def test_triton_grouped_gemm_with_fp8_experts_matches_the_fp8_reference(block, tile) -> None:
-    """FP8 experts, per channel and per block: inputs quantized per token (and group), each
-    group's product scaled, as the reference dequantizes and multiplies."""
+    """FP8 experts, per channel and per block: inputs quantized per token (and group), or
+    with static scales, each group's product scaled, as the reference dequantizes and
+    multiplies."""
     x, w13, w2, weights, ids = _moe_inputs(11, 2)
     q13, q2, scales = _fp8_experts(w13, w2, block)
-    got = fused_moe_triton(x, q13, q2, weights, ids, tile=tile, scales=scales)
-    want = fused_moe_reference(x, q13, q2, weights, ids, scales=scales)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    dense = fused_moe_dense(x, q13, q2, weights, ids, scales=scales)
-    torch.testing.assert_close(dense, want, rtol=1e-4, atol=1e-4)
+    cases = [scales]
+    if block is None:  # static input scales (powers of two: exact under the interpreter)
+        static = torch.tensor([2.0 ** -7], device=DEVICE)
+        cases.append(scales._replace(input13=static, input2=static / 4))
+    for case in cases:
+        got = fused_moe_triton(x, q13, q2, weights, ids, tile=tile, scales=case)
+        want = fused_moe_reference(x, q13, q2, weights, ids, scales=case)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        dense = fused_moe_dense(x, q13, q2, weights, ids, scales=case)
+        torch.testing.assert_close(dense, want, rtol=1e-4, atol=1e-4)
+    if block is None:  # the static scales are used: other values than dynamic ones
+        assert not torch.allclose(fused_moe_reference(x, q13, q2, weights, ids, scales=cases[1]),
+                                  fused_moe_reference(x, q13, q2, weights, ids, scales=scales))
 
 
 def test_the_environment_tile_sorts_and_multiplies_with_its_own_block_m(monkeypatch) -> None:

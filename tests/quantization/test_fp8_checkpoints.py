@@ -47,6 +47,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     jobs = {
         "llama-block": (wide, "FP8_BLOCK", False),
         "qwen3-moe-dynamic": (moe, "FP8_DYNAMIC", False),
+        "qwen3-moe-static": (moe, "FP8", False),
         "qwen3-moe-block": (wide_moe, "FP8_BLOCK", False),
         "llama-dynamic": (llama, "FP8_DYNAMIC", False),
         "qwen3-dynamic": (qwen3, "FP8_DYNAMIC", False),
@@ -346,8 +347,9 @@ def hf_moe_fp8_reference(fp8_dir: Path, src: Path, prompts, max_new_tokens: int,
                          scale_name: str | None = None):
     """HF's Qwen3-MoE with every quantized projection's weight dequantized from the FP8
     checkpoint (its experts' too, into HF's stacked expert weights) and each product's input
-    quantized per token (per token and group with blocks); the routers stay as they are.
-    ``scale_name``: the block scales' tensor name (default ``weight_scale_inv``)."""
+    quantized per token (per token and group with blocks; with static input scales, the
+    projection's own, and for the experts the largest of theirs); the routers stay as they
+    are. ``scale_name``: the block scales' tensor name (default ``weight_scale_inv``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -362,15 +364,22 @@ def hf_moe_fp8_reference(fp8_dir: Path, src: Path, prompts, max_new_tokens: int,
         scale = tensors[f"{name}.weight_scale"].reshape(-1, 1)
         return tensors[f"{name}.weight"].float() * scale
 
-    def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
+    def static_scale(names: list[str]) -> torch.Tensor | None:
+        scales = [tensors[f"{n}.input_scale"] for n in names if f"{n}.input_scale" in tensors]
+        return torch.stack(scales).amax(0) if scales else None
+
+    def experts_forward(experts, prefix, hidden_states, top_k_index, top_k_weights):
+        names = range(experts.num_experts)
+        in13 = static_scale([f"{prefix}.{e}.{p}" for e in names for p in ("gate_proj", "up_proj")])
+        in2 = static_scale([f"{prefix}.{e}.down_proj" for e in names])
         out = torch.zeros_like(hidden_states)
         for expert in range(experts.num_experts):
             token_idx, top_k_pos = torch.where(top_k_index == expert)
             if token_idx.numel() == 0:
                 continue
-            state = quantized_input(hidden_states[token_idx], group=group)
+            state = quantized_input(hidden_states[token_idx], in13, group)
             gate, up = torch.nn.functional.linear(state, experts.gate_up_proj[expert]).chunk(2, -1)
-            hidden = quantized_input(experts.act_fn(gate) * up, group=group)
+            hidden = quantized_input(experts.act_fn(gate) * up, in2, group)
             hidden = torch.nn.functional.linear(hidden, experts.down_proj[expert])
             out.index_add_(0, token_idx, hidden * top_k_weights[token_idx, top_k_pos, None])
         return out
@@ -378,18 +387,23 @@ def hf_moe_fp8_reference(fp8_dir: Path, src: Path, prompts, max_new_tokens: int,
     with torch.no_grad():
         for index, layer in enumerate(model.model.layers):
             prefix = f"model.layers.{index}"
+            attention = f"{prefix}.self_attn"
+            qkv_scale = static_scale([f"{attention}.{p}_proj" for p in "qkv"])
             for name, module in layer.self_attn.named_children():
-                if f"{prefix}.self_attn.{name}.weight" in tensors and name.endswith("_proj"):
-                    module.weight.copy_(dequantized(f"{prefix}.self_attn.{name}"))
+                if f"{attention}.{name}.weight" in tensors and name.endswith("_proj"):
+                    module.weight.copy_(dequantized(f"{attention}.{name}"))
+                    scale = static_scale([f"{attention}.{name}"]) if name == "o_proj" \
+                        else qkv_scale
                     module.register_forward_pre_hook(
-                        lambda module, args: (quantized_input(args[0], group=group),))
+                        lambda module, args, s=scale: (quantized_input(args[0], s, group),))
             experts = layer.mlp.experts
             for e in range(experts.num_experts):
                 name = f"{prefix}.mlp.experts.{e}"
                 experts.gate_up_proj[e].copy_(torch.cat(
                     [dequantized(f"{name}.gate_proj"), dequantized(f"{name}.up_proj")]))
                 experts.down_proj[e].copy_(dequantized(f"{name}.down_proj"))
-            experts.forward = lambda *args, experts=experts: experts_forward(experts, *args)
+            experts.forward = lambda *args, experts=experts, p=f"{prefix}.mlp.experts": (
+                experts_forward(experts, p, *args))
     return [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
 
 
@@ -425,11 +439,13 @@ def test_an_expert_scale_the_scheme_does_not_take_is_named(tmp_path):
 
 @pytest.mark.parametrize("name, source, block", [
     ("qwen3-moe-dynamic", "qwen3-moe-source", None),
+    ("qwen3-moe-static", "qwen3-moe-source", None),
     ("qwen3-moe-block", "qwen3-moe-wide-source", (128, 128)),
 ])
 def test_llm_compressor_fp8_mixture_of_experts_greedy_equals_hf(checkpoints, name, source, block):
     """llm-compressor's FP8 checkpoints of a Qwen3-MoE (per-expert tensors, the routers in
-    its ignore list) against HF with the same dequantized experts and input quantization."""
+    its ignore list; dynamic, static per-tensor and block-wise) against HF with the same
+    dequantized experts and input quantization."""
     prompts = random_prompts(3, 3, 20, seed=8, vocab=256)
     llm = LLM(str(checkpoints[name]), dtype="float32", block_size=8, max_model_len=128,
               device="cpu")

@@ -15,8 +15,10 @@ FP8 experts (``make_fp8`` for an FP8 checkpoint, ``quantize_fp8`` at load): ``w1
 ``w2`` in float8_e4m3fn with float32 scales ``w13_scale`` / ``w2_scale``, one per output
 channel (``[E, 2I, 1]``, ``[E, H, 1]``) or, block-wise, one per ``fp8_block = (rows,
 columns)`` of each expert's weight; inputs are quantized per token (and group) in the step,
-dynamically (``torch_ref.ExpertScales``). Block-wise, the up rows and each rank's part start
-on a block. The router is never quantized.
+or with static scales (``w13_input_scale`` for the gate/up input, ``w2_input_scale`` for
+the down input: the largest of the experts' own, as every expert reads the same rows;
+``torch_ref.ExpertScales``). Block-wise, the up rows and each rank's part start on a block.
+The router is never quantized.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class FusedMoE(nn.Module):
                                requires_grad=False)
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
+        self.w13_input_scale: nn.Parameter | None = None
+        self.w2_input_scale: nn.Parameter | None = None
         self.fp8_block: tuple[int, int] | None = None
 
     @property
@@ -81,7 +85,8 @@ class FusedMoE(nn.Module):
         """The FP8 weights' scales (None: the experts are in the model's dtype)."""
         if self.w13_scale is None:
             return None
-        return ExpertScales(self.w13_scale, self.w2_scale, self.fp8_block)
+        return ExpertScales(self.w13_scale, self.w2_scale, self.fp8_block,
+                            self.w13_input_scale, self.w2_input_scale)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
@@ -94,10 +99,12 @@ class FusedMoE(nn.Module):
             return fused_moe_dense(x, self.w13, self.w2, weights, ids, self.act._fn, scales)
         return fused_moe_reference(x, self.w13, self.w2, weights, ids, self.act._fn, scales)
 
-    def make_fp8(self, block: tuple[int, int] | None = None) -> None:
+    def make_fp8(self, block: tuple[int, int] | None = None,
+                 static_input: bool = False) -> None:
         """The parameters an FP8 checkpoint fills: FP8 weights and their scales, per output
-        channel or per ``block``. Raises ValueError when the up rows or this rank's
-        intermediate columns would start inside a block."""
+        channel or per ``block``, and with ``static_input`` the two input scales (starting
+        at 0: the largest loaded is kept). Raises ValueError when the up rows or this
+        rank's intermediate columns would start inside a block."""
         experts, two_inter, hidden = self.w13.shape
         inter = self.intermediate_size
         device = self.w13.device
@@ -123,6 +130,10 @@ class FusedMoE(nn.Module):
         self.w13_scale, self.w2_scale = (
             nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device),
                          requires_grad=False) for shape in shapes)
+        if static_input:
+            self.w13_input_scale, self.w2_input_scale = (
+                nn.Parameter(torch.zeros(1, dtype=torch.float32, device=device),
+                             requires_grad=False) for _ in range(2))
 
     def quantize_fp8(self) -> None:
         """Replace the loaded weights by their FP8 rows and per-channel scales (once)."""
@@ -142,6 +153,9 @@ class FusedMoE(nn.Module):
         params = (("w13", "gate"), ("w13", "up"), ("w2", "down"))
         if self.w13_scale is not None:
             params += (("w13_scale", "gate"), ("w13_scale", "up"), ("w2_scale", "down"))
+        if self.w13_input_scale is not None:
+            params += (("w13_input_scale", "gate"), ("w13_input_scale", "up"),
+                       ("w2_input_scale", "down"))
         return [(param, f"{e}:{part}") for e in range(self.num_experts)
                 for param, part in params]
 
@@ -163,6 +177,8 @@ class FusedMoE(nn.Module):
                     if p == STACKED_TENSORS[name]]
         scale_names = () if self.w13_scale is None else (
             ("weight_scale", BLOCK_SCALE_NAME) if self.fp8_block else ("weight_scale",))
+        if self.w13_input_scale is not None:
+            scale_names += ("input_scale",)
         is_scale = len(parts) == 3 and parts[2] in scale_names
         if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in EXPERT_TENSORS \
                 or not (parts[2] == "weight" or is_scale):
@@ -174,6 +190,13 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {expert} is past the {self.num_experts} experts "
                              "config.json declares.")
         param_name, shard = EXPERT_TENSORS[parts[1]]
+        if parts[2] == "input_scale" and is_scale:
+            if tensor.numel() != 1:
+                raise ValueError(f"{name}: an input scale must be one value (per tensor), got "
+                                 f"shape {tuple(tensor.shape)}.")
+            param = getattr(self, f"{param_name}_input_scale").data
+            param.copy_(torch.maximum(param, tensor.float().reshape(1).to(param.device)))
+            return [(f"{param_name}_input_scale", f"{expert}:{shard or 'down'}")]
         if is_scale:
             return self._load_scale(param_name, shard, expert, tensor)
         if self.w13_scale is not None and tensor.dtype != FP8_DTYPE:

@@ -66,15 +66,22 @@ def sort_slots_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 def _fp8_operand(rows: torch.Tensor, weight_scale: torch.Tensor,
-                 block: tuple[int, int] | None) -> tuple[torch.Tensor, tuple, dict]:
-    """``rows`` quantized for an FP8 GEMM over weights scaled by ``weight_scale``: the
-    kernel's ``a`` and its scale and weight-scale arguments."""
+                 block: tuple[int, int] | None, input_scale: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, tuple, dict]:
+    """``rows`` quantized for an FP8 GEMM over weights scaled by ``weight_scale`` (per
+    token and group, or with the static ``input_scale``): the kernel's ``a`` and its scale
+    and weight-scale arguments."""
     from pagedllm.layers.fp8_block_matmul import quantize_groups_fp8
-    from pagedllm.quantization.fp8 import quantize_groups
+    from pagedllm.layers.triton_ops import quantize_rows_fp8
+    from pagedllm.quantization.fp8 import quantize_groups, quantize_rows
 
     group_n, group_k = block if block is not None else (1, rows.shape[1])
-    quantize = quantize_groups_fp8 if rows.is_cuda else quantize_groups
-    quantized, scale = quantize(rows, group_k)
+    if input_scale is not None:
+        quantize = quantize_rows_fp8 if rows.is_cuda else quantize_rows
+        quantized, scale = quantize(rows, input_scale)
+    else:
+        quantize = quantize_groups_fp8 if rows.is_cuda else quantize_groups
+        quantized, scale = quantize(rows, group_k)
     weight_scale = weight_scale.contiguous()
     args = (scale, weight_scale)
     sizes = dict(group_n=group_n, group_k=group_k, stride_asm=scale.stride(0),
@@ -112,13 +119,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
                 FP8=scales is not None)
 
-    def operand(rows: torch.Tensor, weight_scale: torch.Tensor | None):
+    def operand(rows: torch.Tensor, first: bool):
         if scales is None:  # the scale arguments unused
             return rows, (rows, rows), dict(group_n=1, group_k=1, stride_asm=0,
                                             stride_bse=0, stride_bsn=0)
-        return _fp8_operand(rows, weight_scale, scales.block)
+        return _fp8_operand(rows, scales.w13 if first else scales.w2, scales.block,
+                            scales.input13 if first else scales.input2)
 
-    a, scale_args, sizes = operand(x, None if scales is None else scales.w13)
+    a, scale_args, sizes = operand(x, first=True)
     kernel[(num_blocks * cdiv(inter, tile.block_n),)](
         a, w13, activated, topk_weights, sorted_slots, block_expert, *scale_args,
         num_slots, num_blocks, inter, hidden, sizes["group_n"], sizes["group_k"],
@@ -128,7 +136,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     )
     weights = topk_weights.flatten().float().contiguous()
     rows = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
-    a, scale_args, sizes = operand(activated, None if scales is None else scales.w2)
+    a, scale_args, sizes = operand(activated, first=False)
     kernel[(num_blocks * cdiv(hidden, tile.block_n),)](
         a, w2, rows, weights, sorted_slots, block_expert, *scale_args,
         num_slots, num_blocks, hidden, inter, sizes["group_n"], sizes["group_k"],
