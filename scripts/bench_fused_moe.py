@@ -3,6 +3,10 @@
 at Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes, after checking they agree.
 
 Usage: python scripts/bench_fused_moe.py [--tokens 1,16,256,4096] [--dtype bfloat16]
+       [--fp8 channel|block]
+
+``--fp8``: the same layers with FP8 experts (per-channel scales, or 128 x 128 blocks) timed
+beside the model dtype's, each checked once against the FP8 reference.
 
 ``--sweep --out FILE.json [--budget-s S]`` times, per (shape, tokens), the tile
 ``tiles.choose_tile`` picks, a grid of candidate tiles, and the loop over experts; each
@@ -33,8 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedllm.layers.fused_moe.routing import select_experts  # noqa: E402
 from pagedllm.layers.fused_moe.tiles import MoeTile, choose_tile, row_bucket  # noqa: E402
-from pagedllm.layers.fused_moe.torch_ref import fused_moe_reference  # noqa: E402
+from pagedllm.layers.fused_moe.torch_ref import (  # noqa: E402
+    ExpertScales,
+    fused_moe_reference,
+)
 from pagedllm.layers.fused_moe.triton_moe import fused_moe_triton  # noqa: E402
+from pagedllm.quantization.fp8 import quantize_groups, quantize_rows  # noqa: E402
 
 # name: (experts, top_k, hidden, expert intermediate, renormalize)
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336, True), "qwen3-30b-a3b": (128, 8, 2048, 768, True)}
@@ -290,19 +298,52 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def fp8_experts(case: Case, kind: str) -> tuple[torch.Tensor, torch.Tensor, ExpertScales]:
+    """``case``'s expert weights in FP8: per output channel, or per 128 x 128 block (each
+    block's scale from its largest magnitude)."""
+    block = (128, 128) if kind == "block" else None
+
+    def quantize(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        experts, rows, cols = weights.shape
+        if block is None:
+            q, scale = quantize_rows(weights.reshape(-1, cols))
+            return q.view(weights.shape), scale.view(experts, rows, 1)
+        # Rows of blocks: each block's rows quantized as one group of its 128 columns.
+        tiles = weights.reshape(experts, rows // 128, 128, cols).transpose(2, 3)
+        q, scale = quantize_groups(tiles.reshape(-1, 128 * 128), 128 * 128)
+        q = q.view(experts, rows // 128, cols, 128).transpose(2, 3).reshape(weights.shape)
+        return q.contiguous(), scale.view(experts, rows // 128, cols // 128)
+
+    (q13, s13), (q2, s2) = quantize(case.w13), quantize(case.w2)
+    return q13, q2, ExpertScales(s13, s2, block)
+
+
 def compare(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("Timing the MoE layer needs CUDA; on the CPU run --sweep (tiny shapes "
                          "under Triton's interpreter).")
     dtype = getattr(torch, args.dtype or "bfloat16")
     tokens = [int(t) for t in (args.tokens or "1,16,256,4096").split(",")]
-    print("shape, tokens, fused ms, expert loop ms, speed-up, max abs diff / max abs")
+    print("shape, tokens, fused ms, expert loop ms, speed-up, max abs diff / max abs"
+          + (f", FP8 ({args.fp8}) fused ms, FP8 / {dtype}, FP8 error" if args.fp8 else ""))
     for case in _cases(SHAPES, tokens, "cuda", dtype):
         err = case.error(case.fused(case.configured))
         t_fused = _time_ms(lambda case=case: case.fused(case.configured))
         t_loop = _time_ms(case.loop)
-        print(f"{case.info['shape']}, {case.info['tokens']}, {t_fused:.3f}, {t_loop:.3f}, "
-              f"{t_loop / t_fused:.2f}x, {err:.2e}", flush=True)
+        line = (f"{case.info['shape']}, {case.info['tokens']}, {t_fused:.3f}, {t_loop:.3f}, "
+                f"{t_loop / t_fused:.2f}x, {err:.2e}")
+        if args.fp8:
+            q13, q2, scales = fp8_experts(case, args.fp8)
+
+            def fp8(case=case, q13=q13, q2=q2, scales=scales):
+                return fused_moe_triton(case.x, q13, q2, case.weights, case.ids, scales=scales)
+
+            want = fused_moe_reference(case.x, q13, q2, case.weights, case.ids, scales=scales)
+            fp8_err = ((fp8().float() - want.float()).abs().max()
+                       / want.float().abs().max().clamp_min(1e-30)).item()
+            t_fp8 = _time_ms(fp8)
+            line += f", {t_fp8:.3f}, {t_fp8 / t_fused:.2f}, {fp8_err:.2e}"
+        print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -315,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds after which the sweep stops timing")
     parser.add_argument("--tiny", action="store_true",
                         help="small shapes and tiles (automatic without CUDA)")
+    parser.add_argument("--fp8", choices=["channel", "block"],
+                        help="also time FP8 experts (per-channel or 128 x 128 block scales)")
     args = parser.parse_args(argv)
     if args.sweep:
         if not args.out:

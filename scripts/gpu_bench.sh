@@ -58,7 +58,8 @@
 #            run (target: at least 0.6x); and scripts/bench_fused_moe.py --sweep: the grouped
 #            MoE GEMM's tiles against the loop over experts at both models' expert shapes;
 #            and W1 on $MOE_SMALL with FP8 experts, per channel (--quantization fp8) and
-#            block-wise (--hf-overrides) into moe-fp8-w1-*.json and moe-fp8-block-w1-*.json
+#            block-wise (--hf-overrides) into moe-fp8-w1-*.json and moe-fp8-block-w1-*.json;
+#            bench_fused_moe.py --fp8 channel|block: the FP8 grouped GEMM beside bf16's
 #   serve    the HTTP path beside the offline engine on both models (scripts/gpu_bench_serve.py):
 #            bench throughput, then pagedllm serve and bench serve (streaming, all at once)
 #            on the same $SERVE_ARGS workload (1,000 requests of 1,024 prompt and 128 output
@@ -220,6 +221,9 @@ step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" 
 if [ "$DRY" != "1" ]; then
     step moe "$LIMIT_SWEEP" $PY scripts/bench_fused_moe.py --sweep --budget-s 120 \
         --out "$OUT/moe-tiles.json"
+    for kind in channel block; do  # FP8 experts beside bf16's, printed into log.txt
+        step moe "$LIMIT_LAT" $PY scripts/bench_fused_moe.py --fp8 "$kind" --tokens 1,64,1024
+    done
 fi
 step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
     --load-format dummy "${W1_ARGS[@]}" --quantization fp8 \

@@ -56,3 +56,31 @@ def test_the_sweep_stops_at_its_budget_with_the_rows_it_has(tmp_path) -> None:
     out = tmp_path / "sweep.json"
     bench.main(["--sweep", "--tiny", "--out", str(out), "--budget-s", "0"])
     assert json.loads(out.read_text()) == []
+
+
+def test_the_fp8_comparison_quantizes_experts_per_channel_and_per_block() -> None:
+    """``--fp8``'s experts: each 128 x 128 block (or output channel) scaled by its own
+    largest magnitude, the FP8 values within e4m3's rounding of the weights (scaled)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pagedllm.quantization.fp8 import dequantize_blocks
+
+    bench = load_script("bench_fused_moe")
+    gen = torch.Generator().manual_seed(0)
+    case = SimpleNamespace(w13=torch.randn(2, 256, 384, generator=gen),
+                           w2=torch.randn(2, 384, 128, generator=gen))
+    for kind, block in (("channel", None), ("block", (128, 128))):
+        q13, q2, scales = bench.fp8_experts(case, kind)
+        assert scales.block == block and q13.dtype == torch.float8_e4m3fn
+        for q, scale, weight in ((q13, scales.w13, case.w13), (q2, scales.w2, case.w2)):
+            tile = block or (1, weight.shape[-1])
+            rows, cols = weight.shape[1] // tile[0], weight.shape[2] // tile[1]
+            amax = weight.reshape(2, rows, tile[0], cols, tile[1]).abs().amax((2, 4))
+            torch.testing.assert_close(scale.reshape(2, rows, cols), amax / 448)
+            for e in range(2):
+                values = dequantize_blocks(q[e], scale[e], tile)
+                # Half a step of e4m3: 1/16 of the value, or of 2**-9 below its normals.
+                step = dequantize_blocks(torch.ones_like(weight[e]), scale[e], tile) * 2.0**-9
+                assert ((values - weight[e]).abs() <= weight[e].abs() / 16 + step).all()
