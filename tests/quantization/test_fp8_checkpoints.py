@@ -426,14 +426,22 @@ def test_mixture_of_experts_fp8_greedy_equals_hf_on_its_dequantized_weights(tmp_
         assert engine_greedy(on_load, prompts, 10) == got
 
 
-def test_an_expert_scale_the_scheme_does_not_take_is_named(tmp_path):
+def test_expert_tensors_the_scheme_does_not_take_are_named(tmp_path):
+    """A scale the experts' scheme has no place for, and an expert weight that is not FP8
+    in an FP8 checkpoint (it would be cast to FP8 with no scale)."""
     src = make_tiny_checkpoint(tmp_path, "qwen3_moe", vocab_size=256, max_position_embeddings=128)
     fp8_dir = write_plain_fp8_checkpoint(src, tmp_path / "fp8", True, False)
     tensors = checkpoint_tensors(fp8_dir)
-    tensors["model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"] = torch.ones(1, 1)
-    save_file(tensors, str(fp8_dir / "model.safetensors"))
+    extra = dict(tensors, **{"model.layers.0.mlp.experts.1.up_proj.weight_scale_inv":
+                             torch.ones(1, 1)})
+    save_file(extra, str(fp8_dir / "model.safetensors"))
     with pytest.raises(ValueError, match=r"experts\.1\.up_proj\.weight_scale_inv.*takes weight, "
                                          r"weight_scale\)"):
+        LLM(str(fp8_dir), device="cpu")
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    save_file(dict(tensors, **{name: tensors[name].float()}), str(fp8_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"experts\.2\.down_proj\.weight.*FP8 \(float8_e4m3fn\)"
+                                         r".*got torch\.float32"):
         LLM(str(fp8_dir), device="cpu")
 
 

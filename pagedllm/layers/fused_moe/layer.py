@@ -165,6 +165,10 @@ class FusedMoE(nn.Module):
         ValueError on an unknown name, expert or shape."""
         parts = name.split(".")
         tensor = sharding.read(tensor)
+        if self.w13_scale is not None and parts[-1] in ("weight", *STACKED_TENSORS) \
+                and tensor.dtype != FP8_DTYPE:
+            raise ValueError(f"expert weights are FP8 (float8_e4m3fn) in this checkpoint's "
+                             f"quantization_config, got {tensor.dtype}.")
         if len(parts) == 1 and name in STACKED_TENSORS:
             param = getattr(self, STACKED_TENSORS[name])
             if name == "down_proj":
@@ -199,9 +203,6 @@ class FusedMoE(nn.Module):
             return [(f"{param_name}_input_scale", f"{expert}:{shard or 'down'}")]
         if is_scale:
             return self._load_scale(param_name, shard, expert, tensor)
-        if self.w13_scale is not None and tensor.dtype != FP8_DTYPE:
-            raise ValueError(f"expert weights are FP8 (float8_e4m3fn) in this checkpoint's "
-                             f"quantization_config, got {tensor.dtype}.")
         rows = getattr(self, param_name).data[expert]
         size = self.intermediate_size
         if shard == "gate":
