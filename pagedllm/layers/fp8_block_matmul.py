@@ -134,11 +134,12 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
                      bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``[M, N]`` in ``out_dtype``: the scaled product of the module docstring, with
     ``block = (GROUP_N, GROUP_K)`` the weight's block; ``GROUP_K`` must be a power of two
-    of at least 16 (one ``tl.dot`` step per scale group)."""
+    of at least 32 (one ``tl.dot`` step per scale group; an FP8 dot sums 32 inputs at
+    least)."""
     group_n, group_k = block
-    if group_k < 16 or group_k & (group_k - 1):
+    if group_k < 32 or group_k & (group_k - 1):
         raise ValueError(f"block-wise FP8 on the GPU needs a block width that is a power of "
-                         f"two of at least 16, got {group_k}.")
+                         f"two of at least 32, got {group_k}.")
     if a.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("block_fp8_matmul: a and b must be contiguous along K.")
     rows, k = a.shape

@@ -151,10 +151,10 @@ def _fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | N
 
 
 @pytest.mark.parametrize("block, tile", [
-    (None, MoeTile(16, 32, 16)),
+    (None, MoeTile(16, 32, 16)),  # BLOCK_K raised to FP8's 32
     (None, MoeTile(16, 16, 32, group_m=1)),
-    ((8, 16), MoeTile(16, 16, 32)),  # BLOCK_K cut to the block's 16 inputs; ragged blocks
-    ((16, 32), MoeTile(16, 32, 64, group_m=1)),
+    ((8, 32), MoeTile(16, 16, 32)),  # ragged blocks
+    ((16, 32), MoeTile(16, 32, 64, group_m=1)),  # BLOCK_K cut to the block's 32 inputs
 ])
 def test_triton_grouped_gemm_with_fp8_experts_matches_the_fp8_reference(block, tile) -> None:
     """FP8 experts, per channel and per block: inputs quantized per token (and group), or

@@ -32,6 +32,9 @@ from pagedllm.core.kv_cache import cdiv
 from pagedllm.layers.fused_moe.tiles import MoeTile, choose_tile
 from pagedllm.layers.fused_moe.torch_ref import ExpertScales
 
+# An FP8 tensor-core product sums 32 inputs at least (Triton's smallest FP8 dot).
+FP8_MIN_BLOCK_K = 32
+
 
 @functools.cache
 def _kernels():
@@ -95,20 +98,23 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      scales: ExpertScales | None = None) -> torch.Tensor:
     """Same arguments and result as ``torch_ref.fused_moe_reference`` with SiLU (the
     only activation this kernel computes). ``tile`` (for sweeps and tests) replaces
-    ``choose_tile``'s, the environment's included; with block-wise FP8 weights its
-    ``BLOCK_K`` is cut to the block's width if wider."""
+    ``choose_tile``'s, the environment's included; FP8 experts take a ``BLOCK_K`` of at
+    least ``FP8_MIN_BLOCK_K``, cut to the block's width if wider."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
     tile = tile or choose_tile(num_experts, num_slots)
-    if scales is not None and scales.block is not None:
-        width = scales.block[1]
-        if width < 16 or width & (width - 1):
-            raise ValueError(f"block-wise FP8 experts on the GPU need a block width that is a "
-                             f"power of two of at least 16, got {width}.")
-        tile = replace(tile, block_k=min(tile.block_k, width))
+    if scales is not None:  # FP8 products take 32 inputs a step at least
+        block_k = max(tile.block_k, FP8_MIN_BLOCK_K)
+        if scales.block is not None:
+            width = scales.block[1]
+            if width < FP8_MIN_BLOCK_K or width & (width - 1):
+                raise ValueError(f"block-wise FP8 experts on the GPU need a block width that "
+                                 f"is a power of two of at least {FP8_MIN_BLOCK_K}, got {width}.")
+            block_k = min(block_k, width)
+        tile = replace(tile, block_k=block_k)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     sorted_slots, block_expert = sort_slots_by_expert(topk_ids, num_experts, tile.block_m)
     num_blocks = block_expert.numel()
