@@ -28,7 +28,7 @@ import triton.language as tl
 
 from pagedllm.layers._triton_ops_kernels import fp8_row_scale, to_fp8
 from pagedllm.layers.launch_math import cdiv, next_power_of_2
-from pagedllm.layers.triton_ops import _sm_count
+from pagedllm.layers.triton_ops import _sm_count, sum_split_partials
 
 # Products of at most this many rows split K (decode batches).
 SPLIT_ROWS = 16
@@ -121,7 +121,7 @@ def block_fp8_tile(rows: int, n: int, groups: int, sm_count: int
     columns; decode batches (``SPLIT_ROWS`` rows or fewer) take 64 columns and split the
     groups until the tiles times the slices reach about two programs per SM, keeping at
     least two groups a slice."""
-    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    block_m = min(128, max(16, next_power_of_2(rows)))
     if rows > SPLIT_ROWS:
         return block_m, 128, 1, 8 if block_m == 128 else 4, 3
     tiles = cdiv(n, 64)
@@ -164,7 +164,4 @@ def block_fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
     )
     if not partial:
         return out
-    summed = out.sum(dim=0)
-    if bias is not None:
-        summed += bias.float()
-    return summed.to(out_dtype)
+    return sum_split_partials(out, bias, out_dtype)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pagedllm.layers.triton_ops import _sm_count, use_fused_ops
+from pagedllm.layers.triton_ops import _sm_count, sum_split_partials, use_fused_ops
 from pagedllm.quantization.int_weights import int_linear_reference
 
 INT_TILE_ENV = "PAGEDLLM_INT_TILE"
@@ -172,10 +172,7 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     )
     if not partial:
         return out
-    summed = target.sum(0)
-    if bias is not None:
-        summed += bias.float()
-    return summed.to(x.dtype)
+    return sum_split_partials(target, bias, x.dtype)
 
 
 def int_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,

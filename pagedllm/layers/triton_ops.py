@@ -352,6 +352,16 @@ def _row_argmax(logits: torch.Tensor, temperature: torch.Tensor | None,
     return out
 
 
+def sum_split_partials(partials: torch.Tensor, bias: torch.Tensor | None,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """A split-K product's result from its float32 slices ``[SPLIT, M, N]``: added in slice
+    order (the result does not depend on timing), plus ``bias``, rounded once to ``dtype``."""
+    summed = partials.sum(0)
+    if bias is not None:
+        summed += bias.float()
+    return summed.to(dtype)
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":

@@ -79,7 +79,7 @@ def _fp8_operand(rows: torch.Tensor, weight_scale: torch.Tensor,
     from pagedllm.quantization.fp8 import quantize_groups, quantize_rows
 
     group_n, group_k = block if block is not None else (1, rows.shape[1])
-    if block is None:  # one scale a row: per token, or the static one
+    if block is None or input_scale is not None:  # a scale a row: per token, or static
         quantize = quantize_rows_fp8 if rows.is_cuda else quantize_rows
         quantized, scale = quantize(rows, input_scale)
     else:
