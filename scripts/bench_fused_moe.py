@@ -362,6 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         if not args.out:
             parser.error("--sweep needs --out FILE.json")
+        if args.fp8:
+            parser.error("--fp8 times the configured tiles beside bf16's; the sweep takes "
+                         "the model dtype only: drop one of them")
         sweep(args)
     else:
         compare(args)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.benchmarks.gpu_report import W1_ROW, load_script, run_report, write_records
 
 ARGS = ("--big", "big", "--small", "small", "--moe", "mix", "--moe-small", "a3b")
@@ -84,3 +86,10 @@ def test_the_fp8_comparison_quantizes_experts_per_channel_and_per_block() -> Non
                 # Half a step of e4m3: 1/16 of the value, or of 2**-9 below its normals.
                 step = dequantize_blocks(torch.ones_like(weight[e]), scale[e], tile) * 2.0**-9
                 assert ((values - weight[e]).abs() <= weight[e].abs() / 16 + step).all()
+
+
+def test_fp8_with_the_sweep_is_refused_not_ignored(capsys) -> None:
+    bench = load_script("bench_fused_moe")
+    with pytest.raises(SystemExit):
+        bench.main(["--sweep", "--out", "x.json", "--fp8", "block"])
+    assert "--fp8 times the configured tiles" in capsys.readouterr().err
