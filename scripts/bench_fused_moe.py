@@ -3,10 +3,11 @@
 at Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes, after checking they agree.
 
 Usage: python scripts/bench_fused_moe.py [--tokens 1,16,256,4096] [--dtype bfloat16]
-       [--fp8 channel|block]
+       [--fp8 channel|block] [--int-bits 4|8]
 
 ``--fp8``: the same layers with FP8 experts (per-channel scales, or 128 x 128 blocks) timed
-beside the model dtype's, each checked once against the FP8 reference.
+beside the model dtype's, each checked once against the FP8 reference. ``--int-bits``: with
+integer experts (W4A16 / W8A16, groups of 128, rounded to nearest) the same way.
 
 ``--sweep --out FILE.json [--budget-s S]`` times, per (shape, tokens), the tile
 ``tiles.choose_tile`` picks, a grid of candidate tiles, and the loop over experts; each
@@ -38,11 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedllm.layers.fused_moe.routing import select_experts  # noqa: E402
 from pagedllm.layers.fused_moe.tiles import MoeTile, choose_tile, row_bucket  # noqa: E402
 from pagedllm.layers.fused_moe.torch_ref import (  # noqa: E402
+    ExpertInts,
     ExpertScales,
     fused_moe_reference,
 )
 from pagedllm.layers.fused_moe.triton_moe import fused_moe_triton  # noqa: E402
 from pagedllm.quantization.fp8 import quantize_groups, quantize_rows  # noqa: E402
+from pagedllm.quantization.int_weights import pack_rows  # noqa: E402
+
+INT_GROUP = 128
 
 # name: (experts, top_k, hidden, expert intermediate, renormalize)
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336, True), "qwen3-30b-a3b": (128, 8, 2048, 768, True)}
@@ -318,31 +323,62 @@ def fp8_experts(case: Case, kind: str) -> tuple[torch.Tensor, torch.Tensor, Expe
     return q13, q2, ExpertScales(s13, s2, block)
 
 
+def int_experts(case: Case, bits: int) -> tuple[torch.Tensor, torch.Tensor, ExpertInts]:
+    """``case``'s expert weights as ``bits``-bit integers in groups of ``INT_GROUP`` inputs,
+    rounded to nearest: symmetric (zero point ``2**(bits-1)``, scale ``max|w| / (2**(bits-1)
+    - 1)``), packed in the stored layout, scales in the weights' dtype."""
+    middle = 1 << (bits - 1)
+
+    def quantize(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        experts, rows, cols = weights.shape
+        groups = weights.float().reshape(experts, rows, cols // INT_GROUP, INT_GROUP)
+        scale = groups.abs().amax(-1).clamp_min(1e-8) / (middle - 1)
+        codes = (groups / scale[..., None]).round().clamp(-middle, middle - 1) + middle
+        packed = pack_rows(codes.reshape(experts * rows, cols).to(torch.int32), bits)
+        zeros = torch.full(scale.shape, middle, dtype=torch.uint8, device=weights.device)
+        return packed.view(experts, rows, -1), scale.to(weights.dtype), zeros
+
+    (q13, s13, z13), (q2, s2, z2) = quantize(case.w13), quantize(case.w2)
+    return q13, q2, ExpertInts(s13, z13, s2, z2, bits, INT_GROUP)
+
+
+def quantized_forms(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """(label, function of a case giving ``(w13, w2, scales)``) per quantized form asked."""
+    forms = []
+    if args.fp8:
+        forms.append((f"FP8 ({args.fp8})", lambda case: fp8_experts(case, args.fp8)))
+    if args.int_bits:
+        forms.append((f"int{args.int_bits}", lambda case: int_experts(case, args.int_bits)))
+    return forms
+
+
 def compare(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("Timing the MoE layer needs CUDA; on the CPU run --sweep (tiny shapes "
                          "under Triton's interpreter).")
     dtype = getattr(torch, args.dtype or "bfloat16")
     tokens = [int(t) for t in (args.tokens or "1,16,256,4096").split(",")]
+    forms = quantized_forms(args)
     print("shape, tokens, fused ms, expert loop ms, speed-up, max abs diff / max abs"
-          + (f", FP8 ({args.fp8}) fused ms, FP8 / {dtype}, FP8 error" if args.fp8 else ""))
+          + "".join(f", {label} fused ms, {label} / {dtype}, {label} error"
+                    for label, _ in forms))
     for case in _cases(SHAPES, tokens, "cuda", dtype):
         err = case.error(case.fused(case.configured))
         t_fused = _time_ms(lambda case=case: case.fused(case.configured))
         t_loop = _time_ms(case.loop)
         line = (f"{case.info['shape']}, {case.info['tokens']}, {t_fused:.3f}, {t_loop:.3f}, "
                 f"{t_loop / t_fused:.2f}x, {err:.2e}")
-        if args.fp8:
-            q13, q2, scales = fp8_experts(case, args.fp8)
+        for _, make in forms:
+            q13, q2, scales = make(case)
 
-            def fp8(case=case, q13=q13, q2=q2, scales=scales):
+            def quantized(case=case, q13=q13, q2=q2, scales=scales):
                 return fused_moe_triton(case.x, q13, q2, case.weights, case.ids, scales=scales)
 
             want = fused_moe_reference(case.x, q13, q2, case.weights, case.ids, scales=scales)
-            fp8_err = ((fp8().float() - want.float()).abs().max()
-                       / want.float().abs().max().clamp_min(1e-30)).item()
-            t_fp8 = _time_ms(fp8)
-            line += f", {t_fp8:.3f}, {t_fp8 / t_fused:.2f}, {fp8_err:.2e}"
+            err = ((quantized().float() - want.float()).abs().max()
+                   / want.float().abs().max().clamp_min(1e-30)).item()
+            t_quantized = _time_ms(quantized)
+            line += f", {t_quantized:.3f}, {t_quantized / t_fused:.2f}, {err:.2e}"
         print(line, flush=True)
 
 
@@ -358,13 +394,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="small shapes and tiles (automatic without CUDA)")
     parser.add_argument("--fp8", choices=["channel", "block"],
                         help="also time FP8 experts (per-channel or 128 x 128 block scales)")
+    parser.add_argument("--int-bits", type=int, choices=[4, 8],
+                        help="also time integer experts of this many bits (groups of 128)")
     args = parser.parse_args(argv)
     if args.sweep:
         if not args.out:
             parser.error("--sweep needs --out FILE.json")
-        if args.fp8:
-            parser.error("--fp8 times the configured tiles beside bf16's; the sweep takes "
-                         "the model dtype only: drop one of them")
+        if args.fp8 or args.int_bits:
+            parser.error("--fp8 and --int-bits time the configured tiles beside bf16's; the "
+                         "sweep takes the model dtype only: drop one of them")
         sweep(args)
     else:
         compare(args)

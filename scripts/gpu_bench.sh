@@ -58,8 +58,10 @@
 #            run (target: at least 0.6x); and scripts/bench_fused_moe.py --sweep: the grouped
 #            MoE GEMM's tiles against the loop over experts at both models' expert shapes;
 #            and W1 on $MOE_SMALL with FP8 experts, per channel (--quantization fp8) and
-#            block-wise (--hf-overrides) into moe-fp8-w1-*.json and moe-fp8-block-w1-*.json;
-#            bench_fused_moe.py --fp8 channel|block: the FP8 grouped GEMM beside bf16's
+#            block-wise (--hf-overrides) into moe-fp8-w1-*.json and moe-fp8-block-w1-*.json,
+#            and with 4-bit experts (--quantization gptq, groups of 128) into
+#            moe-w4a16-w1-*.json; bench_fused_moe.py --fp8 channel|block and --int-bits 4:
+#            the FP8 and 4-bit grouped GEMMs beside bf16's
 #   serve    the HTTP path beside the offline engine on both models (scripts/gpu_bench_serve.py):
 #            bench throughput, then pagedllm serve and bench serve (streaming, all at once)
 #            on the same $SERVE_ARGS workload (1,000 requests of 1,024 prompt and 128 output
@@ -224,6 +226,7 @@ if [ "$DRY" != "1" ]; then
     for kind in channel block; do  # FP8 experts beside bf16's, printed into log.txt
         step moe "$LIMIT_LAT" $PY scripts/bench_fused_moe.py --fp8 "$kind" --tokens 1,64,1024
     done
+    step moe "$LIMIT_LAT" $PY scripts/bench_fused_moe.py --int-bits 4 --tokens 1,64,1024
 fi
 step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
     --load-format dummy "${W1_ARGS[@]}" --quantization fp8 \
@@ -231,6 +234,9 @@ step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" 
 step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
     --load-format dummy "${W1_ARGS[@]}" --hf-overrides "$BLOCK_FP8_CONFIG" \
     --output-json "$OUT/moe-fp8-block-w1-$MOE_SMALL.json"
+step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
+    --load-format dummy "${W1_ARGS[@]}" --quantization gptq \
+    --output-json "$OUT/moe-w4a16-w1-$MOE_SMALL.json"
 
 for model in "$BIG" "$SMALL"; do
     tokenizer=()

@@ -221,17 +221,12 @@ class Linear(nn.Module):
         if scheme is None:
             return
         if not g_idx:
-            if scheme.act_order and scheme.layout != "compressed-tensors":
-                raise ValueError("the checkpoint's quantization_config says desc_act=true but "
-                                 "the projection has no g_idx.")
+            int_weights.require_g_idx(scheme, "the projection")
             return
-        first = next(iter(g_idx.values()))
-        if len(g_idx) != len(self._shards()) or any(
-                not torch.equal(first, other) for other in g_idx.values()):
-            raise ValueError(f"the projections fused here ({', '.join(map(str, self._shards()))}) "
-                             "hold different g_idx; pagedllm needs one input order for them.")
-        perm = int_weights.act_order_permutation(first.to(self.qweight.device),
-                                                 scheme.group_size)
+        shards = self._shards()
+        perm = int_weights.shared_input_order(
+            [g_idx.get(shard) for shard in shards], scheme.group_size, self.qweight.device,
+            f"the projections fused here ({', '.join(map(str, shards))})")
         if perm is not None:
             self.qweight.data = int_weights.permute_columns(
                 self.qweight.data, scheme.bits, self.input_size, perm)

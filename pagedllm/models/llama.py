@@ -407,6 +407,10 @@ class LlamaForCausalLM(nn.Module):
     checkpoint_ignored: tuple[str, ...] = ()
     # Whether the family's layers split over tensor-parallel ranks (its own layers do).
     tensor_parallel = True
+    # How the family's checkpoints name a sparse block and its experts' gate, up and down
+    # projections (what a quantization config's targets and ignore lists match).
+    expert_checkpoint_names: tuple[str, tuple[str, str, str]] = (
+        "mlp", ("gate_proj", "up_proj", "down_proj"))
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
@@ -569,9 +573,9 @@ class LlamaForCausalLM(nn.Module):
         """Each projection inside the decoder layers with the checkpoint module names it
         holds (``...self_attn.q_proj``, ``k_proj``, ``v_proj`` for the fused qkv): what a
         checkpoint's quantization config names. A layer's experts come as one
-        ``FusedMoE`` named by its first expert's ``gate_proj``, ``up_proj`` and
-        ``down_proj``; the routers (``mlp.gate``, ``shared_expert_gate``) are never
-        quantized and not listed."""
+        ``FusedMoE`` named by its first expert's gate, up and down projections as the
+        family's checkpoints name them (``expert_checkpoint_names``); the routers
+        (``mlp.gate``, ``shared_expert_gate``) are never quantized and not listed."""
         routers = set()
         for module in self.model.layers.modules():
             if isinstance(module, MoEBlock):
@@ -580,7 +584,9 @@ class LlamaForCausalLM(nn.Module):
                     routers.add(id(module.shared_expert_gate))
         for name, module in self.model.layers.named_modules(prefix="model.layers"):
             if isinstance(module, FusedMoE):
-                yield module, [f"{name}.0.{p}_proj" for p in ("gate", "up", "down")]
+                block, projections = self.expert_checkpoint_names
+                prefix = name.replace(".mlp.experts", f".{block}.experts")
+                yield module, [f"{prefix}.0.{p}" for p in projections]
             elif isinstance(module, FusedLinear):
                 parent, fused = name.rsplit(".", 1)
                 shards = {shard: original for f, original, shard in STACKED_PARAMS if f == fused}
@@ -658,6 +664,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     family = "mixtral"
+    expert_checkpoint_names = ("block_sparse_moe", ("w1", "w3", "w2"))
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):

@@ -33,6 +33,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import get_tp
 from pagedllm.distributed.sharding import CheckpointSlice
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import Embedding, FusedLinear, Linear
 from pagedllm.models.registry import get_model_class
@@ -151,7 +152,7 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     split. FP8 weights (an FP8 checkpoint's shapes) hold the same range as FP8 values times
     their scales: uniform [-448, 448] with weight scales 1e-3 / 448, and static input
     scales 1 / 448. Integer weights hold uniform random values around a middle zero point,
-    scaled to the same range (``int_weights.fill_dummy``).
+    scaled to the same range (``int_weights.fill_dummy``), experts' too.
 
     Each value is a function of the checkpoint tensor it stands for and ``seed`` only:
     every tensor is drawn from a generator seeded by ``seed`` and the parameter's name
@@ -171,6 +172,14 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
                                    draws.generator(prefix + "qweight", None,
                                                    module.qweight.device))
             filled.update(id(p) for p in (module.qweight, module.scales, module.zeros))
+        elif isinstance(module, FusedMoE) and module.int_scheme is not None:
+            for name in ("w13", "w2"):
+                packed, scales, zeros = (getattr(module, name + suffix)
+                                         for suffix in ("", "_scales", "_zeros"))
+                int_weights.fill_dummy(packed, scales, zeros, module.int_scheme.bits,
+                                       DUMMY_WEIGHT_RANGE,
+                                       draws.generator(prefix + name, None, packed.device))
+                filled.update(id(p) for p in (packed, scales, zeros))
         elif isinstance(module, (Linear, Embedding)):
             shards = list(module.shard_sizes) if isinstance(module, FusedLinear) else [None]
             for param_name in ("weight", "bias"):

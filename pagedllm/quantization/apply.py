@@ -16,9 +16,9 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
     parameters: FP8 weights and scales (``Linear.make_fp8``, ``FusedMoE.make_fp8``) or
     packed integer weights (``Linear.make_int``). ``when="after_load"`` quantizes the
     loaded weights of the projections an unquantized checkpoint is quantized at load
-    (``quantize_fp8``) and sorts act-order integer weights (``Linear.finish_int_load``). A
-    projection's checkpoint names (q/k/v for a fused qkv) pick its scheme. Experts take FP8
-    only; an integer scheme for them is a ValueError naming it.
+    (``quantize_fp8``) and sorts act-order integer weights (``finish_int_load``). A
+    projection's checkpoint names (q/k/v for a fused qkv, an expert layer's first gate, up
+    and down) pick its scheme; a layer's experts take the scheme of their first expert.
     """
     count = 0
     for module, checkpoint_names in model.projections():
@@ -47,11 +47,13 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
 
 
 def _quantize_experts(experts: FusedMoE, scheme, name: str, when: str) -> None:
-    if isinstance(scheme, IntWeightScheme):
-        raise ValueError(f"{name}: {scheme.bits}-bit integer weights for mixture-of-experts "
-                         "layers are not supported by pagedllm (their experts take FP8).")
     try:
-        if when == "before_load" and scheme.prequantized:
+        if isinstance(scheme, IntWeightScheme):
+            if when == "before_load":
+                experts.make_int(scheme)
+            else:
+                experts.finish_int_load()
+        elif when == "before_load" and scheme.prequantized:
             experts.make_fp8(scheme.block, static_input=scheme.static_input)
         elif when == "after_load" and not scheme.prequantized:
             experts.quantize_fp8()

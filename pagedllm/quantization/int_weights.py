@@ -231,6 +231,27 @@ def act_order_permutation(g_idx: torch.Tensor, group_size: int) -> torch.Tensor 
     return perm
 
 
+def require_g_idx(scheme: IntWeightScheme, holder: str) -> None:
+    """Raise ValueError when ``scheme`` says act-order (``desc_act``) but ``holder`` (the
+    projection, the experts) loaded no ``g_idx``; compressed-tensors' act-order may store
+    none (``actorder: weight`` keeps the order)."""
+    if scheme.act_order and scheme.layout != "compressed-tensors":
+        raise ValueError(f"the checkpoint's quantization_config says desc_act=true but "
+                         f"{holder} has no g_idx.")
+
+
+def shared_input_order(orders: list[torch.Tensor | None], group_size: int,
+                       device: torch.device, holders: str) -> torch.Tensor | None:
+    """The act-order permutation (``act_order_permutation``) of projections fused into one
+    product (``holders``, named in the error): they read one input, so every one must hold
+    the same ``g_idx``. Raises ValueError otherwise."""
+    if any(order is None for order in orders) or any(
+            not torch.equal(orders[0], other) for other in orders[1:]):
+        raise ValueError(f"{holders} hold different g_idx (or some none); pagedllm needs one "
+                         "input order for them.")
+    return act_order_permutation(orders[0].to(device), group_size)
+
+
 def permute_columns(qweight: torch.Tensor, bits: int, in_features: int,
                     perm: torch.Tensor) -> torch.Tensor:
     """``qweight`` with column ``perm[j]`` moved to ``j`` (re-packed)."""

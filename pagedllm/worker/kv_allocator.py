@@ -107,10 +107,11 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
 
     Every parameter takes ``element_size`` bytes, except the decoder layers' projections
     with ``quantization="fp8"`` (one byte per weight plus a float32 scale per output
-    channel; experts included, routers not) or ``"int4"`` / ``"int8"`` (integer weights as pagedllm stores them: packed
-    in int32 words, plus per output channel and group of ``group_size`` inputs (-1: one
-    group) a scale of ``element_size`` bytes and a one-byte zero point). The embedding, the
-    LM head and the norms keep ``element_size``.
+    channel) or ``"int4"`` / ``"int8"`` (integer weights as pagedllm stores them: packed in
+    int32 words, plus per output channel and group of ``group_size`` inputs (-1: one group)
+    a scale of ``element_size`` bytes and a one-byte zero point); experts are quantized
+    either way, routers never. The embedding, the LM head and the norms keep
+    ``element_size``.
 
     Families of another shape (Gemma, GPT-NeoX, Falcon, OPT) are counted exactly from
     their model built on the meta device, every parameter at ``element_size`` (those
@@ -163,10 +164,23 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
         return total
     if quantization in INT_WEIGHT_BITS:
         bits = INT_WEIGHT_BITS[quantization]
-        shapes = ((qkv_out, hidden), (hidden, q_size), (2 * inter, hidden), (hidden, inter))
-        packed = sum(_int_projection_bytes(n, k, bits, group_size, element_size)
-                     for n, k in shapes)
-        return layers * (packed + (biases + norms) * element_size) + embeddings * element_size
+
+        def mlp_bytes(width: int) -> int:  # one gated MLP's packed gate, up and down
+            return sum(_int_projection_bytes(n, k, bits, group_size, element_size)
+                       for n, k in ((2 * width, hidden), (hidden, width)))
+
+        attention = sum(_int_projection_bytes(n, k, bits, group_size, element_size)
+                        for n, k in ((qkv_out, hidden), (hidden, q_size)))
+        total = (layers * (attention + mlp_bytes(inter) + (biases + norms) * element_size)
+                 + embeddings * element_size)
+        if sparse_layers:
+            # A sparse layer's MLP: each expert's packed gate, up and down, a packed
+            # shared expert, and the unquantized routers.
+            sparse = experts * mlp_bytes(expert_inter) - mlp_bytes(inter)
+            if shared_inter:
+                sparse += mlp_bytes(shared_inter) + hidden * element_size
+            total += sparse_layers * (sparse + experts * hidden * element_size)
+        return total
     return (layers * (projections + biases + norms) + embeddings) * element_size
 
 

@@ -88,8 +88,35 @@ def test_the_fp8_comparison_quantizes_experts_per_channel_and_per_block() -> Non
                 assert ((values - weight[e]).abs() <= weight[e].abs() / 16 + step).all()
 
 
-def test_fp8_with_the_sweep_is_refused_not_ignored(capsys) -> None:
+def test_the_integer_comparison_rounds_each_group_to_its_nearest_code() -> None:
+    """``--int-bits``' experts: symmetric groups of 128 whose dequantized weights are within
+    half a step (the group's scale) of the weights."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pagedllm.quantization.int_weights import dequantize
+
+    bench = load_script("bench_fused_moe")
+    gen = torch.Generator().manual_seed(0)
+    case = SimpleNamespace(w13=torch.randn(2, 64, 256, generator=gen),
+                           w2=torch.randn(2, 256, 128, generator=gen))
+    for bits in (4, 8):
+        q13, q2, ints = bench.int_experts(case, bits)
+        assert ints.bits == bits and ints.group_size == 128 and q13.dtype == torch.int32
+        for q, scales, zeros, weight in ((q13, ints.w13_scales, ints.w13_zeros, case.w13),
+                                         (q2, ints.w2_scales, ints.w2_zeros, case.w2)):
+            assert (zeros == 1 << (bits - 1)).all()
+            for e in range(2):
+                values = dequantize(q[e], scales[e], zeros[e], bits, 128, weight.shape[2],
+                                    torch.float32)
+                step = scales[e].repeat_interleave(128, dim=1)
+                assert ((values - weight[e]).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("flag", [["--fp8", "block"], ["--int-bits", "4"]])
+def test_quantized_experts_with_the_sweep_are_refused_not_ignored(capsys, flag) -> None:
     bench = load_script("bench_fused_moe")
     with pytest.raises(SystemExit):
-        bench.main(["--sweep", "--out", "x.json", "--fp8", "block"])
-    assert "--fp8 times the configured tiles" in capsys.readouterr().err
+        bench.main(["--sweep", "--out", "x.json", *flag])
+    assert "--fp8 and --int-bits time the configured tiles" in capsys.readouterr().err

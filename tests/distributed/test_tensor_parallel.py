@@ -265,13 +265,18 @@ def test_replicated_kv_heads_and_pipeline_stages_hold_their_parts(tmp_path, monk
     assert torch.equal(model.model.norm.weight, w["model.norm.weight"])
 
 
-def test_gptq_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path) -> None:
+@pytest.mark.parametrize("family, sizes", [
+    ("llama", dict(hidden_size=128, intermediate_size=256)),
+    ("qwen3_moe", dict(hidden_size=128, head_dim=32, moe_intermediate_size=128)),
+])
+def test_gptq_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path, family,
+                                                                      sizes) -> None:
     """4-bit weights split after conversion: column-parallel rows, row-parallel whole
-    packed words and groups of 32."""
+    packed words and groups of 32; each expert's gate/up rows and down inputs likewise."""
     from tests.quantization.int_checkpoints import hf_on_dequantized, write_gptq
 
-    src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128,
-                               hidden_size=128, intermediate_size=256)
+    src = make_tiny_checkpoint(tmp_path, family, vocab_size=256, max_position_embeddings=128,
+                               **sizes)
     quantized = write_gptq(src, tmp_path / "gptq", bits=4, group_size=32)
     prompts = random_prompts(3, 3, 20, seed=6, vocab=256)
     reference = hf_on_dequantized(src, quantized)

@@ -11,6 +11,7 @@ from pagedllm.layers.fused_moe import MoEBlock, select_experts
 from pagedllm.layers.fused_moe.tiles import (DEFAULT_TILES, TILE_ENV,
                                               MoeTile, choose_tile, parse_tile, row_bucket)
 from pagedllm.layers.fused_moe.torch_ref import (
+    ExpertInts,
     ExpertScales,
     fused_moe_dense,
     fused_moe_reference,
@@ -97,9 +98,11 @@ def test_fewer_slots_than_experts_bound_the_list_by_the_slots() -> None:
     assert block_expert.tolist() == [1, 3]
 
 
-def _moe_inputs(num_tokens: int, top_k: int, dtype: torch.dtype = torch.float32):
-    """``(x, w13, w2, weights, ids)`` over 5 experts, expert 4 left without tokens."""
-    num_experts, hidden, inter = 5, 40, 24  # widths that do not fill a tile
+def _moe_inputs(num_tokens: int, top_k: int, dtype: torch.dtype = torch.float32,
+                hidden: int = 40, inter: int = 24):
+    """``(x, w13, w2, weights, ids)`` over 5 experts, expert 4 left without tokens (the
+    default widths do not fill a tile)."""
+    num_experts = 5
     x = _rand(num_tokens, hidden, seed=5)
     w13 = _rand(num_experts, 2 * inter, hidden, seed=6, scale=hidden ** -0.5)
     w2 = _rand(num_experts, hidden, inter, seed=7, scale=inter ** -0.5)
@@ -235,3 +238,62 @@ def test_the_dense_form_for_cuda_graphs_equals_the_reference() -> None:
     torch.testing.assert_close(fused_moe_dense(x, w13, w2, weights, ids),
                                fused_moe_reference(x, w13, w2, weights, ids),
                                rtol=1e-5, atol=1e-5)
+
+
+def _int_experts(w13: torch.Tensor, w2: torch.Tensor, bits: int, group_size: int,
+                 act_order: bool) -> tuple[torch.Tensor, torch.Tensor, ExpertInts]:
+    """Random integer experts of ``w13``'s and ``w2``'s shapes in the stored layout: codes,
+    zero points and scales drawn, and with ``act_order`` each expert's own input order."""
+    from pagedllm.quantization.int_weights import num_groups, pack_rows
+
+    gen = torch.Generator().manual_seed(bits * 100 + group_size)
+    parts = []
+    for weights in (w13, w2):
+        experts, rows, inputs = weights.shape
+        groups = num_groups(inputs, group_size)
+        codes = torch.randint(0, 1 << bits, (experts, rows, inputs), generator=gen)
+        packed = torch.stack([pack_rows(c, bits) for c in codes])
+        zeros = torch.randint(0, 1 << bits, (experts, rows, groups), generator=gen)
+        scales = torch.rand(experts, rows, groups, generator=gen) * inputs ** -0.5 / (1 << bits)
+        perm = None
+        if act_order:
+            perm = torch.stack([torch.randperm(inputs, generator=gen) for _ in range(experts)])
+        parts.append((packed, scales.to(weights.dtype), zeros.to(torch.uint8), perm))
+    (q13, s13, z13, p13), (q2, s2, z2, p2) = parts
+    moved = [None if t is None else t.to(DEVICE) for t in (s13, z13, s2, z2, p13, p2)]
+    ints = ExpertInts(*moved[:4], bits, group_size,
+                      *(None if p is None else p.to(torch.int32) for p in moved[4:]))
+    return q13.to(DEVICE), q2.to(DEVICE), ints
+
+
+@pytest.mark.parametrize("bits, group_size, act_order, tile, dtype", [
+    (4, 32, False, MoeTile(16, 32, 64), torch.float32),  # BLOCK_K cut to the group's 32
+    (4, 16, True, MoeTile(16, 16, 32, group_m=1), torch.float32),
+    (8, -1, False, MoeTile(32, 16, 16, group_m=2), torch.float32),
+    (8, 32, True, MoeTile(16, 32, 32), torch.bfloat16),
+    (4, 32, False, MoeTile(16, 32, 32), torch.bfloat16),
+])
+def test_triton_grouped_gemm_with_integer_experts_matches_the_reference(
+        bits, group_size, act_order, tile, dtype) -> None:
+    """4- and 8-bit experts in groups or per channel, with each expert's own act-order
+    input order: dequantized tile by tile in the kernel, the reference's weights."""
+    x, w13, w2, weights, ids = _moe_inputs(11, 2, dtype, hidden=64, inter=32)
+    q13, q2, ints = _int_experts(w13, w2, bits, group_size, act_order)
+    got = fused_moe_triton(x, q13, q2, weights, ids, tile=tile, scales=ints)
+    want = fused_moe_reference(x, q13, q2, weights, ids, scales=ints)
+    # Within a few roundings of the largest output (bf16: another summation order).
+    atol = (1e-5 if dtype == torch.float32 else 3e-2) * want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+    torch.testing.assert_close(fused_moe_dense(x, q13, q2, weights, ids, scales=ints), want,
+                               rtol=0, atol=atol)
+    if act_order:  # the orders are used: the stored order alone gives another product
+        plain = ints._replace(w13_perm=None, w2_perm=None)
+        unordered = fused_moe_reference(x, q13, q2, weights, ids, scales=plain)
+        assert (unordered - want).abs().max() > 10 * atol
+
+
+def test_integer_experts_whose_inputs_do_not_tile_are_refused_by_the_kernel() -> None:
+    x, w13, w2, weights, ids = _moe_inputs(3, 2, hidden=40, inter=24)
+    q13, q2, ints = _int_experts(w13, w2, 4, 8, False)
+    with pytest.raises(ValueError, match="40 and 24 inputs in groups of 8 do not tile"):
+        fused_moe_triton(x, q13, q2, weights, ids, scales=ints)

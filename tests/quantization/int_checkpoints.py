@@ -24,6 +24,7 @@ scale[g]`` from them rather than from the packed words.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +34,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-# Projections that read the same input share act-order's g_idx.
+# Projections that read the same input share act-order's g_idx (Mixtral's experts call
+# their gate, down and up w1, w2 and w3).
 _SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
-                 "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
+                 "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down",
+                 "w1": "gate_up", "w3": "gate_up", "w2": "down"}
+_PROJECTION = re.compile(r".*\.layers\..*\.(\w+_proj|experts\.\d+\.w[123])\.weight$")
 
 
 @dataclass
@@ -122,7 +126,7 @@ def _pack_awq_dim1(values: torch.Tensor) -> torch.Tensor:
 
 def _projections(tensors: dict[str, torch.Tensor]):
     for name, tensor in tensors.items():
-        if ".layers." in name and name.endswith("_proj.weight"):
+        if _PROJECTION.match(name):
             yield name[: -len(".weight")], tensor
 
 
@@ -140,14 +144,14 @@ def _write(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quant_config:
 def _quantized(src: Path, bits: int, group_size: int, act_order: bool, sym: bool, seed: int):
     """``src``'s tensors other than the decoder projections, and ``(module, weight,
     Quantized)`` for each projection; projections reading one input (q/k/v, gate/up) share
-    one group assignment, as a fused product needs."""
+    one group assignment, as a fused product needs (each expert its own)."""
     tensors = read_tensors(src)
-    out = {n: t for n, t in tensors.items() if not (".layers." in n and n.endswith("_proj.weight"))}
+    out = {n: t for n, t in tensors.items() if not _PROJECTION.match(n)}
     shared: dict[tuple[str, str], torch.Tensor] = {}
     projections = []
     for module, weight in _projections(tensors):
-        layer, _, proj = module.rpartition(".")
-        key = (layer.rsplit(".", 1)[0], _SHARED_INPUT[proj])
+        parent, _, proj = module.rpartition(".")
+        key = (parent, _SHARED_INPUT[proj])
         if key not in shared:
             shared[key] = _groups(weight.shape[1], group_size, act_order, seed + len(shared))
         projections.append((module, weight, quantize(weight, bits, shared[key], sym)))
@@ -224,13 +228,27 @@ def write_compressed_tensors(src: Path, dst: Path, *, group_size: int = 32,
     return result
 
 
+_EXPERT = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)$")
+
+
 def hf_on_dequantized(src: Path, quantized: dict[str, Quantized]):
     """HF transformers' model of ``src`` with each quantized projection's weight replaced by
-    its dequantized weight, in float32."""
+    its dequantized weight, in float32; an expert's into its rows of HF's stacked expert
+    weights (``gate_up_proj [E, 2I, H]``: gate rows then up rows; ``down_proj``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
         for module, q in quantized.items():
-            model.get_submodule(module).weight.copy_(q.dequantized())
+            expert = _EXPERT.match(module)
+            if expert is None:
+                model.get_submodule(module).weight.copy_(q.dequantized())
+                continue
+            experts = model.get_submodule(f"{expert.group(1)}.mlp.experts")
+            index, proj = int(expert.group(2)), expert.group(3)
+            if proj in ("down_proj", "w2"):
+                experts.down_proj[index].copy_(q.dequantized())
+            else:
+                rows = experts.gate_up_proj[index].chunk(2)[proj in ("up_proj", "w3")]
+                rows.copy_(q.dequantized())
     return model

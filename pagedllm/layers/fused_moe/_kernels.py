@@ -16,6 +16,14 @@ With ``FP8`` the operands are float8_e4m3fn: ``a``'s rows with float32 scales
 group ``g`` of ``group_k`` inputs (per channel: ``group_n`` 1, ``group_k`` the whole K).
 Each ``BLOCK_K`` step lies in one group (``BLOCK_K`` divides ``group_k``, or there is one
 group) and its product is scaled by its row's and its column's scales before it is added.
+
+With ``INT_BITS`` (4 or 8) the experts' weights are packed integers (``int_weights``'
+stored layout, ``[E, N, K / (32 / INT_BITS)]`` int32) with scales in ``b_scale`` and zero
+points in ``b_zero`` (``[E, N, groups]``, one stride), dequantized tile by tile in
+registers (``_int_matmul_kernels.int_weight_tile``: rounded once to the activation dtype,
+the reference's weights) and multiplied with the unquantized rows; ``BLOCK_K`` divides K
+and ``INT_GROUP``, so no input is masked. ``HAS_PERM``: act-order experts read input
+column ``perm[e, k]`` for stored column ``k``.
 """
 
 from __future__ import annotations
@@ -23,20 +31,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedllm.layers._int_matmul_kernels import int_weight_tile
+
 
 # Slot and block counts change with every batch size: not specialised on, so one compiled
 # kernel serves every batch.
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, block_expert_ptr,
-    a_scale_ptr, b_scale_ptr,
+    a_scale_ptr, b_scale_ptr, b_zero_ptr, perm_ptr,
     num_slots, num_blocks, N, K, group_n, group_k,
     stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
+    stride_pe,
     A_DIV: tl.constexpr,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     DOT_F32: tl.constexpr,
     FP8: tl.constexpr,
+    INT_BITS: tl.constexpr,
+    INT_GROUP: tl.constexpr,
+    HAS_PERM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -64,16 +78,31 @@ def moe_gemm_kernel(
         a_scales = a_scale_ptr + a_rows * stride_asm
         b_scales = b_scale_ptr + expert * stride_bse + (offs_n // group_n) * stride_bsn
         b_scales_up = b_scale_ptr + expert * stride_bse + ((offs_n + N) // group_n) * stride_bsn
+        if INT_BITS > 0:  # packed rows; columns past N read the last row, never stored
+            n_rows = tl.minimum(offs_n, N - 1)
+            q_rows = b_base + n_rows[:, None] * stride_bn
+            q_rows_up = q_rows + N * stride_bn
+            int_scales = b_scale_ptr + expert * stride_bse
+            int_zeros = b_zero_ptr + expert * stride_bse
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
-            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+            if HAS_PERM:
+                columns = tl.load(perm_ptr + expert * stride_pe + offs_k)
+            else:
+                columns = offs_k
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + columns[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b_mask = k_ok[:, None] & n_ok[None, :]
-            b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_k[:, None],
-                        mask=b_mask, other=0.0)
+            if INT_BITS > 0:
+                b = tl.trans(int_weight_tile(q_rows, int_scales, int_zeros, n_rows, stride_bsn,
+                                             k0, INT_BITS, INT_GROUP, BLOCK_N, BLOCK_K, True,
+                                             a_ptr.dtype.element_ty))
+            else:
+                b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_k[:, None],
+                            mask=b_mask, other=0.0)
             if DOT_F32:
                 a = a.to(tl.float32)
                 part = tl.dot(a, b.to(tl.float32), input_precision="ieee")
@@ -85,8 +114,14 @@ def moe_gemm_kernel(
                 part = part * a_s * tl.load(b_scales + group, mask=n_ok, other=0.0)[None, :]
             acc += part
             if GATED:
-                b_up = tl.load(b_base + (offs_n[None, :] + N) * stride_bn + offs_k[:, None],
-                               mask=b_mask, other=0.0)
+                if INT_BITS > 0:
+                    b_up = tl.trans(int_weight_tile(q_rows_up, int_scales, int_zeros,
+                                                    n_rows + N, stride_bsn, k0, INT_BITS,
+                                                    INT_GROUP, BLOCK_N, BLOCK_K, True,
+                                                    a_ptr.dtype.element_ty))
+                else:
+                    b_up = tl.load(b_base + (offs_n[None, :] + N) * stride_bn + offs_k[:, None],
+                                   mask=b_mask, other=0.0)
                 if DOT_F32:
                     part = tl.dot(a, b_up.to(tl.float32), input_precision="ieee")
                 else:

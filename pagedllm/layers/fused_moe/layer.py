@@ -18,6 +18,16 @@ columns)`` of each expert's weight; inputs are quantized per token (and group) i
 or with static scales (``w13_input_scale`` for the gate/up input, ``w2_input_scale`` for
 the down input: the largest of the experts' own, as every expert reads the same rows;
 ``torch_ref.ExpertScales``). Block-wise, the up rows and each rank's part start on a block.
+
+Integer experts (``make_int``, W4A16 / W8A16 from GPTQ, AWQ or compressed-tensors
+checkpoints): ``w13`` and ``w2`` hold each expert's weights packed in int32 words in
+``int_weights``' stored layout, with ``w13_scales`` / ``w2_scales`` (the model's dtype)
+and ``w13_zeros`` / ``w2_zeros`` (uint8) per output row and group of inputs, converted
+tensor by tensor from the checkpoint's layout at load; act-order experts keep each
+expert's sorted input order in ``w13_perm`` / ``w2_perm`` (``finish_int_load``; the gate
+and up of an expert read one input, so they must share ``g_idx``). With tensor
+parallelism the down projections split along their inputs in whole words and groups.
+
 The router is never quantized.
 """
 
@@ -31,13 +41,18 @@ from pagedllm.distributed import sharding
 from pagedllm.distributed.parallel_state import all_reduce, get_tp
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.fused_moe.routing import select_experts
+from pagedllm.layers.fused_moe.triton_moe import fused_moe_triton, int_block_k
 from pagedllm.layers.fused_moe.torch_ref import (
+    ExpertInts,
+    ExpertQuant,
     ExpertScales,
     fused_moe_dense,
     fused_moe_reference,
 )
-from pagedllm.layers.linear import BLOCK_SCALE_NAME, Linear
+from pagedllm.layers.linear import BLOCK_SCALE_NAME, Linear, _frozen
 from pagedllm.layers.triton_ops import use_fused_ops
+from pagedllm.quantization import int_weights
+from pagedllm.quantization.checkpoint import IntWeightScheme
 from pagedllm.quantization.fp8 import FP8_DTYPE, quantize_rows
 
 # Per-expert checkpoint module -> (our parameter, shard); shard None fills the whole expert.
@@ -79,10 +94,25 @@ class FusedMoE(nn.Module):
         self.w13_input_scale: nn.Parameter | None = None
         self.w2_input_scale: nn.Parameter | None = None
         self.fp8_block: tuple[int, int] | None = None
+        self.int_scheme: IntWeightScheme | None = None
+        self.register_buffer("w13_perm", None)
+        self.register_buffer("w2_perm", None)
+        # Parameters the checkpoint need not hold (symmetric compressed-tensors' zero
+        # points); act-order g_idx per (expert, shard), until finish_int_load.
+        self._preset: frozenset[str] = frozenset()
+        self._g_idx: dict[tuple[int, str], torch.Tensor] = {}
+        # Whether the grouped GEMM tiles the integer experts (else the torch products).
+        self._int_tiles = True
 
     @property
-    def scales(self) -> ExpertScales | None:
-        """The FP8 weights' scales (None: the experts are in the model's dtype)."""
+    def scales(self) -> ExpertQuant | None:
+        """What the quantized weights' products need besides ``w13`` and ``w2``: FP8
+        scales or integer scales and zero points (None: the experts are in the model's
+        dtype)."""
+        if self.int_scheme is not None:
+            return ExpertInts(self.w13_scales, self.w13_zeros, self.w2_scales, self.w2_zeros,
+                              self.int_scheme.bits, self.int_scheme.group_size,
+                              self.w13_perm, self.w2_perm)
         if self.w13_scale is None:
             return None
         return ExpertScales(self.w13_scale, self.w2_scale, self.fp8_block,
@@ -91,9 +121,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         scales = self.scales
-        if self.act.is_silu and use_fused_ops(x):
-            from pagedllm.layers.fused_moe.triton_moe import fused_moe_triton
-
+        if self.act.is_silu and use_fused_ops(x) and self._int_tiles:
             return fused_moe_triton(x, self.w13, self.w2, weights, ids, scales=scales)
         if x.is_cuda:  # no host sync: the step may be captured in a CUDA graph
             return fused_moe_dense(x, self.w13, self.w2, weights, ids, self.act._fn, scales)
@@ -147,11 +175,71 @@ class FusedMoE(nn.Module):
         self.w13, self.w2, self.w13_scale, self.w2_scale = (
             nn.Parameter(t, requires_grad=False) for t in (w13, w2, s13, s2))
 
+    def make_int(self, scheme: IntWeightScheme) -> None:
+        """The parameters an integer-weight checkpoint of ``scheme`` fills (see the module
+        docstring); scales take the default dtype (the model's). Zero points start at
+        ``2**(bits - 1)``, all a symmetric compressed-tensors checkpoint implies."""
+        experts, two_inter, hidden = self.w13.shape
+        inter = self.intermediate_size
+        device = self.w13.device
+        per_word = int_weights.values_per_word(scheme.bits)
+        for name, rows, inputs in (("w13", two_inter, hidden), ("w2", hidden, inter)):
+            groups = int_weights.num_groups(inputs, scheme.group_size)
+            setattr(self, name, _frozen(torch.empty(experts, rows, -(-inputs // per_word),
+                                                    dtype=torch.int32, device=device)))
+            setattr(self, f"{name}_scales",
+                    _frozen(torch.empty(experts, rows, groups, device=device)))
+            setattr(self, f"{name}_zeros",
+                    _frozen(torch.full((experts, rows, groups), 1 << (scheme.bits - 1),
+                                       dtype=torch.uint8, device=device)))
+        self.int_scheme = scheme
+        self._int_tiles = int_block_k(16, hidden, inter, scheme.group_size) is not None
+        if scheme.symmetric and scheme.layout == "compressed-tensors":
+            self._preset = frozenset({"w13_zeros", "w2_zeros"})
+
+    def finish_int_load(self) -> None:
+        """After loading: sort each act-order expert's input columns by group
+        (``int_weights.act_order_permutation``) into ``w13_perm`` / ``w2_perm``. Raises
+        ValueError naming the expert when its gate and up hold different ``g_idx``, or when
+        some experts' projections hold a ``g_idx`` and others none."""
+        g_idx, self._g_idx = self._g_idx, {}
+        scheme = self.int_scheme
+        if scheme is None:
+            return
+        if not g_idx:
+            int_weights.require_g_idx(scheme, "the experts")
+            return
+        hidden = self.w2.shape[1]
+        for param_name, shards, inputs in (("w13", ("gate", "up"), hidden),
+                                           ("w2", ("down",), self.intermediate_size)):
+            weight = getattr(self, param_name).data
+            perms, sorted_any = [], False
+            for expert in range(self.num_experts):
+                if not any((expert, shard) in g_idx for shard in shards):
+                    raise ValueError(f"expert {expert}'s {'/'.join(shards)} projection holds "
+                                     "no g_idx, while other experts' do.")
+                perm = int_weights.shared_input_order(
+                    [g_idx.get((expert, shard)) for shard in shards], scheme.group_size,
+                    weight.device, f"expert {expert}'s gate and up projections")
+                if perm is None:
+                    perm = torch.arange(inputs, device=weight.device)
+                else:
+                    sorted_any = True
+                    weight[expert] = int_weights.permute_columns(weight[expert], scheme.bits,
+                                                                 inputs, perm)
+                perms.append(perm)
+            if sorted_any:
+                setattr(self, f"{param_name}_perm", torch.stack(perms).to(torch.int32))
+
     def load_parts(self) -> list[tuple[str, str]]:
         """Every (parameter, part) a checkpoint must fill: ``"e:gate"``, ``"e:up"``,
-        ``"e:down"`` per expert ``e`` (of the scales too, for FP8 experts)."""
+        ``"e:down"`` per expert ``e`` (of the scales too, for FP8 experts, and of the
+        scales and zero points for integer ones)."""
         params = (("w13", "gate"), ("w13", "up"), ("w2", "down"))
-        if self.w13_scale is not None:
+        if self.int_scheme is not None:
+            params += tuple((f"{p}_{kind}", part) for p, part in params
+                            for kind in ("scales", "zeros") if f"{p}_{kind}" not in self._preset)
+        elif self.w13_scale is not None:
             params += (("w13_scale", "gate"), ("w13_scale", "up"), ("w2_scale", "down"))
         if self.w13_input_scale is not None:
             params += (("w13_input_scale", "gate"), ("w13_input_scale", "up"),
@@ -165,6 +253,8 @@ class FusedMoE(nn.Module):
         ValueError on an unknown name, expert or shape."""
         parts = name.split(".")
         tensor = sharding.read(tensor)
+        if self.int_scheme is not None:
+            return self._load_int(name, tensor)
         if self.w13_scale is not None and parts[-1] in ("weight", *STACKED_TENSORS) \
                 and tensor.dtype != FP8_DTYPE:
             raise ValueError(f"expert weights are FP8 (float8_e4m3fn) in this checkpoint's "
@@ -189,10 +279,7 @@ class FusedMoE(nn.Module):
             takes = ", ".join(("weight",) + scale_names)
             raise ValueError(f"no expert tensor is called {name!r} (each expert's "
                              f"projection takes {takes}).")
-        expert = int(parts[0])
-        if expert >= self.num_experts:
-            raise ValueError(f"expert {expert} is past the {self.num_experts} experts "
-                             "config.json declares.")
+        expert = self._expert(parts[0])
         param_name, shard = EXPERT_TENSORS[parts[1]]
         if parts[2] == "input_scale" and is_scale:
             if tensor.numel() != 1:
@@ -213,6 +300,50 @@ class FusedMoE(nn.Module):
             tensor = self._rank_columns(tensor)
         _copy(rows, tensor)
         return [(param_name, f"{expert}:{shard or 'down'}")]
+
+    def _load_int(self, name: str, tensor: torch.Tensor) -> list[tuple[str, str]]:
+        """An integer-weight checkpoint tensor of one expert (``N.gate_proj.qweight``, ...)
+        converted to the stored layout (``int_weights.convert``) into this rank's rows of
+        its parameter; a ``g_idx`` is kept for ``finish_int_load``."""
+        scheme = self.int_scheme
+        names = int_weights.checkpoint_names(scheme)
+        parts = name.split(".")
+        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in EXPERT_TENSORS \
+                or parts[2] not in names:
+            raise ValueError(f"no expert tensor is called {name!r}: the experts' weights are "
+                             f"{scheme.bits}-bit integers in the {scheme.layout} layout, one "
+                             f"projection per expert, each taking {', '.join(names)}.")
+        expert = self._expert(parts[0])
+        param_name, shard = EXPERT_TENSORS[parts[1]]
+        shard = shard or "down"
+        hidden, full = self.w2.shape[1], self.checkpoint_intermediate_size
+        rows, inputs = (hidden, full) if shard == "down" else (full, hidden)
+        stored, tensor = int_weights.convert(scheme, parts[2], tensor.to(self.w13.device),
+                                             rows, inputs)
+        if stored is None:
+            return []
+        start, length = self.tp_part
+        if length != full:  # this rank's rows of the gate and up, inputs of the down
+            tensor = int_weights.rank_part(scheme, stored, tensor, int(shard == "down"),
+                                           start, length)
+        if stored == "g_idx":
+            self._g_idx[(expert, shard)] = tensor
+            return []
+        target = param_name if stored == "qweight" else f"{param_name}_{stored}"
+        rows = getattr(self, target).data[expert]
+        if shard == "gate":
+            rows = rows[:self.intermediate_size]
+        elif shard == "up":
+            rows = rows[self.intermediate_size:]
+        _copy(rows, tensor)
+        return [(target, f"{expert}:{shard}")]
+
+    def _expert(self, index: str) -> int:
+        expert = int(index)
+        if expert >= self.num_experts:
+            raise ValueError(f"expert {expert} is past the {self.num_experts} experts "
+                             "config.json declares.")
+        return expert
 
     def _load_scale(self, param_name: str, shard: str | None, expert: int,
                     tensor: torch.Tensor) -> list[tuple[str, str]]:
@@ -252,12 +383,16 @@ class FusedMoE(nn.Module):
         return tensor.narrow(-1, *self.tp_part)
 
     def extra_repr(self) -> str:
-        fp8 = ""
-        if self.w13_scale is not None:
-            fp8 = ", fp8" + (f" blocks of {self.fp8_block[0]}x{self.fp8_block[1]}"
-                             if self.fp8_block else "")
+        quant = ""
+        if self.int_scheme is not None:
+            order = ", act-order" if self.w13_perm is not None or self.w2_perm is not None \
+                else ""
+            quant = f", int{self.int_scheme.bits} groups of {self.int_scheme.group_size}{order}"
+        elif self.w13_scale is not None:
+            quant = ", fp8" + (f" blocks of {self.fp8_block[0]}x{self.fp8_block[1]}"
+                               if self.fp8_block else "")
         return (f"experts={self.num_experts}, top_k={self.top_k}, "
-                f"intermediate={self.intermediate_size}, renormalize={self.renormalize}{fp8}")
+                f"intermediate={self.intermediate_size}, renormalize={self.renormalize}{quant}")
 
 
 def _copy(dest: torch.Tensor, tensor: torch.Tensor) -> None:

@@ -16,7 +16,9 @@ the second the down projection times the slot's routing weight (float32 rows); t
 combine sums each token's ``top_k`` rows and casts once, as ``torch_ref`` does. FP8 experts
 (``scales``): each GEMM's input is first quantized per row and group
 (``fp8_block_matmul.quantize_groups_fp8``: per token, then per slot) and the kernel scales
-each group's product (``_kernels``).
+each group's product (``_kernels``). Integer experts (``ExpertInts``) are dequantized tile
+by tile inside the same GEMMs, their inputs unquantized; the tile's ``BLOCK_K`` is cut to
+divide both products' inputs and the group size.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import replace
 
 from pagedllm.core.kv_cache import cdiv
 from pagedllm.layers.fused_moe.tiles import MoeTile, choose_tile
-from pagedllm.layers.fused_moe.torch_ref import ExpertScales
+from pagedllm.layers.fused_moe.torch_ref import ExpertInts, ExpertQuant, ExpertScales
 
 # An FP8 tensor-core product sums 32 inputs at least (Triton's smallest FP8 dot).
 FP8_MIN_BLOCK_K = 32
@@ -92,21 +94,55 @@ def _fp8_operand(rows: torch.Tensor, weight_scale: torch.Tensor,
     return quantized, args, sizes
 
 
+def int_block_k(block_k: int, hidden: int, inter: int, group_size: int) -> int | None:
+    """The largest ``BLOCK_K`` of at most ``block_k`` (16 at least, a power of two) that
+    divides both products' inputs (``hidden`` and ``inter``) and the integer experts'
+    groups (-1: per channel), so every weight tile lies in one group; None if none does."""
+    sizes = (hidden, inter) + (() if group_size == -1 else (group_size,))
+    while block_k >= 16:
+        if all(size % block_k == 0 for size in sizes):
+            return block_k
+        block_k //= 2
+    return None
+
+
+def _int_operand(rows: torch.Tensor, ints: ExpertInts, first: bool
+                 ) -> tuple[torch.Tensor, tuple, dict]:
+    """``rows`` as they are for a GEMM over integer experts, with the experts' scales,
+    zero points and input order (one stride for scales and zero points: both contiguous)."""
+    scales, zeros, perm = ((ints.w13_scales, ints.w13_zeros, ints.w13_perm) if first
+                           else (ints.w2_scales, ints.w2_zeros, ints.w2_perm))
+    scales, zeros = scales.contiguous(), zeros.contiguous()
+    group = rows.shape[1] if ints.group_size == -1 else ints.group_size
+    sizes = dict(group_n=1, group_k=1, stride_asm=0, stride_bse=scales.stride(0),
+                 stride_bsn=scales.stride(1), stride_pe=0 if perm is None else perm.stride(0),
+                 INT_BITS=ints.bits, INT_GROUP=group, HAS_PERM=perm is not None)
+    return rows, (rows, scales, zeros, scales if perm is None else perm.contiguous()), sizes
+
+
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      tile: MoeTile | None = None,
-                     scales: ExpertScales | None = None) -> torch.Tensor:
+                     scales: ExpertQuant | None = None) -> torch.Tensor:
     """Same arguments and result as ``torch_ref.fused_moe_reference`` with SiLU (the
     only activation this kernel computes). ``tile`` (for sweeps and tests) replaces
     ``choose_tile``'s, the environment's included; FP8 experts take a ``BLOCK_K`` of at
-    least ``FP8_MIN_BLOCK_K``, cut to the block's width if wider."""
+    least ``FP8_MIN_BLOCK_K``, cut to the block's width if wider; integer experts one that
+    divides both inputs and the group (``int_block_k``; a ValueError when none does)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
+    ints = scales if isinstance(scales, ExpertInts) else None
     inter = two_inter // 2
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
     tile = tile or choose_tile(num_experts, num_slots)
-    if scales is not None:  # FP8 products take 32 inputs a step at least
+    if ints is not None:
+        block_k = int_block_k(tile.block_k, hidden, inter, ints.group_size)
+        if block_k is None:
+            raise ValueError(f"integer experts of {hidden} and {inter} inputs in groups of "
+                             f"{ints.group_size} do not tile in steps of 16 inputs or more.")
+        tile = replace(tile, block_k=block_k)
+    elif scales is not None:  # FP8 products take 32 inputs a step at least
         block_k = max(tile.block_k, FP8_MIN_BLOCK_K)
         if scales.block is not None:
             width = scales.block[1]
@@ -123,31 +159,36 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     activated = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     meta = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                 GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
-                FP8=scales is not None)
+                FP8=ints is None and scales is not None, DOT_F32=dot_f32)
 
-    def operand(rows: torch.Tensor, first: bool):
-        if scales is None:  # the scale arguments unused
-            return rows, (rows, rows), dict(group_n=1, group_k=1, stride_asm=0,
-                                            stride_bse=0, stride_bsn=0)
-        return _fp8_operand(rows, scales.w13 if first else scales.w2, scales.block,
-                            scales.input13 if first else scales.input2)
+    def operand(rows: torch.Tensor, first: bool) -> tuple[torch.Tensor, tuple, dict]:
+        """The GEMM's ``a``, its four scale, zero-point and order arguments, and the sizes,
+        strides and constants that go with them."""
+        if ints is not None:
+            return _int_operand(rows, ints, first)
+        unused = dict(group_n=1, group_k=1, stride_asm=0, stride_bse=0, stride_bsn=0,
+                      stride_pe=0, INT_BITS=0, INT_GROUP=1, HAS_PERM=False)
+        if scales is None:
+            return rows, (rows,) * 4, unused
+        quantized, (a_scale, b_scale), sizes = _fp8_operand(
+            rows, scales.w13 if first else scales.w2, scales.block,
+            scales.input13 if first else scales.input2)
+        return quantized, (a_scale, b_scale, b_scale, b_scale), {**unused, **sizes}
 
     a, scale_args, sizes = operand(x, first=True)
     kernel[(num_blocks * cdiv(inter, tile.block_n),)](
         a, w13, activated, topk_weights, sorted_slots, block_expert, *scale_args,
-        num_slots, num_blocks, inter, hidden, sizes["group_n"], sizes["group_k"],
+        num_slots, num_blocks, inter, hidden, sizes.pop("group_n"), sizes.pop("group_k"),
         a.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
-        sizes["stride_asm"], sizes["stride_bse"], sizes["stride_bsn"],
-        A_DIV=top_k, GATED=True, WEIGHTED=False, DOT_F32=dot_f32, **meta,
+        A_DIV=top_k, GATED=True, WEIGHTED=False, **sizes, **meta,
     )
     weights = topk_weights.flatten().float().contiguous()
     rows = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     a, scale_args, sizes = operand(activated, first=False)
     kernel[(num_blocks * cdiv(hidden, tile.block_n),)](
         a, w2, rows, weights, sorted_slots, block_expert, *scale_args,
-        num_slots, num_blocks, hidden, inter, sizes["group_n"], sizes["group_k"],
+        num_slots, num_blocks, hidden, inter, sizes.pop("group_n"), sizes.pop("group_k"),
         a.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
-        sizes["stride_asm"], sizes["stride_bse"], sizes["stride_bsn"],
-        A_DIV=1, GATED=False, WEIGHTED=True, DOT_F32=dot_f32, **meta,
+        A_DIV=1, GATED=False, WEIGHTED=True, **sizes, **meta,
     )
     return rows.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
