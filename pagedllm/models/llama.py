@@ -573,9 +573,9 @@ class LlamaForCausalLM(nn.Module):
         """Each projection inside the decoder layers with the checkpoint module names it
         holds (``...self_attn.q_proj``, ``k_proj``, ``v_proj`` for the fused qkv): what a
         checkpoint's quantization config names. A layer's experts come as one
-        ``FusedMoE`` named by its first expert's gate, up and down projections as the
-        family's checkpoints name them (``expert_checkpoint_names``); the routers
-        (``mlp.gate``, ``shared_expert_gate``) are never quantized and not listed."""
+        ``FusedMoE`` named by every expert's gate, up and down projections as the family's
+        checkpoints name them (``expert_checkpoint_names``: they take one scheme); the
+        routers (``mlp.gate``, ``shared_expert_gate``) are never quantized and not listed."""
         routers = set()
         for module in self.model.layers.modules():
             if isinstance(module, MoEBlock):
@@ -586,7 +586,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, FusedMoE):
                 block, projections = self.expert_checkpoint_names
                 prefix = name.replace(".mlp.experts", f".{block}.experts")
-                yield module, [f"{prefix}.0.{p}" for p in projections]
+                yield module, [f"{prefix}.{e}.{p}" for e in range(module.num_experts)
+                               for p in projections]
             elif isinstance(module, FusedLinear):
                 parent, fused = name.rsplit(".", 1)
                 shards = {shard: original for f, original, shard in STACKED_PARAMS if f == fused}

@@ -18,7 +18,7 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
     loaded weights of the projections an unquantized checkpoint is quantized at load
     (``quantize_fp8``) and sorts act-order integer weights (``finish_int_load``). A
     projection's checkpoint names (q/k/v for a fused qkv, an expert layer's first gate, up
-    and down) pick its scheme; a layer's experts take the scheme of their first expert.
+    and down) pick its scheme; all of a layer's experts must take one.
     """
     count = 0
     for module, checkpoint_names in model.projections():

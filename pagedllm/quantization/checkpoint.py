@@ -22,6 +22,10 @@ Formats read:
   ``weight_scale_inv`` per block, a multiplier despite its name; dynamic activations).
 * ``gptq`` (AutoGPTQ / GPTQModel): 4- or 8-bit ``qweight``, ``qzeros``, ``scales``,
   ``g_idx``; ``checkpoint_format`` ``gptq`` (zero points stored minus one) or ``gptq_v2``.
+  GPTQModel's ``dynamic`` rules, tried in order before the base scheme: a ``-:REGEX`` key
+  leaves the modules it matches unquantized, a ``+:REGEX`` (or bare ``REGEX``) key gives
+  them the base scheme with its ``bits``, ``group_size``, ``sym`` and ``desc_act``
+  replaced by the rule's (``re.match`` over the checkpoint's module names).
 * ``awq`` (AutoAWQ's ``gemm`` version): 4-bit ``qweight``, ``qzeros``, ``scales``.
 
 The integer layouts are described in ``pagedllm.quantization.int_weights``. Anything else
@@ -36,7 +40,7 @@ with no ``quantization_config`` it quantizes at load (``fp8``) or, with
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 # What --quantization takes: on-load FP8 of an unquantized checkpoint, or the method a
@@ -63,6 +67,11 @@ class Fp8Scheme:
     static_input: bool = False
     prequantized: bool = True
     block: tuple[int, int] | None = None
+
+    def __str__(self) -> str:
+        return ("fp8" + (f" in blocks of {self.block[0]}x{self.block[1]}" if self.block else "")
+                + (", static input scales" if self.static_input else "")
+                + ("" if self.prequantized else ", quantized at load"))
 
 
 ON_LOAD_FP8 = Fp8Scheme(static_input=False, prequantized=False)
@@ -91,6 +100,12 @@ class IntWeightScheme:
     act_order: bool = False
     prequantized: bool = True
 
+    def __str__(self) -> str:
+        groups = "per channel" if self.group_size == -1 else f"groups of {self.group_size}"
+        return (f"{self.layout} {self.bits}-bit, {groups}"
+                + ("" if self.symmetric else ", zero points")
+                + (", act-order" if self.act_order else ""))
+
 
 # ``--quantization gptq|awq --load-format dummy`` on a checkpoint with no
 # quantization_config: random weights in the format's usual shape.
@@ -103,8 +118,10 @@ Scheme = Fp8Scheme | IntWeightScheme
 
 @dataclass(frozen=True)
 class _Group:
+    """Modules matching one of ``targets`` take ``scheme`` (None: left unquantized)."""
+
     targets: tuple[str, ...]
-    scheme: Scheme
+    scheme: Scheme | None
 
 
 @dataclass(frozen=True)
@@ -113,7 +130,9 @@ class QuantizationConfig:
 
     ``method``: the name ``--quantization`` takes for it (one of ``QUANTIZATION_METHODS``).
     ``scheme_for(checkpoint_names)`` gives a projection's scheme, or None to keep it in the
-    model's dtype; the embedding, the LM head and the norms are never quantized.
+    model's dtype: modules named in ``ignore`` are not quantized, the others take the scheme
+    of the first group with a matching target (none: not quantized). The embedding, the LM
+    head and the norms are never quantized.
     """
 
     method: str
@@ -127,7 +146,13 @@ class QuantizationConfig:
         names = list(checkpoint_names)
         schemes = {name: self._scheme_of(name) for name in names}
         if len(set(schemes.values())) > 1:
-            listed = ", ".join(f"{n}: {s or 'unquantized'}" for n, s in schemes.items())
+            by_scheme: dict[Scheme | None, list[str]] = {}
+            for name, scheme in schemes.items():
+                by_scheme.setdefault(scheme, []).append(name)
+            listed = "; ".join(
+                f"{scheme or 'unquantized'}: {', '.join(held[:3])}"
+                + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+                for scheme, held in by_scheme.items())
             raise ValueError(
                 f"The checkpoint's quantization_config gives the projections pagedllm fuses "
                 f"into one product different schemes ({listed}); pagedllm needs one scheme "
@@ -138,8 +163,9 @@ class QuantizationConfig:
     def storage(self) -> tuple[str, int]:
         """How the quantized projections are stored, for memory accounting
         (``kv_allocator.weight_bytes``): ``("fp8", -1)``, or ``("int4", group_size)`` /
-        ``("int8", group_size)``; the first group's scheme stands for all."""
-        scheme = self.groups[0].scheme
+        ``("int8", group_size)``; the last group's scheme (the checkpoint's base scheme,
+        after any per-module rules) stands for all."""
+        scheme = next(g.scheme for g in reversed(self.groups) if g.scheme is not None)
         if isinstance(scheme, IntWeightScheme):
             return f"int{scheme.bits}", scheme.group_size
         return "fp8", -1
@@ -408,16 +434,52 @@ def _gptq(declared: dict) -> QuantizationConfig:
     if declared.get("lm_head"):
         raise ValueError(f"The checkpoint's {where}.lm_head=true (a quantized LM head) is not "
                          "supported: pagedllm keeps the LM head in the model's dtype.")
-    if declared.get("dynamic"):
-        raise ValueError(f"The checkpoint's {where}.dynamic (per-module overrides: "
-                         f"{sorted(declared['dynamic'])[:3]}) is not supported by pagedllm.")
     scheme = IntWeightScheme(layout, bits=bits, group_size=group_size,
                              symmetric=bool(declared.get("sym", True)),
                              act_order=bool(declared.get("desc_act", False)))
     blocks = declared.get("modules_in_block_to_quantize")
     targets = tuple(name for names in blocks for name in names) if blocks else ("Linear",)
     ignored = tuple(declared.get("modules_to_not_convert") or ())
-    return QuantizationConfig("gptq", (_Group(targets, scheme),), ignored)
+    rules = _gptq_dynamic(declared.get("dynamic") or {}, scheme, f"{where}.dynamic")
+    return QuantizationConfig("gptq", (*rules, _Group(targets, scheme)), ignored)
+
+
+# GPTQModel's per-module override fields -> IntWeightScheme's.
+_DYNAMIC_FIELDS = {"bits": "bits", "group_size": "group_size", "sym": "symmetric",
+                   "desc_act": "act_order"}
+
+
+def _gptq_dynamic(rules: dict, base: IntWeightScheme, where: str) -> list[_Group]:
+    """GPTQModel's ``dynamic`` rules as groups tried in order (see the module docstring).
+    Raises ValueError naming a rule whose regex does not compile or that overrides a field
+    pagedllm does not read."""
+    if not isinstance(rules, dict):
+        raise ValueError(f"The checkpoint's {where} must map module regexes to overrides, "
+                         f"got {type(rules).__name__}.")
+    groups = []
+    for key, overrides in rules.items():
+        negative = key.startswith("-:")
+        pattern = key[2:] if key.startswith(("-:", "+:")) else key
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"The checkpoint's {where} rule {key!r} is not a valid regex: "
+                             f"{exc}.") from None
+        if negative:
+            groups.append(_Group((f"re:{pattern}",), None))
+            continue
+        unknown = sorted(set(overrides or {}) - set(_DYNAMIC_FIELDS))
+        if unknown:
+            raise ValueError(f"The checkpoint's {where} rule {key!r} overrides {unknown}, "
+                             f"which pagedllm does not read: it reads "
+                             f"{', '.join(_DYNAMIC_FIELDS)}.")
+        fields = {_DYNAMIC_FIELDS[name]: value for name, value in (overrides or {}).items()}
+        if "bits" in fields:
+            _int_bits(fields["bits"], f"{where}[{key!r}].bits")
+        if "group_size" in fields:
+            _group_size(fields["group_size"], f"{where}[{key!r}].group_size")
+        groups.append(_Group((f"re:{pattern}",), replace(base, **fields)))
+    return groups
 
 
 def _awq(declared: dict) -> QuantizationConfig:

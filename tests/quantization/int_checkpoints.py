@@ -141,41 +141,63 @@ def _write(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quant_config:
             shutil.copy(src / name, dst / name)
 
 
-def _quantized(src: Path, bits: int, group_size: int, act_order: bool, sym: bool, seed: int):
-    """``src``'s tensors other than the decoder projections, and ``(module, weight,
-    Quantized)`` for each projection; projections reading one input (q/k/v, gate/up) share
-    one group assignment, as a fused product needs (each expert its own)."""
+def _module_settings(module: str, base: dict, dynamic: dict | None) -> dict | None:
+    """GPTQModel's ``dynamic`` rules for ``module``, the first that matches (``re.match``):
+    None for a ``-:`` rule (left unquantized), else ``base`` with the rule's overrides."""
+    for key, overrides in (dynamic or {}).items():
+        if re.match(key[2:] if key[:2] in ("-:", "+:") else key, module):
+            return None if key.startswith("-:") else {**base, **overrides}
+    return base
+
+
+def _quantized(src: Path, bits: int, group_size: int, act_order: bool, sym: bool, seed: int,
+               dynamic: dict | None = None):
+    """``src``'s tensors other than the quantized decoder projections, and ``(module,
+    weight, Quantized, bits)`` for each quantized projection (``dynamic``: GPTQModel's
+    per-module rules over the base settings); projections reading one input (q/k/v,
+    gate/up) share one group assignment, as a fused product needs (each expert its own)."""
     tensors = read_tensors(src)
     out = {n: t for n, t in tensors.items() if not _PROJECTION.match(n)}
-    shared: dict[tuple[str, str], torch.Tensor] = {}
+    shared: dict[tuple, torch.Tensor] = {}
     projections = []
+    base = dict(bits=bits, group_size=group_size, desc_act=act_order, sym=sym)
     for module, weight in _projections(tensors):
+        settings = _module_settings(module, base, dynamic)
+        if settings is None:
+            out[f"{module}.weight"] = weight
+            continue
         parent, _, proj = module.rpartition(".")
-        key = (parent, _SHARED_INPUT[proj])
+        key = (parent, _SHARED_INPUT[proj], settings["group_size"], settings["desc_act"])
         if key not in shared:
-            shared[key] = _groups(weight.shape[1], group_size, act_order, seed + len(shared))
-        projections.append((module, weight, quantize(weight, bits, shared[key], sym)))
+            shared[key] = _groups(weight.shape[1], settings["group_size"],
+                                  settings["desc_act"], seed + len(shared))
+        projections.append((module, weight, quantize(weight, settings["bits"], shared[key],
+                                                     settings["sym"]), settings["bits"]))
     return out, projections
 
 
 def write_gptq(src: Path, dst: Path, *, bits: int = 4, group_size: int = 128,
                desc_act: bool = False, sym: bool = True, checkpoint_format: str = "gptq",
-               seed: int = 0) -> dict[str, Quantized]:
-    """``src`` quantized into the GPTQ layout at ``dst``; returns each projection's
+               seed: int = 0, dynamic: dict | None = None) -> dict[str, Quantized]:
+    """``src`` quantized into the GPTQ layout at ``dst`` (``dynamic``: GPTQModel's
+    per-module rules, written into the config too); returns each quantized projection's
     ``Quantized``."""
-    out, projections = _quantized(src, bits, group_size, desc_act, sym, seed)
+    out, projections = _quantized(src, bits, group_size, desc_act, sym, seed, dynamic)
     result = {}
-    for module, _, q in projections:
+    for module, _, q, module_bits in projections:
         stored_zeros = q.zeros - 1 if checkpoint_format == "gptq" else q.zeros
-        out[f"{module}.qweight"] = _pack_gptq_dim0(q.codes.t(), bits)
-        out[f"{module}.qzeros"] = _pack_gptq_dim0(stored_zeros, bits).t().contiguous()
+        out[f"{module}.qweight"] = _pack_gptq_dim0(q.codes.t(), module_bits)
+        out[f"{module}.qzeros"] = _pack_gptq_dim0(stored_zeros, module_bits).t().contiguous()
         out[f"{module}.scales"] = q.scales.t().contiguous()
         out[f"{module}.g_idx"] = q.g_idx.clone()
         result[module] = q
-    _write(src, dst, out, {
-        "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act,
-        "sym": sym, "checkpoint_format": checkpoint_format, "static_groups": False,
-        "true_sequential": True, "damp_percent": 0.01, "lm_head": False})
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+              "desc_act": desc_act, "sym": sym, "checkpoint_format": checkpoint_format,
+              "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
+              "lm_head": False}
+    if dynamic:
+        config["dynamic"] = dynamic
+    _write(src, dst, out, config)
     return result
 
 
@@ -183,7 +205,7 @@ def write_awq(src: Path, dst: Path, *, group_size: int = 128) -> dict[str, Quant
     """``src`` quantized into AutoAWQ's gemm layout (4-bit, zero points) at ``dst``."""
     out, projections = _quantized(src, 4, group_size, False, False, 0)
     result = {}
-    for module, _, q in projections:
+    for module, _, q, _ in projections:
         out[f"{module}.qweight"] = _pack_awq_dim1(q.codes.t())
         out[f"{module}.qzeros"] = _pack_awq_dim1(q.zeros.t())
         out[f"{module}.scales"] = q.scales.t().contiguous()
@@ -206,7 +228,7 @@ def write_compressed_tensors(src: Path, dst: Path, *, group_size: int = 32,
 
     out, projections = _quantized(src, 4, group_size, act_order, symmetric, seed)
     result = {}
-    for module, weight, q in projections:
+    for module, weight, q, _ in projections:
         q.scales = q.scales.float()  # compressed-tensors stores scales in the model's dtype
         out[f"{module}.weight_packed"] = pack_to_int32((q.codes - 8).to(torch.int8), 4)
         out[f"{module}.weight_scale"] = q.scales.contiguous()

@@ -99,6 +99,31 @@ def test_gptq_checkpoint_greedy_equals_hf_on_its_dequantized_weights(sources, tm
     assert engine_tokens(tmp_path / "gptq", prompts) == want
 
 
+def test_gptq_dynamic_rules_give_modules_their_own_bits_or_none(sources, tmp_path):
+    """GPTQModel's ``dynamic``: the first matching rule wins; ``-:`` keeps layer 1's MLP in
+    the model's dtype, ``+:`` makes layer 0's attention 8-bit in groups of 32 without
+    act-order, the rest keeps the base 4-bit act-order scheme in groups of 64."""
+    dynamic = {r"-:model\.layers\.1\.mlp\..*": {},
+               r"+:model\.layers\.0\.self_attn\..*": {"bits": 8, "group_size": 32,
+                                                         "desc_act": False},
+               r"model\.layers\.1\..*": {"sym": False}}
+    quantized = write_gptq(sources["llama"], tmp_path / "gptq", bits=4, group_size=64,
+                           desc_act=True, dynamic=dynamic)
+    assert "model.layers.1.mlp.up_proj" not in quantized
+    llm = LLM(str(tmp_path / "gptq"), dtype="float32", block_size=8, max_model_len=128,
+              device="cpu")
+    layers = runner_model(llm).model.layers
+    assert layers[1].mlp.gate_up_proj.int_scheme is None
+    assert layers[1].mlp.gate_up_proj.weight.dtype == torch.float32
+    first, second = layers[0].self_attn.qkv_proj, layers[1].self_attn.qkv_proj
+    assert (first.int_scheme.bits, first.int_scheme.group_size, first.act_perm) == (8, 32, None)
+    assert (second.int_scheme.bits, second.int_scheme.group_size) == (4, 64)
+    assert not second.int_scheme.symmetric and second.act_perm is not None
+    prompts = random_prompts(3, 3, 20, seed=10, vocab=256)
+    reference = hf_on_dequantized(sources["llama"], quantized)
+    assert engine_greedy(llm, prompts, 10) == [hf_greedy(reference, p, 10) for p in prompts]
+
+
 def test_gptq_checkpoint_with_qkv_biases(sources, tmp_path):
     """Qwen2's q/k/v biases stay in the model's dtype beside the packed weights."""
     quantized = write_gptq(sources["qwen2"], tmp_path / "gptq", bits=4, group_size=64,
@@ -198,6 +223,10 @@ def test_dummy_4bit_weights_are_random_in_the_dummy_range_and_generate(sources):
     ("gptq", lambda q: q.update(checkpoint_format="marlin"), "checkpoint_format='marlin'"),
     ("gptq", lambda q: q.update(lm_head=True), "lm_head=true"),
     ("gptq", lambda q: q.update(group_size=0), "group_size=0"),
+    ("gptq", lambda q: q.update(dynamic={r"+:.*\.mlp\..*": {"pack_dtype": "int64"}}),
+     r"dynamic rule .* overrides \['pack_dtype'\], which pagedllm does not read"),
+    ("gptq", lambda q: q.update(dynamic={r".*": {"bits": 2}}), r"dynamic\['\.\*'\]\.bits=2"),
+    ("gptq", lambda q: q.update(dynamic={"-:(": {}}), r"rule '-:\(' is not a valid regex"),
 ])
 def test_an_unsupported_variant_is_refused_naming_the_field(sources, tmp_path, writer, edit,
                                                             message):

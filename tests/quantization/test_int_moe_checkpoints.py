@@ -213,3 +213,25 @@ def test_experts_an_ignore_list_names_as_the_checkpoint_does_stay_unquantized(so
     assert layer.self_attn.qkv_proj.int_scheme is not None
     prompts = random_prompts(3, 3, 20, seed=15, vocab=256)
     assert engine_greedy(llm, prompts, 10) == hf_tokens(src, quantized, prompts)
+
+
+def test_gptq_dynamic_rules_over_experts(sources, tmp_path):
+    """A ``dynamic`` rule over all of a layer's experts gives them its scheme (here 8-bit
+    in layer 1); one that splits a layer's experts is refused naming both halves, as one
+    grouped product takes one scheme."""
+    src = sources["qwen3_moe"]
+    rules = {r"+:.*layers\.1\.mlp\.experts\..*": {"bits": 8}}
+    quantized = write_gptq(src, tmp_path / "gptq", bits=4, group_size=32, dynamic=rules)
+    llm = LLM(str(tmp_path / "gptq"), dtype="float32", block_size=8, max_model_len=128,
+              device="cpu")
+    layers = runner_model(llm).model.layers
+    assert [layer.mlp.experts.int_scheme.bits for layer in layers] == [4, 8]
+    prompts = random_prompts(3, 3, 20, seed=16, vocab=256)
+    assert engine_greedy(llm, prompts, 10) == hf_tokens(src, quantized, prompts)
+
+    split = {r"-:.*layers\.0\.mlp\.experts\.[01]\..*": {}}
+    write_gptq(src, tmp_path / "split", bits=4, group_size=32, dynamic=split)
+    with pytest.raises(ValueError, match=r"different schemes \(unquantized: model\.layers\.0\."
+                                         r"mlp\.experts\.0\.gate_proj, .* and 3 more; "
+                                         r"gptq 4-bit, groups of 32: .* and 3 more\)"):
+        LLM(str(tmp_path / "split"), device="cpu")
