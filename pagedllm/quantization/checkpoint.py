@@ -46,6 +46,9 @@ from typing import Iterable
 # What --quantization takes: on-load FP8 of an unquantized checkpoint, or the method a
 # checkpoint declares.
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+# vLLM's names of a kernel for a format pagedllm reads with its own kernels: the same
+# checkpoints, so the same method.
+QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "gptq_bitblas": "gptq", "awq_marlin": "awq"}
 # Bit widths of integer weights pagedllm reads.
 INT_WEIGHT_BITS = (4, 8)
 
@@ -191,7 +194,10 @@ def _matches(pattern: str, module_name: str) -> bool:
 
 
 def check_quantization(method: str | None) -> str | None:
-    """The ``--quantization`` value, checked; ValueError naming the ones implemented."""
+    """The ``--quantization`` value, checked, with vLLM's kernel names read as their
+    format's method (``QUANTIZATION_ALIASES``: ``awq_marlin`` is ``awq``); ValueError naming
+    the ones implemented."""
+    method = QUANTIZATION_ALIASES.get(method, method)
     if method is None or method in QUANTIZATION_METHODS:
         return method
     names = ", ".join(QUANTIZATION_METHODS[:-1]) + " or " + QUANTIZATION_METHODS[-1]

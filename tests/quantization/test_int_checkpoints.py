@@ -255,6 +255,18 @@ def test_compressed_tensors_integer_activations_are_refused_by_name(sources, tmp
         LLM(str(tmp_path / "written"), device="cpu")
 
 
+def test_vllm_kernel_names_read_their_formats_checkpoints(sources, tmp_path):
+    """``--quantization gptq_marlin`` / ``awq_marlin``, as vLLM deployments pass them: the
+    same checkpoints as gptq / awq, the same tokens."""
+    write_gptq(sources["llama"], tmp_path / "gptq", group_size=64)
+    write_awq(sources["llama"], tmp_path / "awq", group_size=64)
+    prompts = random_prompts(2, 3, 20, seed=12, vocab=256)
+    for path, alias in ((tmp_path / "gptq", "gptq_marlin"), (tmp_path / "awq", "awq_marlin")):
+        assert engine_tokens(path, prompts, quantization=alias) == engine_tokens(path, prompts)
+    with pytest.raises(ValueError, match="--quantization awq contradicts.*'gptq'"):
+        LLM(str(tmp_path / "gptq"), quantization="awq_marlin", device="cpu")
+
+
 def test_a_contradicting_or_formatless_flag_is_refused(sources, tmp_path):
     write_gptq(sources["llama"], tmp_path / "gptq", group_size=64)
     with pytest.raises(ValueError, match="--quantization awq contradicts.*'gptq'"):
