@@ -276,7 +276,7 @@ class EngineArgs:
         group.add_argument("--quantization", "-q", default=None,
                            help="fp8: the decoder's projections in FP8 with per-channel weight "
                                 "and per-token activation scales, computed at load from the "
-                                "checkpoint's weights. compressed-tensors, gptq, awq: the "
+                                "checkpoint's weights. compressed-tensors, gptq, awq, auto-round: the "
                                 "method of a quantized checkpoint (read from its config.json "
                                 "without the flag too; with --load-format dummy, gptq and awq "
                                 "give random 4-bit weights; gptq_marlin, gptq_bitblas and "

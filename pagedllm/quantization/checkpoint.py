@@ -27,6 +27,8 @@ Formats read:
   them the base scheme with its ``bits``, ``group_size``, ``sym`` and ``desc_act``
   replaced by the rule's (``re.match`` over the checkpoint's module names).
 * ``awq`` (AutoAWQ's ``gemm`` version): 4-bit ``qweight``, ``qzeros``, ``scales``.
+* ``auto-round`` (Intel AutoRound's own format): GPTQ's or AWQ's tensors as its
+  ``packing_format`` says, per-layer fields in ``extra_config`` (``_auto_round``).
 
 The integer layouts are described in ``pagedllm.quantization.int_weights``. Anything else
 (another method, an FP8 weight-only scheme, integer activations, other
@@ -45,10 +47,14 @@ from typing import Iterable
 
 # What --quantization takes: on-load FP8 of an unquantized checkpoint, or the method a
 # checkpoint declares.
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
-# vLLM's names of a kernel for a format pagedllm reads with its own kernels: the same
-# checkpoints, so the same method.
-QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "gptq_bitblas": "gptq", "awq_marlin": "awq"}
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "auto-round")
+# Other names of those methods: vLLM's names of a kernel for a format pagedllm reads with
+# its own kernels (the same checkpoints), and the spellings of AutoRound's.
+QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "gptq_bitblas": "gptq", "awq_marlin": "awq",
+                        "auto_round": "auto-round", "intel/auto-round": "auto-round"}
+# AutoRound's integer packings -> the layout (``INT_LAYOUTS``) they store.
+AUTO_ROUND_PACKINGS = {"auto_round:auto_gptq": "gptq", "auto_round": "gptq_v2",
+                       "auto_round:gptqmodel": "gptq_v2", "auto_round:auto_awq": "awq"}
 # Bit widths of integer weights pagedllm reads.
 INT_WEIGHT_BITS = (4, 8)
 
@@ -235,6 +241,7 @@ def resolve_quantization(flag: str | None, hf_config: dict,
             )
         return None
     method = str(declared.get("quant_method", "")).lower()
+    method = QUANTIZATION_ALIASES.get(method, method)
     if flag is not None and flag != method:
         raise ValueError(
             f"--quantization {flag} contradicts the checkpoint, whose config.json declares "
@@ -247,6 +254,8 @@ def resolve_quantization(flag: str | None, hf_config: dict,
         return _plain_fp8(declared)
     if method == "gptq":
         return _gptq(declared)
+    if method == "auto-round":
+        return _auto_round(declared)
     if method == "awq":
         return _awq(declared)
     raise ValueError(
@@ -486,6 +495,61 @@ def _gptq_dynamic(rules: dict, base: IntWeightScheme, where: str) -> list[_Group
             _group_size(fields["group_size"], f"{where}[{key!r}].group_size")
         groups.append(_Group((f"re:{pattern}",), replace(base, **fields)))
     return groups
+
+
+def _auto_round(declared: dict) -> QuantizationConfig:
+    """Intel AutoRound's own format (``quant_method: auto-round``): integer weights packed
+    as ``packing_format`` says (``AUTO_ROUND_PACKINGS``: GPTQ's layout with or without the
+    stored zero - 1, or AWQ's), ``bits``, ``group_size``, ``sym``; ``extra_config`` gives
+    layers (by name, or by a regex) their own fields, ``bits`` 16 leaving them
+    unquantized."""
+    where = "quantization_config"
+    packing = str(declared.get("packing_format") or "auto_round:auto_gptq").lower()
+    if packing not in AUTO_ROUND_PACKINGS:
+        raise ValueError(
+            f"The checkpoint's {where}.packing_format={packing!r} is not supported by "
+            f"pagedllm: it reads AutoRound's integer packings {sorted(AUTO_ROUND_PACKINGS)}.")
+    fields = {"bits": declared.get("bits"), "group_size": declared.get("group_size", 128),
+              "sym": declared.get("sym", True), "data_type": declared.get("data_type", "int"),
+              "act_bits": declared.get("act_bits", 16)}
+    base = _auto_round_scheme(AUTO_ROUND_PACKINGS[packing], fields, where)
+    if base is None:
+        raise ValueError(f"The checkpoint's {where}.bits={fields['bits']!r} leaves every "
+                         "layer unquantized: drop quantization_config.")
+    exact, patterns = [], []
+    for name, overrides in (declared.get("extra_config") or {}).items():
+        scheme = _auto_round_scheme(base.layout, {**fields, **(overrides or {})},
+                                    f"{where}.extra_config[{name!r}]")
+        if any(token in name for token in _REGEX_TOKENS):
+            patterns.append(_Group((f"re:{name}",), scheme))
+        else:
+            exact.append(_Group((name,), scheme))
+    return QuantizationConfig("auto-round", (*exact, *patterns, _Group(("Linear",), base)))
+
+
+# Characters that make an AutoRound extra_config key a regex rather than a layer's name.
+_REGEX_TOKENS = (".*", "^", "$", "[", "(", "|", "\\", "+", "?")
+
+
+def _auto_round_scheme(layout: str, fields: dict, where: str) -> IntWeightScheme | None:
+    """One AutoRound layer scheme (None: ``bits`` 16 or more, unquantized); ValueError
+    naming a data type, activation width or bit width pagedllm does not read."""
+    bits = fields["bits"]
+    if isinstance(bits, int) and bits >= 16:
+        return None
+    if str(fields["data_type"]).lower() != "int":
+        raise ValueError(f"The checkpoint's {where}.data_type={fields['data_type']!r} is not "
+                         "supported by pagedllm: it reads AutoRound's integer weights (int).")
+    if fields["act_bits"] is not None and fields["act_bits"] < 16:
+        raise ValueError(f"The checkpoint's {where}.act_bits={fields['act_bits']!r} (quantized "
+                         "activations) is not supported by pagedllm: it reads weight-only "
+                         "schemes (act_bits 16).")
+    if layout == "awq" and bits != 4:
+        raise ValueError(f"The checkpoint's {where}.bits={bits!r} is not supported in AWQ's "
+                         "packing (auto_round:auto_awq): 4 bits.")
+    return IntWeightScheme(layout, bits=_int_bits(bits, f"{where}.bits"),
+                           group_size=_group_size(fields["group_size"], f"{where}.group_size"),
+                           symmetric=bool(fields["sym"]) and layout != "awq")
 
 
 def _awq(declared: dict) -> QuantizationConfig:

@@ -253,24 +253,32 @@ def write_compressed_tensors(src: Path, dst: Path, *, group_size: int = 32,
 _EXPERT = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)$")
 
 
-def hf_on_dequantized(src: Path, quantized: dict[str, Quantized]):
-    """HF transformers' model of ``src`` with each quantized projection's weight replaced by
-    its dequantized weight, in float32; an expert's into its rows of HF's stacked expert
-    weights (``gate_up_proj [E, 2I, H]``: gate rows then up rows; ``down_proj``)."""
+def hf_on_dequantized(src: Path, quantized: dict[str, Quantized | torch.Tensor],
+                      tensors: dict[str, torch.Tensor] | None = None):
+    """HF transformers' model of ``src`` in float32 with each quantized projection's weight
+    replaced by its dequantized weight (a ``Quantized``'s, or the tensor given); an
+    expert's into its rows of HF's stacked expert weights (``gate_up_proj [E, 2I, H]``:
+    gate rows then up rows; ``down_proj``). ``tensors``: checkpoint tensors that replace
+    the source's parameters of the same names first (a tool's rounded copies)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
     with torch.no_grad():
+        for name, tensor in (tensors or {}).items():
+            if name in params:
+                params[name].copy_(tensor.float())
         for module, q in quantized.items():
+            weight = q if isinstance(q, torch.Tensor) else q.dequantized()
             expert = _EXPERT.match(module)
             if expert is None:
-                model.get_submodule(module).weight.copy_(q.dequantized())
+                model.get_submodule(module).weight.copy_(weight)
                 continue
             experts = model.get_submodule(f"{expert.group(1)}.mlp.experts")
             index, proj = int(expert.group(2)), expert.group(3)
             if proj in ("down_proj", "w2"):
-                experts.down_proj[index].copy_(q.dequantized())
+                experts.down_proj[index].copy_(weight)
             else:
                 rows = experts.gate_up_proj[index].chunk(2)[proj in ("up_proj", "w3")]
-                rows.copy_(q.dequantized())
+                rows.copy_(weight)
     return model
