@@ -1,10 +1,11 @@
 """Checkpoints made by Intel's AutoRound (``tests/quantization/auto_round.py``): its own
 format (``quant_method: auto-round``, symmetric and asymmetric packings, per-layer bits in
 ``extra_config``) and its GPTQ and AWQ exports (per-layer bits as GPTQ ``dynamic``
-rules), of a Llama and of a Qwen3-MoE, packed by the tool operators use. Each runs to the greedy tokens of HF
-transformers with every layer's weight as AutoRound's own ``QuantLinear`` dequantizes it
-from the ``auto_round`` export of the same rounding (asymmetric roundings: as the GPTQ
-export unpacks by the format's description; all four asymmetric packings must agree)."""
+rules), of a Llama and of a Qwen3-MoE, packed by the tool operators use. Each runs to the
+greedy tokens of HF transformers holding every layer's weight as AutoRound's own
+``QuantLinear`` dequantizes it from the ``auto_round`` export of the same rounding, or as
+the GPTQ export unpacks by the format's description (asymmetric roundings, and the
+mixture's experts); all the packings of one rounding must agree."""
 
 from __future__ import annotations
 
