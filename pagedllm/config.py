@@ -139,8 +139,7 @@ class ModelConfig:
         self.quantization = check_quantization(self.quantization)
         self.path = resolve_model_path(self.model, self.revision)
         overrides = self.hf_overrides or {}
-        self.hf_config = merge_overrides(json.loads((self.path / "config.json").read_text()),
-                                         overrides)
+        self.hf_config = merge_overrides(read_hf_config(self.path), overrides)
         cfg = self.hf_config
         if "text_config" in cfg and "num_hidden_layers" not in cfg:
             # The text model's fields at the top, the overrides' top-level ones over them.
@@ -220,6 +219,18 @@ class ModelConfig:
         if eos is None:
             return frozenset()
         return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def read_hf_config(path: Path) -> dict:
+    """A checkpoint's config.json; without a ``quantization_config``, the older
+    ``hf_quant_config.json`` of NVIDIA Model Optimizer's exports stands for one
+    (``quant_method: modelopt``)."""
+    config = json.loads((path / "config.json").read_text())
+    legacy = path / "hf_quant_config.json"
+    if "quantization_config" not in config and legacy.is_file():
+        config["quantization_config"] = {"quant_method": "modelopt",
+                                         **json.loads(legacy.read_text())}
+    return config
 
 
 def normalize_kv_cache_dtype(cache_dtype: str) -> str:

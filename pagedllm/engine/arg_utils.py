@@ -277,11 +277,11 @@ class EngineArgs:
                            help="fp8: the decoder's projections in FP8 with per-channel weight "
                                 "and per-token activation scales, computed at load from the "
                                 "checkpoint's weights. compressed-tensors, gptq, awq, "
-                                "auto-round: the method of a quantized checkpoint (read from "
-                                "its config.json without the flag too; with --load-format "
-                                "dummy, gptq and awq give random 4-bit weights; gptq_marlin, "
-                                "gptq_bitblas and awq_marlin name the same checkpoints). "
-                                "Default: the checkpoint's own.")
+                                "auto-round, modelopt: the method of a quantized checkpoint "
+                                "(read from its config.json without the flag too; with "
+                                "--load-format dummy, gptq and awq give random 4-bit "
+                                "weights; gptq_marlin, gptq_bitblas and awq_marlin name the "
+                                "same checkpoints). Default: the checkpoint's own.")
         group.add_argument("--kv-cache-dtype", default="auto",
                            help="auto: the KV cache in the model's dtype; fp8 (alias fp8_e4m3): "
                                 "float8_e4m3fn with per-layer k/v scales (1.0 unless the "

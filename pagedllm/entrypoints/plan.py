@@ -454,14 +454,13 @@ def _measure(args: argparse.Namespace, profile: Profile, model: str) -> Measurem
 
 
 def make_plans(args: argparse.Namespace) -> tuple[Profile, list[Plan]]:
-    from pagedllm.config import resolve_model_path
+    from pagedllm.config import read_hf_config, resolve_model_path
 
     profile = Profile(input_len=args.input_len, output_len=args.output_len,
                       requests_per_day=args.requests_per_day, peak_rps=args.peak_rps,
                       peak_factor=args.peak_factor, prefix_fraction=args.prefix_fraction,
                       ttft_p95_ms=args.ttft_p95_ms, tpot_p95_ms=args.tpot_p95_ms)
-    hf_config = json.loads((resolve_model_path(args.model, local_files_only=True)
-                            / "config.json").read_text())
+    hf_config = read_hf_config(resolve_model_path(args.model, local_files_only=True))
     model_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
     records = args.records
     if records is None:

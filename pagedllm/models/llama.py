@@ -87,7 +87,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
                      # causal-mask buffers older GPT-NeoX checkpoints carry
                      ".attention.bias", ".attention.masked_bias")
 # Per-layer KV-cache scales of FP8 checkpoints (llm-compressor, the plain fp8 method).
-_KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
+# Per-layer KV-cache scales: llm-compressor's names, and ModelOpt's (on k_proj and v_proj).
+_KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.k_proj.k_scale",
+                      ".self_attn.v_proj.v_scale")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,10 @@ Formats read:
 * ``awq`` (AutoAWQ's ``gemm`` version): 4-bit ``qweight``, ``qzeros``, ``scales``.
 * ``auto-round`` (Intel AutoRound's own format): GPTQ's or AWQ's tensors as its
   ``packing_format`` says, per-layer fields in ``extra_config`` (``_auto_round``).
+* ``modelopt`` (NVIDIA Model Optimizer's FP8 exports, ``quant_algo`` ``FP8``: per-tensor
+  weight and static input scales; ``FP8_PER_CHANNEL_PER_TOKEN``: per-channel weight
+  scales, dynamic per-token inputs), from config.json or the older
+  ``hf_quant_config.json``; ``exclude_modules`` / ``ignore`` are shell-style wildcards.
 
 The integer layouts are described in ``pagedllm.quantization.int_weights``. Anything else
 (another method, an FP8 weight-only scheme, integer activations, other
@@ -41,13 +45,14 @@ with no ``quantization_config`` it quantizes at load (``fp8``) or, with
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass, replace
 from typing import Iterable
 
 # What --quantization takes: on-load FP8 of an unquantized checkpoint, or the method a
 # checkpoint declares.
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "auto-round")
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "auto-round", "modelopt")
 # Other names of those methods: vLLM's names of a kernel for a format pagedllm reads with
 # its own kernels (the same checkpoints), and the spellings of AutoRound's.
 QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "gptq_bitblas": "gptq", "awq_marlin": "awq",
@@ -256,6 +261,8 @@ def resolve_quantization(flag: str | None, hf_config: dict,
         return _gptq(declared)
     if method == "auto-round":
         return _auto_round(declared)
+    if method == "modelopt":
+        return _modelopt(declared)
     if method == "awq":
         return _awq(declared)
     raise ValueError(
@@ -550,6 +557,37 @@ def _auto_round_scheme(layout: str, fields: dict, where: str) -> IntWeightScheme
     return IntWeightScheme(layout, bits=_int_bits(bits, f"{where}.bits"),
                            group_size=_group_size(fields["group_size"], f"{where}.group_size"),
                            symmetric=bool(fields["sym"]) and layout != "awq")
+
+
+# ModelOpt's FP8 algorithms pagedllm reads -> whether the input scale is static.
+MODELOPT_FP8 = {"FP8": True, "FP8_PER_CHANNEL_PER_TOKEN": False}
+
+
+def _modelopt(declared: dict) -> QuantizationConfig:
+    """NVIDIA Model Optimizer's ``quantization_config`` (``quant_method: modelopt``; the
+    older ``hf_quant_config.json`` nests the same fields under ``quantization``)."""
+    where = "quantization_config"
+    fields = declared.get("quantization") if isinstance(declared.get("quantization"),
+                                                        dict) else declared
+    algo = str(fields.get("quant_algo") or "").upper()
+    if algo not in MODELOPT_FP8:
+        raise ValueError(
+            f"The checkpoint's {where}.quant_algo={fields.get('quant_algo')!r} is not "
+            f"supported by pagedllm: it reads ModelOpt's {' and '.join(MODELOPT_FP8)} "
+            "checkpoints.")
+    kv_algo = fields.get("kv_cache_quant_algo")
+    scheme = fields.get("kv_cache_scheme")
+    if isinstance(scheme, dict):
+        kv_algo = "FP8" if (scheme.get("type"), scheme.get("num_bits")) == ("float", 8) \
+            else f"{scheme.get('type')}{scheme.get('num_bits')}"
+    if kv_algo is not None and str(kv_algo).upper() != "FP8":
+        raise ValueError(f"The checkpoint's {where} KV-cache quantization {kv_algo!r} is not "
+                         "supported by pagedllm: it reads FP8 KV-cache scales.")
+    excluded = fields.get("exclude_modules") or fields.get("ignore") or ()
+    ignored = tuple(f"re:{fnmatch.translate(p)}" if any(c in p for c in "*?[") else p
+                    for p in excluded)
+    return QuantizationConfig("modelopt", (_Group(("Linear",), Fp8Scheme(
+        static_input=MODELOPT_FP8[algo])),), ignored)
 
 
 def _awq(declared: dict) -> QuantizationConfig:

@@ -33,8 +33,8 @@ def test_unsupported_option_names_the_flag_to_drop_and_the_keyword():
         LLM(quantization="bitsandbytes")
     assert str(info.value) == (
         "--quantization bitsandbytes (quantization='bitsandbytes') is not supported by "
-        "pagedllm yet: use fp8, compressed-tensors, gptq, awq or auto-round, or drop "
-        "--quantization (the quantization keyword in Python).")
+        "pagedllm yet: use fp8, compressed-tensors, gptq, awq, auto-round or modelopt, or "
+        "drop --quantization (the quantization keyword in Python).")
     with pytest.raises(ValueError, match=r"^--enable-lora \(enable_lora=True\) is not supported"):
         LLM(enable_lora=True)
 
