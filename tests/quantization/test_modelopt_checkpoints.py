@@ -1,9 +1,9 @@
 """FP8 checkpoints made by NVIDIA Model Optimizer (``tests/quantization/modelopt.py``),
 the format of NVIDIA's published FP8 models: per-tensor weights with static inputs (its
 ``FP8`` algorithm, with FP8 KV-cache scales) and per-channel weights with dynamic
-per-token inputs, read from config.json or from the older ``hf_quant_config.json``
-alone, and run to the greedy tokens of HF transformers on the dequantized weights with
-each input quantized the same way."""
+per-token inputs, of a Llama and of a Qwen3-MoE, read from config.json or from the older
+``hf_quant_config.json`` alone, and run to the greedy tokens of HF transformers on the
+dequantized weights with each input quantized the same way."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tests.quantization.test_fp8_checkpoints import (
     checkpoint_tensors,
     dequantized_hf_reference,
     engine_greedy,
+    hf_moe_fp8_reference,
     runner_model,
 )
 from tests.utils import make_tiny_checkpoint
@@ -29,6 +30,7 @@ JOBS = {  # name: (algorithm, KV-cache scales, quantizers left disabled)
     "fp8-kv": ("FP8_DEFAULT", True, []),
     "fp8-layer1-mlp-excluded": ("FP8_DEFAULT", False, ["*layers.1.mlp*"]),
     "per-channel": ("FP8_PER_CHANNEL_PER_TOKEN", False, []),
+    "moe-fp8": ("FP8_DEFAULT", False, []),  # a Qwen3-MoE: ModelOpt leaves the routers out
 }
 
 
@@ -39,11 +41,13 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("modelopt")
     src = make_tiny_checkpoint(root, "llama", vocab_size=256, max_position_embeddings=128,
                                hidden_size=128, intermediate_size=256)
-    make_checkpoints([(src, root / name, *job) for name, job in JOBS.items()])
-    return {"source": src, **{name: root / name for name in JOBS}}
+    moe = make_tiny_checkpoint(root, "qwen3_moe", vocab_size=256, max_position_embeddings=128)
+    make_checkpoints([(moe if name.startswith("moe") else src, root / name, *job)
+                      for name, job in JOBS.items()])
+    return {"source": src, "moe-source": moe, **{name: root / name for name in JOBS}}
 
 
-@pytest.mark.parametrize("name", sorted(JOBS))
+@pytest.mark.parametrize("name", sorted(set(JOBS) - {"moe-fp8"}))
 def test_modelopt_checkpoints_greedy_equal_hf_on_their_dequantized_weights(checkpoints, name):
     prompts = random_prompts(3, 3, 20, seed=18, vocab=256)
     llm = LLM(str(checkpoints[name]), dtype="float32", block_size=8, max_model_len=128,
@@ -56,6 +60,18 @@ def test_modelopt_checkpoints_greedy_equal_hf_on_their_dequantized_weights(check
         assert model.model.layers[1].mlp.gate_up_proj.weight_scale is None
         assert model.model.layers[1].self_attn.qkv_proj.weight_scale is not None
     want = dequantized_hf_reference(checkpoints[name], checkpoints["source"], prompts, 10)
+    assert engine_greedy(llm, prompts, 10) == want
+
+
+def test_modelopt_mixture_of_experts_greedy_equals_hf_on_its_dequantized_weights(checkpoints):
+    """Each expert's per-tensor weight and input scales (the layer's experts share the
+    largest input scale), the routers in ModelOpt's ignore list."""
+    prompts = random_prompts(3, 3, 20, seed=20, vocab=256)
+    llm = LLM(str(checkpoints["moe-fp8"]), dtype="float32", block_size=8, max_model_len=128,
+              device="cpu")
+    block = runner_model(llm).model.layers[0].mlp
+    assert block.experts.w13_input_scale is not None and block.gate.weight_scale is None
+    want = hf_moe_fp8_reference(checkpoints["moe-fp8"], checkpoints["moe-source"], prompts, 10)
     assert engine_greedy(llm, prompts, 10) == want
 
 
