@@ -281,7 +281,8 @@ class EngineArgs:
                                 "(read from its config.json without the flag too; with "
                                 "--load-format dummy, gptq and awq give random 4-bit "
                                 "weights; gptq_marlin, gptq_bitblas and awq_marlin name the "
-                                "same checkpoints). Default: the checkpoint's own.")
+                                "same checkpoints, moe_wna16 any integer-weight one). "
+                                "Default: the checkpoint's own.")
         group.add_argument("--kv-cache-dtype", default="auto",
                            help="auto: the KV cache in the model's dtype; fp8 (alias fp8_e4m3): "
                                 "float8_e4m3fn with per-layer k/v scales (1.0 unless the "

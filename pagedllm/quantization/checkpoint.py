@@ -57,6 +57,9 @@ QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "auto-round"
 # its own kernels (the same checkpoints), and the spellings of AutoRound's.
 QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "gptq_bitblas": "gptq", "awq_marlin": "awq",
                         "auto_round": "auto-round", "intel/auto-round": "auto-round"}
+# vLLM's kernel for the experts of integer-weight checkpoints of several methods: the flag
+# takes the checkpoint's method when it is one of them.
+KERNEL_FLAGS = {"moe_wna16": ("gptq", "awq", "auto-round", "compressed-tensors")}
 # AutoRound's integer packings -> the layout (``INT_LAYOUTS``) they store.
 AUTO_ROUND_PACKINGS = {"auto_round:auto_gptq": "gptq", "auto_round": "gptq_v2",
                        "auto_round:gptqmodel": "gptq_v2", "auto_round:auto_awq": "awq"}
@@ -209,7 +212,7 @@ def check_quantization(method: str | None) -> str | None:
     format's method (``QUANTIZATION_ALIASES``: ``awq_marlin`` is ``awq``); ValueError naming
     the ones implemented."""
     method = QUANTIZATION_ALIASES.get(method, method)
-    if method is None or method in QUANTIZATION_METHODS:
+    if method is None or method in QUANTIZATION_METHODS or method in KERNEL_FLAGS:
         return method
     names = ", ".join(QUANTIZATION_METHODS[:-1]) + " or " + QUANTIZATION_METHODS[-1]
     raise ValueError(
@@ -230,6 +233,15 @@ def resolve_quantization(flag: str | None, hf_config: dict,
     """
     flag = check_quantization(flag)
     declared = hf_config.get("quantization_config")
+    if flag in KERNEL_FLAGS:
+        method = str((declared or {}).get("quant_method", "")).lower()
+        method = QUANTIZATION_ALIASES.get(method, method)
+        if method not in KERNEL_FLAGS[flag]:
+            raise ValueError(
+                f"--quantization {flag} names vLLM's kernel for checkpoints of "
+                f"{', '.join(KERNEL_FLAGS[flag])}, and this checkpoint's config.json declares "
+                f"{method or 'no quantization_config'}: drop --quantization.")
+        flag = method
     if declared is None:
         if flag == "fp8":
             return QuantizationConfig("fp8", (_Group(("Linear",), ON_LOAD_FP8),))

@@ -256,8 +256,8 @@ def test_compressed_tensors_integer_activations_are_refused_by_name(sources, tmp
 
 
 def test_vllm_kernel_names_read_their_formats_checkpoints(sources, tmp_path):
-    """``--quantization gptq_marlin`` / ``awq_marlin``, as vLLM deployments pass them: the
-    same checkpoints as gptq / awq, the same tokens."""
+    """``--quantization gptq_marlin`` / ``awq_marlin`` / ``moe_wna16``, as vLLM deployments
+    pass them: the same checkpoints as gptq / awq, the same tokens."""
     write_gptq(sources["llama"], tmp_path / "gptq", group_size=64)
     write_awq(sources["llama"], tmp_path / "awq", group_size=64)
     prompts = random_prompts(2, 3, 20, seed=12, vocab=256)
@@ -265,6 +265,13 @@ def test_vllm_kernel_names_read_their_formats_checkpoints(sources, tmp_path):
         assert engine_tokens(path, prompts, quantization=alias) == engine_tokens(path, prompts)
     with pytest.raises(ValueError, match="--quantization awq contradicts.*'gptq'"):
         LLM(str(tmp_path / "gptq"), quantization="awq_marlin", device="cpu")
+    # moe_wna16: vLLM's kernel for experts of any integer-weight method.
+    assert engine_tokens(tmp_path / "awq", prompts, quantization="moe_wna16") == \
+        engine_tokens(tmp_path / "awq", prompts)
+    with pytest.raises(ValueError, match="--quantization moe_wna16 names vLLM's kernel for "
+                                         "checkpoints of gptq, awq.*declares no "
+                                         "quantization_config"):
+        LLM(str(sources["llama"]), quantization="moe_wna16", device="cpu")
 
 
 def test_a_contradicting_or_formatless_flag_is_refused(sources, tmp_path):
