@@ -232,16 +232,17 @@ def resolve_quantization(flag: str | None, hf_config: dict,
     checkpoint and on a format or scheme pagedllm does not read, naming it.
     """
     flag = check_quantization(flag)
-    declared = hf_config.get("quantization_config")
     if flag in KERNEL_FLAGS:
-        method = str((declared or {}).get("quant_method", "")).lower()
-        method = QUANTIZATION_ALIASES.get(method, method)
-        if method not in KERNEL_FLAGS[flag]:
+        config = resolve_quantization(None, hf_config, load_format)
+        if config is None or config.method not in KERNEL_FLAGS[flag] or not any(
+                isinstance(group.scheme, IntWeightScheme) for group in config.groups):
+            declared = config.method if config else "no quantization_config"
             raise ValueError(
-                f"--quantization {flag} names vLLM's kernel for checkpoints of "
+                f"--quantization {flag} names vLLM's kernel for integer-weight checkpoints of "
                 f"{', '.join(KERNEL_FLAGS[flag])}, and this checkpoint's config.json declares "
-                f"{method or 'no quantization_config'}: drop --quantization.")
-        flag = method
+                f"{declared}: drop --quantization.")
+        return config
+    declared = hf_config.get("quantization_config")
     if declared is None:
         if flag == "fp8":
             return QuantizationConfig("fp8", (_Group(("Linear",), ON_LOAD_FP8),))

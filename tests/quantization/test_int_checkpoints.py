@@ -268,8 +268,8 @@ def test_vllm_kernel_names_read_their_formats_checkpoints(sources, tmp_path):
     # moe_wna16: vLLM's kernel for experts of any integer-weight method.
     assert engine_tokens(tmp_path / "awq", prompts, quantization="moe_wna16") == \
         engine_tokens(tmp_path / "awq", prompts)
-    with pytest.raises(ValueError, match="--quantization moe_wna16 names vLLM's kernel for "
-                                         "checkpoints of gptq, awq.*declares no "
+    with pytest.raises(ValueError, match="--quantization moe_wna16 names vLLM.s kernel for "
+                                         "integer-weight checkpoints of gptq, awq.*declares no "
                                          "quantization_config"):
         LLM(str(sources["llama"]), quantization="moe_wna16", device="cpu")
 
