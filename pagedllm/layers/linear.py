@@ -13,7 +13,9 @@ An FP8 projection (``pagedllm.quantization.fp8``) holds a float8_e4m3fn ``weight
 float32 ``weight_scale [out, 1]`` and, with static activation scales, a float32
 ``input_scale [1]``; with block-wise weights (``fp8_block = (rows, columns)``)
 ``weight_scale [cdiv(out, rows), cdiv(in, columns)]``, one scale per block, so each
-shard of a fused projection, and each rank's part, starts on a block. An integer-weight
+shard of a fused projection, and each rank's part, starts on a block. An INT8 W8A8
+projection (``pagedllm.quantization.int8``) holds an int8 ``weight`` with the same
+``weight_scale [out, 1]`` (and ``input_scale`` when static). An integer-weight
 projection (W4A16, W8A16) holds no ``weight`` but ``qweight``, ``scales`` and ``zeros`` in
 the stored layout of ``pagedllm.quantization.int_weights`` (rows are output channels there
 too, so shards are row blocks), and with act-order the ``act_perm`` of its input columns.
@@ -56,6 +58,7 @@ from pagedllm.quantization.fp8 import (
     fp8_linear,
     quantize_rows,
 )
+from pagedllm.quantization.int8 import int8_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -171,7 +174,8 @@ class Linear(nn.Module):
         input's rows, dtype and device) for an FP8 product of its own: FP8 weights, on
         CUDA, more rows than the small-batch kernel takes. The op that makes the input may
         then hand it over quantized (``Fp8Rows``, see ``RMSNorm.feeds``)."""
-        return (self.weight_scale is not None and self.fp8_block is None and x.dim() == 2
+        return (self.weight_scale is not None and self.weight.dtype == FP8_DTYPE
+                and self.fp8_block is None and x.dim() == 2
                 and use_fused_ops(x) and not use_small_batch_matmul(x, self.weight))
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
@@ -181,6 +185,8 @@ class Linear(nn.Module):
             out = fp8_linear(x, self.weight, self.weight_scale, bias)
         elif out is None and self.fp8_block is not None:
             out = fp8_block_linear(x, self.weight, self.weight_scale, self.fp8_block, bias)
+        elif out is None and self.weight is not None and self.weight.dtype == torch.int8:
+            out = int8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
         elif out is None and self.int_scheme is not None:
             out = int_linear(x, self.qweight, self.scales, self.zeros,
                              bits=self.int_scheme.bits, group_size=self.int_scheme.group_size,
@@ -271,6 +277,14 @@ class Linear(nn.Module):
         if static_input:
             self.input_scale = _frozen(torch.zeros(1, dtype=torch.float32, device=device))
 
+    def make_int8(self, static_input: bool) -> None:
+        """Give this projection the parameters an INT8 W8A8 checkpoint fills: the int8
+        weight, its row scales and, with ``static_input``, the activation scale (starting
+        at 0: the largest of the loaded shards' scales is kept)."""
+        self.make_fp8(static_input)
+        self.weight = _frozen(torch.empty(self.weight.shape, dtype=torch.int8,
+                                          device=self.weight.device))
+
     def load(self, param_name: str, tensor: torch.Tensor, shard: str | None = None
              ) -> str | None:
         """Copy a checkpoint tensor into ``param_name`` (the rows of ``shard`` for a fused
@@ -334,8 +348,9 @@ class Linear(nn.Module):
             where = f"shard {shard!r} of {param_name}" if shard else param_name
             raise ValueError(f"{where} expects shape {tuple(rows.shape)}, got "
                              f"{tuple(tensor.shape)}.")
-        if param.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
-            raise ValueError(f"{param_name} is FP8 (float8_e4m3fn) in this checkpoint's "
+        if param.dtype in (FP8_DTYPE, torch.int8) and tensor.dtype != param.dtype:
+            kind = "FP8 (float8_e4m3fn)" if param.dtype == FP8_DTYPE else "int8"
+            raise ValueError(f"{param_name} is {kind} in this checkpoint's "
                              f"quantization_config, got {tensor.dtype}.")
         rows.copy_(tensor)
         return param_name
@@ -411,7 +426,8 @@ class Linear(nn.Module):
         if self.fp8_block is not None:
             return f", fp8 blocks of {self.fp8_block[0]}x{self.fp8_block[1]}"
         if self.weight_scale is not None:
-            return ", fp8 static input" if self.input_scale is not None else ", fp8"
+            kind = "int8 w8a8" if self.weight.dtype == torch.int8 else "fp8"
+            return f", {kind} static input" if self.input_scale is not None else f", {kind}"
         return ""
 
 

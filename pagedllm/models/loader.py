@@ -40,6 +40,7 @@ from pagedllm.models.registry import get_model_class
 from pagedllm.quantization import int_weights
 from pagedllm.quantization.apply import quantize_model
 from pagedllm.quantization.fp8 import FP8_DTYPE, FP8_MAX
+from pagedllm.quantization.int8 import INT8_MAX
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -151,7 +152,8 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     ``seed`` for a given device, and the same at every tensor-parallel size and pipeline
     split. FP8 weights (an FP8 checkpoint's shapes) hold the same range as FP8 values times
     their scales: uniform [-448, 448] with weight scales 1e-3 / 448, and static input
-    scales 1 / 448. Integer weights hold uniform random values around a middle zero point,
+    scales 1 / 448; INT8 W8A8 weights uniform over [-127, 127] with scales 1e-3 / 127 (static
+    input scales 1 / 127). Integer weights hold uniform random values around a middle zero point,
     scaled to the same range (``int_weights.fill_dummy``), experts' too.
 
     Each value is a function of the checkpoint tensor it stands for and ``seed`` only:
@@ -172,6 +174,14 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
                                    draws.generator(prefix + "qweight", None,
                                                    module.qweight.device))
             filled.update(id(p) for p in (module.qweight, module.scales, module.zeros))
+        elif isinstance(module, Linear) and module.weight is not None \
+                and module.weight.dtype == torch.int8:  # INT8 W8A8: values times row scales
+            module.weight.random_(-INT8_MAX, INT8_MAX + 1, generator=draws.generator(
+                prefix + "weight", None, module.weight.device))
+            module.weight_scale.fill_(DUMMY_WEIGHT_RANGE / INT8_MAX)
+            if module.input_scale is not None:
+                module.input_scale.fill_(1.0 / INT8_MAX)
+            filled.update(id(p) for p in (module.weight, module.weight_scale, module.input_scale))
         elif isinstance(module, FusedMoE) and module.int_scheme is not None:
             for name in ("w13", "w2"):
                 packed, scales, zeros = (getattr(module, name + suffix)

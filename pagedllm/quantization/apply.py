@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.layers.fused_moe import FusedMoE
-from pagedllm.quantization.checkpoint import IntWeightScheme, QuantizationConfig
+from pagedllm.quantization.checkpoint import Int8Scheme, IntWeightScheme, QuantizationConfig
 
 
 def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> int:
@@ -13,12 +13,12 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
     how many are quantized.
 
     ``when="before_load"`` gives the projections a quantized checkpoint fills their
-    parameters: FP8 weights and scales (``Linear.make_fp8``, ``FusedMoE.make_fp8``) or
-    packed integer weights (``Linear.make_int``). ``when="after_load"`` quantizes the
-    loaded weights of the projections an unquantized checkpoint is quantized at load
-    (``quantize_fp8``) and sorts act-order integer weights (``finish_int_load``). A
-    projection's checkpoint names (q/k/v for a fused qkv, an expert layer's first gate, up
-    and down) pick its scheme; all of a layer's experts must take one.
+    parameters: FP8 weights and scales (``Linear.make_fp8``, ``FusedMoE.make_fp8``), INT8
+    W8A8 ones (``Linear.make_int8``) or packed integer weights (``make_int``).
+    ``when="after_load"`` quantizes the loaded weights of the projections an unquantized
+    checkpoint is quantized at load (``quantize_fp8``) and sorts act-order integer weights
+    (``finish_int_load``). A projection's checkpoint names (q/k/v for a fused qkv, every
+    expert's gate, up and down) pick its scheme; all of a layer's experts must take one.
     """
     count = 0
     for module, checkpoint_names in model.projections():
@@ -36,6 +36,9 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
                     module.finish_int_load()
                 except ValueError as exc:
                     raise ValueError(f"{checkpoint_names[0]}: {exc}") from exc
+        elif isinstance(scheme, Int8Scheme):
+            if when == "before_load":
+                module.make_int8(static_input=scheme.static_input)
         elif when == "before_load" and scheme.prequantized:
             module.make_fp8(static_input=scheme.static_input, block=scheme.block)
         elif when == "after_load" and not scheme.prequantized:
@@ -47,6 +50,9 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
 
 
 def _quantize_experts(experts: FusedMoE, scheme, name: str, when: str) -> None:
+    if isinstance(scheme, Int8Scheme):
+        raise ValueError(f"{name}: INT8 W8A8 experts are not supported by pagedllm (experts "
+                         "take FP8, or integer weights with unquantized inputs).")
     try:
         if isinstance(scheme, IntWeightScheme):
             if when == "before_load":

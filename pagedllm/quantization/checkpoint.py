@@ -11,6 +11,10 @@ Formats read:
   ``config_groups`` map ``targets`` (``"Linear"``, module names, or ``re:``-prefixed
   regexes over the checkpoint's module names) to a scheme; ``ignore`` names modules left
   unquantized (same matching).
+* ``compressed-tensors`` INT8 W8A8 (``format`` ``int-quantized``, llm-compressor's
+  ``W8A8``): int8 ``weight`` with ``weight_scale`` per channel (or tensor), inputs int8
+  per token (dynamic) or per tensor (static ``input_scale``), symmetric
+  (``pagedllm.quantization.int8``).
 * ``compressed-tensors`` integer weight-only schemes (``format`` ``pack-quantized``,
   llm-compressor's W4A16, W4A16_ASYM and W8A16, from its GPTQ, AWQ or round-to-nearest
   recipes): ``weight_packed``, ``weight_scale`` per group or channel, ``weight_zero_point``
@@ -124,13 +128,25 @@ class IntWeightScheme:
                 + (", act-order" if self.act_order else ""))
 
 
+@dataclass(frozen=True)
+class Int8Scheme:
+    """INT8 W8A8 of one projection (``pagedllm.quantization.int8``): int8 weights with a
+    float32 scale per output channel; ``static_input``: inputs quantized with the
+    checkpoint's per-tensor ``input_scale`` (else per token, in the step)."""
+
+    static_input: bool = False
+
+    def __str__(self) -> str:
+        return "int8 w8a8" + (", static input scales" if self.static_input else "")
+
+
 # ``--quantization gptq|awq --load-format dummy`` on a checkpoint with no
 # quantization_config: random weights in the format's usual shape.
 DUMMY_INT_SCHEMES = {
     "gptq": IntWeightScheme("gptq", bits=4, group_size=128, symmetric=True),
     "awq": IntWeightScheme("awq", bits=4, group_size=128, symmetric=False),
 }
-Scheme = Fp8Scheme | IntWeightScheme
+Scheme = Fp8Scheme | IntWeightScheme | Int8Scheme
 
 
 @dataclass(frozen=True)
@@ -179,9 +195,10 @@ class QuantizationConfig:
 
     def storage(self) -> tuple[str, int]:
         """How the quantized projections are stored, for memory accounting
-        (``kv_allocator.weight_bytes``): ``("fp8", -1)``, or ``("int4", group_size)`` /
-        ``("int8", group_size)``; the last group's scheme (the checkpoint's base scheme,
-        after any per-module rules) stands for all."""
+        (``kv_allocator.weight_bytes``): ``("fp8", -1)`` (FP8 and INT8 W8A8: a byte a
+        weight, a float32 scale a channel), or ``("int4", group_size)`` /
+        ``("int8", group_size)`` (weight-only); the last group's scheme (the checkpoint's
+        base scheme, after any per-module rules) stands for all."""
         scheme = next(g.scheme for g in reversed(self.groups) if g.scheme is not None)
         if isinstance(scheme, IntWeightScheme):
             return f"int{scheme.bits}", scheme.group_size
@@ -305,11 +322,13 @@ def _compressed_tensors(declared: dict) -> QuantizationConfig:
             scheme = _ct_fp8_scheme(group, where)
         elif fmt == "pack-quantized":
             scheme = _ct_int_scheme(group, where)
+        elif fmt == "int-quantized":
+            scheme = _ct_int8_scheme(group, where)
         else:
             raise ValueError(
                 f"The checkpoint's {where}.format={fmt!r} is not supported by pagedllm: it "
-                "reads compressed-tensors 'float-quantized' (FP8) and 'pack-quantized' "
-                "(integer weight-only) checkpoints."
+                "reads compressed-tensors 'float-quantized' (FP8), 'int-quantized' (INT8 "
+                "W8A8) and 'pack-quantized' (integer weight-only) checkpoints."
             )
         groups.append(_Group(tuple(group.get("targets") or ()), scheme))
     if not groups:
@@ -370,6 +389,36 @@ def _ct_fp8_scheme(group: dict, where: str) -> Fp8Scheme:
             "per-token or static per-tensor FP8 activations are."
         )
     return Fp8Scheme(static_input=static)
+
+
+def _ct_int8_scheme(group: dict, where: str) -> Int8Scheme:
+    """compressed-tensors' ``int-quantized`` W8A8: 8-bit symmetric integer weights per
+    channel (or tensor) and 8-bit symmetric integer inputs, dynamic per token or static
+    per tensor."""
+    weights = group.get("weights") or {}
+    activations = group.get("input_activations")
+    if (weights.get("type"), weights.get("num_bits")) != ("int", 8) or weights.get(
+            "strategy") not in ("channel", "tensor") or not weights.get("symmetric", True):
+        raise ValueError(
+            f"The checkpoint's {where}.weights (type={weights.get('type')!r}, num_bits="
+            f"{weights.get('num_bits')!r}, strategy={weights.get('strategy')!r}, symmetric="
+            f"{weights.get('symmetric')!r}) is not supported by pagedllm in 'int-quantized': "
+            "8-bit symmetric integers per channel or per tensor are.")
+    if activations is None:
+        raise ValueError(f"The checkpoint's {where}.input_activations is null (INT8 "
+                         "weight-only in 'int-quantized'); pagedllm reads INT8 W8A8.")
+    kind = (activations.get("type"), activations.get("num_bits"),
+            activations.get("symmetric", True))
+    static = (activations.get("strategy"), bool(activations.get("dynamic"))) == ("tensor", False)
+    dynamic = (activations.get("strategy"), bool(activations.get("dynamic"))) == ("token", True)
+    if kind != ("int", 8, True) or not (static or dynamic):
+        raise ValueError(
+            f"The checkpoint's {where}.input_activations are {activations.get('num_bits')}-bit "
+            f"{activations.get('type')!r} (symmetric={activations.get('symmetric')!r}, "
+            f"strategy={activations.get('strategy')!r}, dynamic={activations.get('dynamic')!r})"
+            "; pagedllm reads symmetric 8-bit integer inputs, dynamic per token or static "
+            "per tensor.")
+    return Int8Scheme(static_input=static)
 
 
 def _fp8_block(value, field: str) -> tuple[int, int]:

@@ -5,7 +5,9 @@ is heavy to import and sets up its own logging) once for all the jobs: each job 
 ``(source_dir, output_dir, scheme, kv_cache)`` or ``(..., modifier)`` with ``scheme`` a
 preset name (``FP8_DYNAMIC``: per-channel weights, dynamic per-token activations; ``FP8``:
 per-tensor weights and static per-tensor activations, calibrated; ``W4A16``,
-``W4A16_ASYM``, ``W8A16``: integer weights in groups of 128, written pack-quantized),
+``W4A16_ASYM``, ``W8A16``: integer weights in groups of 128, written pack-quantized;
+``W8A8``: int8 weights per channel and int8 inputs per token, written int-quantized; or a
+dict, one config group's ``weights`` and ``input_activations``),
 ``kv_cache`` adding the static per-tensor FP8 KV-cache scales, and ``modifier``
 ``"quantization"`` (round to nearest, the default) or ``"gptq"`` (GPTQ with activation
 ordering ``weight``, the ordering llm-compressor writes without a ``g_idx``). The LM head
@@ -20,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-Job = tuple[Path, Path, str, bool] | tuple[Path, Path, str, bool, str]
+Job = tuple[Path, Path, str | dict, bool] | tuple[Path, Path, str | dict, bool, str]
 
 
 def make_checkpoints(jobs: list[Job]) -> None:
@@ -46,6 +48,10 @@ def _oneshot(source: str, output: str, scheme: str, kv_cache: bool,
     if modifier == "gptq":
         recipe = GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
                               actorder="weight")
+    elif isinstance(scheme, dict):
+        recipe = QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"],
+                                                                 **scheme}},
+                                      ignore=["lm_head"], kv_cache_scheme=kv_scheme)
     else:
         recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"],
                                       kv_cache_scheme=kv_scheme)

@@ -1,0 +1,163 @@
+"""INT8 W8A8 checkpoints made by llm-compressor (compressed-tensors ``int-quantized``): int8
+weights per channel with inputs quantized to int8 per token (its ``W8A8``) or with a
+static per-tensor scale, detected from config.json, run to the greedy tokens of HF
+transformers running the checkpoint through compressed-tensors: the weights it
+decompresses and each projection's input quantized by its own forward pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.quantization.int8 import int8_linear, quantize_rows_int8
+from tests.engine.conftest import hf_greedy, random_prompts
+from tests.quantization.test_fp8_checkpoints import (
+    checkpoint_tensors,
+    engine_greedy,
+    runner_model,
+)
+
+from tests.utils import make_tiny_checkpoint
+
+pytest.importorskip("llmcompressor")
+
+STATIC = {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+          "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                "strategy": "tensor", "dynamic": False}}
+SIZES = dict(vocab_size=256, max_position_embeddings=128, hidden_size=128,
+             intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    from tests.quantization.llm_compressor import make_checkpoints
+
+    root = tmp_path_factory.mktemp("int8-checkpoints")
+    llama = make_tiny_checkpoint(root, "llama", **SIZES)
+    qwen3 = make_tiny_checkpoint(root, "qwen3", head_dim=32, **SIZES)
+    moe = make_tiny_checkpoint(root, "qwen3_moe", vocab_size=256, max_position_embeddings=128)
+    jobs = {"llama-dynamic": (llama, "W8A8"), "qwen3-dynamic": (qwen3, "W8A8"),
+            "llama-static": (llama, STATIC), "moe-dynamic": (moe, "W8A8")}
+    make_checkpoints([(src, root / name, scheme, False) for name, (src, scheme) in jobs.items()])
+    return {name: root / name for name in jobs}
+
+
+def hf_int8_reference(model_dir: Path, prompts) -> list[list[int]]:
+    """HF on the weights compressed-tensors decompresses; its forward pass of each quantized
+    projection quantizes the input (per token, or with the static ``input_scale``)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32,
+        quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    return [hf_greedy(model, prompt, 10) for prompt in prompts]
+
+
+def teacher_forced_argmax(llm: LLM, tokens: list[int], start: int) -> list[int]:
+    """The engine's most likely token after each prefix ``tokens[:j]``, ``j`` from ``start``
+    to the end, in one prompt step (its prompt logprobs, and the token it samples last)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    output = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
+    best = [min(ranked.items(), key=lambda item: item[1].rank)[0]
+            for ranked in output.prompt_logprobs[start:]]
+    return best + list(output.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("name", ["llama-dynamic", "qwen3-dynamic", "llama-static"])
+def test_llm_compressor_w8a8_checkpoint_picks_hfs_tokens(checkpoints, name):
+    """Every token of HF's greedy continuation is the engine's most likely one on the same
+    prefix. Teacher-forced: per-token int8 rounds each input row, so float noise under a
+    rounding boundary (attention over the cache summed in another order than HF's) can flip
+    one code and, at a near tie, a free-running token; on the same rows the products are
+    HF's (free-running checks follow)."""
+    prompts = random_prompts(3, 3, 20, seed=21, vocab=256)
+    llm = LLM(str(checkpoints[name]), dtype="float32", block_size=8, max_model_len=128,
+              device="cpu")
+    qkv = runner_model(llm).model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.int8 and qkv.weight_scale.shape == (qkv.output_size, 1)
+    assert (qkv.input_scale is not None) == name.endswith("static")
+    for prompt, want in zip(prompts, hf_int8_reference(checkpoints[name], prompts)):
+        assert teacher_forced_argmax(llm, prompt + want[:-1], len(prompt)) == want
+
+
+@pytest.mark.parametrize("name", ["qwen3-dynamic", "llama-static"])
+def test_llm_compressor_w8a8_checkpoint_greedy_equals_hf(checkpoints, name):
+    prompts = random_prompts(3, 3, 20, seed=21, vocab=256)
+    llm = LLM(str(checkpoints[name]), dtype="float32", block_size=8, max_model_len=128,
+              device="cpu")
+    assert engine_greedy(llm, prompts, 10) == hf_int8_reference(checkpoints[name], prompts)
+
+
+def test_int8_products_round_half_to_even_and_saturate():
+    """Per token: the row's largest magnitude maps to 127.5 (saturating at 127, or -128 when
+    negative), halves round to even; static: values past the scale's range saturate; the
+    product is the dequantized operands'."""
+    x = torch.tensor([[0.5, -1.0, 0.25, 2.55], [0.0, 0.0, 0.0, 0.0], [1.0, -2.55, 0.0, 0.0]])
+    quantized, scale = quantize_rows_int8(x)
+    assert quantized[0].tolist() == [25, -50, 12, 127] and scale[1].item() == 1.0
+    assert quantized[2].tolist() == [50, -128, 0, 0]
+    assert quantized[1].tolist() == [0, 0, 0, 0]
+    static, _ = quantize_rows_int8(x[:1], torch.tensor([0.01]))
+    assert static[0].tolist() == [50, -100, 25, 127]
+    assert quantize_rows_int8(-x[:1], torch.tensor([0.01]))[0][0, 3].item() == -128
+    weight = torch.tensor([[1, -2, 3, 4], [127, 0, -128, 5]], dtype=torch.int8)
+    weight_scale = torch.tensor([[0.5], [0.01]])
+    want = (quantized.float() * scale) @ (weight.float() * weight_scale).t()
+    torch.testing.assert_close(int8_linear(x, weight, weight_scale), want)
+
+
+def test_int8_experts_are_refused_naming_them(checkpoints):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj: INT8 "
+                                         r"W8A8 experts are not supported"):
+        LLM(str(checkpoints["moe-dynamic"]), device="cpu")
+
+
+def test_an_int8_weight_of_another_dtype_is_named(checkpoints, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model_dir = tmp_path / "edited"
+    shutil.copytree(checkpoints["llama-dynamic"], model_dir)
+    tensors = checkpoint_tensors(model_dir)
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name].float()
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"down_proj\.weight.*weight is int8 in this "
+                                         r"checkpoint's quantization_config, got torch\.float32"):
+        LLM(str(model_dir), device="cpu")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda q: q["config_groups"]["group_0"]["input_activations"].update(symmetric=False),
+     r"input_activations are 8-bit 'int' \(symmetric=False"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group", group_size=64),
+     r"weights \(type='int', num_bits=8, strategy='group'"),
+    (lambda q: q["config_groups"]["group_0"].update(input_activations=None),
+     "input_activations is null"),
+])
+def test_an_int8_scheme_pagedllm_does_not_read_is_refused_naming_it(checkpoints, tmp_path,
+                                                                   edit, message):
+    from tests.quantization.test_fp8_checkpoints import with_quantization_config
+
+    model_dir = with_quantization_config(checkpoints["llama-dynamic"], tmp_path / "edited", edit)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(model_dir), device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="int32 tensor-core sums need CUDA")
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_the_cuda_int8_product_is_the_references(rows):
+    """``torch._int_mm``'s exact int32 sums, scaled once: the float32 reference's product
+    within a rounding of the output (small batches padded to its 17 rows)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=gen).to(torch.bfloat16)
+    weight = torch.randint(-128, 128, (384, 256), generator=gen, dtype=torch.int8)
+    weight_scale = torch.rand(384, 1, generator=gen) * 1e-2
+    want = int8_linear(x, weight, weight_scale)
+    got = int8_linear(x.cuda(), weight.cuda(), weight_scale.cuda()).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
