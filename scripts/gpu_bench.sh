@@ -50,7 +50,9 @@
 #            --load-format dummy: groups of 128, the W4A16 kernels of layers/int_matmul.py
 #            and the small-batch product); the report sets each beside the bf16 record of
 #            the w1 and latency steps; and scripts/gemv_quant_sweep.py --kinds int4 (the
-#            small-batch and int_matmul tiles, in CUDA graphs)
+#            small-batch and int_matmul tiles, in CUDA graphs); then W1 and L1 with INT8
+#            W8A8 weights (compressed-tensors int-quantized, per-token int8 inputs, given to
+#            the dummy weights by --hf-overrides) into int8-w8a8-*.json
 #   spec     scripts/spec_decode_costs.py: verification and draft costs of llama-3.1-8b with
 #            llama-3.2-1b (K = 4) against a decode step, at batch 1, 8, 32 and 128
 #   moe      L1, P1 and W1 on $MOE (mixtral-8x7b, dummy bf16) and W1 on $MOE_SMALL
@@ -120,6 +122,8 @@ else
     FP8_BLOCK=128
 fi
 BLOCK_FP8_CONFIG="{\"quantization_config\": {\"quant_method\": \"fp8\", \"weight_block_size\": [$FP8_BLOCK, $FP8_BLOCK]}}"
+INT8_ARGS='{"num_bits": 8, "type": "int", "symmetric": true'
+W8A8_CONFIG="{\"quantization_config\": {\"quant_method\": \"compressed-tensors\", \"format\": \"int-quantized\", \"ignore\": [\"lm_head\"], \"config_groups\": {\"group_0\": {\"targets\": [\"Linear\"], \"weights\": $INT8_ARGS, \"strategy\": \"channel\"}, \"input_activations\": $INT8_ARGS, \"strategy\": \"token\", \"dynamic\": true}}}}}"
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
 STRUCTURED_AB=${STRUCTURED_AB-PAGEDLLM_GRAMMAR_FILL_THREADS=4}  # set and empty: no second run
@@ -208,6 +212,10 @@ if [ "$DRY" != "1" ]; then
     step w4a16 "$LIMIT_SWEEP" $PY scripts/gemv_quant_sweep.py --kinds int4 --rows 1,4 \
         --budget-s 100 --int-gemm-rows 64,256 --int-gemm-budget-s 60 --out "$OUT/gemv-int4.json"
 fi
+step w4a16 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
+    "${W1_ARGS[@]}" --hf-overrides "$W8A8_CONFIG" --output-json "$OUT/int8-w8a8-w1-$BIG.json"
+step w4a16 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
+    "${LAT_ARGS[@]}" --hf-overrides "$W8A8_CONFIG" --output-json "$OUT/int8-w8a8-latency-$BIG.json"
 
 if [ "$DRY" != "1" ]; then
     step spec "$LIMIT_SWEEP" $PY scripts/spec_decode_costs.py --model "$BIG" --draft llama-3.2-1b \
