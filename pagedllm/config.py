@@ -221,15 +221,30 @@ class ModelConfig:
         return frozenset([eos] if isinstance(eos, int) else eos)
 
 
+# Quantization files of older exports, read when config.json has no quantization_config:
+# file -> the method it implies when the file does not name one.
+_QUANTIZATION_FILES = (
+    ("hf_quant_config.json", "modelopt"),  # NVIDIA Model Optimizer
+    ("quantize_config.json", "gptq"),  # AutoGPTQ, GPTQModel (AutoAWQ's fields mean awq)
+    ("quant_config.json", "awq"),  # AutoAWQ
+)
+
+
 def read_hf_config(path: Path) -> dict:
-    """A checkpoint's config.json; without a ``quantization_config``, the older
-    ``hf_quant_config.json`` of NVIDIA Model Optimizer's exports stands for one
-    (``quant_method: modelopt``)."""
+    """A checkpoint's config.json; without a ``quantization_config``, the first of the
+    older exports' quantization files stands for one (``_QUANTIZATION_FILES``; its own
+    ``quant_method`` when it has one, AWQ's when it holds AutoAWQ's ``w_bit`` /
+    ``zero_point`` fields)."""
     config = json.loads((path / "config.json").read_text())
-    legacy = path / "hf_quant_config.json"
-    if "quantization_config" not in config and legacy.is_file():
-        config["quantization_config"] = {"quant_method": "modelopt",
-                                         **json.loads(legacy.read_text())}
+    if "quantization_config" in config:
+        return config
+    for name, method in _QUANTIZATION_FILES:
+        if (path / name).is_file():
+            declared = json.loads((path / name).read_text())
+            if "w_bit" in declared or "zero_point" in declared:
+                method = "awq"
+            config["quantization_config"] = {"quant_method": method, **declared}
+            break
     return config
 
 

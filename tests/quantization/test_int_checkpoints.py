@@ -294,3 +294,28 @@ def test_fused_shards_with_different_act_orders_are_refused(sources, tmp_path):
     save_file(tensors, str(tmp_path / "gptq" / "model.safetensors"))
     with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj: .*different g_idx"):
         LLM(str(tmp_path / "gptq"), device="cpu")
+
+
+@pytest.mark.parametrize("writer, file, fields", [
+    ("gptq", "quantize_config.json",
+     lambda q: {k: v for k, v in q.items() if k != "quant_method"}),
+    ("awq", "quant_config.json", lambda q: {"zero_point": True, "q_group_size": q["group_size"],
+                                             "w_bit": 4, "version": "GEMM"}),
+])
+def test_an_older_exports_quantization_file_stands_for_quantization_config(sources, tmp_path,
+                                                                          writer, file, fields):
+    """AutoGPTQ's ``quantize_config.json`` and AutoAWQ's ``quant_config.json`` (with their
+    own field names), beside a config.json without ``quantization_config``."""
+    write = write_awq if writer == "awq" else write_gptq
+    write(sources["llama"], tmp_path / "new", group_size=64)
+    old = tmp_path / "old"
+    old.mkdir()
+    for path in (tmp_path / "new").iterdir():
+        (old / path.name).write_bytes(path.read_bytes())
+    config = json.loads((old / "config.json").read_text())
+    (old / file).write_text(json.dumps(fields(config.pop("quantization_config"))))
+    (old / "config.json").write_text(json.dumps(config))
+    prompts = random_prompts(2, 3, 20, seed=22, vocab=256)
+    llm = LLM(str(old), dtype="float32", block_size=8, max_model_len=128, device="cpu")
+    assert llm.llm_engine.config.model_config.quantization == writer
+    assert engine_greedy(llm, prompts, 10) == engine_tokens(tmp_path / "new", prompts)
