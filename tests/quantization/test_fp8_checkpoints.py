@@ -82,28 +82,16 @@ def quantized_input(x: torch.Tensor, input_scale: torch.Tensor | None = None,
 
 
 def hf_fp8_reference(model_dir: Path, prompts, max_new_tokens: int) -> list[list[int]]:
-    """HF transformers' greedy tokens on the checkpoint as compressed-tensors decompresses
-    it, each quantized projection's input quantized as the checkpoint says: per token, per
-    token and group, or with the projection's own static ``input_scale``."""
+    """HF transformers' greedy tokens on the checkpoint through compressed-tensors: the
+    weights it decompresses, and each quantized projection's input quantized by its own
+    forward pass as the checkpoint says (per token, per token and group, or with the
+    projection's static ``input_scale``)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
-    tensors = checkpoint_tensors(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
-    activations = config["config_groups"]["group_0"]["input_activations"]
-    group = activations["group_size"] if activations["strategy"] == "group" else None
-
-    def quantize_input(input_scale):
-        def hook(module, args):
-            return (quantized_input(args[0], input_scale, group),)
-        return hook
-
-    for name, module in model.model.layers.named_modules(prefix="model.layers"):
-        if f"{name}.weight_scale" in tensors:
-            module.register_forward_pre_hook(quantize_input(tensors.get(f"{name}.input_scale")))
     return [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
 
 
