@@ -267,8 +267,17 @@ class Linear(nn.Module):
         row scales (with ``block``: one per block of ``(rows, columns)``), and with
         ``static_input`` the activation scale (starting at 0: the largest of the loaded
         shards' scales is kept)."""
+        self._make_byte_weights(FP8_DTYPE, static_input, block)
+
+    def make_int8(self, static_input: bool) -> None:
+        """The parameters an INT8 W8A8 checkpoint fills: as ``make_fp8``'s per-channel ones,
+        the weight in int8."""
+        self._make_byte_weights(torch.int8, static_input)
+
+    def _make_byte_weights(self, dtype: torch.dtype, static_input: bool,
+                           block: tuple[int, int] | None = None) -> None:
         device = self.weight.device
-        self.weight = _frozen(torch.empty(self.weight.shape, dtype=FP8_DTYPE, device=device))
+        self.weight = _frozen(torch.empty(self.weight.shape, dtype=dtype, device=device))
         scale_shape = (self.output_size, 1)
         if block is not None:
             self.fp8_block = block
@@ -276,14 +285,6 @@ class Linear(nn.Module):
         self.weight_scale = _frozen(torch.empty(scale_shape, dtype=torch.float32, device=device))
         if static_input:
             self.input_scale = _frozen(torch.zeros(1, dtype=torch.float32, device=device))
-
-    def make_int8(self, static_input: bool) -> None:
-        """Give this projection the parameters an INT8 W8A8 checkpoint fills: the int8
-        weight, its row scales and, with ``static_input``, the activation scale (starting
-        at 0: the largest of the loaded shards' scales is kept)."""
-        self.make_fp8(static_input)
-        self.weight = _frozen(torch.empty(self.weight.shape, dtype=torch.int8,
-                                          device=self.weight.device))
 
     def load(self, param_name: str, tensor: torch.Tensor, shard: str | None = None
              ) -> str | None:
