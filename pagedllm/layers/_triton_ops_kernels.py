@@ -671,6 +671,37 @@ def to_fp8(x, scale):
 
 
 @triton.jit
+def quantize_rows_int8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, K, stride_xm,
+                              BLOCK_K: tl.constexpr, STATIC_INPUT: tl.constexpr,
+                              PDL: tl.constexpr):
+    """Row ``row`` of ``x`` -> int8 ``out[row]`` (contiguous rows of ``K``) and its float32
+    scale ``scale[row]``, as ``quantization.int8.quantize_rows_int8`` computes them: the
+    row's largest magnitude over 127.5 (1 for a row of zeros) or the static scale, IEEE
+    division, halves rounded to even (adding and removing 1.5 * 2**23, exact below 2**22),
+    clamped to [-128, 127]."""
+    follow_previous_kernel(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    if STATIC_INPUT:
+        scale = tl.load(input_scale_ptr)
+    else:
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.math.div_rn(tl.max(amax, 0), 127.5)
+        scale = tl.where(scale > 0, scale, 1.0)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -129.0, 128.0)
+        q = (q + 12582912.0) - 12582912.0
+        tl.store(out_ptr + row * K + k, tl.clamp(q, -128.0, 127.0).to(tl.int8), mask=k < K)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
 def quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, K, stride_xm,
                              BLOCK_K: tl.constexpr, STATIC_INPUT: tl.constexpr,
                              PDL: tl.constexpr):

@@ -10,7 +10,8 @@ rounding of the same checkpoint). The product is
 
     out[m, n] = (sum_k xq[m, k] * wq[n, k]) * x_scale[m] * w_scale[n]  (+ bias[n])
 
-On CUDA the integer sum runs in int32 on the tensor cores (``torch._int_mm``), exact, then
+On CUDA the inputs are quantized by one Triton kernel a row (``triton_ops``, the same
+values) and the integer sum runs in int32 on the tensor cores (``torch._int_mm``), exact, then
 scaled in float32 and rounded once to the activation dtype. Elsewhere the reference
 dequantizes both operands to float32 and multiplies there, as a transformers model holding
 the dequantized weights and quantizing each input the same way computes it.
@@ -48,8 +49,13 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ W.T (+ bias)`` in ``x``'s dtype for int8 ``weight [N, K]`` with
     ``weight_scale [N, 1]`` (see the module docstring)."""
+    from pagedllm.layers import triton_ops
+
     rows = x.reshape(-1, x.shape[-1])
-    quantized, x_scale = quantize_rows_int8(rows, input_scale)
+    if triton_ops.use_fused_ops(rows):
+        quantized, x_scale = triton_ops.quantize_rows_int8(rows, input_scale)
+    else:
+        quantized, x_scale = quantize_rows_int8(rows, input_scale)
     if rows.is_cuda and rows.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0:
         count = quantized.shape[0]
         if count < _INT_MM_MIN_ROWS:

@@ -378,6 +378,29 @@ def test_fp8_row_quantization_kernel_equals_quantize_rows(static):
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_int8_row_quantization_kernel_equals_quantize_rows_int8(static):
+    """The one-pass INT8 kernel gives the reference's bytes and scales: rows wider than one
+    block, a zero row, a row's largest magnitude reaching -128, and with a static scale
+    halves rounded to even and values beyond its range saturated."""
+    from pagedllm.quantization.int8 import quantize_rows_int8
+
+    x = _rand(4, 2500, seed=43) * torch.tensor([[1e-3], [1.0], [300.0], [0.0]], device=DEVICE)
+    x[1, 7] = -x[1].abs().max() * 1.5  # the row's largest magnitude, negative: -128
+    scale = 2.0**-6
+    x[0, :3] = torch.tensor([2.5, -2.5, 3.5], device=DEVICE) * scale  # halves at 2**-6
+    input_scale = torch.tensor([scale], device=DEVICE) if static else None
+    got_q, got_scale = triton_ops.quantize_rows_int8(x, input_scale)
+    want_q, want_scale = quantize_rows_int8(x, input_scale)
+    assert torch.equal(got_scale, want_scale.contiguous())
+    assert torch.equal(got_q, want_q)
+    if static:
+        assert want_q[0, :3].tolist() == [2, -2, 4]
+        assert (want_q[2].max().item(), want_q[2].min().item()) == (127, -128)
+    else:
+        assert want_q[1, 7].item() == -128 and want_q[3].abs().max().item() == 0
+
+
 def _fp8_exact(x: torch.Tensor) -> torch.Tensor:
     """Rows the interpreter's e4m3 conversion rounds right (see the FP8 tests above)."""
     from pagedllm.quantization.fp8 import quantize_rows
