@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.layers import triton_ops
+
 INT8_MAX = 127
 # A dynamic row's largest magnitude maps to half the width of [-128, 127].
 _HALF_RANGE = 127.5
@@ -49,8 +51,6 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ W.T (+ bias)`` in ``x``'s dtype for int8 ``weight [N, K]`` with
     ``weight_scale [N, 1]`` (see the module docstring)."""
-    from pagedllm.layers import triton_ops
-
     rows = x.reshape(-1, x.shape[-1])
     if triton_ops.use_fused_ops(rows):
         quantized, x_scale = triton_ops.quantize_rows_int8(rows, input_scale)

@@ -16,25 +16,19 @@ AutoRound integration and returns each quantized layer's weight as AutoRound's o
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+
+from tests.quantization.child_jobs import main, run_jobs
 
 Job = tuple[Path, Path, str, bool, dict]
 GROUP_SIZE = 32
 
 
 def make_checkpoints(jobs: list[Job]) -> None:
-    payload = json.dumps([[str(src), str(out), *rest] for src, out, *rest in jobs])
-    subprocess.run([sys.executable, "-m", "tests.quantization.auto_round", payload],
-                   check=True, capture_output=True, timeout=600,
-                   cwd=Path(__file__).resolve().parents[2],
-                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    run_jobs(__name__, jobs, HF_HUB_OFFLINE="1")
 
 
 def _quantize(source: str, output: str, export_format: str, sym: bool,
@@ -80,5 +74,4 @@ def dequantized_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 if __name__ == "__main__":
-    for job in json.loads(sys.argv[1]):
-        _quantize(*job)
+    main(_quantize)

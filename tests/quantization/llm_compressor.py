@@ -17,19 +17,15 @@ the scales only need to exist.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.quantization.child_jobs import main, run_jobs
 
 Job = tuple[Path, Path, str | dict, bool] | tuple[Path, Path, str | dict, bool, str]
 
 
 def make_checkpoints(jobs: list[Job]) -> None:
-    payload = json.dumps([[str(src), str(out), *rest] for src, out, *rest in jobs])
-    subprocess.run([sys.executable, "-m", "tests.quantization.llm_compressor", payload],
-                   check=True, capture_output=True, timeout=600,
-                   cwd=Path(__file__).resolve().parents[2])
+    run_jobs(__name__, jobs)
 
 
 def _oneshot(source: str, output: str, scheme: str, kv_cache: bool,
@@ -77,5 +73,4 @@ def _oneshot(source: str, output: str, scheme: str, kv_cache: bool,
 
 
 if __name__ == "__main__":
-    for job in json.loads(sys.argv[1]):
-        _oneshot(*job)
+    main(_oneshot)

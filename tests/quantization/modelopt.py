@@ -13,19 +13,15 @@ ids: the scales only need to exist.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.quantization.child_jobs import main, run_jobs
 
 Job = tuple[Path, Path, str, bool, list[str]]
 
 
 def make_checkpoints(jobs: list[Job]) -> None:
-    payload = json.dumps([[str(src), str(out), *rest] for src, out, *rest in jobs])
-    subprocess.run([sys.executable, "-m", "tests.quantization.modelopt", payload],
-                   check=True, capture_output=True, timeout=600,
-                   cwd=Path(__file__).resolve().parents[2])
+    run_jobs(__name__, jobs)
 
 
 def _quantize(source: str, output: str, algorithm: str, kv_cache: bool,
@@ -56,5 +52,4 @@ def _quantize(source: str, output: str, algorithm: str, kv_cache: bool,
 
 
 if __name__ == "__main__":
-    for job in json.loads(sys.argv[1]):
-        _quantize(*job)
+    main(_quantize)
