@@ -59,13 +59,20 @@ class Fp8Rows(NamedTuple):
         return self.values.shape
 
 
+def divide_exactly(values: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``values / divisor`` rounded as IEEE division on every device (CUDA multiplies by the
+    reciprocal of a Python number, a last bit away), as the Triton kernels divide."""
+    return values / torch.full_like(values, divisor)
+
+
 def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [R, C]`` -> (float8_e4m3fn ``[R, C]``, float32 scales ``[R, 1]``): one scale per
     row, each row's largest magnitude mapped to 448; or ``input_scale`` (one float32
     value, a static per-tensor scale) for every row, values beyond its range clamped."""
     if input_scale is None:
-        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=_MIN_SCALE)
+        scale = divide_exactly(x.abs().amax(dim=-1, keepdim=True).float(), FP8_MAX)
+        scale = scale.clamp_(min=_MIN_SCALE)
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     quantized = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -123,7 +130,7 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     rows, columns = x.shape
     groups = -(-columns // group)
     padded = F.pad(x.float(), (0, groups * group - columns)).view(rows, groups, group)
-    scale = (padded.abs().amax(dim=-1) / FP8_MAX).clamp_(min=_MIN_SCALE)
+    scale = divide_exactly(padded.abs().amax(dim=-1), FP8_MAX).clamp_(min=_MIN_SCALE)
     quantized = (padded / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized.view(rows, groups * group)[:, :columns].contiguous(), scale
 
