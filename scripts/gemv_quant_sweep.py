@@ -8,10 +8,12 @@ none is in L2.
         [--rows 1,4] [--budget-s 300] [--int-gemm-rows 64,128,256]
 
 Kinds: ``int4`` (GPTQ-style 4-bit weights in groups of 128, symmetric zero points, the
-stored layout of ``pagedllm.quantization.int_weights``) and ``fp8`` (W8A8, one scale per
-row). For each kind, projection and row count it times the bf16 weights' configured tile,
-the path the kind took before the small-batch kernel served it (``int4``: the split-K
-``int_matmul`` tiles; ``fp8``: the configured tile without split-K), the kind's configured
+stored layout of ``pagedllm.quantization.int_weights``), ``fp8`` (W8A8, one scale per
+row), ``int8`` (INT8 W8A8, FP8's tiles) and ``bf16`` (the unquantized weights:
+tensor-core tiles, split-K first). For each kind, projection and row count it times the
+bf16 weights' configured tile, the path the kind took before the small-batch kernel served
+it (``int4``: the split-K ``int_matmul`` tiles; ``fp8``: the configured tile without
+split-K; ``int8``: the rows quantized, then ``torch._int_mm``), the kind's configured
 tile, then a grid of candidates (likeliest first, until the case's share of the budget
 runs out).
 Each candidate's output is checked once against the dequantized weights' product
@@ -45,15 +47,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_kernels_gpu import GEMV_SHAPES, graph_us_per_launch  # noqa: E402
 
 from pagedllm.layers import int_matmul, triton_ops  # noqa: E402
+from pagedllm.layers.int8_matmul import Int8Tile, int8_matmul, int8_matmul_tile  # noqa: E402
 from pagedllm.layers.int_matmul import IntTile  # noqa: E402
 from pagedllm.layers.triton_ops import GemvTile, IntWeights  # noqa: E402
 from pagedllm.quantization.fp8 import dequantize_rows, quantize_rows  # noqa: E402
+from pagedllm.quantization.int8 import quantize_rows_int8  # noqa: E402
 from pagedllm.quantization.int_weights import dequantize, pack_rows  # noqa: E402
 
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
 GROUP = 128
 L2_FLUSH_BYTES = 400_000_000
+# W8A8 formats: (quantize rows, dequantize rows).
+W8A8_FORMATS = {"fp8": (quantize_rows, dequantize_rows),
+                "int8": (quantize_rows_int8, lambda q, scale: q.float() * scale)}
 
 
 def measure(row: dict[str, Any], op: Callable[[Any], torch.Tensor], weights: list,
@@ -79,7 +86,13 @@ def splits(steps: int) -> list[int]:
 def candidates(kind: str, rows: int, k: int) -> list[GemvTile]:
     """The grid for ``kind`` at ``rows`` rows and ``K = k``, likeliest first."""
     tiles: list[GemvTile] = []
-    if kind == "int4":
+    if kind == "bf16":  # tensor-core tiles, split-K first (the configured tiles have none)
+        shapes = ((32, 512), (64, 512), (64, 256), (64, 128), (128, 128), (32, 256))
+        tiles += [GemvTile(n, bk, 4, 3, True, s) for s in (2, 4, 8, 1) for n, bk in shapes
+                  if s in splits(k // bk)]
+        tiles += [GemvTile(n, bk, w, st, True, s) for n, bk in shapes for s in splits(k // bk)
+                  for w, st in ((8, 3), (4, 4), (4, 2))]
+    elif kind == "int4":
         if rows == 1:
             tiles += [GemvTile(n, 64, 4, 3, False, s) for s in splits(k // 64)
                       for n in (64, 128, 32)]
@@ -159,6 +172,59 @@ def int_gemm_sweep(row_counts: list[int], budget_s: float,
     return results
 
 
+def int_mm_product(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+                   ) -> torch.Tensor:
+    """INT8 W8A8 the way the engine took it before its Triton kernels: the rows quantized,
+    ``torch._int_mm`` (cuBLASLt; at least 17 rows, fewer padded), then scaled."""
+    rows, scales = triton_ops.quantize_rows_int8(x)
+    padded = torch.nn.functional.pad(rows, (0, 0, 0, max(0, 17 - rows.shape[0])))
+    sums = torch._int_mm(padded, weight.t())[:rows.shape[0]]
+    return (sums.float() * scales * weight_scale.reshape(1, -1)).to(x.dtype)
+
+
+INT8_GEMM_TILES = [Int8Tile(*t) for t in (
+    (64, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (64, 256, 128, 4, 3),
+    (128, 128, 64, 4, 4), (64, 128, 256, 4, 3), (128, 128, 256, 8, 3), (128, 64, 128, 4, 4))]
+
+
+def int8_gemm_sweep(row_counts: list[int], budget_s: float,
+                    save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Larger batches on INT8 W8A8 weights: the rows quantized, then ``torch._int_mm``
+    (``impl="before"``) or ``int8_matmul``'s tiles, beside cuBLAS on the bf16 weights."""
+    results: list[dict[str, Any]] = []
+    share = budget_s / 4
+    gen = torch.Generator(device=DEVICE).manual_seed(47)
+    for name, n, k in GEMV_SHAPES[:4]:
+        deadline = time.monotonic() + share
+        bf16 = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
+                for _ in range(max(2, -(-L2_FLUSH_BYTES // (n * k * 2))))]
+        weights = [quantize_rows_int8(w) for w in bf16]
+        weights = (weights * 2)[:max(2, -(-L2_FLUSH_BYTES // (n * k)))]
+        for m in row_counts:
+            x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
+            xq, x_scale = quantize_rows_int8(x)
+            want = (xq.float() * x_scale) @ (weights[0][0].float() * weights[0][1]).T
+            results.append(dict(kind="int8-gemm", shape=name, rows=m, impl="bf16",
+                                us=graph_us_per_launch(lambda w: torch.nn.functional.linear(x, w),
+                                                       bf16)))
+            results.append(measure(dict(kind="int8-gemm", shape=name, rows=m, impl="before"),
+                                   lambda w: int_mm_product(x, w[0], w[1]), weights, want, n * k))
+            for tile in [int8_matmul_tile(m)] + INT8_GEMM_TILES:
+                if time.monotonic() > deadline and tile != int8_matmul_tile(m):
+                    break
+                row = dict(kind="int8-gemm", shape=name, rows=m, tile=list(tile),
+                           impl="configured" if tile == int8_matmul_tile(m) else "tile")
+
+                def op(w, t=tile):
+                    rows, scales = triton_ops.quantize_rows_int8(x)
+                    return int8_matmul(rows, scales, w[0], w[1], None, DTYPE, t)
+                results.append(measure(row, op, weights, want, n * k))
+            save(results)
+        del weights, bf16
+        torch.cuda.empty_cache()
+    return results
+
+
 def int4_weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, IntWeights]:
     codes = torch.randint(0, 16, (n, k), generator=gen, device=DEVICE)
     scales = (torch.rand(n, k // GROUP, generator=gen, device=DEVICE) * 0.002 + 0.001).to(DTYPE)
@@ -175,7 +241,7 @@ def sweep(kinds: list[str], row_counts: list[int], budget_s: float,
     try:
         for kind in kinds:
             for name, n, k in GEMV_SHAPES[:4]:
-                bytes_per_weight = 0.5 if kind == "int4" else 1.0
+                bytes_per_weight = {"int4": 0.5, "fp8": 1.0, "int8": 1.0, "bf16": 2.0}[kind]
                 copies = max(2, -(-L2_FLUSH_BYTES // int(n * k * bytes_per_weight)))
                 bf16 = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
                         for _ in range(max(2, -(-L2_FLUSH_BYTES // (n * k * 2))))]
@@ -191,22 +257,34 @@ def sweep(kinds: list[str], row_counts: list[int], budget_s: float,
                         tile = int_matmul.int_matmul_config(16, n, k, GROUP)
                         return int_matmul.int_matmul(x, w[0], w[1].scales, w[1].zeros, tile,
                                                      bits=4, group_size=GROUP)
+                elif kind == "bf16":
+                    weights, ref_weight = bf16, bf16[0].float()
+
+                    def op(w, x):
+                        return triton_ops.small_batch_matmul(x, w)
+
+                    before = None
                 else:
-                    weights = [quantize_rows(w) for w in bf16]
+                    quantize, dequantize = W8A8_FORMATS[kind]
+                    weights = [quantize(w) for w in bf16]
                     weights = (weights * (copies // len(weights) + 1))[:copies]
-                    ref_weight = dequantize_rows(*weights[0])
+                    ref_weight = dequantize(*weights[0])
 
                     def op(w, x):
                         return triton_ops.small_batch_matmul(x, w[0], weight_scale=w[1])
 
                     before = None
+                    if kind == "int8":
+
+                        def before(w, x):
+                            return int_mm_product(x, w[0], w[1])
                 for m in row_counts:
                     deadline = time.monotonic() + share
                     x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
                     want = x.float() @ ref_weight.T
-                    if kind == "fp8":
-                        xq, x_scale = quantize_rows(x)
-                        want = dequantize_rows(xq, x_scale) @ ref_weight.T
+                    if kind in W8A8_FORMATS:
+                        xq, x_scale = W8A8_FORMATS[kind][0](x)
+                        want = W8A8_FORMATS[kind][1](xq, x_scale) @ ref_weight.T
 
                     def timed(label: str, fn, tile: GemvTile | None = None) -> None:
                         row: dict[str, Any] = dict(kind=kind, shape=name, rows=m, impl=label)
@@ -227,7 +305,7 @@ def sweep(kinds: list[str], row_counts: list[int], budget_s: float,
                     results.append(bf16_row)
                     if before is not None:
                         timed("before", before)
-                    elif m == 1:  # FP8 one row: the configured tile without split-K
+                    elif kind == "fp8" and m == 1:  # the configured tile without split-K
                         tile = triton_ops.small_batch_matmul_config(m, n, k, fp8=True)
                         timed("before", op, GemvTile(*tile[:5]))
                     timed("configured", op)
@@ -267,7 +345,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON rows")
-    parser.add_argument("--kinds", default="int4,fp8", help="int4, fp8 or both")
+    parser.add_argument("--kinds", default="int4,fp8", help="int4, fp8, int8, bf16 (comma-separated)")
     parser.add_argument("--rows", default="1,4", help="decode batch sizes, e.g. 1,4")
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="seconds after which no new candidate tile starts")
@@ -275,13 +353,17 @@ def main() -> int:
                         help="also time int_matmul's tiles on 4-bit weights at these decode "
                              "batch sizes, e.g. 64,128,256 (with --int-gemm-budget-s)")
     parser.add_argument("--int-gemm-budget-s", type=float, default=200.0)
+    parser.add_argument("--int8-gemm-rows", default="",
+                        help="also time INT8 W8A8 products of these batch sizes: torch._int_mm "
+                             "against int8_matmul's tiles (with --int8-gemm-budget-s)")
+    parser.add_argument("--int8-gemm-budget-s", type=float, default=120.0)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gemv_quant_sweep.py needs a CUDA GPU; on the CPU run `pytest tests/layers`.")
         return 2
     kinds = [kind for kind in args.kinds.split(",") if kind and kind != "none"]
-    if set(kinds) - {"int4", "fp8"}:
-        parser.error(f"--kinds takes int4 and fp8, got {args.kinds!r}")
+    if set(kinds) - {"int4", "fp8", "int8", "bf16"}:
+        parser.error(f"--kinds takes int4, fp8, int8 and bf16, got {args.kinds!r}")
 
     def save(rows: list[dict[str, Any]]) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -294,6 +376,10 @@ def main() -> int:
         done = list(results)
         results += int_gemm_sweep([int(r) for r in args.int_gemm_rows.split(",")],
                                   args.int_gemm_budget_s, lambda rows: save(done + rows))
+    if args.int8_gemm_rows:
+        done = list(results)
+        results += int8_gemm_sweep([int(r) for r in args.int8_gemm_rows.split(",")],
+                                   args.int8_gemm_budget_s, lambda rows: save(done + rows))
     save(results)
     print_table(results)
     return 0

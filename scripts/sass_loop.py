@@ -10,7 +10,7 @@ attention over an FP8 cache.
 
 ``--tile BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma[,SPLIT]`` as
 ``PAGEDLLM_GEMV_TILE`` takes it; ``--int-bits 4|8`` for packed integer weights (groups of
-``--group``), ``--fp8`` for FP8 weights, neither for bf16. Arguments are compiled with the
+``--group``), ``--fp8`` for FP8 weights, ``--int8`` for INT8 W8A8 ones, none for bf16. Arguments are compiled with the
 16-byte alignment a real launch of contiguous tensors gets. Prints the loop's instruction
 count, instructions per weight (per thread: the tile's weights over the threads), and the
 most frequent opcodes, and the shared memory a program takes (which shows how many buffers
@@ -57,11 +57,13 @@ ALIGNED = ("x_ptr", "weight_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm", 
            "perm_ptr", "partial_ptr", "k_per_split")
 
 
-def compile_kernel(tile, int_bits: int, group: int, fp8: bool, pdl: bool = False):
-    """The compiled kernel (``triton.compile``'s result) for sm_90."""
-    weight = "*i32" if int_bits else ("*fp8e4nv" if fp8 else "*bf16")
+def compile_kernel(tile, int_bits: int, group: int, w8a8: str, pdl: bool = False):
+    """The compiled kernel (``triton.compile``'s result) for sm_90; ``w8a8``: "fp8",
+    "int8" or "" (the kernel's ``W8A8``)."""
+    weight = "*i32" if int_bits else {"fp8": "*fp8e4nv", "int8": "*i8", "": "*bf16"}[w8a8]
     signature = dict(
-        x_ptr="*bf16", weight_ptr=weight, bias_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32",
+        x_ptr="*i8" if w8a8 == "int8" else "*bf16",  # int8 rows come quantized
+        weight_ptr=weight, bias_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32",
         K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", norm_weight_ptr="*bf16",
         residual_ptr="*bf16", normed_ptr="*bf16", residual_out_ptr="*bf16", counter_ptr="*i32",
         stride_rm="i32", eps="fp32", weight_scale_ptr="*bf16" if int_bits else "*fp32",
@@ -71,7 +73,8 @@ def compile_kernel(tile, int_bits: int, group: int, fp8: bool, pdl: bool = False
     constants = dict(
         BLOCK_M=16 if tile.use_dot else 1, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         HAS_BIAS=False, EVEN_K=True, USE_DOT=tile.use_dot, SILU_GATED=False, NORM_BLOCK=0,
-        FP8=fp8, STATIC_INPUT=False, AMAX_BLOCK=tile.block_k, ROW_LOOP=not tile.use_dot,
+        W8A8=w8a8, STATIC_INPUT=False, AMAX_BLOCK=tile.block_k,
+        ROW_LOOP=not tile.use_dot,
         INT_BITS=int_bits,
         GROUP=group if int_bits else 0, HAS_PERM=False, SPLIT=tile.split,
         PDL=pdl,
@@ -178,13 +181,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--int-bits", type=int, choices=(0, 4, 8), default=0)
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--int8", action="store_true")
     parser.add_argument("--pdl", action="store_true",
                         help="compile for programmatic dependent launch (pagedllm.layers.pdl)")
     parser.add_argument("--print-loop", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the counts as JSON last")
     args = parser.parse_args(argv)
-    if args.fp8 and args.int_bits:
-        parser.error("--fp8 and --int-bits name two weight formats: give one.")
+    if args.fp8 + args.int8 + bool(args.int_bits) > 1:
+        parser.error("--fp8, --int8 and --int-bits name weight formats: give one.")
     attention = args.decode or args.prefill
     if attention:
         tile = [int(v) for v in attention.split(",")]
@@ -196,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
         unit, per_thread = "KV byte", block_n * 128 * 2 * (1 if args.kv == "fp8" else 2) / (32 * num_warps)
     else:
         tile = _parse_tile(GEMV_TILE_ENV, args.tile, rows=1)
-        compiled = compile_kernel(tile, args.int_bits, args.group, args.fp8, args.pdl)
+        compiled = compile_kernel(tile, args.int_bits, args.group,
+                                  "fp8" if args.fp8 else "int8" if args.int8 else "", args.pdl)
         code = sass(compiled)
         unit, per_thread = "weight", tile.block_n * tile.block_k / (32 * tile.num_warps)
     loop = main_loop(code)

@@ -385,7 +385,7 @@ def small_batch_matmul_kernel(
     USE_DOT: tl.constexpr,
     SILU_GATED: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
-    FP8: tl.constexpr,
+    W8A8: tl.constexpr,
     STATIC_INPUT: tl.constexpr,
     AMAX_BLOCK: tl.constexpr,
     ROW_LOOP: tl.constexpr,
@@ -419,14 +419,18 @@ def small_batch_matmul_kernel(
     by that program) normalises the ``M`` rows of ``out + residual`` as ``rms_norm_kernel``
     does, into ``normed`` and ``residual_out`` (``[M, N]``, contiguous; ``NORM_BLOCK >= N``).
 
-    ``FP8``: FP8 W8A8 (``pagedllm.quantization.fp8``). ``weight`` is float8_e4m3fn with
-    ``weight_scale`` (float32, one per row); each row of ``x`` is quantized here as
-    ``quantize_rows`` does (a first pass over ``K`` finds its largest magnitude), the FP8
-    products accumulate in float32, and the sums are scaled by both scales. One row in
-    float32 lanes with ``EVEN_K`` and no act-order: each lane loads the inputs of its own
-    part of the weight tile (``x`` in the tile's shape, ``BLOCK_N`` copies of the row from
-    L1) and quantizes them itself, so the loop exchanges nothing through shared memory and
-    has no barrier.
+    ``W8A8``: a W8A8 product, ``weight_scale`` holding the weight rows' float32 scales.
+    "fp8" (``pagedllm.quantization.fp8``): ``weight`` is float8_e4m3fn and each row of
+    ``x`` is quantized here as ``quantize_rows`` does (a first pass over ``K`` finds its
+    largest magnitude). "int8" (``pagedllm.quantization.int8``): ``weight`` is int8 and
+    ``x`` comes quantized (int8 rows, their float32 scales at ``input_scale_ptr``; IEEE
+    division a value would cost here more than the product). The products accumulate in
+    float32 (an int8 tensor-core tile's exact int32 sums, then float32) and the sums are
+    scaled by both scales. One row in float32 lanes with ``EVEN_K`` and no act-order: each
+    lane loads the inputs of its own part of the weight tile (``x`` in the tile's shape,
+    ``BLOCK_N`` copies of the row from L1; FP8 quantizes them itself), so the loop
+    exchanges nothing through shared memory and has no barrier. "" (empty): no quantized
+    product.
     ``STATIC_INPUT``: every row of ``x`` is quantized with the one float32 at
     ``input_scale_ptr`` instead (static activation scales). ``AMAX_BLOCK``: the columns
     the largest-magnitude pass reads at once (each of its loads waits for the one before).
@@ -461,9 +465,9 @@ def small_batch_matmul_kernel(
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     # Integer weights, one row: sums per column (int_row_products), else lane-wise sums.
     INT_ROWS: tl.constexpr = INT_BITS > 0 and not USE_DOT
-    # FP8, one row, float32 lanes: x loaded in the weight tile's shape (BLOCK_N copies of
+    # W8A8, one row, float32 lanes: x loaded in the weight tile's shape (BLOCK_N copies of
     # the row).
-    ROW_TILE_X: tl.constexpr = FP8 and not USE_DOT and EVEN_K and not HAS_PERM
+    ROW_TILE_X: tl.constexpr = W8A8 != "" and not USE_DOT and EVEN_K and not HAS_PERM
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     elif INT_ROWS:
@@ -474,9 +478,9 @@ def small_batch_matmul_kernel(
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros_like(acc)
-    if FP8:
+    if W8A8 == "fp8":
         amax = tl.zeros([BLOCK_M], tl.float32)
-    if FP8 and not STATIC_INPUT:
+    if W8A8 == "fp8" and not STATIC_INPUT:
         if ROW_LOOP:
             for r in range(0, M):
                 row_max = tl.zeros([AMAX_BLOCK], tl.float32)
@@ -491,9 +495,11 @@ def small_batch_matmul_kernel(
                 xa = tl.load(x_rows + k[None, :], mask=m_valid[:, None] & (k < K)[None, :],
                              other=0.0)
                 amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), 1))
-    if FP8:
+    if W8A8 == "fp8":
         x_scale = tl.zeros([BLOCK_M], tl.float32) + fp8_row_scale(amax, input_scale_ptr,
                                                                    STATIC_INPUT)
+    elif W8A8 == "int8":
+        x_scale = tl.load(input_scale_ptr + m, mask=m_valid, other=1.0)
     else:
         x_scale = tl.full([BLOCK_M], 1.0, tl.float32)  # unused
     k_start = split * k_per_split
@@ -555,9 +561,13 @@ def small_batch_matmul_kernel(
                 x = tl.load(x_rows + (k[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)))
             else:
                 x = tl.load(x_rows + columns[None, :], mask=x_mask, other=0.0)
-            if FP8:
+            if W8A8 == "fp8":
                 x = tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
-            if USE_DOT:
+            if USE_DOT and W8A8 == "int8":  # exact int32 sums a tile
+                acc += tl.dot(x, tl.trans(w), out_dtype=tl.int32).to(tl.float32)
+                if SILU_GATED:
+                    acc_up += tl.dot(x, tl.trans(w_up), out_dtype=tl.int32).to(tl.float32)
+            elif USE_DOT:
                 acc += tl.dot(x, tl.trans(w))
                 if SILU_GATED:
                     acc_up += tl.dot(x, tl.trans(w_up))
@@ -580,7 +590,7 @@ def small_batch_matmul_kernel(
             out, up, m, n, m_valid, n_valid, M, N, out_ptr, stride_om, bias_ptr,
             weight_scale_ptr, x_scale, norm_weight_ptr, residual_ptr,
             normed_ptr, residual_out_ptr, counter_ptr, stride_rm, eps,
-            HAS_BIAS, SILU_GATED, NORM_BLOCK, FP8)
+            HAS_BIAS, SILU_GATED, NORM_BLOCK, W8A8)
     else:
         # Every program's partial sums, then the column block's last program finishes.
         width = 2 * N if SILU_GATED else N
@@ -604,7 +614,7 @@ def small_batch_matmul_kernel(
                 out, up, m, n, m_valid, n_valid, M, N, out_ptr, stride_om, bias_ptr,
                 weight_scale_ptr, x_scale, norm_weight_ptr, residual_ptr,
                 normed_ptr, residual_out_ptr, counter_ptr, stride_rm, eps,
-                HAS_BIAS, SILU_GATED, NORM_BLOCK, FP8)
+                HAS_BIAS, SILU_GATED, NORM_BLOCK, W8A8)
 
 
 @triton.jit
@@ -615,11 +625,11 @@ def _small_batch_finish(
     HAS_BIAS: tl.constexpr,
     SILU_GATED: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
-    FP8: tl.constexpr,
+    W8A8: tl.constexpr,
 ):
-    """A column block's float32 sums -> its outputs: the FP8 scales, the bias, the SiLU
+    """A column block's float32 sums -> its outputs: the W8A8 scales, the bias, the SiLU
     gate, the store, and (``NORM_BLOCK``) the norm by the last column block to arrive."""
-    if FP8:
+    if W8A8 != "":
         w_scale = tl.load(weight_scale_ptr + tl.minimum(n, N - 1))
         out = out * x_scale[:, None] * w_scale[None, :]
         if SILU_GATED:
@@ -654,12 +664,13 @@ def _small_batch_finish(
 
 @triton.jit
 def fp8_row_scale(amax, input_scale_ptr, STATIC_INPUT: tl.constexpr):
-    """A row's float32 FP8 scale: its largest magnitude ``amax`` / 448 (at least 1e-12),
-    or with ``STATIC_INPUT`` the one float32 at ``input_scale_ptr`` (``amax`` unused)."""
+    """A row's float32 FP8 scale: its largest magnitude ``amax`` / 448 (IEEE division; at
+    least 1e-12), or with ``STATIC_INPUT`` the one float32 at ``input_scale_ptr`` (``amax``
+    unused)."""
     if STATIC_INPUT:
         scale = tl.load(input_scale_ptr)
     else:
-        scale = tl.maximum(amax / 448.0, 1e-12)
+        scale = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0), 1e-12)
     return scale
 
 
@@ -671,33 +682,49 @@ def to_fp8(x, scale):
 
 
 @triton.jit
+def int8_row_scale(amax, input_scale_ptr, STATIC_INPUT: tl.constexpr):
+    """A row's float32 INT8 scale: its largest magnitude ``amax`` over 127.5 (IEEE
+    division; 1 for a row of zeros), or with ``STATIC_INPUT`` the one float32 at
+    ``input_scale_ptr``."""
+    if STATIC_INPUT:
+        scale = tl.load(input_scale_ptr)
+    else:
+        scale = tl.math.div_rn(amax, tl.zeros_like(amax) + 127.5)
+        scale = tl.where(scale > 0, scale, 1.0)
+    return scale
+
+
+@triton.jit
+def to_int8(x, scale):
+    """float32 ``x`` divided by ``scale`` with IEEE rounding, halves rounded to even
+    (adding and removing 1.5 * 2**23, exact below 2**22), clamped to [-128, 127]:
+    ``quantization.int8.quantize_rows_int8``'s values."""
+    q = tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -129.0, 128.0)
+    q = (q + 12582912.0) - 12582912.0
+    return tl.clamp(q, -128.0, 127.0).to(tl.int8)
+
+
+@triton.jit
 def quantize_rows_int8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, K, stride_xm,
                               BLOCK_K: tl.constexpr, STATIC_INPUT: tl.constexpr,
                               PDL: tl.constexpr):
     """Row ``row`` of ``x`` -> int8 ``out[row]`` (contiguous rows of ``K``) and its float32
-    scale ``scale[row]``, as ``quantization.int8.quantize_rows_int8`` computes them: the
-    row's largest magnitude over 127.5 (1 for a row of zeros) or the static scale, IEEE
-    division, halves rounded to even (adding and removing 1.5 * 2**23, exact below 2**22),
-    clamped to [-128, 127]."""
+    scale ``scale[row]``, as ``quantization.int8.quantize_rows_int8`` computes them
+    (``int8_row_scale``, ``to_int8``)."""
     follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
-    if STATIC_INPUT:
-        scale = tl.load(input_scale_ptr)
-    else:
-        amax = tl.zeros([BLOCK_K], tl.float32)
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    if not STATIC_INPUT:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.math.div_rn(tl.max(amax, 0), 127.5)
-        scale = tl.where(scale > 0, scale, 1.0)
+    scale = int8_row_scale(tl.max(amax, 0), input_scale_ptr, STATIC_INPUT)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -129.0, 128.0)
-        q = (q + 12582912.0) - 12582912.0
-        tl.store(out_ptr + row * K + k, tl.clamp(q, -128.0, 127.0).to(tl.int8), mask=k < K)
+        tl.store(out_ptr + row * K + k, to_int8(x, scale), mask=k < K)
     tl.store(scale_ptr + row, scale)
 
 

@@ -396,12 +396,13 @@ def gemv_max_rows() -> int:
 def use_small_batch_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when ``x @ weight.T`` should run as ``small_batch_matmul``: a CUDA half-precision
     ``[M, K]`` input with ``1 <= M <= gemv_max_rows()`` and a row-major weight of its dtype,
-    an FP8 weight on a GPU with FP8 tensor cores, or packed integer weights (int32)."""
+    an FP8 weight on a GPU with FP8 tensor cores, an INT8 W8A8 weight (int8) or packed
+    integer weights (int32)."""
     return (
         x.dim() == 2
         and 1 <= x.shape[0] <= gemv_max_rows()
         and x.dtype in (torch.float16, torch.bfloat16)
-        and (weight.dtype in (x.dtype, torch.int32)
+        and (weight.dtype in (x.dtype, torch.int32, torch.int8)
              or (weight.dtype == torch.float8_e4m3fn and fp8_dot_supported(x.device)))
         and weight.stride(-1) == 1
         and use_fused_ops(x)
@@ -600,10 +601,12 @@ def small_batch_matmul(
     program to finish normalises the rows (the RMSNorm after an attention output or MLP
     down projection, one launch less).
 
-    ``weight_scale``: ``weight`` is FP8 (float8_e4m3fn, one float32 scale per row) and the
-    product is FP8 W8A8, ``x``'s rows quantized per token inside the kernel
-    (``pagedllm.quantization.fp8``); the result is in ``x``'s dtype. ``input_scale`` (one
-    float32, with ``weight_scale``): ``x`` is quantized with that static scale instead.
+    ``weight_scale``: ``weight`` is FP8 (float8_e4m3fn) or int8, with one float32 scale per
+    row, and the product is W8A8, ``x``'s rows quantized per token inside the kernel
+    (``pagedllm.quantization.fp8``; int8 rows by ``quantize_rows_int8`` before the launch,
+    ``pagedllm.quantization.int8``, and the FP8 weights' tiles, the same bytes); the result
+    is in ``x``'s dtype. ``input_scale``
+    (one float32, with ``weight_scale``): ``x`` is quantized with that static scale instead.
 
     ``int_weights``: ``weight`` is the packed int32 ``qweight`` of integer weights (W4A16,
     W8A16), dequantized in the kernel as the loads stream in. Raises ValueError when no
@@ -613,6 +616,7 @@ def small_batch_matmul(
     k = _kernels()
     rows, in_features = x.shape
     out_features = weight.shape[0] // 2 if silu_gated else weight.shape[0]
+    w8a8 = "" if weight_scale is None else "int8" if weight.dtype == torch.int8 else "fp8"
     packed = (in_features * int_weights.bits + 31) // 32 if int_weights else in_features
     if rows > 16 or weight.shape[1] != packed or (silu_gated and weight.shape[0] % 2):
         raise ValueError(f"small_batch_matmul takes [M <= 16, K] @ [N, K].T (N even when "
@@ -620,6 +624,8 @@ def small_batch_matmul(
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+    if w8a8 == "int8" and rows:  # the rows quantized once, their scales per row
+        x, input_scale = quantize_rows_int8(x, input_scale)
     if norm is not None:
         norm_weight, eps, residual = norm
         if silu_gated or residual.shape != out.shape or norm_weight.shape != (out_features,):
@@ -690,8 +696,8 @@ def small_batch_matmul(
         USE_DOT=tile.use_dot,
         SILU_GATED=silu_gated,
         NORM_BLOCK=k.next_power_of_2(out_features) if norm is not None else 0,
-        FP8=weight_scale is not None,
-        STATIC_INPUT=input_scale is not None,
+        W8A8=w8a8,
+        STATIC_INPUT=w8a8 == "fp8" and input_scale is not None,
         AMAX_BLOCK=amax_block,
         ROW_LOOP=row_loop,
         INT_BITS=int_weights.bits if int_weights is not None else 0,

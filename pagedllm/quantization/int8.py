@@ -11,8 +11,9 @@ rounding of the same checkpoint). The product is
     out[m, n] = (sum_k xq[m, k] * wq[n, k]) * x_scale[m] * w_scale[n]  (+ bias[n])
 
 On CUDA the inputs are quantized by one Triton kernel a row (``triton_ops``, the same
-values) and the integer sum runs in int32 on the tensor cores (``torch._int_mm``), exact, then
-scaled in float32 and rounded once to the activation dtype. Elsewhere the reference
+values) and the integer sums run in int32 on the tensor cores, exact, then are scaled in
+float32 and rounded once to the activation dtype: decode batches of a few rows in the
+small-batch kernel (``triton_ops.small_batch_matmul``), the rest in ``layers.int8_matmul``. Elsewhere the reference
 dequantizes both operands to float32 and multiplies there, as a transformers model holding
 the dequantized weights and quantizing each input the same way computes it.
 """
@@ -20,15 +21,13 @@ the dequantized weights and quantizing each input the same way computes it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.layers import triton_ops
+from pagedllm.quantization.fp8 import divide_exactly
 
 INT8_MAX = 127
 # A dynamic row's largest magnitude maps to half the width of [-128, 127].
 _HALF_RANGE = 127.5
-# torch._int_mm's smallest first dimension: fewer rows are padded with zeros.
-_INT_MM_MIN_ROWS = 17
 
 
 def quantize_rows_int8(x: torch.Tensor, input_scale: torch.Tensor | None = None
@@ -38,7 +37,7 @@ def quantize_rows_int8(x: torch.Tensor, input_scale: torch.Tensor | None = None
     value) on every row."""
     x = x.float()
     if input_scale is None:
-        scale = x.abs().amax(dim=-1, keepdim=True) / _HALF_RANGE
+        scale = divide_exactly(x.abs().amax(dim=-1, keepdim=True), _HALF_RANGE)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
@@ -53,17 +52,14 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     ``weight_scale [N, 1]`` (see the module docstring)."""
     rows = x.reshape(-1, x.shape[-1])
     if triton_ops.use_fused_ops(rows):
+        from pagedllm.layers.int8_matmul import int8_matmul  # kernels load on first use
+
         quantized, x_scale = triton_ops.quantize_rows_int8(rows, input_scale)
+        out = int8_matmul(quantized, x_scale, weight, weight_scale, bias, x.dtype)
     else:
         quantized, x_scale = quantize_rows_int8(rows, input_scale)
-    if rows.is_cuda and rows.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0:
-        count = quantized.shape[0]
-        if count < _INT_MM_MIN_ROWS:
-            quantized = F.pad(quantized, (0, 0, 0, _INT_MM_MIN_ROWS - count))
-        sums = torch._int_mm(quantized, weight.t())[:count]
-        out = sums.float() * x_scale * weight_scale.float().reshape(1, -1)
-    else:
         out = (quantized.float() * x_scale) @ (weight.float() * weight_scale.float()).t()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        if bias is not None:
+            out = out + bias.float()
+        out = out.to(x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])

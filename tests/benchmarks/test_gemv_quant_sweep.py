@@ -15,7 +15,7 @@ from tests.benchmarks.gpu_report import load_script  # noqa: E402
 sweep = load_script("gemv_quant_sweep")
 
 
-@pytest.mark.parametrize("kind", ["int4", "fp8"])
+@pytest.mark.parametrize("kind", ["int4", "fp8", "int8", "bf16"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_every_candidate_tiles_the_projection(kind, rows):
     for _, n, k in sweep.GEMV_SHAPES[:4]:

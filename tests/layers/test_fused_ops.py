@@ -313,29 +313,38 @@ def test_silu_gated_small_batch_matmul_is_silu_and_mul_of_the_product(monkeypatc
         triton_ops.small_batch_matmul(x, weight[:89], silu_gated=True)
 
 
+def w8a8_reference(kind: str):
+    """(quantize rows, dequantize rows) of the W8A8 format ``kind``, "fp8" or "int8"."""
+    if kind == "fp8":
+        from pagedllm.quantization.fp8 import dequantize_rows, quantize_rows
+        return quantize_rows, dequantize_rows
+    from pagedllm.quantization.int8 import quantize_rows_int8
+    return quantize_rows_int8, lambda quantized, scale: quantized.float() * scale
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
 @pytest.mark.parametrize("mode, rows", [
     ("dot", 1), ("dot", 3), ("dot", 5), ("fma", 1), ("fma-split", 1)])
-def test_fp8_small_batch_matmul_is_the_w8a8_product(monkeypatch, mode, rows) -> None:
-    """FP8 weights with row scales: each input row quantized in the kernel as
-    ``quantize_rows`` quantizes it, the FP8 products summed in float32 and scaled: the W8A8
+def test_w8a8_small_batch_matmul_is_the_w8a8_product(monkeypatch, kind, mode, rows) -> None:
+    """FP8 or int8 weights with row scales: each input row quantized in the kernel as the
+    format's ``quantize_rows`` quantizes it, the products summed and scaled: the W8A8
     reference's values, plain, with the SiLU gate and with the norm riding on it."""
-    from pagedllm.quantization.fp8 import dequantize_rows, quantize_rows
-
+    quantize, dequantize = w8a8_reference(kind)
     monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, fp8=False: SMALL_BATCH_TILES[mode])
     dtype = DOT_DTYPE if mode == "dot" else torch.bfloat16
     x = _rand(rows, 200, dtype=dtype, seed=31)
-    if INTERPRETED:
+    if INTERPRETED and kind == "fp8":
         # The interpreter's float32 -> e4m3 conversion mis-rounds values that round up into
         # the next power of two (7.93 -> 4.0): give it inputs whose quantization is exact,
         # FP8 values times a power of two, each row's largest at the format's limit.
-        exact, _ = quantize_rows(x.float())
+        exact, _ = quantize(x.float())
         x = (exact.float() * 2.0**-6).to(dtype)
-    wq, scale = quantize_rows(_rand(2 * 45, 200, seed=32))
+    wq, scale = quantize(_rand(2 * 45, 200, seed=32))
     bias = _rand(2 * 45, dtype=dtype, seed=33)
 
     def reference(b):  # the dequantized W8A8 product in float32
-        xq, x_scale = quantize_rows(x)
-        out = dequantize_rows(xq, x_scale) @ dequantize_rows(wq, scale).t()
+        xq, x_scale = quantize(x)
+        out = dequantize(xq, x_scale) @ dequantize(wq, scale).t()
         return out if b is None else out + b.float()
 
     tol = 4e-2 if dtype == torch.bfloat16 else 5e-3
@@ -352,11 +361,11 @@ def test_fp8_small_batch_matmul_is_the_w8a8_product(monkeypatch, mode, rows) -> 
         normed, summed = triton_ops.small_batch_matmul(x, wq, norm=(norm_weight, 1e-6, residual),
                                                        weight_scale=scale)
         assert torch.equal(summed, want_sum) and torch.equal(normed, want_normed)
-    # Static activation scales (an FP8 checkpoint's input_scale): every row quantized with
-    # one scale, a power of two, so the interpreter's conversion is exact too.
+    # Static activation scales (a checkpoint's input_scale): every row quantized with one
+    # scale, a power of two, so the interpreter's FP8 conversion is exact too.
     input_scale = torch.tensor([2.0**-6], device=x.device)
-    xq, x_scale = quantize_rows(x, input_scale)
-    want = dequantize_rows(xq, x_scale) @ dequantize_rows(wq, scale).t() + bias.float()
+    xq, x_scale = quantize(x, input_scale)
+    want = dequantize(xq, x_scale) @ dequantize(wq, scale).t() + bias.float()
     got = triton_ops.small_batch_matmul(x, wq, bias, weight_scale=scale, input_scale=input_scale)
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
@@ -399,6 +408,22 @@ def test_int8_row_quantization_kernel_equals_quantize_rows_int8(static):
         assert (want_q[2].max().item(), want_q[2].min().item()) == (127, -128)
     else:
         assert want_q[1, 7].item() == -128 and want_q[3].abs().max().item() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="int32 tensor-core sums need CUDA")
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_the_cuda_int8_product_is_the_references(rows):
+    """The tensor cores' exact int32 sums, scaled once: the float32 reference's product
+    within a rounding of the output."""
+    from pagedllm.quantization.int8 import int8_linear
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=gen).to(torch.bfloat16)
+    weight = torch.randint(-128, 128, (384, 256), generator=gen, dtype=torch.int8)
+    weight_scale = torch.rand(384, 1, generator=gen) * 1e-2
+    want = int8_linear(x, weight, weight_scale)
+    got = int8_linear(x.cuda(), weight.cuda(), weight_scale.cuda()).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
 def _fp8_exact(x: torch.Tensor) -> torch.Tensor:
