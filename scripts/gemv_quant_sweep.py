@@ -209,11 +209,12 @@ def int8_gemm_sweep(row_counts: list[int], budget_s: float,
                                                        bf16)))
             results.append(measure(dict(kind="int8-gemm", shape=name, rows=m, impl="before"),
                                    lambda w: int_mm_product(x, w[0], w[1]), weights, want, n * k))
-            for tile in [int8_matmul_tile(m)] + INT8_GEMM_TILES:
-                if time.monotonic() > deadline and tile != int8_matmul_tile(m):
+            configured = int8_matmul_tile(m, n, k)
+            for tile in [configured] + [t for t in INT8_GEMM_TILES if t != configured]:
+                if time.monotonic() > deadline and tile != configured:
                     break
                 row = dict(kind="int8-gemm", shape=name, rows=m, tile=list(tile),
-                           impl="configured" if tile == int8_matmul_tile(m) else "tile")
+                           impl="configured" if tile == configured else "tile")
 
                 def op(w, t=tile):
                     rows, scales = triton_ops.quantize_rows_int8(x)

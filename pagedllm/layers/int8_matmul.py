@@ -69,11 +69,17 @@ def _int8_matmul_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
 
 
-def int8_matmul_tile(rows: int) -> Int8Tile:
-    """The tile for ``rows`` rows: 64-row tiles up to 64 rows, else 128."""
-    if rows <= 64:
-        return Int8Tile(64, 128, 128, 4, 4)
-    return Int8Tile(128, 128, 128, 8, 4)
+def int8_matmul_tile(rows: int, n: int, k: int) -> Int8Tile:
+    """The tile for ``[rows, k] x [k, n]``, from ``scripts/gemv_quant_sweep.py
+    --int8-gemm-rows 64,256`` on an H200 (Llama-3.1-8B's projections, docs/benchmarks.md):
+    wide outputs (gate/up) 64 x 128 up to 64 rows, else 128 x 256 (256 rows: 71.3 us, bf16
+    90.3); a long K (down) 64 x 128 x 256 (52.8, bf16 47.4); the rest 128 x 64 (qkv 20.3,
+    bf16 22.1; o_proj 17.2, bf16 16.6)."""
+    if n >= 16384:
+        return Int8Tile(64, 128, 128, 4, 4) if rows <= 64 else Int8Tile(128, 256, 128, 8, 3)
+    if k > 8192:
+        return Int8Tile(64, 128, 256, 4, 3)
+    return Int8Tile(128, 64, 128, 4, 4)
 
 
 def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
@@ -92,7 +98,7 @@ def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
     out = torch.empty((rows, n), dtype=out_dtype, device=a.device)
     if rows == 0:
         return out
-    tile = tile or int8_matmul_tile(rows)
+    tile = tile or int8_matmul_tile(rows, n, k)
     grid = (cdiv(rows, tile.block_m) * cdiv(n, tile.block_n),)
     _int8_matmul_kernel[grid](
         a, a_scale.float().contiguous(), b, b_scale.float().contiguous(),

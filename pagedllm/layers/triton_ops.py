@@ -450,7 +450,7 @@ GEMV_INT_TILE_ENV = "PAGEDLLM_GEMV_INT_TILE"
 
 @functools.cache
 def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False, int_bits: int = 0,
-                              group: int = 0) -> GemvTile | None:
+                              group: int = 0, int8: bool = False) -> GemvTile | None:
     """The tile of ``small_batch_matmul`` for ``rows x k @ k x n``.
 
     From timings on an H200 of Llama-3.1-8B's one-row projections, back to back inside a CUDA
@@ -460,7 +460,8 @@ def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False, int_
     and narrow 128-wide K tiles with many programs above (gate/up 58.1 against 64.9; the
     LM head). ``--gemv-sweep`` gave the same order at 4 and 8 rows. ``fp8``: FP8 weights,
     whose tiles ``_fp8_tile`` holds; ``int_bits``: packed integer weights in groups of
-    ``group`` inputs (``_int_tile``; None when no tile fits the groups).
+    ``group`` inputs (``_int_tile``; None when no tile fits the groups); ``int8``: INT8
+    W8A8 weights (``_int8_tile``).
 
     ``PAGEDLLM_GEMV_TILE="BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma[,SPLIT]"`` overrides
     it for every weight, ``PAGEDLLM_GEMV_FP8_TILE`` for FP8 weights only and
@@ -481,6 +482,8 @@ def small_batch_matmul_config(rows: int, n: int, k: int, fp8: bool = False, int_
             return tile
     if fp8:
         return _fp8_tile(rows, n, k)
+    if int8:
+        return _int8_tile(n, k)
     if int_bits:
         return _int_tile(rows, n, k, group)
     if n <= 4096:
@@ -506,6 +509,24 @@ def _fp8_tile(rows: int, n: int, k: int) -> GemvTile:
     if n > 4096:
         return GemvTile(64, 512, 8, 3, True)
     return GemvTile(128, 256, 8, 3, True, 4 if -(-k // 256) % 4 == 0 else 1)
+
+
+def _int8_tile(n: int, k: int) -> GemvTile:
+    """INT8 W8A8 weights, their rows quantized before the launch: tensor-core tiles (int8
+    products, 0.7-1 instruction a weight) at one row too; K split for the narrow outputs.
+    From ``scripts/gemv_quant_sweep.py --kinds int8`` on an H200 (Llama-3.1-8B's projections,
+    one and four rows, docs/benchmarks.md): gate/up 31.4 us (bf16 60.2), down 22.7 (30.5),
+    qkv 11.2 (14.7), o_proj 8.9 (10.7)."""
+    steps = -(-k // 256)
+    if n >= 16384:
+        return GemvTile(128, 256, 4, 3, True)
+    if k > 8192:
+        split = 4
+    elif n > 4096:
+        split = 2
+    else:
+        return GemvTile(64, 256, 4, 3, True, 4 if steps % 4 == 0 and steps >= 8 else 1)
+    return GemvTile(32, 256, 4, 3, True, split if steps % split == 0 and steps >= 2 * split else 1)
 
 
 def _int_tile(rows: int, n: int, k: int, group: int) -> GemvTile | None:
@@ -643,8 +664,8 @@ def small_batch_matmul(
         raise ValueError(f"weight_scale must hold one float32 scale per weight row "
                          f"({weight.shape[0]}), got {tuple(weight_scale.shape)} {weight_scale.dtype}.")
     if int_weights is None:
-        tile = GemvTile(*small_batch_matmul_config(
-            rows, weight.shape[0], in_features, **({"fp8": True} if weight_scale is not None else {})))
+        kind = {"fp8": {"fp8": True}, "int8": {"int8": True}, "": {}}[w8a8]
+        tile = GemvTile(*small_batch_matmul_config(rows, weight.shape[0], in_features, **kind))
         group = 0
     else:
         group = in_features if int_weights.group_size == -1 else int_weights.group_size

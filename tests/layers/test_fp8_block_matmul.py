@@ -42,7 +42,11 @@ def test_kernel_gives_the_dequantized_product(rows, n, k, block):
     want = dequantize_blocks(xq, x_scale, (1, block[1])) @ weight_values.t() + bias
     got = block_fp8_matmul(xq.to(DEVICE), x_scale.to(DEVICE), weight.to(DEVICE),
                            scale.to(DEVICE), block, bias.to(DEVICE), torch.float32)
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-3)
+    # Hopper's FP8 tensor cores keep about 14 bits of a sum within an instruction chain (the
+    # kernel adds each group's sum to float32 itself): each output within 2**-12 of its
+    # products' magnitudes (2**-13.5 measured on an H200 at 40 rows).
+    magnitude = dequantize_blocks(xq, x_scale, (1, block[1])).abs() @ weight_values.abs().t()
+    assert ((got.cpu() - want).abs() <= 2**-12 * magnitude + 1e-3).all()
 
 
 def test_groups_quantize_each_to_its_own_largest_value():

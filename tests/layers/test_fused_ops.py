@@ -330,7 +330,7 @@ def test_w8a8_small_batch_matmul_is_the_w8a8_product(monkeypatch, kind, mode, ro
     format's ``quantize_rows`` quantizes it, the products summed and scaled: the W8A8
     reference's values, plain, with the SiLU gate and with the norm riding on it."""
     quantize, dequantize = w8a8_reference(kind)
-    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, fp8=False: SMALL_BATCH_TILES[mode])
+    monkeypatch.setattr(triton_ops, "small_batch_matmul_config", lambda m, n, k, **kind: SMALL_BATCH_TILES[mode])
     dtype = DOT_DTYPE if mode == "dot" else torch.bfloat16
     x = _rand(rows, 200, dtype=dtype, seed=31)
     if INTERPRETED and kind == "fp8":
