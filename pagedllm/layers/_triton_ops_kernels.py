@@ -663,6 +663,19 @@ def _small_batch_finish(
 
 
 @triton.jit
+def gemm_output_tile(pid_m, pid_n, M, N, a_ptr, stride_am, b_ptr, stride_bn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Output tile ``(pid_m, pid_n)`` of ``a [M, K] @ b[N, K].T``: its rows ``m`` and columns
+    ``n``, their masks, and the row pointers of ``a`` (``[BLOCK_M, 1]``) and of ``b``
+    (``[1, BLOCK_N]``) to add a K offset to."""
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_rows = a_ptr + m.to(tl.int64)[:, None] * stride_am
+    b_cols = b_ptr + n.to(tl.int64)[None, :] * stride_bn
+    return m, n, m < M, n < N, a_rows, b_cols
+
+
+@triton.jit
 def fp8_row_scale(amax, input_scale_ptr, STATIC_INPUT: tl.constexpr):
     """A row's float32 FP8 scale: its largest magnitude ``amax`` / 448 (IEEE division; at
     least 1e-12), or with ``STATIC_INPUT`` the one float32 at ``input_scale_ptr`` (``amax``

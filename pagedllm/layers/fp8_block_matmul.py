@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers._triton_ops_kernels import fp8_row_scale, to_fp8
+from pagedllm.layers._triton_ops_kernels import fp8_row_scale, gemm_output_tile, to_fp8
 from pagedllm.layers.launch_math import cdiv, next_power_of_2
 from pagedllm.layers.triton_ops import _sm_count, sum_split_partials
 
@@ -87,13 +87,9 @@ def _block_fp8_matmul_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_valid = m < M
-    n_valid = n < N
+    m, n, m_valid, n_valid, a_rows, b_cols = gemm_output_tile(
+        pid_m, pid_n, M, N, a_ptr, stride_am, b_ptr, stride_bn, BLOCK_M, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + m.to(tl.int64)[:, None] * stride_am
-    b_cols = b_ptr + n.to(tl.int64)[None, :] * stride_bn
     a_scales = a_scale_ptr + m.to(tl.int64) * stride_asm
     b_scales = b_scale_ptr + (n // GROUP_N).to(tl.int64) * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers._triton_ops_kernels import gemm_output_tile
 from pagedllm.layers.launch_math import cdiv
 
 
@@ -46,13 +47,9 @@ def _int8_matmul_kernel(
     pid = tl.program_id(0)
     pid_m = pid % row_tiles
     pid_n = pid // row_tiles
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_valid = m < M
-    n_valid = n < N
+    m, n, m_valid, n_valid, a_rows, b_cols = gemm_output_tile(
+        pid_m, pid_n, M, N, a_ptr, stride_am, b_ptr, stride_bn, BLOCK_M, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + m.to(tl.int64)[:, None] * stride_am
-    b_cols = b_ptr + n.to(tl.int64)[None, :] * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + k
