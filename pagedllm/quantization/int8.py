@@ -13,9 +13,10 @@ rounding of the same checkpoint). The product is
 On CUDA the inputs are quantized by one Triton kernel a row (``triton_ops``, the same
 values) and the integer sums run in int32 on the tensor cores, exact, then are scaled in
 float32 and rounded once to the activation dtype: decode batches of a few rows in the
-small-batch kernel (``triton_ops.small_batch_matmul``), the rest in ``layers.int8_matmul``. Elsewhere the reference
-dequantizes both operands to float32 and multiplies there, as a transformers model holding
-the dequantized weights and quantizing each input the same way computes it.
+small-batch kernel (``triton_ops.small_batch_matmul``), the rest in
+``layers.int8_matmul``. Elsewhere the reference dequantizes both operands to float32 and
+multiplies there, as a transformers model holding the dequantized weights and quantizing
+each input the same way computes it.
 """
 
 from __future__ import annotations
