@@ -346,7 +346,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON rows")
-    parser.add_argument("--kinds", default="int4,fp8", help="int4, fp8, int8, bf16 (comma-separated)")
+    parser.add_argument("--kinds", default="int4,fp8",
+                        help="int4, fp8, int8, bf16 (comma-separated)")
     parser.add_argument("--rows", default="1,4", help="decode batch sizes, e.g. 1,4")
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="seconds after which no new candidate tile starts")

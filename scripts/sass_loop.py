@@ -10,12 +10,12 @@ attention over an FP8 cache.
 
 ``--tile BLOCK_N,BLOCK_K,num_warps,num_stages,dot|fma[,SPLIT]`` as
 ``PAGEDLLM_GEMV_TILE`` takes it; ``--int-bits 4|8`` for packed integer weights (groups of
-``--group``), ``--fp8`` for FP8 weights, ``--int8`` for INT8 W8A8 ones, none for bf16. Arguments are compiled with the
-16-byte alignment a real launch of contiguous tensors gets. Prints the loop's instruction
-count, instructions per weight (per thread: the tile's weights over the threads), and the
-most frequent opcodes, and the shared memory a program takes (which shows how many buffers
-the pipeliner gave its loads); ``--print-loop`` the loop itself, ``--json`` the counts as
-JSON.
+``--group``), ``--fp8`` for FP8 weights, ``--int8`` for INT8 W8A8 ones (their rows come
+quantized), none for bf16. Arguments are compiled with the 16-byte alignment a real launch
+of contiguous tensors gets. Prints the loop's instruction count, instructions per weight
+(per thread: the tile's weights over the threads), and the most frequent opcodes, and the
+shared memory a program takes (which shows how many buffers the pipeliner gave its loads);
+``--print-loop`` the loop itself, ``--json`` the counts as JSON.
 ``--pdl`` compiles the kernel as programmatic dependent launch runs it
 (``pagedllm.layers.pdl``) and also reports the global-memory instructions placed before its
 wait for the previous kernel (``memory_before_wait``, 0 by that module's contract).
