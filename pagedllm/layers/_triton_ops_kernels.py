@@ -63,7 +63,7 @@ def rms_norm_kernel(
     PDL: tl.constexpr,
 ):
     """One row per program. With ``FP8_OUT`` the normalised row (rounded to the input
-    dtype, as without) is quantized as ``quantize_rows_fp8_kernel`` quantizes it: FP8
+    dtype, as without) is quantized as ``quantize_rows_kernel`` quantizes it: FP8
     into ``out`` and the row's float32 scale into ``scale``."""
     follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -183,7 +183,7 @@ def silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, stride_x
                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
                             STATIC_INPUT: tl.constexpr, PDL: tl.constexpr):
     """One row per program: ``silu_and_mul_kernel``'s values, quantized as
-    ``quantize_rows_fp8_kernel`` quantizes them, into FP8 ``out`` (contiguous rows of
+    ``quantize_rows_kernel`` quantizes them, into FP8 ``out`` (contiguous rows of
     ``d``) and the row's float32 scale into ``scale``. ``ONE_PASS`` (``d <= BLOCK``): the
     row is read once and kept in registers; wider rows take two passes, the second
     computing each part again (its inputs from cache)."""
@@ -718,12 +718,13 @@ def to_int8(x, scale):
 
 
 @triton.jit
-def quantize_rows_int8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, K, stride_xm,
-                              BLOCK_K: tl.constexpr, STATIC_INPUT: tl.constexpr,
-                              PDL: tl.constexpr):
-    """Row ``row`` of ``x`` -> int8 ``out[row]`` (contiguous rows of ``K``) and its float32
-    scale ``scale[row]``, as ``quantization.int8.quantize_rows_int8`` computes them
-    (``int8_row_scale``, ``to_int8``)."""
+def quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, K, stride_xm,
+                         BLOCK_K: tl.constexpr, STATIC_INPUT: tl.constexpr,
+                         W8A8: tl.constexpr, PDL: tl.constexpr):
+    """Row ``row`` of ``x`` -> ``out[row]`` (contiguous rows of ``K``) and its float32 scale
+    ``scale[row]``: ``W8A8`` "fp8", float8_e4m3fn as ``quantization.fp8.quantize_rows``
+    computes it (``fp8_row_scale``, ``to_fp8``), or "int8", int8 as
+    ``quantization.int8.quantize_rows_int8`` does (``int8_row_scale``, ``to_int8``)."""
     follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
@@ -733,33 +734,16 @@ def quantize_rows_int8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, K, str
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-    scale = int8_row_scale(tl.max(amax, 0), input_scale_ptr, STATIC_INPUT)
+    if W8A8 == "int8":
+        scale = int8_row_scale(tl.max(amax, 0), input_scale_ptr, STATIC_INPUT)
+    else:
+        scale = fp8_row_scale(tl.max(amax, 0), input_scale_ptr, STATIC_INPUT)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * K + k, to_int8(x, scale), mask=k < K)
-    tl.store(scale_ptr + row, scale)
-
-
-@triton.jit
-def quantize_rows_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, K, stride_xm,
-                             BLOCK_K: tl.constexpr, STATIC_INPUT: tl.constexpr,
-                             PDL: tl.constexpr):
-    """Row ``row`` of ``x`` -> float8_e4m3fn ``out[row]`` (contiguous rows of ``K``) and its
-    float32 scale ``scale[row]``, as ``quantize_rows`` computes them (``fp8_row_scale``,
-    ``to_fp8``)."""
-    follow_previous_kernel(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_xm
-    amax = tl.zeros([BLOCK_K], tl.float32)
-    if not STATIC_INPUT:
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-    scale = fp8_row_scale(tl.max(amax, 0), input_scale_ptr, STATIC_INPUT)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * K + k, to_fp8(x, scale), mask=k < K)
+        if W8A8 == "int8":
+            quantized = to_int8(x, scale)
+        else:
+            quantized = to_fp8(x, scale)
+        tl.store(out_ptr + row * K + k, quantized, mask=k < K)
     tl.store(scale_ptr + row, scale)

@@ -79,30 +79,31 @@ def quantize_rows_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``pagedllm.quantization.fp8.quantize_rows`` in one pass per row: ``x [M, K]`` ->
     (float8_e4m3fn ``[M, K]``, float32 scales ``[M, 1]``), the same values (IEEE division)."""
-    return _quantize_rows(x, input_scale, torch.float8_e4m3fn, "quantize_rows_fp8_kernel")
+    return _quantize_rows(x, input_scale, "fp8")
 
 
 def quantize_rows_int8(x: torch.Tensor, input_scale: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``pagedllm.quantization.int8.quantize_rows_int8`` in one pass per row: ``x [M, K]``
     -> (int8 ``[M, K]``, float32 scales ``[M, 1]``), the same values."""
-    return _quantize_rows(x, input_scale, torch.int8, "quantize_rows_int8_kernel")
+    return _quantize_rows(x, input_scale, "int8")
 
 
-def _quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None, dtype: torch.dtype,
-                   kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None, w8a8: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
+    dtype = torch.int8 if w8a8 == "int8" else torch.float8_e4m3fn
     out = torch.empty((rows, cols), dtype=dtype, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         k = _kernels()
         # A whole row per load (up to 16k columns): the second pass re-reads it from cache.
         block = min(16384, k.next_power_of_2(cols))
-        getattr(k, kernel)[(rows,)](
+        k.quantize_rows_kernel[(rows,)](
             x, out, scale, input_scale if input_scale is not None else scale, cols,
-            x.stride(0), BLOCK_K=block, STATIC_INPUT=input_scale is not None,
+            x.stride(0), BLOCK_K=block, STATIC_INPUT=input_scale is not None, W8A8=w8a8,
             num_warps=_norm_warps(block), **launch_options(x.device),
         )
     return out, scale

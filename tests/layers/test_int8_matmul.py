@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.layers.int8_matmul import Int8Tile, int8_matmul, int8_matmul_tile
+from pagedllm.layers.int8_matmul import Int8Tile, int8_matmul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -43,7 +43,3 @@ def test_int8_matmul_refuses_scales_that_are_not_one_a_row():
         int8_matmul(a, torch.ones(1, device=DEVICE), b, torch.ones(8, device=DEVICE), None,
                     torch.float32)
 
-
-def test_wide_outputs_of_a_small_batch_take_row_tiles_that_hold_it():
-    assert int8_matmul_tile(8, 28672, 4096).block_m == 64
-    assert int8_matmul_tile(256, 28672, 4096).block_m == 128
