@@ -54,7 +54,9 @@
 #            W8A8 weights (compressed-tensors int-quantized, per-token int8 inputs, given to
 #            the dummy weights by --hf-overrides) into int8-w8a8-*.json, and
 #            gemv_quant_sweep.py --kinds int8 --int8-gemm-rows 64,256 (INT8's small-batch
-#            and int8_matmul tiles beside torch._int_mm and bf16)
+#            and int8_matmul tiles beside torch._int_mm and bf16); then W1 and L1 with
+#            bitsandbytes NF4 (--quantization bitsandbytes: quantized at load, the codebook
+#            path of the integer kernels) into bnb-nf4-*.json
 #   spec     scripts/spec_decode_costs.py: verification and draft costs of llama-3.1-8b with
 #            llama-3.2-1b (K = 4) against a decode step, at batch 1, 8, 32 and 128
 #   moe      L1, P1 and W1 on $MOE (mixtral-8x7b, dummy bf16) and W1 on $MOE_SMALL
@@ -222,6 +224,10 @@ if [ "$DRY" != "1" ]; then
     step w4a16 "$LIMIT_SWEEP" $PY scripts/gemv_quant_sweep.py --kinds int8 --rows 1,4 \
         --budget-s 80 --int8-gemm-rows 64,256 --int8-gemm-budget-s 60 --out "$OUT/gemv-int8.json"
 fi
+step w4a16 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
+    "${W1_ARGS[@]}" --quantization bitsandbytes --output-json "$OUT/bnb-nf4-w1-$BIG.json"
+step w4a16 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
+    "${LAT_ARGS[@]}" --quantization bitsandbytes --output-json "$OUT/bnb-nf4-latency-$BIG.json"
 
 if [ "$DRY" != "1" ]; then
     step spec "$LIMIT_SWEEP" $PY scripts/spec_decode_costs.py --model "$BIG" --draft llama-3.2-1b \

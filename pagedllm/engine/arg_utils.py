@@ -276,8 +276,10 @@ class EngineArgs:
         group.add_argument("--quantization", "-q", default=None,
                            help="fp8: the decoder's projections in FP8 with per-channel weight "
                                 "and per-token activation scales, computed at load from the "
-                                "checkpoint's weights. compressed-tensors, gptq, awq, "
-                                "auto-round, modelopt: the method of a quantized checkpoint "
+                                "checkpoint's weights. bitsandbytes: 4-bit NF4 in blocks of "
+                                "64, quantized at load as bitsandbytes does. "
+                                "compressed-tensors, gptq, awq, auto-round, modelopt, "
+                                "bitsandbytes: the method of a quantized checkpoint "
                                 "(read from its config.json without the flag too; with "
                                 "--load-format dummy, gptq and awq give random 4-bit "
                                 "weights; gptq_marlin, gptq_bitblas and awq_marlin name the "

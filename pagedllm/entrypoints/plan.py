@@ -99,9 +99,11 @@ class Profile:
 
 
 # A candidate's quantization -> how ``weight_bytes`` counts its projections: FP8, or 4-bit
-# integer weights in groups of 128 (the usual GPTQ and AWQ exports).
+# integer weights in groups of 128 (the usual GPTQ and AWQ exports) or of 64 (bitsandbytes,
+# counted as integer weights: its float32 scales without zero points come within a byte per
+# 64 weights of that).
 WEIGHT_STORAGE = {None: (None, -1), "fp8": ("fp8", -1), "gptq": ("int4", 128),
-                  "awq": ("int4", 128)}
+                  "awq": ("int4", 128), "bitsandbytes": ("int4", 64)}
 
 
 @dataclass
@@ -387,8 +389,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                       help="Memory of one GPU, as torch reports it (H200: 139.8, H100: 79.2).")
     cand.add_argument("--tp", type=int, default=1, help="GPUs per replica (tensor parallel).")
     cand.add_argument("--dtype", default=None, help="The model's dtype unless given.")
-    cand.add_argument("--quantization", default=None, choices=["fp8", "gptq", "awq"],
-                      help="fp8 projections, or 4-bit ones (gptq, awq: groups of 128).")
+    cand.add_argument("--quantization", default=None,
+                      choices=[q for q in WEIGHT_STORAGE if q is not None],
+                      help="fp8 projections, or 4-bit ones (gptq, awq: groups of 128; "
+                           "bitsandbytes: blocks of 64).")
     cand.add_argument("--kv-cache-dtype", default="auto",
                       help="fp8: the KV cache in one byte an element (auto: the model's dtype).")
     cand.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -75,10 +75,13 @@ def paired_weight_tile(q, scale, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.conste
 @triton.jit
 def int_weight_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0,
                     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, ROUND: tl.constexpr, dtype: tl.constexpr):
+                    BLOCK_K: tl.constexpr, ROUND: tl.constexpr, dtype: tl.constexpr,
+                    codebook_ptr=None):
     """The ``[BLOCK_N, BLOCK_K]`` weights ``(q - zero) * scale`` of inputs ``k0`` onwards
     (one group: ``BLOCK_K`` divides ``GROUP``) from the packed rows at ``q_rows``: float32,
-    or rounded once to ``dtype`` with ``ROUND``. Each packed word is loaded once, then
+    or rounded once to ``dtype`` with ``ROUND``. With ``codebook_ptr`` (the 16 float32
+    values of a 4-bit codebook; ``zeros_ptr`` is not read) each weight is
+    ``codebook[q] * scale``, the float32 product rounded once. Each packed word is loaded once, then
     repeated in registers once per value it holds (``tl.interleave``, which keeps the
     copies in the thread that loaded it: no exchange between threads; twice as fast on an
     H200 as unpacking into a third dimension and reshaping), and each copy shifted to its
@@ -94,12 +97,13 @@ def int_weight_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0,
     q = tl.load(q_rows + word[None, :])
     group = k0 // GROUP
     scale = tl.load(scales_ptr + n_rows * stride_sn + group)
-    zero = tl.load(zeros_ptr + n_rows * stride_sn + group)
-    PAIRED: tl.constexpr = (PAIRED_HALVES and ROUND and BITS == 4 and BLOCK_K >= 32
-                            and (dtype == tl.bfloat16 or dtype == tl.float16)
-                            and scales_ptr.dtype.element_ty == dtype)
-    if PAIRED:
-        return paired_weight_tile(q, scale, zero, BLOCK_N, BLOCK_K, dtype)
+    if codebook_ptr is None:
+        zero = tl.load(zeros_ptr + n_rows * stride_sn + group)
+        PAIRED: tl.constexpr = (PAIRED_HALVES and ROUND and BITS == 4 and BLOCK_K >= 32
+                                and (dtype == tl.bfloat16 or dtype == tl.float16)
+                                and scales_ptr.dtype.element_ty == dtype)
+        if PAIRED:
+            return paired_weight_tile(q, scale, zero, BLOCK_N, BLOCK_K, dtype)
     if BLOCK_K >= 32:
         for _ in tl.static_range(DOUBLINGS):
             q = tl.interleave(q, q)
@@ -108,10 +112,14 @@ def int_weight_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0,
     else:
         shifts = slot_shift(tl.arange(0, PER_WORD), BITS)
         q = tl.reshape((q[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_N, BLOCK_K])
-    # The bits of 2^23 + q as a float32: exact, and cheaper than an int-to-float conversion.
-    centred = ((q | 0x4B000000).to(tl.float32, bitcast=True)
-               - (zero.to(tl.float32) + 8388608.0)[:, None])
-    w = centred * scale.to(tl.float32)[:, None]
+    if codebook_ptr is None:
+        # The bits of 2^23 + q as a float32: exact, and cheaper than an int-to-float
+        # conversion.
+        numbers = ((q | 0x4B000000).to(tl.float32, bitcast=True)
+                   - (zero.to(tl.float32) + 8388608.0)[:, None])
+    else:
+        numbers = tl.load(codebook_ptr + q)
+    w = numbers * scale.to(tl.float32)[:, None]
     if ROUND:
         w = w.to(dtype)
     return w
@@ -167,7 +175,7 @@ def int_row_products(q, scale, zero, x, one_bits, BITS: tl.constexpr, BLOCK_K: t
 
 @triton.jit
 def int_matmul_kernel(
-    x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, out_ptr,
+    x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, codebook_ptr, out_ptr,
     M, N, k_per_split, stride_xm, stride_qn, stride_sn, stride_om, stride_os,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -180,7 +188,8 @@ def int_matmul_kernel(
     USE_DOT: tl.constexpr,
 ):
     """``out[m, n] = sum_k x[m, perm[k]] * (q[n, k] - zeros[n, k // GROUP]) *
-    scales[n, k // GROUP] (+ bias[n])`` over this program's slice of ``k``.
+    scales[n, k // GROUP] (+ bias[n])`` over this program's slice of ``k``
+    (``codebook[q[n, k]]`` for ``q - zero`` with a ``codebook_ptr``, None otherwise).
 
     ``USE_DOT``: tensor-core tiles of ``BLOCK_M`` (>= 16) rows; else ``BLOCK_M == 1`` and
     the products accumulate lane-wise in float32, summed once at the end. The caller
@@ -213,7 +222,7 @@ def int_matmul_kernel(
             columns = k
         x = tl.load(x_rows + columns[None, :])
         w = int_weight_tile(q_rows, scales_ptr, zeros_ptr, n_rows, stride_sn, k0, BITS, GROUP,
-                            BLOCK_N, BLOCK_K, True, x.dtype)
+                            BLOCK_N, BLOCK_K, True, x.dtype, codebook_ptr)
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w))
         else:
@@ -233,7 +242,8 @@ def int_matmul_kernel(
 
 @triton.jit
 def int_dequantize_kernel(
-    qweight_ptr, scales_ptr, zeros_ptr, out_ptr, N, stride_qn, stride_sn, stride_on,
+    qweight_ptr, scales_ptr, zeros_ptr, codebook_ptr, out_ptr, N, stride_qn, stride_sn,
+    stride_on,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -241,14 +251,15 @@ def int_dequantize_kernel(
 ):
     """``out[n, k] = (q[n, k] - zeros[n, k // GROUP]) * scales[n, k // GROUP]`` for one
     ``BLOCK_N x BLOCK_K`` tile, in float32 rounded once to ``out``'s dtype (the kernel
-    above's and the torch reference's rounding). ``BLOCK_K`` divides ``GROUP``."""
+    above's and the torch reference's rounding; ``codebook[q]`` for ``q - zero`` with a
+    ``codebook_ptr``). ``BLOCK_K`` divides ``GROUP``."""
     pid_n = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_rows = tl.minimum(n, N - 1).to(tl.int64)
     w = int_weight_tile(qweight_ptr + n_rows[:, None] * stride_qn, scales_ptr, zeros_ptr, n_rows,
                         stride_sn, k0, BITS, GROUP, BLOCK_N, BLOCK_K, True,
-                        out_ptr.dtype.element_ty)
+                        out_ptr.dtype.element_ty, codebook_ptr)
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + n_rows[:, None] * stride_on + k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=(n < N)[:, None])

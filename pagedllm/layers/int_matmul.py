@@ -19,6 +19,11 @@ not tile). By the step's rows:
 * more rows (the larger decode batches, prompts; ``dequantizes``): ``int_dequantize``
   writes the weight in the activation dtype once, and BLAS multiplies.
 
+Codebook weights (bitsandbytes' NF4 and FP4: ``codebook[q] * scale``, no zero points) take
+the same kernels, with the codebook's 16 values read in place of ``q - zero``, except the
+small-batch product (its lane-wise sums need ``q - zero``): their small batches take
+``int_matmul``'s split-K tiles.
+
 Act-order weights carry ``perm``: the kernel reads input column ``perm[k]`` for stored
 column ``k`` (the activation is gathered in the kernel; the weight never is).
 ``PAGEDLLM_INT_TILE="BLOCK_M,BLOCK_N,BLOCK_K,SPLIT,num_warps,num_stages"`` overrides the
@@ -130,12 +135,13 @@ def _parse_tile(value: str) -> IntTile:
 
 
 def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-               zeros: torch.Tensor, tile: IntTile, *, bits: int, group_size: int,
-               bias: torch.Tensor | None = None,
-               perm: torch.Tensor | None = None) -> torch.Tensor:
+               zeros: torch.Tensor | None, tile: IntTile, *, bits: int, group_size: int,
+               bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
+               codebook: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias) -> [M, N]`` in ``x``'s dtype with ``W`` in the stored
-    layout (``qweight [N, K / (32 / bits)]``, ``scales``, ``zeros [N, groups]``), on the
-    kernel with ``tile`` (from ``int_matmul_config``; it must tile the shape)."""
+    layout (``qweight [N, K / (32 / bits)]``, ``scales``, ``zeros [N, groups]``, or a
+    ``codebook`` and no zeros), on the kernel with ``tile`` (from ``int_matmul_config``; it
+    must tile the shape)."""
     from pagedllm.layers import _int_matmul_kernels as kernels
 
     rows, in_features = x.shape
@@ -148,6 +154,7 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"tile {tile}: the lane-wise tile (block_m 1) serves one row.")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    zeros = _zeros_or_scales(scales, zeros, codebook)
     if scales.stride() != zeros.stride() or scales.stride(-1) != 1 or qweight.stride(-1) != 1:
         raise ValueError("scales and zeros must be contiguous [N, groups] tensors of one "
                          "shape, qweight row-major.")
@@ -161,7 +168,7 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             tile.split)
     kernels.int_matmul_kernel[grid](
         x, qweight, scales, zeros, perm if perm is not None else qweight,
-        bias if bias is not None else scales, target,
+        bias if bias is not None else scales, codebook, target,
         rows, out_features, in_features // tile.split,
         x.stride(0), qweight.stride(0), scales.stride(0), target.stride(-2),
         target.stride(0) if partial else 0,
@@ -175,9 +182,18 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return sum_split_partials(target, bias, x.dtype)
 
 
-def int_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *,
+def _zeros_or_scales(scales: torch.Tensor, zeros: torch.Tensor | None,
+                     codebook: torch.Tensor | None) -> torch.Tensor:
+    """The zero points a kernel is given: ``scales`` in their place for a codebook (the
+    kernels read none then)."""
+    if (zeros is None) != (codebook is not None):
+        raise ValueError("integer weights take zero points or a codebook, one of the two.")
+    return scales if zeros is None else zeros
+
+
+def int_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, *,
                    bits: int, group_size: int, in_features: int,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, codebook: torch.Tensor | None = None) -> torch.Tensor:
     """The ``[N, in_features]`` weights in ``dtype``, in the stored column order, from one
     kernel; ``in_features`` and the group size must be multiples of 16."""
     from pagedllm.layers import _int_matmul_kernels as kernels
@@ -188,16 +204,17 @@ def int_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     block_n = 64
     grid = (kernels.cdiv(qweight.shape[0], block_n), in_features // block_k)
     kernels.int_dequantize_kernel[grid](
-        qweight, scales, zeros, out, qweight.shape[0], qweight.stride(0), scales.stride(0),
+        qweight, scales, _zeros_or_scales(scales, zeros, codebook), codebook, out,
+        qweight.shape[0], qweight.stride(0), scales.stride(0),
         out.stride(0), BITS=bits, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
     return out
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-               zeros: torch.Tensor, *, bits: int, group_size: int, in_features: int,
-               bias: torch.Tensor | None = None,
-               perm: torch.Tensor | None = None) -> torch.Tensor:
+               zeros: torch.Tensor | None, *, bits: int, group_size: int, in_features: int,
+               bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
+               codebook: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x [..., in_features]``: the kernel for CUDA half-precision
     inputs whose shape tiles, the torch reference otherwise."""
     shape = x.shape
@@ -211,13 +228,14 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         if tile is not None and dequantizes(rows, qweight.shape[0]):
             # The weight dequantized once, then the BLAS product.
             weight = int_dequantize(qweight, scales, zeros, bits=bits, group_size=group_size,
-                                    in_features=in_features, dtype=x.dtype)
+                                    in_features=in_features, dtype=x.dtype, codebook=codebook)
             x_in = x2 if perm is None else x2[:, perm.long()]
             out = torch.nn.functional.linear(x_in, weight, bias)
             return out.reshape(*shape[:-1], out.shape[-1])
         if tile is not None:
             out = int_matmul(x2, qweight, scales, zeros, tile, bits=bits,
-                             group_size=group_size, bias=bias, perm=perm)
+                             group_size=group_size, bias=bias, perm=perm, codebook=codebook)
             return out.reshape(*shape[:-1], out.shape[-1])
     return int_linear_reference(x, qweight, scales, zeros, bits=bits, group_size=group_size,
-                                in_features=in_features, bias=bias, perm=perm)
+                                in_features=in_features, bias=bias, perm=perm,
+                                codebook=codebook)

@@ -34,6 +34,7 @@ and an LM head made with ``parallel="vocab"`` split the vocabulary rows
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,7 @@ from pagedllm.layers.triton_ops import (
     use_fused_ops,
     use_small_batch_matmul,
 )
-from pagedllm.quantization import int_weights
+from pagedllm.quantization import bitsandbytes, int_weights
 from pagedllm.quantization.checkpoint import IntWeightScheme
 from pagedllm.quantization.fp8 import (
     FP8_DTYPE,
@@ -90,6 +91,8 @@ def small_batch_product(proj: Linear, x: torch.Tensor | Fp8Rows, bias: torch.Ten
     if isinstance(x, Fp8Rows) or proj.fp8_block is not None:
         return None
     scheme = proj.int_scheme
+    if scheme is not None and scheme.codebook is not None:
+        return None  # the lane-wise sums need (q - zero) * scale; int_linear takes codebooks
     if scheme is None:
         if not use_small_batch_matmul(x, proj.weight):
             return None
@@ -159,6 +162,7 @@ class Linear(nn.Module):
         # Block-wise FP8 weights: the (rows, columns) one weight scale covers.
         self.fp8_block: tuple[int, int] | None = None
         self.register_buffer("act_perm", None)
+        self.register_buffer("codebook", None)  # a codebook scheme's 16 values (float32)
         # Parameters the checkpoint need not hold (filled when made); act-order g_idx per
         # shard, until finish_int_load.
         self._preset: frozenset[str] = frozenset()
@@ -190,7 +194,8 @@ class Linear(nn.Module):
         elif out is None and self.int_scheme is not None:
             out = int_linear(x, self.qweight, self.scales, self.zeros,
                              bits=self.int_scheme.bits, group_size=self.int_scheme.group_size,
-                             in_features=self.input_size, bias=bias, perm=self.act_perm)
+                             in_features=self.input_size, bias=bias, perm=self.act_perm,
+                             codebook=self.codebook)
         elif out is None:
             out = linear(x, self.weight, bias, self.weight_scale, self.input_scale)
         if self.reduces:
@@ -201,21 +206,44 @@ class Linear(nn.Module):
 
     def make_int(self, scheme: IntWeightScheme) -> None:
         """Replace the weight by the parameters an integer-weight checkpoint of ``scheme``
-        fills (``int_weights``' stored layout); scales take the default dtype (the model's).
-        Zero points start at ``2**(bits - 1)``, all a symmetric compressed-tensors
+        fills (``int_weights``' stored layout); scales take the default dtype (the model's),
+        float32 for a codebook scheme, which has no zero points and holds its codebook's
+        values. Zero points start at ``2**(bits - 1)``, all a symmetric compressed-tensors
         checkpoint implies (it stores none)."""
         device = self.weight.device
+        if scheme.codebook is not None:  # bitsandbytes' blocks may span rows
+            scheme = replace(scheme, group_size=bitsandbytes.stored_group(
+                self._checkpoint_sizes[1]))
         words = -(-self.input_size // int_weights.values_per_word(scheme.bits))
         groups = int_weights.num_groups(self.input_size, scheme.group_size)
         self.register_parameter("weight", None)
         self.qweight = _frozen(torch.empty(self.output_size, words, dtype=torch.int32,
                                            device=device))
+        self.int_scheme = scheme
+        if scheme.codebook is not None:
+            self.scales = _frozen(torch.empty(self.output_size, groups, dtype=torch.float32,
+                                              device=device))
+            self.register_parameter("zeros", None)
+            self.codebook = bitsandbytes.code_values(scheme.codebook).to(device)
+            return
         self.scales = _frozen(torch.empty(self.output_size, groups, device=device))
         self.zeros = _frozen(torch.full((self.output_size, groups), 1 << (scheme.bits - 1),
                                         dtype=torch.uint8, device=device))
-        self.int_scheme = scheme
         if scheme.symmetric and scheme.layout == "compressed-tensors":
             self._preset = frozenset({"zeros"})
+
+    def quantize_int(self, scheme: IntWeightScheme) -> None:
+        """Replace the loaded weight by its 4-bit codes in ``scheme``'s codebook
+        (``bitsandbytes.quantize``: bitsandbytes' own quantization), once."""
+        if self.int_scheme is not None:
+            return
+        codes, absmax = bitsandbytes.quantize(self.weight.data, scheme.codebook)
+        self.make_int(scheme)
+        if absmax.shape != self.scales.shape:  # a row-parallel part of a row of odd length
+            raise ValueError(f"this tensor-parallel rank's {self.input_size} inputs a row cut "
+                             "bitsandbytes' blocks of 64: pick another --tensor-parallel-size.")
+        self.qweight.data.copy_(int_weights.pack_rows(codes, scheme.bits))
+        self.scales.data.copy_(absmax)
 
     def finish_int_load(self) -> None:
         """After loading: sort the input columns of an act-order checkpoint by group
@@ -423,7 +451,8 @@ class Linear(nn.Module):
         if self.int_scheme is not None:
             scheme = self.int_scheme
             order = ", act-order" if self.act_perm is not None else ""
-            return f", int{scheme.bits} groups of {scheme.group_size}{order}"
+            values = scheme.codebook or f"int{scheme.bits}"
+            return f", {values} groups of {scheme.group_size}{order}"
         if self.fp8_block is not None:
             return f", fp8 blocks of {self.fp8_block[0]}x{self.fp8_block[1]}"
         if self.weight_scale is not None:

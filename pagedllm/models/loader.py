@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -37,8 +38,9 @@ from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import Embedding, FusedLinear, Linear
 from pagedllm.models.registry import get_model_class
-from pagedllm.quantization import int_weights
+from pagedllm.quantization import bitsandbytes, int_weights
 from pagedllm.quantization.apply import quantize_model
+from pagedllm.quantization.checkpoint import for_projections
 from pagedllm.quantization.fp8 import FP8_DTYPE, FP8_MAX
 from pagedllm.quantization.int8 import INT8_MAX
 
@@ -82,17 +84,26 @@ def load_model(
     """The checkpoint's model on ``device`` in ``dtype``, weights loaded, in eval mode."""
     model_cls = get_model_class(model_config.architectures)
     device = torch.device(device)
+    quant = model_config.quant_config
+    weights = None
+    if model_config.load_format != "dummy":
+        weights = iter_safetensors(model_config.path, lazy=get_tp().size > 1)
+        if quant is not None and quant.method == "bitsandbytes" and quant.prequantized:
+            # The projections the checkpoint holds in 4 bits, handed over as the
+            # integer-weight layers read them.
+            held = bitsandbytes.quantized_prefixes(checkpoint_tensor_names(model_config.path))
+            quant = for_projections(quant, {_renamed(model_cls, name) for name in held})
+            weights = bitsandbytes.checkpoint_tensors(weights, held)
     with _default_dtype(dtype), device:
         model = model_cls(model_config.hf_config)
-        quant = model_config.quant_config
         if quant is not None:
             quantize_model(model, quant, "before_load")
     model.eval()
     model.requires_grad_(False)
-    if model_config.load_format == "dummy":
+    if weights is None:
         fill_dummy_weights(model, model_config.seed)
     else:
-        model.load_weights(iter_safetensors(model_config.path, lazy=get_tp().size > 1))
+        model.load_weights(weights)
     if quant is not None:
         quantize_model(model, quant, "after_load")
         if device.type == "cuda":
@@ -105,6 +116,14 @@ def load_model(
                 str(dtype).replace("torch.", ""),
                 f", {quant.method} projections" if quant is not None else "")
     return model
+
+
+def _renamed(model_cls: type, name: str) -> str:
+    """A checkpoint name as the model's ``load_weights`` reads it (its
+    ``checkpoint_renames``: a vision-language checkpoint's nested text decoder)."""
+    for pattern, replacement in getattr(model_cls, "checkpoint_renames", ()):
+        name = re.sub(pattern, replacement, name, count=1)
+    return name
 
 
 def weight_memory(model: nn.Module) -> int:
@@ -132,6 +151,17 @@ def safetensors_files(path: Path) -> list[Path]:
             "pass load_format='dummy' (--load-format dummy) for random weights."
         )
     return files
+
+
+def checkpoint_tensor_names(path: Path) -> list[str]:
+    """The names of the checkpoint's tensors (read from the files' headers)."""
+    from safetensors import safe_open
+
+    names = []
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            names.extend(handle.keys())
+    return names
 
 
 def iter_safetensors(path: Path, lazy: bool = False

@@ -16,8 +16,8 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
     parameters: FP8 weights and scales (``Linear.make_fp8``, ``FusedMoE.make_fp8``), INT8
     W8A8 ones (``Linear.make_int8``) or packed integer weights (``make_int``).
     ``when="after_load"`` quantizes the loaded weights of the projections an unquantized
-    checkpoint is quantized at load (``quantize_fp8``) and sorts act-order integer weights
-    (``finish_int_load``). A projection's checkpoint names (q/k/v for a fused qkv, every
+    checkpoint is quantized at load (``quantize_fp8``, ``quantize_int``: bitsandbytes' NF4)
+    and sorts act-order integer weights (``finish_int_load``). A projection's checkpoint names (q/k/v for a fused qkv, every
     expert's gate, up and down) pick its scheme; all of a layer's experts must take one.
     """
     count = 0
@@ -28,6 +28,9 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
         count += 1
         if isinstance(module, FusedMoE):
             _quantize_experts(module, scheme, checkpoint_names[0], when)
+        elif isinstance(scheme, IntWeightScheme) and not scheme.prequantized:
+            if when == "after_load":
+                module.quantize_int(scheme)
         elif isinstance(scheme, IntWeightScheme):
             if when == "before_load":
                 module.make_int(scheme)
@@ -53,6 +56,10 @@ def _quantize_experts(experts: FusedMoE, scheme, name: str, when: str) -> None:
     if isinstance(scheme, Int8Scheme):
         raise ValueError(f"{name}: INT8 W8A8 experts are not supported by pagedllm (experts "
                          "take FP8, or integer weights with unquantized inputs).")
+    if isinstance(scheme, IntWeightScheme) and scheme.codebook is not None:
+        raise ValueError(f"{name}: bitsandbytes 4-bit experts are not supported by pagedllm "
+                         "(experts take FP8, or GPTQ, AWQ or compressed-tensors integer "
+                         "weights).")
     try:
         if isinstance(scheme, IntWeightScheme):
             if when == "before_load":

@@ -33,6 +33,10 @@ Formats read:
 * ``awq`` (AutoAWQ's ``gemm`` version): 4-bit ``qweight``, ``qzeros``, ``scales``.
 * ``auto-round`` (Intel AutoRound's own format): GPTQ's or AWQ's tensors as its
   ``packing_format`` says, per-layer fields in ``extra_config`` (``_auto_round``).
+* ``bitsandbytes`` 4-bit (``load_in_4bit``: NF4 or FP4 codes, a float32 scale per block of
+  64 weights or a multiple, double quantization or not), as transformers saves a model
+  quantized by bitsandbytes; the projections the file holds in 4 bits are quantized
+  (``llm_int8_skip_modules``' are not) (``pagedllm.quantization.bitsandbytes``).
 * ``modelopt`` (NVIDIA Model Optimizer's FP8 exports, ``quant_algo`` ``FP8``: per-tensor
   weight and static input scales; ``FP8_PER_CHANNEL_PER_TOKEN``: per-channel weight
   scales, dynamic per-token inputs), from config.json or the older
@@ -42,7 +46,7 @@ The integer layouts are described in ``pagedllm.quantization.int_weights``. Anyt
 (another method, an FP8 weight-only scheme, integer activations, other
 bit widths or kernel-specific layouts) is refused at start-up with the field and value in
 the message. A ``--quantization`` flag must agree with the checkpoint; on a checkpoint
-with no ``quantization_config`` it quantizes at load (``fp8``) or, with
+with no ``quantization_config`` it quantizes at load (``fp8``, ``bitsandbytes``: NF4) or, with
 ``--load-format dummy``, gives the layers random weights in that format (``gptq``,
 ``awq``: 4-bit, groups of 128).
 """
@@ -56,7 +60,8 @@ from typing import Iterable
 
 # What --quantization takes: on-load FP8 of an unquantized checkpoint, or the method a
 # checkpoint declares.
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "auto-round", "modelopt")
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "auto-round", "modelopt",
+                        "bitsandbytes")
 # Other names of those methods: vLLM's names of a kernel for a format pagedllm reads with
 # its own kernels (the same checkpoints), and the spellings of AutoRound's.
 QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "gptq_bitblas": "gptq", "awq_marlin": "awq",
@@ -69,6 +74,9 @@ AUTO_ROUND_PACKINGS = {"auto_round:auto_gptq": "gptq", "auto_round": "gptq_v2",
                        "auto_round:gptqmodel": "gptq_v2", "auto_round:auto_awq": "awq"}
 # Bit widths of integer weights pagedllm reads.
 INT_WEIGHT_BITS = (4, 8)
+# bitsandbytes' 4-bit codes, and the columns one stored scale covers (its default block).
+BNB_QUANT_TYPES = ("nf4", "fp4")
+BNB_GROUP = 64
 
 
 @dataclass(frozen=True)
@@ -98,14 +106,16 @@ class Fp8Scheme:
 ON_LOAD_FP8 = Fp8Scheme(static_input=False, prequantized=False)
 
 # Where an integer-weight checkpoint keeps its tensors (``int_weights`` converts each).
-INT_LAYOUTS = ("compressed-tensors", "gptq", "gptq_v2", "awq")
+INT_LAYOUTS = ("compressed-tensors", "gptq", "gptq_v2", "awq", "bitsandbytes")
 
 
 @dataclass(frozen=True)
 class IntWeightScheme:
     """Integer weight-only quantization of one projection (W4A16, W8A16): activations stay
     in the model's dtype, each weight is ``(q - zero) * scale`` with ``q`` an unsigned
-    ``bits``-bit integer.
+    ``bits``-bit integer, or ``codebook[q] * scale`` when ``codebook`` names one
+    (bitsandbytes' ``nf4`` or ``fp4`` code, whose 16 values a checkpoint's ``quant_map``
+    repeats; float32 scales, no zero points).
 
     ``group_size``: input columns sharing one scale and zero point per output row (-1: the
     whole row, per channel). ``symmetric``: every zero point is ``2 ** (bits - 1)``, and
@@ -120,10 +130,11 @@ class IntWeightScheme:
     symmetric: bool = True
     act_order: bool = False
     prequantized: bool = True
+    codebook: str | None = None
 
     def __str__(self) -> str:
         groups = "per channel" if self.group_size == -1 else f"groups of {self.group_size}"
-        return (f"{self.layout} {self.bits}-bit, {groups}"
+        return (f"{self.layout} {self.codebook or f'{self.bits}-bit'}, {groups}"
                 + ("" if self.symmetric else ", zero points")
                 + (", act-order" if self.act_order else ""))
 
@@ -140,6 +151,10 @@ class Int8Scheme:
         return "int8 w8a8" + (", static input scales" if self.static_input else "")
 
 
+# ``--quantization bitsandbytes`` of an unquantized checkpoint (vLLM's in-flight 4-bit):
+# NF4 in blocks of 64, quantized at load.
+ON_LOAD_NF4 = IntWeightScheme("bitsandbytes", bits=4, group_size=BNB_GROUP, prequantized=False,
+                              codebook="nf4")
 # ``--quantization gptq|awq --load-format dummy`` on a checkpoint with no
 # quantization_config: random weights in the format's usual shape.
 DUMMY_INT_SCHEMES = {
@@ -197,12 +212,19 @@ class QuantizationConfig:
         """How the quantized projections are stored, for memory accounting
         (``kv_allocator.weight_bytes``): ``("fp8", -1)`` (FP8 and INT8 W8A8: a byte a
         weight, a float32 scale a channel), or ``("int4", group_size)`` /
-        ``("int8", group_size)`` (weight-only); the last group's scheme (the checkpoint's
-        base scheme, after any per-module rules) stands for all."""
+        ``("int8", group_size)`` (weight-only; bitsandbytes' codebooks too, within a byte
+        per 64 weights); the last group's scheme (the checkpoint's base scheme, after any
+        per-module rules) stands for all."""
         scheme = next(g.scheme for g in reversed(self.groups) if g.scheme is not None)
         if isinstance(scheme, IntWeightScheme):
             return f"int{scheme.bits}", scheme.group_size
         return "fp8", -1
+
+    @property
+    def prequantized(self) -> bool:
+        """Whether the checkpoint holds the quantized weights (else they are quantized at
+        load)."""
+        return all(getattr(group.scheme, "prequantized", True) for group in self.groups)
 
     def _scheme_of(self, name: str) -> Scheme | None:
         if any(_matches(pattern, name) for pattern in self.ignore):
@@ -263,6 +285,8 @@ def resolve_quantization(flag: str | None, hf_config: dict,
     if declared is None:
         if flag == "fp8":
             return QuantizationConfig("fp8", (_Group(("Linear",), ON_LOAD_FP8),))
+        if flag == "bitsandbytes":
+            return QuantizationConfig("bitsandbytes", (_Group(("Linear",), ON_LOAD_NF4),))
         if flag in DUMMY_INT_SCHEMES and load_format == "dummy":
             return QuantizationConfig(flag, (_Group(("Linear",), DUMMY_INT_SCHEMES[flag]),))
         if flag is not None:
@@ -295,6 +319,8 @@ def resolve_quantization(flag: str | None, hf_config: dict,
         return _modelopt(declared)
     if method == "awq":
         return _awq(declared)
+    if method == "bitsandbytes":
+        return _bitsandbytes(declared)
     raise ValueError(
         f"The checkpoint's quantization_config.quant_method={method!r} is not supported by "
         f"pagedllm yet: it reads {', '.join(QUANTIZATION_METHODS)} checkpoints. Use an "
@@ -650,6 +676,34 @@ def _modelopt(declared: dict) -> QuantizationConfig:
                     for p in excluded)
     return QuantizationConfig("modelopt", (_Group(("Linear",), Fp8Scheme(
         static_input=MODELOPT_FP8[algo])),), ignored)
+
+
+def _bitsandbytes(declared: dict) -> QuantizationConfig:
+    """transformers' ``BitsAndBytesConfig`` of a 4-bit checkpoint. Which projections are
+    quantized is read from the checkpoint's tensors at load (``for_projections``), not from
+    ``llm_int8_skip_modules``: the tensors are what the file holds."""
+    if declared.get("load_in_8bit") or declared.get("_load_in_8bit"):
+        raise ValueError(
+            "The checkpoint's quantization_config.load_in_8bit=true (bitsandbytes' LLM.int8: "
+            "int8 weights with outlier columns kept in 16 bits) is not supported by pagedllm: "
+            "it reads 4-bit bitsandbytes checkpoints (load_in_4bit).")
+    if not (declared.get("load_in_4bit") or declared.get("_load_in_4bit")):
+        raise ValueError("The checkpoint's bitsandbytes quantization_config sets neither "
+                         "load_in_4bit nor load_in_8bit.")
+    quant_type = str(declared.get("bnb_4bit_quant_type", "fp4")).lower()  # transformers' default
+    if quant_type not in BNB_QUANT_TYPES:
+        raise ValueError(f"The checkpoint's quantization_config.bnb_4bit_quant_type="
+                         f"{quant_type!r} is not supported by pagedllm: it reads "
+                         f"{' and '.join(BNB_QUANT_TYPES)}.")
+    scheme = IntWeightScheme("bitsandbytes", bits=4, group_size=BNB_GROUP, codebook=quant_type)
+    return QuantizationConfig("bitsandbytes", (_Group(("Linear",), scheme),))
+
+
+def for_projections(config: QuantizationConfig, names: Iterable[str]) -> QuantizationConfig:
+    """``config`` (one scheme for every projection) given only to the projections
+    ``names`` (checkpoint module names); the others stay unquantized."""
+    scheme = config.groups[-1].scheme
+    return replace(config, groups=(_Group(tuple(sorted(names)), scheme),))
 
 
 def _awq(declared: dict) -> QuantizationConfig:

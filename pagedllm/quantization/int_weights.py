@@ -29,7 +29,13 @@ GPTQ (``gptq``,        ``qweight [K/P, N]``: packed along K in     ``qzeros [g, 
                                                                    stores zero - 1
 AWQ (``gemm``)         ``qweight [K, N/8]``: packed along N in     ``qzeros [g, N/8]``, the
                        the order 0 2 4 6 1 3 5 7; ``scales [g, N]``  same order
+bitsandbytes (4-bit,   ``weight [N, K/2]`` uint8, two codes a      none: ``codebook[q] *
+as ``bitsandbytes``    byte, high nibble first; ``weight_absmax    scale``, the codebook
+hands it over)         [N, g]`` float32; ``weight_quant_map [16]`` NF4's or FP4's values
 =====================  ==========================================  ======================
+
+A codebook scheme (``IntWeightScheme.codebook``) keeps its scales in float32 and has no
+zero points (``zeros`` is None): ``w[n, k] = codebook[q[n, k]] * scales[n, k // G]``.
 
 Act-order (GPTQ ``desc_act``, compressed-tensors ``actorder: group``): ``g_idx [K]`` gives
 each input column's group, not ``k // G``. At load the input columns are sorted by group
@@ -51,6 +57,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pagedllm.quantization import bitsandbytes
 from pagedllm.quantization.checkpoint import IntWeightScheme
 
 # AutoAWQ packs the 4-bit values of columns 0..7 into slots 0..7 in the column order
@@ -119,6 +126,8 @@ _NAMES = {
                            "weight_shape": None},
     "gptq": {"qweight": "qweight", "scales": "scales", "qzeros": "zeros", "g_idx": "g_idx"},
     "awq": {"qweight": "qweight", "scales": "scales", "qzeros": "zeros"},
+    "bitsandbytes": {"weight": "qweight", "weight_absmax": "scales",
+                     "weight_quant_map": None},
 }
 _NAMES["gptq_v2"] = _NAMES["gptq"]
 
@@ -134,11 +143,16 @@ def convert(scheme: IntWeightScheme, name: str, tensor: torch.Tensor, rows: int,
     of ``rows`` outputs and ``in_features`` inputs -> ``(stored parameter, tensor)``: the
     parameter is ``qweight``, ``scales``, ``zeros`` or ``g_idx`` (kept aside for
     ``act_order_permutation``), or None for a tensor that only describes the others
-    (``weight_shape``, checked). Raises ValueError naming the expected shape when the
-    tensor does not fit the scheme."""
+    (``weight_shape``, bitsandbytes' ``weight_quant_map``: checked). Raises ValueError
+    naming the expected shape when the tensor does not fit the scheme."""
     param = _NAMES[scheme.layout][name]
     bits, layout = scheme.bits, scheme.layout
     groups = num_groups(in_features, scheme.group_size)
+    if param is None and layout == "bitsandbytes":  # the code's values, as bitsandbytes' own
+        if not torch.equal(tensor.float().cpu(), bitsandbytes.code_values(scheme.codebook)):
+            raise ValueError(f"weight_quant_map holds values other than bitsandbytes' "
+                             f"{scheme.codebook} code.")
+        return None, None
     if param is None:  # compressed-tensors' weight_shape: [rows, in_features]
         _expect(name, tensor, (2,))
         if tensor.tolist() != [rows, in_features]:
@@ -149,13 +163,16 @@ def convert(scheme: IntWeightScheme, name: str, tensor: torch.Tensor, rows: int,
         _expect(name, tensor, (in_features,))
         return "g_idx", tensor.to(torch.int64)
     if param == "scales":
-        if layout == "compressed-tensors":
+        if layout in ("compressed-tensors", "bitsandbytes"):
             _expect(name, tensor, (rows, groups))
             return "scales", tensor
         _expect(name, tensor, (groups, rows))
         return "scales", tensor.t()
     per_word = values_per_word(bits)
     if param == "qweight":
+        if layout == "bitsandbytes":
+            _expect(name, tensor, (rows, in_features // 2), torch.uint8)
+            return "qweight", pack_rows(bitsandbytes.codes_of_bytes(tensor, in_features), bits)
         if layout == "compressed-tensors":
             _expect(name, tensor, (rows, -(-in_features // per_word)), torch.int32)
             return "qweight", to_stored_words(tensor, bits)
@@ -259,29 +276,38 @@ def permute_columns(qweight: torch.Tensor, bits: int, in_features: int,
     return pack_rows(values[:, perm.to(qweight.device)], bits)
 
 
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-               group_size: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[N, in_features]`` weights in ``dtype``: ``(q - zero) * scale`` in float32, rounded
-    once."""
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               bits: int, group_size: int, in_features: int, dtype: torch.dtype,
+               codebook: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, in_features]`` weights in ``dtype``: ``(q - zero) * scale`` (or
+    ``codebook[q] * scale``) in float32, rounded once."""
     values = unpack_rows(qweight, bits, in_features, stored_slots(bits))
     size = in_features if group_size == -1 else group_size
     rows, groups = scales.shape
+    scales = scales.to(torch.float32)
     if in_features % size == 0:  # whole groups: broadcast rather than gather
-        values = values.view(rows, groups, size)
-        centred = (values - zeros.to(torch.int32)[:, :, None]).to(torch.float32)
-        return (centred * scales.to(torch.float32)[:, :, None]).to(dtype).view(rows, in_features)
-    group = torch.arange(in_features, device=qweight.device) // size
-    centred = (values - zeros.to(torch.int32)[:, group]).to(torch.float32)
-    return (centred * scales.to(torch.float32)[:, group]).to(dtype)
+        values, scales = values.view(rows, groups, size), scales[:, :, None]
+        zeros = None if zeros is None else zeros[:, :, None]
+    else:
+        group = torch.arange(in_features, device=qweight.device) // size
+        scales = scales[:, group]
+        zeros = None if zeros is None else zeros[:, group]
+    if codebook is not None:
+        numbers = codebook.to(torch.float32)[values.long()]
+    else:
+        numbers = (values - zeros.to(torch.int32)).to(torch.float32)
+    return (numbers * scales).to(dtype).view(rows, in_features)
 
 
 def int_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                         zeros: torch.Tensor, *, bits: int, group_size: int,
+                         zeros: torch.Tensor | None, *, bits: int, group_size: int,
                          in_features: int, bias: torch.Tensor | None = None,
-                         perm: torch.Tensor | None = None) -> torch.Tensor:
+                         perm: torch.Tensor | None = None,
+                         codebook: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` dequantized to ``x``'s dtype and put back in the
     checkpoint's column order (``perm``: the act-order sort of the stored columns)."""
-    weight = dequantize(qweight, scales, zeros, bits, group_size, in_features, x.dtype)
+    weight = dequantize(qweight, scales, zeros, bits, group_size, in_features, x.dtype,
+                        codebook)
     if perm is not None:
         original = torch.empty_like(weight)
         original[:, perm.long()] = weight
@@ -289,12 +315,16 @@ def int_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     return F.linear(x, weight, bias)
 
 
-def fill_dummy(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-               weight_range: float, generator: torch.Generator) -> None:
+def fill_dummy(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               bits: int, weight_range: float, generator: torch.Generator) -> None:
     """Random weights uniform over the ``bits``-bit values, zero points at the middle
     ``2**(bits-1)`` and scales ``weight_range / 2**(bits-1)``: weights in
-    ``[-weight_range, weight_range)``, like the dummy loader's unquantized ones."""
-    middle = 1 << (bits - 1)
+    ``[-weight_range, weight_range)``, like the dummy loader's unquantized ones. A codebook
+    scheme (no ``zeros``; its values span [-1, 1]) takes scales of ``weight_range``."""
     qweight.random_(-(1 << 31), 1 << 31, generator=generator)
+    if zeros is None:
+        scales.fill_(weight_range)
+        return
+    middle = 1 << (bits - 1)
     zeros.fill_(middle)
     scales.fill_(weight_range / middle)

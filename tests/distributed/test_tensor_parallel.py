@@ -280,16 +280,35 @@ def test_gptq_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path, f
     quantized = write_gptq(src, tmp_path / "gptq", bits=4, group_size=32)
     prompts = random_prompts(3, 3, 20, seed=6, vocab=256)
     reference = hf_on_dequantized(src, quantized)
-    llm = LLM(str(tmp_path / "gptq"), tensor_parallel_size=2, dtype="float32", block_size=8,
+    assert _greedy_at_tp2(tmp_path / "gptq", prompts) == [hf_greedy(reference, p, 10)
+                                                          for p in prompts]
+
+
+def _greedy_at_tp2(model_dir, prompts) -> list[list[int]]:
+    """Ten greedy tokens of each prompt from ``model_dir`` on two tensor-parallel ranks."""
+    llm = LLM(str(model_dir), tensor_parallel_size=2, dtype="float32", block_size=8,
               max_model_len=128)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-        got = [o.outputs[0].token_ids for o in llm.generate(
+        return [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-        assert got == [hf_greedy(reference, p, 10) for p in prompts]
     finally:
         llm.llm_engine.engine_core.shutdown()
 
+
+
+def test_bnb_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path) -> None:
+    """bitsandbytes' NF4 codes and float32 block scales split after conversion, as integer
+    weights are: column-parallel rows, row-parallel whole words and blocks of 64."""
+    pytest.importorskip("bitsandbytes")
+    from tests.quantization.test_bnb_checkpoints import hf_dequantized, write_bnb
+
+    src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128,
+                               hidden_size=256, intermediate_size=512)
+    model_dir = write_bnb(src, tmp_path / "bnb")
+    prompts = random_prompts(3, 3, 20, seed=6, vocab=256)
+    reference = hf_dequantized(model_dir)
+    assert _greedy_at_tp2(model_dir, prompts) == [hf_greedy(reference, p, 10) for p in prompts]
 
 
 def test_act_order_4bit_weights_are_refused_along_their_inputs(tmp_path, monkeypatch) -> None:

@@ -30,11 +30,11 @@ def test_unknown_device_names_the_valid_ones():
 
 def test_unsupported_option_names_the_flag_to_drop_and_the_keyword():
     with pytest.raises(ValueError) as info:
-        LLM(quantization="bitsandbytes")
+        LLM(quantization="aqlm")
     assert str(info.value) == (
-        "--quantization bitsandbytes (quantization='bitsandbytes') is not supported by "
-        "pagedllm yet: use fp8, compressed-tensors, gptq, awq, auto-round or modelopt, or "
-        "drop --quantization (the quantization keyword in Python).")
+        "--quantization aqlm (quantization='aqlm') is not supported by "
+        "pagedllm yet: use fp8, compressed-tensors, gptq, awq, auto-round, modelopt or "
+        "bitsandbytes, or drop --quantization (the quantization keyword in Python).")
     with pytest.raises(ValueError, match=r"^--enable-lora \(enable_lora=True\) is not supported"):
         LLM(enable_lora=True)
 

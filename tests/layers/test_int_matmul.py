@@ -11,6 +11,7 @@ from pagedllm.layers import int_matmul, triton_ops
 from pagedllm.layers import linear as linear_module
 from pagedllm.layers.int_matmul import IntTile, int_dequantize, int_linear, int_matmul_config
 from pagedllm.layers.triton_ops import GemvTile, IntWeights
+from pagedllm.quantization import bitsandbytes
 from pagedllm.quantization.int_weights import (
     dequantize,
     int_linear_reference,
@@ -284,3 +285,50 @@ def test_int_llama_mlp_of_one_row_runs_on_the_small_batch_kernel(monkeypatch):
     torch.testing.assert_close(summed.float(), want_sum, rtol=1e-2, atol=1e-2)
     want = want_sum * torch.rsqrt(want_sum.pow(2).mean(-1, keepdim=True) + 1e-5)
     torch.testing.assert_close(normed.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def codebook_projection(n: int, k: int, seed: int, quant_type: str = "nf4"):
+    """Random 4-bit codes and float32 block scales of an ``[n, k]`` projection in
+    bitsandbytes' codebook (groups of 64), in the stored layout."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    scales = torch.rand(n, k // 64, generator=gen) * 0.05 + 0.01
+    return (pack_rows(codes, 4).to(DEVICE), scales.to(DEVICE),
+            bitsandbytes.code_values(quant_type).to(DEVICE))
+
+
+@pytest.mark.parametrize("rows, tile", [
+    (3, IntTile(16, 32, 32, 2, 4, 2)),   # a decode batch: split-K into two slices
+    (1, IntTile(1, 32, 64, 2, 4, 2)),    # one row, lane-wise products
+    (37, IntTile(32, 32, 64, 1, 4, 2)),  # a prompt: partial row and column tiles
+])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_codebook_weights_give_the_dequantized_product(rows, tile, quant_type):
+    """bitsandbytes' NF4 and FP4 (``codebook[q] * scale``, no zero points) on the same
+    kernel: the reference's product; and the dequantizing kernel writes its weights bit
+    for bit."""
+    n, k = 48, 128
+    qweight, scales, codebook = codebook_projection(n, k, seed=rows, quant_type=quant_type)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE, DTYPE)
+    weight = dequantize(qweight, scales, None, 4, 64, k, DTYPE, codebook)
+    got = int_matmul.int_matmul(x, qweight, scales, None, tile, bits=4, group_size=64,
+                                codebook=codebook)
+    torch.testing.assert_close(got.float(), x.float() @ weight.float().T, rtol=2e-3, atol=2e-3)
+    assert torch.equal(int_dequantize(qweight, scales, None, bits=4, group_size=64,
+                                      in_features=k, dtype=DTYPE, codebook=codebook), weight)
+
+
+def test_codebook_weights_of_every_batch_size_take_the_kernels(monkeypatch):
+    """Through ``int_linear`` as on a GPU: small batches (the split-K tiles), row tiles and
+    the dequantize-then-BLAS steps all give the reference's product."""
+    monkeypatch.setattr(int_matmul, "use_fused_ops", lambda x: True)  # as on a GPU
+    monkeypatch.setattr(int_matmul, "DEQUANTIZE_ROWS", 32)
+    qweight, scales, codebook = codebook_projection(32, 128, seed=3)
+    for rows in (1, 5, 20, 40):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(DEVICE,
+                                                                                      DTYPE)
+        got = int_linear(x, qweight, scales, None, bits=4, group_size=64, in_features=128,
+                         codebook=codebook)
+        want = int_linear_reference(x, qweight, scales, None, bits=4, group_size=64,
+                                    in_features=128, codebook=codebook)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)

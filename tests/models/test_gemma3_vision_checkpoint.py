@@ -13,8 +13,8 @@ from pagedllm.models.loader import load_model
 from tests.utils import _randomize
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def tiny_gemma3_vision():
+    """A tiny random Gemma 3 vision-language model (transformers')."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -28,6 +28,12 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     model = Gemma3ForConditionalGeneration(config).eval()
     _randomize(model, 0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    model = tiny_gemma3_vision()
     path = tmp_path_factory.mktemp("gemma3-vision") / "ckpt"
     model.save_pretrained(path)
     return path, model

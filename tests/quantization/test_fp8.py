@@ -95,6 +95,6 @@ def test_greedy_fp8_tokens_equal_hf_with_the_same_quantization(tmp_path, family)
 
 
 def test_an_unimplemented_quantization_is_refused_with_the_ones_that_are():
-    with pytest.raises(ValueError, match="use fp8, compressed-tensors, gptq, awq, auto-round "
-                                         "or modelopt, or drop --quantization"):
+    with pytest.raises(ValueError, match="use fp8, compressed-tensors, gptq, awq, auto-round, "
+                                         "modelopt or bitsandbytes, or drop --quantization"):
         LLM(quantization="hqq")

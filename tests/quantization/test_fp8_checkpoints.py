@@ -171,7 +171,7 @@ def with_quantization_config(src: Path, dst: Path, edit) -> Path:
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda q: q.update(quant_method="bitsandbytes"), "quant_method='bitsandbytes' is not"),
+    (lambda q: q.update(quant_method="aqlm"), "quant_method='aqlm' is not"),
     (lambda q: q["config_groups"]["group_0"].update(input_activations=None),
      "input_activations is null"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="group"),
