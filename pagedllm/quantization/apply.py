@@ -56,12 +56,11 @@ def _quantize_experts(experts: FusedMoE, scheme, name: str, when: str) -> None:
     if isinstance(scheme, Int8Scheme):
         raise ValueError(f"{name}: INT8 W8A8 experts are not supported by pagedllm (experts "
                          "take FP8, or integer weights with unquantized inputs).")
-    if isinstance(scheme, IntWeightScheme) and scheme.codebook is not None:
-        raise ValueError(f"{name}: bitsandbytes 4-bit experts are not supported by pagedllm "
-                         "(experts take FP8, or GPTQ, AWQ or compressed-tensors integer "
-                         "weights).")
     try:
-        if isinstance(scheme, IntWeightScheme):
+        if isinstance(scheme, IntWeightScheme) and not scheme.prequantized:
+            if when == "after_load":
+                experts.quantize_int(scheme)
+        elif isinstance(scheme, IntWeightScheme):
             if when == "before_load":
                 experts.make_int(scheme)
             else:

@@ -292,6 +292,25 @@ def test_triton_grouped_gemm_with_integer_experts_matches_the_reference(
         assert (unordered - want).abs().max() > 10 * atol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_grouped_gemm_with_codebook_experts_matches_the_reference(dtype) -> None:
+    """bitsandbytes' NF4 experts (``codebook[q] * scale``, float32 scales, no zero points):
+    the code looked up tile by tile in the kernel, the reference's weights."""
+    from pagedllm.quantization import bitsandbytes
+
+    x, w13, w2, weights, ids = _moe_inputs(11, 2, dtype, hidden=64, inter=32)
+    q13, q2, ints = _int_experts(w13, w2, 4, 32, False)
+    scales = [(s.float() * 8).contiguous() for s in (ints.w13_scales, ints.w2_scales)]
+    codebook = ints._replace(w13_scales=scales[0], w13_zeros=None, w2_scales=scales[1],
+                             w2_zeros=None, codebook=bitsandbytes.code_values("nf4").to(DEVICE))
+    got = fused_moe_triton(x, q13, q2, weights, ids, tile=MoeTile(16, 32, 32), scales=codebook)
+    want = fused_moe_reference(x, q13, q2, weights, ids, scales=codebook)
+    atol = (1e-5 if dtype == torch.float32 else 3e-2) * want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+    affine = fused_moe_reference(x, q13, q2, weights, ids, scales=ints)
+    assert (affine - want).abs().max() > 10 * atol  # the codebook is read, not the zeros
+
+
 def test_integer_experts_whose_inputs_do_not_tile_are_refused_by_the_kernel() -> None:
     x, w13, w2, weights, ids = _moe_inputs(3, 2, hidden=40, inter=24)
     q13, q2, ints = _int_experts(w13, w2, 4, 8, False)

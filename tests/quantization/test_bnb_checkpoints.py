@@ -8,6 +8,7 @@ checkpoint gives the codes bitsandbytes gives."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.quantization import bitsandbytes as bnb_format
 from tests.engine.conftest import hf_greedy, random_prompts
-from tests.quantization.int_checkpoints import read_tensors
+from tests.quantization.int_checkpoints import _write, hf_on_dequantized, read_tensors
 from tests.quantization.test_fp8_checkpoints import (
     engine_greedy,
     runner_model,
@@ -95,7 +96,10 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     return {"llama": make_tiny_checkpoint(root, "llama", **TINY),
             "qwen3": make_tiny_checkpoint(root, "qwen3", head_dim=32, **TINY),
             # down_proj's rows of 352 inputs: bitsandbytes' blocks of 64 span two rows
-            "llama-352": make_tiny_checkpoint(root, "llama", **dict(TINY, intermediate_size=352))}
+            "llama-352": make_tiny_checkpoint(root, "llama", **dict(TINY, intermediate_size=352)),
+            "qwen3-moe": make_tiny_checkpoint(root, "qwen3_moe", vocab_size=256,
+                                              max_position_embeddings=128, hidden_size=128,
+                                              head_dim=32, moe_intermediate_size=128)}
 
 
 CASES = {
@@ -103,6 +107,8 @@ CASES = {
     "llama-fp4": ("llama", dict(quant_type="fp4", double_quant=False)),
     "qwen3-nf4": ("qwen3", dict(quant_type="nf4", double_quant=False)),
     "llama-352-nf4-blocks-spanning-rows": ("llama-352", dict(quant_type="nf4")),
+    # transformers quantizes the attention and leaves the stacked experts in float32
+    "qwen3-moe-nf4": ("qwen3-moe", dict(quant_type="nf4")),
     "qwen3-fp4-double-quant": ("qwen3", dict(quant_type="fp4", double_quant=True)),
     # The packed bytes stored as bfloat16 pairs (FSDP's storage), the down projections left
     # in float32 by the skip list.
@@ -210,11 +216,76 @@ def test_blocks_that_are_not_a_multiple_of_64_are_refused(sources, tmp_path):
         engine_tokens(model_dir, [[1, 2]])
 
 
-def test_experts_are_refused_by_name(tmp_path):
-    src = make_tiny_checkpoint(tmp_path, "qwen3_moe", vocab_size=256, max_position_embeddings=128,
-                               hidden_size=128, head_dim=32, moe_intermediate_size=128)
-    with pytest.raises(ValueError, match="bitsandbytes 4-bit experts"):
-        engine_tokens(src, [[1, 2]], quantization="bitsandbytes")
+def write_bnb_per_expert(src: Path, out: Path) -> dict[str, torch.Tensor]:
+    """``src``'s decoder projections, each expert's included, quantized by bitsandbytes
+    (NF4, double quantization) and saved one projection at a time, as transformers saved a
+    mixture of experts whose experts were ``Linear`` layers (``experts.N.gate_proj``, ...);
+    returns each projection's weight as bitsandbytes dequantizes it."""
+    tensors, dequantized = {}, {}
+    for name, tensor in read_tensors(src).items():
+        module = re.match(r"(.*\.layers\.\d+\..*_proj)\.weight$", name)
+        if module is None:
+            tensors[name] = tensor
+            continue
+        packed, state = bnb.functional.quantize_4bit(tensor, blocksize=64, quant_type="nf4",
+                                                     compress_statistics=True)
+        tensors[name] = packed
+        tensors.update({f"{name}.{key}": value
+                        for key, value in state.as_dict(packed=True).items()})
+        dequantized[module.group(1)] = bnb_dequantized(packed, state)
+    _write(src, out, tensors, {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                               "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                               "bnb_4bit_compute_dtype": "float32"})
+    return dequantized
+
+
+def test_4bit_experts_of_a_per_expert_checkpoint(sources, tmp_path):
+    """Every expert's gate, up and down in 4 bits: greedy tokens of HF's model on the
+    weights bitsandbytes dequantizes, the experts kept packed."""
+    dequantized = write_bnb_per_expert(sources["qwen3-moe"], tmp_path / "bnb")
+    assert any(".experts." in name for name in dequantized)
+    prompts = random_prompts(3, 3, 20, seed=9, vocab=256)
+    reference = hf_on_dequantized(sources["qwen3-moe"], dequantized)
+    want = [hf_greedy(reference, prompt, 10) for prompt in prompts]
+    llm = LLM(str(tmp_path / "bnb"), dtype="float32", block_size=8, max_model_len=128,
+              device="cpu")
+    experts = runner_model(llm).model.layers[0].mlp.experts
+    assert experts.int_scheme.codebook == "nf4" and experts.w13.dtype == torch.int32
+    assert experts.w13_zeros is None and experts.w13_scales.dtype == torch.float32
+    assert engine_greedy(llm, prompts, 10) == want
+
+
+def test_quantizing_experts_at_load_gives_bitsandbytes_own_codes(sources):
+    """``--quantization bitsandbytes`` on a mixture of experts: each expert's gate, up and
+    down quantized as bitsandbytes quantizes a projection (the greedy tokens of HF's model
+    on bitsandbytes' quantize-then-dequantize of every projection)."""
+    from transformers import AutoModelForCausalLM
+
+    src = sources["qwen3-moe"]
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    layers = [name for name, _ in model.named_modules()
+              if re.match(r".*\.layers\.\d+\..*_proj$", name)]
+    roundtrip = {}
+    for name in layers:
+        weight = model.get_submodule(name).weight.data
+        roundtrip[name] = bnb_dequantized(*bnb.functional.quantize_4bit(
+            weight, blocksize=64, quant_type="nf4"))
+    for layer, block in enumerate(model.model.layers):
+        experts = block.mlp.experts
+        for expert in range(experts.gate_up_proj.shape[0]):
+            gate, up = experts.gate_up_proj.data[expert].chunk(2)
+            prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+            for proj, weight in (("gate_proj", gate), ("up_proj", up),
+                                 ("down_proj", experts.down_proj.data[expert])):
+                roundtrip[f"{prefix}.{proj}"] = bnb_dequantized(*bnb.functional.quantize_4bit(
+                    weight.contiguous(), blocksize=64, quant_type="nf4"))
+    prompts = random_prompts(3, 3, 20, seed=10, vocab=256)
+    reference = hf_on_dequantized(src, roundtrip)
+    want = [hf_greedy(reference, prompt, 10) for prompt in prompts]
+    llm = LLM(str(src), quantization="bitsandbytes", dtype="float32", block_size=8,
+              max_model_len=128, device="cpu")
+    assert runner_model(llm).model.layers[1].mlp.experts.int_scheme.codebook == "nf4"
+    assert engine_greedy(llm, prompts, 10) == want
 
 
 def test_a_4bit_checkpoints_shapes_with_dummy_weights_generate(sources, tmp_path):

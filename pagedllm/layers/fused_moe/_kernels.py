@@ -23,7 +23,8 @@ points in ``b_zero`` (``[E, N, groups]``, one stride), dequantized tile by tile 
 registers (``_int_matmul_kernels.int_weight_tile``: rounded once to the activation dtype,
 the reference's weights) and multiplied with the unquantized rows; ``BLOCK_K`` divides K
 and ``INT_GROUP``, so no input is masked. ``HAS_PERM``: act-order experts read input
-column ``perm[e, k]`` for stored column ``k``.
+column ``perm[e, k]`` for stored column ``k``. With ``codebook_ptr`` (bitsandbytes' 16
+values; None otherwise) each weight is ``codebook[q] * scale`` and ``b_zero`` is not read.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from pagedllm.layers._int_matmul_kernels import int_weight_tile
 @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, block_expert_ptr,
-    a_scale_ptr, b_scale_ptr, b_zero_ptr, perm_ptr,
+    a_scale_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, codebook_ptr,
     num_slots, num_blocks, N, K, group_n, group_k,
     stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
     stride_pe,
@@ -99,7 +100,7 @@ def moe_gemm_kernel(
             if INT_BITS > 0:
                 b = tl.trans(int_weight_tile(q_rows, int_scales, int_zeros, n_rows, stride_bsn,
                                              k0, INT_BITS, INT_GROUP, BLOCK_N, BLOCK_K, True,
-                                             a_ptr.dtype.element_ty))
+                                             a_ptr.dtype.element_ty, codebook_ptr))
             else:
                 b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_k[:, None],
                             mask=b_mask, other=0.0)
@@ -118,7 +119,7 @@ def moe_gemm_kernel(
                     b_up = tl.trans(int_weight_tile(q_rows_up, int_scales, int_zeros,
                                                     n_rows + N, stride_bsn, k0, INT_BITS,
                                                     INT_GROUP, BLOCK_N, BLOCK_K, True,
-                                                    a_ptr.dtype.element_ty))
+                                                    a_ptr.dtype.element_ty, codebook_ptr))
                 else:
                     b_up = tl.load(b_base + (offs_n[None, :] + N) * stride_bn + offs_k[:, None],
                                    mask=b_mask, other=0.0)

@@ -27,11 +27,16 @@ tensor by tensor from the checkpoint's layout at load; act-order experts keep ea
 expert's sorted input order in ``w13_perm`` / ``w2_perm`` (``finish_int_load``; the gate
 and up of an expert read one input, so they must share ``g_idx``). With tensor
 parallelism the down projections split along their inputs in whole words and groups.
+bitsandbytes' 4-bit experts (a codebook scheme) keep float32 scales and no zero points
+(``w13_zeros`` / ``w2_zeros`` None; ``codebook`` holds the 16 values); ``quantize_int``
+makes them from loaded weights (``--quantization bitsandbytes``).
 
 The router is never quantized.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +56,7 @@ from pagedllm.layers.fused_moe.torch_ref import (
 )
 from pagedllm.layers.linear import BLOCK_SCALE_NAME, Linear, _frozen
 from pagedllm.layers.triton_ops import use_fused_ops
-from pagedllm.quantization import int_weights
+from pagedllm.quantization import bitsandbytes, int_weights
 from pagedllm.quantization.checkpoint import IntWeightScheme
 from pagedllm.quantization.fp8 import FP8_DTYPE, quantize_rows
 
@@ -97,6 +102,7 @@ class FusedMoE(nn.Module):
         self.int_scheme: IntWeightScheme | None = None
         self.register_buffer("w13_perm", None)
         self.register_buffer("w2_perm", None)
+        self.register_buffer("codebook", None)  # a codebook scheme's 16 values (float32)
         # Parameters the checkpoint need not hold (symmetric compressed-tensors' zero
         # points); act-order g_idx per (expert, shard), until finish_int_load.
         self._preset: frozenset[str] = frozenset()
@@ -112,7 +118,7 @@ class FusedMoE(nn.Module):
         if self.int_scheme is not None:
             return ExpertInts(self.w13_scales, self.w13_zeros, self.w2_scales, self.w2_zeros,
                               self.int_scheme.bits, self.int_scheme.group_size,
-                              self.w13_perm, self.w2_perm)
+                              self.w13_perm, self.w2_perm, self.codebook)
         if self.w13_scale is None:
             return None
         return ExpertScales(self.w13_scale, self.w2_scale, self.fp8_block,
@@ -177,16 +183,31 @@ class FusedMoE(nn.Module):
 
     def make_int(self, scheme: IntWeightScheme) -> None:
         """The parameters an integer-weight checkpoint of ``scheme`` fills (see the module
-        docstring); scales take the default dtype (the model's). Zero points start at
-        ``2**(bits - 1)``, all a symmetric compressed-tensors checkpoint implies."""
+        docstring); scales take the default dtype (the model's), float32 for a codebook
+        scheme, which has no zero points. Zero points start at ``2**(bits - 1)``, all a
+        symmetric compressed-tensors checkpoint implies."""
         experts, two_inter, hidden = self.w13.shape
         inter = self.intermediate_size
         device = self.w13.device
         per_word = int_weights.values_per_word(scheme.bits)
+        if scheme.codebook is not None:  # one group size for both products
+            groups = {bitsandbytes.stored_group(n)
+                      for n in (hidden, self.checkpoint_intermediate_size)}
+            if len(groups) > 1:
+                raise ValueError(f"bitsandbytes experts of {hidden} and "
+                                 f"{self.checkpoint_intermediate_size} inputs a row: pagedllm "
+                                 "needs rows of a multiple of 64 inputs for 4-bit experts.")
+            scheme = replace(scheme, group_size=groups.pop())
+            self.codebook = bitsandbytes.code_values(scheme.codebook).to(device)
         for name, rows, inputs in (("w13", two_inter, hidden), ("w2", hidden, inter)):
             groups = int_weights.num_groups(inputs, scheme.group_size)
             setattr(self, name, _frozen(torch.empty(experts, rows, -(-inputs // per_word),
                                                     dtype=torch.int32, device=device)))
+            if scheme.codebook is not None:
+                setattr(self, f"{name}_scales", _frozen(torch.empty(
+                    experts, rows, groups, dtype=torch.float32, device=device)))
+                setattr(self, f"{name}_zeros", None)
+                continue
             setattr(self, f"{name}_scales",
                     _frozen(torch.empty(experts, rows, groups, device=device)))
             setattr(self, f"{name}_zeros",
@@ -196,6 +217,25 @@ class FusedMoE(nn.Module):
         self._int_tiles = int_block_k(16, hidden, inter, scheme.group_size) is not None
         if scheme.symmetric and scheme.layout == "compressed-tensors":
             self._preset = frozenset({"w13_zeros", "w2_zeros"})
+
+    def quantize_int(self, scheme: IntWeightScheme) -> None:
+        """Replace the loaded weights by 4-bit codes in ``scheme``'s codebook, each expert's
+        gate, up and down quantized as bitsandbytes quantizes one projection
+        (``bitsandbytes.quantize``), once."""
+        if self.int_scheme is not None:
+            return
+        loaded = {"w13": self.w13.data, "w2": self.w2.data}
+        self.make_int(scheme)
+        inter = self.intermediate_size
+        for name, weight in loaded.items():
+            parts = (slice(0, inter), slice(inter, 2 * inter)) if name == "w13" else (
+                slice(None),)
+            for expert in range(self.num_experts):
+                for rows in parts:
+                    codes, scales = bitsandbytes.quantize(weight[expert, rows], scheme.codebook)
+                    getattr(self, name).data[expert, rows] = int_weights.pack_rows(codes,
+                                                                                   scheme.bits)
+                    getattr(self, f"{name}_scales").data[expert, rows] = scales
 
     def finish_int_load(self) -> None:
         """After loading: sort each act-order expert's input columns by group
@@ -238,7 +278,8 @@ class FusedMoE(nn.Module):
         params = (("w13", "gate"), ("w13", "up"), ("w2", "down"))
         if self.int_scheme is not None:
             params += tuple((f"{p}_{kind}", part) for p, part in params
-                            for kind in ("scales", "zeros") if f"{p}_{kind}" not in self._preset)
+                            for kind in ("scales", "zeros") if f"{p}_{kind}" not in self._preset
+                            and getattr(self, f"{p}_{kind}") is not None)
         elif self.w13_scale is not None:
             params += (("w13_scale", "gate"), ("w13_scale", "up"), ("w2_scale", "down"))
         if self.w13_input_scale is not None:
@@ -387,7 +428,8 @@ class FusedMoE(nn.Module):
         if self.int_scheme is not None:
             order = ", act-order" if self.w13_perm is not None or self.w2_perm is not None \
                 else ""
-            quant = f", int{self.int_scheme.bits} groups of {self.int_scheme.group_size}{order}"
+            values = self.int_scheme.codebook or f"int{self.int_scheme.bits}"
+            quant = f", {values} groups of {self.int_scheme.group_size}{order}"
         elif self.w13_scale is not None:
             quant = ", fp8" + (f" blocks of {self.fp8_block[0]}x{self.fp8_block[1]}"
                                if self.fp8_block else "")

@@ -50,7 +50,9 @@ class ExpertInts(NamedTuple):
     the packed ``w13 [E, 2I, ceil(H / P)]`` and ``w2 [E, H, ceil(I / P)]`` int32 go with
     their scales (``[E, rows, groups]``, the model's dtype), zero points (the same shape,
     uint8) and, for act-order checkpoints, each expert's input order (``[E, H]``,
-    ``[E, I]`` int32: stored column ``k`` is the checkpoint's ``perm[e, k]``)."""
+    ``[E, I]`` int32: stored column ``k`` is the checkpoint's ``perm[e, k]``). A codebook
+    (bitsandbytes' 16 values, float32) stands for the zero points: float32 scales, zeros
+    None, each weight ``codebook[q] * scale``."""
 
     w13_scales: torch.Tensor
     w13_zeros: torch.Tensor
@@ -60,6 +62,7 @@ class ExpertInts(NamedTuple):
     group_size: int
     w13_perm: torch.Tensor | None = None
     w2_perm: torch.Tensor | None = None
+    codebook: torch.Tensor | None = None
 
 
 ExpertQuant = ExpertScales | ExpertInts
@@ -76,9 +79,11 @@ def expert_linear(x: torch.Tensor, weights: torch.Tensor, expert: int,
     if isinstance(quant, ExpertInts):
         scales, zeros, perm = ((quant.w13_scales, quant.w13_zeros, quant.w13_perm) if first
                                else (quant.w2_scales, quant.w2_zeros, quant.w2_perm))
-        return int_linear_reference(x, weight, scales[expert], zeros[expert], bits=quant.bits,
+        return int_linear_reference(x, weight, scales[expert],
+                                    None if zeros is None else zeros[expert], bits=quant.bits,
                                     group_size=quant.group_size, in_features=x.shape[-1],
-                                    perm=None if perm is None else perm[expert])
+                                    perm=None if perm is None else perm[expert],
+                                    codebook=quant.codebook)
     scale = (quant.w13 if first else quant.w2)[expert]
     input_scale = quant.input13 if first else quant.input2
     block = quant.block

@@ -109,10 +109,12 @@ def int_block_k(block_k: int, hidden: int, inter: int, group_size: int) -> int |
 def _int_operand(rows: torch.Tensor, ints: ExpertInts, first: bool
                  ) -> tuple[torch.Tensor, tuple, dict]:
     """``rows`` as they are for a GEMM over integer experts, with the experts' scales,
-    zero points and input order (one stride for scales and zero points: both contiguous)."""
+    zero points (the scales in their place for a codebook: not read) and input order (one
+    stride for scales and zero points: both contiguous)."""
     scales, zeros, perm = ((ints.w13_scales, ints.w13_zeros, ints.w13_perm) if first
                            else (ints.w2_scales, ints.w2_zeros, ints.w2_perm))
-    scales, zeros = scales.contiguous(), zeros.contiguous()
+    scales = scales.contiguous()
+    zeros = scales if zeros is None else zeros.contiguous()
     group = rows.shape[1] if ints.group_size == -1 else ints.group_size
     sizes = dict(group_n=1, group_k=1, stride_asm=0, stride_bse=scales.stride(0),
                  stride_bsn=scales.stride(1), stride_pe=0 if perm is None else perm.stride(0),
@@ -176,8 +178,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return quantized, (a_scale, b_scale, b_scale, b_scale), {**unused, **sizes}
 
     a, scale_args, sizes = operand(x, first=True)
+    codebook = None if ints is None else ints.codebook
     kernel[(num_blocks * cdiv(inter, tile.block_n),)](
-        a, w13, activated, topk_weights, sorted_slots, block_expert, *scale_args,
+        a, w13, activated, topk_weights, sorted_slots, block_expert, *scale_args, codebook,
         num_slots, num_blocks, inter, hidden, sizes.pop("group_n"), sizes.pop("group_k"),
         a.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
         A_DIV=top_k, GATED=True, WEIGHTED=False, **sizes, **meta,
@@ -186,7 +189,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     rows = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
     a, scale_args, sizes = operand(activated, first=False)
     kernel[(num_blocks * cdiv(hidden, tile.block_n),)](
-        a, w2, rows, weights, sorted_slots, block_expert, *scale_args,
+        a, w2, rows, weights, sorted_slots, block_expert, *scale_args, codebook,
         num_slots, num_blocks, hidden, inter, sizes.pop("group_n"), sizes.pop("group_k"),
         a.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
         A_DIV=1, GATED=False, WEIGHTED=True, **sizes, **meta,
