@@ -212,6 +212,17 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
             if module.input_scale is not None:
                 module.input_scale.fill_(1.0 / INT8_MAX)
             filled.update(id(p) for p in (module.weight, module.weight_scale, module.input_scale))
+        elif isinstance(module, FusedMoE) and module.w13.dtype == torch.int8:  # INT8 W8A8
+            for name in ("w13", "w2"):
+                weight = getattr(module, name)
+                weight.random_(-INT8_MAX, INT8_MAX + 1, generator=draws.generator(
+                    prefix + name, None, weight.device))
+                getattr(module, f"{name}_scale").fill_(DUMMY_WEIGHT_RANGE / INT8_MAX)
+                input_scale = getattr(module, f"{name}_input_scale")
+                if input_scale is not None:
+                    input_scale.fill_(1.0 / INT8_MAX)
+                filled.update(id(p) for p in (weight, getattr(module, f"{name}_scale"),
+                                              input_scale))
         elif isinstance(module, FusedMoE) and module.int_scheme is not None:
             for name in ("w13", "w2"):
                 packed, scales, zeros = (getattr(module, name + suffix)

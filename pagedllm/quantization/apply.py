@@ -53,11 +53,11 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
 
 
 def _quantize_experts(experts: FusedMoE, scheme, name: str, when: str) -> None:
-    if isinstance(scheme, Int8Scheme):
-        raise ValueError(f"{name}: INT8 W8A8 experts are not supported by pagedllm (experts "
-                         "take FP8, or integer weights with unquantized inputs).")
     try:
-        if isinstance(scheme, IntWeightScheme) and not scheme.prequantized:
+        if isinstance(scheme, Int8Scheme):
+            if when == "before_load":
+                experts.make_int8(static_input=scheme.static_input)
+        elif isinstance(scheme, IntWeightScheme) and not scheme.prequantized:
             if when == "after_load":
                 experts.quantize_int(scheme)
         elif isinstance(scheme, IntWeightScheme):

@@ -180,6 +180,31 @@ def test_triton_grouped_gemm_with_fp8_experts_matches_the_fp8_reference(block, t
                                   fused_moe_reference(x, q13, q2, weights, ids, scales=scales))
 
 
+@pytest.mark.parametrize("tile", [MoeTile(16, 32, 16), MoeTile(32, 16, 64, group_m=1)])
+def test_triton_grouped_gemm_with_int8_experts_matches_the_int8_reference(tile) -> None:
+    """INT8 W8A8 experts, per channel: inputs quantized to int8 per token (or with static
+    scales), int32 sums scaled per row and column, as the reference dequantizes and
+    multiplies."""
+    from pagedllm.quantization.int8 import quantize_rows_int8
+
+    x, w13, w2, weights, ids = _moe_inputs(11, 2)
+    quantized = [[quantize_rows_int8(weight) for weight in stacked.float().cpu()]
+                 for stacked in (w13, w2)]
+    (q13, s13), (q2, s2) = ((torch.stack([q for q, _ in parts]).to(DEVICE),
+                             torch.stack([s for _, s in parts]).to(DEVICE))
+                            for parts in quantized)
+    static = torch.tensor([2.0 ** -7], device=DEVICE)
+    for case in (ExpertScales(s13, s2), ExpertScales(s13, s2, None, static, static / 4)):
+        got = fused_moe_triton(x, q13, q2, weights, ids, tile=tile, scales=case)
+        want = fused_moe_reference(x, q13, q2, weights, ids, scales=case)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        dense = fused_moe_dense(x, q13, q2, weights, ids, scales=case)
+        torch.testing.assert_close(dense, want, rtol=1e-4, atol=1e-4)
+    dynamic = fused_moe_reference(x, q13, q2, weights, ids, scales=ExpertScales(s13, s2))
+    plain = fused_moe_reference(x, w13, w2, weights, ids)  # int8 is close, not the same
+    assert 0 < (dynamic - plain).abs().max() < 0.1 * plain.abs().max()
+
+
 def test_the_environment_tile_sorts_and_multiplies_with_its_own_block_m(monkeypatch) -> None:
     # BLOCK_M 32 pads each expert's run to 32 slots; a sort padded to any other size would
     # hand the kernel blocks of mixed experts and give another result.

@@ -11,7 +11,8 @@ index; pad slots (``>= num_slots``) are masked. Rows of ``a`` are read at
 ``slot // A_DIV`` and results written at row ``slot`` of ``c``. Offsets are computed in
 int64; accumulation is float32.
 
-With ``FP8`` the operands are float8_e4m3fn: ``a``'s rows with float32 scales
+With ``W8A8`` "fp8" the operands are float8_e4m3fn, with "int8" int8 (their products
+summed in int32, exact, within a ``BLOCK_K`` step): ``a``'s rows with float32 scales
 ``a_scale[row, g]`` and the experts' weights with ``b_scale[e, n // group_n, g]``, one per
 group ``g`` of ``group_k`` inputs (per channel: ``group_n`` 1, ``group_k`` the whole K).
 Each ``BLOCK_K`` step lies in one group (``BLOCK_K`` divides ``group_k``, or there is one
@@ -48,7 +49,7 @@ def moe_gemm_kernel(
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     DOT_F32: tl.constexpr,
-    FP8: tl.constexpr,
+    W8A8: tl.constexpr,
     INT_BITS: tl.constexpr,
     INT_GROUP: tl.constexpr,
     HAS_PERM: tl.constexpr,
@@ -107,9 +108,11 @@ def moe_gemm_kernel(
             if DOT_F32:
                 a = a.to(tl.float32)
                 part = tl.dot(a, b.to(tl.float32), input_precision="ieee")
+            elif W8A8 == "int8":
+                part = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
             else:
                 part = tl.dot(a, b)
-            if FP8:
+            if W8A8 != "":
                 group = k0 // group_k
                 a_s = tl.load(a_scales + group, mask=row_ok, other=0.0)[:, None]
                 part = part * a_s * tl.load(b_scales + group, mask=n_ok, other=0.0)[None, :]
@@ -125,9 +128,11 @@ def moe_gemm_kernel(
                                    mask=b_mask, other=0.0)
                 if DOT_F32:
                     part = tl.dot(a, b_up.to(tl.float32), input_precision="ieee")
+                elif W8A8 == "int8":
+                    part = tl.dot(a, b_up, out_dtype=tl.int32).to(tl.float32)
                 else:
                     part = tl.dot(a, b_up)
-                if FP8:
+                if W8A8 != "":
                     part = part * a_s * tl.load(b_scales_up + group, mask=n_ok,
                                                 other=0.0)[None, :]
                 acc_up += part

@@ -18,6 +18,8 @@ columns)`` of each expert's weight; inputs are quantized per token (and group) i
 or with static scales (``w13_input_scale`` for the gate/up input, ``w2_input_scale`` for
 the down input: the largest of the experts' own, as every expert reads the same rows;
 ``torch_ref.ExpertScales``). Block-wise, the up rows and each rank's part start on a block.
+INT8 W8A8 experts (``make_int8``) are the per-channel form with int8 weights, their inputs
+quantized to int8 (``quantization.int8``).
 
 Integer experts (``make_int``, W4A16 / W8A16 from GPTQ, AWQ or compressed-tensors
 checkpoints): ``w13`` and ``w2`` hold each expert's weights packed in int32 words in
@@ -139,6 +141,15 @@ class FusedMoE(nn.Module):
         channel or per ``block``, and with ``static_input`` the two input scales (starting
         at 0: the largest loaded is kept). Raises ValueError when the up rows or this
         rank's intermediate columns would start inside a block."""
+        self._make_byte_weights(FP8_DTYPE, block, static_input)
+
+    def make_int8(self, static_input: bool = False) -> None:
+        """The parameters an INT8 W8A8 checkpoint fills: as ``make_fp8``'s per channel,
+        with int8 weights (inputs quantized to int8 in the step: ``quantization.int8``)."""
+        self._make_byte_weights(torch.int8, None, static_input)
+
+    def _make_byte_weights(self, dtype: torch.dtype, block: tuple[int, int] | None,
+                           static_input: bool) -> None:
         experts, two_inter, hidden = self.w13.shape
         inter = self.intermediate_size
         device = self.w13.device
@@ -157,9 +168,9 @@ class FusedMoE(nn.Module):
                       (experts, -(-hidden // block[0]), -(-inter // block[1])))
         else:
             shapes = ((experts, two_inter, 1), (experts, hidden, 1))
-        self.w13 = nn.Parameter(torch.empty(self.w13.shape, dtype=FP8_DTYPE, device=device),
+        self.w13 = nn.Parameter(torch.empty(self.w13.shape, dtype=dtype, device=device),
                                 requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.w2.shape, dtype=FP8_DTYPE, device=device),
+        self.w2 = nn.Parameter(torch.empty(self.w2.shape, dtype=dtype, device=device),
                                requires_grad=False)
         self.w13_scale, self.w2_scale = (
             nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device),
@@ -297,8 +308,9 @@ class FusedMoE(nn.Module):
         if self.int_scheme is not None:
             return self._load_int(name, tensor)
         if self.w13_scale is not None and parts[-1] in ("weight", *STACKED_TENSORS) \
-                and tensor.dtype != FP8_DTYPE:
-            raise ValueError(f"expert weights are FP8 (float8_e4m3fn) in this checkpoint's "
+                and tensor.dtype != self.w13.dtype:
+            kind = "FP8 (float8_e4m3fn)" if self.w13.dtype == FP8_DTYPE else "int8"
+            raise ValueError(f"expert weights are {kind} in this checkpoint's "
                              f"quantization_config, got {tensor.dtype}.")
         if len(parts) == 1 and name in STACKED_TENSORS:
             param = getattr(self, STACKED_TENSORS[name])
@@ -431,8 +443,9 @@ class FusedMoE(nn.Module):
             values = self.int_scheme.codebook or f"int{self.int_scheme.bits}"
             quant = f", {values} groups of {self.int_scheme.group_size}{order}"
         elif self.w13_scale is not None:
-            quant = ", fp8" + (f" blocks of {self.fp8_block[0]}x{self.fp8_block[1]}"
-                               if self.fp8_block else "")
+            kind = "int8 w8a8" if self.w13.dtype == torch.int8 else "fp8"
+            quant = f", {kind}" + (f" blocks of {self.fp8_block[0]}x{self.fp8_block[1]}"
+                                   if self.fp8_block else "")
         return (f"experts={self.num_experts}, top_k={self.top_k}, "
                 f"intermediate={self.intermediate_size}, renormalize={self.renormalize}{quant}")
 

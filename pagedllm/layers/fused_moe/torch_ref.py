@@ -13,7 +13,8 @@ the Triton kernels are turned off.
 FP8 experts (``ExpertScales``): each product's input is quantized per token (per token and
 group of ``block[1]`` inputs with block-wise weights; or with the layer's static input
 scale) and multiplied by the dequantized weight in float32, the result rounded to the
-activation dtype, as a dense FP8 projection does (``quantization.fp8``). Integer experts
+activation dtype, as a dense FP8 projection does (``quantization.fp8``); INT8 W8A8 experts
+the same way with int8 inputs (``quantization.int8``). Integer experts
 (``ExpertInts``, W4A16 / W8A16): each expert's weight is dequantized to the activation
 dtype in the checkpoint's column order and multiplied, as a dense integer-weight
 projection's reference does (``quantization.int_weights.int_linear_reference``).
@@ -27,11 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.quantization.fp8 import dequantize_blocks, quantize_groups, quantize_rows
+from pagedllm.quantization.int8 import quantize_rows_int8
 from pagedllm.quantization.int_weights import int_linear_reference
 
 
 class ExpertScales(NamedTuple):
-    """The float32 scales of FP8 expert weights: ``w13 [E, 2I, 1]`` and ``w2 [E, H, 1]``
+    """The float32 scales of FP8 expert weights (or INT8 W8A8 ones, per channel: the
+    weights' dtype tells): ``w13 [E, 2I, 1]`` and ``w2 [E, H, 1]``
     per output channel (``block`` None), or one per ``block = (rows, columns)`` of each
     expert's weight (``[E, cdiv(2I, rows), cdiv(H, columns)]``, ``[E, cdiv(H, rows),
     cdiv(I, columns)]``)."""
@@ -86,6 +89,9 @@ def expert_linear(x: torch.Tensor, weights: torch.Tensor, expert: int,
                                     codebook=quant.codebook)
     scale = (quant.w13 if first else quant.w2)[expert]
     input_scale = quant.input13 if first else quant.input2
+    if weight.dtype == torch.int8:
+        xq, x_scale = quantize_rows_int8(x, input_scale)
+        return ((xq.float() * x_scale) @ (weight.float() * scale).t()).to(x.dtype)
     block = quant.block
     group = block[1] if block is not None else x.shape[-1]
     if input_scale is not None:

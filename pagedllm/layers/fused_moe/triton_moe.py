@@ -16,7 +16,8 @@ the second the down projection times the slot's routing weight (float32 rows); t
 combine sums each token's ``top_k`` rows and casts once, as ``torch_ref`` does. FP8 experts
 (``scales``): each GEMM's input is first quantized per row and group
 (``fp8_block_matmul.quantize_groups_fp8``: per token, then per slot) and the kernel scales
-each group's product (``_kernels``). Integer experts (``ExpertInts``) are dequantized tile
+each group's product (``_kernels``); INT8 W8A8 experts the same way, per row, in int8
+(``triton_ops.quantize_rows_int8``). Integer experts (``ExpertInts``) are dequantized tile
 by tile inside the same GEMMs, their inputs unquantized; the tile's ``BLOCK_K`` is cut to
 divide both products' inputs and the group size.
 """
@@ -34,7 +35,7 @@ from pagedllm.core.kv_cache import cdiv
 from pagedllm.layers.fused_moe.tiles import MoeTile, choose_tile
 from pagedllm.layers.fused_moe.torch_ref import ExpertInts, ExpertQuant, ExpertScales
 
-# An FP8 tensor-core product sums 32 inputs at least (Triton's smallest FP8 dot).
+# An FP8 or int8 tensor-core product sums 32 inputs at least (Triton's smallest such dot).
 FP8_MIN_BLOCK_K = 32
 
 
@@ -70,18 +71,22 @@ def sort_slots_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_slots, block_expert
 
 
-def _fp8_operand(rows: torch.Tensor, weight_scale: torch.Tensor,
-                 block: tuple[int, int] | None, input_scale: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, tuple, dict]:
-    """``rows`` quantized for an FP8 GEMM over weights scaled by ``weight_scale`` (per
-    token and group, or with the static ``input_scale``): the kernel's ``a`` and its scale
-    and weight-scale arguments."""
+def _w8a8_operand(rows: torch.Tensor, weight_scale: torch.Tensor,
+                  block: tuple[int, int] | None, input_scale: torch.Tensor | None,
+                  int8: bool) -> tuple[torch.Tensor, tuple, dict]:
+    """``rows`` quantized for an FP8 (or, with ``int8``, INT8) GEMM over weights scaled by
+    ``weight_scale`` (per token and group, or with the static ``input_scale``): the
+    kernel's ``a`` and its scale and weight-scale arguments."""
     from pagedllm.layers.fp8_block_matmul import quantize_groups_fp8
-    from pagedllm.layers.triton_ops import quantize_rows_fp8
+    from pagedllm.layers.triton_ops import quantize_rows_fp8, quantize_rows_int8
+    from pagedllm.quantization import int8 as int8_reference
     from pagedllm.quantization.fp8 import quantize_groups, quantize_rows
 
     group_n, group_k = block if block is not None else (1, rows.shape[1])
-    if block is None or input_scale is not None:  # a scale a row: per token, or static
+    if int8:
+        quantize = quantize_rows_int8 if rows.is_cuda else int8_reference.quantize_rows_int8
+        quantized, scale = quantize(rows, input_scale)
+    elif block is None or input_scale is not None:  # a scale a row: per token, or static
         quantize = quantize_rows_fp8 if rows.is_cuda else quantize_rows
         quantized, scale = quantize(rows, input_scale)
     else:
@@ -144,7 +149,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             raise ValueError(f"integer experts of {hidden} and {inter} inputs in groups of "
                              f"{ints.group_size} do not tile in steps of 16 inputs or more.")
         tile = replace(tile, block_k=block_k)
-    elif scales is not None:  # FP8 products take 32 inputs a step at least
+    elif scales is not None:  # FP8 and int8 products take 32 inputs a step at least
         block_k = max(tile.block_k, FP8_MIN_BLOCK_K)
         if scales.block is not None:
             width = scales.block[1]
@@ -161,7 +166,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     activated = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
     meta = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                 GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
-                FP8=ints is None and scales is not None, DOT_F32=dot_f32)
+                W8A8="" if ints is not None or scales is None else (
+                    "int8" if w13.dtype == torch.int8 else "fp8"), DOT_F32=dot_f32)
 
     def operand(rows: torch.Tensor, first: bool) -> tuple[torch.Tensor, tuple, dict]:
         """The GEMM's ``a``, its four scale, zero-point and order arguments, and the sizes,
@@ -172,9 +178,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       stride_pe=0, INT_BITS=0, INT_GROUP=1, HAS_PERM=False)
         if scales is None:
             return rows, (rows,) * 4, unused
-        quantized, (a_scale, b_scale), sizes = _fp8_operand(
+        quantized, (a_scale, b_scale), sizes = _w8a8_operand(
             rows, scales.w13 if first else scales.w2, scales.block,
-            scales.input13 if first else scales.input2)
+            scales.input13 if first else scales.input2, meta["W8A8"] == "int8")
         return quantized, (a_scale, b_scale, b_scale, b_scale), {**unused, **sizes}
 
     a, scale_args, sizes = operand(x, first=True)
