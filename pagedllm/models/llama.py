@@ -571,6 +571,18 @@ class LlamaForCausalLM(nn.Module):
             return None
         return module if isinstance(module, (Linear, Embedding)) else None
 
+    @classmethod
+    def projection_names(cls, checkpoint_module: str) -> list[str]:
+        """The names ``projections`` gives what a checkpoint module holds: its name as
+        ``load_weights`` reads it (``checkpoint_renames``), or the names of the shards a
+        fused checkpoint module holds (Phi-3's ``qkv_proj`` and ``gate_up_proj``)."""
+        name = checkpoint_module
+        for pattern, replacement in cls.checkpoint_renames:
+            name = re.sub(pattern, replacement, name, count=1)
+        parent, _, last = name.rpartition(".")
+        return [f"{parent}.{original}" for fused, original, _ in STACKED_PARAMS
+                if fused == last] or [name]
+
     def projections(self) -> Iterator[tuple[Linear | FusedMoE, list[str]]]:
         """Each projection inside the decoder layers with the checkpoint module names it
         holds (``...self_attn.q_proj``, ``k_proj``, ``v_proj`` for the fused qkv): what a
@@ -620,11 +632,20 @@ def _copy_checked(param: nn.Parameter, tensor: torch.Tensor) -> None:
     param.data.copy_(tensor)
 
 
+# Tensors whose rows are a projection's output rows, cut into shards when a checkpoint
+# stores a fused projection whole (bitsandbytes' block scales among them); and tensors that
+# describe the whole projection, given to every shard (bitsandbytes' code values).
+_ROW_TENSORS = ("weight", "bias", "weight_absmax")
+_WHOLE_TENSORS = ("weight_quant_map",)
+
+
 def _shard_parts(module: Linear | None, param_name: str, shard: str | None,
                  tensor: torch.Tensor) -> list[tuple[str | None, torch.Tensor]]:
     """``[(shard, tensor)]``; a checkpoint that stores a fused projection whole (Phi-3's
     ``qkv_proj`` and ``gate_up_proj``) is cut into its shards' rows, in shard order."""
-    if shard is None and isinstance(module, FusedLinear) and param_name in ("weight", "bias"):
+    if shard is None and isinstance(module, FusedLinear) and param_name in _WHOLE_TENSORS:
+        return [(name, tensor) for name in module.shard_sizes]
+    if shard is None and isinstance(module, FusedLinear) and param_name in _ROW_TENSORS:
         tensor = sharding.read(tensor)
         sizes = list(module.checkpoint_shard_sizes.values())
         if tensor.shape[0] != sum(sizes):

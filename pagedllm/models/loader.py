@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Iterator
 
@@ -92,7 +91,8 @@ def load_model(
             # The projections the checkpoint holds in 4 bits, handed over as the
             # integer-weight layers read them.
             held = bitsandbytes.quantized_prefixes(checkpoint_tensor_names(model_config.path))
-            quant = for_projections(quant, {_renamed(model_cls, name) for name in held})
+            names = getattr(model_cls, "projection_names", lambda name: [name])
+            quant = for_projections(quant, {p for name in held for p in names(name)})
             weights = bitsandbytes.checkpoint_tensors(weights, held)
     with _default_dtype(dtype), device:
         model = model_cls(model_config.hf_config)
@@ -116,14 +116,6 @@ def load_model(
                 str(dtype).replace("torch.", ""),
                 f", {quant.method} projections" if quant is not None else "")
     return model
-
-
-def _renamed(model_cls: type, name: str) -> str:
-    """A checkpoint name as the model's ``load_weights`` reads it (its
-    ``checkpoint_renames``: a vision-language checkpoint's nested text decoder)."""
-    for pattern, replacement in getattr(model_cls, "checkpoint_renames", ()):
-        name = re.sub(pattern, replacement, name, count=1)
-    return name
 
 
 def weight_memory(model: nn.Module) -> int:

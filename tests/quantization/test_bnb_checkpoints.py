@@ -95,6 +95,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bnb-sources")
     return {"llama": make_tiny_checkpoint(root, "llama", **TINY),
             "qwen3": make_tiny_checkpoint(root, "qwen3", head_dim=32, **TINY),
+            "phi3": make_tiny_checkpoint(root, "phi3", **TINY),
             # down_proj's rows of 352 inputs: bitsandbytes' blocks of 64 span two rows
             "llama-352": make_tiny_checkpoint(root, "llama", **dict(TINY, intermediate_size=352)),
             "qwen3-moe": make_tiny_checkpoint(root, "qwen3_moe", vocab_size=256,
@@ -106,6 +107,8 @@ CASES = {
     "llama-nf4-double-quant": ("llama", dict(quant_type="nf4", double_quant=True)),
     "llama-fp4": ("llama", dict(quant_type="fp4", double_quant=False)),
     "qwen3-nf4": ("qwen3", dict(quant_type="nf4", double_quant=False)),
+    # Phi-3 stores its q/k/v and gate/up fused: the codes and scales are cut into shards
+    "phi3-nf4": ("phi3", dict(quant_type="nf4")),
     "llama-352-nf4-blocks-spanning-rows": ("llama-352", dict(quant_type="nf4")),
     # transformers quantizes the attention and leaves the stacked experts in float32
     "qwen3-moe-nf4": ("qwen3-moe", dict(quant_type="nf4")),
