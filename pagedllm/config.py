@@ -108,7 +108,9 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
-    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights, real shape)
+    # "auto" (safetensors) | "dummy" (random weights, real shape) | "bitsandbytes" (vLLM's
+    # name for loading bitsandbytes weights: "auto" with bitsandbytes quantization).
+    load_format: str = "auto"
     revision: str | None = None
     tokenizer: str | None = None
     # Token-id mode: no tokenizer is loaded; prompts are token ids and outputs carry no text.
@@ -131,9 +133,10 @@ class ModelConfig:
     quant_config: QuantizationConfig | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.load_format not in ("auto", "safetensors", "dummy"):
+        if self.load_format not in ("auto", "safetensors", "dummy", "bitsandbytes"):
             raise ValueError(
-                f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}."
+                "load_format must be 'auto', 'safetensors', 'dummy' or 'bitsandbytes', got "
+                f"{self.load_format!r}."
             )
         self.dtype = _normalize_dtype(self.dtype)
         self.quantization = check_quantization(self.quantization)
@@ -147,6 +150,13 @@ class ModelConfig:
             self.hf_config = cfg
         self.quant_config = resolve_quantization(self.quantization, cfg, self.load_format)
         self.quantization = self.quant_config.method if self.quant_config else None
+        if self.load_format == "bitsandbytes":
+            if self.quantization != "bitsandbytes":
+                raise ValueError(
+                    "--load-format bitsandbytes (load_format='bitsandbytes') loads bitsandbytes "
+                    "weights: a bitsandbytes checkpoint, or --quantization bitsandbytes to "
+                    "quantize this one at load; or drop it (--load-format auto).")
+            self.load_format = "auto"
         limit = cfg.get("max_position_embeddings")
         if self.max_model_len is None:
             self.max_model_len = limit or 2048

@@ -228,8 +228,11 @@ class EngineArgs:
         group.add_argument("--dtype", default="auto",
                            choices=["auto", "float32", "float16", "bfloat16", "half", "float", "bf16"],
                            help="'auto' follows the checkpoint (float32 on the CPU).")
-        group.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-                           help="'dummy' uses random weights at the model's real shape.")
+        group.add_argument("--load-format", default="auto",
+                           choices=["auto", "safetensors", "dummy", "bitsandbytes"],
+                           help="'dummy' uses random weights at the model's real shape; "
+                                "'bitsandbytes' (vLLM's name) loads a bitsandbytes checkpoint, "
+                                "or quantizes at load with --quantization bitsandbytes.")
         group.add_argument("--hf-overrides", default=None,
                            help="JSON object of config.json fields to override, merged into "
                                 "nested objects (e.g. '{\"rope_scaling\": {\"factor\": 4.0}}'); "

@@ -320,3 +320,17 @@ def test_a_vision_language_checkpoints_text_decoder_in_4_bits(tmp_path):
     with torch.inference_mode(), set_forward_context(None, []):
         got = ours.compute_logits(ours(prompt, torch.arange(len(prompt))))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+def test_vllms_bitsandbytes_load_format_is_taken_with_bitsandbytes_weights(sources, tmp_path):
+    """``--load-format bitsandbytes`` (vLLM's guides pass it with ``--quantization
+    bitsandbytes``): the same tokens as without it; refused with unquantized weights."""
+    model_dir = write_bnb(sources["llama"], tmp_path / "bnb")
+    prompts = random_prompts(2, 3, 20, seed=11, vocab=256)
+    assert engine_tokens(model_dir, prompts, load_format="bitsandbytes") == engine_tokens(
+        model_dir, prompts)
+    assert engine_tokens(sources["llama"], prompts, quantization="bitsandbytes",
+                         load_format="bitsandbytes") == engine_tokens(
+        sources["llama"], prompts, quantization="bitsandbytes")
+    with pytest.raises(ValueError, match="--load-format bitsandbytes .* loads bitsandbytes"):
+        engine_tokens(sources["llama"], prompts, load_format="bitsandbytes")
