@@ -33,6 +33,7 @@ and an LM head made with ``parallel="vocab"`` split the vocabulary rows
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -492,6 +493,36 @@ class FusedLinear(Linear):
         for name, size in self.shard_sizes.items():
             self.shard_offsets[name] = offset
             offset += size
+
+    def checkpoint_parts(self, param_name: str, tensor: torch.Tensor | sharding.CheckpointSlice
+                         ) -> list[tuple[str, torch.Tensor]]:
+        """A checkpoint tensor that holds this fused projection whole (Phi-3's ``qkv_proj``
+        and ``gate_up_proj``) as each shard's own tensor, in the checkpoint's layout: its
+        output rows cut in shard order (a packed integer layout's along its own dimension,
+        ``int_weights.shard_of_whole``; block scales by blocks), and a tensor that
+        describes the whole projection (a per-tensor or input scale) given to every shard.
+        Raises ValueError when the rows do not add up to the shards'."""
+        tensor = sharding.read(tensor)
+        scheme = self.int_scheme
+        if scheme is not None and param_name in int_weights.checkpoint_names(scheme):
+            cut = functools.partial(int_weights.shard_of_whole, scheme, param_name, tensor)
+        elif param_name == "input_scale" or (param_name.endswith("_scale")
+                                             and tensor.numel() == 1):
+            return [(shard, tensor) for shard in self.checkpoint_shard_sizes]
+        elif param_name in ("weight_scale", BLOCK_SCALE_NAME) and self.fp8_block is not None:
+            block = self.fp8_block[0]
+            cut = lambda start, rows: tensor.narrow(0, start // block, -(-rows // block))  # noqa: E731
+        else:  # weight, bias, per-channel scales: rows first
+            total = sum(self.checkpoint_shard_sizes.values())
+            if tensor.shape[0] != total:
+                raise ValueError(f"{param_name} of {self.checkpoint_shard_sizes} expects {total} "
+                                 f"rows, got shape {tuple(tensor.shape)}.")
+            cut = lambda start, rows: tensor.narrow(0, start, rows)  # noqa: E731
+        parts, start = [], 0
+        for shard, rows in self.checkpoint_shard_sizes.items():
+            parts.append((shard, cut(start, rows)))
+            start += rows
+        return parts
 
     def checkpoint_shape(self, param_name: str, shard: str | None = None) -> tuple[int, ...]:
         if shard not in self.checkpoint_shard_sizes:

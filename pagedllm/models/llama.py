@@ -632,27 +632,13 @@ def _copy_checked(param: nn.Parameter, tensor: torch.Tensor) -> None:
     param.data.copy_(tensor)
 
 
-# Tensors whose rows are a projection's output rows, cut into shards when a checkpoint
-# stores a fused projection whole (bitsandbytes' block scales among them); and tensors that
-# describe the whole projection, given to every shard (bitsandbytes' code values).
-_ROW_TENSORS = ("weight", "bias", "weight_absmax")
-_WHOLE_TENSORS = ("weight_quant_map",)
-
-
 def _shard_parts(module: Linear | None, param_name: str, shard: str | None,
                  tensor: torch.Tensor) -> list[tuple[str | None, torch.Tensor]]:
     """``[(shard, tensor)]``; a checkpoint that stores a fused projection whole (Phi-3's
-    ``qkv_proj`` and ``gate_up_proj``) is cut into its shards' rows, in shard order."""
-    if shard is None and isinstance(module, FusedLinear) and param_name in _WHOLE_TENSORS:
-        return [(name, tensor) for name in module.shard_sizes]
-    if shard is None and isinstance(module, FusedLinear) and param_name in _ROW_TENSORS:
-        tensor = sharding.read(tensor)
-        sizes = list(module.checkpoint_shard_sizes.values())
-        if tensor.shape[0] != sum(sizes):
-            raise ValueError(f"{param_name} of {module.checkpoint_shard_sizes} expects "
-                             f"{sum(sizes)} rows, "
-                             f"got shape {tuple(tensor.shape)}.")
-        return list(zip(module.shard_sizes, tensor.split(sizes)))
+    ``qkv_proj`` and ``gate_up_proj``) is cut into its shards' parts, in shard order
+    (``FusedLinear.checkpoint_parts``)."""
+    if shard is None and isinstance(module, FusedLinear):
+        return module.checkpoint_parts(param_name, tensor)
     return [(shard, tensor)]
 
 

@@ -195,6 +195,40 @@ def convert(scheme: IntWeightScheme, name: str, tensor: torch.Tensor, rows: int,
     return "zeros", zeros.to(torch.uint8)
 
 
+# Where a checkpoint tensor of a fused projection stored whole (Phi-3's qkv_proj) keeps the
+# output rows, per layout and name: (dimension, rows an element holds: 1, or the values of
+# a packed word), None for a tensor that describes the whole projection.
+_WHOLE_ROWS = {
+    "compressed-tensors": {"weight_packed": (0, 1), "weight_scale": (0, 1),
+                           "weight_zero_point": (0, "word"), "weight_g_idx": None,
+                           "weight_shape": None},
+    "gptq": {"qweight": (1, 1), "scales": (1, 1), "qzeros": (1, "word"), "g_idx": None},
+    "awq": {"qweight": (1, "word"), "scales": (1, 1), "qzeros": (1, "word")},
+    "bitsandbytes": {"weight": (0, 1), "weight_absmax": (0, 1), "weight_quant_map": None},
+}
+_WHOLE_ROWS["gptq_v2"] = _WHOLE_ROWS["gptq"]
+
+
+def shard_of_whole(scheme: IntWeightScheme, name: str, tensor: torch.Tensor, start: int,
+                   rows: int) -> torch.Tensor:
+    """The part of checkpoint tensor ``name`` of a fused projection stored whole that a
+    shard of output rows ``start .. start + rows`` would store, in the checkpoint's layout
+    (``weight_shape`` made the shard's); a tensor that describes the whole projection
+    (``g_idx``, bitsandbytes' code) as it is. Raises ValueError when the shard does not
+    start and end on a packed word."""
+    where = _WHOLE_ROWS[scheme.layout][name]
+    if where is None:
+        if name == "weight_shape":
+            return torch.tensor([rows, int(tensor[1])], dtype=tensor.dtype)
+        return tensor
+    dim, per = where
+    per = values_per_word(scheme.bits) if per == "word" else per
+    if start % per or rows % per:
+        raise ValueError(f"a fused shard of {rows} rows from row {start} is not a whole number "
+                         f"of {scheme.bits}-bit words of {name}.")
+    return tensor.narrow(dim, start // per, rows // per)
+
+
 def rank_part(scheme: IntWeightScheme, param: str, tensor: torch.Tensor, dim: int,
               start: int, length: int) -> torch.Tensor:
     """A tensor-parallel rank's part of a converted tensor (``param`` as ``convert``

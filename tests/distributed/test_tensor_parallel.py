@@ -267,6 +267,7 @@ def test_replicated_kv_heads_and_pipeline_stages_hold_their_parts(tmp_path, monk
 
 @pytest.mark.parametrize("family, sizes", [
     ("llama", dict(hidden_size=128, intermediate_size=256)),
+    ("phi3", dict(hidden_size=128, intermediate_size=256)),  # fused qkv_proj, gate_up_proj
     ("qwen3_moe", dict(hidden_size=128, head_dim=32, moe_intermediate_size=128)),
 ])
 def test_gptq_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path, family,

@@ -38,7 +38,8 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # their gate, down and up w1, w2 and w3).
 _SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
                  "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down",
-                 "w1": "gate_up", "w3": "gate_up", "w2": "down"}
+                 "w1": "gate_up", "w3": "gate_up", "w2": "down",
+                 "qkv_proj": "qkv", "gate_up_proj": "gate_up"}  # Phi-3's fused ones
 _PROJECTION = re.compile(r".*\.layers\..*\.(\w+_proj|experts\.\d+\.w[123])\.weight$")
 
 
