@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedllm import LLM, SamplingParams
@@ -25,6 +24,7 @@ from pagedllm.quantization.fp8 import (
     quantize_rows,
 )
 from tests.engine.conftest import hf_greedy, random_prompts
+from tests.quantization.int_checkpoints import read_tensors
 from tests.quantization.llm_compressor import make_checkpoints
 from tests.utils import make_tiny_checkpoint
 
@@ -59,14 +59,6 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     checkpoints = {name: root / name for name in jobs}
     checkpoints.update({"qwen3-moe-source": moe, "qwen3-moe-wide-source": wide_moe})
     return checkpoints
-
-
-def checkpoint_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return tensors
 
 
 def quantized_input(x: torch.Tensor, input_scale: torch.Tensor | None = None,
@@ -118,7 +110,7 @@ def test_fp8_weights_load_as_stored_with_per_tensor_scales_on_their_rows(checkpo
     """The FP8 bytes are used as the checkpoint holds them (no requantization); the fused
     qkv keeps q's, k's and v's own per-tensor scales on their rows, and one input scale."""
     model_dir = checkpoints["llama-static"]
-    tensors = checkpoint_tensors(model_dir)
+    tensors = read_tensors(model_dir)
     llm = LLM(str(model_dir), dtype="float32", max_model_len=128, device="cpu")
     attention = runner_model(llm).model.layers[1].self_attn
     qkv = attention.qkv_proj
@@ -136,7 +128,7 @@ def test_fp8_weights_load_as_stored_with_per_tensor_scales_on_their_rows(checkpo
 
 def test_kv_cache_scales_of_the_checkpoint_reach_each_layers_attention(checkpoints):
     model_dir = checkpoints["llama-static-kv"]
-    tensors = checkpoint_tensors(model_dir)
+    tensors = read_tensors(model_dir)
     llm = LLM(str(model_dir), dtype="float32", max_model_len=128, device="cpu")
     for index, layer in enumerate(runner_model(llm).model.layers):
         for which in ("k_scale", "v_scale"):
@@ -211,7 +203,7 @@ def write_plain_fp8_checkpoint(src: Path, dst: Path, per_channel: bool, static: 
     ``block``, Qwen3's and DeepSeek-V3's: ``weight_scale_inv`` per block and
     ``weight_block_size``."""
     dst.mkdir()
-    tensors = checkpoint_tensors(src)
+    tensors = read_tensors(src)
     out = {}
     for name, tensor in tensors.items():
         if ".layers." in name and name.endswith("_proj.weight"):
@@ -248,7 +240,7 @@ def dequantized_hf_reference(fp8_dir: Path, src: Path, prompts, max_new_tokens: 
     unquantized checkpoint by the scales."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    tensors = checkpoint_tensors(fp8_dir)
+    tensors = read_tensors(fp8_dir)
     if block is not None:
         model = AutoModelForCausalLM.from_pretrained(
             fp8_dir, dtype=torch.float32,
@@ -295,7 +287,7 @@ def test_block_wise_plain_fp8_checkpoint_greedy_equals_hf_on_its_dequantized_wei
     prompts = random_prompts(3, 3, 20, seed=5, vocab=256)
     llm = LLM(str(fp8_dir), dtype="float32", block_size=8, max_model_len=128, device="cpu")
     qkv = runner_model(llm).model.layers[0].self_attn.qkv_proj
-    tensors = checkpoint_tensors(fp8_dir)
+    tensors = read_tensors(fp8_dir)
     prefix = "model.layers.0.self_attn"
     assert qkv.fp8_block == block and qkv.weight.dtype == FP8_DTYPE
     assert torch.equal(qkv.weight_scale, torch.cat(
@@ -341,7 +333,7 @@ def hf_moe_fp8_reference(fp8_dir: Path, src: Path, prompts, max_new_tokens: int,
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    tensors = checkpoint_tensors(fp8_dir)
+    tensors = read_tensors(fp8_dir)
     group = None if block is None else block[1]
 
     def dequantized(name: str) -> torch.Tensor:
@@ -419,7 +411,7 @@ def test_expert_tensors_the_scheme_does_not_take_are_named(tmp_path):
     in an FP8 checkpoint (it would be cast to FP8 with no scale)."""
     src = make_tiny_checkpoint(tmp_path, "qwen3_moe", vocab_size=256, max_position_embeddings=128)
     fp8_dir = write_plain_fp8_checkpoint(src, tmp_path / "fp8", True, False)
-    tensors = checkpoint_tensors(fp8_dir)
+    tensors = read_tensors(fp8_dir)
     extra = dict(tensors, **{"model.layers.0.mlp.experts.1.up_proj.weight_scale_inv":
                              torch.ones(1, 1)})
     save_file(extra, str(fp8_dir / "model.safetensors"))

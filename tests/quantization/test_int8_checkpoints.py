@@ -18,9 +18,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.quantization.int8 import int8_linear, quantize_rows_int8
 from tests.engine.conftest import hf_greedy, random_prompts
-from tests.quantization.int_checkpoints import hf_on_dequantized
+from tests.quantization.int_checkpoints import hf_on_dequantized, read_tensors
 from tests.quantization.test_fp8_checkpoints import (
-    checkpoint_tensors,
     engine_greedy,
     runner_model,
 )
@@ -76,7 +75,7 @@ def hf_w8a8(src: Path, model_dir: Path) -> Iterator:
 
     config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
     args = QuantizationArgs(**next(iter(config["config_groups"].values()))["input_activations"])
-    tensors = checkpoint_tensors(model_dir)
+    tensors = read_tensors(model_dir)
     weights = {name.removesuffix(".weight_scale"): tensors[name.removesuffix("_scale")].float()
                * tensors[name].float() for name in tensors if name.endswith(".weight_scale")}
     model = hf_on_dequantized(src, weights)
@@ -175,7 +174,7 @@ def test_an_int8_weight_of_another_dtype_is_named(checkpoints, tmp_path):
 
     model_dir = tmp_path / "edited"
     shutil.copytree(checkpoints["llama-dynamic"], model_dir)
-    tensors = checkpoint_tensors(model_dir)
+    tensors = read_tensors(model_dir)
     name = "model.layers.1.mlp.down_proj.weight"
     tensors[name] = tensors[name].float()
     save_file(tensors, str(model_dir / "model.safetensors"))

@@ -15,8 +15,8 @@ import pytest
 
 from pagedllm import LLM
 from tests.engine.conftest import random_prompts
+from tests.quantization.int_checkpoints import read_tensors
 from tests.quantization.test_fp8_checkpoints import (
-    checkpoint_tensors,
     dequantized_hf_reference,
     engine_greedy,
     hf_moe_fp8_reference,
@@ -78,7 +78,7 @@ def test_modelopt_mixture_of_experts_greedy_equals_hf_on_its_dequantized_weights
 def test_kv_cache_scales_reach_each_layers_attention_and_an_fp8_cache_runs(checkpoints):
     """ModelOpt stores them on k_proj and v_proj (``k_proj.k_scale``)."""
     model_dir = checkpoints["fp8-kv"]
-    tensors = checkpoint_tensors(model_dir)
+    tensors = read_tensors(model_dir)
     llm = LLM(str(model_dir), dtype="float32", max_model_len=128, device="cpu",
               kv_cache_dtype="fp8")
     for index, layer in enumerate(runner_model(llm).model.layers):
