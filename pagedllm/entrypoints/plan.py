@@ -99,11 +99,10 @@ class Profile:
 
 
 # A candidate's quantization -> how ``weight_bytes`` counts its projections: FP8, or 4-bit
-# integer weights in groups of 128 (the usual GPTQ and AWQ exports) or of 64 (bitsandbytes,
-# counted as integer weights: its float32 scales without zero points come within a byte per
-# 64 weights of that).
+# integer weights in groups of 128 (the usual GPTQ and AWQ exports), or bitsandbytes' 4-bit
+# codes in blocks of 64.
 WEIGHT_STORAGE = {None: (None, -1), "fp8": ("fp8", -1), "gptq": ("int4", 128),
-                  "awq": ("int4", 128), "bitsandbytes": ("int4", 64)}
+                  "awq": ("int4", 128), "bitsandbytes": ("nf4", 64)}
 
 
 @dataclass

@@ -212,10 +212,12 @@ class QuantizationConfig:
         """How the quantized projections are stored, for memory accounting
         (``kv_allocator.weight_bytes``): ``("fp8", -1)`` (FP8 and INT8 W8A8: a byte a
         weight, a float32 scale a channel), or ``("int4", group_size)`` /
-        ``("int8", group_size)`` (weight-only; bitsandbytes' codebooks too, within a byte
-        per 64 weights); the last group's scheme (the checkpoint's base scheme, after any
-        per-module rules) stands for all."""
+        ``("int8", group_size)`` (weight-only), ``("nf4", group_size)`` (bitsandbytes' 4-bit
+        codes: float32 scales, no zero points); the last group's scheme (the checkpoint's
+        base scheme, after any per-module rules) stands for all."""
         scheme = next(g.scheme for g in reversed(self.groups) if g.scheme is not None)
+        if isinstance(scheme, IntWeightScheme) and scheme.codebook is not None:
+            return "nf4", scheme.group_size
         if isinstance(scheme, IntWeightScheme):
             return f"int{scheme.bits}", scheme.group_size
         return "fp8", -1

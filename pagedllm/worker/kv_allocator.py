@@ -40,7 +40,7 @@ _GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FP8_BYTES = 1
 # ``weight_bytes``' integer-weight storage names and their bits per weight.
-INT_WEIGHT_BITS = {"int4": 4, "int8": 8}
+INT_WEIGHT_BITS = {"int4": 4, "int8": 8, "nf4": 4}
 
 
 def kv_element_size(cache_dtype: str, model_dtype: str) -> int:
@@ -109,8 +109,9 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
     with ``quantization="fp8"`` (one byte per weight plus a float32 scale per output
     channel) or ``"int4"`` / ``"int8"`` (integer weights as pagedllm stores them: packed in
     int32 words, plus per output channel and group of ``group_size`` inputs (-1: one group)
-    a scale of ``element_size`` bytes and a one-byte zero point); experts are quantized
-    either way, routers never. The embedding, the LM head and the norms keep
+    a scale of ``element_size`` bytes and a one-byte zero point) or ``"nf4"`` (bitsandbytes'
+    4-bit codes, packed the same way, a float32 scale a group and no zero point); experts
+    are quantized either way, routers never. The embedding, the LM head and the norms keep
     ``element_size``.
 
     Families of another shape (Gemma, GPT-NeoX, Falcon, OPT) are counted exactly from
@@ -164,12 +165,14 @@ def weight_bytes(hf_config: dict, element_size: int, quantization: str | None = 
         return total
     if quantization in INT_WEIGHT_BITS:
         bits = INT_WEIGHT_BITS[quantization]
+        # A group's scale and zero point; bitsandbytes' codes: a float32 scale, no zero point.
+        group_bytes = 4 if quantization == "nf4" else element_size + 1
 
         def mlp_bytes(width: int) -> int:  # one gated MLP's packed gate, up and down
-            return sum(_int_projection_bytes(n, k, bits, group_size, element_size)
+            return sum(_int_projection_bytes(n, k, bits, group_size, group_bytes)
                        for n, k in ((2 * width, hidden), (hidden, width)))
 
-        attention = sum(_int_projection_bytes(n, k, bits, group_size, element_size)
+        attention = sum(_int_projection_bytes(n, k, bits, group_size, group_bytes)
                         for n, k in ((qkv_out, hidden), (hidden, q_size)))
         total = (layers * (attention + mlp_bytes(inter) + (biases + norms) * element_size)
                  + embeddings * element_size)
@@ -207,11 +210,12 @@ def _moe_shape(hf_config: dict) -> tuple[int, int, int, int]:
 
 
 def _int_projection_bytes(out_features: int, in_features: int, bits: int, group_size: int,
-                          scale_bytes: int) -> int:
-    """One integer-weight projection as ``pagedllm.quantization.int_weights`` stores it."""
+                          group_bytes: int) -> int:
+    """One integer-weight projection as ``pagedllm.quantization.int_weights`` stores it
+    (``group_bytes``: a group's scale and zero point)."""
     words = math.ceil(in_features * bits / 32)
     groups = 1 if group_size == -1 else math.ceil(in_features / group_size)
-    return out_features * (4 * words + groups * (scale_bytes + 1))
+    return out_features * (4 * words + groups * group_bytes)
 
 
 def determine_num_blocks(

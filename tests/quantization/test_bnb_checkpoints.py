@@ -334,3 +334,16 @@ def test_vllms_bitsandbytes_load_format_is_taken_with_bitsandbytes_weights(sourc
         sources["llama"], prompts, quantization="bitsandbytes")
     with pytest.raises(ValueError, match="--load-format bitsandbytes .* loads bitsandbytes"):
         engine_tokens(sources["llama"], prompts, load_format="bitsandbytes")
+
+
+def test_weight_bytes_counts_4bit_codes_as_the_engine_stores_them(sources):
+    """``pagedllm doctor`` and ``plan`` size the KV cache from ``weight_bytes``: the packed
+    codes and float32 block scales of every projection, to the byte."""
+    from pagedllm.worker import kv_allocator
+
+    llm = LLM(str(sources["llama"]), quantization="bitsandbytes", dtype="float32",
+              max_model_len=128, device="cpu")
+    held = sum(p.numel() * p.element_size() for p in runner_model(llm).parameters())
+    config = llm.llm_engine.config.model_config
+    assert config.quant_config.storage() == ("nf4", 64)
+    assert kv_allocator.weight_bytes(config.hf_config, 4, "nf4", 64) == held
