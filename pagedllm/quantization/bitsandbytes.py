@@ -27,9 +27,9 @@ The format (bitsandbytes' ``QuantState.as_dict(packed=True)``), per quantized pr
 (``int_weights``, layout ``bitsandbytes``): ``P.weight`` as codes ``[N, K / 2]`` (bytes of
 one row each), ``P.weight_absmax`` float32 ``[N, K / G]`` (double quantization undone; ``G
 = stored_group(K)``, 64 where it divides the rows, each block's scale given to every group
-it holds) and ``P.weight_quant_map``.
-The products compute ``quant_map[code] * absmax`` in float32 and round it once, as
-bitsandbytes' dequantization does.
+it holds) and ``P.weight_quant_map`` (checked against the code's standard values, which
+bitsandbytes' own kernels assume). The products compute ``quant_map[code] * absmax`` in
+float32 and round it once, as bitsandbytes' dequantization does.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ from typing import Iterable, Iterator
 import torch
 
 from pagedllm.distributed import sharding
-# GROUP: the columns a stored scale covers, bitsandbytes' default block (transformers'
-# 4-bit checkpoints); larger blocks of a multiple of it repeat their scale.
-from pagedllm.quantization.checkpoint import BNB_GROUP as GROUP
-from pagedllm.quantization.checkpoint import BNB_QUANT_TYPES as QUANT_TYPES
+from pagedllm.quantization.checkpoint import BNB_GROUP, BNB_QUANT_TYPES
+
+# The columns a stored scale covers: bitsandbytes' default block (transformers' 4-bit
+# checkpoints); a larger block, a multiple of it, gives its scale to each group it holds.
+GROUP = BNB_GROUP
 _STATE = ".weight.quant_state.bitsandbytes__"
 _PIECES = re.compile(r"^(.*)\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|"
                      r"quant_state\.bitsandbytes__(?:nf4|fp4))$")
@@ -65,7 +66,7 @@ def code_values(quant_type: str) -> torch.Tensor:
         return torch.cat([magnitudes, -magnitudes]).index_fill_(0, torch.tensor([8]), 0.0)
     else:
         raise ValueError(f"bitsandbytes quant type {quant_type!r}: pagedllm reads "
-                         f"{' and '.join(QUANT_TYPES)}.")
+                         f"{' and '.join(BNB_QUANT_TYPES)}.")
     return torch.tensor(values, dtype=torch.float32)
 
 
