@@ -319,3 +319,21 @@ def test_an_older_exports_quantization_file_stands_for_quantization_config(sourc
     llm = LLM(str(old), dtype="float32", block_size=8, max_model_len=128, device="cpu")
     assert llm.llm_engine.config.model_config.quantization == writer
     assert engine_greedy(llm, prompts, 10) == engine_tokens(tmp_path / "new", prompts)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("gemma2", dict(attn_logit_softcapping=3.0, final_logit_softcapping=5.0, sliding_window=6)),
+    ("gemma3", dict(sliding_window=5)),
+    ("mistral", dict(sliding_window=8)),
+])
+def test_gptq_checkpoints_of_other_families_greedy_equal_hf(tmp_path, family, overrides):
+    """Gemma 2's soft caps and (1 + weight) norms, Gemma 3's q/k norms, Mistral's window:
+    4-bit projections in each, against HF on the same dequantized weights (eager attention,
+    the one HF implementation that soft-caps scores)."""
+    src = make_tiny_checkpoint(tmp_path, family, **TINY, **overrides)
+    quantized = write_gptq(src, tmp_path / "gptq", bits=4, group_size=32)
+    reference = hf_on_dequantized(src, quantized)
+    reference.set_attn_implementation("eager")
+    prompts = random_prompts(3, 3, 20, seed=14, vocab=256)
+    want = [hf_greedy(reference, prompt, 10) for prompt in prompts]
+    assert engine_tokens(tmp_path / "gptq", prompts) == want
