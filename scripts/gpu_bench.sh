@@ -66,7 +66,8 @@
 #            and W1 on $MOE_SMALL with FP8 experts, per channel (--quantization fp8) and
 #            block-wise (--hf-overrides) into moe-fp8-w1-*.json and moe-fp8-block-w1-*.json,
 #            and with 4-bit experts (--quantization gptq, groups of 128) into
-#            moe-w4a16-w1-*.json; bench_fused_moe.py --fp8 channel|block and --int-bits 4:
+#            moe-w4a16-w1-*.json, INT8 W8A8 experts (--hf-overrides) into
+#            moe-int8-w8a8-w1-*.json and bitsandbytes NF4 ones into moe-bnb-nf4-w1-*.json; bench_fused_moe.py --fp8 channel|block and --int-bits 4:
 #            the FP8 and 4-bit grouped GEMMs beside bf16's
 #   serve    the HTTP path beside the offline engine on both models (scripts/gpu_bench_serve.py):
 #            bench throughput, then pagedllm serve and bench serve (streaming, all at once)
@@ -257,6 +258,12 @@ step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" 
 step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
     --load-format dummy "${W1_ARGS[@]}" --quantization gptq \
     --output-json "$OUT/moe-w4a16-w1-$MOE_SMALL.json"
+step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
+    --load-format dummy "${W1_ARGS[@]}" --hf-overrides "$W8A8_CONFIG" \
+    --output-json "$OUT/moe-int8-w8a8-w1-$MOE_SMALL.json"
+step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
+    --load-format dummy "${W1_ARGS[@]}" --quantization bitsandbytes \
+    --output-json "$OUT/moe-bnb-nf4-w1-$MOE_SMALL.json"
 
 for model in "$BIG" "$SMALL"; do
     tokenizer=()
