@@ -33,7 +33,7 @@ from dataclasses import replace
 
 from pagedllm.core.kv_cache import cdiv
 from pagedllm.layers.fused_moe.tiles import MoeTile, choose_tile
-from pagedllm.layers.fused_moe.torch_ref import ExpertInts, ExpertQuant, ExpertScales
+from pagedllm.layers.fused_moe.torch_ref import ExpertInts, ExpertQuant
 
 # An FP8 or int8 tensor-core product sums 32 inputs at least (Triton's smallest such dot).
 FP8_MIN_BLOCK_K = 32
