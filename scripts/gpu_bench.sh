@@ -249,21 +249,17 @@ if [ "$DRY" != "1" ]; then
     done
     step moe "$LIMIT_LAT" $PY scripts/bench_fused_moe.py --int-bits 4 --tokens 1,64,1024
 fi
-step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
-    --load-format dummy "${W1_ARGS[@]}" --quantization fp8 \
-    --output-json "$OUT/moe-fp8-w1-$MOE_SMALL.json"
-step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
-    --load-format dummy "${W1_ARGS[@]}" --hf-overrides "$BLOCK_FP8_CONFIG" \
-    --output-json "$OUT/moe-fp8-block-w1-$MOE_SMALL.json"
-step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
-    --load-format dummy "${W1_ARGS[@]}" --quantization gptq \
-    --output-json "$OUT/moe-w4a16-w1-$MOE_SMALL.json"
-step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
-    --load-format dummy "${W1_ARGS[@]}" --hf-overrides "$W8A8_CONFIG" \
-    --output-json "$OUT/moe-int8-w8a8-w1-$MOE_SMALL.json"
-step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
-    --load-format dummy "${W1_ARGS[@]}" --quantization bitsandbytes \
-    --output-json "$OUT/moe-bnb-nf4-w1-$MOE_SMALL.json"
+moe_w1() {  # moe_w1 NAME ARGS...: W1 on $MOE_SMALL with ARGS into moe-NAME-w1-$MOE_SMALL.json
+    local name=$1
+    shift
+    step moe "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$MOE_SMALL" \
+        --load-format dummy "${W1_ARGS[@]}" "$@" --output-json "$OUT/moe-$name-w1-$MOE_SMALL.json"
+}
+moe_w1 fp8 --quantization fp8
+moe_w1 fp8-block --hf-overrides "$BLOCK_FP8_CONFIG"
+moe_w1 w4a16 --quantization gptq
+moe_w1 int8-w8a8 --hf-overrides "$W8A8_CONFIG"
+moe_w1 bnb-nf4 --quantization bitsandbytes
 
 for model in "$BIG" "$SMALL"; do
     tokenizer=()
