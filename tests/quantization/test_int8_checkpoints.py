@@ -49,15 +49,19 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {**{name: root / name for name in jobs}, "moe-source": moe}
 
 
-def hf_int8_reference(model_dir: Path, prompts) -> list[list[int]]:
+def hf_int8_model(model_dir: Path):
     """HF on the weights compressed-tensors decompresses; its forward pass of each quantized
     projection quantizes the input (per token, or with the static ``input_scale``)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    model = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32,
         quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+
+
+def hf_int8_reference(model_dir: Path, prompts) -> list[list[int]]:
+    model = hf_int8_model(model_dir)
     return [hf_greedy(model, prompt, 10) for prompt in prompts]
 
 
@@ -98,35 +102,56 @@ def hf_w8a8(src: Path, model_dir: Path) -> Iterator:
         yield model
 
 
-def teacher_forced_argmax(llm: LLM, tokens: list[int], start: int) -> list[int]:
-    """The engine's most likely token after each prefix ``tokens[:j]``, ``j`` from ``start``
-    to the end, in one prompt step (its prompt logprobs, and the token it samples last)."""
+# The engine and HF sum the same int8 products in other orders, and float noise under a
+# rounding boundary can move one input code: two tokens within TIE nats of each other in the
+# engine's own logprobs are a tie either may win, and a token's logprob may move by that
+# much (ignoring the static input scales moves them by 0.12-0.20 on these checkpoints).
+TIE = 0.01
+
+
+def assert_engine_picks(llm: LLM, model, prompt: list[int], want: list[int]) -> None:
+    """Each of HF's greedy tokens ``want`` (of HF's ``model``) is the engine's most likely
+    one after the same prefix (teacher-forced, one prompt step: its prompt logprobs), or
+    within ``TIE`` of it, with HF's logprob within ``TIE``; and most are its most likely one
+    outright."""
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    tokens = prompt + want
     output = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
-    best = [min(ranked.items(), key=lambda item: item[1].rank)[0]
-            for ranked in output.prompt_logprobs[start:]]
-    return best + list(output.outputs[0].token_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, len(prompt) - 1:-1].float()
+    hf_logprobs = torch.log_softmax(logits, dim=-1)
+    exact = 0
+    for j, (token, ranked) in enumerate(zip(want, output.prompt_logprobs[len(prompt):])):
+        best = min(ranked.values(), key=lambda logprob: logprob.rank)
+        exact += best.rank == ranked[token].rank
+        assert best.logprob - ranked[token].logprob <= TIE, (want, token, ranked)
+        assert abs(ranked[token].logprob - hf_logprobs[j, token].item()) <= TIE
+    assert exact >= len(want) - 1
 
 
 @pytest.mark.parametrize("name", ["llama-dynamic", "qwen3-dynamic", "llama-static"])
 def test_llm_compressor_w8a8_checkpoint_picks_hfs_tokens(checkpoints, name):
     """Every token of HF's greedy continuation is the engine's most likely one on the same
-    prefix. Teacher-forced: per-token int8 rounds each input row, so float noise under a
-    rounding boundary (attention over the cache summed in another order than HF's) can flip
-    one code and, at a near tie, a free-running token; on the same rows the products are
-    HF's (free-running checks follow)."""
+    prefix (or ties with it: ``TIE``). Teacher-forced: int8 rounds each input row, so float
+    noise under a rounding boundary (attention over the cache summed in another order than
+    HF's) can flip one code and, at a near tie, a free-running token; on the same rows the
+    products are HF's (free-running checks follow)."""
     prompts = random_prompts(3, 3, 20, seed=21, vocab=256)
     llm = LLM(str(checkpoints[name]), dtype="float32", block_size=8, max_model_len=128,
               device="cpu")
     qkv = runner_model(llm).model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.int8 and qkv.weight_scale.shape == (qkv.output_size, 1)
     assert (qkv.input_scale is not None) == name.endswith("static")
-    for prompt, want in zip(prompts, hf_int8_reference(checkpoints[name], prompts)):
-        assert teacher_forced_argmax(llm, prompt + want[:-1], len(prompt)) == want
+    model = hf_int8_model(checkpoints[name])
+    for prompt in prompts:
+        assert_engine_picks(llm, model, prompt, hf_greedy(model, prompt, 10))
 
 
-@pytest.mark.parametrize("name", ["qwen3-dynamic", "llama-static"])
+@pytest.mark.parametrize("name", ["qwen3-dynamic"])
 def test_llm_compressor_w8a8_checkpoint_greedy_equals_hf(checkpoints, name):
+    """Free-running. Not the static checkpoint: its input scales come from a calibration pass
+    whose float sums vary with the machine's threads, and one such checkpoint in four held
+    a near tie at a token (the teacher-forced check above covers it)."""
     prompts = random_prompts(3, 3, 20, seed=21, vocab=256)
     llm = LLM(str(checkpoints[name]), dtype="float32", block_size=8, max_model_len=128,
               device="cpu")
