@@ -67,8 +67,9 @@
 #            block-wise (--hf-overrides) into moe-fp8-w1-*.json and moe-fp8-block-w1-*.json,
 #            and with 4-bit experts (--quantization gptq, groups of 128) into
 #            moe-w4a16-w1-*.json, INT8 W8A8 experts (--hf-overrides) into
-#            moe-int8-w8a8-w1-*.json and bitsandbytes NF4 ones into moe-bnb-nf4-w1-*.json; bench_fused_moe.py --fp8 channel|block and --int-bits 4:
-#            the FP8 and 4-bit grouped GEMMs beside bf16's
+#            moe-int8-w8a8-w1-*.json and bitsandbytes NF4 ones into moe-bnb-nf4-w1-*.json;
+#            bench_fused_moe.py --fp8 channel|block and --int-bits 4: the FP8 and 4-bit
+#            grouped GEMMs beside bf16's
 #   serve    the HTTP path beside the offline engine on both models (scripts/gpu_bench_serve.py):
 #            bench throughput, then pagedllm serve and bench serve (streaming, all at once)
 #            on the same $SERVE_ARGS workload (1,000 requests of 1,024 prompt and 128 output

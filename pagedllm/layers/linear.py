@@ -33,7 +33,6 @@ and an LM head made with ``parallel="vocab"`` split the vocabulary rows
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import replace
 
@@ -221,13 +220,14 @@ class Linear(nn.Module):
         self.qweight = _frozen(torch.empty(self.output_size, words, dtype=torch.int32,
                                            device=device))
         self.int_scheme = scheme
-        if scheme.codebook is not None:
-            self.scales = _frozen(torch.empty(self.output_size, groups, dtype=torch.float32,
-                                              device=device))
+        codebook = scheme.codebook is not None
+        self.scales = _frozen(torch.empty(self.output_size, groups,
+                                          dtype=torch.float32 if codebook else None,
+                                          device=device))
+        if codebook:
             self.register_parameter("zeros", None)
             self.codebook = bitsandbytes.code_values(scheme.codebook).to(device)
             return
-        self.scales = _frozen(torch.empty(self.output_size, groups, device=device))
         self.zeros = _frozen(torch.full((self.output_size, groups), 1 << (scheme.bits - 1),
                                         dtype=torch.uint8, device=device))
         if scheme.symmetric and scheme.layout == "compressed-tensors":
@@ -504,20 +504,25 @@ class FusedLinear(Linear):
         Raises ValueError when the rows do not add up to the shards'."""
         tensor = sharding.read(tensor)
         scheme = self.int_scheme
-        if scheme is not None and param_name in int_weights.checkpoint_names(scheme):
-            cut = functools.partial(int_weights.shard_of_whole, scheme, param_name, tensor)
-        elif param_name == "input_scale" or (param_name.endswith("_scale")
-                                             and tensor.numel() == 1):
-            return [(shard, tensor) for shard in self.checkpoint_shard_sizes]
-        elif param_name in ("weight_scale", BLOCK_SCALE_NAME) and self.fp8_block is not None:
-            block = self.fp8_block[0]
-            cut = lambda start, rows: tensor.narrow(0, start // block, -(-rows // block))  # noqa: E731
-        else:  # weight, bias, per-channel scales: rows first
-            total = sum(self.checkpoint_shard_sizes.values())
-            if tensor.shape[0] != total:
-                raise ValueError(f"{param_name} of {self.checkpoint_shard_sizes} expects {total} "
-                                 f"rows, got shape {tuple(tensor.shape)}.")
-            cut = lambda start, rows: tensor.narrow(0, start, rows)  # noqa: E731
+        packed = scheme is not None and param_name in int_weights.checkpoint_names(scheme)
+        whole = param_name == "input_scale" or (param_name.endswith("_scale")
+                                                and tensor.numel() == 1)
+        blocks = param_name in ("weight_scale", BLOCK_SCALE_NAME) and self.fp8_block is not None
+        total = sum(self.checkpoint_shard_sizes.values())
+        if not (packed or whole or blocks) and tensor.shape[0] != total:
+            raise ValueError(f"{param_name} of {self.checkpoint_shard_sizes} expects {total} "
+                             f"rows, got shape {tuple(tensor.shape)}.")
+
+        def cut(start: int, rows: int) -> torch.Tensor:
+            if packed:
+                return int_weights.shard_of_whole(scheme, param_name, tensor, start, rows)
+            if whole:
+                return tensor
+            if blocks:
+                block = self.fp8_block[0]
+                return tensor.narrow(0, start // block, -(-rows // block))
+            return tensor.narrow(0, start, rows)  # weight, bias, per-channel scales
+
         parts, start = [], 0
         for shard, rows in self.checkpoint_shard_sizes.items():
             parts.append((shard, cut(start, rows)))

@@ -198,23 +198,15 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
             filled.update(id(p) for p in (module.qweight, module.scales, module.zeros))
         elif isinstance(module, Linear) and module.weight is not None \
                 and module.weight.dtype == torch.int8:  # INT8 W8A8: values times row scales
-            module.weight.random_(-INT8_MAX, INT8_MAX + 1, generator=draws.generator(
-                prefix + "weight", None, module.weight.device))
-            module.weight_scale.fill_(DUMMY_WEIGHT_RANGE / INT8_MAX)
-            if module.input_scale is not None:
-                module.input_scale.fill_(1.0 / INT8_MAX)
-            filled.update(id(p) for p in (module.weight, module.weight_scale, module.input_scale))
+            filled.update(_fill_int8(module.weight, module.weight_scale, module.input_scale,
+                                     draws.generator(prefix + "weight", None,
+                                                     module.weight.device)))
         elif isinstance(module, FusedMoE) and module.w13.dtype == torch.int8:  # INT8 W8A8
             for name in ("w13", "w2"):
                 weight = getattr(module, name)
-                weight.random_(-INT8_MAX, INT8_MAX + 1, generator=draws.generator(
-                    prefix + name, None, weight.device))
-                getattr(module, f"{name}_scale").fill_(DUMMY_WEIGHT_RANGE / INT8_MAX)
-                input_scale = getattr(module, f"{name}_input_scale")
-                if input_scale is not None:
-                    input_scale.fill_(1.0 / INT8_MAX)
-                filled.update(id(p) for p in (weight, getattr(module, f"{name}_scale"),
-                                              input_scale))
+                filled.update(_fill_int8(weight, getattr(module, f"{name}_scale"),
+                                         getattr(module, f"{name}_input_scale"),
+                                         draws.generator(prefix + name, None, weight.device)))
         elif isinstance(module, FusedMoE) and module.int_scheme is not None:
             for name in ("w13", "w2"):
                 packed, scales, zeros = (getattr(module, name + suffix)
@@ -250,6 +242,17 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
         else:
             param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE,
                            generator=draws.generator(name, None, param.device))
+
+
+def _fill_int8(weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None,
+               generator: torch.Generator) -> list[int]:
+    """Dummy INT8 W8A8 values: int8 weights uniform over [-127, 127] with scales 1e-3 / 127
+    (static input scales 1 / 127); returns the ids of the tensors filled."""
+    weight.random_(-INT8_MAX, INT8_MAX + 1, generator=generator)
+    scale.fill_(DUMMY_WEIGHT_RANGE / INT8_MAX)
+    if input_scale is not None:
+        input_scale.fill_(1.0 / INT8_MAX)
+    return [id(weight), id(scale), id(input_scale)]
 
 
 class _DummyDraws:

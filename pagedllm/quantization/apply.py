@@ -17,8 +17,9 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
     W8A8 ones (``Linear.make_int8``) or packed integer weights (``make_int``).
     ``when="after_load"`` quantizes the loaded weights of the projections an unquantized
     checkpoint is quantized at load (``quantize_fp8``, ``quantize_int``: bitsandbytes' NF4)
-    and sorts act-order integer weights (``finish_int_load``). A projection's checkpoint names (q/k/v for a fused qkv, every
-    expert's gate, up and down) pick its scheme; all of a layer's experts must take one.
+    and sorts act-order integer weights (``finish_int_load``). A projection's checkpoint
+    names (q/k/v for a fused qkv, every expert's gate, up and down) pick its scheme; all of
+    a layer's experts must take one.
     """
     count = 0
     for module, checkpoint_names in model.projections():

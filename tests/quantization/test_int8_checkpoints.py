@@ -71,8 +71,8 @@ def hf_w8a8(src: Path, model_dir: Path) -> Iterator:
     the input of each product the checkpoint holds in int8 quantized per token by
     compressed-tensors' own functions, the experts' too: transformers' stacked experts call
     ``F.linear`` with each expert's weight, so while the context is open a stand-in for
-    ``F.linear`` quantizes the inputs of those weights (found by value). (transformers cannot load an int8
-    checkpoint of per-expert tensors into its stacked experts.)"""
+    ``F.linear`` quantizes the inputs of those weights (found by value). (transformers
+    cannot load an int8 checkpoint of per-expert tensors into its stacked experts.)"""
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp

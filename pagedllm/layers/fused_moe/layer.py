@@ -214,16 +214,13 @@ class FusedMoE(nn.Module):
             groups = int_weights.num_groups(inputs, scheme.group_size)
             setattr(self, name, _frozen(torch.empty(experts, rows, -(-inputs // per_word),
                                                     dtype=torch.int32, device=device)))
-            if scheme.codebook is not None:
-                setattr(self, f"{name}_scales", _frozen(torch.empty(
-                    experts, rows, groups, dtype=torch.float32, device=device)))
-                setattr(self, f"{name}_zeros", None)
-                continue
-            setattr(self, f"{name}_scales",
-                    _frozen(torch.empty(experts, rows, groups, device=device)))
-            setattr(self, f"{name}_zeros",
-                    _frozen(torch.full((experts, rows, groups), 1 << (scheme.bits - 1),
-                                       dtype=torch.uint8, device=device)))
+            codebook = scheme.codebook is not None
+            setattr(self, f"{name}_scales", _frozen(torch.empty(
+                experts, rows, groups, dtype=torch.float32 if codebook else None,
+                device=device)))
+            setattr(self, f"{name}_zeros", None if codebook else _frozen(torch.full(
+                (experts, rows, groups), 1 << (scheme.bits - 1), dtype=torch.uint8,
+                device=device)))
         self.int_scheme = scheme
         self._int_tiles = int_block_k(16, hidden, inter, scheme.group_size) is not None
         if scheme.symmetric and scheme.layout == "compressed-tensors":
