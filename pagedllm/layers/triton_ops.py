@@ -665,8 +665,8 @@ def small_batch_matmul(
         raise ValueError(f"weight_scale must hold one float32 scale per weight row "
                          f"({weight.shape[0]}), got {tuple(weight_scale.shape)} {weight_scale.dtype}.")
     if int_weights is None:
-        tile = GemvTile(*small_batch_matmul_config(rows, weight.shape[0], in_features,
-                                                    fp8=w8a8 == "fp8", int8=w8a8 == "int8"))
+        kind = {"fp8": {"fp8": True}, "int8": {"int8": True}, "": {}}[w8a8]
+        tile = GemvTile(*small_batch_matmul_config(rows, weight.shape[0], in_features, **kind))
         group = 0
     else:
         group = in_features if int_weights.group_size == -1 else int_weights.group_size
