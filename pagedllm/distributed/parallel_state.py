@@ -119,6 +119,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def max_over_ranks_(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise largest of ``x`` over the ranks (in place; returns ``x``)."""
+    if _TP.size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_TP.group)
+    return x
+
+
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """``[..., n]`` on every rank -> ``[..., size * n]``: rank r's values at columns
     ``r * n .. (r + 1) * n``."""

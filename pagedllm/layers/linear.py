@@ -15,7 +15,9 @@ float32 ``weight_scale [out, 1]`` and, with static activation scales, a float32
 ``weight_scale [cdiv(out, rows), cdiv(in, columns)]``, one scale per block, so each
 shard of a fused projection, and each rank's part, starts on a block. An INT8 W8A8
 projection (``pagedllm.quantization.int8``) holds an int8 ``weight`` with the same
-``weight_scale [out, 1]`` (and ``input_scale`` when static). An integer-weight
+``weight_scale [out, 1]`` (and ``input_scale`` when static); a bitsandbytes 8-bit one
+(``pagedllm.quantization.llm_int8``) too, its ``weight_scale`` then each row's largest
+magnitude (bitsandbytes' ``SCB``). An integer-weight
 projection (W4A16, W8A16) holds no ``weight`` but ``qweight``, ``scales`` and ``zeros`` in
 the stored layout of ``pagedllm.quantization.int_weights`` (rows are output channels there
 too, so shards are row blocks), and with act-order the ``act_perm`` of its input columns.
@@ -41,7 +43,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import sharding
-from pagedllm.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp
+from pagedllm.distributed.parallel_state import (
+    all_gather_last_dim,
+    all_reduce,
+    get_tp,
+    max_over_ranks_,
+)
 from pagedllm.layers.int_matmul import int_linear
 from pagedllm.layers.triton_ops import (
     IntWeights,
@@ -60,6 +67,7 @@ from pagedllm.quantization.fp8 import (
     quantize_rows,
 )
 from pagedllm.quantization.int8 import int8_linear
+from pagedllm.quantization.llm_int8 import llm_int8_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -87,8 +95,9 @@ def small_batch_product(proj: Linear, x: torch.Tensor | Fp8Rows, bias: torch.Ten
     ``silu_gated`` or ``norm`` riding on it), for every weight format: bf16/fp16, FP8 and
     packed integers. None where that kernel does not take the product (not CUDA, more rows
     than ``gemv_max_rows``, integer groups no tile fits, rows already quantized for a
-    larger FP8 product, block-wise FP8 weights): the caller multiplies."""
-    if isinstance(x, Fp8Rows) or proj.fp8_block is not None:
+    larger FP8 product, block-wise FP8 weights, bitsandbytes' LLM.int8): the caller
+    multiplies."""
+    if isinstance(x, Fp8Rows) or proj.fp8_block is not None or proj.llm_int8_threshold is not None:
         return None
     scheme = proj.int_scheme
     if scheme is not None and scheme.codebook is not None:
@@ -163,6 +172,8 @@ class Linear(nn.Module):
         self.fp8_block: tuple[int, int] | None = None
         self.register_buffer("act_perm", None)
         self.register_buffer("codebook", None)  # a codebook scheme's 16 values (float32)
+        # bitsandbytes' LLM.int8 (``make_int8``): its outlier threshold.
+        self.llm_int8_threshold: float | None = None
         # Parameters the checkpoint need not hold (filled when made); act-order g_idx per
         # shard, until finish_int_load.
         self._preset: frozenset[str] = frozenset()
@@ -189,6 +200,9 @@ class Linear(nn.Module):
             out = fp8_linear(x, self.weight, self.weight_scale, bias)
         elif out is None and self.fp8_block is not None:
             out = fp8_block_linear(x, self.weight, self.weight_scale, self.fp8_block, bias)
+        elif out is None and self.llm_int8_threshold is not None:
+            out = llm_int8_linear(x, self.weight, self.weight_scale, self.llm_int8_threshold,
+                                  bias, max_over_ranks_ if self.reduces else None)
         elif out is None and self.weight is not None and self.weight.dtype == torch.int8:
             out = int8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
         elif out is None and self.int_scheme is not None:
@@ -298,10 +312,13 @@ class Linear(nn.Module):
         shards' scales is kept)."""
         self._make_byte_weights(FP8_DTYPE, static_input, block)
 
-    def make_int8(self, static_input: bool) -> None:
+    def make_int8(self, static_input: bool, outlier_threshold: float | None = None) -> None:
         """The parameters an INT8 W8A8 checkpoint fills: as ``make_fp8``'s per-channel ones,
-        the weight in int8."""
+        the weight in int8. ``outlier_threshold``: a bitsandbytes 8-bit checkpoint, whose
+        ``SCB`` fills ``weight_scale`` (each row's largest magnitude, not a multiplier) and
+        whose products are LLM.int8's (``pagedllm.quantization.llm_int8``)."""
         self._make_byte_weights(torch.int8, static_input)
+        self.llm_int8_threshold = outlier_threshold
 
     def _make_byte_weights(self, dtype: torch.dtype, static_input: bool,
                            block: tuple[int, int] | None = None) -> None:
@@ -456,6 +473,8 @@ class Linear(nn.Module):
             return f", {values} groups of {scheme.group_size}{order}"
         if self.fp8_block is not None:
             return f", fp8 blocks of {self.fp8_block[0]}x{self.fp8_block[1]}"
+        if self.llm_int8_threshold is not None:
+            return f", llm.int8 outlier threshold {self.llm_int8_threshold:g}"
         if self.weight_scale is not None:
             kind = "int8 w8a8" if self.weight.dtype == torch.int8 else "fp8"
             return f", {kind} static input" if self.input_scale is not None else f", {kind}"

@@ -88,9 +88,10 @@ def load_model(
     if model_config.load_format != "dummy":
         weights = iter_safetensors(model_config.path, lazy=get_tp().size > 1)
         if quant is not None and quant.method == "bitsandbytes" and quant.prequantized:
-            # The projections the checkpoint holds in 4 bits, handed over as the
-            # integer-weight layers read them.
-            held = bitsandbytes.quantized_prefixes(checkpoint_tensor_names(model_config.path))
+            # The projections the checkpoint holds quantized, handed over as the layers read
+            # them.
+            held = bitsandbytes.quantized_prefixes(checkpoint_tensor_names(model_config.path),
+                                                   bits=quant.bits)
             names = getattr(model_cls, "projection_names", lambda name: [name])
             quant = for_projections(quant, {p for name in held for p in names(name)})
             weights = bitsandbytes.checkpoint_tensors(weights, held)

@@ -14,7 +14,8 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
 
     ``when="before_load"`` gives the projections a quantized checkpoint fills their
     parameters: FP8 weights and scales (``Linear.make_fp8``, ``FusedMoE.make_fp8``), INT8
-    W8A8 ones (``Linear.make_int8``) or packed integer weights (``make_int``).
+    W8A8 ones (``Linear.make_int8``, bitsandbytes' 8-bit too) or packed integer weights
+    (``make_int``).
     ``when="after_load"`` quantizes the loaded weights of the projections an unquantized
     checkpoint is quantized at load (``quantize_fp8``, ``quantize_int``: bitsandbytes' NF4)
     and sorts act-order integer weights (``finish_int_load``). A projection's checkpoint
@@ -42,7 +43,8 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
                     raise ValueError(f"{checkpoint_names[0]}: {exc}") from exc
         elif isinstance(scheme, Int8Scheme):
             if when == "before_load":
-                module.make_int8(static_input=scheme.static_input)
+                module.make_int8(static_input=scheme.static_input,
+                                 outlier_threshold=scheme.outlier_threshold)
         elif when == "before_load" and scheme.prequantized:
             module.make_fp8(static_input=scheme.static_input, block=scheme.block)
         elif when == "after_load" and not scheme.prequantized:
@@ -55,6 +57,10 @@ def quantize_model(model: nn.Module, config: QuantizationConfig, when: str) -> i
 
 def _quantize_experts(experts: FusedMoE, scheme, name: str, when: str) -> None:
     try:
+        if isinstance(scheme, Int8Scheme) and scheme.outlier_threshold is not None:
+            raise ValueError("bitsandbytes 8-bit experts (LLM.int8) are not supported by "
+                             "pagedllm: it reads 8-bit attention and dense MLP projections, "
+                             "and 4-bit (load_in_4bit) experts.")
         if isinstance(scheme, Int8Scheme):
             if when == "before_load":
                 experts.make_int8(static_input=scheme.static_input)

@@ -1,8 +1,10 @@
-"""bitsandbytes 4-bit weights (NF4 and FP4): checkpoints as transformers saves a model loaded
-with ``BitsAndBytesConfig(load_in_4bit=True)``, and the same quantization of an unquantized
-checkpoint at load (``--quantization bitsandbytes``).
+"""bitsandbytes checkpoints as transformers saves a model loaded with ``BitsAndBytesConfig``:
+4-bit weights (NF4 and FP4, ``load_in_4bit``; the same quantization of an unquantized
+checkpoint at load, ``--quantization bitsandbytes``) and 8-bit ones (LLM.int8,
+``load_in_8bit``: ``P.weight`` int8 ``[N, K]``, ``P.SCB`` float32 ``[N]`` and
+``P.weight_format``, multiplied by ``pagedllm.quantization.llm_int8``).
 
-The format (bitsandbytes' ``QuantState.as_dict(packed=True)``), per quantized projection
+The 4-bit format (bitsandbytes' ``QuantState.as_dict(packed=True)``), per quantized projection
 ``P`` of ``N`` outputs and ``K`` inputs, ``B`` the block size (``blocksize``)::
 
     P.weight                    uint8 [N * K / 2, 1] (or the same bytes viewed as
@@ -48,6 +50,8 @@ from pagedllm.quantization.checkpoint import BNB_GROUP, BNB_QUANT_TYPES
 # checkpoints); a larger block, a multiple of it, gives its scale to each group it holds.
 GROUP = BNB_GROUP
 _STATE = ".weight.quant_state.bitsandbytes__"
+_ROW_MAX = ".SCB"  # an 8-bit projection's row scales (bitsandbytes' name)
+_FORMAT = ".weight_format"
 _PIECES = re.compile(r"^(.*)\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|"
                      r"quant_state\.bitsandbytes__(?:nf4|fp4))$")
 
@@ -70,28 +74,48 @@ def code_values(quant_type: str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-def quantized_prefixes(names: Iterable[str]) -> set[str]:
-    """The projections a checkpoint holds in bitsandbytes' 4-bit format, from its tensor
-    names (each has a ``weight.quant_state`` tensor)."""
-    return {name.split(_STATE)[0] for name in names if _STATE in name}
+def quantized_prefixes(names: Iterable[str], bits: int) -> dict[str, int]:
+    """The projections a checkpoint holds quantized by bitsandbytes, from its tensor names,
+    with their bits: 4 (a ``weight.quant_state`` tensor) or 8 (an ``SCB`` tensor). Raises
+    ValueError naming a projection stored in other bits than ``bits``, the checkpoint's
+    ``quantization_config``'s."""
+    names = list(names)
+    held = {name.split(_STATE)[0]: 4 for name in names if _STATE in name}
+    held.update((name.removesuffix(_ROW_MAX), 8) for name in names if name.endswith(_ROW_MAX))
+    other = next((prefix for prefix, stored in held.items() if stored != bits), None)
+    if other is not None:
+        raise ValueError(f"{other} is stored in {held[other]}-bit bitsandbytes tensors, but the "
+                         f"checkpoint's quantization_config says load_in_{bits}bit.")
+    return held
 
 
 def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor | sharding.CheckpointSlice]],
-                       prefixes: set[str]
+                       prefixes: dict[str, int]
                        ) -> Iterator[tuple[str, torch.Tensor | sharding.CheckpointSlice]]:
-    """The checkpoint's tensors with each projection under ``prefixes`` given as the
-    integer-weight layer reads it (module docstring): a projection's tensors are held until
-    all of them have come, then replaced by ``weight``, ``weight_absmax`` and
-    ``weight_quant_map``. Other tensors pass through. Raises ValueError naming the
-    projection when its tensors are incomplete or not of the format."""
+    """The checkpoint's tensors with each projection of ``prefixes`` (``quantized_prefixes``)
+    given as pagedllm's layer reads it. A 4-bit projection's tensors are held until all of
+    them have come, then replaced by ``weight``, ``weight_absmax`` and ``weight_quant_map``
+    (module docstring); an 8-bit one keeps its int8 ``weight``, its ``SCB`` becomes
+    ``weight_scale`` and its ``weight_format`` is checked (row-major) and dropped. Other
+    tensors pass through. Raises ValueError naming the projection when its tensors are
+    incomplete or not of the format."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         match = _PIECES.match(name)
         if match:
             prefix, piece = match.group(1), match.group(2).split(".")[0]
+        elif name.endswith((_ROW_MAX, _FORMAT)):
+            prefix, piece = name.rsplit(".", 1)
         else:
             prefix, piece = name.removesuffix(".weight"), "weight"
-        if prefix not in prefixes or not (match or name.endswith(".weight")):
+        bits = prefixes.get(prefix)
+        if bits == 8 and piece == "SCB":
+            yield f"{prefix}.weight_scale", tensor
+            continue
+        if bits == 8 and piece == "weight_format":
+            _check_row_major(prefix, sharding.read(tensor))
+            continue
+        if bits != 4 or not (match or name.endswith(".weight")):
             yield name, tensor
             continue
         pieces = pending.setdefault(prefix, {})
@@ -102,6 +126,17 @@ def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor | sharding.Chec
         prefix, pieces = next(iter(pending.items()))
         raise ValueError(f"{prefix}: the checkpoint holds only {sorted(pieces)} of this "
                          "bitsandbytes projection's tensors.")
+
+
+def _check_row_major(prefix: str, weight_format: torch.Tensor) -> None:
+    """bitsandbytes saves 8-bit weights row-major (``weight_format`` 0, or "row"); older
+    versions could save the column-major layouts of its CUDA kernels."""
+    value = weight_format.reshape(-1)[0].item() if weight_format.numel() else None
+    if value != 0:
+        names = {1: "col32", 2: "col_turing", 3: "col_ampere"}
+        raise ValueError(f"{prefix}.weight_format is {names.get(value, value)!r}: pagedllm "
+                         "reads bitsandbytes' row-major 8-bit weights (weight_format 0, "
+                         "\"row\"); load the checkpoint with transformers and save it again.")
 
 
 def _complete(pieces: dict[str, torch.Tensor]) -> bool:

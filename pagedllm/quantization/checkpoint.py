@@ -34,9 +34,12 @@ Formats read:
 * ``auto-round`` (Intel AutoRound's own format): GPTQ's or AWQ's tensors as its
   ``packing_format`` says, per-layer fields in ``extra_config`` (``_auto_round``).
 * ``bitsandbytes`` 4-bit (``load_in_4bit``: NF4 or FP4 codes, a float32 scale per block of
-  64 weights or a multiple, double quantization or not), as transformers saves a model
-  quantized by bitsandbytes; the projections the file holds in 4 bits are quantized
-  (``llm_int8_skip_modules``' are not) (``pagedllm.quantization.bitsandbytes``).
+  64 weights or a multiple, double quantization or not) and 8-bit (``load_in_8bit``:
+  LLM.int8, int8 weights with a float32 ``SCB`` per output row, inputs of magnitude
+  ``llm_int8_threshold`` or more unquantized), as transformers saves a model quantized by
+  bitsandbytes; the projections the file holds quantized are quantized
+  (``llm_int8_skip_modules``' are not) (``pagedllm.quantization.bitsandbytes``,
+  ``pagedllm.quantization.llm_int8``).
 * ``modelopt`` (NVIDIA Model Optimizer's FP8 exports, ``quant_algo`` ``FP8``: per-tensor
   weight and static input scales; ``FP8_PER_CHANNEL_PER_TOKEN``: per-channel weight
   scales, dynamic per-token inputs), from config.json or the older
@@ -54,6 +57,7 @@ with no ``quantization_config`` it quantizes at load (``fp8``, ``bitsandbytes``:
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Iterable
@@ -143,11 +147,19 @@ class IntWeightScheme:
 class Int8Scheme:
     """INT8 W8A8 of one projection (``pagedllm.quantization.int8``): int8 weights with a
     float32 scale per output channel; ``static_input``: inputs quantized with the
-    checkpoint's per-tensor ``input_scale`` (else per token, in the step)."""
+    checkpoint's per-tensor ``input_scale`` (else per token, in the step).
+
+    ``outlier_threshold`` (not None): bitsandbytes' LLM.int8 instead
+    (``pagedllm.quantization.llm_int8``): inputs quantized per token as bitsandbytes does,
+    and where the threshold is above 0 a token's inputs of at least that magnitude
+    multiplied unquantized."""
 
     static_input: bool = False
+    outlier_threshold: float | None = None
 
     def __str__(self) -> str:
+        if self.outlier_threshold is not None:
+            return f"bitsandbytes llm.int8, outlier threshold {self.outlier_threshold:g}"
         return "int8 w8a8" + (", static input scales" if self.static_input else "")
 
 
@@ -213,14 +225,26 @@ class QuantizationConfig:
         (``kv_allocator.weight_bytes``): ``("fp8", -1)`` (FP8 and INT8 W8A8: a byte a
         weight, a float32 scale a channel), or ``("int4", group_size)`` /
         ``("int8", group_size)`` (weight-only), ``("nf4", group_size)`` (bitsandbytes' 4-bit
-        codes: float32 scales, no zero points); the last group's scheme (the checkpoint's
-        base scheme, after any per-module rules) stands for all."""
-        scheme = next(g.scheme for g in reversed(self.groups) if g.scheme is not None)
+        codes: float32 scales, no zero points); ``base_scheme`` stands for all."""
+        scheme = self.base_scheme
         if isinstance(scheme, IntWeightScheme) and scheme.codebook is not None:
             return "nf4", scheme.group_size
         if isinstance(scheme, IntWeightScheme):
             return f"int{scheme.bits}", scheme.group_size
         return "fp8", -1
+
+    @property
+    def base_scheme(self) -> Scheme:
+        """The last group's scheme: the checkpoint's base scheme, after any per-module
+        rules."""
+        return next(g.scheme for g in reversed(self.groups) if g.scheme is not None)
+
+    @property
+    def bits(self) -> int:
+        """The weights' bits (``base_scheme``'s): 8 for FP8 and INT8 W8A8, bitsandbytes'
+        LLM.int8 too, else the integer weights'."""
+        scheme = self.base_scheme
+        return scheme.bits if isinstance(scheme, IntWeightScheme) else 8
 
     @property
     def prequantized(self) -> bool:
@@ -681,20 +705,31 @@ def _modelopt(declared: dict) -> QuantizationConfig:
 
 
 def _bitsandbytes(declared: dict) -> QuantizationConfig:
-    """transformers' ``BitsAndBytesConfig`` of a 4-bit checkpoint. Which projections are
-    quantized is read from the checkpoint's tensors at load (``for_projections``), not from
+    """transformers' ``BitsAndBytesConfig`` of a 4-bit checkpoint, or of an 8-bit one
+    (LLM.int8: int8 weights, ``llm_int8_threshold`` for the outliers, 6.0 when absent as
+    in transformers). Which projections are quantized is read from the
+    checkpoint's tensors at load (``for_projections``), not from
     ``llm_int8_skip_modules``: the tensors are what the file holds."""
+    where = "quantization_config"
     if declared.get("load_in_8bit") or declared.get("_load_in_8bit"):
-        raise ValueError(
-            "The checkpoint's quantization_config.load_in_8bit=true (bitsandbytes' LLM.int8: "
-            "int8 weights with outlier columns kept in 16 bits) is not supported by pagedllm: "
-            "it reads 4-bit bitsandbytes checkpoints (load_in_4bit).")
+        if declared.get("llm_int8_has_fp16_weight"):
+            raise ValueError(
+                f"The checkpoint's {where}.llm_int8_has_fp16_weight=true (bitsandbytes keeps "
+                "16-bit weights for training) is not supported by pagedllm: it reads 8-bit "
+                "checkpoints saved with int8 weights.")
+        threshold = declared.get("llm_int8_threshold", 6.0)
+        if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) \
+                or not math.isfinite(threshold) or threshold < 0:
+            raise ValueError(f"The checkpoint's {where}.llm_int8_threshold={threshold!r} must "
+                             "be a number >= 0 (0: no outliers).")
+        scheme = Int8Scheme(outlier_threshold=float(threshold))
+        return QuantizationConfig("bitsandbytes", (_Group(("Linear",), scheme),))
     if not (declared.get("load_in_4bit") or declared.get("_load_in_4bit")):
-        raise ValueError("The checkpoint's bitsandbytes quantization_config sets neither "
+        raise ValueError(f"The checkpoint's bitsandbytes {where} sets neither "
                          "load_in_4bit nor load_in_8bit.")
     quant_type = str(declared.get("bnb_4bit_quant_type", "fp4")).lower()  # transformers' default
     if quant_type not in BNB_QUANT_TYPES:
-        raise ValueError(f"The checkpoint's quantization_config.bnb_4bit_quant_type="
+        raise ValueError(f"The checkpoint's {where}.bnb_4bit_quant_type="
                          f"{quant_type!r} is not supported by pagedllm: it reads "
                          f"{' and '.join(BNB_QUANT_TYPES)}.")
     scheme = IntWeightScheme("bitsandbytes", bits=4, group_size=BNB_GROUP, codebook=quant_type)
@@ -704,8 +739,7 @@ def _bitsandbytes(declared: dict) -> QuantizationConfig:
 def for_projections(config: QuantizationConfig, names: Iterable[str]) -> QuantizationConfig:
     """``config`` (one scheme for every projection) given only to the projections
     ``names`` (checkpoint module names); the others stay unquantized."""
-    scheme = config.groups[-1].scheme
-    return replace(config, groups=(_Group(tuple(sorted(names)), scheme),))
+    return replace(config, groups=(_Group(tuple(sorted(names)), config.base_scheme),))
 
 
 def _awq(declared: dict) -> QuantizationConfig:

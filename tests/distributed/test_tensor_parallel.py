@@ -312,6 +312,33 @@ def test_bnb_checkpoint_at_tp2_equals_hf_on_its_dequantized_weights(tmp_path) ->
     assert _greedy_at_tp2(model_dir, prompts) == [hf_greedy(reference, p, 10) for p in prompts]
 
 
+def test_bnb_8bit_checkpoint_at_tp2_picks_hfs_tokens_one_row_at_a_time(tmp_path) -> None:
+    """bitsandbytes' LLM.int8 split over two ranks: a row-parallel projection's rank holds
+    part of each input row and quantizes it by the whole row's largest magnitude (a max
+    over the ranks, ``test_llm_int8``), so the engine picks HF's tokens (a row at a time,
+    teacher-forced; outlier threshold 1.5: many outliers in these tiny models)."""
+    pytest.importorskip("bitsandbytes")
+    from tests.quantization.teacher_forced import assert_engine_picks
+    from tests.quantization.test_bnb_int8_checkpoints import (
+        TIE,
+        hf_greedy_row_by_row,
+        hf_int8,
+        write_int8,
+    )
+
+    src = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128,
+                               hidden_size=256, intermediate_size=512)
+    model_dir = write_int8(src, tmp_path / "int8", llm_int8_threshold=1.5)
+    model = hf_int8(model_dir)
+    llm = LLM(str(model_dir), tensor_parallel_size=2, dtype="float32", block_size=8,
+              max_model_len=128)
+    try:
+        for prompt in random_prompts(3, 3, 20, seed=6, vocab=256):
+            assert_engine_picks(llm, prompt, *hf_greedy_row_by_row(model, prompt, 10), TIE)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def test_act_order_4bit_weights_are_refused_along_their_inputs(tmp_path, monkeypatch) -> None:
     from pagedllm.config import ModelConfig
     from pagedllm.distributed import parallel_state

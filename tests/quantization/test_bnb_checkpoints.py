@@ -192,8 +192,9 @@ def test_dummy_4bit_weights_generate(sources):
 
 
 @pytest.mark.parametrize("edit, message", [
+    # 4-bit tensors under an 8-bit config
     (dict(load_in_4bit=False, _load_in_4bit=False, load_in_8bit=True, _load_in_8bit=True),
-     "load_in_8bit=true"),
+     r"_proj is stored in 4-bit bitsandbytes tensors, but .* says load_in_8bit"),
     (dict(bnb_4bit_quant_type="int4"), "bnb_4bit_quant_type='int4'"),
 ])
 def test_unsupported_bitsandbytes_variants_are_refused_by_name(sources, tmp_path, edit, message):

@@ -15,10 +15,11 @@ from unittest import mock
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.quantization.int8 import int8_linear, quantize_rows_int8
 from tests.engine.conftest import hf_greedy, random_prompts
 from tests.quantization.int_checkpoints import hf_on_dequantized, read_tensors
+from tests.quantization.teacher_forced import assert_engine_picks, full_pass_logprobs
 from tests.quantization.test_fp8_checkpoints import (
     engine_greedy,
     runner_model,
@@ -109,26 +110,6 @@ def hf_w8a8(src: Path, model_dir: Path) -> Iterator:
 TIE = 0.01
 
 
-def assert_engine_picks(llm: LLM, model, prompt: list[int], want: list[int]) -> None:
-    """Each of HF's greedy tokens ``want`` (of HF's ``model``) is the engine's most likely
-    one after the same prefix (teacher-forced, one prompt step: its prompt logprobs), or
-    within ``TIE`` of it, with HF's logprob within ``TIE``; and most are its most likely one
-    outright."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
-    tokens = prompt + want
-    output = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0]
-    with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0, len(prompt) - 1:-1].float()
-    hf_logprobs = torch.log_softmax(logits, dim=-1)
-    exact = 0
-    for j, (token, ranked) in enumerate(zip(want, output.prompt_logprobs[len(prompt):])):
-        best = min(ranked.values(), key=lambda logprob: logprob.rank)
-        exact += best.rank == ranked[token].rank
-        assert best.logprob - ranked[token].logprob <= TIE, (want, token, ranked)
-        assert abs(ranked[token].logprob - hf_logprobs[j, token].item()) <= TIE
-    assert exact >= len(want) - 1
-
-
 @pytest.mark.parametrize("name", ["llama-dynamic", "qwen3-dynamic", "llama-static"])
 def test_llm_compressor_w8a8_checkpoint_picks_hfs_tokens(checkpoints, name):
     """Every token of HF's greedy continuation is the engine's most likely one on the same
@@ -144,7 +125,8 @@ def test_llm_compressor_w8a8_checkpoint_picks_hfs_tokens(checkpoints, name):
     assert (qkv.input_scale is not None) == name.endswith("static")
     model = hf_int8_model(checkpoints[name])
     for prompt in prompts:
-        assert_engine_picks(llm, model, prompt, hf_greedy(model, prompt, 10))
+        want = hf_greedy(model, prompt, 10)
+        assert_engine_picks(llm, prompt, want, full_pass_logprobs(model, prompt, want), TIE)
 
 
 @pytest.mark.parametrize("name", ["qwen3-dynamic"])
