@@ -56,7 +56,9 @@
 #            gemv_quant_sweep.py --kinds int8 --int8-gemm-rows 64,256 (INT8's small-batch
 #            and int8_matmul tiles beside torch._int_mm and bf16); then W1 and L1 with
 #            bitsandbytes NF4 (--quantization bitsandbytes: quantized at load, the codebook
-#            path of the integer kernels) into bnb-nf4-*.json
+#            path of the integer kernels) into bnb-nf4-*.json, and with bitsandbytes 8-bit
+#            (LLM.int8 by --hf-overrides: int8 sums on the tensor cores, the outliers as two
+#            more int8 rows) into bnb-int8-*.json
 #   spec     scripts/spec_decode_costs.py: verification and draft costs of llama-3.1-8b with
 #            llama-3.2-1b (K = 4) against a decode step, at batch 1, 8, 32 and 128
 #   moe      L1, P1 and W1 on $MOE (mixtral-8x7b, dummy bf16) and W1 on $MOE_SMALL
@@ -129,6 +131,7 @@ else
 fi
 BLOCK_FP8_CONFIG="{\"quantization_config\": {\"quant_method\": \"fp8\", \"weight_block_size\": [$FP8_BLOCK, $FP8_BLOCK]}}"
 INT8_ARGS='{"num_bits": 8, "type": "int", "symmetric": true'
+BNB8_CONFIG='{"quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": true}}'
 W8A8_CONFIG="{\"quantization_config\": {\"quant_method\": \"compressed-tensors\", \"format\": \"int-quantized\", \"ignore\": [\"lm_head\"], \"config_groups\": {\"group_0\": {\"targets\": [\"Linear\"], \"weights\": $INT8_ARGS, \"strategy\": \"channel\"}, \"input_activations\": $INT8_ARGS, \"strategy\": \"token\", \"dynamic\": true}}}}}"
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
@@ -230,6 +233,10 @@ step w4a16 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --lo
     "${W1_ARGS[@]}" --quantization bitsandbytes --output-json "$OUT/bnb-nf4-w1-$BIG.json"
 step w4a16 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
     "${LAT_ARGS[@]}" --quantization bitsandbytes --output-json "$OUT/bnb-nf4-latency-$BIG.json"
+step w4a16 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
+    "${W1_ARGS[@]}" --hf-overrides "$BNB8_CONFIG" --output-json "$OUT/bnb-int8-w1-$BIG.json"
+step w4a16 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
+    "${LAT_ARGS[@]}" --hf-overrides "$BNB8_CONFIG" --output-json "$OUT/bnb-int8-latency-$BIG.json"
 
 if [ "$DRY" != "1" ]; then
     step spec "$LIMIT_SWEEP" $PY scripts/spec_decode_costs.py --model "$BIG" --draft llama-3.2-1b \

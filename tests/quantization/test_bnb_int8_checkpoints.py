@@ -210,3 +210,13 @@ def test_weight_bytes_counts_8bit_weights_as_the_engine_stores_them(checkpoints)
     config = llm.llm_engine.config.model_config
     assert config.quant_config.storage() == ("fp8", -1)
     assert kv_allocator.weight_bytes(config.hf_config, 4, "fp8", -1) == held
+
+
+def test_bitsandbytes_flags_take_an_8bit_checkpoint(checkpoints):
+    """vLLM's ``--quantization bitsandbytes --load-format bitsandbytes`` load it as without
+    them; a flag naming another method is refused."""
+    llm = LLM(str(checkpoints["llama-int8"]), quantization="bitsandbytes",
+              load_format="bitsandbytes", dtype="float32", max_model_len=128, device="cpu")
+    assert runner_model(llm).model.layers[0].mlp.down_proj.llm_int8_threshold == 6.0
+    with pytest.raises(ValueError, match="--quantization fp8 contradicts the checkpoint"):
+        LLM(str(checkpoints["llama-int8"]), quantization="fp8", device="cpu")
