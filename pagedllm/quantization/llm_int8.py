@@ -31,9 +31,9 @@ products added.
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Callable
+
+import torch
 
 from pagedllm.layers import triton_ops
 
