@@ -747,3 +747,77 @@ def quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, K, stride_x
             quantized = to_fp8(x, scale)
         tl.store(out_ptr + row * K + k, quantized, mask=k < K)
     tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def llm_int8_rows_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_xm, threshold, sums_scale,
+                         weight_scale, BLOCK_K: tl.constexpr, OUTLIERS: tl.constexpr,
+                         PDL: tl.constexpr):
+    """bitsandbytes' LLM.int8 quantization of row ``row`` of ``x``, as
+    ``quantization.llm_int8.stacked_rows`` computes it: ``out[row]`` its int8 codes
+    ``round(h * (127 / r))`` (``h`` the float16 values; 0 at the outliers, ``|h| >=
+    threshold``), ``scale[row]`` ``r * sums_scale``, ``r`` the largest magnitude of the
+    others. With ``OUTLIERS``, the outliers (float32 values, 0 elsewhere) as two int8 rows
+    (``llm_int8._int8_rows``, then again on what the first leaves): ``out[M + row]``,
+    ``out[2 M + row]``, their scales times ``weight_scale`` at ``scale[M + row]``,
+    ``scale[2 M + row]``. Three passes over the row (the largest magnitudes, the codes, the
+    rest's codes). Launched without floating-point contraction: each product is rounded
+    before it is rounded to an integer, as in torch."""
+    follow_previous_kernel(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    amax_outliers = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + k, mask=k < K, other=0.0)
+        h = tl.abs(x.to(tl.float16).to(tl.float32))
+        if OUTLIERS:
+            outlier = h >= threshold
+            amax = tl.maximum(amax, tl.where(outlier, 0.0, h))
+            amax_outliers = tl.maximum(amax_outliers, tl.where(outlier, tl.abs(x.to(tl.float32)),
+                                                               0.0))
+        else:
+            amax = tl.maximum(amax, h)
+    row_max = tl.max(amax, 0)
+    inverse = tl.math.div_rn(tl.zeros_like(row_max) + 127.0, tl.where(row_max > 0, row_max, 1.0))
+    inverse = tl.where(row_max > 0, inverse, 0.0)
+    high_scale = tl.math.div_rn(tl.max(amax_outliers, 0), tl.zeros_like(row_max) + 127.0)
+    high_safe = tl.where(high_scale > 0, high_scale, 1.0)
+    amax_rest = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + k, mask=k < K, other=0.0)
+        h = x.to(tl.float16).to(tl.float32)
+        if OUTLIERS:
+            outlier = tl.abs(h) >= threshold
+            h = tl.where(outlier, 0.0, h)
+        q = (h * inverse + 12582912.0) - 12582912.0  # halves to even (|q| <= 127)
+        tl.store(out_ptr + row * K + k, q.to(tl.int8), mask=k < K)
+        if OUTLIERS:
+            values = tl.where(outlier, x.to(tl.float32), 0.0)
+            high = _round_clamped(tl.math.div_rn(values, tl.zeros_like(values) + high_safe))
+            tl.store(out_ptr + (M + row) * K + k, high.to(tl.int8), mask=k < K)
+            amax_rest = tl.maximum(amax_rest, tl.abs(values - high * high_scale))
+    tl.store(scale_ptr + row, row_max * sums_scale)
+    if OUTLIERS:
+        low_scale = tl.math.div_rn(tl.max(amax_rest, 0), tl.zeros_like(row_max) + 127.0)
+        low_safe = tl.where(low_scale > 0, low_scale, 1.0)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + k, mask=k < K, other=0.0)
+            h = tl.abs(x.to(tl.float16).to(tl.float32))
+            values = tl.where(h >= threshold, x.to(tl.float32), 0.0)
+            high = _round_clamped(tl.math.div_rn(values, tl.zeros_like(values) + high_safe))
+            rest = values - high * high_scale
+            low = _round_clamped(tl.math.div_rn(rest, tl.zeros_like(rest) + low_safe))
+            tl.store(out_ptr + (2 * M + row) * K + k, low.to(tl.int8), mask=k < K)
+        tl.store(scale_ptr + M + row, high_scale * weight_scale)
+        tl.store(scale_ptr + 2 * M + row, low_scale * weight_scale)
+
+
+@triton.jit
+def _round_clamped(v):
+    """float32 ``v`` rounded to the nearest integer (halves to even), clamped to +-127."""
+    v = tl.clamp(v, -128.0, 128.0)
+    return tl.clamp((v + 12582912.0) - 12582912.0, -127.0, 127.0)

@@ -89,6 +89,30 @@ def quantize_rows_int8(x: torch.Tensor, input_scale: torch.Tensor | None = None
     return _quantize_rows(x, input_scale, "int8")
 
 
+def quantize_rows_llm_int8(x: torch.Tensor, threshold: float, sums_scale: float,
+                           weight_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantization.llm_int8``'s rows for its tensor-core product in one kernel: ``x [M,
+    K]`` -> (int8 ``[R * M, K]``, float32 ``[R * M]``): the codes with their rows' largest
+    magnitudes times ``sums_scale``, and with ``threshold > 0`` (R = 3, else 1) the
+    outliers' two int8 rows with their scales times ``weight_scale``; the values of
+    ``llm_int8.stacked_rows``."""
+    rows, cols = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    stacked = 3 if threshold > 0 else 1
+    out = torch.empty((stacked * rows, cols), dtype=torch.int8, device=x.device)
+    scale = torch.empty(stacked * rows, dtype=torch.float32, device=x.device)
+    if rows:
+        k = _kernels()
+        block = min(4096, k.next_power_of_2(cols))
+        k.llm_int8_rows_kernel[(rows,)](
+            x, out, scale, rows, cols, x.stride(0), threshold, sums_scale, weight_scale,
+            BLOCK_K=block, OUTLIERS=threshold > 0, num_warps=_norm_warps(block),
+            enable_fp_fusion=False, **launch_options(x.device),
+        )
+    return out, scale
+
+
 def _quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None, w8a8: str
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape

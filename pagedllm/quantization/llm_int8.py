@@ -25,8 +25,9 @@ On CUDA the integer sums run on the tensor cores (``layers.int8_matmul``, exact 
 the outliers ride on the same product, so CUDA graphs see one shape whatever they are: each
 row's outliers, zero elsewhere, are written as two int8 rows (``v = s1 q1 + s2 q2`` to
 about 2**-14 of the row's largest; bitsandbytes itself rounds those columns' weights to the
-model's dtype, 2**-9 in bfloat16), stacked under the quantized rows, and the three float32
-products added.
+model's dtype, 2**-9 in bfloat16), stacked under the quantized rows (``stacked_rows``; one
+kernel, ``triton_ops.quantize_rows_llm_int8``, but for a row-parallel projection, whose
+rows' maxima come from the other ranks), and the three float32 products added.
 """
 
 from __future__ import annotations
@@ -98,6 +99,26 @@ def _kernel_product(rows: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor,
                     whole_row_max: RowMax | None = None) -> torch.Tensor:
     from pagedllm.layers.int8_matmul import int8_matmul  # kernels load on first use
 
+    if whole_row_max is None:
+        stacked, scales = triton_ops.quantize_rows_llm_int8(rows, threshold, SUMS_SCALE,
+                                                            WEIGHT_SCALE)
+    else:  # the whole rows' maxima come from the other ranks, between the passes
+        stacked, scales = stacked_rows(rows, threshold, whole_row_max)
+    sums = int8_matmul(stacked, scales, weight, scb, None, torch.float32)
+    out = sums.view(-1, rows.shape[0], weight.shape[0]).sum(dim=0)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(rows.dtype)
+
+
+def stacked_rows(rows: torch.Tensor, threshold: float, whole_row_max: RowMax | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the tensor-core product (module docstring): int8 ``[R * M, K]`` and
+    float32 scales ``[R * M]``, the codes and their rows' largest magnitudes times
+    ``SUMS_SCALE``, then with outliers (R = 3, else 1) each row's outliers as two int8 rows
+    (``_int8_rows``: the values, then what the first leaves) with scales times
+    ``WEIGHT_SCALE``. ``triton_ops.quantize_rows_llm_int8`` computes the same in one
+    kernel."""
     quantized, row_max, outliers = quantize_rows(rows, threshold, whole_row_max)
     stacked, scales = [quantized], [row_max * SUMS_SCALE]
     if outliers is not None:
@@ -106,11 +127,7 @@ def _kernel_product(rows: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor,
         low, low_scale = _int8_rows(outlier_values - high.float() * high_scale[:, None])
         stacked += [high, low]
         scales += [high_scale * WEIGHT_SCALE, low_scale * WEIGHT_SCALE]
-    sums = int8_matmul(torch.cat(stacked), torch.cat(scales), weight, scb, None, torch.float32)
-    out = sums.view(len(stacked), rows.shape[0], weight.shape[0]).sum(dim=0)
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(rows.dtype)
+    return torch.cat(stacked), torch.cat(scales)
 
 
 def _int8_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

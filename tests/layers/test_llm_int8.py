@@ -126,3 +126,23 @@ def test_a_row_split_over_ranks_is_quantized_by_the_whole_rows_largest_magnitude
                  for cols in (slice(0, 40), slice(40, 64)))
     want = llm_int8.llm_int8_linear(x, weight, scb, 6.0)
     torch.testing.assert_close(summed, want, rtol=0, atol=1e-6 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("threshold", [6.0, 0.0])
+@pytest.mark.parametrize("rows, columns, dtype", [(3, 96, torch.float32), (2, 5000, torch.bfloat16),
+                                                  (4, 200, torch.float16)])
+def test_one_kernel_quantizes_the_rows_as_torch_does(threshold, rows, columns, dtype):
+    """``triton_ops.quantize_rows_llm_int8`` (one kernel, the tensor-core path's inputs):
+    the codes, the outliers' two rows and every scale of ``llm_int8.stacked_rows``,
+    exactly; rows longer than a block (5,000 columns), a row without outliers, a row of
+    zeros."""
+    from pagedllm.layers import triton_ops
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = inputs(rows, columns, 12.0, seed=columns).to(dtype)
+    x[-1] = 0.0
+    x[0, 50] = -7.5  # an outlier in a column no other row has one in
+    want = llm_int8.stacked_rows(x, threshold)
+    got = triton_ops.quantize_rows_llm_int8(x.to(device), threshold, llm_int8.SUMS_SCALE,
+                                            llm_int8.WEIGHT_SCALE)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
