@@ -2,7 +2,9 @@
 loads a tiny model with ``BitsAndBytesConfig(load_in_8bit=True)`` (bitsandbytes quantizes
 it, on the CPU) and ``save_pretrained`` writes it. pagedllm detects them from config.json
 and picks the greedy tokens of HF transformers running the same file through
-bitsandbytes' ``Linear8bitLt`` (int8 inputs, outlier columns unquantized)."""
+bitsandbytes' ``Linear8bitLt`` one token a forward pass (the engine multiplies each token
+on its own: ``pagedllm.quantization.llm_int8``), and those of HF's own ``generate`` where
+the two agree (no outliers)."""
 
 from __future__ import annotations
 
