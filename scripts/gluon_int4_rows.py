@@ -16,7 +16,7 @@ warps`` rows and ``K / SPLIT`` inputs; a lane holds ``RPT`` rows by ``WPT`` word
 inputs each) of its ``WT`` lanes' 128-input tile, and multiplies them as
 ``int_row_products`` does (a value ``v = 1 + q / 16`` made by a shift and an and/or,
 ``sum (q - zero) x = 16 sum v x - (16 + zero) sum x``), its group's scale applied per row
-and tile. The slices' sums are added into a float32 row by atomics (in any order: the
+and tile, each tile's loads issued an iteration ahead. The slices' sums are added into a float32 row by atomics (in any order: the
 result may differ in the last bits from run to run). On a GPU each projection of
 Llama-3.1-8B is checked against the dequantized weights' product and timed in CUDA graphs
 over weight copies that are not in L2, beside the engine's configured tile.
@@ -76,12 +76,23 @@ def int4_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, k_per_split, str
     one_bits = one.to(gl.uint32)
     acc = gl.zeros([BLOCK_N, WT], gl.float32, layout=LA)
     k_start = gl.program_id(1) * k_per_split
-    for k0 in range(k_start, k_start + k_per_split, TILE):
-        q = gl.load(w_tile + k0 // 8).to(gl.uint32, bitcast=True)
-        x = gl.load(x_ptr + k0 + x_index).to(gl.float32)
-        group = k0 // 128
-        scale = gl.load(s_ptr + n_rows * stride_sn + group).to(gl.float32)
-        zero = gl.load(z_ptr + n_rows * stride_sn + group).to(gl.float32)
+    k_end = k_start + k_per_split
+    # The first tile's loads; each iteration then loads the next (the last: its own again)
+    # before it multiplies the one loaded the iteration before.
+    q_next = gl.load(w_tile + k_start // 8)
+    x_next = gl.load(x_ptr + k_start + x_index)
+    scale_next = gl.load(s_ptr + n_rows * stride_sn + k_start // 128)
+    zero_next = gl.load(z_ptr + n_rows * stride_sn + k_start // 128)
+    for k0 in range(k_start, k_end, TILE):
+        q = q_next.to(gl.uint32, bitcast=True)
+        x = x_next.to(gl.float32)
+        scale = scale_next.to(gl.float32)
+        zero = zero_next.to(gl.float32)
+        ahead = gl.minimum(k0 + TILE, k_end - TILE)
+        q_next = gl.load(w_tile + ahead // 8)
+        x_next = gl.load(x_ptr + ahead + x_index)
+        scale_next = gl.load(s_ptr + n_rows * stride_sn + ahead // 128)
+        zero_next = gl.load(z_ptr + n_rows * stride_sn + ahead // 128)
         v = ((((gl.expand_dims(q, 3) << up) >> down) & 0x780000) | one_bits).to(
             gl.float32, bitcast=True)
         sum_vx = gl.sum(gl.sum(v * gl.expand_dims(x, 0), axis=3), axis=2)

@@ -10,12 +10,12 @@ import torch
 
 from pagedllm.quantization import llm_int8
 
-bnb = pytest.importorskip("bitsandbytes")
-
 
 def bnb_layer(out_features: int, in_features: int, threshold: float, bias: bool,
               seed: int) -> torch.nn.Module:
-    """A ``Linear8bitLt`` holding bitsandbytes' int8 rows of a random weight."""
+    """A ``Linear8bitLt`` holding bitsandbytes' int8 rows of a random weight (the tests
+    that compare with bitsandbytes itself need it installed)."""
+    bnb = pytest.importorskip("bitsandbytes")
     gen = torch.Generator().manual_seed(seed)
     plain = torch.nn.Linear(in_features, out_features, bias=bias)
     plain.weight.data = torch.randn(out_features, in_features, generator=gen) * 0.05
@@ -25,6 +25,16 @@ def bnb_layer(out_features: int, in_features: int, threshold: float, bias: bool,
                                 threshold=threshold)
     layer.load_state_dict(plain.state_dict())
     return layer.to("cpu").eval()  # quantizes
+
+
+def random_int8_rows(out_features: int, in_features: int, seed: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 rows, their ``SCB`` and a bias, random."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randint(-127, 128, (out_features, in_features), generator=gen,
+                           dtype=torch.int8)
+    return weight, torch.rand(out_features, generator=gen) * 0.1, torch.randn(
+        out_features, generator=gen) * 0.1
 
 
 def int8_rows(layer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,18 +104,17 @@ def test_kernel_products_match_the_reference(threshold, rows, dtype):
     whatever they are): float32 outputs within a few roundings of the reference;
     bfloat16 within one rounding of the reference's float32 values."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    layer = bnb_layer(40, 96, threshold, bias=True, seed=rows)
-    weight, scb = int8_rows(layer)
+    weight, scb, bias = random_int8_rows(40, 96, seed=rows)
     x = inputs(rows, 96, 12.0, seed=rows + 1)
-    want = llm_int8._reference_product(x, weight, scb.float(), threshold, layer.bias.data)
-    got = llm_int8._kernel_product(x.to(device, dtype), weight.to(device), scb.float().to(device),
-                                   threshold, layer.bias.data.to(device, dtype))
+    want = llm_int8._reference_product(x, weight, scb, threshold, bias)
+    got = llm_int8._kernel_product(x.to(device, dtype), weight.to(device), scb.to(device),
+                                   threshold, bias.to(device, dtype))
     assert got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     else:  # bf16 inputs: their own reference, one rounding of the outputs apart
-        want = llm_int8._reference_product(x.to(dtype).float(), weight, scb.float(), threshold,
-                                           layer.bias.data.to(dtype).float())
+        want = llm_int8._reference_product(x.to(dtype).float(), weight, scb, threshold,
+                                           bias.to(dtype).float())
         torch.testing.assert_close(got.cpu().float(), want, rtol=2**-7, atol=1e-3)
 
 
@@ -119,8 +128,7 @@ def test_a_row_split_over_ranks_is_quantized_by_the_whole_rows_largest_magnitude
              for part in (x[:, :40], x[:, 40:])]
     assert torch.equal(torch.cat([codes for codes, _, _ in parts], dim=1), whole)
     assert not torch.equal(llm_int8.quantize_rows(x[:, 40:], 6.0)[0], whole[:, 40:])
-    layer = bnb_layer(16, 64, 6.0, bias=False, seed=9)
-    weight, scb = int8_rows(layer)
+    weight, scb, _ = random_int8_rows(16, 64, seed=9)
     summed = sum(llm_int8.llm_int8_linear(x[:, cols], weight[:, cols], scb, 6.0,
                                           whole_row_max=lambda _: row_max.clone())
                  for cols in (slice(0, 40), slice(40, 64)))
