@@ -201,7 +201,8 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
                 and module.weight.dtype == torch.int8:  # INT8 W8A8: values times row scales
             filled.update(_fill_int8(module.weight, module.weight_scale, module.input_scale,
                                      draws.generator(prefix + "weight", None,
-                                                     module.weight.device)))
+                                                     module.weight.device),
+                                     row_max=module.llm_int8_threshold is not None))
         elif isinstance(module, FusedMoE) and module.w13.dtype == torch.int8:  # INT8 W8A8
             for name in ("w13", "w2"):
                 weight = getattr(module, name)
@@ -246,11 +247,13 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
 
 
 def _fill_int8(weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None,
-               generator: torch.Generator) -> list[int]:
+               generator: torch.Generator, row_max: bool = False) -> list[int]:
     """Dummy INT8 W8A8 values: int8 weights uniform over [-127, 127] with scales 1e-3 / 127
-    (static input scales 1 / 127); returns the ids of the tensors filled."""
+    (static input scales 1 / 127), so weights within 1e-3; ``row_max``: bitsandbytes'
+    8-bit, whose ``weight_scale`` is each row's largest magnitude (1e-3). Returns the ids
+    of the tensors filled."""
     weight.random_(-INT8_MAX, INT8_MAX + 1, generator=generator)
-    scale.fill_(DUMMY_WEIGHT_RANGE / INT8_MAX)
+    scale.fill_(DUMMY_WEIGHT_RANGE if row_max else DUMMY_WEIGHT_RANGE / INT8_MAX)
     if input_scale is not None:
         input_scale.fill_(1.0 / INT8_MAX)
     return [id(weight), id(scale), id(input_scale)]

@@ -222,3 +222,21 @@ def test_bitsandbytes_flags_take_an_8bit_checkpoint(checkpoints):
     assert runner_model(llm).model.layers[0].mlp.down_proj.llm_int8_threshold == 6.0
     with pytest.raises(ValueError, match="--quantization fp8 contradicts the checkpoint"):
         LLM(str(checkpoints["llama-int8"]), quantization="fp8", device="cpu")
+
+
+def test_dummy_8bit_weights_span_the_dummy_range(checkpoints):
+    """``--load-format dummy`` with bitsandbytes' 8-bit config (the benchmarks' way): the
+    weights (``q * SCB / 127``) span what the float dummy weights span, and generate."""
+    config = {"quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}
+    int8 = LLM(str(checkpoints["llama"]), load_format="dummy", hf_overrides=config,
+               dtype="float32", max_model_len=64, device="cpu")
+    plain = LLM(str(checkpoints["llama"]), load_format="dummy", dtype="float32",
+                max_model_len=64, device="cpu")
+    qkv = runner_model(int8).model.layers[0].self_attn.qkv_proj
+    assert qkv.llm_int8_threshold == 6.0
+    weights = qkv.weight.float() * qkv.weight_scale / 127
+    float_max = runner_model(plain).model.layers[0].self_attn.qkv_proj.weight.abs().max()
+    assert weights.abs().max().item() == pytest.approx(float_max.item(), rel=0.05)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    assert len(int8.generate([{"prompt_token_ids": [1, 2, 3]}], params,
+                             use_tqdm=False)[0].outputs[0].token_ids) == 5
