@@ -23,10 +23,20 @@ from pathlib import Path
 EOS_TOKEN = "<|eos|>"
 
 
+# Where third-party packages live, under the standard library's directory in some
+# installations: left out, so the corpus (and the tokenizer) is the same wherever the
+# Python version is.
+PACKAGE_DIRS = frozenset({"site-packages", "dist-packages"})
+
+
 def corpus(limit_bytes: int = 64 << 20) -> Iterator[str]:
-    """Source files of the standard library, up to ``limit_bytes`` in all."""
+    """Source files of the standard library (not the packages installed beside it), up to
+    ``limit_bytes`` in all."""
     total = 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.rglob("*.py")):
+        if PACKAGE_DIRS.intersection(path.relative_to(stdlib).parts):
+            continue
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):

@@ -11,7 +11,9 @@ norms stay in the model's dtype). The product is::
     x_scale[t] = max_k |x[t, k]| / 448  (dynamic)  or  input_scale  (static)
 
 On CUDA devices of compute capability 8.9 or higher the product runs on the FP8 tensor
-cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32). Elsewhere the
+cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32; with
+``PAGEDLLM_FP8_GEMM=triton``, the Triton W8A8 GEMM of ``layers.w8a8_matmul`` instead, the
+same product to within float32's roundings of the sums). Elsewhere the
 same quantized operands are dequantized and multiplied in float32: the reference the
 tests compare with (an HF model whose weights and projection inputs are quantized the
 same way gives the same greedy tokens).
@@ -37,11 +39,14 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.triton_ops import quantize_rows_fp8, use_fused_ops
+from pagedllm.switches import choice
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Scales never reach zero (an all-zero row quantizes to zeros with this scale).
 _MIN_SCALE = 1e-12
+# Which GEMM multiplies FP8 rows on the tensor cores: cuBLASLt's or Triton's.
+FP8_GEMM_ENV = "PAGEDLLM_FP8_GEMM"
 
 
 class Fp8Rows(NamedTuple):
@@ -109,7 +114,12 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
         x2 = x.reshape(-1, shape[-1])
         quantize = quantize_rows_fp8 if use_fused_ops(x2) else quantize_rows
         xq, x_scale = quantize(x2, input_scale)
-    if _fp8_matmul_supported(xq.device) and dtype in (torch.bfloat16, torch.float16):
+    if _fp8_matmul_supported(xq.device) and choice(FP8_GEMM_ENV, ("cublas", "triton"),
+                                                   "cublas") == "triton":
+        from pagedllm.layers.w8a8_matmul import w8a8_matmul  # kernels load on first use
+
+        out = w8a8_matmul(xq, x_scale, weight, weight_scale, bias, dtype)
+    elif _fp8_matmul_supported(xq.device) and dtype in (torch.bfloat16, torch.float16):
         # Row-wise scales need a bfloat16 result.
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.contiguous(),
                                scale_b=weight_scale.t(),

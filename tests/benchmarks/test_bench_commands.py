@@ -283,6 +283,20 @@ def test_run_profile_charges_device_idle_to_the_step_it_waited_for() -> None:
     assert [(r["low"], r["idle_ms"]) for r in rows] == [(1, 1.0), (33, 0.0)]
 
 
+def test_bench_tokenizer_corpus_is_the_standard_library_alone(tmp_path, monkeypatch) -> None:
+    """The bench tokenizer trains on the standard library only: packages installed under
+    its directory (site-packages, dist-packages) would make another tokenizer on every
+    machine."""
+    from pagedllm.benchmarks import bench_tokenizer
+
+    for name, text in {"json/decoder.py": "STDLIB = 1\n", "site-packages/pkg/mod.py": "PKG = 2\n",
+                       "dist-packages/other.py": "DIST = 3\n"}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(bench_tokenizer.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    assert list(bench_tokenizer.corpus()) == ["STDLIB = 1\n"]
+
+
 def test_structured_output_run_beside_the_unconstrained_one(tmp_path) -> None:
     """``--structured-output json``: the same requests constrained, the same number of
     tokens generated (the schemas never end early), the ratio and the constraints' host
