@@ -45,6 +45,7 @@ def _w8a8_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """Program ``p`` owns row tile ``p % cdiv(M, BLOCK_M)`` of column tile
     ``p // cdiv(M, BLOCK_M)``; ``a_scale`` and ``b_scale`` hold one float32 a row. int8
@@ -61,7 +62,7 @@ def _w8a8_matmul_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if INT8 else tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + k
-        k_valid = kk < K
+        k_valid = (kk < K) | EVEN_K  # EVEN_K: BLOCK_K divides K, no step is ragged
         a_mask = m_valid[:, None] & k_valid[None, :]
         b_mask = k_valid[:, None] & n_valid[None, :]
         if INT8:
@@ -83,7 +84,8 @@ def _w8a8_matmul_kernel(
 
 def w8a8_matmul_tile(rows: int, n: int, k: int, fp8: bool = False) -> W8A8Tile:
     """The tile for ``[rows, k] x [k, n]`` (``fp8``: FP8 operands, else int8), from
-    ``scripts/gemv_quant_sweep.py --int8-gemm-rows 64,256`` on an H200 (Llama-3.1-8B's projections, docs/benchmarks.md):
+    ``scripts/gemv_quant_sweep.py --int8-gemm-rows 64,256`` on an H200 (Llama-3.1-8B's
+    projections, int8; docs/benchmarks.md):
     wide outputs (gate/up) 64 x 128 up to 64 rows, else 128 x 256 (256 rows: 71.3 us, bf16
     90.3); a long K (down) 64 x 128 x 256 (52.8, bf16 47.4); the rest 128 x 64 (qkv 20.3,
     bf16 22.1; o_proj 17.2, bf16 16.6)."""
@@ -119,6 +121,7 @@ def w8a8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
         a, a_scale.float().contiguous(), b, b_scale.float().contiguous(),
         bias if bias is not None else out, out, rows, n, k, a.stride(0), b.stride(0),
         out.stride(0), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        HAS_BIAS=bias is not None, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        HAS_BIAS=bias is not None, EVEN_K=k % tile.block_k == 0, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return out
