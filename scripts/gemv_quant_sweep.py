@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_kernels_gpu import GEMV_SHAPES, graph_us_per_launch  # noqa: E402
 
 from pagedllm.layers import int_matmul, triton_ops  # noqa: E402
-from pagedllm.layers.w8a8_matmul import W8A8Tile, w8a8_matmul, w8a8_matmul_tile  # noqa: E402
+from pagedllm.layers.int8_matmul import Int8Tile, int8_matmul, int8_matmul_tile  # noqa: E402
 from pagedllm.layers.int_matmul import IntTile  # noqa: E402
 from pagedllm.layers.triton_ops import GemvTile, IntWeights  # noqa: E402
 from pagedllm.quantization.fp8 import dequantize_rows, quantize_rows  # noqa: E402
@@ -183,20 +183,15 @@ def int_mm_product(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return (sums.float() * scales * weight_scale.reshape(1, -1)).to(x.dtype)
 
 
-W8A8_GEMM_TILES = [W8A8Tile(*t) for t in (
+INT8_GEMM_TILES = [Int8Tile(*t) for t in (
     (64, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (64, 256, 128, 4, 3),
     (128, 128, 64, 4, 4), (64, 128, 256, 4, 3), (128, 128, 256, 8, 3), (128, 64, 128, 4, 4))]
 
 
-def w8a8_gemm_sweep(kind: str, row_counts: list[int], budget_s: float,
+def int8_gemm_sweep(row_counts: list[int], budget_s: float,
                     save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
-    """Larger batches on W8A8 weights (``kind``: int8 or fp8): the rows quantized, then
-    cuBLASLt (``impl="before"``: ``torch._int_mm``, or the engine's ``fp8_linear`` with
-    ``torch._scaled_mm``) or ``w8a8_matmul``'s tiles, beside cuBLAS on the bf16 weights."""
-    from pagedllm.quantization.fp8 import FP8_GEMM_ENV, fp8_linear
-
-    quantize, dequantize = W8A8_FORMATS[kind]
-    quantize_x = triton_ops.quantize_rows_int8 if kind == "int8" else triton_ops.quantize_rows_fp8
+    """Larger batches on INT8 W8A8 weights: the rows quantized, then ``torch._int_mm``
+    (``impl="before"``) or ``int8_matmul``'s tiles, beside cuBLAS on the bf16 weights."""
     results: list[dict[str, Any]] = []
     share = budget_s / 4
     gen = torch.Generator(device=DEVICE).manual_seed(47)
@@ -204,36 +199,63 @@ def w8a8_gemm_sweep(kind: str, row_counts: list[int], budget_s: float,
         deadline = time.monotonic() + share
         bf16 = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
                 for _ in range(max(2, -(-L2_FLUSH_BYTES // (n * k * 2))))]
-        weights = [quantize(w) for w in bf16]
+        weights = [quantize_rows_int8(w) for w in bf16]
         weights = (weights * 2)[:max(2, -(-L2_FLUSH_BYTES // (n * k)))]
         for m in row_counts:
             x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
-            xq, x_scale = quantize(x)
-            want = dequantize(xq, x_scale) @ dequantize(*weights[0]).T
-            results.append(dict(kind=f"{kind}-gemm", shape=name, rows=m, impl="bf16",
+            xq, x_scale = quantize_rows_int8(x)
+            want = (xq.float() * x_scale) @ (weights[0][0].float() * weights[0][1]).T
+            results.append(dict(kind="int8-gemm", shape=name, rows=m, impl="bf16",
                                 us=graph_us_per_launch(lambda w: torch.nn.functional.linear(x, w),
                                                        bf16)))
-            if kind == "int8":
-                def before(w):
-                    return int_mm_product(x, w[0], w[1])
-            else:
-                os.environ[FP8_GEMM_ENV] = "cublas"
-
-                def before(w):
-                    return fp8_linear(x, w[0], w[1])
-            results.append(measure(dict(kind=f"{kind}-gemm", shape=name, rows=m, impl="before"),
-                                   before, weights, want, n * k))
-            configured = w8a8_matmul_tile(m, n, k, fp8=kind == "fp8")
-            for tile in [configured] + [t for t in W8A8_GEMM_TILES if t != configured]:
+            results.append(measure(dict(kind="int8-gemm", shape=name, rows=m, impl="before"),
+                                   lambda w: int_mm_product(x, w[0], w[1]), weights, want, n * k))
+            configured = int8_matmul_tile(m, n, k)
+            for tile in [configured] + [t for t in INT8_GEMM_TILES if t != configured]:
                 if time.monotonic() > deadline and tile != configured:
                     break
-                row = dict(kind=f"{kind}-gemm", shape=name, rows=m, tile=list(tile),
+                row = dict(kind="int8-gemm", shape=name, rows=m, tile=list(tile),
                            impl="configured" if tile == configured else "tile")
 
                 def op(w, t=tile):
-                    rows, scales = quantize_x(x)
-                    return w8a8_matmul(rows, scales, w[0], w[1], None, DTYPE, t)
+                    rows, scales = triton_ops.quantize_rows_int8(x)
+                    return int8_matmul(rows, scales, w[0], w[1], None, DTYPE, t)
                 results.append(measure(row, op, weights, want, n * k))
+            save(results)
+        del weights, bf16
+        torch.cuda.empty_cache()
+    return results
+
+
+def fp8_gemm_sweep(row_counts: list[int], save: Callable[[list[dict[str, Any]]], None]
+                   ) -> list[dict[str, Any]]:
+    """Larger batches on FP8 W8A8 weights through the engine's ``fp8_linear`` (the rows
+    quantized, then ``torch._scaled_mm``): at the batch's own rows (``impl="unpadded"``,
+    ``PAGEDLLM_FP8_PAD_ROWS=0``) and as the engine runs it (``"engine"``: padded to the
+    rows of ``cublas_rows``), beside cuBLAS on the bf16 weights."""
+    from pagedllm.quantization.fp8 import PAD_ROWS_ENV, cublas_rows, fp8_linear
+
+    results: list[dict[str, Any]] = []
+    gen = torch.Generator(device=DEVICE).manual_seed(53)
+    for name, n, k in GEMV_SHAPES[:4]:
+        bf16 = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
+                for _ in range(max(2, -(-L2_FLUSH_BYTES // (n * k * 2))))]
+        weights = [quantize_rows(w) for w in bf16]
+        weights = (weights * 2)[:max(2, -(-L2_FLUSH_BYTES // (n * k)))]
+        for m in row_counts:
+            x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
+            xq, x_scale = quantize_rows(x)
+            want = dequantize_rows(xq, x_scale) @ dequantize_rows(*weights[0]).T
+            results.append(dict(kind="fp8-gemm", shape=name, rows=m, impl="bf16",
+                                us=graph_us_per_launch(lambda w: torch.nn.functional.linear(x, w),
+                                                       bf16)))
+            for impl, pad in (("unpadded", "0"), ("engine", "1")):
+                os.environ[PAD_ROWS_ENV] = pad
+                row = dict(kind="fp8-gemm", shape=name, rows=m, impl=impl,
+                           cublas_rows=cublas_rows(m, DEVICE) if pad == "1" else m)
+                results.append(measure(row, lambda w: fp8_linear(x, w[0], w[1]), weights,
+                                       want, n * k))
+            os.environ.pop(PAD_ROWS_ENV)
             save(results)
         del weights, bf16
         torch.cuda.empty_cache()
@@ -345,6 +367,11 @@ def print_table(results: list[dict[str, Any]]) -> None:
     for key in dict.fromkeys((r["kind"], r["shape"], r["rows"]) for r in results):
         mine = [r for r in results if (r["kind"], r["shape"], r["rows"]) == key]
         pick = {r["impl"]: r.get("us", float("nan")) for r in mine if r["impl"] != "tile"}
+        if key[0] == "fp8-gemm":  # cuBLAS only: the batch's own rows and the engine's
+            print(f"{key[0]:5} {key[1]:10} {key[2]:4} {pick['bf16']:7.1f} bf16, "
+                  f"{pick.get('unpadded', float('nan')):7.1f} unpadded, "
+                  f"{pick.get('engine', float('nan')):7.1f} engine")
+            continue
         tiles = sorted((r for r in mine if "us" in r and r["impl"] in ("tile", "configured")),
                        key=lambda r: r["us"])
         if not tiles:
@@ -371,12 +398,11 @@ def main() -> int:
     parser.add_argument("--int-gemm-budget-s", type=float, default=200.0)
     parser.add_argument("--int8-gemm-rows", default="",
                         help="also time INT8 W8A8 products of these batch sizes: torch._int_mm "
-                             "against w8a8_matmul's tiles (with --w8a8-gemm-budget-s)")
+                             "against int8_matmul's tiles (with --int8-gemm-budget-s)")
+    parser.add_argument("--int8-gemm-budget-s", type=float, default=120.0)
     parser.add_argument("--fp8-gemm-rows", default="",
-                        help="the same for FP8 W8A8: torch._scaled_mm against w8a8_matmul's "
-                             "tiles")
-    parser.add_argument("--w8a8-gemm-budget-s", type=float, default=120.0,
-                        help="seconds for each of --int8-gemm-rows and --fp8-gemm-rows")
+                        help="also time FP8 W8A8 products of these batch sizes as the engine "
+                             "runs them (torch._scaled_mm, padded rows) and unpadded")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gemv_quant_sweep.py needs a CUDA GPU; on the CPU run `pytest tests/layers`.")
@@ -396,11 +422,14 @@ def main() -> int:
         done = list(results)
         results += int_gemm_sweep([int(r) for r in args.int_gemm_rows.split(",")],
                                   args.int_gemm_budget_s, lambda rows: save(done + rows))
-    for kind, row_counts in (("int8", args.int8_gemm_rows), ("fp8", args.fp8_gemm_rows)):
-        if row_counts:
-            done = list(results)
-            results += w8a8_gemm_sweep(kind, [int(r) for r in row_counts.split(",")],
-                                       args.w8a8_gemm_budget_s, lambda rows: save(done + rows))
+    if args.int8_gemm_rows:
+        done = list(results)
+        results += int8_gemm_sweep([int(r) for r in args.int8_gemm_rows.split(",")],
+                                   args.int8_gemm_budget_s, lambda rows: save(done + rows))
+    if args.fp8_gemm_rows:
+        done = list(results)
+        results += fp8_gemm_sweep([int(r) for r in args.fp8_gemm_rows.split(",")],
+                                  lambda rows: save(done + rows))
     save(results)
     print_table(results)
     return 0

@@ -54,7 +54,7 @@
 #            W8A8 weights (compressed-tensors int-quantized, per-token int8 inputs, given to
 #            the dummy weights by --hf-overrides) into int8-w8a8-*.json, and
 #            gemv_quant_sweep.py --kinds int8 --int8-gemm-rows 64,256 (INT8's small-batch
-#            and w8a8_matmul tiles beside torch._int_mm and bf16); then W1 and L1 with
+#            and int8_matmul tiles beside torch._int_mm and bf16); then W1 and L1 with
 #            bitsandbytes NF4 (--quantization bitsandbytes: quantized at load, the codebook
 #            path of the integer kernels) into bnb-nf4-*.json, and with bitsandbytes 8-bit
 #            (LLM.int8 by --hf-overrides: int8 sums on the tensor cores, the outliers as two
@@ -227,7 +227,7 @@ step w4a16 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load
     "${LAT_ARGS[@]}" --hf-overrides "$W8A8_CONFIG" --output-json "$OUT/int8-w8a8-latency-$BIG.json"
 if [ "$DRY" != "1" ]; then
     step w4a16 "$LIMIT_SWEEP" $PY scripts/gemv_quant_sweep.py --kinds int8 --rows 1,4 \
-        --budget-s 80 --int8-gemm-rows 64,256 --w8a8-gemm-budget-s 60 --out "$OUT/gemv-int8.json"
+        --budget-s 80 --int8-gemm-rows 64,256 --int8-gemm-budget-s 60 --out "$OUT/gemv-int8.json"
 fi
 step w4a16 "$LIMIT_W1" $PY -m pagedllm.benchmarks.throughput --model "$BIG" --load-format dummy \
     "${W1_ARGS[@]}" --quantization bitsandbytes --output-json "$OUT/bnb-nf4-w1-$BIG.json"

@@ -11,9 +11,8 @@ norms stay in the model's dtype). The product is::
     x_scale[t] = max_k |x[t, k]| / 448  (dynamic)  or  input_scale  (static)
 
 On CUDA devices of compute capability 8.9 or higher the product runs on the FP8 tensor
-cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32; with
-``PAGEDLLM_FP8_GEMM=triton``, the Triton W8A8 GEMM of ``layers.w8a8_matmul`` instead, the
-same product to within float32's roundings of the sums). Elsewhere the
+cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32; on Hopper a
+product of 129-255 rows is padded with zero rows to 256, ``cublas_rows``). Elsewhere the
 same quantized operands are dequantized and multiplied in float32: the reference the
 tests compare with (an HF model whose weights and projection inputs are quantized the
 same way gives the same greedy tokens).
@@ -39,14 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.triton_ops import quantize_rows_fp8, use_fused_ops
-from pagedllm.switches import choice
+from pagedllm.switches import switch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Scales never reach zero (an all-zero row quantizes to zeros with this scale).
 _MIN_SCALE = 1e-12
-# Which GEMM multiplies FP8 rows on the tensor cores: cuBLASLt's or Triton's.
-FP8_GEMM_ENV = "PAGEDLLM_FP8_GEMM"
 
 
 class Fp8Rows(NamedTuple):
@@ -96,6 +93,26 @@ def _fp8_matmul_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+# cuBLASLt's FP8 products with row-wise scales of 129-255 rows take up to twice as long as
+# those of 256 rows on an H100 or H200 (docs/benchmarks.md, "FP8 products of 129-255 rows").
+_HOPPER_PADDED_ROWS = (129, 256)
+PAD_ROWS_ENV = "PAGEDLLM_FP8_PAD_ROWS"
+
+
+def cublas_rows(rows: int, device: torch.device) -> int:
+    """The rows an FP8 product of ``rows`` rows runs at on ``device``: ``rows``, or on Hopper
+    (compute capability 9.x) 256 for 129-255 rows, unless ``PAGEDLLM_FP8_PAD_ROWS=0``."""
+    low, padded = _HOPPER_PADDED_ROWS
+    if low <= rows < padded and _hopper(device) and switch(PAD_ROWS_ENV, True):
+        return padded
+    return rows
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None
                ) -> torch.Tensor:
@@ -114,17 +131,18 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
         x2 = x.reshape(-1, shape[-1])
         quantize = quantize_rows_fp8 if use_fused_ops(x2) else quantize_rows
         xq, x_scale = quantize(x2, input_scale)
-    if _fp8_matmul_supported(xq.device) and choice(FP8_GEMM_ENV, ("cublas", "triton"),
-                                                   "cublas") == "triton":
-        from pagedllm.layers.w8a8_matmul import w8a8_matmul  # kernels load on first use
-
-        out = w8a8_matmul(xq, x_scale, weight, weight_scale, bias, dtype)
-    elif _fp8_matmul_supported(xq.device) and dtype in (torch.bfloat16, torch.float16):
+    if _fp8_matmul_supported(xq.device) and dtype in (torch.bfloat16, torch.float16):
+        rows = xq.shape[0]
+        padding = cublas_rows(rows, xq.device) - rows
+        x_scale = x_scale.contiguous()
+        if padding:  # zero rows (bytes 0 are e4m3 zeros), scaled by 1: their sums are 0
+            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, padding)).view(FP8_DTYPE)
+            x_scale = F.pad(x_scale, (0, 0, 0, padding), value=1.0)
         # Row-wise scales need a bfloat16 result.
-        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.contiguous(),
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale,
                                scale_b=weight_scale.t(),
                                bias=None if bias is None else bias.to(torch.bfloat16),
-                               out_dtype=torch.bfloat16).to(dtype)
+                               out_dtype=torch.bfloat16)[:rows].to(dtype)
     else:
         out = dequantize_rows(xq, x_scale) @ dequantize_rows(weight, weight_scale).t()
         if bias is not None:

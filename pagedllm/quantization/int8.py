@@ -14,7 +14,7 @@ On CUDA the inputs are quantized by one Triton kernel a row (``triton_ops``, the
 values) and the integer sums run in int32 on the tensor cores, exact, then are scaled in
 float32 and rounded once to the activation dtype: decode batches of a few rows in the
 small-batch kernel (``triton_ops.small_batch_matmul``), the rest in
-``layers.w8a8_matmul``. Elsewhere the reference dequantizes both operands to float32 and
+``layers.int8_matmul``. Elsewhere the reference dequantizes both operands to float32 and
 multiplies there, as a transformers model holding the dequantized weights and quantizing
 each input the same way computes it.
 """
@@ -53,10 +53,10 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     ``weight_scale [N, 1]`` (see the module docstring)."""
     rows = x.reshape(-1, x.shape[-1])
     if triton_ops.use_fused_ops(rows):
-        from pagedllm.layers.w8a8_matmul import w8a8_matmul  # kernels load on first use
+        from pagedllm.layers.int8_matmul import int8_matmul  # kernels load on first use
 
         quantized, x_scale = triton_ops.quantize_rows_int8(rows, input_scale)
-        out = w8a8_matmul(quantized, x_scale, weight, weight_scale, bias, x.dtype)
+        out = int8_matmul(quantized, x_scale, weight, weight_scale, bias, x.dtype)
     else:
         quantized, x_scale = quantize_rows_int8(rows, input_scale)
         out = (quantized.float() * x_scale) @ (weight.float() * weight_scale.float()).t()

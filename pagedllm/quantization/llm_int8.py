@@ -21,7 +21,7 @@ rows beside it (the other requests of a step, how a prompt is chunked, a cached 
 One row at a time, as HF transformers' decode steps run, the two are the same, bit for
 bit on the CPU (``llm_int8_linear``'s reference: the integer sums exact).
 
-On CUDA the integer sums run on the tensor cores (``layers.w8a8_matmul``, exact int32) and
+On CUDA the integer sums run on the tensor cores (``layers.int8_matmul``, exact int32) and
 the outliers ride on the same product, so CUDA graphs see one shape whatever they are: each
 row's outliers, zero elsewhere, are written as two int8 rows (``v = s1 q1 + s2 q2`` to
 about 2**-14 of the row's largest; bitsandbytes itself rounds those columns' weights to the
@@ -97,14 +97,14 @@ def _reference_product(rows: torch.Tensor, weight: torch.Tensor, scb: torch.Tens
 def _kernel_product(rows: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor,
                     threshold: float, bias: torch.Tensor | None,
                     whole_row_max: RowMax | None = None) -> torch.Tensor:
-    from pagedllm.layers.w8a8_matmul import w8a8_matmul  # kernels load on first use
+    from pagedllm.layers.int8_matmul import int8_matmul  # kernels load on first use
 
     if whole_row_max is None:
         stacked, scales = triton_ops.quantize_rows_llm_int8(rows, threshold, SUMS_SCALE,
                                                             WEIGHT_SCALE)
     else:  # the whole rows' maxima come from the other ranks, between the passes
         stacked, scales = stacked_rows(rows, threshold, whole_row_max)
-    sums = w8a8_matmul(stacked, scales, weight, scb, None, torch.float32)
+    sums = int8_matmul(stacked, scales, weight, scb, None, torch.float32)
     out = sums.view(-1, rows.shape[0], weight.shape[0]).sum(dim=0)
     if bias is not None:
         out = out + bias.float()
