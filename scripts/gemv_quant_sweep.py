@@ -48,10 +48,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_kernels_gpu import GEMV_SHAPES, graph_us_per_launch  # noqa: E402
 
 from pagedllm.layers import int_matmul, triton_ops  # noqa: E402
+from pagedllm.layers.fp8_matmul import Fp8Tile, fp8_matmul, fp8_matmul_tile  # noqa: E402
 from pagedllm.layers.int8_matmul import Int8Tile, int8_matmul, int8_matmul_tile  # noqa: E402
 from pagedllm.layers.int_matmul import IntTile  # noqa: E402
 from pagedllm.layers.triton_ops import GemvTile, IntWeights  # noqa: E402
-from pagedllm.quantization.fp8 import dequantize_rows, quantize_rows  # noqa: E402
+from pagedllm.quantization.fp8 import (  # noqa: E402
+    SPLIT_GEMM_MAX_N,
+    SPLIT_GEMM_MAX_ROWS,
+    dequantize_rows,
+    quantize_rows,
+)
 from pagedllm.quantization.int8 import quantize_rows_int8  # noqa: E402
 from pagedllm.quantization.int_weights import dequantize, pack_rows  # noqa: E402
 
@@ -227,17 +233,26 @@ def int8_gemm_sweep(row_counts: list[int], budget_s: float,
     return results
 
 
-def fp8_gemm_sweep(row_counts: list[int], save: Callable[[list[dict[str, Any]]], None]
-                   ) -> list[dict[str, Any]]:
+FP8_SPLIT_TILES = [Fp8Tile(*t, s) for t, splits in (
+    ((64, 128, 128, 4, 4), (1, 2, 4, 8)), ((128, 128, 128, 8, 4), (1, 2, 4)),
+    ((64, 64, 128, 4, 4), (2, 4, 8)), ((64, 128, 256, 4, 3), (2, 4))) for s in splits]
+
+
+def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
+                   save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Larger batches on FP8 W8A8 weights through the engine's ``fp8_linear`` (the rows
     quantized, then ``torch._scaled_mm``): at the batch's own rows (``impl="unpadded"``,
     ``PAGEDLLM_FP8_PAD_ROWS=0``) and as the engine runs it (``"engine"``: padded to the
-    rows of ``cublas_rows``), beside cuBLAS on the bf16 weights."""
+    rows of ``cublas_rows``), beside cuBLAS on the bf16 weights; and for the narrow outputs
+    (``split_k_product``'s), ``fp8_matmul``'s configured tile and a grid of split-K tiles
+    (``"configured"``, ``"tile"``; the rows quantized by the same kernel) until the shape's
+    share of ``budget_s`` runs out."""
     from pagedllm.quantization.fp8 import PAD_ROWS_ENV, cublas_rows, fp8_linear
 
     results: list[dict[str, Any]] = []
     gen = torch.Generator(device=DEVICE).manual_seed(53)
     for name, n, k in GEMV_SHAPES[:4]:
+        deadline = time.monotonic() + budget_s / 4
         bf16 = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
                 for _ in range(max(2, -(-L2_FLUSH_BYTES // (n * k * 2))))]
         weights = [quantize_rows(w) for w in bf16]
@@ -256,6 +271,20 @@ def fp8_gemm_sweep(row_counts: list[int], save: Callable[[list[dict[str, Any]]],
                 results.append(measure(row, lambda w: fp8_linear(x, w[0], w[1]), weights,
                                        want, n * k))
             os.environ.pop(PAD_ROWS_ENV)
+            if m <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N:
+                configured = fp8_matmul_tile(m, n, k)
+                for tile in [configured] + [t for t in FP8_SPLIT_TILES if t != configured]:
+                    if time.monotonic() > deadline and tile != configured:
+                        break
+                    if (k // tile.block_k) % tile.split:
+                        continue
+                    row = dict(kind="fp8-gemm", shape=name, rows=m, tile=list(tile),
+                               impl="configured" if tile == configured else "tile")
+
+                    def op(w, t=tile):
+                        rows, scales = triton_ops.quantize_rows_fp8(x)
+                        return fp8_matmul(rows, scales, w[0], w[1], None, DTYPE, t)
+                    results.append(measure(row, op, weights, want, n * k))
             save(results)
         del weights, bf16
         torch.cuda.empty_cache()
@@ -367,13 +396,16 @@ def print_table(results: list[dict[str, Any]]) -> None:
     for key in dict.fromkeys((r["kind"], r["shape"], r["rows"]) for r in results):
         mine = [r for r in results if (r["kind"], r["shape"], r["rows"]) == key]
         pick = {r["impl"]: r.get("us", float("nan")) for r in mine if r["impl"] != "tile"}
-        if key[0] == "fp8-gemm":  # cuBLAS only: the batch's own rows and the engine's
-            print(f"{key[0]:5} {key[1]:10} {key[2]:4} {pick['bf16']:7.1f} bf16, "
-                  f"{pick.get('unpadded', float('nan')):7.1f} unpadded, "
-                  f"{pick.get('engine', float('nan')):7.1f} engine")
-            continue
         tiles = sorted((r for r in mine if "us" in r and r["impl"] in ("tile", "configured")),
                        key=lambda r: r["us"])
+        if key[0] == "fp8-gemm":  # cuBLAS at the batch's own rows and the engine's; split-K
+            best = tiles[0] if tiles else {}
+            print(f"{key[0]:5} {key[1]:10} {key[2]:4} {pick['bf16']:7.1f} bf16, "
+                  f"{pick.get('unpadded', float('nan')):7.1f} unpadded, "
+                  f"{pick.get('engine', float('nan')):7.1f} engine, "
+                  f"{pick.get('configured', float('nan')):7.1f} split-K configured, "
+                  f"{best.get('us', float('nan')):7.1f} best {best.get('tile', '')}")
+            continue
         if not tiles:
             continue
         best = tiles[0]
@@ -402,7 +434,9 @@ def main() -> int:
     parser.add_argument("--int8-gemm-budget-s", type=float, default=120.0)
     parser.add_argument("--fp8-gemm-rows", default="",
                         help="also time FP8 W8A8 products of these batch sizes as the engine "
-                             "runs them (torch._scaled_mm, padded rows) and unpadded")
+                             "runs them (torch._scaled_mm, padded rows), unpadded, and on "
+                             "fp8_matmul's split-K tiles (with --fp8-gemm-budget-s)")
+    parser.add_argument("--fp8-gemm-budget-s", type=float, default=120.0)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gemv_quant_sweep.py needs a CUDA GPU; on the CPU run `pytest tests/layers`.")
@@ -429,7 +463,7 @@ def main() -> int:
     if args.fp8_gemm_rows:
         done = list(results)
         results += fp8_gemm_sweep([int(r) for r in args.fp8_gemm_rows.split(",")],
-                                  lambda rows: save(done + rows))
+                                  args.fp8_gemm_budget_s, lambda rows: save(done + rows))
     save(results)
     print_table(results)
     return 0

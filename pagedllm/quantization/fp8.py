@@ -12,7 +12,9 @@ norms stay in the model's dtype). The product is::
 
 On CUDA devices of compute capability 8.9 or higher the product runs on the FP8 tensor
 cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32; on Hopper a
-product of 129-255 rows is padded with zero rows to 256, ``cublas_rows``). Elsewhere the
+product of 129-255 rows is padded with zero rows to 256, ``cublas_rows``); with
+``PAGEDLLM_FP8_SPLIT_GEMM=1``, decode batches' narrow products (``split_k_product``) take
+``layers.fp8_matmul``'s split-K GEMM instead. Elsewhere the
 same quantized operands are dequantized and multiplied in float32: the reference the
 tests compare with (an HF model whose weights and projection inputs are quantized the
 same way gives the same greedy tokens).
@@ -99,6 +101,18 @@ _HOPPER_PADDED_ROWS = (129, 256)
 PAD_ROWS_ENV = "PAGEDLLM_FP8_PAD_ROWS"
 
 
+SPLIT_GEMM_ENV = "PAGEDLLM_FP8_SPLIT_GEMM"
+# The products the split-K GEMM may take: up to this many rows, outputs up to this wide.
+SPLIT_GEMM_MAX_ROWS, SPLIT_GEMM_MAX_N = 256, 8192
+
+
+def split_k_product(rows: int, n: int) -> bool:
+    """Whether an FP8 product of ``rows x n`` outputs takes ``layers.fp8_matmul`` (with
+    ``PAGEDLLM_FP8_SPLIT_GEMM=1``): a decode batch's narrow output (qkv, o_proj, down), whose
+    few output tiles leave cuBLASLt's kernels most of the SMs idle."""
+    return rows <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N and switch(SPLIT_GEMM_ENV, False)
+
+
 def cublas_rows(rows: int, device: torch.device) -> int:
     """The rows an FP8 product of ``rows`` rows runs at on ``device``: ``rows``, or on Hopper
     (compute capability 9.x) 256 for 129-255 rows, unless ``PAGEDLLM_FP8_PAD_ROWS=0``."""
@@ -131,7 +145,12 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
         x2 = x.reshape(-1, shape[-1])
         quantize = quantize_rows_fp8 if use_fused_ops(x2) else quantize_rows
         xq, x_scale = quantize(x2, input_scale)
-    if _fp8_matmul_supported(xq.device) and dtype in (torch.bfloat16, torch.float16):
+    tensor_cores = _fp8_matmul_supported(xq.device) and dtype in (torch.bfloat16, torch.float16)
+    if tensor_cores and split_k_product(xq.shape[0], weight.shape[0]):
+        from pagedllm.layers.fp8_matmul import fp8_matmul  # kernels load on first use
+
+        out = fp8_matmul(xq, x_scale, weight, weight_scale, bias, dtype)
+    elif tensor_cores:
         rows = xq.shape[0]
         padding = cublas_rows(rows, xq.device) - rows
         x_scale = x_scale.contiguous()

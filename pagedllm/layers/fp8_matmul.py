@@ -1,0 +1,155 @@
+"""FP8 W8A8 products of decode batches on the tensor cores, ``K`` split over programs: a
+Triton GEMM of float8_e4m3fn rows (quantized per token, ``pagedllm.quantization.fp8``) by
+float8_e4m3fn weights with one float32 scale per output row::
+
+    out[m, n] = (sum_k a[m, k] * b[n, k]) * a_scale[m] * b_scale[n]  (+ bias[n])
+
+For the narrow outputs of a decode batch (qkv, o_proj, down at up to a few hundred rows)
+cuBLASLt's kernels leave most SMs idle (one program per 128 x 128 output tile: 32 of them
+for a 4,096-wide output). Here ``SPLIT`` programs share each output tile, each summing one
+slice of ``K``; each stores its float32 sums, and the tile's last program to arrive adds
+the slices in slice order (the result does not depend on which came last), scales, adds
+the bias and rounds to the output dtype, in the same launch.
+
+Sums accumulate in float32 a ``BLOCK_K`` step at a time: the tensor cores keep about 14 bits
+of a sum within one chain of FP8 products, and each step's sum is added to the float32
+total, as cuBLAS's FP8 products do without fast accumulation.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.layers._triton_ops_kernels import gemm_output_tile
+from pagedllm.layers.launch_math import cdiv
+from pagedllm.layers.triton_ops import arrival_counters
+
+
+class Fp8Tile(NamedTuple):
+    """Launch shape of ``fp8_matmul``: ``split`` slices of ``K``, each a whole number of
+    ``block_k`` steps."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split: int = 1
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_matmul_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, K, stride_am, stride_bn, stride_om, k_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Program ``(p, s)`` sums slice ``s`` (``k_per_split`` inputs) of output tile ``p``: row
+    tile ``p % cdiv(M, BLOCK_M)`` of column tile ``p // cdiv(M, BLOCK_M)`` (the row tiles of
+    one column tile side by side, so a weight tile is read from memory once). ``SPLIT > 1``:
+    the slices' float32 sums go to ``partial [SPLIT, M, N]`` and ``counter[p]`` counts
+    arrivals; the last program resets it and finishes the tile."""
+    row_tiles = tl.cdiv(M, BLOCK_M)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = pid % row_tiles
+    pid_n = pid // row_tiles
+    m, n, m_valid, n_valid, a_rows, b_cols = gemm_output_tile(
+        pid_m, pid_n, M, N, a_ptr, stride_am, b_ptr, stride_bn, BLOCK_M, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        kk = k0 + k
+        k_valid = (kk < K) | EVEN_K  # EVEN_K: BLOCK_K divides K, no step is ragged
+        a = tl.load(a_rows + kk[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+        b = tl.load(b_cols + kk[:, None], mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+    valid = m_valid[:, None] & n_valid[None, :]
+    if SPLIT > 1:
+        slot = partial_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(slot + split * M * N, acc, mask=valid)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.store(counter_ptr + pid, 0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(0, SPLIT):
+                acc += tl.load(slot + s * M * N, mask=valid, other=0.0, cache_modifier=".cg")
+            _finish(acc, m, n, m_valid, n_valid, valid, a_scale_ptr, b_scale_ptr, bias_ptr,
+                    out_ptr, stride_om, HAS_BIAS)
+    else:
+        _finish(acc, m, n, m_valid, n_valid, valid, a_scale_ptr, b_scale_ptr, bias_ptr,
+                out_ptr, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _finish(acc, m, n, m_valid, n_valid, valid, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr,
+            stride_om, HAS_BIAS: tl.constexpr):
+    """The tile's sums scaled by the rows' and the columns' scales, plus the bias, stored."""
+    a_s = tl.load(a_scale_ptr + m, mask=m_valid, other=0.0)
+    b_s = tl.load(b_scale_ptr + n, mask=n_valid, other=0.0)
+    out = acc * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def fp8_matmul_tile(rows: int, n: int, k: int) -> Fp8Tile:
+    """The tile for ``[rows, k] x [k, n]``: 64 x 128 output tiles of 128-deep steps, ``K``
+    split in two as long as the launch stays within two programs per SM of an H200 (132)
+    and each slice at least four steps long. Not yet chosen by a sweep
+    (``scripts/gemv_quant_sweep.py --fp8-gemm-rows``)."""
+    block_m, block_n, block_k = 64, 128, 128
+    tiles = cdiv(rows, block_m) * cdiv(n, block_n)
+    steps = cdiv(k, block_k)
+    split = 1
+    while tiles * split * 2 <= 264 and steps % (2 * split) == 0 and steps // (2 * split) >= 4:
+        split *= 2
+    return Fp8Tile(block_m, block_n, block_k, 4, 4, split)
+
+
+def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype,
+               tile: Fp8Tile | None = None) -> torch.Tensor:
+    """``[M, N]`` in ``out_dtype`` for float8_e4m3fn ``a [M, K]`` with float32 ``a_scale`` (one
+    a row) and float8_e4m3fn ``b [N, K]`` with float32 ``b_scale`` (one a row): the module
+    docstring's product, ``tile`` or ``fp8_matmul_tile``'s."""
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_matmul takes float8_e4m3fn operands, got {a.dtype} and {b.dtype}.")
+    if a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError("fp8_matmul: a and b must be contiguous along K.")
+    if a_scale.numel() != a.shape[0] or b_scale.numel() != b.shape[0]:
+        raise ValueError(f"fp8_matmul takes one scale a row: {a_scale.numel()} for "
+                         f"{a.shape[0]} rows of a, {b_scale.numel()} for {b.shape[0]} of b.")
+    rows, k = a.shape
+    n = b.shape[0]
+    out = torch.empty((rows, n), dtype=out_dtype, device=a.device)
+    if rows == 0:
+        return out
+    tile = tile or fp8_matmul_tile(rows, n, k)
+    steps = cdiv(k, tile.block_k)
+    if steps % tile.split:
+        raise ValueError(f"tile {tile}: SPLIT must divide the {steps} steps of K={k}.")
+    tiles = cdiv(rows, tile.block_m) * cdiv(n, tile.block_n)
+    partial = out
+    if tile.split > 1:
+        partial = torch.empty((tile.split, rows, n), dtype=torch.float32, device=a.device)
+    _fp8_matmul_kernel[(tiles, tile.split)](
+        a, a_scale.float().contiguous(), b, b_scale.float().contiguous(),
+        bias if bias is not None else out, out, partial, arrival_counters(a.device, tiles),
+        rows, n, k, a.stride(0), b.stride(0), out.stride(0), steps // tile.split * tile.block_k,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        HAS_BIAS=bias is not None, EVEN_K=k % tile.block_k == 0, SPLIT=tile.split,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
