@@ -267,7 +267,7 @@ def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
             for impl, pad in (("unpadded", "0"), ("engine", "1")):
                 os.environ[PAD_ROWS_ENV] = pad
                 row = dict(kind="fp8-gemm", shape=name, rows=m, impl=impl,
-                           cublas_rows=cublas_rows(m, DEVICE) if pad == "1" else m)
+                           cublas_rows=cublas_rows(m, n, DEVICE) if pad == "1" else m)
                 results.append(measure(row, lambda w: fp8_linear(x, w[0], w[1]), weights,
                                        want, n * k))
             os.environ.pop(PAD_ROWS_ENV)

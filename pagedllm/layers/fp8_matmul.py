@@ -105,16 +105,16 @@ def _finish(acc, m, n, m_valid, n_valid, valid, a_scale_ptr, b_scale_ptr, bias_p
 
 
 def fp8_matmul_tile(rows: int, n: int, k: int) -> Fp8Tile:
-    """The tile for ``[rows, k] x [k, n]``: 64 x 128 output tiles of 128-deep steps, ``K``
-    split in two as long as the launch stays within two programs per SM of an H200 (132)
-    and each slice at least four steps long. Not yet chosen by a sweep
-    (``scripts/gemv_quant_sweep.py --fp8-gemm-rows``)."""
-    block_m, block_n, block_k = 64, 128, 128
+    """The tile for ``[rows, k] x [k, n]``: 64 x 64 output tiles of 128-deep steps, 4 warps,
+    4 stages, ``K`` in four slices where that keeps the launch within two programs per SM of
+    an H200 (132), else in two (each slice at least four steps, else whole). From
+    ``scripts/gemv_quant_sweep.py --fp8-gemm-rows`` on an H200, Llama-3.1-8B's o_proj and
+    down at 64-176 rows (docs/benchmarks.md, "FP8 products of 129-224 rows")."""
+    block_m, block_n, block_k = 64, 64, 128
     tiles = cdiv(rows, block_m) * cdiv(n, block_n)
     steps = cdiv(k, block_k)
-    split = 1
-    while tiles * split * 2 <= 264 and steps % (2 * split) == 0 and steps // (2 * split) >= 4:
-        split *= 2
+    split = next((s for s in ((4, 2) if tiles * 4 <= 264 else (2,))
+                  if steps % s == 0 and steps // s >= 4), 1)
     return Fp8Tile(block_m, block_n, block_k, 4, 4, split)
 
 

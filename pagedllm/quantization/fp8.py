@@ -12,7 +12,7 @@ norms stay in the model's dtype). The product is::
 
 On CUDA devices of compute capability 8.9 or higher the product runs on the FP8 tensor
 cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32; on Hopper a
-product of 129-255 rows is padded with zero rows to 256, ``cublas_rows``); with
+wide product of 129-224 rows is padded with zero rows to 256, ``cublas_rows``); with
 ``PAGEDLLM_FP8_SPLIT_GEMM=1``, decode batches' narrow products (``split_k_product``) take
 ``layers.fp8_matmul``'s split-K GEMM instead. Elsewhere the
 same quantized operands are dequantized and multiplied in float32: the reference the
@@ -95,29 +95,34 @@ def _fp8_matmul_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-# cuBLASLt's FP8 products with row-wise scales of 129-255 rows take up to twice as long as
-# those of 256 rows on an H100 or H200 (docs/benchmarks.md, "FP8 products of 129-255 rows").
-_HOPPER_PADDED_ROWS = (129, 256)
-PAD_ROWS_ENV = "PAGEDLLM_FP8_PAD_ROWS"
-
-
 SPLIT_GEMM_ENV = "PAGEDLLM_FP8_SPLIT_GEMM"
-# The products the split-K GEMM may take: up to this many rows, outputs up to this wide.
-SPLIT_GEMM_MAX_ROWS, SPLIT_GEMM_MAX_N = 256, 8192
+# The products the split-K GEMM takes (with the switch on): up to this many rows, outputs
+# up to this wide.
+SPLIT_GEMM_MAX_ROWS, SPLIT_GEMM_MAX_N = 192, 4096
 
 
 def split_k_product(rows: int, n: int) -> bool:
     """Whether an FP8 product of ``rows x n`` outputs takes ``layers.fp8_matmul`` (with
-    ``PAGEDLLM_FP8_SPLIT_GEMM=1``): a decode batch's narrow output (qkv, o_proj, down), whose
-    few output tiles leave cuBLASLt's kernels most of the SMs idle."""
+    ``PAGEDLLM_FP8_SPLIT_GEMM=1``): a decode batch's narrow output (o_proj, down), whose few
+    output tiles leave cuBLASLt's kernels most of the SMs idle."""
     return rows <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N and switch(SPLIT_GEMM_ENV, False)
 
 
-def cublas_rows(rows: int, device: torch.device) -> int:
-    """The rows an FP8 product of ``rows`` rows runs at on ``device``: ``rows``, or on Hopper
-    (compute capability 9.x) 256 for 129-255 rows, unless ``PAGEDLLM_FP8_PAD_ROWS=0``."""
-    low, padded = _HOPPER_PADDED_ROWS
-    if low <= rows < padded and _hopper(device) and switch(PAD_ROWS_ENV, True):
+# cuBLASLt's FP8 products with row-wise scales into wide outputs (gate/up) of 129-224 rows
+# take up to 1.4 times as long as those of 256 rows on an H200; narrower outputs do not pay
+# for the padding's copies (docs/benchmarks.md, "FP8 products of 129-224 rows").
+_HOPPER_PADDED_ROWS = (129, 224, 256)
+_PADDED_MIN_N = 16384
+PAD_ROWS_ENV = "PAGEDLLM_FP8_PAD_ROWS"
+
+
+def cublas_rows(rows: int, n: int, device: torch.device) -> int:
+    """The rows an FP8 product of ``rows x n`` outputs runs at on ``device``: ``rows``, or
+    on Hopper (compute capability 9.x) 256 for 129-224 rows into at least 16,384 outputs,
+    unless ``PAGEDLLM_FP8_PAD_ROWS=0``."""
+    low, high, padded = _HOPPER_PADDED_ROWS
+    if (low <= rows <= high and n >= _PADDED_MIN_N and _hopper(device)
+            and switch(PAD_ROWS_ENV, True)):
         return padded
     return rows
 
@@ -152,7 +157,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
         out = fp8_matmul(xq, x_scale, weight, weight_scale, bias, dtype)
     elif tensor_cores:
         rows = xq.shape[0]
-        padding = cublas_rows(rows, xq.device) - rows
+        padding = cublas_rows(rows, weight.shape[0], xq.device) - rows
         x_scale = x_scale.contiguous()
         if padding:  # zero rows (bytes 0 are e4m3 zeros), scaled by 1: their sums are 0
             xq = F.pad(xq.view(torch.uint8), (0, 0, 0, padding)).view(FP8_DTYPE)

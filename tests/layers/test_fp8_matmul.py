@@ -42,11 +42,12 @@ def test_fp8_matmul_is_the_dequantized_product(rows, n, k, tile):
 
 
 def test_configured_tiles_split_narrow_outputs_of_decode_batches():
-    """A 4,096-wide output of 128 rows has 64 output tiles: K splits until the launch fills
-    an H200 twice over; a prompt's rows fill it unsplit."""
-    assert fp8_matmul_tile(128, 4096, 4096).split == 4
-    assert fp8_matmul_tile(128, 4096, 14336).split == 4
-    assert fp8_matmul_tile(8192, 4096, 4096).split == 1
+    """K in four slices while the launch stays within two programs per SM of an H200, else
+    in two; slices of at least four steps."""
+    assert fp8_matmul_tile(64, 4096, 14336).split == 4      # 64 tiles
+    assert fp8_matmul_tile(128, 4096, 4096).split == 2      # 128 tiles
+    assert fp8_matmul_tile(176, 4096, 14336).split == 2
+    assert fp8_matmul_tile(128, 4096, 384).split == 1       # three steps of K
 
 
 def test_fp8_matmul_refuses_operands_it_does_not_take():

@@ -30,36 +30,38 @@ def test_quantized_rows_keep_each_rows_largest_value_at_the_format_limit():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [7, 136])  # 136: padded to 256 rows on Hopper
-def test_fp8_linear_equals_the_dequantized_product(dtype, rows):
+@pytest.mark.parametrize("rows, n", [(7, 48), (136, 16384)])  # 136 x 16,384: padded on Hopper
+def test_fp8_linear_equals_the_dequantized_product(dtype, rows, n):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(rows, 96, generator=gen).to(DEVICE, dtype)
-    w = torch.randn(48, 96, generator=gen).to(DEVICE)
-    bias = torch.randn(48, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(n, 96, generator=gen).to(DEVICE)
+    bias = torch.randn(w.shape[0], generator=gen).to(DEVICE, dtype)
     wq, w_scale = quantize_rows(w)
     xq, x_scale = quantize_rows(x)
     want = dequantize_rows(xq, x_scale) @ dequantize_rows(wq, w_scale).t() + bias.float()
     got = fp8_linear(x, wq, w_scale, bias)
-    assert got.dtype == dtype and got.shape == (rows, 48)
+    assert got.dtype == dtype and got.shape == (rows, w.shape[0])
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert (got.float() - want).norm() / want.norm() < tolerance
 
 
-
-def test_hopper_pads_cublas_products_of_129_to_255_rows(monkeypatch):
-    """cuBLASLt's FP8 kernels for 129-255 rows are slower than its 256-row ones on Hopper:
-    those products run at 256 rows (zero rows added), unless PAGEDLLM_FP8_PAD_ROWS=0."""
+def test_hopper_pads_wide_cublas_products_of_129_to_224_rows(monkeypatch):
+    """cuBLASLt's FP8 kernels for 129-224 rows into wide outputs are slower than its 256-row
+    ones on Hopper: those products run at 256 rows (zero rows added), unless
+    PAGEDLLM_FP8_PAD_ROWS=0; narrower outputs and other GPUs run at their own rows."""
     from pagedllm.quantization import fp8
 
     device = torch.device("cuda")
     monkeypatch.setattr(fp8, "_hopper", lambda device: True)
-    assert [fp8.cublas_rows(r, device) for r in (16, 128, 129, 200, 255, 256, 300)] == [
-        16, 128, 256, 256, 256, 256, 300]
+    assert [fp8.cublas_rows(r, 28672, device) for r in (16, 128, 129, 200, 224, 225, 300)] == [
+        16, 128, 256, 256, 256, 225, 300]
+    assert fp8.cublas_rows(200, 4096, device) == 200
     monkeypatch.setenv(fp8.PAD_ROWS_ENV, "0")
-    assert fp8.cublas_rows(200, device) == 200
+    assert fp8.cublas_rows(200, 28672, device) == 200
     monkeypatch.delenv(fp8.PAD_ROWS_ENV)
-    monkeypatch.setattr(fp8, "_hopper", lambda device: False)  # other GPUs: as they come
-    assert fp8.cublas_rows(200, device) == 200
+    monkeypatch.setattr(fp8, "_hopper", lambda device: False)
+    assert fp8.cublas_rows(200, 28672, device) == 200
+
 
 def test_rows_quantized_by_the_op_before_give_the_same_product_and_no_second_scale():
     """``Fp8Rows`` (a norm or activation's output, quantized for the product) multiply as
