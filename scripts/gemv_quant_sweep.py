@@ -27,7 +27,10 @@ JSON.
 ``--int-gemm-rows`` times the larger decode batches of 4-bit weights the same way: the
 ``int_matmul`` tiles (whole ``K``, tensor cores) against cuBLAS on the bf16 weights, and
 the prompts' way (``dequantize``: ``int_dequantize`` writes the weight in bf16, then
-cuBLAS), which any batch could take.
+cuBLAS), which any batch could take. ``--int8-gemm-rows`` times INT8 W8A8's larger batches
+(``torch._int_mm`` against ``int8_matmul``'s tiles), ``--fp8-gemm-rows`` FP8's (cuBLASLt at
+the batch's own rows and padded as the engine pads them, and ``fp8_matmul``'s split-K
+tiles for the narrow outputs).
 """
 
 from __future__ import annotations
