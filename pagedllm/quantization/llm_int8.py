@@ -27,7 +27,8 @@ row's outliers, zero elsewhere, are written as two int8 rows (``v = s1 q1 + s2 q
 about 2**-14 of the row's largest; bitsandbytes itself rounds those columns' weights to the
 model's dtype, 2**-9 in bfloat16), stacked under the quantized rows (``stacked_rows``; one
 kernel, ``triton_ops.quantize_rows_llm_int8``, but for a row-parallel projection, whose
-rows' maxima come from the other ranks), and the three float32 products added.
+rows' maxima come from the other ranks), and the three float32 products added (a prompt
+step's rows in chunks, ``SUMS_BYTES`` of sums at a time).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ RowMax = Callable[[torch.Tensor], torch.Tensor]
 # bitsandbytes' constants: 1 / 127**2 for the integer sums, 1 / 127 for a weight.
 SUMS_SCALE = 6.200124e-05
 WEIGHT_SCALE = 7.874015718698502e-3
+# The float32 sums of the stacked rows (three a token with outliers) are held at most this
+# many bytes at a time: a prompt step's rows multiply in chunks past it (8,192 tokens of an
+# 8B model's gate/up would otherwise hold 2.8 GB, which the memory profile then takes from
+# the KV cache); each chunk reads the weight once more.
+SUMS_BYTES = 256 << 20
 
 
 def quantize_rows(x: torch.Tensor, threshold: float, whole_row_max: RowMax | None = None
@@ -104,8 +110,20 @@ def _kernel_product(rows: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor,
                                                             WEIGHT_SCALE)
     else:  # the whole rows' maxima come from the other ranks, between the passes
         stacked, scales = stacked_rows(rows, threshold, whole_row_max)
-    sums = int8_matmul(stacked, scales, weight, scb, None, torch.float32)
-    out = sums.view(-1, rows.shape[0], weight.shape[0]).sum(dim=0)
+    num_rows, n = rows.shape[0], weight.shape[0]
+    groups = stacked.shape[0] // max(num_rows, 1)
+    chunk = max(1, SUMS_BYTES // (groups * n * 4))
+    if chunk >= num_rows:
+        sums = int8_matmul(stacked, scales, weight, scb, None, torch.float32)
+        out = sums.view(groups, num_rows, n).sum(dim=0)
+    else:  # the rows in chunks: each chunk's groups stacked, their float32 sums bounded
+        out = torch.empty((num_rows, n), dtype=torch.float32, device=rows.device)
+        stacked, scales = stacked.view(groups, num_rows, -1), scales.view(groups, num_rows)
+        for start in range(0, num_rows, chunk):
+            part = slice(start, start + chunk)
+            sums = int8_matmul(stacked[:, part].reshape(-1, stacked.shape[-1]),
+                               scales[:, part].reshape(-1), weight, scb, None, torch.float32)
+            out[part] = sums.view(groups, -1, n).sum(dim=0)
     if bias is not None:
         out = out + bias.float()
     return out.to(rows.dtype)

@@ -118,6 +118,19 @@ def test_kernel_products_match_the_reference(threshold, rows, dtype):
         torch.testing.assert_close(got.cpu().float(), want, rtol=2**-7, atol=1e-3)
 
 
+@pytest.mark.parametrize("threshold", [6.0, 0.0])
+def test_a_prompts_rows_multiplied_in_chunks_give_the_same_values(threshold, monkeypatch):
+    """Past ``SUMS_BYTES`` of float32 sums a step's rows multiply in chunks (a prompt of
+    8,192 tokens would hold gigabytes): every row the same, bit for bit, ragged last chunk
+    included."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    weight, scb, bias = random_int8_rows(40, 96, seed=5)
+    x = inputs(20, 96, 12.0, seed=6).to(device)
+    args = (weight.to(device), scb.to(device), threshold, bias.to(device))
+    whole = llm_int8._kernel_product(x, *args)
+    monkeypatch.setattr(llm_int8, "SUMS_BYTES", 3 * 40 * 4 * 3)  # three rows a chunk
+    assert torch.equal(llm_int8._kernel_product(x, *args), whole)
+
 def test_a_row_split_over_ranks_is_quantized_by_the_whole_rows_largest_magnitude():
     """A row-parallel projection's rank holds some columns of each row: given the whole
     rows' largest magnitudes (the engine takes the max over the ranks), its codes are those
