@@ -11,8 +11,9 @@ dict, one config group's ``weights`` and ``input_activations``),
 ``kv_cache`` adding the static per-tensor FP8 KV-cache scales, and ``modifier``
 ``"quantization"`` (round to nearest, the default) or ``"gptq"`` (GPTQ with activation
 ordering ``weight``, the ordering llm-compressor writes without a ``g_idx``). The LM head
-is left unquantized, as llm-compressor's examples do. Calibration uses random token ids:
-the scales only need to exist.
+is left unquantized, as llm-compressor's examples do. Calibration uses random token ids
+(the scales only need to exist), fixed and in a fixed order, so a job makes the same
+checkpoint every time.
 """
 
 from __future__ import annotations
@@ -62,8 +63,11 @@ def _oneshot(source: str, output: str, scheme: str, kv_cache: bool,
 
         tokenizer_dir = source if (Path(source) / "tokenizer.json").is_file() else \
             resolve_model_path("pagedllm-demo")
+        # In order: the observers' running averages depend on it, and a shuffle would make
+        # another checkpoint every run.
         oneshot(model=model, recipe=recipe, dataset=dataset, num_calibration_samples=8,
-                max_seq_length=48, processor=AutoTokenizer.from_pretrained(tokenizer_dir))
+                max_seq_length=48, processor=AutoTokenizer.from_pretrained(tokenizer_dir),
+                shuffle_calibration_samples=False)
     else:
         oneshot(model=model, recipe=recipe)
     model.save_pretrained(output, save_compressed=True)
