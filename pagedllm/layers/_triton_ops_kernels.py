@@ -676,6 +676,20 @@ def gemm_output_tile(pid_m, pid_n, M, N, a_ptr, stride_am, b_ptr, stride_bn,
 
 
 @triton.jit
+def store_scaled_tile(sums, m, n, m_valid, n_valid, a_scale_ptr, b_scale_ptr, bias_ptr,
+                      out_ptr, stride_om, HAS_BIAS: tl.constexpr):
+    """A W8A8 output tile: its float32 ``sums`` times the rows' scales ``a_scale[m]`` and the
+    columns' ``b_scale[n]``, plus ``bias[n]``, rounded to ``out``'s dtype and stored."""
+    a_s = tl.load(a_scale_ptr + m, mask=m_valid, other=0.0)
+    b_s = tl.load(b_scale_ptr + n, mask=n_valid, other=0.0)
+    out = sums * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
 def fp8_row_scale(amax, input_scale_ptr, STATIC_INPUT: tl.constexpr):
     """A row's float32 FP8 scale: its largest magnitude ``amax`` / 448 (IEEE division; at
     least 1e-12), or with ``STATIC_INPUT`` the one float32 at ``input_scale_ptr`` (``amax``

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers._triton_ops_kernels import gemm_output_tile
+from pagedllm.layers._triton_ops_kernels import gemm_output_tile, store_scaled_tile
+from pagedllm.layers.int8_matmul import check_row_scaled
 from pagedllm.layers.launch_math import cdiv
 from pagedllm.layers.triton_ops import arrival_counters
 
@@ -84,24 +85,11 @@ def _fp8_matmul_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(0, SPLIT):
                 acc += tl.load(slot + s * M * N, mask=valid, other=0.0, cache_modifier=".cg")
-            _finish(acc, m, n, m_valid, n_valid, valid, a_scale_ptr, b_scale_ptr, bias_ptr,
-                    out_ptr, stride_om, HAS_BIAS)
+            store_scaled_tile(acc, m, n, m_valid, n_valid, a_scale_ptr, b_scale_ptr, bias_ptr,
+                              out_ptr, stride_om, HAS_BIAS)
     else:
-        _finish(acc, m, n, m_valid, n_valid, valid, a_scale_ptr, b_scale_ptr, bias_ptr,
-                out_ptr, stride_om, HAS_BIAS)
-
-
-@triton.jit
-def _finish(acc, m, n, m_valid, n_valid, valid, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr,
-            stride_om, HAS_BIAS: tl.constexpr):
-    """The tile's sums scaled by the rows' and the columns' scales, plus the bias, stored."""
-    a_s = tl.load(a_scale_ptr + m, mask=m_valid, other=0.0)
-    b_s = tl.load(b_scale_ptr + n, mask=n_valid, other=0.0)
-    out = acc * a_s[:, None] * b_s[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=valid)
+        store_scaled_tile(acc, m, n, m_valid, n_valid, a_scale_ptr, b_scale_ptr, bias_ptr,
+                          out_ptr, stride_om, HAS_BIAS)
 
 
 def fp8_matmul_tile(rows: int, n: int, k: int) -> Fp8Tile:
@@ -124,13 +112,7 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
     """``[M, N]`` in ``out_dtype`` for float8_e4m3fn ``a [M, K]`` with float32 ``a_scale`` (one
     a row) and float8_e4m3fn ``b [N, K]`` with float32 ``b_scale`` (one a row): the module
     docstring's product, ``tile`` or ``fp8_matmul_tile``'s."""
-    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_matmul takes float8_e4m3fn operands, got {a.dtype} and {b.dtype}.")
-    if a.stride(-1) != 1 or b.stride(-1) != 1:
-        raise ValueError("fp8_matmul: a and b must be contiguous along K.")
-    if a_scale.numel() != a.shape[0] or b_scale.numel() != b.shape[0]:
-        raise ValueError(f"fp8_matmul takes one scale a row: {a_scale.numel()} for "
-                         f"{a.shape[0]} rows of a, {b_scale.numel()} for {b.shape[0]} of b.")
+    check_row_scaled("fp8_matmul", torch.float8_e4m3fn, a, a_scale, b, b_scale)
     rows, k = a.shape
     n = b.shape[0]
     out = torch.empty((rows, n), dtype=out_dtype, device=a.device)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers._triton_ops_kernels import gemm_output_tile
+from pagedllm.layers._triton_ops_kernels import gemm_output_tile, store_scaled_tile
 from pagedllm.layers.launch_math import cdiv
 
 
@@ -57,13 +57,8 @@ def _int8_matmul_kernel(
         a = tl.load(a_rows + kk[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0)
         b = tl.load(b_cols + kk[:, None], mask=k_valid[:, None] & n_valid[None, :], other=0)
         acc += tl.dot(a, b, out_dtype=tl.int32)
-    a_s = tl.load(a_scale_ptr + m, mask=m_valid, other=0.0)
-    b_s = tl.load(b_scale_ptr + n, mask=n_valid, other=0.0)
-    out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+    store_scaled_tile(acc.to(tl.float32), m, n, m_valid, n_valid, a_scale_ptr, b_scale_ptr,
+                      bias_ptr, out_ptr, stride_om, HAS_BIAS)
 
 
 def int8_matmul_tile(rows: int, n: int, k: int) -> Int8Tile:
@@ -79,17 +74,27 @@ def int8_matmul_tile(rows: int, n: int, k: int) -> Int8Tile:
     return Int8Tile(128, 64, 128, 4, 4)
 
 
+def check_row_scaled(op: str, dtype: torch.dtype, a: torch.Tensor, a_scale: torch.Tensor,
+                     b: torch.Tensor, b_scale: torch.Tensor) -> None:
+    """Raise ValueError unless ``a [M, K]`` and ``b [N, K]`` are ``dtype``, contiguous along
+    ``K``, with one scale a row each: the operands of the W8A8 GEMMs (``op`` names the one
+    asked)."""
+    if a.dtype != dtype or b.dtype != dtype:
+        raise ValueError(f"{op} takes {dtype} operands, got {a.dtype} and {b.dtype}.")
+    if a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError(f"{op}: a and b must be contiguous along K.")
+    if a_scale.numel() != a.shape[0] or b_scale.numel() != b.shape[0]:
+        raise ValueError(f"{op} takes one scale a row: {a_scale.numel()} for "
+                         f"{a.shape[0]} rows of a, {b_scale.numel()} for {b.shape[0]} of b.")
+
+
 def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
                 b_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                 tile: Int8Tile | None = None) -> torch.Tensor:
     """``[M, N]`` in ``out_dtype`` for int8 ``a [M, K]`` with float32 ``a_scale`` (one a
     row) and int8 ``b [N, K]`` with float32 ``b_scale`` (one a row): the module
     docstring's product, ``tile`` or ``int8_matmul_tile``'s."""
-    if a.stride(-1) != 1 or b.stride(-1) != 1:
-        raise ValueError("int8_matmul: a and b must be contiguous along K.")
-    if a_scale.numel() != a.shape[0] or b_scale.numel() != b.shape[0]:
-        raise ValueError(f"int8_matmul takes one scale a row: {a_scale.numel()} for "
-                         f"{a.shape[0]} rows of a, {b_scale.numel()} for {b.shape[0]} of b.")
+    check_row_scaled("int8_matmul", torch.int8, a, a_scale, b, b_scale)
     rows, k = a.shape
     n = b.shape[0]
     out = torch.empty((rows, n), dtype=out_dtype, device=a.device)
