@@ -197,6 +197,30 @@ INT8_GEMM_TILES = [Int8Tile(*t) for t in (
     (128, 128, 64, 4, 4), (64, 128, 256, 4, 3), (128, 128, 256, 8, 3), (128, 64, 128, 4, 4))]
 
 
+def w8a8_copies(n: int, k: int, quantize: Callable, gen: torch.Generator
+                ) -> tuple[list[torch.Tensor], list]:
+    """Random bf16 weights ``[n, k]`` and their W8A8 rows (``quantize``'s pairs), enough
+    copies of each that cycling through them keeps every one out of L2."""
+    bf16 = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
+            for _ in range(max(2, -(-L2_FLUSH_BYTES // (n * k * 2))))]
+    weights = [quantize(w) for w in bf16]
+    return bf16, (weights * 2)[:max(2, -(-L2_FLUSH_BYTES // (n * k)))]
+
+
+def timed_tiles(case: dict[str, Any], configured: tuple, grid: list, deadline: float,
+                op: Callable, weights: list, want: torch.Tensor, weight_bytes: float
+                ) -> list[dict[str, Any]]:
+    """``case`` timed with ``op(w, tile)`` on the configured tile, then on ``grid``'s others
+    until ``deadline``: one row each (``impl`` "configured" or "tile")."""
+    rows = []
+    for tile in [configured] + [t for t in grid if t != configured]:
+        if time.monotonic() > deadline and tile != configured:
+            break
+        row = dict(case, tile=list(tile), impl="configured" if tile == configured else "tile")
+        rows.append(measure(row, lambda w, t=tile: op(w, t), weights, want, weight_bytes))
+    return rows
+
+
 def int8_gemm_sweep(row_counts: list[int], budget_s: float,
                     save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Larger batches on INT8 W8A8 weights: the rows quantized, then ``torch._int_mm``
@@ -206,10 +230,7 @@ def int8_gemm_sweep(row_counts: list[int], budget_s: float,
     gen = torch.Generator(device=DEVICE).manual_seed(47)
     for name, n, k in GEMV_SHAPES[:4]:
         deadline = time.monotonic() + share
-        bf16 = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
-                for _ in range(max(2, -(-L2_FLUSH_BYTES // (n * k * 2))))]
-        weights = [quantize_rows_int8(w) for w in bf16]
-        weights = (weights * 2)[:max(2, -(-L2_FLUSH_BYTES // (n * k)))]
+        bf16, weights = w8a8_copies(n, k, quantize_rows_int8, gen)
         for m in row_counts:
             x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
             xq, x_scale = quantize_rows_int8(x)
@@ -219,17 +240,12 @@ def int8_gemm_sweep(row_counts: list[int], budget_s: float,
                                                        bf16)))
             results.append(measure(dict(kind="int8-gemm", shape=name, rows=m, impl="before"),
                                    lambda w: int_mm_product(x, w[0], w[1]), weights, want, n * k))
-            configured = int8_matmul_tile(m, n, k)
-            for tile in [configured] + [t for t in INT8_GEMM_TILES if t != configured]:
-                if time.monotonic() > deadline and tile != configured:
-                    break
-                row = dict(kind="int8-gemm", shape=name, rows=m, tile=list(tile),
-                           impl="configured" if tile == configured else "tile")
-
-                def op(w, t=tile):
-                    rows, scales = triton_ops.quantize_rows_int8(x)
-                    return int8_matmul(rows, scales, w[0], w[1], None, DTYPE, t)
-                results.append(measure(row, op, weights, want, n * k))
+            def op(w, t):
+                rows, scales = triton_ops.quantize_rows_int8(x)
+                return int8_matmul(rows, scales, w[0], w[1], None, DTYPE, t)
+            results += timed_tiles(dict(kind="int8-gemm", shape=name, rows=m),
+                                   int8_matmul_tile(m, n, k), INT8_GEMM_TILES, deadline, op,
+                                   weights, want, n * k)
             save(results)
         del weights, bf16
         torch.cuda.empty_cache()
@@ -256,10 +272,7 @@ def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
     gen = torch.Generator(device=DEVICE).manual_seed(53)
     for name, n, k in GEMV_SHAPES[:4]:
         deadline = time.monotonic() + budget_s / 4
-        bf16 = [(torch.randn(n, k, generator=gen, device=DEVICE) * 0.02).to(DTYPE)
-                for _ in range(max(2, -(-L2_FLUSH_BYTES // (n * k * 2))))]
-        weights = [quantize_rows(w) for w in bf16]
-        weights = (weights * 2)[:max(2, -(-L2_FLUSH_BYTES // (n * k)))]
+        bf16, weights = w8a8_copies(n, k, quantize_rows, gen)
         for m in row_counts:
             x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
             xq, x_scale = quantize_rows(x)
@@ -275,19 +288,13 @@ def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
                                        want, n * k))
             os.environ.pop(PAD_ROWS_ENV)
             if m <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N:
-                configured = fp8_matmul_tile(m, n, k)
-                for tile in [configured] + [t for t in FP8_SPLIT_TILES if t != configured]:
-                    if time.monotonic() > deadline and tile != configured:
-                        break
-                    if (k // tile.block_k) % tile.split:
-                        continue
-                    row = dict(kind="fp8-gemm", shape=name, rows=m, tile=list(tile),
-                               impl="configured" if tile == configured else "tile")
-
-                    def op(w, t=tile):
-                        rows, scales = triton_ops.quantize_rows_fp8(x)
-                        return fp8_matmul(rows, scales, w[0], w[1], None, DTYPE, t)
-                    results.append(measure(row, op, weights, want, n * k))
+                def op(w, t):
+                    rows, scales = triton_ops.quantize_rows_fp8(x)
+                    return fp8_matmul(rows, scales, w[0], w[1], None, DTYPE, t)
+                grid = [t for t in FP8_SPLIT_TILES if (k // t.block_k) % t.split == 0]
+                results += timed_tiles(dict(kind="fp8-gemm", shape=name, rows=m),
+                                       fp8_matmul_tile(m, n, k), grid, deadline, op, weights,
+                                       want, n * k)
             save(results)
         del weights, bf16
         torch.cuda.empty_cache()
