@@ -112,18 +112,21 @@ def _kernel_product(rows: torch.Tensor, weight: torch.Tensor, scb: torch.Tensor,
         stacked, scales = stacked_rows(rows, threshold, whole_row_max)
     num_rows, n = rows.shape[0], weight.shape[0]
     groups = stacked.shape[0] // max(num_rows, 1)
+
+    def summed(part_rows: torch.Tensor, part_scales: torch.Tensor) -> torch.Tensor:
+        sums = int8_matmul(part_rows, part_scales, weight, scb, None, torch.float32)
+        return sums.view(groups, -1, n).sum(dim=0)
+
     chunk = max(1, SUMS_BYTES // (groups * n * 4))
-    if chunk >= num_rows:
-        sums = int8_matmul(stacked, scales, weight, scb, None, torch.float32)
-        out = sums.view(groups, num_rows, n).sum(dim=0)
+    if chunk >= num_rows:  # decode steps: no copy of the rows or of the sums
+        out = summed(stacked, scales)
     else:  # the rows in chunks: each chunk's groups stacked, their float32 sums bounded
         out = torch.empty((num_rows, n), dtype=torch.float32, device=rows.device)
         stacked, scales = stacked.view(groups, num_rows, -1), scales.view(groups, num_rows)
         for start in range(0, num_rows, chunk):
             part = slice(start, start + chunk)
-            sums = int8_matmul(stacked[:, part].reshape(-1, stacked.shape[-1]),
-                               scales[:, part].reshape(-1), weight, scb, None, torch.float32)
-            out[part] = sums.view(groups, -1, n).sum(dim=0)
+            out[part] = summed(stacked[:, part].reshape(-1, stacked.shape[-1]),
+                               scales[:, part].reshape(-1))
     if bias is not None:
         out = out + bias.float()
     return out.to(rows.dtype)
