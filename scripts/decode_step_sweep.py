@@ -3,7 +3,7 @@
 settings, on Llama-3.1-8B's shapes: where a 512-sequence step over an FP8 cache spends
 what the products leave (docs/benchmarks.md, "Short contexts over an FP8 cache").
 
-    python scripts/decode_step_sweep.py --out decode_step.json [--parts decode,silu,norm]
+    python scripts/decode_step_sweep.py --out decode_step.json [--parts decode,registers,silu,norm]
 
 - ``decode``: decode attention alone at short contexts (512 sequences of 129..256,
   257..384 and 385..512 tokens; 256 of 129..256), over a bf16 and an FP8 cache, per tile
@@ -13,6 +13,10 @@ what the products leave (docs/benchmarks.md, "Short contexts over an FP8 cache")
   engine's ``new_kv``), with the blocks spread over a cache the size of the engine's
   (3.6 GB a layer), and both: inside the engine the same launch took 333 us where the
   kernel alone takes about 285.
+- ``registers``: decode attention per tile under register caps (``maxnreg``:
+  ``triton_decode.decode_max_registers``), W1's mix (256 sequences of 100..2,048 tokens)
+  and TensorRT-LLM's decode batches (512 of 1,000..2,000 and 129..256), bf16 and FP8
+  caches: fewer registers a thread, more programs a multiprocessor.
 - ``silu``: SiLU-and-mul with FP8 output (``silu_and_mul_fp8_kernel``: one program a row)
   at 64, 256, 512 and 8,192 rows of 2 x 14,336, per ``BLOCK`` (a row in one pass up to
   16k, else two passes) and warps.
@@ -27,10 +31,11 @@ launch). Prints each row as it goes and a table of the best per case last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -81,6 +86,56 @@ def decode_rows() -> list[dict[str, Any]]:
                 print(f"decode {label:15} {cache:5} tile {tile}: {us:7.1f} us "
                       f"{rows[-1]['tb_s']:5.2f} TB/s{'' if equal else '  DIFFERS'}", flush=True)
         del bf16, step
+        torch.cuda.empty_cache()
+    return rows
+
+
+REGISTER_CASES = (("W1 mix 256 x 100..2048", 256, 100, 2048),
+                  ("512 x 1000..2000", 512, 1000, 2000), ("512 x 129..256", 512, 129, 256))
+# (cache, tile, register caps): None is the compiler's own count (124 registers at FP8's
+# 128,4,2, 96 at 64,4,2; bf16's 217 at 128,4,2, 111 at 64,4,2, by sass_loop.py's compile).
+REGISTER_SETTINGS = (("fp8", (128, 4, 2), (None, 120, 96, 80, 72)),
+                     ("fp8", (64, 4, 2), (None, 80, 72, 64)),
+                     ("fp8", (64, 2, 2), (None, 128, 96)),
+                     ("bf16", (128, 4, 2), (None, 168, 128)),
+                     ("bf16", (64, 4, 2), (None, 96, 80)))
+
+
+@contextlib.contextmanager
+def register_cap(cap: int | None) -> Iterator[None]:
+    """Every decode launch inside takes at most ``cap`` registers a thread."""
+    configured = triton_decode.decode_max_registers
+    triton_decode.decode_max_registers = lambda *_: cap
+    try:
+        yield
+    finally:
+        triton_decode.decode_max_registers = configured
+
+
+def register_rows() -> list[dict[str, Any]]:
+    """``registers``: decode attention per tile under register caps (more programs a
+    multiprocessor), at W1's and TensorRT-LLM's decode batches."""
+    rows: list[dict[str, Any]] = []
+    for label, seqs, lo, hi in REGISTER_CASES:
+        bf16 = make_step([(n - 1, 1) for n in uniform_lengths(seqs, lo, hi, seed=8)], seed=54)
+        steps = {"bf16": bf16, "fp8": fp8_kv_step(bf16)}
+        order = triton_decode.longest_first(bf16.metadata.seq_lens)
+        for cache, tile, caps in REGISTER_SETTINGS:
+            step = steps[cache]
+            with decode_tile(tile):
+                want = decode_only(step, max_seq_len=hi, order=order)().clone()
+                for cap in caps:
+                    with register_cap(cap):
+                        launch = decode_only(step, max_seq_len=hi, order=order)
+                        equal = torch.equal(launch(), want)
+                        us = graph_us_per_launch(lambda _: launch(), [None] * 8)
+                    rows.append(dict(part="registers", case=label, cache=cache, tile=list(tile),
+                                     max_registers=cap, us=us,
+                                     tb_s=kv_bytes(step) / us / 1e6, equal=equal))
+                    print(f"registers {label:22} {cache:5} tile {tile} cap {cap}: {us:7.1f} us "
+                          f"{rows[-1]['tb_s']:5.2f} TB/s{'' if equal else '  DIFFERS'}",
+                          flush=True)
+        del bf16, steps, step
         torch.cuda.empty_cache()
     return rows
 
@@ -224,7 +279,8 @@ def best_table(rows: list[dict[str, Any]]) -> str:
         # A decode tile sums in another order (outputs differ in the last bits).
         best = min((r for r in group if r.get("equal", True) or r["part"] == "decode"),
                    key=lambda r: r["us"])
-        setting = {k: best[k] for k in ("tile", "block", "warps", "rope_and_write") if k in best}
+        setting = {k: best[k] for k in ("tile", "max_registers", "block", "warps",
+                                          "rope_and_write") if k in best}
         lines.append(f"{' '.join(str(k) for k in key if k is not None):32} best {best['us']:7.1f} us "
                      f"{setting}")
     return "\n".join(lines)
@@ -238,7 +294,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("decode_step_sweep.py needs a CUDA GPU.")
         return 2
-    parts = {"decode": decode_rows, "gap": gap_rows, "silu": silu_rows, "norm": norm_rows}
+    parts = {"decode": decode_rows, "gap": gap_rows, "silu": silu_rows, "norm": norm_rows,
+             "registers": register_rows}
     rows: list[dict[str, Any]] = []
     for name in args.parts.split(","):
         rows += parts[name]()

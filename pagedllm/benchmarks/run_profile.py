@@ -5,7 +5,8 @@ run and profiles it to the end. It reports, for the prompt steps (some prompt st
 tokens to compute) and the decode steps (every prompt is in) apart:
 
 - device time by kernel family (``kernel_family``: the products, decode and prefill
-  attention, norms, SiLU-and-mul, the sampler, ...), in seconds and shares;
+  attention, norms, SiLU-and-mul, the sampler, ...), in seconds and shares, and the
+  kernels of no family by name (``unclassified``: what "other" holds);
 - the device's idle time inside the profiled span (``common.device_idle``);
 - decode steps by running batch, in buckets of 32 requests: how many steps, their mean
   host wall time and (CUDA) the device's mean idle time a step (``idle_by_step``). With the
@@ -39,6 +40,12 @@ FAMILIES = (
     ("write_kv", "rope + KV write"),
     ("rotary", "rope + KV write"),
     ("small_batch_matmul", "products (Triton, few rows)"),
+    ("fp8_matmul", "products (Triton GEMM)"),
+    ("int8_matmul", "products (Triton GEMM)"),
+    ("int_matmul", "products (Triton GEMM)"),
+    ("dequantize", "weight dequantization"),
+    ("quantize", "activation quantization"),
+    ("llm_int8_rows", "activation quantization"),
     ("nvjet", "products (BLAS)"),
     ("gemm", "products (BLAS)"),
     ("cutlass", "products (BLAS)"),
@@ -74,10 +81,13 @@ class RunProfile:
     family_s: dict[str, dict[str, float]]  # phase -> family -> device (or host op) time
     device_idle: str  # one line, "" without CUDA
     decode_by_batch: list[dict]  # bucket rows, see batch_buckets
+    other_s: dict[str, list[tuple[str, float]]]  # phase -> the "other" kernels, see unclassified
 
     def as_dict(self) -> dict:
         return {"num_steps": self.num_steps, "family_s": self.family_s,
-                "device_idle": self.device_idle, "decode_by_batch": self.decode_by_batch}
+                "device_idle": self.device_idle, "decode_by_batch": self.decode_by_batch,
+                "other_s": {phase: [list(row) for row in rows]
+                            for phase, rows in self.other_s.items()}}
 
     def table(self) -> str:
         lines = [f"whole-run profile: {self.num_steps[PROMPT]} prompt steps, "
@@ -93,6 +103,10 @@ class RunProfile:
                 share = 100 * value / totals[phase] if totals[phase] else 0.0
                 cells.append(f"{value:9.3f} {share:6.1f}")
             lines.append(f"{family:30s} {' '.join(cells)}")
+        for phase, rows in self.other_s.items():
+            if rows:
+                lines.append(f"other, {phase}: " + ", ".join(f"{name} {seconds:.3f} s"
+                                                            for name, seconds in rows))
         if self.device_idle:
             lines.append(self.device_idle)
         lines.append("decode steps by running batch (host wall time and device idle per step):")
@@ -148,12 +162,12 @@ def idle_by_step(ranges: list[tuple[float, float]], intervals: list[tuple[float,
     return idle
 
 
-def attribute(ranges: list[tuple[float, float, str]], events: list[tuple[float, float, str]]
-              ) -> dict[str, dict[str, float]]:
-    """Sum each event's duration into ``phase -> family`` by the step range its start falls
-    in. ``ranges``: ``(start, end, phase)``, not overlapping; ``events``: ``(start, end,
-    name)``; times in microseconds, sums in seconds. Events outside every range are left
-    out (work queued before the first step or after the last)."""
+def attribute(ranges: list[tuple[float, float, str]], events: list[tuple[float, float, str]],
+              key=kernel_family) -> dict[str, dict[str, float]]:
+    """Sum each event's duration into ``phase -> key(name)`` (by default its family) by the
+    step range its start falls in. ``ranges``: ``(start, end, phase)``, not overlapping;
+    ``events``: ``(start, end, name)``; times in microseconds, sums in seconds. Events
+    outside every range are left out (work queued before the first step or after the last)."""
     ranges = sorted(ranges)
     starts = [r[0] for r in ranges]
     sums: dict[str, dict[str, float]] = {PROMPT: collections.Counter(), DECODE: collections.Counter()}
@@ -161,8 +175,23 @@ def attribute(ranges: list[tuple[float, float, str]], events: list[tuple[float, 
         i = bisect.bisect_right(starts, start) - 1
         if i < 0 or start >= ranges[i][1]:
             continue
-        sums[ranges[i][2]][kernel_family(name)] += (end - start) / 1e6
+        sums[ranges[i][2]][key(name)] += (end - start) / 1e6
     return {phase: dict(families) for phase, families in sums.items()}
+
+
+OTHER_SHOWN, OTHER_NAME_CHARS = 6, 60
+
+
+def unclassified(ranges: list[tuple[float, float, str]], events: list[tuple[float, float, str]]
+                 ) -> dict[str, list[tuple[str, float]]]:
+    """The kernels of family "other" by name (the first ``OTHER_NAME_CHARS`` characters),
+    attributed as ``attribute`` does: ``phase -> [(name, seconds), ...]``, the
+    ``OTHER_SHOWN`` largest, largest first."""
+    other = [e for e in events if kernel_family(e[2]) == "other"]
+    sums = attribute(ranges, other, key=lambda name: name[:OTHER_NAME_CHARS])
+    return {phase: sorted(((name, reported_seconds(seconds)) for name, seconds in names.items()),
+                          key=lambda row: -row[1])[:OTHER_SHOWN]
+            for phase, names in sums.items()}
 
 
 def prompts_pending(scheduler) -> bool:
@@ -219,4 +248,5 @@ def profile_run(engine) -> RunProfile:
             step_idle[index] += gap
         steps = [(*step, gap) for step, gap in zip(steps, step_idle, strict=True)]
     decode_steps = [(batch, *times) for phase, batch, *times in steps if phase == DECODE]
-    return RunProfile(num_steps, attribute(ranges, events), idle, batch_buckets(decode_steps))
+    return RunProfile(num_steps, attribute(ranges, events), idle, batch_buckets(decode_steps),
+                      unclassified(ranges, events))

@@ -12,10 +12,9 @@ norms stay in the model's dtype). The product is::
 
 On CUDA devices of compute capability 8.9 or higher the product runs on the FP8 tensor
 cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32; on Hopper a
-wide product of 129-224 rows is padded with zero rows to 256, ``cublas_rows``); with
-``PAGEDLLM_FP8_SPLIT_GEMM=1``, decode batches' narrow products (``split_k_product``) take
-``layers.fp8_matmul``'s split-K GEMM instead. Elsewhere the
-same quantized operands are dequantized and multiplied in float32: the reference the
+wide product of 129-224 rows is padded with zero rows to 256, ``cublas_rows``, and decode
+batches' narrow products take ``layers.fp8_matmul``'s split-K GEMM instead,
+``split_k_product``). Elsewhere the same quantized operands are dequantized and multiplied in float32: the reference the
 tests compare with (an HF model whose weights and projection inputs are quantized the
 same way gives the same greedy tokens).
 
@@ -96,16 +95,19 @@ def _fp8_matmul_supported(device: torch.device) -> bool:
 
 
 SPLIT_GEMM_ENV = "PAGEDLLM_FP8_SPLIT_GEMM"
-# The products the split-K GEMM takes (with the switch on): up to this many rows, outputs
-# up to this wide.
+# The products the split-K GEMM takes on Hopper: up to this many rows, outputs up to this
+# wide (docs/benchmarks.md, "FP8 products of 129-224 rows" and "The split-K FP8 GEMM by
+# default").
 SPLIT_GEMM_MAX_ROWS, SPLIT_GEMM_MAX_N = 192, 4096
 
 
-def split_k_product(rows: int, n: int) -> bool:
-    """Whether an FP8 product of ``rows x n`` outputs takes ``layers.fp8_matmul`` (with
-    ``PAGEDLLM_FP8_SPLIT_GEMM=1``): a decode batch's narrow output (o_proj, down), whose few
-    output tiles leave cuBLASLt's kernels most of the SMs idle."""
-    return rows <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N and switch(SPLIT_GEMM_ENV, False)
+def split_k_product(rows: int, n: int, device: torch.device) -> bool:
+    """Whether an FP8 product of ``rows x n`` outputs on ``device`` takes
+    ``layers.fp8_matmul``: on Hopper, a decode batch's narrow output (o_proj, down), whose
+    few output tiles leave cuBLASLt's kernels most of the SMs idle, unless
+    ``PAGEDLLM_FP8_SPLIT_GEMM=0``."""
+    return (rows <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N and _hopper(device)
+            and switch(SPLIT_GEMM_ENV, True))
 
 
 # cuBLASLt's FP8 products with row-wise scales into wide outputs (gate/up) of 129-224 rows
@@ -151,7 +153,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
         quantize = quantize_rows_fp8 if use_fused_ops(x2) else quantize_rows
         xq, x_scale = quantize(x2, input_scale)
     tensor_cores = _fp8_matmul_supported(xq.device) and dtype in (torch.bfloat16, torch.float16)
-    if tensor_cores and split_k_product(xq.shape[0], weight.shape[0]):
+    if tensor_cores and split_k_product(xq.shape[0], weight.shape[0], xq.device):
         from pagedllm.layers.fp8_matmul import fp8_matmul  # kernels load on first use
 
         out = fp8_matmul(xq, x_scale, weight, weight_scale, bias, dtype)

@@ -245,20 +245,30 @@ def test_throughput_profiles_the_whole_run_by_phase_family_and_batch(checkpoint,
 
 
 def test_run_profile_attributes_events_to_the_step_they_start_in() -> None:
-    from pagedllm.benchmarks.run_profile import attribute, batch_buckets, kernel_family
+    from pagedllm.benchmarks.run_profile import (
+        attribute, batch_buckets, kernel_family, unclassified,
+    )
 
     assert kernel_family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "products (BLAS)"
     assert kernel_family("void cublasLt::splitKreduce_kernel<32, 16, int>") == "products (BLAS)"
     assert kernel_family("_decode_kernel") == "decode attention"
     assert kernel_family("rms_norm_kernel") == "RMSNorm"
     assert kernel_family("some_new_kernel") == "other"
+    assert kernel_family("_fp8_matmul_kernel") == "products (Triton GEMM)"
+    assert kernel_family("int_dequantize_kernel") == "weight dequantization"
+    assert kernel_family("quantize_rows_kernel") == "activation quantization"
     ranges = [(100.0, 200.0, "decode"), (0.0, 100.0, "prompt")]
     events = [(10.0, 60.0, "nvjet_a"), (100.0, 130.0, "nvjet_b"), (150.0, 250.0, "_decode_kernel"),
-              (300.0, 310.0, "nvjet_c")]  # the last starts after every step: left out
+              (300.0, 310.0, "nvjet_c"),  # starts after every step: left out
+              (110.0, 112.0, "pad_kernel"), (120.0, 125.0, "add_kernel"),
+              (130.0, 132.0, "pad_kernel")]
     assert attribute(ranges, events) == {
         "prompt": {"products (BLAS)": 50e-6},
-        "decode": {"products (BLAS)": 30e-6, "decode attention": 100e-6},
+        "decode": {"products (BLAS)": 30e-6, "decode attention": 100e-6, "other": 9e-6},
     }
+    # What "other" holds, by kernel, largest first.
+    assert unclassified(ranges, events) == {
+        "prompt": [], "decode": [("add_kernel", 5e-6), ("pad_kernel", 4e-6)]}
     rows = batch_buckets([(1, 0.001), (32, 0.003), (33, 0.010), (256, 0.020)])
     assert [(r["low"], r["high"], r["steps"], r["mean_ms"]) for r in rows] == [
         (1, 32, 2, 2.0), (33, 64, 1, 10.0), (225, 256, 1, 20.0)]

@@ -323,3 +323,12 @@ def test_caches_of_different_strides_are_refused() -> None:
     with pytest.raises(ValueError, match="share their block stride"):
         paged_decode_attention(step.query, key_cache, value_cache, *batch_args(step),
                                torch.zeros_like(step.query), max_seq_len=4, scale=0.25)
+
+
+def test_a_register_cap_reaches_only_cuda_launches(monkeypatch) -> None:
+    """``PAGEDLLM_DECODE_MAX_REGISTERS`` compiles CUDA launches with ptxas' ``maxnreg``;
+    unset, the compiler chooses, and the interpreter never takes the option."""
+    assert triton_decode._register_cap(torch.device("cuda"), True) == {}
+    monkeypatch.setattr(triton_decode, "_MAX_REGISTERS_OVERRIDE", 96)
+    assert triton_decode._register_cap(torch.device("cuda"), True) == {"maxnreg": 96}
+    assert triton_decode._register_cap(torch.device("cpu"), True) == {}

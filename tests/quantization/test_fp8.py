@@ -63,6 +63,24 @@ def test_hopper_pads_wide_cublas_products_of_129_to_224_rows(monkeypatch):
     assert fp8.cublas_rows(200, 28672, device) == 200
 
 
+def test_hopper_sends_narrow_decode_products_to_the_split_k_gemm(monkeypatch):
+    """On Hopper, FP8 products of up to 192 rows into outputs up to 4,096 wide (o_proj and
+    down of a decode batch) take the split-K GEMM, unless PAGEDLLM_FP8_SPLIT_GEMM=0; wider
+    outputs, more rows and other GPUs stay on cuBLASLt."""
+    from pagedllm.quantization import fp8
+
+    device = torch.device("cuda")
+    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    assert [fp8.split_k_product(r, 4096, device) for r in (17, 128, 192, 193)] == [
+        True, True, True, False]
+    assert not fp8.split_k_product(128, 6144, device)
+    monkeypatch.setenv(fp8.SPLIT_GEMM_ENV, "0")
+    assert not fp8.split_k_product(128, 4096, device)
+    monkeypatch.delenv(fp8.SPLIT_GEMM_ENV)
+    monkeypatch.setattr(fp8, "_hopper", lambda device: False)
+    assert not fp8.split_k_product(128, 4096, device)
+
+
 def test_rows_quantized_by_the_op_before_give_the_same_product_and_no_second_scale():
     """``Fp8Rows`` (a norm or activation's output, quantized for the product) multiply as
     the tensor they were made from; a static scale given beside them is refused, not

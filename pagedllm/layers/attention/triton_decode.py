@@ -490,6 +490,18 @@ def short_decode_context(head_dim: int, device: torch.device, fp8_cache: bool) -
 
 DECODE_TILE_ENV = "PAGEDLLM_DECODE_TILE"
 DECODE_SPLIT_TILE_ENV = "PAGEDLLM_DECODE_SPLIT_TILE"
+DECODE_MAX_REGISTERS_ENV = "PAGEDLLM_DECODE_MAX_REGISTERS"
+
+
+# ``PAGEDLLM_DECODE_MAX_REGISTERS`` (32-255): a register cap for every decode launch.
+_MAX_REGISTERS_OVERRIDE = integer(DECODE_MAX_REGISTERS_ENV, None, 32, 255)
+
+
+def decode_max_registers(fp8_cache: bool) -> int | None:
+    """The registers a thread of a decode launch on CUDA may take (ptxas' ``maxnreg``), or
+    None for the compiler's own count. Fewer registers a thread let more programs share a
+    multiprocessor; below the kernel's need the compiler spills to local memory."""
+    return _MAX_REGISTERS_OVERRIDE
 
 
 @functools.cache
@@ -664,7 +676,14 @@ def paged_decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options(query.device),
+        **_register_cap(query.device, key_cache.element_size() == 1),
     )
+
+
+def _register_cap(device: torch.device, fp8_cache: bool) -> dict:
+    """``maxnreg`` for a launch on ``device`` when ``decode_max_registers`` sets one."""
+    cap = decode_max_registers(fp8_cache) if device.type == "cuda" else None
+    return {} if cap is None else {"maxnreg": cap}
 
 
 def _merge_chunk(queries_per_kv: int, block_d: int) -> int:
