@@ -1,14 +1,17 @@
-"""Time the host's work for a step of constrained rows, both ways, on the same grammar states:
-a token mask for every row (masking first), against checking each row's sampled token and
-masking only the refused ones (check-then-mask, what the engine does).
+"""Time the host's work for a step of constrained rows, three ways, on the same grammar
+states: a token mask for every row (masking first); checking each row's sampled token and
+masking only the refused ones (check-then-mask); and the same where a refused row first
+tries the next tokens of its draw's ranking, masked only when it allows none of them (what
+the engine does, ``PAGEDLLM_CHECK_CANDIDATES``).
 
 The rows follow the JSON schemas of ``bench throughput --structured-output json``
 (``structured_workload.py``, row ``i`` takes schema ``i % 4``), and the "model" samples
-uniformly over the vocabulary, as random weights nearly do: a refused token is replaced by
-one drawn uniformly from the allowed ones, which is the masked distribution. The two ways
-alternate step by step, so a busy machine slows both alike.
+uniformly over the vocabulary, as random weights nearly do: each row's ranking is a random
+order of the vocabulary, and its token the first one the row's mask allows (the masked
+distribution). The ways alternate step by step, so a busy machine slows them alike.
 
 Usage: python scripts/bench_structured_masks.py --tokenizer DIR [--rows 128] [--steps 40]
+    [--candidates 8]
 (DIR from ``python -m pagedllm.benchmarks.bench_tokenizer``).
 """
 
@@ -50,39 +53,58 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--candidates", type=int, default=8,
+                        help="tokens of each draw's ranking a refused row may take")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     tokenizer = Tokenizer.from_pretrained(args.tokenizer)
     backend = LLGuidanceBackend(tokenizer, len(tokenizer))
     manager = StructuredOutputManager(lambda: backend)
-    masking, checking = (attached(manager, args.rows) for _ in range(2))
+    masking, checking, ranking = (attached(manager, args.rows) for _ in range(3))
     vocab, width = backend.vocab_size, manager.bitmask_width
     rng = np.random.default_rng(args.seed)
     masks = np.empty((args.rows, width), dtype=np.int32)
-    full_ms, check_ms, refused_rows = [], [], 0
+
+    def allocate(rows: int, words: int) -> np.ndarray:
+        return np.empty((rows, words), dtype=np.int32)
+
+    times: dict[str, list[float]] = {"mask every row": [], "check, mask the refused": [],
+                                      "check, candidates, mask the rest": []}
+    refused_rows = still_refused = 0
     for _ in range(args.steps):
         start = time.perf_counter()
         manager.fill_bitmask(masking, masks)
-        full_ms.append(1e3 * (time.perf_counter() - start))
-        tokens = [int(t) for t in rng.integers(0, vocab, args.rows)]
+        times["mask every row"].append(1e3 * (time.perf_counter() - start))
+        # A uniform model's ranking of a row: a random order of the vocabulary, of which
+        # the first few; the row's token is the first one its mask allows.
+        ranked = [[int(t) for t in rng.choice(vocab, args.candidates, replace=False)]
+                  for _ in range(args.rows)]
+        tokens = []
+        for row, candidates in zip(masks, ranked):
+            allowed = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab]
+            taken = next((t for t in candidates if allowed[t]), None)
+            tokens.append(taken if taken is not None else int(rng.choice(np.flatnonzero(allowed))))
+        first = [candidates[0] for candidates in ranked]
         start = time.perf_counter()
-        refused, bitmask = manager.check_tokens(
-            checking, tokens, lambda rows, words: np.empty((rows, words), dtype=np.int32))
-        check_ms.append(1e3 * (time.perf_counter() - start))
+        refused, _, _ = manager.check_tokens(checking, first, allocate)
+        times["check, mask the refused"].append(1e3 * (time.perf_counter() - start))
+        start = time.perf_counter()
+        remaining, _, _ = manager.check_tokens(ranking, first, allocate, lambda: ranked)
+        times["check, candidates, mask the rest"].append(1e3 * (time.perf_counter() - start))
         refused_rows += len(refused)
-        for k, i in enumerate(refused):
-            allowed = np.flatnonzero(np.unpackbits(bitmask[k].view(np.uint8), bitorder="little")[:vocab])
-            tokens[i] = int(rng.choice(allowed))
-        for grammars in (masking, checking):
+        still_refused += len(remaining)
+        for grammars in (masking, checking, ranking):
             for grammar, token in zip(grammars, tokens):
                 grammar.accept_token(token)
                 assert grammar.error is None, grammar.error
     print(f"{args.rows} rows, {args.steps} steps, vocabulary {vocab}: "
-          f"{100 * refused_rows / (args.rows * args.steps):.1f}% of sampled tokens refused")
-    for name, times in (("mask every row", full_ms), ("check, mask the refused", check_ms)):
-        print(f"{name:>24}: median {statistics.median(times):7.2f} ms/step, "
-              f"mean {statistics.mean(times):7.2f} ms/step, "
-              f"{1e3 * statistics.mean(times) / args.rows:6.1f} us/row")
+          f"{100 * refused_rows / (args.rows * args.steps):.1f}% of sampled tokens refused, "
+          f"{100 * still_refused / (args.rows * args.steps):.1f}% refused all of the first "
+          f"{args.candidates} of their ranking")
+    for name, ms in times.items():
+        print(f"{name:>32}: median {statistics.median(ms):7.2f} ms/step, "
+              f"mean {statistics.mean(ms):7.2f} ms/step, "
+              f"{1e3 * statistics.mean(ms) / args.rows:6.1f} us/row")
     manager.shutdown()
 
 

@@ -390,7 +390,7 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         mask_start = (structured.mask_seconds, structured.num_mask_rows,
                       structured.num_mask_steps, structured.num_checked_rows,
                       structured.num_refused_rows, ahead.num_filled, ahead.num_used,
-                      ahead.seconds)
+                      ahead.seconds, structured.num_substituted_rows)
         structured.fill_calls.clear()
     timer = StepTimer(llm) if step_timing else None
     start = time.perf_counter()
@@ -420,9 +420,11 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         steps = structured.num_mask_steps - mask_start[2]
         checked = structured.num_checked_rows - mask_start[3]
         refused = structured.num_refused_rows - mask_start[4]
+        substituted = structured.num_substituted_rows - mask_start[8]
         extra.update(structured_output="json", mask_host_s=reported_seconds(mask_s),
                      mask_steps=steps, mask_rows=rows, checked_rows=checked,
                      refused_fraction=round(refused / checked, 4) if checked else None,
+                     substituted_fraction=round(substituted / checked, 4) if checked else None,
                      masks_filled_ahead=ahead.num_filled - mask_start[5],
                      masks_used_ahead=ahead.num_used - mask_start[6],
                      ahead_fill_s=round(ahead.seconds - mask_start[7], 4),
@@ -558,7 +560,8 @@ def _row(r: dict) -> str:
                 f"{100 * r['prefix_cache_hit_rate']:.1f}%")
     if "constrained_ratio" in r:
         refused = ("" if r.get("refused_fraction") is None
-                   else f", {100 * r['refused_fraction']:.1f}% of checked tokens refused")
+                   else f", {100 * r['refused_fraction']:.1f}% of checked tokens refused, "
+                        f"{100 * r['substituted_fraction']:.1f}% replaced by a later candidate")
         fills = ("" if not r.get("fill_calls") else
                  f"; bitmask fills of {r['fill_rows_per_call']} rows: {r['fill_ms_p50']} ms "
                  f"median, {r['fill_ms_p99']} p99, {r['fill_us_per_row']} us/row")

@@ -168,7 +168,9 @@ class MultiprocExecutor:
         if method == "bitmask":
             answer = np.ascontiguousarray(grammars.bitmask(*args, allocate))
         elif method == "check":
-            answer = grammars.check(*args, allocate)
+            request_ids, token_ids, ranked = args
+            answer = grammars.check(request_ids, token_ids, allocate,
+                                    None if ranked is None else lambda: ranked)
         else:
             self._fail(f"rank {self.reporter} asked the grammars {method!r}")
         self._send(("result", answer), self._sampling)

@@ -114,9 +114,10 @@ class _GrammarProxy:
 
     __call__ = bitmask
 
-    def check(self, request_ids: list[str], token_ids: list[int], allocate):
-        refused, bitmask = self._ask("check", request_ids, token_ids)
-        return refused, self._copy(bitmask, allocate)
+    def check(self, request_ids: list[str], token_ids: list[int], allocate, candidates=None):
+        ranked = None if candidates is None else candidates()  # the engine's process checks
+        refused, bitmask, substituted = self._ask("check", request_ids, token_ids, ranked)
+        return refused, self._copy(bitmask, allocate), substituted
 
 
 def run_worker(conn: Connection, rank: int, world_size: int, init_method: str,

@@ -296,9 +296,7 @@ def row_argmax_partial_kernel(
         source = tl.load(rows_ptr + row).to(tl.int32)
         words = bitmask_ptr + row.to(tl.int64) * bitmask_stride
     base = logits_ptr + source.to(tl.int64) * stride_row
-    if GUMBEL:
-        inv_temperature = 1.0 / tl.load(temperature_ptr + source)
-        seed = tl.load(seeds_ptr + source)
+    inv_temperature, seed = _race_inputs(temperature_ptr, seeds_ptr, source, GUMBEL)
     lo = part * chunk
     hi = tl.minimum(lo + chunk, vocab_size)
     if LANES:
@@ -310,10 +308,7 @@ def row_argmax_partial_kernel(
     for start in range(lo, hi, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         valid = offsets < hi
-        score = tl.load(base + offsets, mask=valid, other=float("-inf")).to(tl.float32)
-        if GUMBEL:
-            score = tl.where(valid, score * inv_temperature + _gumbel_noise(seed, start, BLOCK),
-                             float("-inf"))
+        score = _race_score(base, start, valid, inv_temperature, seed, GUMBEL, BLOCK)
         if MASKED:
             word = tl.load(words + offsets // 32, mask=valid, other=0)
             score = tl.where(((word >> (offsets % 32)) & 1) != 0, score, float("-inf"))
@@ -332,6 +327,56 @@ def row_argmax_partial_kernel(
         best_index = tl.min(tl.where(lane_best == best, lane_index, hi), 0)
     tl.store(best_ptr + row * parts + part, best)
     tl.store(index_ptr + row * parts + part, best_index)
+
+
+@triton.jit
+def _race_inputs(temperature_ptr, seeds_ptr, source, GUMBEL: tl.constexpr):
+    """Row ``source``'s ``1 / T`` and noise seed for ``_race_score`` (unread without ``GUMBEL``)."""
+    inv_temperature = 1.0
+    seed = 0
+    if GUMBEL:
+        inv_temperature = 1.0 / tl.load(temperature_ptr + source)
+        seed = tl.load(seeds_ptr + source)
+    return inv_temperature, seed
+
+
+@triton.jit
+def _race_score(base, start, valid, inv_temperature, seed, GUMBEL: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """The race's scores of columns ``start .. start + BLOCK - 1`` of the row at ``base``
+    (-inf where not ``valid``): the logit, or with ``GUMBEL`` ``logit / T + g`` (Gumbel
+    noise of ``_gumbel_noise``). Every kernel that ranks a row's tokens by the race scores
+    them here, so they rank alike to the last bit."""
+    offsets = start + tl.arange(0, BLOCK)
+    score = tl.load(base + offsets, mask=valid, other=float("-inf")).to(tl.float32)
+    if GUMBEL:
+        score = tl.where(valid, score * inv_temperature + _gumbel_noise(seed, start, BLOCK),
+                         float("-inf"))
+    return score
+
+
+@triton.jit
+def race_top_kernel(logits_ptr, stride_row, temperature_ptr, seeds_ptr, rows_ptr, best_ptr,
+                    column_ptr, vocab_size, GUMBEL: tl.constexpr, BLOCK: tl.constexpr,
+                    TOP: tl.constexpr):
+    """Program ``(r, block)``: the ``TOP`` best race scores (``_race_score``) among columns
+    ``block * BLOCK ..`` of logits row ``rows[r]``, best first (the first column of a tie
+    first), and their columns, into ``best`` and ``column`` ``[R, blocks, TOP]``."""
+    r = tl.program_id(0)
+    block = tl.program_id(1)
+    start = block * BLOCK
+    source = tl.load(rows_ptr + r).to(tl.int32)
+    inv_temperature, seed = _race_inputs(temperature_ptr, seeds_ptr, source, GUMBEL)
+    offsets = start + tl.arange(0, BLOCK)
+    score = _race_score(logits_ptr + source.to(tl.int64) * stride_row, start,
+                        offsets < vocab_size, inv_temperature, seed, GUMBEL, BLOCK)
+    out = (r.to(tl.int64) * tl.num_programs(1) + block) * TOP
+    for j in tl.static_range(TOP):
+        best = tl.max(score, 0)
+        where = tl.argmax(score, 0, tie_break_left=True)
+        tl.store(best_ptr + out + j, best)
+        tl.store(column_ptr + out + j, start + where)
+        score = tl.where(tl.arange(0, BLOCK) == where, float("-inf"), score)
 
 
 @triton.jit

@@ -38,7 +38,9 @@ tokens, so the token, and how far a seeded generator advances, are the same eith
 That holds because everything before the race (allowed tokens, logit bias, penalties,
 ``min_tokens``, bad words, temperature) acts token by token and commutes with the mask;
 top-k, top-p and min-p depend on the whole distribution, so rows with them are masked
-first.
+first. The race also ranks the tokens it did not pick (``Sampler.candidates``): the best
+allowed one wins the masked race, so a refused row whose next candidates include an
+allowed token needs no mask at all.
 
 Everything per row is a tensor built once per step by ``SamplingMetadata.build``; the
 forward pass is vectorised over rows and never syncs with the host, except for drawing
@@ -583,6 +585,38 @@ class Sampler(nn.Module):
         return sampled
 
     @staticmethod
+    def candidates(draw: Draw, rows: torch.Tensor, count: int) -> torch.Tensor:
+        """The tokens of rows ``rows`` (int64 ``[R]``) of a kept draw in the order its race
+        ranked them, best first: int64 ``[R, count]``, -1 past the tokens the ranking
+        settles (scores tied with the ``count + 1``-th best, or -inf). The first of a
+        row's candidates that a token mask allows is the token ``redraw`` gives under that
+        mask (its race over the allowed tokens with the same noise); when the mask allows
+        none of them, only ``redraw`` says. The first candidate is the draw's own token.
+        On a GPU the scores are the race kernels' own (``triton_ops.race_top``); the torch
+        race divides the probabilities by the noise, and its redraw those renormalised
+        over the allowed tokens: the same order up to rounding."""
+        meta = draw.meta
+        # The Gumbel kernel's row seeds are raced by the kernels wherever they came from.
+        fused = use_fused_ops(draw.logits) or (draw.noise is not None and draw.noise.dim() == 1)
+        greedy = None
+        if meta.all_greedy or meta.greedy_mask is not None:
+            greedy = (triton_ops.race_top(draw.logits, rows, count + 1) if fused
+                      else _all_columns(draw.logits.index_select(0, rows).float()))
+        ranked = greedy
+        if not meta.all_greedy:
+            if fused:
+                ranked = triton_ops.race_top(draw.logits, rows, count + 1, meta.temperature,
+                                             draw.noise)
+            else:
+                temperature = meta.temperature.index_select(0, rows).unsqueeze(-1)
+                probs = (draw.logits.index_select(0, rows).float() / temperature).softmax(dim=-1)
+                ranked = _all_columns(probs.div_(draw.noise.index_select(0, rows)))
+            if greedy is not None:
+                chosen = meta.greedy_mask.index_select(0, rows).unsqueeze(-1)
+                ranked = tuple(torch.where(chosen, g, r) for g, r in zip(greedy, ranked))
+        return ranked_candidates(*ranked, count)
+
+    @staticmethod
     def _sample_random(logits: torch.Tensor, meta: SamplingMetadata
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draw per row from its filtered, temperature-scaled distribution, and the
@@ -603,6 +637,31 @@ class Sampler(nn.Module):
         probs = sampling_probs(logits, meta)
         noise = exponential_noise(probs, meta.generators)
         return probs.div_(noise).argmax(dim=-1), noise
+
+
+def ranked_candidates(scores: torch.Tensor, columns: torch.Tensor, count: int) -> torch.Tensor:
+    """Each row's ``count`` best columns as argmax ranks them (higher score first, the
+    first column of a tie first), from ``scores`` and ``columns`` ``[R, C]``: candidates
+    that include every row's ``count + 1`` best. int64 ``[R, count]``, -1 where the
+    ranking is not settled by the candidates (a score tied with the ``count + 1``-th best,
+    which may share it with a column not among them) or the score is -inf."""
+    take = min(count + 1, scores.shape[-1])
+    values, picked = scores.topk(take, dim=-1)
+    index = columns.gather(-1, picked)
+    order = index.argsort(dim=-1)  # by column, then stably by score: a tie's first column first
+    values, index = values.gather(-1, order), index.gather(-1, order)
+    order = values.argsort(dim=-1, descending=True, stable=True)
+    values, index = values.gather(-1, order), index.gather(-1, order)
+    settled = values > float("-inf")
+    if take > count:
+        settled &= values > values[:, -1:]
+    return torch.where(settled, index, -1)[:, :count]
+
+
+def _all_columns(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores [R, V]`` with every column as a candidate (see ``ranked_candidates``)."""
+    columns = torch.arange(scores.shape[-1], device=scores.device).expand(scores.shape)
+    return scores, columns
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

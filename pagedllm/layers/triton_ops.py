@@ -335,6 +335,32 @@ def masked_row_argmax(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.T
     return _row_argmax(logits, temperature, seeds, rows, bitmask)
 
 
+def race_top(logits: torch.Tensor, rows: torch.Tensor, count: int,
+             temperature: torch.Tensor | None = None, seeds: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores and columns (float32 and int64 ``[R, C]``) among which lie the ``count`` best
+    tokens of ``logits[rows]`` by the score ``greedy_argmax`` ranks them by (the logit) or,
+    with ``temperature`` and ``seeds`` (``[B]``, as the full batch's, read at ``rows``),
+    ``gumbel_sample``'s: each block of ``ARGMAX_BLOCK`` columns' ``count`` best, scored as
+    those kernels score them (the same values to the last bit), so the best allowed token
+    among them, when there is one, is ``masked_row_argmax``'s winner under that mask."""
+    k = _kernels()
+    num_rows, vocab_size = rows.shape[0], logits.shape[1]
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    blocks = k.cdiv(vocab_size, ARGMAX_BLOCK)
+    count = min(count, ARGMAX_BLOCK)
+    best = torch.empty(num_rows, blocks * count, dtype=torch.float32, device=logits.device)
+    column = torch.empty(num_rows, blocks * count, dtype=torch.int32, device=logits.device)
+    if num_rows:
+        gumbel = temperature is not None
+        k.race_top_kernel[(num_rows, blocks)](
+            logits, logits.stride(0), temperature if gumbel else best,
+            seeds if gumbel else best, rows, best, column, vocab_size, GUMBEL=gumbel,
+            BLOCK=ARGMAX_BLOCK, TOP=count, num_warps=8)
+    return best, column.long()
+
+
 ARGMAX_BLOCK = 2048
 # Each lane keeps its best through the loop, the lanes reduced once (``row_argmax_partial_kernel``'s
 # ``LANES``; ``PAGEDLLM_ARGMAX_LANES=0``: each block reduced as it is read). On by default:

@@ -218,6 +218,35 @@ class RequestGrammar:
 PREFETCH_MASKS_ENV = "PAGEDLLM_PREFETCH_MASKS"
 
 
+class _Ranked:
+    """A check's ranked candidates (``check_tokens``), read on first need."""
+
+    __slots__ = ("_read", "_rows")
+
+    def __init__(self, read: Callable[[], list[list[int]]] | None) -> None:
+        self._read, self._rows = read, None
+
+    @property
+    def read(self) -> bool:
+        """Whether the candidates have been read."""
+        return self._rows is not None
+
+    def first_allowed(self, allows: Callable[[int], bool], i: int) -> int | None:
+        """The first of row ``i``'s later candidates (after its sampled token) that
+        ``allows`` passes, or None (no candidates, or none allowed before the ranking ends
+        at -1)."""
+        if self._read is None:
+            return None
+        if self._rows is None:
+            self._rows = self._read()
+        for token in self._rows[i][1:]:
+            if token < 0:
+                break
+            if allows(token):
+                return token
+        return None
+
+
 def prefetch_masks_wanted(device: str) -> bool:
     """``PAGEDLLM_PREFETCH_MASKS`` (``1`` or ``0``); unset: on where the model runs on a GPU
     (the worker fills while the device computes; on a CPU it would take cores from the
@@ -313,7 +342,9 @@ class StructuredOutputManager:
     masked rows (one per step, two in a step that does both), ``num_checked_rows`` the
     sampled tokens checked (rows whose constraint is active: not a token sampled past the
     end of a complete output, as an asynchronous step samples one), ``num_refused_rows``
-    those refused, and ``num_mask_rows`` the bitmask rows filled on the step loop's thread;
+    those refused, ``num_substituted_rows`` those that took a later candidate of their draw
+    instead (``check_tokens``), and ``num_mask_rows`` the bitmask rows filled on the step
+    loop's thread;
     ``fill_calls`` the latest calls to the backend's bitmask fill, as (seconds, rows).
 
     With ``prefetch_masks`` on (the model computes on a device while the step loop goes
@@ -335,6 +366,7 @@ class StructuredOutputManager:
         self.num_mask_rows = 0
         self.num_checked_rows = 0
         self.num_refused_rows = 0
+        self.num_substituted_rows = 0
         self.fill_calls: deque[tuple[float, int]] = deque(maxlen=FILL_CALLS_KEPT)
         self.prefetch_masks = prefetch_masks
         self.prefetch = MaskPrefetch()
@@ -382,11 +414,19 @@ class StructuredOutputManager:
         self.num_mask_steps += 1
 
     def check_tokens(self, grammars: list[RequestGrammar | None], token_ids: list[int],
-                     allocate: Callable[[int, int], np.ndarray]) -> tuple[list[int], np.ndarray | None]:
+                     allocate: Callable[[int, int], np.ndarray],
+                     candidates: Callable[[], list[list[int]]] | None = None
+                     ) -> tuple[list[int], np.ndarray | None, list[tuple[int, int]]]:
         """Check-then-mask: the indices of the sampled ``token_ids`` their ``grammars``
-        refuse, and those rows' bitmask (``allocate(len(refused), bitmask_width)``, filled
-        as ``fill_bitmask`` does; None when nothing is refused). A grammar that is not
-        active (or ``None``) allows any token. The grammars have not taken the tokens."""
+        refuse, those rows' bitmask (``allocate(len(refused), bitmask_width)``, filled as
+        ``fill_bitmask`` does; None when nothing is refused), and the rows that take
+        another token instead, as ``(index, token)``. ``candidates()`` (optional, called
+        at most once, when a sampled token is refused): row ``i``'s tokens in the order its
+        draw ranked them (``Sampler.candidates``: the sampled one first, -1 where the
+        ranking ends); a row whose sampled token is refused takes the first of them its
+        grammar allows, which is the token its mask's redraw would give, and is refused
+        only when it allows none. A grammar that is not active
+        (or ``None``) allows any token. The grammars have not taken the tokens."""
         start = time.perf_counter()
         if len(grammars) != len(token_ids):
             raise ValueError(f"{len(grammars)} grammars for {len(token_ids)} sampled tokens.")
@@ -394,25 +434,38 @@ class StructuredOutputManager:
         prefetch = self.prefetch
         # Rows outside the fill in flight are checked while it runs; the rest after it,
         # from the rows it filled where their grammars are still in those states.
-        held, refused = [], []
+        held, refused, substituted = [], [], []
+        ranked = _Ranked(candidates)
         for i in checked:
             if prefetch.holds(grammars[i]):
                 held.append(i)
             elif not grammars[i].grammar.is_allowed(token_ids[i]):
-                refused.append(i)
+                taken = ranked.first_allowed(grammars[i].grammar.is_allowed, i)
+                if taken is None:
+                    refused.append(i)
+                else:
+                    substituted.append((i, taken))
         prefetch.settle()
         ahead: dict[int, np.ndarray] = {}
         for i in held:
             row = prefetch.row(grammars[i])
             if row is None:
-                allowed = grammars[i].grammar.is_allowed(token_ids[i])
+                allows = grammars[i].grammar.is_allowed
             else:
-                allowed = bool((int(row[token_ids[i] >> 5]) >> (token_ids[i] & 31)) & 1)
-                if not allowed:
+                def allows(token: int, row=row) -> bool:
+                    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+            if not allows(token_ids[i]):
+                # A row with its mask filled ahead reads the candidates only if a row
+                # without one had them read: its redraw costs no mask.
+                taken = ranked.first_allowed(allows, i) if ranked.read else None
+                if taken is not None:
+                    substituted.append((i, taken))
+                    continue
+                if row is not None:
                     ahead[i] = row
-            if not allowed:
                 refused.append(i)
         refused.sort()
+        substituted.sort()
         bitmask = None
         if refused:
             bitmask = allocate(len(refused), self.bitmask_width)
@@ -426,16 +479,18 @@ class StructuredOutputManager:
             self._fill_rows(rows, bitmask)
         if self.prefetch_masks:
             refused_set = set(refused)
+            taken = dict(substituted)
             passed = [i for i in checked if i not in refused_set]
             for i in passed:
-                grammars[i].checked_token = token_ids[i]
+                grammars[i].checked_token = taken.get(i, token_ids[i])
             self._passed = [grammars[i] for i in passed]
             self._refused = [grammars[i] for i in refused]
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_steps += 1
         self.num_checked_rows += len(checked)
         self.num_refused_rows += len(refused)
-        return refused, bitmask
+        self.num_substituted_rows += len(substituted)
+        return refused, bitmask, substituted
 
     def fill_verify_bitmask(self, grammars: list[RequestGrammar | None],
                             proposals: list[list[int]], out: np.ndarray) -> None:
@@ -527,9 +582,10 @@ class StepGrammars:
     - ``bitmask(request_ids, allocate)`` (also the object's call, for runners that only
       mask): the rows to mask before sampling. ``resolve_in_flight`` runs first, so the
       grammars have taken the step before's tokens.
-    - ``check(request_ids, token_ids, allocate)``: rows sampled without their mask, when
-      their ids are read (before any later step's forward pass); the grammars have taken
-      every earlier step's tokens, not these. See ``StructuredOutputManager.check_tokens``.
+    - ``check(request_ids, token_ids, allocate, candidates)``: rows sampled without their
+      mask, when their ids are read (before any later step's forward pass), with the
+      tokens each row's draw ranked next; the grammars have taken every earlier step's
+      tokens, not these. See ``StructuredOutputManager.check_tokens``.
       Then ``redrawn(token_ids)``: the refused rows' new tokens, in the check's order; and
       ``forward_launched()`` once the next step's forward pass is launched: the checked
       rows' grammars take their tokens, and the refused rows' next masks are filled in the
@@ -560,8 +616,11 @@ class StepGrammars:
     __call__ = bitmask
 
     def check(self, request_ids: list[str], token_ids: list[int],
-              allocate: Callable[[int, int], np.ndarray]) -> tuple[list[int], np.ndarray | None]:
-        return self._manager.check_tokens(self._grammars(request_ids), token_ids, allocate)
+              allocate: Callable[[int, int], np.ndarray],
+              candidates: Callable[[], list[list[int]]] | None = None
+              ) -> tuple[list[int], np.ndarray | None, list[tuple[int, int]]]:
+        return self._manager.check_tokens(self._grammars(request_ids), token_ids, allocate,
+                                          candidates)
 
     def redrawn(self, token_ids: list[int]) -> None:
         self._manager.note_redrawn(token_ids)

@@ -37,9 +37,14 @@ and its one-token decodes its decode graphs.
 
 Constrained rows (structured outputs), check-then-mask: such a row is sampled without its
 token mask, and when the step's ids are read the engine's grammars check the sampled
-tokens (``grammar.check``); only the rows whose token is refused get a bitmask, and are
-drawn again under it with the noise of their first draw, which gives the token masking
-first would have given (``Sampler.redraw``). The check runs before any later step's
+tokens (``grammar.check``). A row whose token is refused takes the next token of its
+draw's ranking that the grammar allows (``Sampler.candidates``, read back only when some
+row is refused); only the rows that allow none of those get a bitmask, and are drawn again
+under it with the noise of their first draw. Either way the token is the one masking
+first would have given (``Sampler.redraw``): the race over the allowed tokens is won by
+the best-ranked allowed one. A random draw refused in a string of JSON, say, is nearly
+always followed by an allowed candidate, and a mask there walks the whole vocabulary
+(docs/benchmarks.md, "a refused draw's next candidates"). The check runs before any later step's
 forward pass reads the ids: with asynchronous scheduling the next launch reads the step's
 ids first (the one device-to-host copy it makes anyway, earlier), and a step with refused
 rows copies their new ids too and tells the grammars (``grammar.redrawn``). Once the next
@@ -83,6 +88,7 @@ from pagedllm.layers.sampler import (
 )
 from pagedllm.models.loader import load_model, resolve_dtype
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.switches import integer
 from pagedllm.worker.async_output import AsyncStepOutput, SampledIdsReadback
 from pagedllm.worker.cuda_graphs import (
     VERIFY,
@@ -101,6 +107,10 @@ from pagedllm.worker.verification import verify_proposals
 from pagedllm.worker.warmup import warm_up_kernels, warm_up_layouts
 
 logger = logging.getLogger(__name__)
+
+# Candidates of its draw a checked row whose sampled token the grammar refuses may take
+# before it is drawn again under its mask (``PAGEDLLM_CHECK_CANDIDATES``, 0 or 1: none).
+CHECK_CANDIDATES = integer("PAGEDLLM_CHECK_CANDIDATES", 8, 0, 64)
 
 
 class ModelRunner:
@@ -488,16 +498,31 @@ class ModelRunner:
         token_ids: list[int],
     ) -> list[int]:
         """Check-then-mask: ``token_ids`` (the step's sampled ids, on the host), whose
-        tokens that the grammars of ``rows`` (sampled without their mask) refuse are drawn
-        again under their mask (``Sampler.redraw``). The ids on the device are corrected
-        in place (later steps read them as pending tokens) and counted for the penalties.
-        The redrawn ids reach ``token_ids`` and the grammar (``redrawn``) in
+        tokens that the grammars of ``rows`` (sampled without their mask) refuse are
+        replaced by the next of their draw's candidates the grammar allows (the first
+        ``CHECK_CANDIDATES`` of its ranking, ``Sampler.candidates``), or where it allows
+        none, drawn again under their mask (``Sampler.redraw``): the same token either way.
+        The ids on the device are corrected in place (later steps read them as pending
+        tokens) and counted for the penalties. A candidate taken is in ``token_ids`` at
+        once; the redrawn ids reach ``token_ids`` and the grammar (``redrawn``) in
         ``_take_redrawn_ids``, once the next forward pass is launched (or when the step's
         output is made, if that comes first); then the grammar hears ``forward_launched``
         (see ``StepGrammars``)."""
-        refused, bitmask = grammar.check([states[j].request_id for j in rows],
-                                         [token_ids[j] for j in rows], self._bitmask_buffer)
+        def candidates() -> list[list[int]]:
+            index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+            return self.sampler.candidates(out.draw, index, CHECK_CANDIDATES).tolist()
+
+        refused, bitmask, substituted = grammar.check(
+            [states[j].request_id for j in rows], [token_ids[j] for j in rows],
+            self._bitmask_buffer, candidates if CHECK_CANDIDATES > 1 else None)
         sampled = out.sampled_token_ids
+        if substituted:
+            taken = [rows[i] for i, _ in substituted]
+            tokens = [token for _, token in substituted]
+            for j, token in zip(taken, tokens):
+                token_ids[j] = token
+            sampled.index_copy_(0, torch.tensor(taken, dtype=torch.long).to(self.device),
+                                torch.tensor(tokens, dtype=torch.long).to(self.device))
         if refused:
             redrawn = [rows[i] for i in refused]
             index = torch.tensor(redrawn, dtype=torch.long).to(self.device, non_blocking=True)

@@ -340,6 +340,8 @@ def test_structured_output_run_beside_the_unconstrained_one(tmp_path) -> None:
     assert constrained["refused_fraction"] == round(
         (constrained["mask_rows"] + constrained["masks_used_ahead"])
         / constrained["checked_rows"], 4)
+    # A refused token's row takes its draw's next allowed candidate where there is one.
+    assert 0 < constrained["substituted_fraction"] < 1
     assert constrained["mask_host_s"] > 0 and constrained["mask_steps"] > 0
     # The bitmask fills, call by call: they cover every masked row.
     fills = constrained["fill_calls"]

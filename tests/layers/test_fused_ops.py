@@ -11,7 +11,7 @@ from pagedllm.layers import triton_ops
 from pagedllm.layers.activation import GatedActivation
 from pagedllm.layers.layernorm import RMSNorm, qk_norms
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.layers.sampler import Draw, Sampler, SamplingMetadata, masked_rows
+from pagedllm.layers.sampler import Draw, Sampler, SamplingMetadata, masked_rows, ranked_candidates
 from pagedllm.sampling_params import SamplingParams
 from tests.utils import token_bitmask
 
@@ -573,3 +573,34 @@ def test_gumbel_redraw_under_a_mask_is_the_masked_draw() -> None:
     got[refused] = Sampler.redraw(Draw(logits=logits, meta=meta, noise=seeds),
                                   refused.to(DEVICE), bitmask[refused.to(DEVICE)]).cpu()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("gumbel", [False, True])
+def test_the_first_allowed_of_the_race_top_is_the_masked_winner(gumbel) -> None:
+    """``race_top`` scores as the race kernels do: the first token of a row's ranking
+    (``ranked_candidates``) that its mask allows is ``masked_row_argmax``'s winner, greedy
+    or by the Gumbel race, ties across blocks included (the first column first); a row
+    whose mask allows none of its candidates has none to take."""
+    batch, vocab, count = 9, 5000, 8  # three 2048-column blocks per row
+    logits = _rand(batch, vocab, seed=8) * 3
+    logits[2, [150, 4100]] = 60.0  # a tie across blocks
+    gen = torch.Generator().manual_seed(9)
+    rows = torch.tensor([4, 2, 7, 0, 2, 5], device=DEVICE)
+    temperature = torch.linspace(0.5, 1.5, batch, device=DEVICE)
+    seeds = torch.randint(0, 2**31 - 1, (batch,), generator=gen).to(DEVICE)
+    race = (temperature, seeds) if gumbel else ()
+    ranked = ranked_candidates(*triton_ops.race_top(logits, rows, count + 1, *race), count)
+    assert ranked.shape == (len(rows), count)
+    first = (triton_ops.gumbel_sample(logits, temperature, seeds) if gumbel
+             else triton_ops.greedy_argmax(logits))
+    assert ranked[:, 0].tolist() == first[rows].tolist()
+    if not gumbel:
+        assert ranked[1, :2].tolist() == [150, 4100]
+    for trial in range(3):
+        allowed = torch.rand(len(rows), vocab, generator=gen) < 0.5 ** (trial + 1)
+        allowed[1, 150] = trial != 1  # the tie's first column refused once
+        want = triton_ops.masked_row_argmax(logits, rows, token_bitmask(allowed).to(DEVICE),
+                                            *race).tolist()
+        for r, candidates in enumerate(ranked.tolist()):
+            taken = next((t for t in candidates if t >= 0 and allowed[r, t]), None)
+            assert taken is None or taken == want[r], (trial, r)

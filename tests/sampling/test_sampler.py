@@ -429,14 +429,9 @@ def allowed_by(bitmask: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return ((bitmask.gather(1, (tokens // 32).unsqueeze(1)).squeeze(1) >> (tokens % 32)) & 1).bool()
 
 
-def test_check_then_mask_draws_the_token_masking_first_draws():
-    """A row sampled without its mask, kept if the mask allows its token and drawn again
-    under the mask otherwise (with the noise of its first draw), gets the token that
-    masking before sampling gives: greedy and random rows, seeded and not, with penalties,
-    logit biases, allowed tokens, min_tokens and temperatures; seeded generators end in the
-    same state."""
-    rows = 24
-    eos = frozenset({3})
+def mixed_rows(rows: int) -> tuple[list[SamplingParams], list[list[int]]]:
+    """Rows of every kind a constrained batch holds, and their outputs so far: greedy and
+    random, seeded and not, with penalties, logit biases, allowed tokens and min_tokens."""
     params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.6][i % 4],
                              seed=i if i % 3 == 0 else None,
                              repetition_penalty=1.4 if i % 5 == 0 else 1.0,
@@ -444,9 +439,19 @@ def test_check_then_mask_draws_the_token_masking_first_draws():
                              min_tokens=4 if i % 2 else 0,
                              logit_bias={5: 2.5, 9: -1.5} if i % 4 == 1 else None,
                              allowed_token_ids=list(range(0, V, 2)) if i % 6 == 2 else None,
-                             ).clone(eos_token_ids=eos)
+                             ).clone(eos_token_ids=frozenset({3}))
               for i in range(rows)]
-    outputs = [[(i * 7 + k) % V for k in range(i % 4)] for i in range(rows)]
+    return params, [[(i * 7 + k) % V for k in range(i % 4)] for i in range(rows)]
+
+
+def test_check_then_mask_draws_the_token_masking_first_draws():
+    """A row sampled without its mask, kept if the mask allows its token and drawn again
+    under the mask otherwise (with the noise of its first draw), gets the token that
+    masking before sampling gives: greedy and random rows, seeded and not, with penalties,
+    logit biases, allowed tokens, min_tokens and temperatures; seeded generators end in the
+    same state."""
+    rows = 24
+    params, outputs = mixed_rows(rows)
     for step in range(5):
         logits = random_logits(rows, seed=50 + step)
         bitmask = random_bitmask(rows, seed=step)
@@ -474,3 +479,35 @@ def test_check_then_mask_draws_the_token_masking_first_draws():
         assert allowed_by(bitmask, got).all()
         for a, b in zip(got_gens, want_gens):
             assert a is None or torch.equal(a.get_state(), b.get_state())
+
+
+def test_a_refused_rows_first_allowed_candidate_is_the_token_masking_first_draws():
+    """A row's candidates (``Sampler.candidates``: the tokens its draw ranked best, the
+    drawn one first): the first that a mask allows is the token masking before sampling
+    gives, for greedy and random rows, seeded and not, with penalties, logit biases,
+    allowed tokens and min_tokens; a row whose mask allows none of them is left to the
+    redraw."""
+    rows, count = 24, 8
+    params, outputs = mixed_rows(rows)
+    every_row = torch.arange(rows)
+    resolved = 0
+    for step in range(6):
+        logits = random_logits(rows, seed=70 + step)
+        bitmask = random_bitmask(rows, seed=step)
+        torch.manual_seed(step)
+        gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed + step)
+                for p in params]
+        meta = build(params, outputs=outputs, generators=gens)
+        meta.keep_draw = True
+        out = sampler(logits, meta)
+        candidates = sampler.candidates(out.draw, every_row, count)
+        assert candidates.shape == (rows, count)
+        assert torch.equal(candidates[:, 0], out.sampled_token_ids)
+        want = sampler.redraw(out.draw, every_row, bitmask)
+        for row in range(rows):
+            ranked = [t for t in candidates[row].tolist() if t >= 0]
+            allowed = [t for t in ranked if allowed_by(bitmask[row:row + 1], torch.tensor([t]))]
+            if allowed:
+                assert allowed[0] == want[row], (step, row)
+                resolved += allowed[0] != ranked[0]
+    assert resolved > 0  # some rows refused their drawn token and took a later candidate

@@ -334,7 +334,11 @@ def test_checked_rows_cost_a_mask_only_when_refused_and_keep_the_masked_tokens(
 def test_seeded_sampling_with_checks_reproduces_and_equals_masking_first(tiny_model_dir, llm):
     """Seeded requests at temperature 1, with penalties and min_tokens: the same tokens run
     after run, with preemption and asynchronous scheduling or without, and the tokens of
-    masking first (a refused row is drawn again with the noise of its first draw)."""
+    masking first (a refused row takes the best-ranked allowed token of its draw, or is
+    drawn again with the noise of its first draw), except where llguidance's mask narrows a
+    forced run of text to its canonical token: its check allows any token that continues
+    the run, so the checked row may take a shorter token there, a prefix of the masked
+    row's."""
     schema = SCHEMAS["person"]
     constraint = StructuredOutputsParams(json=schema)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured_outputs=constraint,
@@ -353,7 +357,14 @@ def test_seeded_sampling_with_checks_reproduces_and_equals_masking_first(tiny_mo
     assert [c.token_ids for c in run(llm)] == tokens
     assert [c.token_ids for c in run(preempting)] == tokens
     assert preempting.llm_engine.engine_core.scheduler.num_preemptions_total > 0
-    assert [c.token_ids for c in run(llm, logprobs=0)] == tokens
+    text = llm.get_tokenizer().decode
+    for checked_tokens, masked_tokens in zip(tokens, (c.token_ids for c in run(llm, logprobs=0))):
+        differ = [k for k, (a, b) in enumerate(zip(checked_tokens, masked_tokens)) if a != b]
+        if differ:  # a shorter token of the same forced text
+            a, b = checked_tokens[differ[0]], masked_tokens[differ[0]]
+            assert text([b]).startswith(text([a])) and len(text([b])) > len(text([a]))
+        else:
+            assert checked_tokens == masked_tokens
     assert len(set(map(tuple, tokens))) == len(tokens)
     for completion in checked:
         if completion.finish_reason == "stop":
@@ -481,7 +492,7 @@ def test_the_rows_a_check_passes_take_their_tokens_in_one_call(tiny_model_dir, m
     accept_each = type(backend).accept_each
     monkeypatch.setattr(type(backend), "accept_each",
                         lambda self, pairs: calls.append(len(pairs)) or accept_each(self, pairs))
-    refused, _ = manager.check_tokens(grammars, [a, x, b], zeros)  # "x" refused
+    refused, _, _ = manager.check_tokens(grammars, [a, x, b], zeros)  # "x" refused
     assert refused == [1]
     manager.note_redrawn([b])
     manager.take_checked()
@@ -490,7 +501,7 @@ def test_the_rows_a_check_passes_take_their_tokens_in_one_call(tiny_model_dir, m
     for grammar, token in zip(grammars, [a, b, b]):
         grammar.accept_token(token)  # the scheduler's turn: taken already
     assert [g.version for g in grammars] == versions and calls == [3]
-    refused, _ = manager.check_tokens(grammars, [c, c, x], zeros)
+    refused, _, _ = manager.check_tokens(grammars, [c, c, x], zeros)
     assert refused == [2]
     manager.note_redrawn([c])
     manager.take_checked()
@@ -503,11 +514,11 @@ def test_the_rows_a_check_passes_take_their_tokens_in_one_call(tiny_model_dir, m
 def test_a_mask_filled_ahead_is_not_used_once_its_grammar_has_moved(tiny_model_dir):
     """A row filled ahead serves only its grammar in the state it was filled in."""
     manager, grammar, a, _, c, x = prefetching_grammar(tiny_model_dir, "[ab]+c")
-    refused, mask = manager.check_tokens([grammar], [c], zeros)  # "c" first: refused
+    refused, mask, _ = manager.check_tokens([grammar], [c], zeros)  # "c" first: refused
     assert refused == [0]
     manager.take_checked()
     grammar.accept_token(a)  # the state moves on: the row filled ahead is stale
-    refused, moved = manager.check_tokens([grammar], [x], zeros)
+    refused, moved, _ = manager.check_tokens([grammar], [x], zeros)
     assert refused == [0]
     assert manager.prefetch.num_filled == 1 and manager.prefetch.num_used == 0
     fresh = np.zeros_like(moved)
@@ -522,14 +533,14 @@ def test_a_redrawn_token_taken_early_is_taken_once(tiny_model_dir, given):
     token and its next mask is filled ahead; the scheduler's accepting the same token
     then changes nothing (another token replaces it, with an error logged)."""
     manager, grammar, a, b, c, _ = prefetching_grammar(tiny_model_dir, "[ab]c")
-    refused, _ = manager.check_tokens([grammar], [c], zeros)
+    refused, _, _ = manager.check_tokens([grammar], [c], zeros)
     assert refused == [0]
     manager.note_redrawn([a])
     manager.take_checked()  # "a" taken now, the next mask filled in the background
     assert manager.prefetch.num_filled == 1
     grammar.accept_token(a if given == "a" else b)  # the scheduler's turn
     assert grammar.error is None and not grammar.is_terminated()
-    refused, _ = manager.check_tokens([grammar], [c], zeros)  # one letter taken, then "c"
+    refused, _, _ = manager.check_tokens([grammar], [c], zeros)  # one letter taken, then "c"
     assert refused == [] and manager.prefetch.num_used == 0
     grammar.accept_token(c)
     assert grammar.is_terminated() and grammar.error is None
@@ -643,3 +654,35 @@ def test_the_constraint_starts_after_the_reasoning_end_tokens(llm):
     tokenizer = llm.get_tokenizer()
     assert re.fullmatch("[a-c]{2}", tokenizer.decode(out.token_ids[3:]))
     assert out.finish_reason == "stop"
+
+
+def test_a_refused_row_takes_its_draws_first_allowed_candidate(tiny_model_dir):
+    """A row whose sampled token is refused takes the first later candidate of its draw
+    that its grammar allows (-1 ends the ranking), reads the candidates once and only when
+    some row without a mask filled ahead is refused, is not refused, gets no mask, and its
+    grammar takes that token early; a row whose candidates are all refused is masked, and
+    only such rows have their next masks filled ahead."""
+    manager, grammars, a, b, c, x = prefetching_grammars(tiny_model_dir, "[ab]+c", 3)
+    reads = []
+
+    def candidates(ranked):
+        return lambda: reads.append(1) or ranked
+
+    refused, mask, taken = manager.check_tokens(grammars, [a, b, a], zeros,
+                                                candidates([[a, x], [b, c], [a, c]]))
+    assert (refused, mask, taken, reads) == ([], None, [], [])  # nothing refused, nothing read
+    manager.take_checked()
+    refused, mask, taken = manager.check_tokens(
+        grammars, [x, x, x], zeros, candidates([[x, b, a], [x, a], [x, -1, a]]))
+    assert reads == [1] and taken == [(0, b), (1, a)] and refused == [2]
+    assert mask is not None and len(mask) == 1
+    assert manager.num_substituted_rows == 2 and manager.num_refused_rows == 1
+    manager.note_redrawn([b])
+    manager.take_checked()  # rows 0 and 1 take b and a; row 2 its redrawn b
+    assert manager.prefetch.num_filled == 1  # row 2's next mask alone
+    versions = [g.version for g in grammars]
+    for grammar, token in zip(grammars, [b, a, b]):
+        grammar.accept_token(token)  # the scheduler's turn: taken already
+        assert grammar.error is None
+    assert [g.version for g in grammars] == versions
+    manager.shutdown()
