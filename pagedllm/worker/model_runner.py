@@ -37,10 +37,11 @@ and its one-token decodes its decode graphs.
 
 Constrained rows (structured outputs), check-then-mask: such a row is sampled without its
 token mask, and when the step's ids are read the engine's grammars check the sampled
-tokens (``grammar.check``). A row whose token is refused takes the next token of its
-draw's ranking that the grammar allows (``Sampler.candidates``, read back only when some
-row is refused); only the rows that allow none of those get a bitmask, and are drawn again
-under it with the noise of their first draw. Either way the token is the one masking
+tokens (``grammar.check``). With ``CHECK_CANDIDATES``, a row whose token is refused takes
+the next token of its draw's ranking that the grammar allows (``Sampler.candidates``,
+ranked while the host checks the ids, read back only when some row is refused); only the
+rows that allow none of those get a bitmask, and are drawn again under it with the noise
+of their first draw. Either way the token is the one masking
 first would have given (``Sampler.redraw``): the race over the allowed tokens is won by
 the best-ranked allowed one. A random draw refused in a string of JSON, say, is nearly
 always followed by an allowed candidate, and a mask there walks the whole vocabulary
@@ -109,8 +110,47 @@ from pagedllm.worker.warmup import warm_up_kernels, warm_up_layouts
 logger = logging.getLogger(__name__)
 
 # Candidates of its draw a checked row whose sampled token the grammar refuses may take
-# before it is drawn again under its mask (``PAGEDLLM_CHECK_CANDIDATES``, 0 or 1: none).
-CHECK_CANDIDATES = integer("PAGEDLLM_CHECK_CANDIDATES", 8, 0, 64)
+# before it is drawn again under its mask (``PAGEDLLM_CHECK_CANDIDATES``; 0 or 1, the
+# default: none). Off until a GPU run shows the gain (docs/benchmarks.md, "a refused
+# draw's next candidates").
+CHECK_CANDIDATES = integer("PAGEDLLM_CHECK_CANDIDATES", 0, 0, 64)
+
+
+class RankedCandidates:
+    """The ranked candidates (``Sampler.candidates``) of a step's rows sampled without their
+    mask, for its check (``StepGrammars.check``): ``start()`` queues the ranking and its copy
+    to the host (once the step's ids are on their way, so it runs while the host checks
+    them); calling the object reads them, starting them first if need be."""
+
+    __slots__ = ("_draw", "_rows", "_device", "_read")
+
+    def __init__(self, draw, rows: list[int], device: torch.device) -> None:
+        self._draw, self._rows, self._device = draw, rows, device
+        self._read: Callable[[], list[list[int]]] | None = None
+
+    def start(self) -> None:
+        if self._read is not None:
+            return
+        index = torch.tensor(self._rows, dtype=torch.long).to(self._device, non_blocking=True)
+        ranked = Sampler.candidates(self._draw, index, CHECK_CANDIDATES)
+        self._draw = None
+        if self._device.type != "cuda":
+            self._read = ranked.tolist
+            return
+        host = torch.empty(ranked.shape, dtype=ranked.dtype, pin_memory=True)
+        host.copy_(ranked, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def read() -> list[list[int]]:
+            done.synchronize()
+            return host.tolist()
+
+        self._read = read
+
+    def __call__(self) -> list[list[int]]:
+        self.start()
+        return self._read()
 
 
 class ModelRunner:
@@ -166,6 +206,8 @@ class ModelRunner:
         self._unchecked: AsyncStepOutput | None = None
         # Told once the next forward pass is launched, after a check redrew rows.
         self._after_launch: Callable[[], None] | None = None
+        # The last sampled step's candidates, to rank once its ids are on their way.
+        self._step_candidates: RankedCandidates | None = None
         # The last check's redrawn ids on their way to the host (see ``_take_redrawn_ids``).
         self._redrawn: Callable[[], None] | None = None
         self._redrawn_readback: SampledIdsReadback | None = None
@@ -434,6 +476,9 @@ class ModelRunner:
             return self._step_output(inputs, states, token_ids, out.logprobs, prompt_logprobs)
 
         read = self._readback.start(sampled) if self._readback is not None else sampled.tolist
+        if self._step_candidates is not None:  # ranked while the host checks the ids
+            self._step_candidates.start()
+            self._step_candidates = None
         self._draft_follows(inputs, pending)
         result = AsyncStepOutput(read, finish, None if check is None else check_ids)
         self._unresolved.append(result)
@@ -484,8 +529,12 @@ class ModelRunner:
         if not checked:
             metadata.record_sampled(out.sampled_token_ids)
             return out, None
+        candidates = None
+        if CHECK_CANDIDATES > 1:
+            candidates = RankedCandidates(out.draw, checked, self.device)
+            self._step_candidates = candidates
         return out, functools.partial(self._check_sampled, states, checked, out, metadata,
-                                      grammar)
+                                      grammar, candidates)
 
     @torch.inference_mode()
     def _check_sampled(
@@ -495,6 +544,7 @@ class ModelRunner:
         out: SamplerOutput,
         metadata: SamplingMetadata,
         grammar,  # StepGrammars, or a tensor-parallel rank's proxy of it
+        candidates: RankedCandidates | None,
         token_ids: list[int],
     ) -> list[int]:
         """Check-then-mask: ``token_ids`` (the step's sampled ids, on the host), whose
@@ -508,13 +558,11 @@ class ModelRunner:
         ``_take_redrawn_ids``, once the next forward pass is launched (or when the step's
         output is made, if that comes first); then the grammar hears ``forward_launched``
         (see ``StepGrammars``)."""
-        def candidates() -> list[list[int]]:
-            index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-            return self.sampler.candidates(out.draw, index, CHECK_CANDIDATES).tolist()
-
+        if self._step_candidates is candidates:  # not started early: read on need only
+            self._step_candidates = None
         refused, bitmask, substituted = grammar.check(
             [states[j].request_id for j in rows], [token_ids[j] for j in rows],
-            self._bitmask_buffer, candidates if CHECK_CANDIDATES > 1 else None)
+            self._bitmask_buffer, candidates)
         sampled = out.sampled_token_ids
         if substituted:
             taken = [rows[i] for i, _ in substituted]

@@ -307,14 +307,16 @@ def test_bench_tokenizer_corpus_is_the_standard_library_alone(tmp_path, monkeypa
     assert list(bench_tokenizer.corpus()) == ["STDLIB = 1\n"]
 
 
-def test_structured_output_run_beside_the_unconstrained_one(tmp_path) -> None:
+def test_structured_output_run_beside_the_unconstrained_one(tmp_path, monkeypatch) -> None:
     """``--structured-output json``: the same requests constrained, the same number of
     tokens generated (the schemas never end early), the ratio and the constraints' host
     time recorded; the config-only checkpoint gets a tokenizer of its vocabulary from
     bench_tokenizer."""
     from pagedllm.benchmarks import bench_tokenizer
     from pagedllm.engine.tokenizer import Tokenizer
+    from pagedllm.worker import model_runner
 
+    monkeypatch.setattr(model_runner, "CHECK_CANDIDATES", 8)  # PAGEDLLM_CHECK_CANDIDATES=8
     vocab = 320
     checkpoint = make_tiny_checkpoint(tmp_path / "model", "llama", vocab_size=vocab,
                                       max_position_embeddings=128)

@@ -331,14 +331,19 @@ def test_checked_rows_cost_a_mask_only_when_refused_and_keep_the_masked_tokens(
     assert tokens == masked_first
 
 
-def test_seeded_sampling_with_checks_reproduces_and_equals_masking_first(tiny_model_dir, llm):
+@pytest.mark.parametrize("candidates", [0, 8])
+def test_seeded_sampling_with_checks_reproduces_and_equals_masking_first(
+        tiny_model_dir, llm, monkeypatch, candidates):
     """Seeded requests at temperature 1, with penalties and min_tokens: the same tokens run
     after run, with preemption and asynchronous scheduling or without, and the tokens of
-    masking first (a refused row takes the best-ranked allowed token of its draw, or is
-    drawn again with the noise of its first draw), except where llguidance's mask narrows a
+    masking first (a refused row is drawn again with the noise of its first draw, or with
+    PAGEDLLM_CHECK_CANDIDATES takes the best-ranked allowed token of its draw), except where llguidance's mask narrows a
     forced run of text to its canonical token: its check allows any token that continues
     the run, so the checked row may take a shorter token there, a prefix of the masked
     row's."""
+    from pagedllm.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "CHECK_CANDIDATES", candidates)
     schema = SCHEMAS["person"]
     constraint = StructuredOutputsParams(json=schema)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured_outputs=constraint,
@@ -352,8 +357,11 @@ def test_seeded_sampling_with_checks_reproduces_and_equals_masking_first(tiny_mo
             prompts, [p.clone(**extra) for p in params], use_tqdm=False)]
 
     preempting = make_llm(tiny_model_dir, **ENGINE_SETUPS["preempting"])
+    substituted = llm.llm_engine.engine_core.structured.num_substituted_rows
     checked = run(llm)
     tokens = [c.token_ids for c in checked]
+    substituted = llm.llm_engine.engine_core.structured.num_substituted_rows - substituted
+    assert (substituted > 0) == (candidates > 1)
     assert [c.token_ids for c in run(llm)] == tokens
     assert [c.token_ids for c in run(preempting)] == tokens
     assert preempting.llm_engine.engine_core.scheduler.num_preemptions_total > 0
