@@ -425,8 +425,8 @@ class StructuredOutputManager:
         draw ranked them (``Sampler.candidates``: the sampled one first, -1 where the
         ranking ends); a row whose sampled token is refused takes the first of them its
         grammar allows, which is the token its mask's redraw would give, and is refused
-        only when it allows none. A grammar that is not active
-        (or ``None``) allows any token. The grammars have not taken the tokens."""
+        only when it allows none. A grammar that is not active (or ``None``) allows any
+        token. The grammars have not taken the tokens."""
         start = time.perf_counter()
         if len(grammars) != len(token_ids):
             raise ValueError(f"{len(grammars)} grammars for {len(token_ids)} sampled tokens.")

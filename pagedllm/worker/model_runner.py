@@ -41,14 +41,12 @@ tokens (``grammar.check``). With ``CHECK_CANDIDATES``, a row whose token is refu
 the next token of its draw's ranking that the grammar allows (``Sampler.candidates``,
 ranked while the host checks the ids, read back only when some row is refused); only the
 rows that allow none of those get a bitmask, and are drawn again under it with the noise
-of their first draw. Either way the token is the one masking
-first would have given (``Sampler.redraw``): the race over the allowed tokens is won by
-the best-ranked allowed one. A random draw refused in a string of JSON, say, is nearly
-always followed by an allowed candidate, and a mask there walks the whole vocabulary
-(docs/benchmarks.md, "a refused draw's next candidates"). The check runs before any later step's
-forward pass reads the ids: with asynchronous scheduling the next launch reads the step's
-ids first (the one device-to-host copy it makes anyway, earlier), and a step with refused
-rows copies their new ids too and tells the grammars (``grammar.redrawn``). Once the next
+of their first draw. Either way the token is the one masking first would have given
+(``Sampler.redraw``): the race over the allowed tokens is won by the best-ranked allowed
+one (docs/benchmarks.md, "a refused draw's next candidates"). The check runs before any
+later step's forward pass reads the ids: with asynchronous scheduling the next launch reads
+the step's ids first (the one device-to-host copy it makes anyway, earlier), and a step
+with refused rows copies their new ids too and tells the grammars (``grammar.redrawn``). Once the next
 forward pass is launched, ``grammar.forward_launched()``: the checked rows' grammars then
 take their tokens, and the refused ones fill their next masks, while the device computes.
 Rows whose sampling reads the masked distribution before the draw (logprobs; top-k, top-p,
@@ -79,6 +77,7 @@ from pagedllm.layers.attention.backend import AttentionMetadata, OutputRows, set
 from pagedllm.layers.attention.kv_quant import kv_cache_torch_dtype
 from pagedllm.layers.attention.selector import attention_backend_name
 from pagedllm.layers.sampler import (
+    Draw,
     LogprobsTensors,
     RowCounts,
     Sampler,
@@ -124,7 +123,7 @@ class RankedCandidates:
 
     __slots__ = ("_draw", "_rows", "_device", "_read")
 
-    def __init__(self, draw, rows: list[int], device: torch.device) -> None:
+    def __init__(self, draw: Draw, rows: list[int], device: torch.device) -> None:
         self._draw, self._rows, self._device = draw, rows, device
         self._read: Callable[[], list[list[int]]] | None = None
 
