@@ -276,6 +276,7 @@ def test_an_fp8_cache_takes_the_short_tile_only_where_every_context_is_short(mon
     for name in (triton_decode.DECODE_TILE_ENV, triton_decode.DECODE_SPLIT_TILE_ENV):
         monkeypatch.delenv(name, raising=False)
     triton_decode._tile_override.cache_clear()
+    monkeypatch.setattr(triton_decode, "_h100", lambda device: False)
     cuda, short = torch.device("cuda"), triton_decode.SHORT_DECODE_CONTEXT
     tile = functools.partial(triton_decode.decode_tile_config, 128, cuda)
     assert tile(False, fp8_cache=True, max_seq_len=short)[0] == 64
@@ -285,6 +286,13 @@ def test_an_fp8_cache_takes_the_short_tile_only_where_every_context_is_short(mon
     assert triton_decode.short_decode_context(128, cuda, fp8_cache=True) == short
     assert triton_decode.short_decode_context(128, cuda, fp8_cache=False) is None
     assert triton_decode.short_decode_context(128, torch.device("cpu"), fp8_cache=True) is None
+    # An H100 reads an FP8 cache fastest in the 64-key tile whatever the contexts: one
+    # tile, so no second capture of the decode graphs.
+    monkeypatch.setattr(triton_decode, "_h100", lambda device: True)
+    assert tile(False, fp8_cache=True) == tile(False, fp8_cache=True, max_seq_len=short)
+    assert tile(False, fp8_cache=True) == (64, 2, 2)
+    assert tile(True, fp8_cache=True)[0] == 128 and tile(False)[0] == 64
+    assert triton_decode.short_decode_context(128, cuda, fp8_cache=True) is None
 
 
 @pytest.mark.parametrize("num_seqs", [1, 5, 64, 200])

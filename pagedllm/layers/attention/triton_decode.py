@@ -450,11 +450,12 @@ def decode_tile_config(head_dim: int, device: torch.device, split: bool,
     holds FP8 values; ``max_seq_len``: a bound of the launch's contexts, None if unknown):
     on CUDA with head_dim up to 128, 64 keys, 4 warps, 2 stages for one pass over a bf16 or
     fp16 cache; 64 keys, 2 warps, 2 stages for one pass over an FP8 cache whose contexts
-    are all within ``SHORT_DECODE_CONTEXT``; 128 keys, 4 warps, 2 stages for split
-    partitions and for longer passes over an FP8 cache; 32 keys for wider heads. The
-    choices come from whole workloads on an H200, not from one shape alone (the tiles, the
-    sweeps and the workloads that decided them: docs/benchmarks.md, "Decode tiles by cache
-    dtype", "short contexts" and "short decodes on two warps").
+    are all within ``SHORT_DECODE_CONTEXT``, and on an H100 for any one pass over an FP8
+    cache; 128 keys, 4 warps, 2 stages for split partitions and for longer passes over an
+    FP8 cache elsewhere; 32 keys for wider heads. The choices come from whole workloads on
+    an H200 and an H100, not from one shape alone (the tiles, the sweeps and the workloads
+    that decided them: docs/benchmarks.md, "Decode tiles by cache dtype", "short contexts",
+    "short decodes on two warps" and "an H100's FP8 decode tile").
 
     For such measurements ``PAGEDLLM_DECODE_TILE`` / ``PAGEDLLM_DECODE_SPLIT_TILE``
     (``"BLOCK_N,num_warps,num_stages"``) override the one-pass / split choice on CUDA.
@@ -467,9 +468,16 @@ def decode_tile_config(head_dim: int, device: torch.device, split: bool,
     if head_dim > 128:
         return 32, 4, 2
     long_fp8 = fp8_cache and (max_seq_len is None or max_seq_len > SHORT_DECODE_CONTEXT)
-    if split or long_fp8:
+    if split or (long_fp8 and not _h100(device)):
         return 128, 4, 2
     return (64, 2, 2) if fp8_cache else (64, 4, 2)
+
+
+@functools.cache
+def _h100(device: torch.device) -> bool:
+    """Whether ``device`` is an H100 (same multiprocessors as an H200, 70% of its memory
+    bandwidth), where the FP8 cache's one-pass decode reads fastest in 64-key tiles."""
+    return torch.cuda.is_available() and "H100" in torch.cuda.get_device_name(device)
 
 
 # Contexts up to this many tokens take a one-pass FP8 tile of 64 keys:
