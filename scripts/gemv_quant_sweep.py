@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -260,13 +259,13 @@ FP8_SPLIT_TILES = [Fp8Tile(*t, s) for t, splits in (
 def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
                    save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Larger batches on FP8 W8A8 weights through the engine's ``fp8_linear`` (the rows
-    quantized, then ``torch._scaled_mm``): at the batch's own rows (``impl="unpadded"``,
-    ``PAGEDLLM_FP8_PAD_ROWS=0``) and as the engine runs it (``"engine"``: padded to the
-    rows of ``cublas_rows``), beside cuBLAS on the bf16 weights; and for the narrow outputs
+    quantized, then ``torch._scaled_mm``, the split-K GEMM set aside): at the batch's own
+    rows (``impl="unpadded"``, ``PAGEDLLM_FP8_PAD_ROWS=0``) and padded as the engine pads
+    them (``"engine"``: to the rows of ``cublas_rows``), beside cuBLAS on the bf16 weights; and for the narrow outputs
     (``split_k_product``'s), ``fp8_matmul``'s configured tile and a grid of split-K tiles
     (``"configured"``, ``"tile"``; the rows quantized by the same kernel) until the shape's
     share of ``budget_s`` runs out."""
-    from pagedllm.quantization.fp8 import PAD_ROWS_ENV, cublas_rows, fp8_linear
+    from pagedllm.quantization import fp8
 
     results: list[dict[str, Any]] = []
     gen = torch.Generator(device=DEVICE).manual_seed(53)
@@ -280,13 +279,15 @@ def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
             results.append(dict(kind="fp8-gemm", shape=name, rows=m, impl="bf16",
                                 us=graph_us_per_launch(lambda w: torch.nn.functional.linear(x, w),
                                                        bf16)))
-            for impl, pad in (("unpadded", "0"), ("engine", "1")):
-                os.environ[PAD_ROWS_ENV] = pad
+            configured = fp8.PAD_ROWS, fp8.SPLIT_GEMM
+            fp8.SPLIT_GEMM = False  # cuBLASLt for every shape; the split-K tiles below
+            for impl, pad in (("unpadded", False), ("engine", True)):
+                fp8.PAD_ROWS = pad
                 row = dict(kind="fp8-gemm", shape=name, rows=m, impl=impl,
-                           cublas_rows=cublas_rows(m, n, DEVICE) if pad == "1" else m)
-                results.append(measure(row, lambda w: fp8_linear(x, w[0], w[1]), weights,
+                           cublas_rows=fp8.cublas_rows(m, n, DEVICE))
+                results.append(measure(row, lambda w: fp8.fp8_linear(x, w[0], w[1]), weights,
                                        want, n * k))
-            os.environ.pop(PAD_ROWS_ENV)
+            fp8.PAD_ROWS, fp8.SPLIT_GEMM = configured
             if m <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N:
                 def op(w, t):
                     rows, scales = triton_ops.quantize_rows_fp8(x)

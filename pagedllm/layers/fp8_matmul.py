@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.layers._triton_ops_kernels import gemm_output_tile, store_scaled_tile
-from pagedllm.layers.int8_matmul import check_row_scaled
+from pagedllm.layers.int8_matmul import row_scaled_output
 from pagedllm.layers.launch_math import cdiv
 from pagedllm.layers.triton_ops import arrival_counters
 
@@ -112,10 +112,9 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
     """``[M, N]`` in ``out_dtype`` for float8_e4m3fn ``a [M, K]`` with float32 ``a_scale`` (one
     a row) and float8_e4m3fn ``b [N, K]`` with float32 ``b_scale`` (one a row): the module
     docstring's product, ``tile`` or ``fp8_matmul_tile``'s."""
-    check_row_scaled("fp8_matmul", torch.float8_e4m3fn, a, a_scale, b, b_scale)
-    rows, k = a.shape
-    n = b.shape[0]
-    out = torch.empty((rows, n), dtype=out_dtype, device=a.device)
+    out = row_scaled_output("fp8_matmul", torch.float8_e4m3fn, a, a_scale, b, b_scale,
+                            out_dtype)
+    (rows, k), n = a.shape, b.shape[0]
     if rows == 0:
         return out
     tile = tile or fp8_matmul_tile(rows, n, k)

@@ -74,11 +74,12 @@ def int8_matmul_tile(rows: int, n: int, k: int) -> Int8Tile:
     return Int8Tile(128, 64, 128, 4, 4)
 
 
-def check_row_scaled(op: str, dtype: torch.dtype, a: torch.Tensor, a_scale: torch.Tensor,
-                     b: torch.Tensor, b_scale: torch.Tensor) -> None:
-    """Raise ValueError unless ``a [M, K]`` and ``b [N, K]`` are ``dtype``, contiguous along
-    ``K``, with one scale a row each: the operands of the W8A8 GEMMs (``op`` names the one
-    asked)."""
+def row_scaled_output(op: str, dtype: torch.dtype, a: torch.Tensor, a_scale: torch.Tensor,
+                      b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """The empty ``[M, N]`` output, in ``out_dtype``, of a W8A8 GEMM (``op`` names the one
+    asked) of ``a [M, K]`` by ``b [N, K]``; ValueError unless both are ``dtype``,
+    contiguous along ``K``, with one scale a row each."""
     if a.dtype != dtype or b.dtype != dtype:
         raise ValueError(f"{op} takes {dtype} operands, got {a.dtype} and {b.dtype}.")
     if a.stride(-1) != 1 or b.stride(-1) != 1:
@@ -86,6 +87,7 @@ def check_row_scaled(op: str, dtype: torch.dtype, a: torch.Tensor, a_scale: torc
     if a_scale.numel() != a.shape[0] or b_scale.numel() != b.shape[0]:
         raise ValueError(f"{op} takes one scale a row: {a_scale.numel()} for "
                          f"{a.shape[0]} rows of a, {b_scale.numel()} for {b.shape[0]} of b.")
+    return torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
 
 
 def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
@@ -94,10 +96,8 @@ def int8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
     """``[M, N]`` in ``out_dtype`` for int8 ``a [M, K]`` with float32 ``a_scale`` (one a
     row) and int8 ``b [N, K]`` with float32 ``b_scale`` (one a row): the module
     docstring's product, ``tile`` or ``int8_matmul_tile``'s."""
-    check_row_scaled("int8_matmul", torch.int8, a, a_scale, b, b_scale)
-    rows, k = a.shape
-    n = b.shape[0]
-    out = torch.empty((rows, n), dtype=out_dtype, device=a.device)
+    out = row_scaled_output("int8_matmul", torch.int8, a, a_scale, b, b_scale, out_dtype)
+    (rows, k), n = a.shape, b.shape[0]
     if rows == 0:
         return out
     tile = tile or int8_matmul_tile(rows, n, k)

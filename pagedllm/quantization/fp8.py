@@ -14,8 +14,8 @@ On CUDA devices of compute capability 8.9 or higher the product runs on the FP8 
 cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32; on Hopper a
 wide product of 129-224 rows is padded with zero rows to 256, ``cublas_rows``, and decode
 batches' narrow products take ``layers.fp8_matmul``'s split-K GEMM instead,
-``split_k_product``). Elsewhere the same quantized operands are dequantized and multiplied in float32: the reference the
-tests compare with (an HF model whose weights and projection inputs are quantized the
+``split_k_product``). Elsewhere the same quantized operands are dequantized and multiplied
+in float32: the reference the tests compare with (an HF model whose weights and projection inputs are quantized the
 same way gives the same greedy tokens).
 
 Block-wise weights (``fp8_block_linear``; a checkpoint's ``weight_block_size`` or
@@ -99,6 +99,7 @@ SPLIT_GEMM_ENV = "PAGEDLLM_FP8_SPLIT_GEMM"
 # wide (docs/benchmarks.md, "FP8 products of 129-224 rows" and "The split-K FP8 GEMM by
 # default").
 SPLIT_GEMM_MAX_ROWS, SPLIT_GEMM_MAX_N = 192, 4096
+SPLIT_GEMM = switch(SPLIT_GEMM_ENV, True)
 
 
 def split_k_product(rows: int, n: int, device: torch.device) -> bool:
@@ -106,8 +107,8 @@ def split_k_product(rows: int, n: int, device: torch.device) -> bool:
     ``layers.fp8_matmul``: on Hopper, a decode batch's narrow output (o_proj, down), whose
     few output tiles leave cuBLASLt's kernels most of the SMs idle, unless
     ``PAGEDLLM_FP8_SPLIT_GEMM=0``."""
-    return (rows <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N and _hopper(device)
-            and switch(SPLIT_GEMM_ENV, True))
+    return (SPLIT_GEMM and rows <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N
+            and _hopper(device))
 
 
 # cuBLASLt's FP8 products with row-wise scales into wide outputs (gate/up) of 129-224 rows
@@ -116,6 +117,7 @@ def split_k_product(rows: int, n: int, device: torch.device) -> bool:
 _HOPPER_PADDED_ROWS = (129, 224, 256)
 _PADDED_MIN_N = 16384
 PAD_ROWS_ENV = "PAGEDLLM_FP8_PAD_ROWS"
+PAD_ROWS = switch(PAD_ROWS_ENV, True)
 
 
 def cublas_rows(rows: int, n: int, device: torch.device) -> int:
@@ -123,8 +125,7 @@ def cublas_rows(rows: int, n: int, device: torch.device) -> int:
     on Hopper (compute capability 9.x) 256 for 129-224 rows into at least 16,384 outputs,
     unless ``PAGEDLLM_FP8_PAD_ROWS=0``."""
     low, high, padded = _HOPPER_PADDED_ROWS
-    if (low <= rows <= high and n >= _PADDED_MIN_N and _hopper(device)
-            and switch(PAD_ROWS_ENV, True)):
+    if PAD_ROWS and low <= rows <= high and n >= _PADDED_MIN_N and _hopper(device):
         return padded
     return rows
 

@@ -568,8 +568,9 @@ class ModelRunner:
             tokens = [token for _, token in substituted]
             for j, token in zip(taken, tokens):
                 token_ids[j] = token
-            sampled.index_copy_(0, torch.tensor(taken, dtype=torch.long).to(self.device),
-                                torch.tensor(tokens, dtype=torch.long).to(self.device))
+            sampled.index_copy_(
+                0, torch.tensor(taken, dtype=torch.long).to(self.device, non_blocking=True),
+                torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True))
         if refused:
             redrawn = [rows[i] for i in refused]
             index = torch.tensor(redrawn, dtype=torch.long).to(self.device, non_blocking=True)

@@ -56,9 +56,9 @@ def test_hopper_pads_wide_cublas_products_of_129_to_224_rows(monkeypatch):
     assert [fp8.cublas_rows(r, 28672, device) for r in (16, 128, 129, 200, 224, 225, 300)] == [
         16, 128, 256, 256, 256, 225, 300]
     assert fp8.cublas_rows(200, 4096, device) == 200
-    monkeypatch.setenv(fp8.PAD_ROWS_ENV, "0")
+    monkeypatch.setattr(fp8, "PAD_ROWS", False)  # PAGEDLLM_FP8_PAD_ROWS=0
     assert fp8.cublas_rows(200, 28672, device) == 200
-    monkeypatch.delenv(fp8.PAD_ROWS_ENV)
+    monkeypatch.setattr(fp8, "PAD_ROWS", True)
     monkeypatch.setattr(fp8, "_hopper", lambda device: False)
     assert fp8.cublas_rows(200, 28672, device) == 200
 
@@ -74,9 +74,9 @@ def test_hopper_sends_narrow_decode_products_to_the_split_k_gemm(monkeypatch):
     assert [fp8.split_k_product(r, 4096, device) for r in (17, 128, 192, 193)] == [
         True, True, True, False]
     assert not fp8.split_k_product(128, 6144, device)
-    monkeypatch.setenv(fp8.SPLIT_GEMM_ENV, "0")
+    monkeypatch.setattr(fp8, "SPLIT_GEMM", False)  # PAGEDLLM_FP8_SPLIT_GEMM=0
     assert not fp8.split_k_product(128, 4096, device)
-    monkeypatch.delenv(fp8.SPLIT_GEMM_ENV)
+    monkeypatch.setattr(fp8, "SPLIT_GEMM", True)
     monkeypatch.setattr(fp8, "_hopper", lambda device: False)
     assert not fp8.split_k_product(128, 4096, device)
 
