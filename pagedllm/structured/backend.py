@@ -5,7 +5,8 @@ request gets its own ``Grammar`` (a matcher's state) from it. The engine only ev
 
 - ``validate(params)`` at submission (no tokenizer needed; raises ``ValueError`` with the
   compiler's message),
-- ``compile(params)`` in a worker thread, once per distinct constraint (``params.key``),
+- ``compile(params)`` in a worker thread, a few times per distinct constraint
+  (``params.key``; see ``fill_threads``),
 - ``new_grammar(compiled)`` per request,
 - ``Grammar.is_allowed(token)`` for a token sampled without a mask (check-then-mask: most
   samples are allowed, and checking one token costs microseconds where a mask costs the
@@ -22,12 +23,31 @@ So another backend (xgrammar) plugs in here without the scheduler or the runner 
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
 
 from pagedllm.structured.params import StructuredOutputsParams
+from pagedllm.switches import integer
+
+# Threads filling token masks (``PAGEDLLM_GRAMMAR_FILL_THREADS``).
+FILL_THREADS_ENV = "PAGEDLLM_GRAMMAR_FILL_THREADS"
+
+
+def fill_threads() -> int:
+    """Threads a step's masks are filled on: ``PAGEDLLM_GRAMMAR_FILL_THREADS``, else 80% of
+    the CPUs this process may run on, 1 to 32 (llguidance's own default).
+
+    Grammars made from one compiled form may wait for each other (llguidance's copies of a
+    matcher share its lexer, behind one lock), so the engine compiles each constraint up to
+    this many times and hands the forms to its requests in turn: rows of one schema then
+    fill in parallel."""
+    threads = integer(FILL_THREADS_ENV, None, 1, 256)
+    if threads is None:
+        threads = min(32, max(1, len(os.sched_getaffinity(0)) * 80 // 100))
+    return threads
 
 
 class Grammar(ABC):
@@ -75,7 +95,7 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled form of ``params``, shared by every request with the same key."""
+        """A compiled form of ``params``, shared by requests with the same key."""
 
     @abstractmethod
     def new_grammar(self, compiled: Any) -> Grammar:

@@ -31,15 +31,9 @@ import numpy as np
 from llguidance import LLMatcher
 
 from pagedllm.engine.tokenizer import Tokenizer
-from pagedllm.structured.backend import Grammar, GrammarBackend
+from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
 from pagedllm.structured.json_schema import resource_id, subschemas
 from pagedllm.structured.params import StructuredOutputsParams
-from pagedllm.switches import integer
-
-# Threads filling token masks (``PAGEDLLM_GRAMMAR_FILL_THREADS``); unset: llguidance's
-# default, 80% of the CPUs up to 32.
-FILL_THREADS_ENV = "PAGEDLLM_GRAMMAR_FILL_THREADS"
-
 
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar for ``params``; ValueError for a malformed constraint."""
@@ -195,7 +189,7 @@ class LLGuidanceBackend(GrammarBackend):
         )
         # The token-trie slices that speed up masks inside JSON strings, for JSON kinds.
         self.json_tokenizer = self.tokenizer.with_slices(llguidance.LLTokenizer.json_slices())
-        self.executor = llguidance.LLExecutor(num_threads=integer(FILL_THREADS_ENV, None, 1, 256))
+        self.executor = llguidance.LLExecutor(num_threads=fill_threads())
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:

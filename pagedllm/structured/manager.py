@@ -25,9 +25,11 @@ Checking a token costs microseconds, a mask the whole vocabulary.
 
 Compilation runs in a thread pool (llguidance releases the GIL), so a slow constraint never
 stalls the step loop; compiled constraints are cached by ``StructuredOutputsParams.key``
-(least recently used first out). Masks for a step's rows are filled by the backend's own
-threads. The backend itself is built on the first constrained request, so an engine that
-never sees one pays nothing.
+(least recently used first out), each in up to ``fill_threads()`` forms compiled
+independently and handed to its requests in turn: grammars made from one form may wait for
+each other while masks are filled (``_Forms``). Masks for a step's rows are filled by the
+backend's own threads. The backend itself is built on the first constrained request, so an
+engine that never sees one pays nothing.
 
 A grammar's state follows the request's output tokens, which survive preemption, so a
 recomputed request continues where its grammar was.
@@ -44,7 +46,7 @@ from typing import Callable
 
 import numpy as np
 
-from pagedllm.structured.backend import Grammar, GrammarBackend
+from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
 from pagedllm.structured.params import StructuredOutputsParams
 from pagedllm.switches import switch
 
@@ -333,6 +335,35 @@ class MaskPrefetch:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+class _Forms:
+    """One constraint's compiled forms: up to ``limit`` compiled independently, handed to
+    its requests in turn (request ``n`` takes form ``n % limit``), each compiled on first
+    need. The requests of one form share its state where the backend shares it (llguidance:
+    a matcher's copies lex under one lock), so a step's rows of one constraint fill their
+    masks in parallel only across forms."""
+
+    __slots__ = ("_futures", "_limit", "_taken")
+
+    def __init__(self, limit: int) -> None:
+        self._futures: list[Future] = []
+        self._limit = limit
+        self._taken = 0
+
+    @property
+    def failed(self) -> bool:
+        """The first compile ended in an error (a new request compiles again)."""
+        first = self._futures[0] if self._futures else None
+        return first is not None and first.done() and first.exception() is not None
+
+    def take(self, start: Callable[[], Future]) -> Future:
+        """The compiled form of the next request; ``start()`` begins compiling a new one."""
+        index = self._taken % self._limit
+        self._taken += 1
+        if index == len(self._futures):
+            self._futures.append(start())
+        return self._futures[index]
+
+
 class StructuredOutputManager:
     """Compiles constraints for the engine core and builds each step's bitmask.
 
@@ -346,6 +377,8 @@ class StructuredOutputManager:
     instead (``check_tokens``), and ``num_mask_rows`` the bitmask rows filled on the step
     loop's thread;
     ``fill_calls`` the latest calls to the backend's bitmask fill, as (seconds, rows).
+    ``forms_per_constraint``: how many times a constraint is compiled at most (``_Forms``);
+    unset: ``fill_threads()``.
 
     With ``prefetch_masks`` on (the model computes on a device while the step loop goes
     on), ``take_checked()``, once the step after a check is launched, gives every row the
@@ -354,13 +387,14 @@ class StructuredOutputManager:
     """
 
     def __init__(self, make_backend: Callable[[], GrammarBackend], num_threads: int = 2,
-                 prefetch_masks: bool = False) -> None:
+                 prefetch_masks: bool = False, forms_per_constraint: int | None = None) -> None:
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=num_threads,
                                         thread_name_prefix="pagedllm-grammar")
-        self._compiled: OrderedDict[tuple, Future] = OrderedDict()
+        self._compiled: OrderedDict[tuple, _Forms] = OrderedDict()
+        self._forms_per_constraint = forms_per_constraint or fill_threads()
         self.mask_seconds = 0.0
         self.num_mask_steps = 0
         self.num_mask_rows = 0
@@ -386,14 +420,14 @@ class StructuredOutputManager:
         """Give a constrained ``Request`` its grammar; compilation starts now (or is shared)."""
         params: StructuredOutputsParams = request.sampling_params.structured_outputs
         key = params.key
-        future = self._compiled.get(key)
-        if future is None or (future.done() and future.exception() is not None):
-            future = self._pool.submit(lambda: self.backend().compile(params))
-            self._compiled[key] = future
+        forms = self._compiled.get(key)
+        if forms is None or forms.failed:
+            forms = self._compiled[key] = _Forms(self._forms_per_constraint)
             while len(self._compiled) > COMPILE_CACHE_SIZE:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(key)
+        future = forms.take(lambda: self._pool.submit(lambda: self.backend().compile(params)))
         request.grammar = RequestGrammar(future, self.backend, params.reasoning_end_token_ids,
                                          self.prefetch.settle_for)
 

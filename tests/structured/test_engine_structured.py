@@ -489,6 +489,42 @@ def prefetching_grammar(model_dir, regex: str):
     return manager, grammar, *letters
 
 
+def test_requests_of_one_constraint_take_its_independently_compiled_forms_in_turn(
+        tiny_model_dir, monkeypatch):
+    """A constraint is compiled at most ``forms_per_constraint`` times, on first need, and
+    its requests take the forms in turn (grammars made from one llguidance matcher lex
+    under one lock, so rows of one schema fill their masks in parallel only across forms);
+    each request's grammar is its own state."""
+    from pagedllm.engine.tokenizer import Tokenizer
+    from pagedllm.structured.manager import StructuredOutputManager
+
+    tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
+    compiled = []
+    compile_one = LLGuidanceBackend.compile
+    monkeypatch.setattr(LLGuidanceBackend, "compile", lambda self, params:
+                        compiled.append(params.regex) or compile_one(self, params))
+    manager = StructuredOutputManager(lambda: LLGuidanceBackend(tokenizer, VOCAB_SIZE),
+                                      forms_per_constraint=2)
+    requests = [SimpleNamespace(sampling_params=SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex=regex)))
+        for regex in ("[ab]+c", "[ab]+c", "x+", "[ab]+c", "[ab]+c")]
+    for request in requests:
+        manager.attach(request)
+    futures = [request.grammar._future for request in requests]
+    assert futures[0] is futures[3] and futures[1] is futures[4] and futures[0] is not futures[1]
+    for future in futures:
+        future.result()
+    assert sorted(compiled) == ["[ab]+c", "[ab]+c", "x+"]
+    a, b, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "abc")
+    first, _, _, same_form, _ = (request.grammar for request in requests)
+    assert first.ready and same_form.ready
+    first.accept_token(a)
+    first.accept_token(c)
+    assert first.is_terminated() and not same_form.is_terminated()
+    assert same_form.allows(b) and not same_form.allows(c)
+    manager.shutdown()
+
+
 def test_the_rows_a_check_passes_take_their_tokens_in_one_call(tiny_model_dir, monkeypatch):
     """Once the step after a check is launched, every checked row's grammar takes its
     token (the sampled one it allowed, the redrawn one it refused) in one backend call;

@@ -4,10 +4,7 @@ bitmask rows of the states after each proposal, with the grammar left as it was.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import numpy as np
-import pytest
 
 from pagedllm.structured import StructuredOutputsParams
 from pagedllm.structured.manager import RequestGrammar
