@@ -25,11 +25,11 @@ Checking a token costs microseconds, a mask the whole vocabulary.
 
 Compilation runs in a thread pool (llguidance releases the GIL), so a slow constraint never
 stalls the step loop; compiled constraints are cached by ``StructuredOutputsParams.key``
-(least recently used first out), each in up to ``fill_threads()`` forms compiled
-independently and handed to its requests in turn: grammars made from one form may wait for
-each other while masks are filled (``_Forms``). Masks for a step's rows are filled by the
-backend's own threads. The backend itself is built on the first constrained request, so an
-engine that never sees one pays nothing.
+(least recently used first out, ``COMPILE_CACHE_SIZE`` forms in all), each in up to
+``fill_threads()`` forms compiled independently and handed to its requests in turn:
+grammars made from one form may wait for each other while masks are filled (``_Forms``).
+Masks for a step's rows are filled by the backend's own threads. The backend itself is
+built on the first constrained request, so an engine that never sees one pays nothing.
 
 A grammar's state follows the request's output tokens, which survive preemption, so a
 recomputed request continues where its grammar was.
@@ -52,7 +52,7 @@ from pagedllm.switches import switch
 
 logger = logging.getLogger(__name__)
 
-# Compiled constraints kept for reuse.
+# Compiled forms of constraints kept for reuse (a constraint may hold several: ``_Forms``).
 COMPILE_CACHE_SIZE = 512
 # Bitmask fill calls whose timing is kept (for benchmarks; a bounded window).
 FILL_CALLS_KEPT = 1 << 16
@@ -349,6 +349,10 @@ class _Forms:
         self._limit = limit
         self._taken = 0
 
+    def __len__(self) -> int:
+        """The forms compiled (or compiling)."""
+        return len(self._futures)
+
     @property
     def failed(self) -> bool:
         """The first compile ended in an error (a new request compiles again)."""
@@ -395,6 +399,7 @@ class StructuredOutputManager:
                                         thread_name_prefix="pagedllm-grammar")
         self._compiled: OrderedDict[tuple, _Forms] = OrderedDict()
         self._forms_per_constraint = forms_per_constraint or fill_threads()
+        self._num_forms = 0  # in the cache
         self.mask_seconds = 0.0
         self.num_mask_steps = 0
         self.num_mask_rows = 0
@@ -421,13 +426,17 @@ class StructuredOutputManager:
         params: StructuredOutputsParams = request.sampling_params.structured_outputs
         key = params.key
         forms = self._compiled.get(key)
-        if forms is None or forms.failed:
+        if forms is not None and forms.failed:
+            self._num_forms -= len(self._compiled.pop(key))
+            forms = None
+        if forms is None:
             forms = self._compiled[key] = _Forms(self._forms_per_constraint)
-            while len(self._compiled) > COMPILE_CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(key)
+        self._compiled.move_to_end(key)
+        held = len(forms)
         future = forms.take(lambda: self._pool.submit(lambda: self.backend().compile(params)))
+        self._num_forms += len(forms) - held
+        while self._num_forms > COMPILE_CACHE_SIZE and len(self._compiled) > 1:
+            self._num_forms -= len(self._compiled.popitem(last=False)[1])
         request.grammar = RequestGrammar(future, self.backend, params.reasoning_end_token_ids,
                                          self.prefetch.settle_for)
 

@@ -525,6 +525,36 @@ def test_requests_of_one_constraint_take_its_independently_compiled_forms_in_tur
     manager.shutdown()
 
 
+def test_the_compile_cache_holds_a_bounded_number_of_forms(tiny_model_dir, monkeypatch):
+    """The cache keeps ``COMPILE_CACHE_SIZE`` compiled forms in all, however many each
+    constraint holds: the least recently used constraints go first, and come back
+    compiled anew."""
+    from pagedllm.engine.tokenizer import Tokenizer
+    from pagedllm.structured import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "COMPILE_CACHE_SIZE", 3)
+    tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
+    compiled = []
+    compile_one = LLGuidanceBackend.compile
+    monkeypatch.setattr(LLGuidanceBackend, "compile", lambda self, params:
+                        compiled.append(params.regex) or compile_one(self, params))
+    manager = manager_module.StructuredOutputManager(
+        lambda: LLGuidanceBackend(tokenizer, VOCAB_SIZE), forms_per_constraint=2)
+
+    def attach(regex: str) -> None:
+        request = SimpleNamespace(sampling_params=SamplingParams(
+            structured_outputs=StructuredOutputsParams(regex=regex)))
+        manager.attach(request)
+        request.grammar._future.result()
+
+    for regex in ("a+", "a+", "b+", "a+", "b+"):  # a+'s two forms, b+'s two: a+ goes
+        attach(regex)
+    assert compiled == ["a+", "a+", "b+", "b+"]
+    attach("a+")
+    assert compiled[-1] == "a+" and len(compiled) == 5
+    manager.shutdown()
+
+
 def test_the_rows_a_check_passes_take_their_tokens_in_one_call(tiny_model_dir, monkeypatch):
     """Once the step after a check is launched, every checked row's grammar takes its
     token (the sampled one it allowed, the redrawn one it refused) in one backend call;
