@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,9 +37,26 @@ from pagedllm.switches import integer
 FILL_THREADS_ENV = "PAGEDLLM_GRAMMAR_FILL_THREADS"
 
 
+# The cgroup (v2) CPU quota of the process: "QUOTA PERIOD" or "max PERIOD".
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, within its cgroup's CPU quota (a
+    container's CPU limit), at least 1."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()
+        if quota != "max":
+            cpus = min(cpus, int(quota) // int(period))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota to read
+    return max(1, cpus)
+
+
 def fill_threads() -> int:
     """Threads a step's masks are filled on: ``PAGEDLLM_GRAMMAR_FILL_THREADS``, else 80% of
-    the CPUs this process may run on, 1 to 32 (llguidance's own default).
+    the usable CPUs, 1 to 32 (llguidance's own default).
 
     Grammars made from one compiled form may wait for each other (llguidance's copies of a
     matcher share its lexer, behind one lock), so the engine compiles each constraint up to
@@ -46,7 +64,7 @@ def fill_threads() -> int:
     fill in parallel."""
     threads = integer(FILL_THREADS_ENV, None, 1, 256)
     if threads is None:
-        threads = min(32, max(1, len(os.sched_getaffinity(0)) * 80 // 100))
+        threads = min(32, max(1, usable_cpus() * 80 // 100))
     return threads
 
 

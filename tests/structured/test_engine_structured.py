@@ -525,6 +525,28 @@ def test_requests_of_one_constraint_take_its_independently_compiled_forms_in_tur
     manager.shutdown()
 
 
+@pytest.mark.parametrize("cpu_max, env, threads", [
+    ("max 100000", None, 32), ("400000 100000", None, 3), ("50000 100000", None, 1),
+    (None, None, 32), ("400000 100000", "5", 5)])
+def test_mask_fill_threads_keep_within_the_containers_cpu_limit(tmp_path, monkeypatch,
+                                                                 cpu_max, env, threads):
+    """The threads filling masks (and so the forms a constraint is compiled in) are 80% of
+    the CPUs the process may use, up to 32, within a cgroup CPU quota (a container's
+    limit), unless ``PAGEDLLM_GRAMMAR_FILL_THREADS`` says how many."""
+    from pagedllm.structured import backend
+
+    monkeypatch.setattr(backend.os, "sched_getaffinity", lambda pid: set(range(40)))
+    limit = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        limit.write_text(cpu_max + "\n")
+    monkeypatch.setattr(backend, "CGROUP_CPU_MAX", limit)
+    if env is None:
+        monkeypatch.delenv(backend.FILL_THREADS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(backend.FILL_THREADS_ENV, env)
+    assert backend.fill_threads() == threads
+
+
 def test_the_compile_cache_holds_a_bounded_number_of_forms(tiny_model_dir, monkeypatch):
     """The cache keeps ``COMPILE_CACHE_SIZE`` compiled forms in all, however many each
     constraint holds: the least recently used constraints go first, and come back
