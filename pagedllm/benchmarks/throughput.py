@@ -25,7 +25,8 @@ reports the ratio and the host time spent on the constrained rows (checking samp
 and filling token masks: per step, per output token, and the share of checked tokens the
 grammars refused). The grammar backend (the tokenizer's token trie) is built before the
 timed run, as a server builds it once. Constraints need a tokenizer: give a config-only
-model one with ``--tokenizer``.
+model one with ``--tokenizer``. The profiles asked for (``--profile-run``, ...) are then of
+the constrained workload, beside whose record they are kept.
 
 ``--shapes IN/OUTxREQUESTS,...`` runs several fixed-length workloads one after another on
 one engine, started and warmed up once (one record each, with its ``shape``), in place of
@@ -375,15 +376,13 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
                   step_timing: bool = False, constrained: bool = False) -> dict:
     """One timed run; ``constrained``: request ``i`` constrained to JSON schema ``i % 4``."""
     from pagedllm.benchmarks.step_timing import StepTimer, format_summary
-    from pagedllm.benchmarks.structured_workload import constraint_for
 
     core = llm.llm_engine.engine_core
     core.scheduler.reset_prefix_cache()  # no hits from an earlier run
     stats_before = core.get_stats()
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [_sampling_params(r, args) for r in requests]
+    params = _request_params(requests, args, constrained)
     if constrained:
-        params = [p.clone(structured_outputs=constraint_for(i)) for i, p in enumerate(params)]
         structured = core.structured
         structured.backend()  # once per engine, not per workload
         ahead = structured.prefetch
@@ -485,14 +484,16 @@ def _run_speculative(engine_args: EngineArgs, requests: list[SyntheticRequest],
 
 
 def _submit_again(llm, requests: list[SyntheticRequest], args: argparse.Namespace) -> list[str]:
-    """Add ``requests`` to the engine (no prefix-cache hits from the measured run); their ids."""
+    """Add ``requests`` to the engine (no prefix-cache hits from the measured run); their ids.
+    With ``--structured-output json`` they are constrained, as the run the profiles are
+    recorded with."""
     engine = llm.llm_engine
     engine.engine_core.scheduler.reset_prefix_cache()
     ids = []
-    for r in requests:
+    params = _request_params(requests, args, constrained=args.structured_output == "json")
+    for r, p in zip(requests, params):
         ids.append(engine.next_request_id())
-        engine.add_request(ids[-1], {"prompt_token_ids": r.prompt_token_ids},
-                           _sampling_params(r, args))
+        engine.add_request(ids[-1], {"prompt_token_ids": r.prompt_token_ids}, p)
     return ids
 
 
@@ -524,11 +525,17 @@ def _profile_steps(llm, requests: list[SyntheticRequest], args: argparse.Namespa
     return table
 
 
-def _sampling_params(request: SyntheticRequest, args: argparse.Namespace):
+def _request_params(requests: list[SyntheticRequest], args: argparse.Namespace,
+                    constrained: bool = False) -> list:
+    """Each request's ``SamplingParams``; ``constrained``: request ``i`` constrained to JSON
+    schema ``i % 4`` (``structured_workload.py``)."""
     from pagedllm import SamplingParams
+    from pagedllm.benchmarks.structured_workload import constraint_for
 
-    return SamplingParams(max_tokens=request.output_len, ignore_eos=args.ignore_eos,
-                          temperature=args.temperature, detokenize=args.detokenize)
+    return [SamplingParams(max_tokens=r.output_len, ignore_eos=args.ignore_eos,
+                           temperature=args.temperature, detokenize=args.detokenize,
+                           structured_outputs=constraint_for(i) if constrained else None)
+            for i, r in enumerate(requests)]
 
 
 def _add_ratios(records: list[dict]) -> None:

@@ -310,13 +310,28 @@ def test_bench_tokenizer_corpus_is_the_standard_library_alone(tmp_path, monkeypa
 def test_structured_output_run_beside_the_unconstrained_one(tmp_path, monkeypatch) -> None:
     """``--structured-output json``: the same requests constrained, the same number of
     tokens generated (the schemas never end early), the ratio and the constraints' host
-    time recorded; the config-only checkpoint gets a tokenizer of its vocabulary from
-    bench_tokenizer."""
+    time recorded, and the profiles asked for are of the constrained run; the config-only
+    checkpoint gets a tokenizer of its vocabulary from bench_tokenizer."""
     from pagedllm.benchmarks import bench_tokenizer
     from pagedllm.engine.tokenizer import Tokenizer
+    from pagedllm.structured.manager import StructuredOutputManager
     from pagedllm.worker import model_runner
 
     monkeypatch.setattr(model_runner, "CHECK_CANDIDATES", 8)  # PAGEDLLM_CHECK_CANDIDATES=8
+    checks = []
+    check_tokens = StructuredOutputManager.check_tokens
+    monkeypatch.setattr(StructuredOutputManager, "check_tokens",
+                        lambda self, *a, **k: checks.append(1) or check_tokens(self, *a, **k))
+    profiled_checks = []
+    kernel_table = throughput.kernel_table
+
+    def counting_table(run, **kwargs):
+        before = len(checks)
+        table = kernel_table(run, **kwargs)
+        profiled_checks.append(len(checks) - before)
+        return table
+
+    monkeypatch.setattr(throughput, "kernel_table", counting_table)
     vocab = 320
     checkpoint = make_tiny_checkpoint(tmp_path / "model", "llama", vocab_size=vocab,
                                       max_position_embeddings=128)
@@ -328,8 +343,10 @@ def test_structured_output_run_beside_the_unconstrained_one(tmp_path, monkeypatc
     argv[argv.index("--output-len") + 1] = "40:60"
     argv[argv.index("--max-model-len") + 1] = "96"
     throughput.run(_args(throughput, [*argv, "--tokenizer", str(tmp_path / "tok"),
-                                      "--structured-output", "json"]))
+                                      "--structured-output", "json",
+                                      "--profile-decode-steps", "3"]))
     free, constrained = json.loads(out.read_text())
+    assert "decode_profile" in constrained and profiled_checks[0] > 0
     assert (free["backend"], constrained["backend"]) == ("pagedllm", "pagedllm+json")
     assert constrained["output_tokens"] == free["output_tokens"]
     assert constrained["constrained_ratio"] == round(
