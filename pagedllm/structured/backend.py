@@ -35,8 +35,6 @@ from pagedllm.switches import integer
 
 # Threads filling token masks (``PAGEDLLM_GRAMMAR_FILL_THREADS``).
 FILL_THREADS_ENV = "PAGEDLLM_GRAMMAR_FILL_THREADS"
-
-
 # The cgroup (v2) CPU quota of the process: "QUOTA PERIOD" or "max PERIOD".
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 

@@ -35,6 +35,7 @@ from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
 from pagedllm.structured.json_schema import resource_id, subschemas
 from pagedllm.structured.params import StructuredOutputsParams
 
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar for ``params``; ValueError for a malformed constraint."""
     kind = params.kind
