@@ -123,13 +123,14 @@ def test_gumbel_sample_draws_from_the_softmax_and_never_a_masked_token() -> None
 def test_gumbel_sample_gives_every_column_its_own_noise() -> None:
     """Equal logits over 12 columns (three Philox draws of four uniforms each): every column
     wins about as often; a column sharing another's noise would tie and never win."""
-    rows, columns = 1200, 12
+    rows, columns = 400, 12
     logits = torch.zeros(rows, columns, device=DEVICE)
     seeds = torch.randint(0, 2**31 - 1, (rows,), generator=torch.Generator().manual_seed(5))
     drawn = triton_ops.gumbel_sample(logits, torch.ones(rows, device=DEVICE), seeds.to(DEVICE))
     freq = torch.bincount(drawn.cpu(), minlength=columns).float() / rows
-    # 1,200 draws: a standard deviation of 0.008 per frequency.
-    torch.testing.assert_close(freq, torch.full((columns,), 1 / columns), atol=0.035, rtol=0)
+    # 400 draws: a standard deviation of 0.0138 per frequency; 4 of them is 0.055, under
+    # the 1/12 = 0.083 a column that never wins would be off by.
+    torch.testing.assert_close(freq, torch.full((columns,), 1 / columns), atol=0.055, rtol=0)
 
 
 @pytest.mark.parametrize("lanes", [False, True])
