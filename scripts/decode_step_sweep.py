@@ -14,7 +14,7 @@ what the products leave (docs/benchmarks.md, "Short contexts over an FP8 cache")
   (3.6 GB a layer), and both: inside the engine the same launch took 333 us where the
   kernel alone takes about 285.
 - ``registers``: decode attention per tile under register caps (``maxnreg``:
-  ``triton_decode.decode_max_registers``), W1's mix (256 sequences of 100..2,048 tokens)
+  ``triton_decode.MAX_REGISTERS``), W1's mix (256 sequences of 100..2,048 tokens)
   and TensorRT-LLM's decode batches (512 of 1,000..2,000 and 129..256), bf16 and FP8
   caches: fewer registers a thread, more programs a multiprocessor.
 - ``silu``: SiLU-and-mul with FP8 output (``silu_and_mul_fp8_kernel``: one program a row)
@@ -104,12 +104,12 @@ REGISTER_SETTINGS = (("fp8", (128, 4, 2), (None, 120, 96, 80, 72)),
 @contextlib.contextmanager
 def register_cap(cap: int | None) -> Iterator[None]:
     """Every decode launch inside takes at most ``cap`` registers a thread."""
-    configured = triton_decode.decode_max_registers
-    triton_decode.decode_max_registers = lambda *_: cap
+    configured = triton_decode.MAX_REGISTERS
+    triton_decode.MAX_REGISTERS = cap
     try:
         yield
     finally:
-        triton_decode.decode_max_registers = configured
+        triton_decode.MAX_REGISTERS = configured
 
 
 def register_rows() -> list[dict[str, Any]]:

@@ -261,10 +261,10 @@ def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
     """Larger batches on FP8 W8A8 weights through the engine's ``fp8_linear`` (the rows
     quantized, then ``torch._scaled_mm``, the split-K GEMM set aside): at the batch's own
     rows (``impl="unpadded"``, ``PAGEDLLM_FP8_PAD_ROWS=0``) and padded as the engine pads
-    them (``"engine"``: to the rows of ``cublas_rows``), beside cuBLAS on the bf16 weights; and for the narrow outputs
-    (``split_k_product``'s), ``fp8_matmul``'s configured tile and a grid of split-K tiles
-    (``"configured"``, ``"tile"``; the rows quantized by the same kernel) until the shape's
-    share of ``budget_s`` runs out."""
+    them (``"engine"``: to the rows of ``cublas_rows``), beside cuBLAS on the bf16 weights;
+    and for the narrow outputs (``split_k_product``'s), ``fp8_matmul``'s configured tile and
+    a grid of split-K tiles (``"configured"``, ``"tile"``; the rows quantized by the same
+    kernel) until the shape's share of ``budget_s`` runs out."""
     from pagedllm.quantization import fp8
 
     results: list[dict[str, Any]] = []

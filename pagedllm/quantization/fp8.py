@@ -15,8 +15,8 @@ cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32; on Ho
 wide product of 129-224 rows is padded with zero rows to 256, ``cublas_rows``, and decode
 batches' narrow products take ``layers.fp8_matmul``'s split-K GEMM instead,
 ``split_k_product``). Elsewhere the same quantized operands are dequantized and multiplied
-in float32: the reference the tests compare with (an HF model whose weights and projection inputs are quantized the
-same way gives the same greedy tokens).
+in float32: the reference the tests compare with (an HF model whose weights and projection
+inputs are quantized the same way gives the same greedy tokens).
 
 Block-wise weights (``fp8_block_linear``; a checkpoint's ``weight_block_size`` or
 compressed-tensors' ``block`` strategy) hold one scale per ``(rows, columns)`` block of the

@@ -23,6 +23,24 @@ from pagedllm.core.outputs import ModelRunnerOutput
 NUM_SLOTS = 2
 
 
+def host_copy(tensor: torch.Tensor) -> Callable[[], list]:
+    """Queue a copy of ``tensor`` (on the device) into pinned host memory, with an event
+    behind it; returns a function that waits for that event alone and returns the values
+    as nested lists. On the CPU it just reads them."""
+    if tensor.device.type != "cuda":
+        return tensor.tolist
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> list:
+        done.synchronize()
+        return host.tolist()
+
+    return read
+
+
 class SampledIdsReadback:
     """Pinned host slots for the sampled ids of the steps in flight (CUDA only)."""
 

@@ -46,9 +46,10 @@ of their first draw. Either way the token is the one masking first would have gi
 one (docs/benchmarks.md, "a refused draw's next candidates"). The check runs before any
 later step's forward pass reads the ids: with asynchronous scheduling the next launch reads
 the step's ids first (the one device-to-host copy it makes anyway, earlier), and a step
-with refused rows copies their new ids too and tells the grammars (``grammar.redrawn``). Once the next
-forward pass is launched, ``grammar.forward_launched()``: the checked rows' grammars then
-take their tokens, and the refused ones fill their next masks, while the device computes.
+with refused rows copies their new ids too and tells the grammars (``grammar.redrawn``).
+Once the next forward pass is launched, ``grammar.forward_launched()``: the checked rows'
+grammars then take their tokens, and the refused ones fill their next masks, while the
+device computes.
 Rows whose sampling reads the masked distribution before the draw (logprobs; top-k, top-p,
 min-p) are masked first instead: after the forward pass is launched, the runner asks the
 engine for their bitmask (``grammar``, filled on the host while the device computes) and
@@ -89,7 +90,7 @@ from pagedllm.layers.sampler import (
 from pagedllm.models.loader import load_model, resolve_dtype
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.switches import integer
-from pagedllm.worker.async_output import AsyncStepOutput, SampledIdsReadback
+from pagedllm.worker.async_output import AsyncStepOutput, SampledIdsReadback, host_copy
 from pagedllm.worker.cuda_graphs import (
     VERIFY,
     CudaGraphRunner,
@@ -131,21 +132,8 @@ class RankedCandidates:
         if self._read is not None:
             return
         index = torch.tensor(self._rows, dtype=torch.long).to(self._device, non_blocking=True)
-        ranked = Sampler.candidates(self._draw, index, CHECK_CANDIDATES)
+        self._read = host_copy(Sampler.candidates(self._draw, index, CHECK_CANDIDATES))
         self._draw = None
-        if self._device.type != "cuda":
-            self._read = ranked.tolist
-            return
-        host = torch.empty(ranked.shape, dtype=ranked.dtype, pin_memory=True)
-        host.copy_(ranked, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-
-        def read() -> list[list[int]]:
-            done.synchronize()
-            return host.tolist()
-
-        self._read = read
 
     def __call__(self) -> list[list[int]]:
         self.start()

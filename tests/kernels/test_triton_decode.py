@@ -336,7 +336,7 @@ def test_caches_of_different_strides_are_refused() -> None:
 def test_a_register_cap_reaches_only_cuda_launches(monkeypatch) -> None:
     """``PAGEDLLM_DECODE_MAX_REGISTERS`` compiles CUDA launches with ptxas' ``maxnreg``;
     unset, the compiler chooses, and the interpreter never takes the option."""
-    assert triton_decode._register_cap(torch.device("cuda"), True) == {}
-    monkeypatch.setattr(triton_decode, "_MAX_REGISTERS_OVERRIDE", 96)
-    assert triton_decode._register_cap(torch.device("cuda"), True) == {"maxnreg": 96}
-    assert triton_decode._register_cap(torch.device("cpu"), True) == {}
+    assert triton_decode._register_cap(torch.device("cuda")) == {}
+    monkeypatch.setattr(triton_decode, "MAX_REGISTERS", 96)
+    assert triton_decode._register_cap(torch.device("cuda")) == {"maxnreg": 96}
+    assert triton_decode._register_cap(torch.device("cpu")) == {}

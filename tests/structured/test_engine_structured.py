@@ -337,10 +337,10 @@ def test_seeded_sampling_with_checks_reproduces_and_equals_masking_first(
     """Seeded requests at temperature 1, with penalties and min_tokens: the same tokens run
     after run, with preemption and asynchronous scheduling or without, and the tokens of
     masking first (a refused row is drawn again with the noise of its first draw, or with
-    PAGEDLLM_CHECK_CANDIDATES takes the best-ranked allowed token of its draw), except where llguidance's mask narrows a
-    forced run of text to its canonical token: its check allows any token that continues
-    the run, so the checked row may take a shorter token there, a prefix of the masked
-    row's."""
+    PAGEDLLM_CHECK_CANDIDATES takes the best-ranked allowed token of its draw), except where
+    llguidance's mask narrows a forced run of text to its canonical token: its check allows
+    any token that continues the run, so the checked row may take a shorter token there, a
+    prefix of the masked row's."""
     from pagedllm.worker import model_runner
 
     monkeypatch.setattr(model_runner, "CHECK_CANDIDATES", candidates)

@@ -499,17 +499,11 @@ def short_decode_context(head_dim: int, device: torch.device, fp8_cache: bool) -
 DECODE_TILE_ENV = "PAGEDLLM_DECODE_TILE"
 DECODE_SPLIT_TILE_ENV = "PAGEDLLM_DECODE_SPLIT_TILE"
 DECODE_MAX_REGISTERS_ENV = "PAGEDLLM_DECODE_MAX_REGISTERS"
-
-
-# ``PAGEDLLM_DECODE_MAX_REGISTERS`` (32-255): a register cap for every decode launch.
-_MAX_REGISTERS_OVERRIDE = integer(DECODE_MAX_REGISTERS_ENV, None, 32, 255)
-
-
-def decode_max_registers(fp8_cache: bool) -> int | None:
-    """The registers a thread of a decode launch on CUDA may take (ptxas' ``maxnreg``), or
-    None for the compiler's own count. Fewer registers a thread let more programs share a
-    multiprocessor; below the kernel's need the compiler spills to local memory."""
-    return _MAX_REGISTERS_OVERRIDE
+# The registers a thread of a decode launch on CUDA may take (ptxas' ``maxnreg``; from
+# ``PAGEDLLM_DECODE_MAX_REGISTERS``, 32-255), or None for the compiler's own count. Fewer
+# registers a thread let more programs share a multiprocessor; below the kernel's need the
+# compiler spills to local memory.
+MAX_REGISTERS = integer(DECODE_MAX_REGISTERS_ENV, None, 32, 255)
 
 
 @functools.cache
@@ -684,13 +678,13 @@ def paged_decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options(query.device),
-        **_register_cap(query.device, key_cache.element_size() == 1),
+        **_register_cap(query.device),
     )
 
 
-def _register_cap(device: torch.device, fp8_cache: bool) -> dict:
-    """``maxnreg`` for a launch on ``device`` when ``decode_max_registers`` sets one."""
-    cap = decode_max_registers(fp8_cache) if device.type == "cuda" else None
+def _register_cap(device: torch.device) -> dict:
+    """``maxnreg`` for a launch on ``device`` when ``MAX_REGISTERS`` sets one."""
+    cap = MAX_REGISTERS if device.type == "cuda" else None
     return {} if cap is None else {"maxnreg": cap}
 
 
