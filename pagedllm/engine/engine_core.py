@@ -18,10 +18,9 @@ whose token is refused gets a bitmask and is drawn again. Rows masked before sam
 the step in flight is resolved first, so every grammar has taken the previous step's
 tokens, and the masks are filled on the host while the device runs the forward pass. As
 soon as the step after a check is launched, the checked rows' grammars take their tokens
-(the sampled or the redrawn one) in one call, and the refused rows have their next masks
-filled by a worker thread while the device computes (``MaskPrefetch``;
-``PAGEDLLM_PREFETCH_MASKS``, on for a GPU), so a row refused again takes its mask ready at
-the next check.
+(the sampled or the redrawn one) in one call, and their next masks are filled by a worker
+thread while the device computes (``MaskPrefetch``; ``PAGEDLLM_PREFETCH_MASKS``, on for a
+GPU), so a row refused at the next check takes its mask ready.
 
 Pipeline parallelism keeps up to one step in flight per stage (``_pipelined_step``), each
 on other requests, so every stage works on some step while the last one samples.

@@ -259,17 +259,18 @@ def prefetch_masks_wanted(device: str) -> bool:
 class MaskPrefetch:
     """Bitmask rows filled ahead of a check, by a worker thread, while the device computes.
 
-    A row whose checked token the grammar refused is likely refused again at the next
-    check (structure comes in runs: keys, punctuation, numbers), and its mask there is the
-    one of the state its grammar is in once it has taken the redrawn token. ``start`` fills
-    those masks off the step loop's thread; at the next check a row filled here is checked
-    against it, and takes it as its mask if refused, when its grammar is the same object in
-    the same state (``version``); the rest are checked (while the fill runs) and filled as
-    before. A matcher serves one call at a time, so every use of one
-    first waits for the fill in flight if that fill holds it (``settle_for``, which each
-    ``RequestGrammar`` calls), and reading the rows filled waits for it (``settle``).
-    Counters: ``num_filled`` rows filled ahead, ``num_used`` of them taken, ``seconds`` the
-    worker's fill time.
+    Once a check's rows have taken their tokens, ``start`` fills the masks of their next
+    states off the step loop's thread, while the device computes the step those tokens
+    feed. At the next check a row filled here is checked against its mask (``allowed``, a
+    bit test for all rows at once) and takes it as its mask if refused, when its grammar is
+    the same object in the same state (``version``); other rows are checked by their
+    grammars and filled as before. Every row is filled, not only the ones refused last: a
+    refusal the step loop did not see coming otherwise waits for its whole mask (in a
+    bounded JSON string, milliseconds), with the device idle. A matcher serves one call at
+    a time, so every use of one first waits for the fill in flight if that fill holds it
+    (``settle_for``, which each ``RequestGrammar`` calls), and reading the rows filled waits
+    for it (``settle``). Counters: ``num_filled`` rows filled ahead, ``num_used`` of them
+    taken as a refused row's mask, ``seconds`` the worker's fill time.
     """
 
     def __init__(self) -> None:
@@ -326,10 +327,26 @@ class MaskPrefetch:
     def row(self, grammar: RequestGrammar) -> np.ndarray | None:
         """The row filled ahead for ``grammar`` in its present state, or None. Call after
         ``settle``."""
+        index = self._index(grammar)
+        return None if index < 0 else self._buffer[index]
+
+    def _index(self, grammar: RequestGrammar) -> int:
+        """``grammar``'s row of the buffer, or -1 if none was filled for its present state."""
         entry = self._rows.get(id(grammar))
         if entry is None or entry[2] is not grammar or entry[1] != grammar.version:
-            return None
-        return self._buffer[entry[0]]
+            return -1
+        return entry[0]
+
+    def allowed(self, grammars: list[RequestGrammar], token_ids: list[int]) -> list[bool | None]:
+        """Whether each grammar's row filled ahead allows its token: None where no row was
+        filled for the grammar's present state. Call after ``settle``."""
+        rows = np.fromiter((self._index(g) for g in grammars), np.int64, len(grammars))
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        have = rows >= 0
+        bits = np.zeros(len(grammars), dtype=bool)
+        words = self._buffer[rows[have], tokens[have] >> 5]
+        bits[have] = ((words >> (tokens[have] & 31).astype(np.int32)) & 1) == 1
+        return [bool(b) if h else None for b, h in zip(bits.tolist(), have.tolist())]
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -386,8 +403,8 @@ class StructuredOutputManager:
 
     With ``prefetch_masks`` on (the model computes on a device while the step loop goes
     on), ``take_checked()``, once the step after a check is launched, gives every row the
-    check saw its token in one backend call, and fills the masks of the rows it refused
-    ahead of the next check (``MaskPrefetch``; its counters are ``prefetch``'s).
+    check saw its token in one backend call, and fills their next masks ahead of the next
+    check (``MaskPrefetch``; its counters are ``prefetch``'s).
     """
 
     def __init__(self, make_backend: Callable[[], GrammarBackend], num_threads: int = 2,
@@ -490,23 +507,26 @@ class StructuredOutputManager:
                     substituted.append((i, taken))
         prefetch.settle()
         ahead: dict[int, np.ndarray] = {}
-        for i in held:
-            row = prefetch.row(grammars[i])
-            if row is None:
+        answers = prefetch.allowed([grammars[i] for i in held], [token_ids[i] for i in held])
+        for i, answer in zip(held, answers):
+            if answer is None:
                 allows = grammars[i].grammar.is_allowed
-            else:
+                answer = allows(token_ids[i])
+            if answer:
+                continue
+            row = prefetch.row(grammars[i])
+            if row is not None:
                 def allows(token: int, row=row) -> bool:
                     return bool((int(row[token >> 5]) >> (token & 31)) & 1)
-            if not allows(token_ids[i]):
-                # A row with its mask filled ahead reads the candidates only if a row
-                # without one had them read: its redraw costs no mask.
-                taken = ranked.first_allowed(allows, i) if ranked.read else None
-                if taken is not None:
-                    substituted.append((i, taken))
-                    continue
-                if row is not None:
-                    ahead[i] = row
-                refused.append(i)
+            # A row with its mask filled ahead reads the candidates only if a row without
+            # one had them read: its redraw costs no mask.
+            taken = ranked.first_allowed(allows, i) if ranked.read or row is None else None
+            if taken is not None:
+                substituted.append((i, taken))
+                continue
+            if row is not None:
+                ahead[i] = row
+            refused.append(i)
         refused.sort()
         substituted.sort()
         bitmask = None
@@ -578,10 +598,9 @@ class StructuredOutputManager:
 
     def take_checked(self) -> None:
         """The last check's rows take their tokens (those the scheduler has not taken yet:
-        ``RequestGrammar.take_early``, one backend call for all: taken while the fill runs,
-        the allowed rows' would queue behind it on the backend's threads), then the next
-        masks of the rows it refused start filling off this thread (``MaskPrefetch``), so
-        that the fill runs while the device computes the step those tokens feed. A no-op
+        ``RequestGrammar.take_early``, one backend call for all), then their next masks
+        start filling off this thread (``MaskPrefetch``), so that the fill runs while the
+        device computes the step those tokens feed. A no-op
         unless ``prefetch_masks``. Call once the step after the check is launched, or once
         the checked step's tokens are taken, whichever comes first (the second call finds
         nothing left)."""
@@ -591,8 +610,7 @@ class StructuredOutputManager:
             backend = self.backend()
             self.prefetch.settle()
             RequestGrammar.take_early(refused + passed, backend)
-            if refused:
-                self.prefetch.start(refused, backend.fill_bitmasks, self.bitmask_width)
+            self.prefetch.start(refused + passed, backend.fill_bitmasks, self.bitmask_width)
 
     def _fill(self, grammars: list[RequestGrammar | None], out: np.ndarray) -> None:
         rows = []
@@ -631,8 +649,8 @@ class StepGrammars:
       tokens, not these. See ``StructuredOutputManager.check_tokens``.
       Then ``redrawn(token_ids)``: the refused rows' new tokens, in the check's order; and
       ``forward_launched()`` once the next step's forward pass is launched: the checked
-      rows' grammars take their tokens, and the refused rows' next masks are filled in the
-      background (``take_checked``).
+      rows' grammars take their tokens, and their next masks are filled in the background
+      (``take_checked``).
     - ``verify_bitmask(request_ids, proposals, allocate)``: the verification rows of
       requests checking proposals (speculative steps, which are never asynchronous). See
       ``StructuredOutputManager.fill_verify_bitmask``.

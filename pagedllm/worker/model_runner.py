@@ -48,8 +48,7 @@ later step's forward pass reads the ids: with asynchronous scheduling the next l
 the step's ids first (the one device-to-host copy it makes anyway, earlier), and a step
 with refused rows copies their new ids too and tells the grammars (``grammar.redrawn``).
 Once the next forward pass is launched, ``grammar.forward_launched()``: the checked rows'
-grammars then take their tokens, and the refused ones fill their next masks, while the
-device computes.
+grammars then take their tokens and fill their next masks, while the device computes.
 Rows whose sampling reads the masked distribution before the draw (logprobs; top-k, top-p,
 min-p) are masked first instead: after the forward pass is launched, the runner asks the
 engine for their bitmask (``grammar``, filled on the host while the device computes) and

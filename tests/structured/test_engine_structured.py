@@ -380,12 +380,12 @@ def test_seeded_sampling_with_checks_reproduces_and_equals_masking_first(
 
 
 @pytest.mark.parametrize("setup", ["default", "async", "preempting"])
-def test_masks_filled_ahead_for_refused_rows_change_no_token(tiny_model_dir, hf_model,
-                                                             greedy_expected, setup, monkeypatch):
-    """PAGEDLLM_PREFETCH_MASKS=1: the masks of rows refused at one check are filled by a
-    worker once the step's tokens are taken; a row refused again takes its mask from there.
-    Greedy outputs still equal the reference, seeded samples those of filling at the check,
-    and masks filled ahead are used."""
+def test_masks_filled_ahead_change_no_token(tiny_model_dir, hf_model, greedy_expected, setup,
+                                            monkeypatch):
+    """PAGEDLLM_PREFETCH_MASKS=1: the next masks of a check's rows are filled by a worker
+    once the step's tokens are taken; a row refused at the next check takes its mask from
+    there. Greedy outputs still equal the reference, seeded samples those of filling at the
+    check, and masks filled ahead are used."""
     monkeypatch.setenv("PAGEDLLM_PREFETCH_MASKS", "1")
     ahead = make_llm(tiny_model_dir, **ENGINE_SETUPS[setup])
     monkeypatch.setenv("PAGEDLLM_PREFETCH_MASKS", "0")
@@ -623,6 +623,27 @@ def test_a_mask_filled_ahead_is_not_used_once_its_grammar_has_moved(tiny_model_d
     manager.shutdown()
 
 
+def test_every_checked_row_has_its_next_mask_filled_ahead(tiny_model_dir):
+    """Once the step after a check is launched, every row the check saw (allowed or
+    refused) has its next mask filled ahead; at the next check rows are tested against
+    those masks, and a row refused there takes its mask without a fill on the step loop:
+    the mask its grammar gives."""
+    manager, grammars, a, b, c, x = prefetching_grammars(tiny_model_dir, "[ab]+c", 3)
+    refused, _, _ = manager.check_tokens(grammars, [a, x, b], zeros)  # "x" refused
+    assert refused == [1]
+    manager.note_redrawn([a])
+    manager.take_checked()
+    assert manager.prefetch.num_filled == 3
+    filled_on_the_loop = manager.num_mask_rows
+    refused, mask, _ = manager.check_tokens(grammars, [x, c, b], zeros)  # row 0 refused
+    assert refused == [0] and manager.prefetch.num_used == 1
+    assert manager.num_mask_rows == filled_on_the_loop
+    fresh = zeros(*mask.shape)
+    manager.fill_bitmask([grammars[0]], fresh)
+    assert np.array_equal(mask, fresh)
+    manager.shutdown()
+
+
 @pytest.mark.parametrize("given", ["a", "b"])
 def test_a_redrawn_token_taken_early_is_taken_once(tiny_model_dir, given):
     """Once the step after a check is launched, a refused row's grammar takes its redrawn
@@ -756,8 +777,7 @@ def test_a_refused_row_takes_its_draws_first_allowed_candidate(tiny_model_dir):
     """A row whose sampled token is refused takes the first later candidate of its draw
     that its grammar allows (-1 ends the ranking), reads the candidates once and only when
     some row without a mask filled ahead is refused, is not refused, gets no mask, and its
-    grammar takes that token early; a row whose candidates are all refused is masked, and
-    only such rows have their next masks filled ahead."""
+    grammar takes that token early; a row whose candidates are all refused is masked."""
     manager, grammars, a, b, c, x = prefetching_grammars(tiny_model_dir, "[ab]+c", 3)
     reads = []
 
@@ -767,7 +787,8 @@ def test_a_refused_row_takes_its_draws_first_allowed_candidate(tiny_model_dir):
     refused, mask, taken = manager.check_tokens(grammars, [a, b, a], zeros,
                                                 candidates([[a, x], [b, c], [a, c]]))
     assert (refused, mask, taken, reads) == ([], None, [], [])  # nothing refused, nothing read
-    manager.take_checked()
+    for grammar, token in zip(grammars, [a, b, a]):
+        grammar.accept_token(token)  # the scheduler's turn, before any launch: no mask ahead
     refused, mask, taken = manager.check_tokens(
         grammars, [x, x, x], zeros, candidates([[x, b, a], [x, a], [x, -1, a]]))
     assert reads == [1] and taken == [(0, b), (1, a)] and refused == [2]
@@ -775,7 +796,7 @@ def test_a_refused_row_takes_its_draws_first_allowed_candidate(tiny_model_dir):
     assert manager.num_substituted_rows == 2 and manager.num_refused_rows == 1
     manager.note_redrawn([b])
     manager.take_checked()  # rows 0 and 1 take b and a; row 2 its redrawn b
-    assert manager.prefetch.num_filled == 1  # row 2's next mask alone
+    assert manager.prefetch.num_filled == 3  # every row's next mask
     versions = [g.version for g in grammars]
     for grammar, token in zip(grammars, [b, a, b]):
         grammar.accept_token(token)  # the scheduler's turn: taken already
