@@ -20,7 +20,10 @@ tokens, and the masks are filled on the host while the device runs the forward p
 soon as the step after a check is launched, the checked rows' grammars take their tokens
 (the sampled or the redrawn one) in one call, and their next masks are filled by a worker
 thread while the device computes (``MaskPrefetch``; ``PAGEDLLM_PREFETCH_MASKS``, on for a
-GPU), so a row refused at the next check takes its mask ready.
+GPU), so a row refused at the next check takes its mask ready. With those masks filled
+ahead and a step in flight (a GPU's default), nothing is checked at all: the runner samples
+a step's constrained rows under the masks filled ahead, just before it launches the next
+forward pass (``StepGrammars.defers_masks``).
 
 Pipeline parallelism keeps up to one step in flight per stage (``_pipelined_step``), each
 on other requests, so every stage works on some step while the last one samples.
@@ -96,6 +99,9 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None
         self.structured = StructuredOutputManager(
             self._make_grammar_backend, prefetch_masks=prefetch_masks_wanted(config.device))
+        # Constrained rows sampled under masks filled ahead, no check (see StepGrammars).
+        self._defers_masks = (self.structured.prefetch_masks and self.async_scheduling
+                              and spec is None)
         logger.info(
             "Engine ready in %.1f s: model %s (%s, %s), KV cache (%s) %d blocks x %d tokens = "
             "%d tokens, max concurrency at max_model_len=%d: %.1fx, asynchronous scheduling %s",
@@ -194,7 +200,8 @@ class EngineCore:
             self._propose_ngrams()
         scheduler_output = scheduler.schedule()
         outputs.extend(scheduler.take_unstepped_outputs())
-        grammar = StepGrammars(self.structured, scheduler.requests, resolve_in_flight)
+        grammar = StepGrammars(self.structured, scheduler.requests, resolve_in_flight,
+                               self._defers_masks)
         launched = self.model_runner.execute_model_async(scheduler_output, grammar)
         if scheduler_output.is_empty and scheduler.num_waiting_for_grammar:
             time.sleep(GRAMMAR_POLL_S)  # nothing runs until a constraint has compiled

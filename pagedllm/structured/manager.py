@@ -11,6 +11,10 @@ Lifecycle of a constrained request::
           the rows it refuses, which the runner draws again under their mask
       mask first (rows with logprobs, top-k, top-p or min-p): fill_bitmask(rows) ──>
           the runner masks those rows' logits, then samples
+      masks ahead (a GPU with a step in flight: every row, nothing checked):
+          masks_ahead(rows) gives the masks filled while the device computed the step;
+          the runner samples under them just before the next launch, and after it
+          take_sampled(rows, tokens): the grammars take them and fill the next masks
       speculating: the scheduler cuts the proposals at the first token the grammar
           refuses (num_allowed); fill_verify_bitmask gives each verification row the
           state after the proposals before it, and the rejection sampler judges the
@@ -337,10 +341,21 @@ class MaskPrefetch:
             return -1
         return entry[0]
 
+    def indices(self, grammars: list[RequestGrammar]) -> np.ndarray:
+        """Each grammar's row of the buffer (int64), -1 where none was filled for its present
+        state. Call after ``settle``."""
+        return np.fromiter((self._index(g) for g in grammars), np.int64, len(grammars))
+
+    def copy_rows(self, indices: np.ndarray, out: np.ndarray, out_rows: np.ndarray) -> None:
+        """``out[out_rows] = `` the buffer's rows ``indices`` (as ``indices`` gave them)."""
+        if len(indices):
+            out[out_rows] = self._buffer[indices]
+            self.num_used += len(indices)
+
     def allowed(self, grammars: list[RequestGrammar], token_ids: list[int]) -> list[bool | None]:
         """Whether each grammar's row filled ahead allows its token: None where no row was
         filled for the grammar's present state. Call after ``settle``."""
-        rows = np.fromiter((self._index(g) for g in grammars), np.int64, len(grammars))
+        rows = self.indices(grammars)
         tokens = np.asarray(token_ids, dtype=np.int64)
         have = rows >= 0
         bits = np.zeros(len(grammars), dtype=bool)
@@ -589,6 +604,34 @@ class StructuredOutputManager:
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_steps += 1
 
+    def masks_ahead(self, grammars: list[RequestGrammar | None], out: np.ndarray) -> None:
+        """``fill_bitmask``, taking each row from the masks filled ahead where one was
+        filled for its grammar's present state (waiting for the fill in flight); the other
+        active rows are filled here."""
+        start = time.perf_counter()
+        prefetch = self.prefetch
+        prefetch.settle()
+        live = [i for i, g in enumerate(grammars) if g is not None and g.active]
+        out[[i for i, g in enumerate(grammars) if g is None or not g.active]] = -1
+        indices = prefetch.indices([grammars[i] for i in live])
+        ahead = indices >= 0
+        prefetch.copy_rows(indices[ahead], out, np.asarray(live, dtype=np.int64)[ahead])
+        self._fill_rows([(grammars[i].grammar, i) for i, filled in zip(live, ahead.tolist())
+                         if not filled], out)
+        self.mask_seconds += time.perf_counter() - start
+        self.num_mask_steps += 1
+
+    def take_sampled(self, grammars: list[RequestGrammar | None], token_ids: list[int]) -> None:
+        """The tokens of a step whose rows were sampled under ``masks_ahead``: each active
+        grammar takes its own now, and their next masks start filling (``take_checked``)."""
+        passed = []
+        for grammar, token in zip(grammars, token_ids, strict=True):
+            if grammar is not None and grammar.active:
+                grammar.checked_token = token
+                passed.append(grammar)
+        self._passed, self._refused = passed, []
+        self.take_checked()
+
     def note_redrawn(self, token_ids: list[int]) -> None:
         """The tokens the last check's refused rows were drawn again to, in its order: each
         grammar keeps its own (``RequestGrammar.checked_token``) for ``take_checked``."""
@@ -651,18 +694,25 @@ class StepGrammars:
       ``forward_launched()`` once the next step's forward pass is launched: the checked
       rows' grammars take their tokens, and their next masks are filled in the background
       (``take_checked``).
+    - With ``defers_masks`` (the engine fills every checked row's next mask ahead, and
+      keeps a step in flight), the runner samples constrained rows under
+      ``masks_ahead(request_ids, allocate)``: ``bitmask``'s rows, from the masks filled
+      ahead (the grammars have taken the step before's tokens: no step is resolved), then
+      tells ``sampled(request_ids, token_ids)`` once the next forward pass is launched:
+      the grammars take those tokens and their next masks start filling.
     - ``verify_bitmask(request_ids, proposals, allocate)``: the verification rows of
       requests checking proposals (speculative steps, which are never asynchronous). See
       ``StructuredOutputManager.fill_verify_bitmask``.
     """
 
-    __slots__ = ("_manager", "_requests", "_resolve_in_flight")
+    __slots__ = ("_manager", "_requests", "_resolve_in_flight", "defers_masks")
 
     def __init__(self, manager: StructuredOutputManager, requests: dict,
-                 resolve_in_flight: Callable[[], None]) -> None:
+                 resolve_in_flight: Callable[[], None], defers_masks: bool = False) -> None:
         self._manager = manager
         self._requests = requests
         self._resolve_in_flight = resolve_in_flight
+        self.defers_masks = defers_masks
 
     def _grammars(self, request_ids: list[str]) -> list[RequestGrammar | None]:
         requests = self._requests
@@ -685,6 +735,15 @@ class StepGrammars:
 
     def redrawn(self, token_ids: list[int]) -> None:
         self._manager.note_redrawn(token_ids)
+
+    def masks_ahead(self, request_ids: list[str],
+                    allocate: Callable[[int, int], np.ndarray]) -> np.ndarray:
+        out = allocate(len(request_ids), self._manager.bitmask_width)
+        self._manager.masks_ahead(self._grammars(request_ids), out)
+        return out
+
+    def sampled(self, request_ids: list[str], token_ids: list[int]) -> None:
+        self._manager.take_sampled(self._grammars(request_ids), token_ids)
 
     def forward_launched(self) -> None:
         self._manager.take_checked()

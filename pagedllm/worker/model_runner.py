@@ -49,6 +49,13 @@ the step's ids first (the one device-to-host copy it makes anyway, earlier), and
 with refused rows copies their new ids too and tells the grammars (``grammar.redrawn``).
 Once the next forward pass is launched, ``grammar.forward_launched()``: the checked rows'
 grammars then take their tokens and fill their next masks, while the device computes.
+Where the engine fills every constrained row's next mask while the device computes and
+keeps a step in flight (``StepGrammars.defers_masks``: a GPU, asynchronous scheduling, no
+speculation), nothing is checked: a step's constrained rows are sampled under those masks,
+the sampling launched at the start of the next step's launch, just before its forward pass
+(``_defer_sample``), so no read of ids stands between two forward passes; once that
+forward pass is launched the step's ids are read and its grammars take them
+(``grammar.sampled``), which starts the next masks.
 Rows whose sampling reads the masked distribution before the draw (logprobs; top-k, top-p,
 min-p) are masked first instead: after the forward pass is launched, the runner asks the
 engine for their bitmask (``grammar``, filled on the host while the device computes) and
@@ -192,6 +199,11 @@ class ModelRunner:
         self._unchecked: AsyncStepOutput | None = None
         # Told once the next forward pass is launched, after a check redrew rows.
         self._after_launch: Callable[[], None] | None = None
+        # The last step's masked sampling, launched before the next forward pass (see
+        # ``_defer_sample``), and that step's output, whose ids its grammars take once
+        # the next forward pass is launched.
+        self._deferred: Callable[[], None] | None = None
+        self._untaken: AsyncStepOutput | None = None
         # The last sampled step's candidates, to rank once its ids are on their way.
         self._step_candidates: RankedCandidates | None = None
         # The last check's redrawn ids on their way to the host (see ``_take_redrawn_ids``).
@@ -413,6 +425,8 @@ class ModelRunner:
                                           scheduler_output.spec_token_ids)
         if self._unchecked is not None:  # its ids feed this forward pass: check them first
             self._unchecked.settle()
+        if self._deferred is not None:  # its ids feed this forward pass: sample them first
+            self._deferred()
         speculative = bool(scheduler_output.spec_token_ids or scheduler_output.num_lookahead_tokens)
         # Every row samples in a decode step: no other row to leave out, nothing to ask.
         samples_only = not speculative and (
@@ -423,6 +437,9 @@ class ModelRunner:
         if self._after_launch is not None:
             after_launch, self._after_launch = self._after_launch, None
             after_launch()
+        if self._untaken is not None:  # the grammars take its ids, filling the next masks
+            untaken, self._untaken = self._untaken, None
+            untaken.settle()
         if not get_pp().is_last:
             return self._take_sampled_ids(inputs)
 
@@ -440,6 +457,8 @@ class ModelRunner:
             ))
         rows = hidden_states if logits_indices is None else hidden_states[logits_indices]
         logits = self.model.compute_logits(rows)
+        if self._defers_masks(states, grammar):
+            return self._defer_sample(inputs, states, logits, grammar, prompt_logprobs)
         out, check = self._sample(logits, states, grammar)
         sampled = out.sampled_token_ids
         self.input_batch.mark_pending(states)
@@ -470,6 +489,77 @@ class ModelRunner:
         self._unresolved.append(result)
         if check is not None:
             self._unchecked = result
+        return result
+
+    def _defers_masks(self, states: list[CachedRequestState], grammar) -> bool:
+        """Whether the step's constrained rows are sampled under masks filled ahead, the
+        sampling launched just before the next forward pass (``_defer_sample``): when the
+        engine's grammars fill every row's next mask while the device computes
+        (``StepGrammars.defers_masks``), and the step does not speculate."""
+        return (self.input_batch.num_constrained > 0 and getattr(grammar, "defers_masks", False)
+                and self.config.speculative_config is None
+                and any(s.sampling_params.structured_outputs is not None for s in states))
+
+    def _defer_sample(
+        self,
+        inputs: StepInputs,
+        states: list[CachedRequestState],
+        logits: torch.Tensor,
+        grammar,  # StepGrammars
+        prompt_logprobs: dict[str, list[LogprobsEntry | None]],
+    ) -> AsyncStepOutput:
+        """Sample the step with its constrained rows masked first, the masks those the
+        grammars fill while the device computes this step (``StepGrammars.masks_ahead``),
+        so no check waits between this step's ids and the next launch: the sampling is
+        launched at the start of the next step's launch (or when the step's output is
+        read, if that comes first), and the next forward pass reads the ids on the
+        device. Once that forward pass is launched, the step's ids are read and its
+        grammars take them (``StepGrammars.sampled``), which starts the next masks."""
+        rows = [j for j, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
+        request_ids = [states[j].request_id for j in rows]
+        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        metadata = self._sampling_metadata(states, grammar, [])
+        self.input_batch.mark_pending(states)
+        sampled: list = []  # [SamplerOutput, read the ids], once launched
+
+        @torch.inference_mode()  # also when reading the output launches it
+        def launch() -> None:
+            if sampled:
+                return
+            bitmask = grammar.masks_ahead(request_ids, self._bitmask_buffer)
+            metadata.grammar_rows = index
+            metadata.grammar_bitmask = torch.from_numpy(bitmask).to(self.device,
+                                                                    non_blocking=True)
+            out = self.sampler(logits, metadata)
+            metadata.record_sampled(out.sampled_token_ids)
+            if self._deferred is launch:
+                self._deferred = None
+                self._last_sampled, self._last_sampled_arrival = out.sampled_token_ids, None
+            ids = out.sampled_token_ids
+            read_ids = ids.tolist if self._readback is None else self._readback.start(ids)
+            sampled.extend((out, read_ids))
+
+        def read() -> list[int]:
+            launch()
+            return sampled[1]()
+
+        def take(token_ids: list[int]) -> list[int]:
+            grammar.sampled(request_ids, [token_ids[j] for j in rows])
+            return token_ids
+
+        def finish(token_ids: list[int] | None) -> ModelRunnerOutput:
+            while self._unresolved[0] is not result:
+                self._unresolved[0].get()  # resolve in launch order
+            self._unresolved.popleft()
+            if self._untaken is result:
+                self._untaken = None
+            return self._step_output(inputs, states, token_ids, sampled[0].logprobs,
+                                     prompt_logprobs)
+
+        self._deferred = launch
+        result = AsyncStepOutput(read, finish, take)
+        self._unresolved.append(result)
+        self._untaken = result
         return result
 
     def _take_sampled_ids(self, inputs: StepInputs) -> AsyncStepOutput:

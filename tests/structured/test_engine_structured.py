@@ -392,15 +392,76 @@ def test_masks_filled_ahead_change_no_token(tiny_model_dir, hf_model, greedy_exp
     at_check = make_llm(tiny_model_dir, **ENGINE_SETUPS[setup])
     assert greedy_run(ahead)[0] == greedy_expected
     constraint = StructuredOutputsParams(json=SCHEMAS["person"])
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured_outputs=constraint)
+    # Logprobs (of the masked distribution) and penalties (which count the pending
+    # tokens of the step in flight) ride along.
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured_outputs=constraint,
+                             logprobs=2 if i % 3 == 1 else None,
+                             presence_penalty=0.5 if i % 3 == 2 else 0.0)
               for i in range(8)]
     prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(8)]
-    tokens = [[o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-              for engine in (ahead, at_check)]
-    assert tokens[0] == tokens[1]
+    outputs = [[o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
+               for engine in (ahead, at_check)]
+    assert [o.token_ids for o in outputs[0]] == [o.token_ids for o in outputs[1]]
+    assert sum(o.logprobs is not None for o in outputs[0]) == 3
+    for first, second in zip(*outputs):
+        assert (first.logprobs is None) == (second.logprobs is None)
+        for step_a, step_b in zip(first.logprobs or [], second.logprobs or []):
+            assert step_a.keys() == step_b.keys()
+            for token in step_a:
+                assert step_a[token].logprob == pytest.approx(step_b[token].logprob, abs=1e-5)
     prefetch = ahead.llm_engine.engine_core.structured.prefetch
     assert 0 < prefetch.num_used <= prefetch.num_filled
     assert at_check.llm_engine.engine_core.structured.prefetch.num_filled == 0
+    # With a step in flight nothing is checked: rows are sampled under the masks ahead.
+    deferred = ENGINE_SETUPS[setup].get("async_scheduling", False)
+    assert (ahead.llm_engine.engine_core.structured.num_checked_rows == 0) == deferred
+
+
+def test_a_step_sampled_under_masks_ahead_may_be_launched_by_reading_its_output(
+        tiny_model_dir, monkeypatch):
+    """The last step of a run has no next launch to sample it: reading its output does,
+    penalties (counted in place on the device) included."""
+    monkeypatch.setenv("PAGEDLLM_PREFETCH_MASKS", "1")
+    llm = make_llm(tiny_model_dir, async_scheduling=True)
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=12, presence_penalty=0.5,
+                            ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]{1,40}"))
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 12 and re.fullmatch("[a-z]*", out.text)
+
+
+def test_rows_sampled_under_masks_ahead_launch_the_next_forward_pass_before_any_read(
+        tiny_model_dir, monkeypatch):
+    """With masks filled ahead and a step in flight, a step's constrained rows are sampled
+    under their masks just before the next forward pass is launched, and its grammars take
+    the tokens only after that launch (their next masks then fill while the device
+    computes): no read of the ids stands between two forward passes. The outputs keep
+    their schema."""
+    from pagedllm.structured.manager import StepGrammars
+    from pagedllm.worker.model_runner import ModelRunner
+
+    monkeypatch.setenv("PAGEDLLM_PREFETCH_MASKS", "1")
+    events: list[str] = []
+    for cls, name in ((ModelRunner, "_run_model"), (StepGrammars, "masks_ahead"),
+                      (StepGrammars, "sampled"), (StepGrammars, "check")):
+        def recording(self, *args, __original=getattr(cls, name), __name=name, **kwargs):
+            events.append(__name)
+            return __original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, recording)
+    llm = make_llm(tiny_model_dir, async_scheduling=True)
+    schema = SCHEMAS["person"]
+    for completion in sample(llm, StructuredOutputsParams(json=schema), num=6):
+        jsonschema.validate(json.loads(completion.text), schema)
+    assert "check" not in events
+    masks = [i for i, e in enumerate(events) if e == "masks_ahead"]
+    taken = [i for i, e in enumerate(events) if e == "sampled"]
+    assert len(masks) == len(taken) > 10
+    for m, t in zip(masks, taken):
+        assert m < t  # a step's tokens are taken after its sampling is launched
+    # Each sampling is followed by the next forward pass before its tokens are read, but
+    # for the last steps (nothing left to launch).
+    followed = [events[m + 1] == "_run_model" and events[m + 2] == "sampled" for m in masks]
+    assert sum(followed) >= len(masks) - 2, events
 
 
 def test_a_check_lets_the_next_forward_pass_launch_before_its_redrawn_ids_are_read(
