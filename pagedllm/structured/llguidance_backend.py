@@ -162,6 +162,11 @@ class LLGuidanceGrammar(Grammar):
         return self.matcher.consume_tokens(token_ids)
 
     def is_allowed(self, token_id: int) -> bool:
+        # Where the grammar forces text, llguidance's mask allows the first token of its
+        # canonical tokenization alone; validate_tokens would let any piece of it through.
+        forced = self.matcher.compute_ff_tokens()
+        if forced:
+            return token_id == forced[0]
         return self.matcher.validate_tokens([token_id]) == 1
 
     def num_allowed(self, token_ids: list[int]) -> int:

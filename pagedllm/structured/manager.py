@@ -25,7 +25,10 @@ Lifecycle of a constrained request::
 Both ways sample the masked distribution: a row's first draw is kept when its grammar
 allows it, and a refused one is drawn again under the mask with the same noise, so the
 token is the one masking first would give (see ``pagedllm.layers.sampler.Sampler.redraw``).
-Checking a token costs microseconds, a mask the whole vocabulary.
+Checking a token costs microseconds, a mask the whole vocabulary. Where the grammar forces
+text, llguidance's mask allows the first token of that text's canonical tokenization alone
+(``"ag"`` of a forced key ``"age"``, not ``"a"``), and so does its check
+(``LLGuidanceGrammar.is_allowed``).
 
 Compilation runs in a thread pool (llguidance releases the GIL), so a slow constraint never
 stalls the step loop; compiled constraints are cached by ``StructuredOutputsParams.key``

@@ -44,9 +44,10 @@ rows that allow none of those get a bitmask, and are drawn again under it with t
 of their first draw. Either way the token is the one masking first would have given
 (``Sampler.redraw``): the race over the allowed tokens is won by the best-ranked allowed
 one (docs/benchmarks.md, "a refused draw's next candidates"). The check runs before any
-later step's forward pass reads the ids: with asynchronous scheduling the next launch reads
-the step's ids first (the one device-to-host copy it makes anyway, earlier), and a step
-with refused rows copies their new ids too and tells the grammars (``grammar.redrawn``).
+later step's forward pass reads the ids: with asynchronous scheduling the next
+launch reads the step's ids first (the one device-to-host copy it makes anyway, earlier),
+and a step with refused rows copies their new ids too and tells the grammars
+(``grammar.redrawn``).
 Once the next forward pass is launched, ``grammar.forward_launched()``: the checked rows'
 grammars then take their tokens and fill their next masks, while the device computes.
 Where the engine fills every constrained row's next mask while the device computes and

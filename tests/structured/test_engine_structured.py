@@ -380,41 +380,48 @@ def test_seeded_sampling_with_checks_reproduces_and_equals_masking_first(
 
 
 @pytest.mark.parametrize("setup", ["default", "async", "preempting"])
-def test_masks_filled_ahead_change_no_token(tiny_model_dir, hf_model, greedy_expected, setup,
-                                            monkeypatch):
-    """PAGEDLLM_PREFETCH_MASKS=1: the next masks of a check's rows are filled by a worker
-    once the step's tokens are taken; a row refused at the next check takes its mask from
-    there. Greedy outputs still equal the reference, seeded samples those of filling at the
-    check, and masks filled ahead are used."""
+def test_masks_filled_ahead_sample_the_masked_distribution(tiny_model_dir, hf_model,
+                                                           greedy_expected, setup, monkeypatch):
+    """PAGEDLLM_PREFETCH_MASKS=1: the next masks of a step's constrained rows are filled by
+    a worker once its tokens are taken. With a step in flight (asynchronous scheduling)
+    the rows are sampled under those masks, nothing checked; without one the masks feed
+    the check, a refused row taking its mask from there. Either way seeded samples equal
+    masking first (the reference's rows all ask logprobs, which masks them first), logprobs
+    and penalties (which count the step in flight's tokens) riding along, greedy outputs
+    equal the reference, outputs keep their schema, and masks filled ahead are used."""
     monkeypatch.setenv("PAGEDLLM_PREFETCH_MASKS", "1")
     ahead = make_llm(tiny_model_dir, **ENGINE_SETUPS[setup])
     monkeypatch.setenv("PAGEDLLM_PREFETCH_MASKS", "0")
-    at_check = make_llm(tiny_model_dir, **ENGINE_SETUPS[setup])
+    masked_first = make_llm(tiny_model_dir, **ENGINE_SETUPS[setup])
     assert greedy_run(ahead)[0] == greedy_expected
-    constraint = StructuredOutputsParams(json=SCHEMAS["person"])
-    # Logprobs (of the masked distribution) and penalties (which count the pending
-    # tokens of the step in flight) ride along.
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured_outputs=constraint,
-                             logprobs=2 if i % 3 == 1 else None,
-                             presence_penalty=0.5 if i % 3 == 2 else 0.0)
-              for i in range(8)]
-    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(8)]
-    outputs = [[o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
-               for engine in (ahead, at_check)]
+    schema = SCHEMAS["person"]
+
+    def params(reference: bool) -> list[SamplingParams]:
+        return [SamplingParams(temperature=1.0, seed=i, max_tokens=80,
+                               structured_outputs=StructuredOutputsParams(json=schema),
+                               logprobs=2 if i % 3 == 1 else (1 if reference else None),
+                               presence_penalty=0.5 if i % 3 == 2 else 0.0)
+                for i in range(12)]
+
+    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(12)]
+    outputs = [[o.outputs[0] for o in engine.generate(prompts, params(engine is masked_first),
+                                                      use_tqdm=False)]
+               for engine in (ahead, masked_first)]
+    for output in outputs[0]:
+        if output.finish_reason == "stop":
+            jsonschema.validate(json.loads(output.text), schema)
+    deferred = ENGINE_SETUPS[setup].get("async_scheduling", False)
+    structured = ahead.llm_engine.engine_core.structured
+    assert (structured.num_checked_rows == 0) == deferred
+    assert 0 < structured.prefetch.num_used <= structured.prefetch.num_filled
+    assert masked_first.llm_engine.engine_core.structured.prefetch.num_filled == 0
     assert [o.token_ids for o in outputs[0]] == [o.token_ids for o in outputs[1]]
-    assert sum(o.logprobs is not None for o in outputs[0]) == 3
+    assert sum(o.logprobs is not None for o in outputs[0]) == 4
     for first, second in zip(*outputs):
-        assert (first.logprobs is None) == (second.logprobs is None)
         for step_a, step_b in zip(first.logprobs or [], second.logprobs or []):
             assert step_a.keys() == step_b.keys()
             for token in step_a:
                 assert step_a[token].logprob == pytest.approx(step_b[token].logprob, abs=1e-5)
-    prefetch = ahead.llm_engine.engine_core.structured.prefetch
-    assert 0 < prefetch.num_used <= prefetch.num_filled
-    assert at_check.llm_engine.engine_core.structured.prefetch.num_filled == 0
-    # With a step in flight nothing is checked: rows are sampled under the masks ahead.
-    deferred = ENGINE_SETUPS[setup].get("async_scheduling", False)
-    assert (ahead.llm_engine.engine_core.structured.num_checked_rows == 0) == deferred
 
 
 def test_a_step_sampled_under_masks_ahead_may_be_launched_by_reading_its_output(
@@ -681,6 +688,19 @@ def test_a_mask_filled_ahead_is_not_used_once_its_grammar_has_moved(tiny_model_d
     fresh = np.zeros_like(moved)
     manager.fill_bitmask([grammar], fresh)
     assert np.array_equal(moved, fresh) and not np.array_equal(moved, mask)
+    manager.shutdown()
+
+
+def test_a_check_leaves_forced_text_to_the_mask(tiny_model_dir):
+    """Where the grammar forces text, the mask allows only the first token of its canonical
+    tokenization; the check refuses any other token that would fit (a shorter piece of
+    the text), so the row is drawn again under its mask, as masking first would draw it."""
+    manager, grammar, a, _, _, _ = prefetching_grammar(tiny_model_dir, "age[0-9]")
+    refused, mask, _ = manager.check_tokens([grammar], [a], zeros)
+    assert refused == [0]
+    allowed = [t for t in range(VOCAB_SIZE) if (int(mask[0][t >> 5]) >> (t & 31)) & 1]
+    assert len(allowed) == 1 and allowed != [a]
+    assert grammar.grammar.num_allowed([a]) == 1  # a token that fits the text
     manager.shutdown()
 
 
