@@ -171,6 +171,10 @@ class MultiprocExecutor:
             request_ids, token_ids, ranked = args
             answer = grammars.check(request_ids, token_ids, allocate,
                                     None if ranked is None else lambda: ranked)
+        elif method == "masks_ahead":
+            answer = np.ascontiguousarray(grammars.masks_ahead(*args, allocate))
+        elif method == "sampled":
+            answer = grammars.sampled(*args)
         else:
             self._fail(f"rank {self.reporter} asked the grammars {method!r}")
         self._send(("result", answer), self._sampling)

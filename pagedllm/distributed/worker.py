@@ -29,8 +29,9 @@ a pipe for local processes, a socket for Ray actors). Engine -> rank:
 
 Rank -> engine: ``("ready", info)`` from each rank at start; the reporting rank's answers
 above, and ``("call", method, args)`` when its runner asks the step's grammars
-(structured outputs: ``bitmask`` or ``check``, see ``pagedllm.structured.manager``), before
-which it sends the outputs of older steps (the engine's grammars take them first). A
+(structured outputs: ``bitmask``, ``check``, ``masks_ahead`` or ``sampled``, see
+``pagedllm.structured.manager``; before ``bitmask`` it sends the outputs of older steps,
+which the engine's grammars take first). A
 rank waiting for an answer keeps the steps that arrive meanwhile for later (``Inbox``);
 ``("error", kind, text)`` from any rank that fails. A connection that closes is a rank
 that died.
@@ -91,8 +92,10 @@ class _GrammarProxy:
     """The runner's view of a step's grammars on a rank: the reporting rank forwards each
     question to the engine, and every sampling rank takes the engine's answer."""
 
-    def __init__(self, conn: Connection, inbox: Inbox, asks: bool, flush) -> None:
+    def __init__(self, conn: Connection, inbox: Inbox, asks: bool, flush,
+                 defers_masks: bool = False) -> None:
         self._conn, self._inbox, self._asks, self._flush = conn, inbox, asks, flush
+        self.defers_masks = defers_masks  # as the engine's StepGrammars
 
     def _ask(self, method: str, *args):
         if self._asks:
@@ -118,6 +121,12 @@ class _GrammarProxy:
         ranked = None if candidates is None else candidates()  # the engine's process checks
         refused, bitmask, substituted = self._ask("check", request_ids, token_ids, ranked)
         return refused, self._copy(bitmask, allocate), substituted
+
+    def masks_ahead(self, request_ids: list[str], allocate):
+        return self._copy(self._ask("masks_ahead", request_ids), allocate)
+
+    def sampled(self, request_ids: list[str], token_ids: list[int]) -> None:
+        self._ask("sampled", request_ids, token_ids)
 
 
 def run_worker(conn: Connection, rank: int, world_size: int, init_method: str,
@@ -147,6 +156,7 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str,
     import torch
 
     from pagedllm.distributed.parallel_state import init_distributed
+    from pagedllm.structured.manager import masks_ahead_wanted
     from pagedllm.worker.model_runner import ModelRunner
 
     if config.device == "cuda":
@@ -173,7 +183,8 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str,
                 conn.send(("output", output))
 
     inbox = Inbox(conn)
-    grammars = _GrammarProxy(conn, inbox, reports, lambda: resolve(0))
+    grammars = _GrammarProxy(conn, inbox, reports, lambda: resolve(0),
+                             masks_ahead_wanted(config))
     acknowledges = reports and config.parallel_config.pipeline_parallel_size == 1
     while True:
         message = inbox.next()

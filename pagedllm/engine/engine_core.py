@@ -52,7 +52,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.executor import make_model_runner
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured.manager import (
-    StepGrammars, StructuredOutputManager, prefetch_masks_wanted,
+    StepGrammars, StructuredOutputManager, masks_ahead_wanted, prefetch_masks_wanted,
 )
 from pagedllm.worker.async_output import AsyncStepOutput
 
@@ -100,8 +100,7 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self._make_grammar_backend, prefetch_masks=prefetch_masks_wanted(config.device))
         # Constrained rows sampled under masks filled ahead, no check (see StepGrammars).
-        self._defers_masks = (self.structured.prefetch_masks and self.async_scheduling
-                              and spec is None)
+        self._defers_masks = masks_ahead_wanted(config)
         logger.info(
             "Engine ready in %.1f s: model %s (%s, %s), KV cache (%s) %d blocks x %d tokens = "
             "%d tokens, max concurrency at max_model_len=%d: %.1fx, asynchronous scheduling %s",

@@ -263,6 +263,16 @@ def prefetch_masks_wanted(device: str) -> bool:
     return switch(PREFETCH_MASKS_ENV, device == "cuda")
 
 
+def masks_ahead_wanted(config) -> bool:
+    """Whether the runner samples constrained rows under the masks filled ahead, nothing
+    checked (``StepGrammars.defers_masks``): masks are filled ahead
+    (``prefetch_masks_wanted``) and a step stays in flight (asynchronous scheduling, no
+    speculation, no pipeline stages)."""
+    return (prefetch_masks_wanted(config.device) and config.scheduler_config.async_scheduling
+            and config.speculative_config is None
+            and config.parallel_config.pipeline_parallel_size == 1)
+
+
 class MaskPrefetch:
     """Bitmask rows filled ahead of a check, by a worker thread, while the device computes.
 

@@ -114,12 +114,17 @@ def test_sizes_that_do_not_fit_the_model_are_refused_before_any_rank_starts(tmp_
         LLM(str(path), tensor_parallel_size=2, ray_address="10.0.0.1:6379")
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_constrained_and_free_requests_with_steps_in_flight(tmp_path, tp, pp) -> None:
+@pytest.mark.parametrize("tp, pp, masks_ahead", [(2, 1, "0"), (2, 1, "1"), (1, 2, "0")])
+def test_constrained_and_free_requests_with_steps_in_flight(tmp_path, tp, pp, masks_ahead,
+                                                            monkeypatch) -> None:
     """The sampling ranks take the constrained rows' grammar answers from the engine while
     steps are in flight (asynchronous scheduling; pipeline stages): constrained outputs are
-    members of their choice, free ones equal one rank's."""
+    members of their choice, free ones equal one rank's. With masks filled ahead
+    (``PAGEDLLM_PREFETCH_MASKS=1``, a GPU's default) the ranks sample under the engine's
+    masks, nothing checked, and the seeded constrained tokens equal one rank's."""
     from pagedllm.structured import StructuredOutputsParams
+
+    monkeypatch.setenv("PAGEDLLM_PREFETCH_MASKS", masks_ahead)
 
     path = _checkpoint(tmp_path, "llama")
     prompts = random_prompts(4, 5, 12, seed=9)
@@ -127,16 +132,20 @@ def test_constrained_and_free_requests_with_steps_in_flight(tmp_path, tp, pp) ->
     choices = ["alpha", "beta", "gamma delta"]
     constrained = SamplingParams(temperature=1.0, seed=3, max_tokens=20,
                                  structured_outputs=StructuredOutputsParams(choice=choices))
-    one = LLM(str(path), max_model_len=128)
-    want = [o.outputs[0].token_ids for o in one.generate(
-        [{"prompt_token_ids": p} for p in prompts], free, use_tqdm=False)]
+    requests = [{"prompt_token_ids": p} for p in prompts for _ in range(2)]
+    one = LLM(str(path), max_model_len=128, async_scheduling=True)
+    one_rank = [o.outputs[0].token_ids for o in one.generate(
+        requests, [free, constrained] * len(prompts), use_tqdm=False)]
     llm = LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, max_model_len=128,
               async_scheduling=True)
     try:
-        requests = [{"prompt_token_ids": p} for p in prompts for _ in range(2)]
         outputs = llm.generate(requests, [free, constrained] * len(prompts), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs[::2]] == want
+        assert [o.outputs[0].token_ids for o in outputs[::2]] == one_rank[::2]
         assert all(o.outputs[0].text in choices for o in outputs[1::2])
+        checked = llm.llm_engine.engine_core.structured.num_checked_rows
+        assert (checked == 0) == (masks_ahead == "1")
+        if masks_ahead == "1":
+            assert [o.outputs[0].token_ids for o in outputs[1::2]] == one_rank[1::2]
     finally:
         llm.llm_engine.engine_core.shutdown()
 
