@@ -31,7 +31,7 @@
 #            work behind the GPU gains, measured in the same run
 #   structured W1 on both models, unconstrained and with every request constrained to a
 #            JSON schema (bench throughput --structured-output json), side by side, then
-#            again with $STRUCTURED_AB (VAR=value..., default PAGEDLLM_GRAMMAR_FILL_THREADS=4,
+#            again with $STRUCTURED_AB (VAR=value..., default PAGEDLLM_GRAMMAR_FILL_THREADS=8,
 #            set and empty for none) into structured-ab-w1-<model>.json; the
 #            config-only models get a tokenizer of their vocabulary size first
 #            (pagedllm.benchmarks.bench_tokenizer)
@@ -135,7 +135,7 @@ BNB8_CONFIG='{"quantization_config": {"quant_method": "bitsandbytes", "load_in_8
 W8A8_CONFIG="{\"quantization_config\": {\"quant_method\": \"compressed-tensors\", \"format\": \"int-quantized\", \"ignore\": [\"lm_head\"], \"config_groups\": {\"group_0\": {\"targets\": [\"Linear\"], \"weights\": $INT8_ARGS, \"strategy\": \"channel\"}, \"input_activations\": $INT8_ARGS, \"strategy\": \"token\", \"dynamic\": true}}}}}"
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
-STRUCTURED_AB=${STRUCTURED_AB-PAGEDLLM_GRAMMAR_FILL_THREADS=4}  # set and empty: no second run
+STRUCTURED_AB=${STRUCTURED_AB-PAGEDLLM_GRAMMAR_FILL_THREADS=8}  # set and empty: no second run
 STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency long w1-small sync fp8 w4a16 spec moe structured serve ab}
 read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
 

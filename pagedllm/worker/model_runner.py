@@ -495,10 +495,9 @@ class ModelRunner:
     def _defers_masks(self, states: list[CachedRequestState], grammar) -> bool:
         """Whether the step's constrained rows are sampled under masks filled ahead, the
         sampling launched just before the next forward pass (``_defer_sample``): when the
-        engine's grammars fill every row's next mask while the device computes
-        (``StepGrammars.defers_masks``), and the step does not speculate."""
+        engine's grammars fill every row's next mask while the device computes and keep a
+        step in flight (``StepGrammars.defers_masks``, see ``masks_ahead_wanted``)."""
         return (self.input_batch.num_constrained > 0 and getattr(grammar, "defers_masks", False)
-                and self.config.speculative_config is None
                 and any(s.sampling_params.structured_outputs is not None for s in states))
 
     def _defer_sample(
