@@ -360,10 +360,19 @@ class MaskPrefetch:
         return np.fromiter((self._index(g) for g in grammars), np.int64, len(grammars))
 
     def copy_rows(self, indices: np.ndarray, out: np.ndarray, out_rows: np.ndarray) -> None:
-        """``out[out_rows] = `` the buffer's rows ``indices`` (as ``indices`` gave them)."""
-        if len(indices):
+        """``out[out_rows] = `` the buffer's rows ``indices`` (as ``indices`` gave them): one
+        block copy when both are runs of consecutive rows (a decode step of the same
+        requests as the step before)."""
+        n = len(indices)
+        if not n:
+            return
+        first, start = int(indices[0]), int(out_rows[0])
+        if (np.array_equal(indices, np.arange(first, first + n))
+                and np.array_equal(out_rows, np.arange(start, start + n))):
+            out[start:start + n] = self._buffer[first:first + n]
+        else:
             out[out_rows] = self._buffer[indices]
-            self.num_used += len(indices)
+        self.num_used += n
 
     def allowed(self, grammars: list[RequestGrammar], token_ids: list[int]) -> list[bool | None]:
         """Whether each grammar's row filled ahead allows its token: None where no row was
@@ -624,8 +633,10 @@ class StructuredOutputManager:
         start = time.perf_counter()
         prefetch = self.prefetch
         prefetch.settle()
-        live = [i for i, g in enumerate(grammars) if g is not None and g.active]
-        out[[i for i, g in enumerate(grammars) if g is None or not g.active]] = -1
+        live, free = [], []
+        for i, grammar in enumerate(grammars):
+            (live if grammar is not None and grammar.active else free).append(i)
+        out[free] = -1
         indices = prefetch.indices([grammars[i] for i in live])
         ahead = indices >= 0
         prefetch.copy_rows(indices[ahead], out, np.asarray(live, dtype=np.int64)[ahead])
