@@ -258,6 +258,8 @@ ENGINE_SETUPS = {
     "async": {"async_scheduling": True},
     "chunked": {"max_num_batched_tokens": 8, "enable_chunked_prefill": True},
     "preempting": {"num_kv_blocks": 12, "max_model_len": 96, "async_scheduling": True},
+    "async_chunked": {"max_num_batched_tokens": 8, "enable_chunked_prefill": True,
+                      "async_scheduling": True},
     "no_prefix_cache": {"enable_prefix_caching": False, "max_num_seqs": 2},
 }
 
@@ -370,16 +372,17 @@ def test_seeded_sampling_with_checks_reproduces_and_equals_masking_first(
             jsonschema.validate(json.loads(completion.text), schema)
 
 
-@pytest.mark.parametrize("setup", ["default", "async", "preempting"])
+@pytest.mark.parametrize("setup", ["default", "async", "preempting", "async_chunked"])
 def test_masks_filled_ahead_sample_the_masked_distribution(tiny_model_dir, hf_model,
                                                            greedy_expected, setup, monkeypatch):
     """PAGEDLLM_PREFETCH_MASKS=1: the next masks of a step's constrained rows are filled by
     a worker once its tokens are taken. With a step in flight (asynchronous scheduling)
     the rows are sampled under those masks, nothing checked; without one the masks feed
     the check, a refused row taking its mask from there. Either way seeded samples equal
-    masking first (the reference's rows all ask logprobs, which masks them first), logprobs
-    and penalties (which count the step in flight's tokens) riding along, greedy outputs
-    equal the reference, outputs keep their schema, and masks filled ahead are used."""
+    masking first (the reference's rows all ask logprobs, which masks them first), logprobs,
+    penalties (which count the step in flight's tokens), ``n = 2`` and a stop string riding
+    along, greedy outputs equal the reference, outputs keep their schema, and masks filled
+    ahead are used."""
     monkeypatch.setenv("PAGEDLLM_PREFETCH_MASKS", "1")
     ahead = make_llm(tiny_model_dir, **ENGINE_SETUPS[setup])
     monkeypatch.setenv("PAGEDLLM_PREFETCH_MASKS", "0")
@@ -391,15 +394,18 @@ def test_masks_filled_ahead_sample_the_masked_distribution(tiny_model_dir, hf_mo
         return [SamplingParams(temperature=1.0, seed=i, max_tokens=80,
                                structured_outputs=StructuredOutputsParams(json=schema),
                                logprobs=2 if i % 3 == 1 else (1 if reference else None),
-                               presence_penalty=0.5 if i % 3 == 2 else 0.0)
+                               presence_penalty=0.5 if i % 3 == 2 else 0.0,
+                               n=2 if i % 4 == 3 else 1, stop=['"age"'] if i == 5 else None)
                 for i in range(12)]
 
     prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(12)]
-    outputs = [[o.outputs[0] for o in engine.generate(prompts, params(engine is masked_first),
-                                                      use_tqdm=False)]
+    outputs = [[c for o in engine.generate(prompts, params(engine is masked_first),
+                                           use_tqdm=False) for c in o.outputs]
                for engine in (ahead, masked_first)]
+    assert len(outputs[0]) == 15
+    assert any(o.stop_reason == '"age"' for o in outputs[0])  # the stop string cut one
     for output in outputs[0]:
-        if output.finish_reason == "stop":
+        if output.finish_reason == "stop" and output.stop_reason is None:
             jsonschema.validate(json.loads(output.text), schema)
     deferred = ENGINE_SETUPS[setup].get("async_scheduling", False)
     structured = ahead.llm_engine.engine_core.structured
@@ -407,7 +413,7 @@ def test_masks_filled_ahead_sample_the_masked_distribution(tiny_model_dir, hf_mo
     assert 0 < structured.prefetch.num_used <= structured.prefetch.num_filled
     assert masked_first.llm_engine.engine_core.structured.prefetch.num_filled == 0
     assert [o.token_ids for o in outputs[0]] == [o.token_ids for o in outputs[1]]
-    assert sum(o.logprobs is not None for o in outputs[0]) == 4
+    assert sum(o.logprobs is not None for o in outputs[0]) == 5
     for first, second in zip(*outputs):
         for step_a, step_b in zip(first.logprobs or [], second.logprobs or []):
             assert step_a.keys() == step_b.keys()
