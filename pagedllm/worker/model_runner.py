@@ -458,8 +458,10 @@ class ModelRunner:
             ))
         rows = hidden_states if logits_indices is None else hidden_states[logits_indices]
         logits = self.model.compute_logits(rows)
-        if self._defers_masks(states, grammar):
-            return self._defer_sample(inputs, states, logits, grammar, prompt_logprobs)
+        deferred_rows = self._rows_sampled_under_masks_ahead(states, grammar)
+        if deferred_rows:
+            return self._defer_sample(inputs, states, deferred_rows, logits, grammar,
+                                      prompt_logprobs)
         out, check = self._sample(logits, states, grammar)
         sampled = out.sampled_token_ids
         self.input_batch.mark_pending(states)
@@ -492,30 +494,33 @@ class ModelRunner:
             self._unchecked = result
         return result
 
-    def _defers_masks(self, states: list[CachedRequestState], grammar) -> bool:
-        """Whether the step's constrained rows are sampled under masks filled ahead, the
-        sampling launched just before the next forward pass (``_defer_sample``): when the
+    def _rows_sampled_under_masks_ahead(self, states: list[CachedRequestState],
+                                        grammar) -> list[int]:
+        """The step's constrained rows when they are sampled under masks filled ahead, the
+        sampling launched just before the next forward pass (``_defer_sample``): where the
         engine's grammars fill every row's next mask while the device computes and keep a
-        step in flight (``StepGrammars.defers_masks``, see ``masks_ahead_wanted``)."""
-        return (self.input_batch.num_constrained > 0 and getattr(grammar, "defers_masks", False)
-                and any(s.sampling_params.structured_outputs is not None for s in states))
+        step in flight (``StepGrammars.defers_masks``, see ``masks_ahead_wanted``); else
+        none."""
+        if not self.input_batch.num_constrained or not getattr(grammar, "defers_masks", False):
+            return []
+        return [j for j, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
 
     def _defer_sample(
         self,
         inputs: StepInputs,
         states: list[CachedRequestState],
+        rows: list[int],
         logits: torch.Tensor,
         grammar,  # StepGrammars
         prompt_logprobs: dict[str, list[LogprobsEntry | None]],
     ) -> AsyncStepOutput:
-        """Sample the step with its constrained rows masked first, the masks those the
+        """Sample the step with its constrained ``rows`` masked first, the masks those the
         grammars fill while the device computes this step (``StepGrammars.masks_ahead``),
         so no check waits between this step's ids and the next launch: the sampling is
         launched at the start of the next step's launch (or when the step's output is
         read, if that comes first), and the next forward pass reads the ids on the
         device. Once that forward pass is launched, the step's ids are read and its
         grammars take them (``StepGrammars.sampled``), which starts the next masks."""
-        rows = [j for j, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
         request_ids = [states[j].request_id for j in rows]
         index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         metadata = self._sampling_metadata(states, grammar, [])

@@ -421,6 +421,26 @@ def test_masks_filled_ahead_sample_the_masked_distribution(tiny_model_dir, hf_mo
                 assert step_a[token].logprob == pytest.approx(step_b[token].logprob, abs=1e-5)
 
 
+def calls_of_a_schema_run(model_dir, monkeypatch, grammar_methods: list[str]) -> list[str]:
+    """The forward passes (``_run_model``) and the named ``StepGrammars`` calls, in order, of
+    six sampled requests of one JSON schema with asynchronous scheduling; every output
+    validates against the schema."""
+    from pagedllm.structured.manager import StepGrammars
+    from pagedllm.worker.model_runner import ModelRunner
+
+    events: list[str] = []
+    for cls, name in [(ModelRunner, "_run_model"), *((StepGrammars, m) for m in grammar_methods)]:
+        def recording(self, *args, __original=getattr(cls, name), __name=name, **kwargs):
+            events.append(__name)
+            return __original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, recording)
+    llm = make_llm(model_dir, async_scheduling=True)
+    schema = SCHEMAS["person"]
+    for completion in sample(llm, StructuredOutputsParams(json=schema), num=6):
+        jsonschema.validate(json.loads(completion.text), schema)
+    return events
+
+
 def test_a_step_sampled_under_masks_ahead_may_be_launched_by_reading_its_output(
         tiny_model_dir, monkeypatch):
     """The last step of a run has no next launch to sample it: reading its output does,
@@ -441,21 +461,9 @@ def test_rows_sampled_under_masks_ahead_launch_the_next_forward_pass_before_any_
     the tokens only after that launch (their next masks then fill while the device
     computes): no read of the ids stands between two forward passes. The outputs keep
     their schema."""
-    from pagedllm.structured.manager import StepGrammars
-    from pagedllm.worker.model_runner import ModelRunner
-
     monkeypatch.setenv("PAGEDLLM_PREFETCH_MASKS", "1")
-    events: list[str] = []
-    for cls, name in ((ModelRunner, "_run_model"), (StepGrammars, "masks_ahead"),
-                      (StepGrammars, "sampled"), (StepGrammars, "check")):
-        def recording(self, *args, __original=getattr(cls, name), __name=name, **kwargs):
-            events.append(__name)
-            return __original(self, *args, **kwargs)
-        monkeypatch.setattr(cls, name, recording)
-    llm = make_llm(tiny_model_dir, async_scheduling=True)
-    schema = SCHEMAS["person"]
-    for completion in sample(llm, StructuredOutputsParams(json=schema), num=6):
-        jsonschema.validate(json.loads(completion.text), schema)
+    events = calls_of_a_schema_run(tiny_model_dir, monkeypatch,
+                                   ["masks_ahead", "sampled", "check"])
     assert "check" not in events
     masks = [i for i, e in enumerate(events) if e == "masks_ahead"]
     taken = [i for i, e in enumerate(events) if e == "sampled"]
@@ -473,20 +481,7 @@ def test_a_check_lets_the_next_forward_pass_launch_before_its_redrawn_ids_are_re
     """With asynchronous scheduling the forward pass after a check is launched as soon as
     the refused rows' draws under their masks are queued; their ids reach the host and the
     grammars (``redrawn``) after that launch, and the outputs still keep their schema."""
-    from pagedllm.structured.manager import StepGrammars
-    from pagedllm.worker.model_runner import ModelRunner
-
-    events: list[str] = []
-    for cls, name in ((ModelRunner, "_run_model"), (StepGrammars, "check"),
-                      (StepGrammars, "redrawn")):
-        def recording(self, *args, __original=getattr(cls, name), __name=name, **kwargs):
-            events.append(__name)
-            return __original(self, *args, **kwargs)
-        monkeypatch.setattr(cls, name, recording)
-    llm = make_llm(tiny_model_dir, async_scheduling=True)
-    schema = SCHEMAS["person"]
-    for completion in sample(llm, StructuredOutputsParams(json=schema), num=6):
-        jsonschema.validate(json.loads(completion.text), schema)
+    events = calls_of_a_schema_run(tiny_model_dir, monkeypatch, ["check", "redrawn"])
     checks = [i for i, e in enumerate(events) if e == "check"]
     redraws = [i for i, e in enumerate(events) if e == "redrawn"]
     assert redraws, "random weights should have had tokens refused"
