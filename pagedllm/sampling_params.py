@@ -30,7 +30,6 @@ Semantics (vLLM's, which OpenAI clients expect):
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 
@@ -187,15 +186,19 @@ class SamplingParams:
     @property
     def all_stop_token_ids(self) -> frozenset[int]:
         """Token ids that end generation (EOS unless ignored, plus stop_token_ids)."""
-        ids = set(self.stop_token_ids)
-        if not self.ignore_eos:
-            ids |= self.eos_token_ids
-        return frozenset(ids)
+        return self.stop_token_ids_with(self.eos_token_ids)
+
+    def stop_token_ids_with(self, eos_token_ids) -> frozenset[int]:
+        """Token ids that end generation if ``eos_token_ids`` were the model's EOS tokens."""
+        ids = frozenset(self.stop_token_ids)
+        return ids if self.ignore_eos else ids | frozenset(eos_token_ids)
 
     def clone(self, **changes) -> "SamplingParams":
-        new = copy.copy(self)
-        for key, value in changes.items():
-            setattr(new, key, value)
+        """A copy with ``changes`` applied; its lists and dicts are its own. Validation is not
+        run again (the fields were valid, and the changes are the engine's)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
         new.stop = list(new.stop)
         new.stop_token_ids = list(new.stop_token_ids)
         if new.logit_bias is not None:

@@ -102,6 +102,7 @@ class OutputProcessor:
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         decode = self.tokenizer is not None and params.detokenize
+        stop_token_ids = self._stop_token_ids(params)
         sequences = [
             _SequenceState(
                 index=i,
@@ -117,7 +118,7 @@ class OutputProcessor:
                 # When nobody reads the text before the end and no stop string needs it, it
                 # is decoded once, at the end (without text, nothing is decoded at all).
                 detokenize_at_end=not decode or (output_kind == "final" and not params.stop),
-                stop_token_ids=self._stop_token_ids(params),
+                stop_token_ids=stop_token_ids,
             )
             for i in range(params.n)
         ]
@@ -133,7 +134,7 @@ class OutputProcessor:
 
     def _stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
-        return params.clone(eos_token_ids=frozenset(eos)).all_stop_token_ids
+        return params.stop_token_ids_with(eos)
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a user request; returns its core request ids (for the core to abort)."""

@@ -162,7 +162,7 @@ class InputProcessor:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         requests = []
         for index in range(params.n):
-            child = params.clone(n=1)
+            child = params if params.n == 1 else params.clone(n=1)
             if params.n > 1 and params.seed is not None:
                 child.seed = params.seed + index
             requests.append(Request(

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from pagedllm.engine import gc_tuning
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
@@ -67,16 +68,18 @@ class LLM:
                 )
         engine = self.llm_engine
         request_ids = []
-        try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                request_id = engine.next_request_id()
-                engine.add_request(request_id, prompt, params,
-                                   priority=0 if priority is None else priority[i])
-                request_ids.append(request_id)
-        except Exception:
-            engine.abort_request(request_ids)
-            raise
-        return self._run_engine(request_ids, use_tqdm)
+        with gc_tuning.offline_generate() as admitted:
+            try:
+                for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                    request_id = engine.next_request_id()
+                    engine.add_request(request_id, prompt, params,
+                                       priority=0 if priority is None else priority[i])
+                    request_ids.append(request_id)
+            except Exception:
+                engine.abort_request(request_ids)
+                raise
+            admitted()
+            return self._run_engine(request_ids, use_tqdm)
 
     def chat(
         self,

@@ -1,5 +1,6 @@
-"""The server's processes tune the garbage collector once started; ``PAGEDLLM_SERVER_GC=0``
-leaves it as Python sets it. Run in a child process: the tuning is process-wide."""
+"""The server's processes tune the garbage collector once started, ``LLM.generate`` while it
+runs; ``PAGEDLLM_GC_TUNING=0`` leaves it as Python sets it. Run in a child process: the
+tuning is process-wide."""
 
 from __future__ import annotations
 
@@ -46,4 +47,69 @@ def test_the_switch_leaves_the_collector_alone():
 def test_the_switch_takes_1_or_0_only():
     with pytest.raises(subprocess.CalledProcessError) as failed:
         probe("off")
-    assert "PAGEDLLM_SERVER_GC='off': give 1 (on) or 0 (off)" in failed.value.stderr
+    assert "PAGEDLLM_GC_TUNING='off': give 1 (on) or 0 (off)" in failed.value.stderr
+
+
+
+OFFLINE_PROBE = """
+import gc, json, sys, weakref
+from pagedllm import LLM, SamplingParams
+setup = sys.argv[1]
+llm = LLM(max_model_len=256)
+if setup == "disabled":
+    gc.disable()
+if setup == "frozen":
+    gc.freeze()
+engine = llm.llm_engine
+seen = {"admitting": [], "stepping": []}
+def watch(phase, call):
+    def watched(*args, **kwargs):
+        seen[phase].append([gc.isenabled(), gc.get_freeze_count(), gc.get_threshold()[0]])
+        return call(*args, **kwargs)
+    return watched
+engine.add_request = watch("admitting", engine.add_request)
+engine.step = watch("stepping", engine.step)
+prompts = [{"prompt_token_ids": [1 + i % 50, 2, 3]} for i in range(100)]
+seen["before"] = [gc.isenabled(), gc.get_freeze_count(), gc.get_threshold()]
+outputs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+seen["after"] = [gc.isenabled(), gc.get_freeze_count(), gc.get_threshold()]
+gc.enable()
+dropped = weakref.ref(engine)
+del llm, engine, outputs
+gc.collect()
+seen["freed"] = dropped() is None
+print(json.dumps(seen))
+"""
+
+
+def offline_probe(setup: str) -> dict:
+    """The collector around one ``LLM.generate`` of 100 requests in a fresh interpreter:
+    as each request was admitted, as each step ran, before and after."""
+    env = {k: v for k, v in os.environ.items() if k != GC_ENV}
+    out = subprocess.run([sys.executable, "-c", OFFLINE_PROBE, setup], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def test_generate_quiets_the_collector_while_it_runs_and_restores_it():
+    seen = offline_probe("default")
+    enabled, frozen, thresholds = seen["before"]
+    assert enabled and frozen == 0
+    # No collection while requests are admitted; then the heap alive (the model, the
+    # requests) is frozen and collections run at the raised threshold.
+    assert seen["admitting"] and not any(on for on, _, _ in seen["admitting"])
+    assert seen["stepping"] and all(on and count > 1000 and young == YOUNG_THRESHOLD
+                                    for on, count, young in seen["stepping"])
+    assert seen["after"] == seen["before"]
+    assert seen["freed"]  # nothing stays frozen: a dropped LLM is reclaimed
+
+
+@pytest.mark.parametrize("setup", ["disabled", "frozen"])
+def test_generate_keeps_a_collector_the_caller_disabled_or_froze(setup):
+    seen = offline_probe(setup)
+    enabled, frozen, thresholds = seen["after"]
+    assert [enabled, thresholds] == [seen["before"][0], seen["before"][2]]
+    assert enabled is (setup != "disabled")
+    assert all(state[0] is enabled for state in seen["admitting"] + seen["stepping"])
+    # The caller's frozen heap stays frozen (less what reference counting freed meanwhile).
+    assert (frozen > 0) is (setup == "frozen")
