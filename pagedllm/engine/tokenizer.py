@@ -52,8 +52,6 @@ NAMED_SPECIAL_TOKENS = (
 )
 _TOKENIZER_FILES = [TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE,
                     CHAT_TEMPLATE_FILE, f"{CHAT_TEMPLATE_DIR}/*.jinja", LEGACY_CHAT_TEMPLATE_FILE]
-# Names a message's reasoning travels under; templates read the first (transformers aliases them).
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
@@ -268,16 +266,17 @@ class Tokenizer:
         chat_template: str | None = None,
         tools: list[dict] | None = None,
         documents: list[dict] | None = None,
-        continue_final_message: bool = False,
+        continue_final_message: bool | str = False,
         **kwargs: Any,
     ) -> str:
         """Render ``messages`` (role/content dicts) to the prompt text, exactly as transformers does.
 
-        Message ``content`` may be a string or a list of parts (``{"type": "text", ...}``):
-        the template sees it unchanged. Keys whose value is ``None`` are dropped, as
-        transformers drops them. ``kwargs`` become template variables (``enable_thinking``...)
-        and override the special tokens (``bos_token``, ``eos_token``...) of the same name.
-        ``continue_final_message`` leaves the last message open for the model to continue.
+        The template sees the messages as given (a ``None`` value included; the OpenAI
+        conventions of ``chat_messages`` are the server's and ``LLM.chat``'s). ``kwargs``
+        become template variables (``enable_thinking``...) and override the special tokens
+        (``bos_token``, ``eos_token``...) of the same name. ``continue_final_message`` leaves
+        the last message's ``content`` open for the model to continue, or the field it names
+        (``"reasoning_content"``).
         """
         if not messages:
             raise ValueError("messages is empty: a chat needs at least one message.")
@@ -289,11 +288,12 @@ class Tokenizer:
         template = self.get_chat_template(chat_template, tools)
         if tools is not None and any(not isinstance(t, Mapping) for t in tools):
             raise ValueError("tools must be a list of JSON-schema dicts.")
-        chat = _alias_reasoning_fields([_plain_message(m) for m in messages])
+        chat = [_plain_message(m) for m in messages]
 
         final_text = None
         if continue_final_message:
-            final_text = _tag_final_message(chat, template)
+            field = continue_final_message if isinstance(continue_final_message, str) else "content"
+            final_text = _tag_final_message(chat, template, field)
 
         variables = {**self.special_tokens_map, **_plain(kwargs)}
         try:
@@ -381,34 +381,26 @@ def _plain_message(message: Any) -> dict:
     message = _plain(message)
     if not isinstance(message, dict):
         raise ValueError(f"Each chat message must be a dict with 'role' and 'content', got {message!r}.")
-    return {k: v for k, v in message.items() if v is not None}
+    return message
 
 
-def _alias_reasoning_fields(chat: list[dict]) -> list[dict]:
-    out = []
-    for message in chat:
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        out.append(message)
-    return out
-
-
-def _tag_final_message(chat: list[dict], template: str) -> str:
-    """Mark the end of the last message's text so rendering can be cut there; returns that text."""
-    final = chat[-1].get("content")
+def _tag_final_message(chat: list[dict], template: str, field: str) -> str:
+    """Mark the end of the last message's ``field`` so rendering can be cut there; returns
+    its text."""
+    final = chat[-1].get(field)
     if final is None:
-        raise ValueError("continue_final_message is set but the last message has no content.")
-    if "content" not in template:
-        raise ValueError("continue_final_message is set but the chat template never reads 'content'.")
-    if isinstance(final, list):
+        raise ValueError(f"continue_final_message is set but the last message has no {field!r}.")
+    if field not in template:
+        raise ValueError(f"continue_final_message is set to {field!r} but the chat template "
+                         "never reads it.")
+    if isinstance(final, (list, tuple)):
         for part in reversed(final):
             if isinstance(part, dict) and "text" in part:
                 text = part["text"]
                 part["text"] = text + _CONTINUE_TAG
                 return text
         raise ValueError("continue_final_message is set but the last message has no text part.")
-    chat[-1]["content"] = final + _CONTINUE_TAG
+    chat[-1][field] = final + _CONTINUE_TAG
     return final
 
 

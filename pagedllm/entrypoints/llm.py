@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.engine import gc_tuning
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.chat_messages import messages_for_template
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.engine.tokenizer import Tokenizer
@@ -95,7 +96,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, using the chat template.
 
-        ``tools`` (JSON-schema function definitions) reach the template as its ``tools``;
+        Messages follow the OpenAI chat format, read as the server reads them
+        (``pagedllm.engine.chat_messages``: ``content: None`` beside tool calls, arguments as
+        JSON strings, reasoning under ``reasoning_content``). ``tools`` (JSON-schema function definitions) reach the template as its ``tools``;
         ``continue_final_message`` leaves the last message open for the model to continue
         (with ``add_generation_prompt=False``). ``chat_template_kwargs`` and any further
         keyword arguments become template variables (``enable_thinking=False``...).
@@ -114,7 +117,7 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt,
+                messages_for_template(conversation), add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template, tools=tools,
                 continue_final_message=continue_final_message, **variables,
             )

@@ -265,6 +265,31 @@ def test_chat_passes_tools_and_template_variables(llm):
         llm.chat([{"role": "user", "content": "hi"}], params, chat_template_kwargs=["x"])
 
 
+# The constructs of DeepSeek V3's tool template: ``content is none`` tested, then
+# concatenated with ``+`` (a missing key fails there), arguments written with ``tojson``.
+DEEPSEEK_LIKE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and m['tool_calls'] is defined %}"
+    "{% if m['content'] is none %}<calls>{% else %}{{ '<a>' + m['content'] + '<calls>' }}{% endif %}"
+    "{% for c in m['tool_calls'] %}{{ c['function']['name'] + ':' }}"
+    "{{ c['function']['arguments'] | tojson }}{% endfor %}</calls>"
+    "{% else %}{{ '<' + m['role'] + '>' + m['content'] }}{% endif %}{% endfor %}"
+)
+
+
+def test_chat_renders_an_agent_loop_with_openai_messages(llm):
+    """An assistant turn of tool calls only (``content: None``, arguments as a JSON string)
+    renders through a template that tests ``content is none`` and writes the arguments."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    (out,) = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False,
+                      chat_template=DEEPSEEK_LIKE, add_generation_prompt=False)
+    assert out.prompt == '<user>Weather?<a><calls>get_weather:{"city": "Paris"}</calls><tool>18 C'
+
+
 def test_seeded_sampling_is_unchanged_by_preemption(tiny_model_dir):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 3, 40, seed=1)]
     params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=12, ignore_eos=True)

@@ -160,3 +160,37 @@ def test_invalid_template_syntax_is_a_value_error(tokenizer):
 def test_empty_conversation_is_rejected(tokenizer):
     with pytest.raises(ValueError, match="messages"):
         tokenizer.apply_chat_template([])
+
+
+NONE_AWARE_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}:"
+    "{% if m['content'] is none %}<none>{% else %}{{ m['content'] }}{% endif %}"
+    "{% if m.reasoning_content is defined %}[r:{{ m.reasoning_content }}]{% endif %}"
+    "{% if m.thinking is defined %}[t:{{ m.thinking }}]{% endif %}|{% endfor %}"
+)
+
+
+def test_messages_reach_the_template_as_given_like_transformers(tokenizer, hf_tokenizer):
+    """A null ``content`` stays null and reasoning stays under the name it was given."""
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": None, "reasoning": "hmm"}]
+    ours = tokenizer.apply_chat_template(messages, chat_template=NONE_AWARE_TEMPLATE)
+    assert ours == hf_render(hf_tokenizer, messages, chat_template=NONE_AWARE_TEMPLATE,
+                             add_generation_prompt=True)
+    assert ours == "user:Hi|assistant:<none>|"
+
+
+def test_continue_final_message_may_name_the_field_to_continue(tokenizer, hf_tokenizer):
+    template = ("{% for m in messages %}{{ m.role }}:{% if m.reasoning_content %}<think>"
+                "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}|{% endfor %}")
+    messages = [{"role": "user", "content": "2 + 2?"},
+                {"role": "assistant", "reasoning_content": "Let me add", "content": ""}]
+    ours = tokenizer.apply_chat_template(messages, chat_template=template,
+                                         add_generation_prompt=False,
+                                         continue_final_message="reasoning_content")
+    assert ours == hf_render(hf_tokenizer, messages, chat_template=template,
+                             continue_final_message="reasoning_content")
+    assert ours == "user:2 + 2?|assistant:<think>Let me add"
+    with pytest.raises(ValueError, match="'thinking'"):
+        tokenizer.apply_chat_template(messages, chat_template=template,
+                                      add_generation_prompt=False, continue_final_message="thinking")

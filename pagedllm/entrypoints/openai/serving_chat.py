@@ -20,13 +20,13 @@ templates expect.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 
 import jinja2
 
 from pagedllm.engine.async_engine import AsyncEngine, RequestStream
+from pagedllm.engine.chat_messages import ChatMessageError, message_for_template
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatMessage, ChatResponseMessage, OpenAIError,
@@ -194,7 +194,7 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     def _plain_message(index: int, message: ChatMessage) -> dict:
-        plain = {"role": message.role, **(message.model_extra or {})}
+        """The message as the template reads it (``chat_messages``), its text parts joined."""
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -208,10 +208,11 @@ class OpenAIServingChat(OpenAIServing):
                     )
                 texts.append(part["text"])
             content = "\n".join(texts)
-        plain["content"] = content
-        if isinstance(plain.get("tool_calls"), list):
-            plain["tool_calls"] = [_call_for_template(index, call) for call in plain["tool_calls"]]
-        return plain
+        plain = {"role": message.role, **(message.model_extra or {}), "content": content}
+        try:
+            return message_for_template(index, plain)
+        except ChatMessageError as exc:
+            raise OpenAIError(str(exc), param=exc.param) from None
 
     @staticmethod
     def _check_supported(request: ChatCompletionRequest) -> None:
@@ -366,24 +367,6 @@ def _delta(message: DeltaMessage | None) -> dict:
             calls.append(entry)
         delta["tool_calls"] = calls
     return delta
-
-
-def _call_for_template(message_index: int, call) -> dict:
-    """An assistant message's tool call as chat templates read it: ``arguments`` as an object."""
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise OpenAIError(f"messages[{message_index}].tool_calls must be a list of "
-                          '{"id", "type": "function", "function": {"name", "arguments"}}.',
-                          param=f"messages[{message_index}].tool_calls")
-    function = dict(call["function"])
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            raise OpenAIError(f"messages[{message_index}].tool_calls: the arguments of "
-                              f"{function.get('name')!r} are not valid JSON.",
-                              param=f"messages[{message_index}].tool_calls") from None
-    return {**call, "function": function}
 
 
 def _rfind(sequence: list[int], pattern: list[int]) -> int:

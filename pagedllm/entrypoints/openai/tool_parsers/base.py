@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from pagedllm.entrypoints.openai.tool_parsers.partial import (
-    decode_json_at, extension, held_suffix_len, member_closers, parse_partial_json, stable_dumps,
+    decode_json_at, dumps_json, extension, held_suffix_len, member_closers, parse_partial_json,
+    skip_space, stable_dumps,
 )
 
 if TYPE_CHECKING:
@@ -121,8 +122,11 @@ def json_call(obj: object, closers: str, key: Hashable, *,
     """The call a (partial) ``{"name": ..., "arguments": {...}}`` object holds.
 
     None while the name is not complete, and for a complete object that is no call: no
-    non-empty string ``name``, arguments that are not an object, or (``args_required``) no
-    arguments key. Without arguments (when allowed) the call has ``{}``.
+    non-empty string ``name``, arguments that are neither an object nor a string, or
+    (``args_required``) no arguments key. Without arguments (when allowed) the call has
+    ``{}``. Arguments written as a JSON string (Granite's models do) are that string's
+    object where it holds one, else the string itself as a JSON value (vLLM's rule); they
+    are known once the string is complete.
     """
     if not isinstance(obj, dict):
         return None
@@ -135,9 +139,21 @@ def json_call(obj: object, closers: str, key: Hashable, *,
             return None
         return PartialCall(key, name, "" if closers else "{}")
     args = obj[args_key]
+    args_closers = member_closers(obj, args_key, closers)
+    if isinstance(args, str):
+        return PartialCall(key, name, "" if args_closers else _string_arguments(args))
     if not isinstance(args, dict):
         return PartialCall(key, name, "") if closers else None
-    return PartialCall(key, name, stable_dumps(args, member_closers(obj, args_key, closers)))
+    return PartialCall(key, name, stable_dumps(args, args_closers))
+
+
+def _string_arguments(text: str) -> str:
+    """The arguments a model wrote as a JSON string: the object the string holds, else the
+    string as a JSON value."""
+    decoded = decode_json_at(text, skip_space(text, 0))
+    if decoded is not None and isinstance(decoded[0], dict) and not text[decoded[1]:].strip():
+        return dumps_json(decoded[0])
+    return dumps_json(text)
 
 
 def json_calls(value: object, closers: str, at: int, **call_options) -> list[PartialCall] | None:
