@@ -101,6 +101,11 @@ HERMES_CASES = [
      '<tool_call>\n{"function": "get_weather", "city": "Paris"}\n</tool_call>\nok', []),
     (hermes_block("a", {}) + '\n<tool_call>{"name": 7}</tool_call>',
      '<tool_call>{"name": 7}</tool_call>', [("a", {})]),
+    # Arguments written as a JSON string (Granite's models): the object it holds, else the
+    # string itself.
+    ('<tool_call>\n{"name": "get_config", "arguments": "{\\"param\\": \\"max_connections\\"}"}'
+     '\n</tool_call>', None, [("get_config", {"param": "max_connections"})]),
+    ('<tool_call>{"name": "echo", "arguments": "{oops"}</tool_call>', None, [("echo", "{oops")]),
 ]
 
 LLAMA3_CASES = [
@@ -166,9 +171,26 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "paramet
         "note": {"type": "string"}}}}}
 
 
+# Unions as Pydantic writes them (``Optional[int]``, a nested model by ``$ref``).
+RECORD_TOOL = {"type": "function", "function": {"name": "set_record", "parameters": {
+    "type": "object", "$defs": {"Point": {"properties": {"x": {"type": "number"}}}},
+    "properties": {
+        "count": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "ratio": {"type": ["number", "null"]}, "flag": {"oneOf": [{"type": "boolean"},
+                                                                  {"type": "null"}]},
+        "point": {"anyOf": [{"$ref": "#/$defs/Point"}, {"type": "null"}]},
+        "label": {"type": "string"}, "maybe": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "data": {"type": "object"}, "amount": {"type": ["integer", "boolean"]}}}}}
+
+
 def qwen3_coder_parser() -> Qwen3CoderToolParser:
-    """The parser as a request with ``WEATHER_TOOL`` gets it."""
-    return Qwen3CoderToolParser().for_tools([WEATHER_TOOL])
+    """The parser as a request with ``WEATHER_TOOL`` and ``RECORD_TOOL`` gets it."""
+    return Qwen3CoderToolParser().for_tools([WEATHER_TOOL, RECORD_TOOL])
+
+
+def record_call(**values: str) -> str:
+    parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    return f"<tool_call>\n<function=set_record>\n{parameters}</function>\n</tool_call>"
 
 
 QWEN3_CODER_CASES = [
@@ -201,6 +223,22 @@ QWEN3_CODER_CASES = [
     ("<tool_call>\nnot a call\n</tool_call> and <function=> here",
      "<tool_call>\nnot a call\n</tool_call> and <function=> here", []),
     ("Use <tool_call> tags for calls.", "Use <tool_call> tags for calls.", []),
+    # Union types; "null" stays text for a string that may not be null, "None" is null where
+    # null is allowed; an object given as a JSON string of its text.
+    (record_call(count="42", ratio="0.5", flag="true", point='{"x": 1.5}', label="null",
+                 maybe="None", data='"{\'key\': \'value\', \'n\': 1}"', amount="true"), None,
+     [("set_record", {"count": 42, "ratio": 0.5, "flag": True, "point": {"x": 1.5},
+                      "label": "null", "maybe": None, "data": {"key": "value", "n": 1},
+                      "amount": True})]),
+    # What reads as none of a union's types stays text.
+    (record_call(count="many", ratio="None", amount="yes"), None,
+     [("set_record", {"count": "many", "ratio": None, "amount": "yes"})]),
+    # A template's placeholder left in the text is no function name.
+    ("<tool_call>\n<function={{ tool.name }}>\n<parameter={{ k }}>\nv\n</parameter>\n</function>"
+     "\n</tool_call>\n" + "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+     "</parameter>\n</function>\n</tool_call>",
+     "<tool_call>\n<function={{ tool.name }}>\n<parameter={{ k }}>\nv\n</parameter>\n</function>"
+     "\n</tool_call>", [("get_weather", {"city": "Oslo"})]),
 ]
 
 ALL_CASES = [(HermesToolParser, case) for case in HERMES_CASES] + [

@@ -14,11 +14,14 @@
 
 A parameter's value is the raw text between its tags, less one newline on each side. It
 ends at ``</parameter>``, or at the next ``<parameter=`` or ``</function>`` when its end tag
-is missing. Values are typed by the request's tool (``for_tools``): the type its
-``parameters.properties`` give the name (``string`` stays text; integers, numbers and
-booleans are read as such; objects and arrays as JSON, else as Python literals; ``null``
-is null for any type), falling back to the text when it does not read as that type; a
-parameter the tool does not declare stays text. When the same name comes twice, the first
+is missing. Values are typed by the request's tool (``for_tools``): the types its
+``parameters.properties`` give the name (``type``, a list of types, ``anyOf`` / ``oneOf``
+branches, a local ``$ref``). ``string`` stays text; integers, numbers and booleans are read
+as such; objects and arrays as JSON, else as Python literals (a JSON string of one is read
+once more); ``null`` is null (but stays text for a string that may not be null), and so is
+``None`` where the schema allows null. A
+value falls back to its text when it reads as none of its types; a parameter the tool
+does not declare, or may be a string, stays text. When the same name comes twice, the first
 value counts. A ``<tool_call>`` block may hold several functions; a ``<function=`` block
 outside one is a call too (the model sometimes leaves the wrapper out). A block without a
 function is content, verbatim; the last block may lack its end tags (generation stopped
@@ -124,8 +127,8 @@ class Qwen3CoderToolParser(ToolParser):
         name_start = at + len(FUNCTION)
         name_end = text.find(">", name_start)
         name = text[name_start:name_end].strip() if name_end >= 0 else ""
-        if not name or any(c in name for c in "<\n"):
-            return None, None
+        if not name or any(c.isspace() or c in "<>{}\"'" for c in name):
+            return None, None  # no name (a template's ``{{ tool.name }}`` left in the text)
         close = text.find(FUNCTION_END, name_end)
         body_end = len(text) if close < 0 else close
         arguments = self._arguments(text, name_end + 1, body_end, name, close >= 0 or final)
@@ -154,7 +157,7 @@ class Qwen3CoderToolParser(ToolParser):
             elif _is_text(types.get(name)):
                 raw = raw[1:] if raw.startswith("\n") else raw
                 held = raw[:len(raw) - held_suffix_len(raw, _VALUE_END_MARKERS)]
-                if not "null".startswith(held.lower()):  # "null" would be read as null
+                if not _may_become_null(held, types.get(name)):
                     open_text = (name, held)
             if not closed:
                 break
@@ -174,26 +177,54 @@ def _next_opening(text: str, pos: int) -> tuple[int, bool] | None:
     return (bare, False) if bare >= 0 else None
 
 
-def _parameter_types(tools: list[dict]) -> dict[str, dict[str, str | None]]:
-    """Each function's parameters by name, with the JSON type its schema gives (None when
-    it gives none)."""
-    types: dict[str, dict[str, str | None]] = {}
+def _parameter_types(tools: list[dict]) -> dict[str, dict[str, frozenset[str] | None]]:
+    """Each function's parameters by name, with the JSON types their schemas allow (None when
+    a schema names none)."""
+    types: dict[str, dict[str, frozenset[str] | None]] = {}
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             continue
         parameters = function.get("parameters")
         properties = parameters.get("properties") if isinstance(parameters, dict) else None
-        declared: dict[str, str | None] = {}
-        for name, schema in (properties or {}).items() if isinstance(properties, dict) else ():
-            kind = schema.get("type") if isinstance(schema, dict) else None
-            declared[name] = str(kind).strip().lower() if isinstance(kind, str) else None
-        types[function["name"]] = declared
+        if not isinstance(properties, dict):
+            properties = {}
+        types[function["name"]] = {name: _schema_types(schema, parameters)
+                                   for name, schema in properties.items()}
     return types
 
 
-def _is_text(kind: str | None) -> bool:
-    return kind is None or kind in _TEXT_TYPES
+def _schema_types(schema: Any, root: dict, depth: int = 0) -> frozenset[str] | None:
+    """The JSON types ``schema`` allows: its ``type`` (a name or a list of names), the
+    union over its ``anyOf`` / ``oneOf`` branches (Pydantic's ``Optional[int]`` is
+    ``anyOf: [{type: integer}, {type: null}]``), the schema a local ``$ref`` names, or
+    ``object`` for a schema of ``properties``; None when it names none."""
+    if not isinstance(schema, dict) or depth > 8:
+        return None
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return frozenset({kind.strip().lower()})
+    if isinstance(kind, list) and kind and all(isinstance(k, str) for k in kind):
+        return frozenset(k.strip().lower() for k in kind)
+    branches = [b for key in ("anyOf", "oneOf") if isinstance(schema.get(key), list)
+                for b in schema[key]]
+    if branches:
+        kinds = [_schema_types(branch, root, depth + 1) for branch in branches]
+        return None if None in kinds else frozenset().union(*kinds)
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        target: Any = root
+        for key in ref[2:].split("/"):
+            target = target.get(key) if isinstance(target, dict) else None
+        return _schema_types(target, root, depth + 1)
+    if isinstance(schema.get("properties"), dict):
+        return frozenset({"object"})
+    return None
+
+
+def _is_text(kinds: frozenset[str] | None) -> bool:
+    """Whether a value of these types is kept as its text (no type, or a text type)."""
+    return kinds is None or not kinds - {"null"} or bool(kinds & _TEXT_TYPES)
 
 
 def _trim(raw: str) -> str:
@@ -202,33 +233,92 @@ def _trim(raw: str) -> str:
     return raw[:-1] if raw.endswith("\n") else raw
 
 
-def _typed(value: str, kind: str | None) -> Any:
-    """``value`` read as its declared JSON type; the text itself when it does not read so."""
-    if value.lower() == "null":
+_UNREAD = object()
+
+
+def _typed(value: str, kinds: frozenset[str] | None) -> Any:
+    """``value`` read as one of its declared JSON types; the text itself when it reads as
+    none of them. With several types (a union), each non-text type is tried in turn and
+    must match exactly (``true``/``false`` for a boolean, an object for an object)."""
+    if _null_text(value, kinds):
         return None
-    if _is_text(kind):
+    if _is_text(kinds):
         return value
-    if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+    exact = len(kinds - {"null"}) > 1
+    for kind in sorted(kinds - {"null"}, key=_read_order):
+        result = _read_as(value, kind, exact)
+        if result is not _UNREAD:
+            return result
+    return value
+
+
+def _null_text(value: str, kinds: frozenset[str] | None) -> bool:
+    """Whether ``value`` stands for null: ``null`` (any case), unless the schema allows a
+    string and no null, and Python's ``None`` where the schema allows null."""
+    if value.lower() == "null":
+        return kinds is None or "null" in kinds or not kinds & _TEXT_TYPES
+    return value == "None" and kinds is not None and "null" in kinds
+
+
+def _may_become_null(held: str, kinds: frozenset[str] | None) -> bool:
+    """Whether a value generated so far could still turn out to stand for null."""
+    return any(word.lower().startswith(held.lower()) if word == "null" else word.startswith(held)
+               for word in ("null", "None") if _null_text(word, kinds))
+
+
+def _read_order(kind: str) -> tuple[int, str]:
+    return (0 if _is_int(kind) else 1 if _is_number(kind) else 2 if kind in _BOOLEAN else 3, kind)
+
+
+def _is_int(kind: str) -> bool:
+    return kind.startswith(("int", "uint", "long", "short", "unsigned"))
+
+
+def _is_number(kind: str) -> bool:
+    return kind.startswith(("num", "float", "double"))
+
+
+_BOOLEAN = ("boolean", "bool", "binary")
+
+
+def _read_as(value: str, kind: str, exact: bool) -> Any:
+    """``value`` as a ``kind`` (a JSON type name, or a common alias), else ``_UNREAD``."""
+    text = value.strip()
+    if _is_int(kind):
         try:
-            return int(value.strip())
+            return int(text)
         except ValueError:
-            return value
-    if kind.startswith(("num", "float", "double")):
+            return _UNREAD
+    if _is_number(kind):
         try:
-            number = float(value.strip())
+            number = float(text)
         except ValueError:
-            return value
+            return _UNREAD
         if not math.isfinite(number):
-            return value
+            return _UNREAD
         return int(number) if number.is_integer() and abs(number) < 2**53 else number
-    if kind in ("boolean", "bool", "binary"):
-        return value.strip().lower() == "true"
+    if kind in _BOOLEAN:
+        if exact and text.lower() not in ("true", "false"):
+            return _UNREAD
+        return text.lower() == "true"
+    result = _literal(value)
+    if isinstance(result, str) and kind in ("object", "array"):
+        result = _literal(result)  # a JSON string of the value's text: read once more
+    wanted = {"object": dict, "array": list}.get(kind)
+    if result is _UNREAD or (wanted is not None and (exact or isinstance(result, str))
+                             and not isinstance(result, wanted)):
+        return _UNREAD
+    return result
+
+
+def _literal(text: str) -> Any:
+    """``text`` read as JSON, else as a Python literal; ``_UNREAD`` when it is neither (or
+    holds what JSON cannot)."""
     for read in (json.loads, ast.literal_eval):
         try:
-            result = read(value)
+            result = read(text)
             dumps_json(result)
             return result
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             continue
-    return value
-
+    return _UNREAD
