@@ -199,23 +199,35 @@ QWEN3_CODER_CASES = [
      "Let me check.", [("get_weather", {"city": "San Francisco", "days": 3})]),
     # Every type; a value with newlines, tags of other formats and quotes kept as text;
     # an undeclared parameter as text; two functions in one block, then a second block.
-    ("<tool_call>\n<function=get_weather>\n<parameter=metric>\nTrue\n</parameter>\n"
+    ("<tool_call>\n<function=get_weather>\n<parameter=extra>\n7\n</parameter>\n"
+     "<parameter=metric>\nTrue\n</parameter>\n"
      "<parameter=lat>\n-33.5\n</parameter>\n<parameter=tags>\n[\"a\", 2]\n</parameter>\n"
      "<parameter=where>\n{'x': (1, 2)}\n</parameter>\n<parameter=note>\nline 1\n\n"
-     "\"quoted\" </tool_call> ☕\n</parameter>\n<parameter=extra>\n7\n</parameter>\n"
+     "\"quoted\" </tool_call> ☕\n</parameter>\n"
      "</function>\n<function=get_weather>\n<parameter=days>\nnull\n</parameter>\n</function>\n"
      "</tool_call>\nDone.\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
-     "Done.", [("get_weather", {"metric": True, "lat": -33.5,
+     "Done.", [("get_weather", {"extra": "7", "metric": True, "lat": -33.5,
                                 "tags": ["a", 2], "where": {"x": [1, 2]},
-                                "note": 'line 1\n\n"quoted" </tool_call> ☕', "extra": "7"}),
+                                "note": 'line 1\n\n"quoted" </tool_call> ☕'}),
                ("get_weather", {"days": None}), ("get_time", {})]),
-    # Values that do not read as their type stay text; the first of two same names counts;
-    # missing end tags (the next tag ends a value; generation stopped in the last block).
+    # Values that do not read as their type stay text; missing end tags (the next
+    # parameter, not given yet, ends a value; generation stopped in the last block).
     ("<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n"
-     "<parameter=lat>\nnan\n</parameter>\n<parameter=city>\nOslo\n<parameter=city>\nRome\n"
-     "</parameter>\n<parameter=note>\nnullable\n</function>",
+     "<parameter=lat>\nnan\n<parameter=city>\nOslo\n</parameter>\n<parameter=note>\nnullable"
+     "\n</function>",
      None, [("get_weather", {"days": "three", "lat": "nan", "city": "Oslo",
                              "note": "nullable"})]),
+    # A value holding the markup itself (a coding agent's fixture): a tag ends a value only
+    # where the call's markup goes on around it.
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+     "<parameter=note>\nfixture = \"\"\"\n<tool_call>\n<function=get_weather>\n"
+     "<parameter=city>\nRome\n</parameter>\n<parameter=path>\nx\n</function>\n</tool_call>\n"
+     "\"\"\"\n</parameter>\n<parameter=undeclared>\n1\n</parameter>\n</parameter>\n</function>\n"
+     "</tool_call>\nDone.", "Done.",
+     [("get_weather", {"city": "Oslo", "note": (
+         'fixture = """\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n'
+         '</parameter>\n<parameter=path>\nx\n</function>\n</tool_call>\n"""\n</parameter>\n'
+         '<parameter=undeclared>\n1\n</parameter>')})]),
     # A bare function block (no wrapper).
     ("Sure: <function=get_weather><parameter=city>Paris</parameter></function> ok",
      "Sure:\nok", [("get_weather", {"city": "Paris"})]),
@@ -273,7 +285,8 @@ def test_stream_cut_anywhere_adds_up_to_extract(parser_cls, case):
 
 def test_qwen3_coder_streams_a_text_value_as_it_is_generated_and_types_the_rest_whole():
     """A text parameter's value grows with the text (its closing newline held back); a
-    typed one arrives whole when it ends; without the request's tools every value is text."""
+    typed one arrives whole once its end is certain; without the request's tools every
+    value is text."""
     head = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Fr"
     stream = qwen3_coder_parser().stream()
     first = stream.feed(head)
@@ -282,7 +295,11 @@ def test_qwen3_coder_streams_a_text_value_as_it_is_generated_and_types_the_rest_
     assert stream.feed("ancisco\n").tool_calls[0].arguments == "ancisco"
     assert stream.feed("</parameter>\n<parameter=days>\n1").tool_calls[0].arguments == '"'
     assert stream.feed("2\n") is None  # a number may still grow
-    assert stream.feed("</parameter>").tool_calls[0].arguments == ', "days": 12'
+    assert stream.feed("</parameter>") is None  # the tag may yet be text of the value
+    assert stream.feed("\n<parameter=metric>").tool_calls[0].arguments == ', "days": 12'
+    # The call's end is known once nothing can follow it that reopens its last value.
+    assert stream.feed("\ntrue\n</parameter>\n</function>\n</tool_call>") is None
+    assert stream.finish().tool_calls[0].arguments == ', "metric": true}'
     untyped = Qwen3CoderToolParser().extract(head + "\n</parameter><parameter=days>2</parameter>"
                                              "</function></tool_call>")
     assert json.loads(untyped.tool_calls[0].function.arguments) == {"city": "San Fr", "days": "2"}
@@ -324,7 +341,9 @@ def test_qwen3_coder_random_values_stream_like_extract():
     """Seeded random text values (quotes, backslashes, newlines, brackets, non-ASCII, tag
     fragments) and typed numbers, in blocks with and without end tags, streamed in random
     cuts."""
-    parser = qwen3_coder_parser()
+    properties = {**{f"p{i}": {"type": "string"} for i in range(3)}, "days": {"type": "integer"}}
+    parser = Qwen3CoderToolParser().for_tools([{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": properties}}}])
     rng = random.Random(11)
     alphabet = ["a", " ", '"', "\\", "\n", "é", "😀", "<", ">", "/", "=", "<parameter", "</"]
     for _ in range(40):

@@ -12,23 +12,30 @@
     </function>
     </tool_call>
 
-A parameter's value is the raw text between its tags, less one newline on each side. It
-ends at ``</parameter>``, or at the next ``<parameter=`` or ``</function>`` when its end tag
-is missing. Values are typed by the request's tool (``for_tools``): the types its
+A parameter's value is the raw text between its tags, less one newline on each side. A
+value may hold the markup itself (a coding agent writing a parser's fixture), so a tag ends
+it only where the call's markup goes on around it (``_Value``): ``</parameter>`` followed
+by the next parameter (one not given yet, and declared where the request's tool declares
+its parameters) or by the function's end; such a parameter's tag alone (the end tag left
+out); or ``</function>`` not followed, before the next block, by a stray end tag.
+
+Values are typed by the request's tool (``for_tools``): the types its
 ``parameters.properties`` give the name (``type``, a list of types, ``anyOf`` / ``oneOf``
 branches, a local ``$ref``). ``string`` stays text; integers, numbers and booleans are read
 as such; objects and arrays as JSON, else as Python literals (a JSON string of one is read
 once more); ``null`` is null (but stays text for a string that may not be null), and so is
-``None`` where the schema allows null. A
-value falls back to its text when it reads as none of its types; a parameter the tool
-does not declare, or may be a string, stays text. When the same name comes twice, the first
-value counts. A ``<tool_call>`` block may hold several functions; a ``<function=`` block
-outside one is a call too (the model sometimes leaves the wrapper out). A block without a
-function is content, verbatim; the last block may lack its end tags (generation stopped
-there). Content may come before, between and after the blocks.
+``None`` where the schema allows null. A value falls back to its text when it reads as none
+of its types; a parameter the tool does not declare, or that may be a string, stays text.
+
+A ``<tool_call>`` block may hold several functions; a ``<function=`` block outside one is a
+call too (the model sometimes leaves the wrapper out). A block without a function is
+content, verbatim; the last block may lack its end tags (generation stopped there).
+Content may come before, between and after the blocks.
 
 A stream emits a call's name once ``<function=name>`` is read, then its arguments as its
-parameters end, a text parameter's value character by character as it is generated.
+parameters end, a text parameter's value character by character as it is generated. A tag
+that may end a value holds the value back until what follows decides it; the last value
+of a call is decided by the next block or the end of the output.
 """
 
 from __future__ import annotations
@@ -49,9 +56,10 @@ from pagedllm.entrypoints.openai.tool_parsers.partial import (
 START, END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
-# Where a parameter's value ends (its own end tag, or the next tag when that is missing).
-_VALUE_END = re.compile(re.escape(PARAMETER_END) + "|" + re.escape(PARAMETER) + "|"
-                        + re.escape(FUNCTION_END))
+# The tags of a function body (which of them end a value: ``_Value``).
+_BODY_TAG = re.compile(re.escape(PARAMETER_END) + "|" + re.escape(PARAMETER) + "|"
+                       + re.escape(FUNCTION_END))
+_STRAY_END = re.compile(re.escape(PARAMETER_END) + "|" + re.escape(FUNCTION_END))
 # What the end of a value still being generated may turn out to be the start of (the
 # newline before a tag is not part of the value).
 _VALUE_END_MARKERS = tuple(newline + tag for tag in (PARAMETER_END, PARAMETER, FUNCTION_END)
@@ -122,51 +130,142 @@ class Qwen3CoderToolParser(ToolParser):
     def _function(self, text: str, at: int,
                   final: bool) -> tuple[PartialCall | None, int | None]:
         """The function at ``text[at]`` (``<function=``, its name read up to ``>``): its
-        call and the index after its end tag (None: it runs to the end of the text);
-        (None, None) when its name is no name."""
+        call and the index after its end tag (None: it runs to the end of the text, or its
+        end is not decided yet); (None, None) when its name is no name."""
         name_start = at + len(FUNCTION)
         name_end = text.find(">", name_start)
         name = text[name_start:name_end].strip() if name_end >= 0 else ""
         if not name or any(c.isspace() or c in "<>{}\"'" for c in name):
             return None, None  # no name (a template's ``{{ tool.name }}`` left in the text)
-        close = text.find(FUNCTION_END, name_end)
-        body_end = len(text) if close < 0 else close
-        arguments = self._arguments(text, name_end + 1, body_end, name, close >= 0 or final)
-        return PartialCall((at,), name, arguments), (None if close < 0 else close + len(FUNCTION_END))
+        arguments, end = self._body(text, name_end + 1, name, final)
+        return PartialCall((at,), name, arguments), end
 
-    def _arguments(self, text: str, pos: int, end: int, function: str, complete: bool) -> str:
-        """The arguments text of the function body ``text[pos:end]``: all of it when the
-        body is ``complete``, else the prefix its parameters so far fix."""
+    def _body(self, text: str, pos: int, function: str, final: bool) -> tuple[str, int | None]:
+        """The arguments of the function body from ``text[pos]`` (all of them once the body
+        is complete, else the prefix its parameters so far fix) and the index after its
+        ``</function>`` (None: not found, or not decided yet)."""
+        types = self._types.get(function) or {}
         values: dict[str, Any] = {}
         open_text: tuple[str, str] | None = None  # a text parameter still being generated
-        types = self._types.get(function, {})
-        while (at := text.find(PARAMETER, pos, end)) >= 0:
-            name_end = text.find(">", at + len(PARAMETER), end)
+        end: int | None = None
+        while True:
+            tag = _BODY_TAG.search(text, pos)
+            if tag is None:
+                break  # the body runs to the end of the text
+            if tag.group() != PARAMETER:
+                if tag.group() == FUNCTION_END:
+                    end = tag.end()
+                    break
+                pos = tag.end()  # a stray end tag between parameters
+                continue
+            name_end = text.find(">", tag.end())
             if name_end < 0:
                 break  # its name is still being generated
-            name = text[at + len(PARAMETER):name_end].strip()
-            value_end = _VALUE_END.search(text, name_end + 1, end)
-            closed = value_end is not None or complete
-            raw = text[name_end + 1:value_end.start() if value_end else end]
-            pos = value_end.end() if value_end and value_end.group() == PARAMETER_END else (
-                value_end.start() if value_end else end)
-            if name in values:
-                continue  # the first value of a name counts
-            if closed:
-                values[name] = _typed(_trim(raw), types.get(name))
-            elif _is_text(types.get(name)):
-                raw = raw[1:] if raw.startswith("\n") else raw
-                held = raw[:len(raw) - held_suffix_len(raw, _VALUE_END_MARKERS)]
-                if not _may_become_null(held, types.get(name)):
-                    open_text = (name, held)
-            if not closed:
+            name = text[tag.end():name_end].strip()
+            value = _Value(text, name_end + 1, name, values.keys(), types, final)
+            kinds = types.get(name)
+            if value.end is None:
+                if name not in values and _is_text(kinds):
+                    held = value.text_so_far()
+                    if not _may_become_null(held, kinds):
+                        open_text = (name, held)
                 break
-        if complete:
-            return dumps_json(values)
+            if name not in values:  # the first value of a name counts
+                values[name] = _typed(_trim(text[name_end + 1:value.end]), kinds)
+            pos = value.next
+        if end is not None or final:
+            return dumps_json(values), end
         if open_text is not None:
             values[open_text[0]] = open_text[1]
-            return stable_dumps(values, '"}')
-        return stable_dumps(values, "}")
+            return stable_dumps(values, '"}'), None
+        return stable_dumps(values, "}"), None
+
+
+class _Value:
+    """Where a parameter's value ends: ``end`` (its last index + 1) and ``next`` (the tag
+    after it), or ``end`` None while that is not decided (or the value runs to the end of a
+    partial text), with ``text_so_far()`` the value that is certain.
+
+    A value may hold text that looks like the markup (a coding agent writing a parser's
+    fixture), so a tag ends it only where the markup goes on around it: ``</parameter>``
+    followed by ``<parameter=NAME>`` of a parameter not given yet (and declared, when the
+    request's tool declares its parameters), or by the function's end; a
+    ``<parameter=NAME>`` of such a parameter (the end tag left out); and the function's
+    end: ``</function>`` after which, up to the next ``<tool_call>`` or ``<function=``, no
+    stray ``</parameter>`` or ``</function>`` follows. Any other tag is text of the value.
+    """
+
+    def __init__(self, text: str, start: int, name: str, given, types: dict,
+                 final: bool) -> None:
+        self.text, self.start = text, start
+        self.end: int | None = None
+        self.next: int | None = None
+        self.undecided_at: int | None = None
+        taken = set(given) | {name}
+        for tag in _BODY_TAG.finditer(text, start):
+            at = tag.start()
+            if tag.group() == PARAMETER_END:
+                after = skip_space(text, tag.end())
+                if after == len(text) and final:
+                    decision = True
+                else:
+                    decision = _markup_goes_on(text, after, taken, types, final)
+            elif tag.group() == PARAMETER:
+                after = at
+                decision = _markup_goes_on(text, at, taken, types, final)
+            else:  # </function>
+                after = at
+                decision = _function_ends(text, tag.end(), final)
+            if decision is None:
+                self.undecided_at = at
+                return
+            if decision:
+                self.end, self.next = at, after
+                return
+        if final:
+            self.end = self.next = len(text)
+
+    def text_so_far(self) -> str:
+        """The value's text that is certain (one leading newline less; the end that may still
+        turn out to be a tag, or the newline before one, held back)."""
+        stop = len(self.text) if self.undecided_at is None else self.undecided_at
+        raw = self.text[self.start:stop]
+        raw = raw[1:] if raw.startswith("\n") else raw
+        if self.undecided_at is not None:
+            return raw[:-1] if raw.endswith("\n") else raw
+        return raw[:len(raw) - held_suffix_len(raw, _VALUE_END_MARKERS)]
+
+
+def _markup_goes_on(text: str, at: int, taken: set[str], types: dict,
+                    final: bool) -> bool | None:
+    """Whether the markup goes on at ``text[at]`` after a value: a parameter not ``taken``
+    (and declared, where ``types`` declares any) or the function's end. None while the text
+    ends before that is decided."""
+    if text.startswith(PARAMETER, at):
+        name_end = text.find(">", at + len(PARAMETER))
+        if name_end < 0:
+            return None if not final else False
+        name = text[at + len(PARAMETER):name_end].strip()
+        return name not in taken and (not types or name in types)
+    if text.startswith(FUNCTION_END, at):
+        return _function_ends(text, at + len(FUNCTION_END), final)
+    rest = text[at:]
+    if not final and any(tag.startswith(rest) for tag in (PARAMETER, FUNCTION_END)):
+        return None
+    return False
+
+
+def _function_ends(text: str, after: int, final: bool) -> bool | None:
+    """Whether the ``</function>`` ending at ``after`` ends the function: no stray
+    ``</parameter>`` or ``</function>`` follows before the next block. None while a partial
+    text could still show one."""
+    opening = _next_opening(text, after)
+    stop = len(text) if opening is None else opening[0]
+    if _STRAY_END.search(text, after, stop):
+        return False
+    if opening is None and not final:
+        return None
+    return True
 
 
 def _next_opening(text: str, pos: int) -> tuple[int, bool] | None:
