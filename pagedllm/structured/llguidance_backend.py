@@ -11,7 +11,8 @@ to its grammar text as follows:
   ``contains``, ``propertyNames``) are refused at validation with its message, and so is
   a ``$ref`` outside the schema (nothing is ever fetched); a ``format`` it does not know is
   an annotation and left out (the standard's default); dependencies between properties
-  are rewritten as ``anyOf`` (``_dependencies_as_any_of``);
+  are rewritten as ``anyOf`` (``_dependencies_as_any_of``); an object schema that lists
+  its ``properties`` and says nothing of other names allows none (``_close_object``);
 - ``regex``: ``grammar_from_regex`` (the whole output matches);
 - ``choice``: a Lark rule with one string literal per choice;
 - ``grammar``: Lark as is, GBNF / EBNF (``::=``) converted to Lark first;
@@ -45,9 +46,12 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             raise ValueError("structured_outputs.json must be a JSON schema object.")
         nodes = list(subschemas(schema))
         own_ids = {resource_id(node) for node in nodes} - {None}
+        parts = _composed_parts(nodes)
         for node in nodes:
             _check_local_ref(node, own_ids)
             _drop_unknown_format(node)
+            if id(node) not in parts:
+                _close_object(node)
             _dependencies_as_any_of(node)
         options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
         if params.whitespace_pattern is not None:
@@ -105,6 +109,40 @@ def _drop_unknown_format(node: dict) -> None:
     name = node.get("format")
     if isinstance(name, str) and not _known_format(name):
         del node["format"]
+
+
+# Keywords that let an object have names beyond its ``properties``, or combine it with other
+# schemas that may name them.
+_OPEN_OBJECT_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties",
+                         "allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas",
+                         "dependencies")
+
+
+def _close_object(node: dict) -> None:
+    """An object schema that lists its ``properties`` and says nothing of other names allows
+    none (``additionalProperties: false``), as vLLM's default backend (xgrammar's strict
+    mode) and OpenAI's strict schemas do: Pydantic's schemas, which langchain and
+    instructor send, say nothing of them, and a grammar that lets a model invent keys lets
+    it write them without end. ``additionalProperties: true`` keeps them allowed. A schema
+    combined with others (``_composed_parts``, or one combining others) is left as is:
+    closing it could forbid names the others declare."""
+    if isinstance(node.get("properties"), dict) and not any(
+            key in node for key in _OPEN_OBJECT_KEYWORDS):
+        node["additionalProperties"] = False
+
+
+def _composed_parts(nodes: list[dict]) -> set[int]:
+    """The ids of the schemas that are parts of another's composition: ``allOf`` members,
+    dependent schemas, ``if`` / ``then`` / ``else`` / ``not``."""
+    parts: set[int] = set()
+    for node in nodes:
+        members = list(node.get("allOf") or []) if isinstance(node.get("allOf"), list) else []
+        for key in ("dependentSchemas", "dependencies"):
+            if isinstance(node.get(key), dict):
+                members.extend(node[key].values())
+        members.extend(node.get(key) for key in ("if", "then", "else", "not"))
+        parts.update(id(member) for member in members if isinstance(member, dict))
+    return parts
 
 
 def _dependencies_as_any_of(node: dict) -> None:

@@ -150,6 +150,21 @@ def test_dependencies_between_properties_hold(llm, draft):
     assert any("a" in v for v in seen) and any("c" in v for v in seen)
 
 
+def test_listed_properties_are_the_only_keys_unless_the_schema_allows_others(llm):
+    """Pydantic's schemas (what langchain and instructor send) list ``properties`` and say
+    nothing of other keys: no other key is generated (as vLLM's default backend does), where
+    a grammar that allows them lets the model write keys without end."""
+    listed = {"type": "object", "required": ["a"],
+              "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 4}}}
+    for completion in sample(llm, StructuredOutputsParams(json=listed), num=16, max_tokens=60):
+        assert completion.finish_reason == "stop", completion.text
+        assert set(json.loads(completion.text)) <= {"a", "b"}
+    allowed = {**listed, "additionalProperties": True}
+    completions = sample(llm, StructuredOutputsParams(json=allowed), num=16, max_tokens=60)
+    # A key other than "b" after a comma (a value of "b" would escape its quotes).
+    assert any(re.search(r',"(?!b":)', c.text) for c in completions)
+
+
 def test_json_object_is_one_json_object(llm):
     for completion in sample(llm, StructuredOutputsParams(json_object=True), num=12, max_tokens=200):
         if completion.finish_reason == "stop":
