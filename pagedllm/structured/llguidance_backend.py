@@ -126,9 +126,15 @@ def _close_object(node: dict) -> None:
     it write them without end. ``additionalProperties: true`` keeps them allowed. A schema
     combined with others (``_composed_parts``, or one combining others) is left as is:
     closing it could forbid names the others declare."""
-    if isinstance(node.get("properties"), dict) and not any(
-            key in node for key in _OPEN_OBJECT_KEYWORDS):
-        node["additionalProperties"] = False
+    properties = node.get("properties")
+    if not isinstance(properties, dict) or any(key in node for key in _OPEN_OBJECT_KEYWORDS):
+        return
+    required = node.get("required")
+    if isinstance(required, list) and not set(required) <= set(properties):
+        return  # names it requires beyond its properties must stay allowed
+    if isinstance(node.get("minProperties"), int) and node["minProperties"] > len(properties):
+        return
+    node["additionalProperties"] = False
 
 
 def _composed_parts(nodes: list[dict]) -> set[int]:

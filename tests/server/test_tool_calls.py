@@ -255,3 +255,30 @@ def test_a_constraint_waits_for_the_end_of_the_reasoning(reasoning_server):
                         extra_body={**body, "ignore_eos": True}).choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
     assert len(choice.message.model_extra["reasoning_content"]) > 1
+
+
+EFFORT_TEMPLATE = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                   "{% if reasoning_effort is defined %}[effort: {{ reasoning_effort }}]{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def effort_server(server_model_dir, tmp_path_factory):
+    with started_server(server_model_dir, tmp_path_factory, "effort",
+                        "--chat-template", EFFORT_TEMPLATE) as remote:
+        yield remote
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(effort_server, server, server_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(server_model_dir)
+    with openai_client(effort_server) as client:
+        reply = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=1, reasoning_effort="low",
+            extra_body={"return_token_ids": True})
+    assert tokenizer.decode(reply.model_extra["prompt_token_ids"]).endswith("[effort: low]")
+    # The demo model's template never reads it: refused, not ignored.
+    with openai_client(server) as client, pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1,
+                                       reasoning_effort="low")
+    assert refused.value.body["param"] == "reasoning_effort"

@@ -51,7 +51,6 @@ _UNSUPPORTED_FIELDS = {
                      "send tool_choice",
     "audio": "audio output is not supported: the served models produce text",
     "prediction": "prediction (predicted outputs) is not supported by this server",
-    "reasoning_effort": "reasoning_effort is not supported by this server",
     "web_search_options": "web_search_options is not supported by this server",
 }
 # Template variables the request sets through its own fields; chat_template_kwargs may not.
@@ -132,8 +131,26 @@ class OpenAIServingChat(OpenAIServing):
                 ) -> tuple[str, list[int]]:
         """The request's prompt text and token ids (no special tokens unless asked)."""
         text = self.render(request.messages, request.add_generation_prompt,
-                           request.continue_final_message, request.chat_template_kwargs, tools)
+                           request.continue_final_message, self._template_kwargs(request, tools),
+                           tools)
         return text, self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+
+    def _template_kwargs(self, request: ChatCompletionRequest, tools: list[dict] | None
+                         ) -> dict | None:
+        """``chat_template_kwargs``, with ``reasoning_effort`` as the template variable of that
+        name (gpt-oss's templates read it, as vLLM passes it); a 400 where the chat template
+        never reads it, rather than a setting that changes nothing."""
+        if request.reasoning_effort is None:
+            return request.chat_template_kwargs
+        tokenizer = self.require_tokenizer("A chat (its template)", "messages")
+        try:
+            template = tokenizer.get_chat_template(self.chat_template, tools)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="messages") from None
+        if "reasoning_effort" not in template:
+            raise OpenAIError("reasoning_effort is given, but this model's chat template does not "
+                              "read it: remove reasoning_effort.", param="reasoning_effort")
+        return {**(request.chat_template_kwargs or {}), "reasoning_effort": request.reasoning_effort}
 
     def _prepare(self, request: ChatCompletionRequest, plan: ToolPlan
                  ) -> tuple[str, list[int], StructuredOutputsParams | None]:
