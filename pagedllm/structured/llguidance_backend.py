@@ -46,7 +46,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             raise ValueError("structured_outputs.json must be a JSON schema object.")
         nodes = list(subschemas(schema))
         own_ids = {resource_id(node) for node in nodes} - {None}
-        parts = _composed_parts(nodes)
+        parts = _composed_parts(schema, nodes)
         for node in nodes:
             _check_local_ref(node, own_ids)
             _drop_unknown_format(node)
@@ -137,18 +137,57 @@ def _close_object(node: dict) -> None:
     node["additionalProperties"] = False
 
 
-def _composed_parts(nodes: list[dict]) -> set[int]:
+def _composed_parts(root: Any, nodes: list[dict]) -> set[int]:
     """The ids of the schemas that are parts of another's composition: ``allOf`` members,
-    dependent schemas, ``if`` / ``then`` / ``else`` / ``not``."""
-    parts: set[int] = set()
+    dependent schemas, ``if`` / ``then`` / ``else`` / ``not``, the ``anyOf`` / ``oneOf``
+    branches of a schema that names properties itself (a branch adds to them), and, from a
+    part, its own branches and members and the schemas its ``$ref`` may name."""
+    resources = {resource_id(node): node for node in nodes} | {"": root}
+    resources.pop(None, None)
+    pending: list = []
     for node in nodes:
-        members = list(node.get("allOf") or []) if isinstance(node.get("allOf"), list) else []
+        keys = ["allOf"]
+        if "properties" in node or "required" in node:
+            keys += ["anyOf", "oneOf"]
+        pending += [m for key in keys if isinstance(node.get(key), list) for m in node[key]]
         for key in ("dependentSchemas", "dependencies"):
             if isinstance(node.get(key), dict):
-                members.extend(node[key].values())
-        members.extend(node.get(key) for key in ("if", "then", "else", "not"))
-        parts.update(id(member) for member in members if isinstance(member, dict))
+                pending.extend(node[key].values())
+        pending.extend(node.get(key) for key in ("if", "then", "else", "not"))
+    parts: set[int] = set()
+    while pending:
+        part = pending.pop()
+        if not isinstance(part, dict) or id(part) in parts:
+            continue
+        parts.add(id(part))
+        pending += [m for key in ("allOf", "anyOf", "oneOf") if isinstance(part.get(key), list)
+                    for m in part[key]]
+        pending += _ref_targets(resources, part.get("$ref"))
     return parts
+
+
+def _ref_targets(resources: dict[str, Any], ref: Any) -> list:
+    """The schemas a ``$ref`` may name: its pointer resolved in the resource its URI names,
+    or, for a bare ``#...``, in every resource (the one enclosing the reference among them:
+    naming more is harmless here)."""
+    if not isinstance(ref, str):
+        return []
+    base, _, pointer = ref.partition("#")
+    roots = [resources.get(base)] if base else list(resources.values())
+    targets = []
+    for target in roots:
+        for key in pointer.split("/")[1:] if pointer.startswith("/") else ():
+            key = key.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict):
+                target = target.get(key)
+            elif isinstance(target, list) and key.isdigit() and int(key) < len(target):
+                target = target[int(key)]
+            else:
+                target = None
+        if pointer and not pointer.startswith("/"):
+            target = None  # an anchor (#name): not followed
+        targets.append(target)
+    return targets
 
 
 def _dependencies_as_any_of(node: dict) -> None:

@@ -165,6 +165,26 @@ def test_listed_properties_are_the_only_keys_unless_the_schema_allows_others(llm
     assert any(re.search(r',"(?!b":)', c.text) for c in completions)
 
 
+def test_schemas_composed_of_parts_keep_the_keys_of_every_part(llm):
+    """A schema made of parts (``allOf`` of a ``$ref`` and more properties, branches that add
+    to their parent's properties) is not closed part by part: each part's keys stay allowed."""
+    schema = {"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}},
+                                 "required": ["id"]}},
+              "type": "object", "properties": {"kind": {"enum": ["a", "b"]}}, "required": ["kind"],
+              "allOf": [{"$ref": "#/$defs/Base"},
+                        {"properties": {"tag": {"const": "x"}}, "required": ["tag"]}],
+              "anyOf": [{"properties": {"n": {"type": "integer"}}, "required": ["n"]},
+                        {"properties": {"s": {"type": "string", "maxLength": 3}},
+                         "required": ["s"]}]}
+    values = [json.loads(c.text) for c in
+              sample(llm, StructuredOutputsParams(json=schema), num=16, max_tokens=80)
+              if c.finish_reason == "stop"]
+    assert values
+    for value in values:
+        jsonschema.validate(value, schema)
+        assert {"id", "kind", "tag"} <= set(value) and ({"n", "s"} & set(value))
+
+
 def test_json_object_is_one_json_object(llm):
     for completion in sample(llm, StructuredOutputsParams(json_object=True), num=12, max_tokens=200):
         if completion.finish_reason == "stop":
