@@ -46,3 +46,20 @@ def resource_id(node: dict) -> str | None:
             value = value.removesuffix("#")
             return value if value and "#" not in value else None
     return None
+
+
+def resolve_pointer(root: Any, pointer: str) -> Any:
+    """The value a JSON pointer (RFC 6901: ``""`` the whole, ``/$defs/Point``, ``~1`` for
+    ``/`` and ``~0`` for ``~`` in a key) names in ``root``; None when it names none."""
+    if pointer and not pointer.startswith("/"):
+        return None
+    target = root
+    for key in pointer.split("/")[1:]:
+        key = key.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict):
+            target = target.get(key)
+        elif isinstance(target, list) and key.isdigit() and int(key) < len(target):
+            target = target[int(key)]
+        else:
+            return None
+    return target

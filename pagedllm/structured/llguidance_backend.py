@@ -33,7 +33,7 @@ from llguidance import LLMatcher
 
 from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
-from pagedllm.structured.json_schema import resource_id, subschemas
+from pagedllm.structured.json_schema import resolve_pointer, resource_id, subschemas
 from pagedllm.structured.params import StructuredOutputsParams
 
 
@@ -169,25 +169,12 @@ def _composed_parts(root: Any, nodes: list[dict]) -> set[int]:
 def _ref_targets(resources: dict[str, Any], ref: Any) -> list:
     """The schemas a ``$ref`` may name: its pointer resolved in the resource its URI names,
     or, for a bare ``#...``, in every resource (the one enclosing the reference among them:
-    naming more is harmless here)."""
+    naming more is harmless here). An anchor (``#name``) names none here."""
     if not isinstance(ref, str):
         return []
     base, _, pointer = ref.partition("#")
     roots = [resources.get(base)] if base else list(resources.values())
-    targets = []
-    for target in roots:
-        for key in pointer.split("/")[1:] if pointer.startswith("/") else ():
-            key = key.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict):
-                target = target.get(key)
-            elif isinstance(target, list) and key.isdigit() and int(key) < len(target):
-                target = target[int(key)]
-            else:
-                target = None
-        if pointer and not pointer.startswith("/"):
-            target = None  # an anchor (#name): not followed
-        targets.append(target)
-    return targets
+    return [resolve_pointer(root, pointer) for root in roots]
 
 
 def _dependencies_as_any_of(node: dict) -> None:

@@ -52,6 +52,7 @@ from pagedllm.entrypoints.openai.tool_parsers.base import (
 from pagedllm.entrypoints.openai.tool_parsers.partial import (
     dumps_json, held_suffix_len, skip_space, stable_dumps,
 )
+from pagedllm.structured.json_schema import resolve_pointer
 
 START, END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -312,10 +313,7 @@ def _schema_types(schema: Any, root: dict, depth: int = 0) -> frozenset[str] | N
         return None if None in kinds else frozenset().union(*kinds)
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#/"):
-        target: Any = root
-        for key in ref[2:].split("/"):
-            target = target.get(key) if isinstance(target, dict) else None
-        return _schema_types(target, root, depth + 1)
+        return _schema_types(resolve_pointer(root, ref[1:]), root, depth + 1)
     if isinstance(schema.get("properties"), dict):
         return frozenset({"object"})
     return None
