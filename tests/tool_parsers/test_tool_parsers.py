@@ -125,6 +125,13 @@ LLAMA3_CASES = [
     ('{"name": "Ada Lovelace", "born": 1815}', '{"name": "Ada Lovelace", "born": 1815}', []),
     ("Here is JSON: {\"a\": 1} and <|python_ta", "Here is JSON: {\"a\": 1} and <|python_ta", []),
     ('<|python_tag|>print("hello")', '<|python_tag|>print("hello")', []),
+    # Calls after prose; objects of the prose that are no calls, and braces that are no JSON.
+    ('Here is the result: {"name": "get_time", "parameters": {}} Would you like more?',
+     "Here is the result:\nWould you like more?", [("get_time", {})]),
+    ('The answer is {"answer": 42, "unit": "km"} and {"name": "x"}; use {x} in f-strings. '
+     '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+     'The answer is {"answer": 42, "unit": "km"} and {"name": "x"}; use {x} in f-strings.',
+     [("get_weather", {"city": "Paris"})]),
 ]
 
 MISTRAL_CASES = [

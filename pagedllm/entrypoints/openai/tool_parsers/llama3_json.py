@@ -2,12 +2,14 @@
 
     <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": ...}
 
-The calls start where the output does (after any whitespace) with ``{``, or after a
-``<|python_tag|>``, with content before it. Each call is an object with ``name`` and
-``parameters`` (``arguments`` is accepted too); calls are separated by ``;``. Text after the
-last call is content. An object without a name and parameters is not a call, so JSON content
-is not mistaken for one. ``<|python_tag|>`` is optional, so the parser works whether or not
-decoding skips special tokens.
+The calls start after a ``<|python_tag|>``, or at the first object of the output that is a
+call (where the output starts, or after prose: "Here is the result: {...}", which the
+models write too). Each call is an object with ``name`` and ``parameters`` (``arguments`` is
+accepted too); calls are separated by ``;``. Text before and after the calls is content. An
+object without a name and parameters is not a call, so JSON content is not mistaken for
+one; while an object of the prose is still open, the content from its ``{`` waits until it
+is known. ``<|python_tag|>`` is optional, so the parser works whether or not decoding skips
+special tokens.
 """
 
 from __future__ import annotations
@@ -29,9 +31,17 @@ class Llama3JsonToolParser(ToolParser):
         if text.startswith("{", first):
             return [text[:first], *_calls(text, first, first, final)]
         tag = text.find(PYTHON_TAG)
-        if tag < 0:
-            return content_tail(text, (PYTHON_TAG,), final)
-        return [text[:tag], *_calls(text, tag, tag + len(PYTHON_TAG), final)]
+        if tag >= 0:
+            return [text[:tag], *_calls(text, tag, tag + len(PYTHON_TAG), final)]
+        brace = text.find("{")
+        while brace >= 0:
+            found = read_json_calls(text, brace, final, **_CALL_OPTIONS)
+            if found is not None and (found[0] or found[1] is None):
+                # A call, or an object still open that may turn out to be one.
+                return [text[:brace], *(_calls(text, brace, brace, final) if found[0]
+                                        else [HOLD])]
+            brace = text.find("{", brace + 1)
+        return content_tail(text, (PYTHON_TAG, "{"), final)
 
 
 def _calls(text: str, markup: int, pos: int, final: bool) -> list[Segment]:
