@@ -169,6 +169,10 @@ PYTHONIC_CASES = [
     ("[1, 2, 3]", "[1, 2, 3]", []),
     ("[Note] keep this.", "[Note] keep this.", []),
     ("[get weather]", "[get weather]", []),
+    # Llama 4's markers, kept when decoding keeps special tokens.
+    ("<|python_start|>[get_weather(city='LA'), get_time()]<|python_end|>\nDone.", "Done.",
+     [("get_weather", {"city": "LA"}), ("get_time", {})]),
+    ("<|python_start|>[get_time()]", None, [("get_time", {})]),
 ]
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -510,15 +514,15 @@ def test_only_mistral_needs_special_tokens_kept():
 
 
 def test_registry_names_the_parsers():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic",
-                                 "qwen3_coder"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "llama4_pythonic", "mistral",
+                                 "phi4_mini_json", "pythonic", "qwen3_coder"}
     for name, cls in TOOL_PARSERS.items():
         assert get_tool_parser(name) is cls and cls.name == name
 
 
 def test_unknown_parser_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"'qwen'.*hermes, llama3_json, mistral, phi4_mini_json, "
-                                         r"pythonic, qwen3_coder"):
+    with pytest.raises(ValueError, match=r"'qwen'.*hermes, llama3_json, llama4_pythonic, "
+                                         r"mistral, phi4_mini_json, pythonic, qwen3_coder"):
         get_tool_parser("qwen")
 
 

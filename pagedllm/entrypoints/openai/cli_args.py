@@ -95,10 +95,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                             "decides, and --tool-call-parser reads its calls.")
     group.add_argument("--tool-call-parser", default=None,
                        help="The model's tool-call format: hermes (Hermes, Qwen 2.5/3), "
-                            "llama3_json (Llama 3.1/3.2), mistral, pythonic (Llama 3.2/4 "
-                            "pythonic), qwen3_coder (Qwen3-Coder), phi4_mini_json (Phi-4-mini) "
-                            "(default: none; needs "
-                            "--enable-auto-tool-choice).")
+                            "llama3_json (Llama 3.1/3.2), mistral, pythonic or llama4_pythonic "
+                            "(Llama 3.2/4 pythonic), qwen3_coder (Qwen3-Coder), phi4_mini_json "
+                            "(Phi-4-mini) (default: none; needs --enable-auto-tool-choice).")
     group.add_argument("--reasoning-parser", default=None,
                        help="Split <think>...</think> into reasoning_content: deepseek_r1, "
                             "qwen3; [THINK]...[/THINK] (Magistral): mistral (default: none, the "

@@ -10,13 +10,16 @@ from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 from pagedllm.entrypoints.openai.tool_parsers.phi4_mini_json import Phi4MiniJsonToolParser
-from pagedllm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+from pagedllm.entrypoints.openai.tool_parsers.pythonic import (
+    Llama4PythonicToolParser, PythonicToolParser,
+)
 from pagedllm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
-    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                   Phi4MiniJsonToolParser, PythonicToolParser, Qwen3CoderToolParser)
+    for parser in (HermesToolParser, Llama3JsonToolParser, Llama4PythonicToolParser,
+                   MistralToolParser, Phi4MiniJsonToolParser, PythonicToolParser,
+                   Qwen3CoderToolParser)
 }
 
 
@@ -27,6 +30,7 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 __all__ = [
     "TOOL_PARSERS", "DeltaMessage", "DeltaToolCall", "ExtractedToolCalls", "FunctionCall",
-    "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser", "Phi4MiniJsonToolParser",
+    "HermesToolParser", "Llama3JsonToolParser", "Llama4PythonicToolParser", "MistralToolParser",
+    "Phi4MiniJsonToolParser",
     "PythonicToolParser", "Qwen3CoderToolParser", "ToolCall", "ToolCallStream", "ToolParser", "get_tool_parser", "make_tool_call_id",
 ]

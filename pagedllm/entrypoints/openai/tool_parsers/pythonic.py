@@ -2,7 +2,9 @@
 
     [get_weather(city="San Francisco", unit="celsius"), get_time()]
 
-The output starts (after any whitespace) with the list; text after it is content. Arguments
+The output starts (after any whitespace) with the list, which Llama 4 wraps in
+``<|python_start|>`` ... ``<|python_end|>`` (kept when decoding keeps special tokens); text
+after it is content. ``llama4_pythonic`` (vLLM's name for Llama 4) is the same. Arguments
 are keywords whose values are Python literals (str, int, float, bool, None, lists, tuples,
 dicts), turned into a JSON object. The list is read with ``ast`` and the values with
 ``ast.literal_eval``: nothing is evaluated. A list with anything else in it (a positional
@@ -23,6 +25,7 @@ from pagedllm.entrypoints.openai.tool_parsers.base import (
 )
 from pagedllm.entrypoints.openai.tool_parsers.partial import dumps_json, skip_space
 
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _FIRST_CALL = re.compile(r"\[\s*([A-Za-z_]\w*)\s*\(")
 _NEXT_CALL = re.compile(r"\s*,\s*([A-Za-z_]\w*)\s*\(")
 _LIST_END = re.compile(r"\s*\]")
@@ -38,18 +41,35 @@ class PythonicToolParser(ToolParser):
     name = "pythonic"
 
     def scan(self, text: str, final: bool) -> list[Segment]:
-        start = skip_space(text, 0)
+        markup = skip_space(text, 0)
+        start = markup
+        if text.startswith(PYTHON_START, start):
+            start = skip_space(text, start + len(PYTHON_START))
+        elif not final and text[start:] and PYTHON_START.startswith(text[start:]):
+            return [HOLD]
         head = _FIRST_CALL.match(text, start)
         if head is None:
-            if not final and _UNDECIDED_START.fullmatch(text, start):
+            if not final and (start == len(text) or _UNDECIDED_START.fullmatch(text, start)):
                 return [HOLD]
             return content_tail(text, (), final)
         found = _final_list(text, start) if final else _partial_list(text, start, head.group(1))
         if found is None:
             return [text] if final else [HOLD]
         calls, end = found
+        if end is not None:
+            after = skip_space(text, end)
+            if text.startswith(PYTHON_END, after):
+                end = after + len(PYTHON_END)
+            elif not final and PYTHON_END.startswith(text[after:]):
+                end = None  # the end marker may still come
         tail = [HOLD] if end is None else content_tail(text[end:], (), final)
-        return [text[:start], *calls, *tail]
+        return [text[:markup], *calls, *tail]
+
+
+class Llama4PythonicToolParser(PythonicToolParser):
+    """vLLM's name for the pythonic calls of Llama 4."""
+
+    name = "llama4_pythonic"
 
 
 def _final_list(text: str, start: int) -> tuple[list[PartialCall], int] | None:
