@@ -41,8 +41,8 @@ def test_unimplemented_flag_exits_nonzero_naming_it(server_model_dir):
     (["--tool-call-parser", "hermes"], "takes effect with --enable-auto-tool-choice"),
     (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "nope"],
-     "Unknown tool call parser 'nope'.*hermes, llama3_json, mistral, phi4_mini_json, pythonic, "
-     "qwen3_coder"),
+     "Unknown tool call parser 'nope'.*hermes, llama3_json, llama4_pythonic, mistral, "
+     "phi4_mini_json, pythonic, qwen3_coder"),
     (["--reasoning-parser", "r1"], "Unknown reasoning parser 'r1'.*deepseek_r1, mistral, qwen3"),
     (["--guided-decoding-backend", "xgrammar"], "'xgrammar' is not available"),
     (["--ssl-keyfile", "k.pem"], "reverse proxy"),
