@@ -44,7 +44,6 @@ def tune_for_serving() -> None:
     gc.set_threshold(YOUNG_THRESHOLD, middle, oldest)
 
 
-
 @contextlib.contextmanager
 def offline_generate() -> Iterator[Callable[[], None]]:
     """The collector around one ``LLM.generate``; yields ``admitted``, to call once every

@@ -98,7 +98,8 @@ class LLM:
 
         Messages follow the OpenAI chat format, read as the server reads them
         (``pagedllm.engine.chat_messages``: ``content: None`` beside tool calls, arguments as
-        JSON strings, reasoning under ``reasoning_content``). ``tools`` (JSON-schema function definitions) reach the template as its ``tools``;
+        JSON strings, reasoning under ``reasoning_content``). ``tools`` (JSON-schema function
+        definitions) reach the template as its ``tools``;
         ``continue_final_message`` leaves the last message open for the model to continue
         (with ``add_generation_prompt=False``). ``chat_template_kwargs`` and any further
         keyword arguments become template variables (``enable_thinking=False``...).

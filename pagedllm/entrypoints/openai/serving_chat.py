@@ -150,7 +150,8 @@ class OpenAIServingChat(OpenAIServing):
         if "reasoning_effort" not in template:
             raise OpenAIError("reasoning_effort is given, but this model's chat template does not "
                               "read it: remove reasoning_effort.", param="reasoning_effort")
-        return {**(request.chat_template_kwargs or {}), "reasoning_effort": request.reasoning_effort}
+        return {**(request.chat_template_kwargs or {}),
+                "reasoning_effort": request.reasoning_effort}
 
     def _prepare(self, request: ChatCompletionRequest, plan: ToolPlan
                  ) -> tuple[str, list[int], StructuredOutputsParams | None]:
