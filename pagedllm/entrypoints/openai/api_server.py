@@ -4,7 +4,8 @@
     python -m pagedllm.entrypoints.openai.api_server --model MODEL
 
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
+``POST /v1/chat/completions``, ``POST /v1/responses`` (with ``GET`` and ``DELETE
+/v1/responses/{id}``), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
 ``GET /version``, ``GET /metrics`` (Prometheus), and the playground page at ``GET /``
 (``web_ui.py``; ``--disable-web-ui`` removes it).
 
@@ -62,12 +63,13 @@ from pagedllm.entrypoints import event_loop
 from pagedllm.entrypoints.openai.cli_args import add_serve_args, validate_serve_args
 from pagedllm.entrypoints.openai.protocol import (
     INTERNAL_ERROR_MESSAGE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-    OpenAIError, TokenizeRequest, error_body,
+    OpenAIError, ResponsesRequest, TokenizeRequest, error_body,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import RequestLimits, timeout_error
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.web_ui import add_web_ui, display_url
 from pagedllm.metrics import KVCacheShape, ServerMetrics, StatsLogger
@@ -211,6 +213,8 @@ def _respond(result):
         return Response(status_code=499)
     if isinstance(result, BaseModel):
         return Response(content=result.model_dump_json(), media_type="application/json")
+    if isinstance(result, dict):
+        return JSONResponse(result)
     return SSEResponse(result)
 
 
@@ -251,6 +255,7 @@ def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerM
                           if reasoning_parser else None),
     )
     completions.limits = chat.limits = limits
+    responses = OpenAIServingResponses(chat)
     tokenization = OpenAIServingTokenization(chat)
     # The last one added runs first: the key is checked before any body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes)
@@ -334,6 +339,20 @@ def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerM
         arrival = time.monotonic()
         return _respond(await run_until_disconnected(
             chat.create_chat_completion(request, arrival), raw_request))
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        arrival = time.monotonic()
+        return _respond(await run_until_disconnected(
+            responses.create_response(request, arrival), raw_request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return _respond(responses.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return _respond(responses.delete(response_id))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):

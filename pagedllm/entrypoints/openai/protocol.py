@@ -198,6 +198,32 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
 
 
+class ResponsesRequest(SamplingFields):
+    """``POST /v1/responses`` (serving_responses.py): OpenAI's Responses fields, and the
+    sampling fields chat completions take (vLLM's extras through ``extra_body``)."""
+
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Responses features this server does not implement: refused when set.
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+
+
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None

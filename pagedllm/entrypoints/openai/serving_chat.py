@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import jinja2
 
@@ -78,6 +79,18 @@ def load_chat_template(value: str | None) -> str | None:
     )
 
 
+@dataclass
+class ChatStart:
+    """A chat request submitted: the model name to answer with, its id, its prompt, the
+    engine's stream of its outputs, and the reader of each choice's output."""
+
+    model: str
+    request_id: str
+    prompt_ids: list[int]
+    stream: RequestStream
+    reader: ChoiceReader
+
+
 class OpenAIServingChat(OpenAIServing):
     """``tool_parser``: the ``--tool-call-parser`` (given with ``--enable-auto-tool-choice``);
     ``reasoning_parser``: the ``--reasoning-parser``."""
@@ -92,6 +105,21 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, arrival_time: float
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
+        started = await self.start(request, arrival_time, random_id("chatcmpl"))
+        created = int(time.time())
+        if request.stream:
+            return self._stream(request, started.request_id, created, started.model,
+                                started.prompt_ids, started.stream, started.reader)
+        try:
+            return await self._full(request, started.request_id, created, started.model,
+                                    started.prompt_ids, started.stream, started.reader)
+        finally:
+            started.stream.close()
+
+    async def start(self, request: ChatCompletionRequest, arrival_time: float,
+                    request_id: str) -> ChatStart:
+        """Check the request, render and tokenize its prompt, and submit it to the engine
+        (400s naming the field); the caller reads and closes ``ChatStart.stream``."""
         model = self.check_common(request, "chat.completions")
         self._check_supported(request)
         plan = plan_tools(request, self.tool_parser)
@@ -115,16 +143,9 @@ class OpenAIServingChat(OpenAIServing):
                for parser in (plan.parser, self.reasoning_parser)):
             params.skip_special_tokens = False  # the markers are special tokens
         params.max_tokens = self.check_context(len(prompt_ids), params.max_tokens, "messages", max_param)
-        request_id = random_id("chatcmpl")
         stream = self.submit(request_id, prompt_text, prompt_ids, params, arrival_time, request.priority)
-        created = int(time.time())
-        reader = ChoiceReader(self.reasoning_parser, plan)
-        if request.stream:
-            return self._stream(request, request_id, created, model, prompt_ids, stream, reader)
-        try:
-            return await self._full(request, request_id, created, model, prompt_ids, stream, reader)
-        finally:
-            stream.close()
+        return ChatStart(model, request_id, prompt_ids, stream,
+                         ChoiceReader(self.reasoning_parser, plan))
 
     # -- prompt -------------------------------------------------------------------------
     def _prompt(self, request: ChatCompletionRequest, tools: list[dict] | None

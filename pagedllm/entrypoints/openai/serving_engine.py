@@ -70,16 +70,21 @@ def timeout_error(exc: RequestTimeoutError) -> OpenAIError:
 
 
 def sse_error(exc: BaseException) -> str:
-    """An error in the middle of a stream (the status line is already sent): the error's
-    own message when it is meant for clients, a generic one (traceback logged) otherwise."""
+    """An error in the middle of a stream (the status line is already sent), as an event."""
+    return sse(stream_error_body(exc))
+
+
+def stream_error_body(exc: BaseException) -> dict:
+    """The error body for an error in the middle of a stream: the error's own message when
+    it is meant for clients, a generic one (traceback logged) otherwise."""
     if isinstance(exc, OpenAIError):
-        return sse(exc.body())
+        return exc.body()
     if isinstance(exc, EngineDeadError):
-        return sse(error_body(str(exc), "server_error"))
+        return error_body(str(exc), "server_error")
     if isinstance(exc, RequestTimeoutError):
-        return sse(timeout_error(exc).body())
+        return timeout_error(exc).body()
     logger.error("Unhandled error in a stream", exc_info=exc)
-    return sse(error_body(INTERNAL_ERROR_MESSAGE, "server_error"))
+    return error_body(INTERNAL_ERROR_MESSAGE, "server_error")
 
 
 @dataclass(frozen=True)
