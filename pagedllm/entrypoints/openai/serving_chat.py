@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import jinja2
 
@@ -79,8 +79,7 @@ def load_chat_template(value: str | None) -> str | None:
     )
 
 
-@dataclass
-class ChatStart:
+class ChatStart(NamedTuple):
     """A chat request submitted: the model name to answer with, its id, its prompt, the
     engine's stream of its outputs, and the reader of each choice's output."""
 
@@ -108,11 +107,9 @@ class OpenAIServingChat(OpenAIServing):
         started = await self.start(request, arrival_time, random_id("chatcmpl"))
         created = int(time.time())
         if request.stream:
-            return self._stream(request, started.request_id, created, started.model,
-                                started.prompt_ids, started.stream, started.reader)
+            return self._stream(request, created, *started)
         try:
-            return await self._full(request, started.request_id, created, started.model,
-                                    started.prompt_ids, started.stream, started.reader)
+            return await self._full(request, created, *started)
         finally:
             started.stream.close()
 
@@ -269,8 +266,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatChoiceLogprobs(content=self.chat_logprobs(token_ids, logprobs or [],
                                                              request.top_logprobs or 0))
 
-    async def _full(self, request: ChatCompletionRequest, request_id: str, created: int, model: str,
-                    prompt_ids: list[int], stream: RequestStream,
+    async def _full(self, request: ChatCompletionRequest, created: int, model: str,
+                    request_id: str, prompt_ids: list[int], stream: RequestStream,
                     reader: ChoiceReader) -> ChatCompletionResponse:
         n = request.n
         texts = [""] * n
@@ -311,8 +308,8 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=self.prompt_logprobs(request, prompt_ids, prompt_logprobs),
         )
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int,
-                      model: str, prompt_ids: list[int], stream: RequestStream,
+    async def _stream(self, request: ChatCompletionRequest, created: int, model: str,
+                      request_id: str, prompt_ids: list[int], stream: RequestStream,
                       reader: ChoiceReader) -> AsyncIterator[str]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         usage_in_chunks = bool(request.stream_options and request.stream_options.usage_in_chunks())
