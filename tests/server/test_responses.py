@@ -147,6 +147,8 @@ def test_previous_response_id_continues_the_stored_conversation(client):
     assert second.output_text == reference.choices[0].message.content
 
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    with pytest.raises(openai.BadRequestError):
+        client.responses.retrieve(first.id, stream=True)
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
@@ -175,6 +177,30 @@ def test_required_and_named_tool_choice_return_valid_function_calls(client):
     [call] = calls_of(named)
     assert call.name == "get_time"
     assert named.tool_choice.name == "get_time" and named.tools[1].name == "get_time"
+
+
+def test_a_forced_call_cut_by_max_output_tokens_is_an_incomplete_function_call(client):
+    kw = {"input": "Weather?", "tools": TOOLS,
+          "tool_choice": {"type": "function", "name": "get_weather"}}
+    whole = create(client, max_output_tokens=120, **kw)
+    cut_at = whole.usage.output_tokens - 4  # greedy: the same output, cut in its arguments
+    cut = create(client, max_output_tokens=cut_at, **kw)
+    [call] = cut.output
+    assert cut.status == "incomplete" and call.type == "function_call"
+    assert call.status == "incomplete" and call.name == "get_weather"
+    assert whole.output[0].arguments.startswith(call.arguments) and call.arguments != "{"
+    [streamed] = list(create(client, max_output_tokens=cut_at, stream=True, **kw))[-1].response.output
+    assert (streamed.arguments, streamed.status) == (call.arguments, "incomplete")
+
+
+def test_empty_tools_are_no_tools_and_a_forced_call_outranks_text_format(client):
+    plain = create(client, input="Hello", tools=[], max_output_tokens=4)
+    assert plain.tools == [] and plain.output[0].type == "message"
+    # What instructor and agent libraries send: a forced call and a format for text.
+    forced = create(client, input="Time?", tools=TOOLS, tool_choice="required",
+                    text={"format": {"type": "json_schema", "name": "t", "schema": TIME}},
+                    temperature=1.0, extra_body={"seed": 6}, max_output_tokens=120)
+    assert calls_of(forced) and forced.text.format.type == "json_schema"
 
 
 def test_the_stream_helper_builds_the_final_response_from_the_events(client):
@@ -226,6 +252,7 @@ def test_text_format_json_schema_parses_into_the_model(client):
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input[0].content[0]"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice"),
 ])
 def test_what_is_not_implemented_is_a_400_naming_the_field(client, kw, param):
     kw.setdefault("input", "Hello")

@@ -104,6 +104,26 @@ def test_streamed_calls_add_up_to_the_full_response(client, tool_choice, seed):
             (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
 
 
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_cut_by_max_tokens_is_the_call_begun(client, tool_choice):
+    whole = create(client, tool_choice=tool_choice, temperature=0.0)
+    # Greedy, so the same output, cut inside the last call's arguments.
+    cut_at = whole.usage.completion_tokens - 4
+    cut = create(client, tool_choice=tool_choice, temperature=0.0, max_tokens=cut_at)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    expected = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert calls[:-1] == expected[:len(calls) - 1] and calls[-1][0] == expected[len(calls) - 1][0]
+    assert expected[len(calls) - 1][1].startswith(calls[-1][1].rstrip("}")) and calls[-1] != expected[-1]
+    content, streamed, finish = collect_stream(create(client, tool_choice=tool_choice,
+                                                      temperature=0.0, max_tokens=cut_at,
+                                                      stream=True))[0]
+    assert finish == "length" and content == ""
+    assert [(name, args) for _, name, args in streamed.values()] == calls
+
+
 @pytest.mark.parametrize("kw, param, message", [
     ({"tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),

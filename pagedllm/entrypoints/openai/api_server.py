@@ -347,7 +347,10 @@ def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerM
             responses.create_response(request, arrival), raw_request))
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str):
+    async def retrieve_response(response_id: str, stream: bool = False):
+        if stream:
+            raise OpenAIError("A stored response is sent whole: retrieve it without stream.",
+                              param="stream")
         return _respond(responses.retrieve(response_id))
 
     @app.delete("/v1/responses/{response_id}")

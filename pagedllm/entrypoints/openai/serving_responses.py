@@ -15,6 +15,11 @@ content), ``message`` (``output_text``) and ``function_call`` items.
 | ``reasoning.effort`` | ``reasoning_effort`` (a template variable) |
 | ``tool_choice`` ``{"type": "function", "name"}`` | a named function |
 
+``tools: []`` is no tools. With ``tool_choice`` ``required`` or a named function the output
+is the calls, whatever ``text.format`` says (it shapes message text, which a forced call
+does not write); with ``auto``, ``text.format`` constrains the whole output, so no tool is
+called (as on vLLM).
+
 A response cut by ``max_output_tokens`` has status ``incomplete``
 (``incomplete_details.reason: "max_output_tokens"``); ``usage.output_tokens_details
 .reasoning_tokens`` counts the output tokens up to the reasoning parser's end marker.
@@ -323,15 +328,20 @@ def _chat_request(request: ResponsesRequest, messages: list[dict]) -> ChatComple
     """The chat completion ``request`` runs as (the module docstring's table)."""
     sampling = {name: getattr(request, name) for name in SamplingFields.model_fields
                 if name not in _NOT_PASSED_ON}
+    tools = [_chat_tool(i, tool) for i, tool in enumerate(request.tools or [])] or None
+    tool_choice = _chat_tool_choice(request.tool_choice)
+    if tools is None and tool_choice in ("auto", "none"):
+        tool_choice = None  # "tools": [] (what agent libraries send for no tools)
+    forced = tool_choice == "required" or isinstance(tool_choice, dict)
     return ChatCompletionRequest(
         **sampling,
         messages=messages,
         max_completion_tokens=request.max_output_tokens,
-        tools=None if request.tools is None else [
-            _chat_tool(i, tool) for i, tool in enumerate(request.tools)],
-        tool_choice=_chat_tool_choice(request.tool_choice),
+        tools=tools,
+        tool_choice=tool_choice,
         parallel_tool_calls=request.parallel_tool_calls,
-        response_format=_response_format(request),
+        # text.format shapes a message's text, which a forced call never writes.
+        response_format=request.response_format if forced else _response_format(request),
         reasoning_effort=(request.reasoning or {}).get("effort"),
         chat_template_kwargs=request.chat_template_kwargs,
     )

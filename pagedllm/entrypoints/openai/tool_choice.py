@@ -158,20 +158,26 @@ def _tool_resource(function: dict, name: str, taken: set[str]) -> dict:
 
 
 class RequiredCallsParser(ToolParser):
-    """The output of ``tool_choice: "required"``: a JSON array of ``{"name", "arguments"}``."""
+    """The output of ``tool_choice: "required"``: a JSON array of ``{"name", "arguments"}``.
+    An output its grammar did not finish (cut by a length limit) gives the calls it began,
+    the last with the arguments written so far, as its stream gave them."""
 
     name = "required"
 
     def scan(self, text: str, final: bool) -> list[Segment]:
-        found = read_json_calls(text, skip_space(text, 0), final, args_required=True)
+        start = skip_space(text, 0)
+        found = read_json_calls(text, start, final, args_required=True)
+        if found is None and final:
+            found = read_json_calls(text, start, False, args_required=True)
         if found is None:
             return [text] if final else [HOLD]
         calls, end = found
-        return [*calls, HOLD] if end is None else calls
+        return [*calls, HOLD] if end is None and not final else calls
 
 
 class NamedCallParser(ToolParser):
-    """The output of a named ``tool_choice``: the arguments object of that one function."""
+    """The output of a named ``tool_choice``: the arguments object of that one function (of
+    an output cut by a length limit, the arguments written so far, as its stream gave them)."""
 
     name = "named"
 
@@ -184,11 +190,14 @@ class NamedCallParser(ToolParser):
         decoded = decode_json_at(text, start) if start < len(text) else None
         if decoded is not None and isinstance(decoded[0], dict):
             return [PartialCall(0, self.function_name, dumps_json(decoded[0]))]
-        if final:
-            return [text] if text.strip() else [PartialCall(0, self.function_name, "{}")]
         partial = parse_partial_json(text[start:])
-        arguments = stable_dumps(*partial) if partial is not None and isinstance(partial[0], dict) else ""
-        return [PartialCall(0, self.function_name, arguments), HOLD]
+        is_object = partial is not None and isinstance(partial[0], dict)
+        arguments = stable_dumps(*partial) if is_object else None
+        if not final:
+            return [PartialCall(0, self.function_name, arguments or ""), HOLD]
+        if not text.strip():
+            return [PartialCall(0, self.function_name, "{}")]
+        return [text] if arguments is None else [PartialCall(0, self.function_name, arguments)]
 
 
 @dataclass
