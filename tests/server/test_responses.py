@@ -16,7 +16,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from pagedllm.entrypoints.openai.protocol import OpenAIError
-from pagedllm.entrypoints.openai.responses_items import input_messages
+from pagedllm.entrypoints.openai.responses_items import OutputItems, input_messages
+from pagedllm.entrypoints.openai.tool_parsers import DeltaMessage, DeltaToolCall
 from tests.server.conftest import MODEL_NAME, openai_client, started_server
 
 WEATHER = {"type": "object",
@@ -112,6 +113,43 @@ def test_input_items_this_server_cannot_run_are_refused(item, param):
     assert info.value.param == param
 
 
+def test_output_events_add_up_to_the_items_however_the_deltas_fall():
+    deltas = [DeltaMessage(reasoning_content="Think"), DeltaMessage(reasoning_content=" more"),
+              DeltaMessage(reasoning_content=".", content="Sure: "),
+              DeltaMessage(content="calling.",
+                           tool_calls=[DeltaToolCall(0, "call_a", "f", '{"x"')]),
+              DeltaMessage(tool_calls=[DeltaToolCall(0, None, None, ": 1}"),
+                                       DeltaToolCall(1, "call_b", "g", "{}")])]
+    streamed = OutputItems()
+    events = [e for delta in deltas for e in streamed.add(delta)] + streamed.close("incomplete")
+    whole = OutputItems()
+    whole.add(DeltaMessage(reasoning_content="Think more.", content="Sure: calling.",
+                           tool_calls=[DeltaToolCall(0, "call_a", "f", '{"x": 1}'),
+                                       DeltaToolCall(1, "call_b", "g", "{}")]))
+    whole.close("incomplete")
+    strip = lambda items: [{k: v for k, v in item.items() if k != "id"} for item in items]
+    assert strip(streamed.items) == strip(whole.items)
+    assert [item["type"] for item in streamed.items] == ["reasoning", "message", "function_call",
+                                                         "function_call"]
+    assert [item["status"] for item in streamed.items] == ["completed"] * 3 + ["incomplete"]
+    # Each item is added, takes its deltas, and is done before the next is added.
+    opened: list[int] = []
+    texts: dict[int, str] = {}
+    for event in events:
+        kind, index = event["type"], event["output_index"]
+        if kind == "response.output_item.added":
+            assert index == len(opened) and (not opened or opened[-1] is None)
+            opened.append(index)
+        elif kind == "response.output_item.done":
+            assert opened[-1] == index and event["item"] == streamed.items[index]
+            opened[-1] = None
+        else:
+            assert opened[-1] == index
+            if kind.endswith(".delta"):
+                texts[index] = texts.get(index, "") + event["delta"]
+    assert texts == {0: "Think more.", 1: "Sure: calling.", 2: '{"x": 1}', 3: "{}"}
+
+
 # -- the shared server ------------------------------------------------------------------------
 def test_a_response_is_the_chat_completion_of_its_conversation(client):
     response = create(client, instructions="You are terse.", input="Once upon a time")
@@ -189,7 +227,8 @@ def test_a_forced_call_cut_by_max_output_tokens_is_an_incomplete_function_call(c
     assert cut.status == "incomplete" and call.type == "function_call"
     assert call.status == "incomplete" and call.name == "get_weather"
     assert whole.output[0].arguments.startswith(call.arguments) and call.arguments != "{"
-    [streamed] = list(create(client, max_output_tokens=cut_at, stream=True, **kw))[-1].response.output
+    events = list(create(client, max_output_tokens=cut_at, stream=True, **kw))
+    [streamed] = events[-1].response.output
     assert (streamed.arguments, streamed.status) == (call.arguments, "incomplete")
 
 
