@@ -128,7 +128,7 @@ class OpenAIServingResponses:
                               ) -> dict | AsyncIterator[str]:
         self.chat.check_common(request, "responses")
         _check_supported(request)
-        turn = name_tool_results(input_messages(request.input))
+        turn = input_messages(request.input)
         history = ([] if request.previous_response_id is None
                    else self.store.history(request.previous_response_id))
         if not turn and not history:
@@ -136,6 +136,7 @@ class OpenAIServingResponses:
                               "items), or a previous_response_id.", param="input")
         instructions = ([] if request.instructions is None
                         else [{"role": "system", "content": request.instructions}])
+        # Names the turn's own tool results too (kept with the turn when it is stored).
         messages = name_tool_results(instructions + [dict(m) for m in history] + turn)
         response_id = item_id("resp")
         try:
