@@ -32,6 +32,12 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 _KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
 # Compute capability whose Triton kernels cast to and from float8_e4m3fn (Ada, Hopper).
 FP8_MIN_CAPABILITY = (8, 9)
+# generation_config.json's fields that give a request's sampling defaults (vLLM's set), and
+# the SamplingParams field each one sets.
+GENERATION_DEFAULT_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                             "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                             "max_new_tokens": "max_tokens"}
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 def builtin_model_configs() -> list[str]:
@@ -125,12 +131,19 @@ class ModelConfig:
     quantization: str | None = None
     # config.json fields to override (``merge_overrides``), before anything reads it.
     hf_overrides: dict | None = None
+    # Where requests' sampling defaults come from (``generation_defaults``): "auto" (the
+    # model's generation_config.json), "none", or a folder holding a generation_config.json;
+    # ``override_generation_config`` sets fields of it.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     # Derived in __post_init__:
     path: Path = field(init=False)
     hf_config: dict = field(init=False, repr=False)
     # The projections' quantization, from config.json's quantization_config or the flag
     # (then ``quantization`` is its method).
     quant_config: QuantizationConfig | None = field(init=False, repr=False)
+    # SamplingParams fields a request that does not set them takes (``generation_defaults``).
+    sampling_defaults: dict = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "dummy", "bitsandbytes"):
@@ -171,6 +184,8 @@ class ModelConfig:
             (self.path / name).is_file() for name in TOKENIZER_FILES
         ):
             self.skip_tokenizer_init = True
+        self.sampling_defaults = generation_defaults(self.path, self.generation_config,
+                                                     self.override_generation_config)
 
     @property
     def architectures(self) -> list[str]:
@@ -220,7 +235,7 @@ class ModelConfig:
     def eos_token_ids(self) -> frozenset[int]:
         """End-of-sequence ids declared by the checkpoint itself, for token-id mode:
         generation_config.json's ``eos_token_id`` (an int or a list), else config.json's."""
-        generation_config = self.path / "generation_config.json"
+        generation_config = self.path / GENERATION_CONFIG_FILE
         eos = None
         if generation_config.is_file():
             eos = json.loads(generation_config.read_text()).get("eos_token_id")
@@ -229,6 +244,41 @@ class ModelConfig:
         if eos is None:
             return frozenset()
         return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def generation_defaults(model_path: Path, source: str = "auto",
+                        overrides: dict | None = None) -> dict:
+    """The sampling defaults of requests that do not set them, as SamplingParams fields:
+    ``GENERATION_DEFAULT_FIELDS`` of a generation_config.json (the model's for ``source``
+    "auto", none for "none", else the one in the folder ``source``) with ``overrides`` (the
+    file's names) set over them, as vLLM's ``--generation-config`` takes them. A ValueError
+    that names the flag for a folder without the file, an unknown override or a value
+    SamplingParams refuses."""
+    from pagedllm.sampling_params import SamplingParams  # torch-free, like this module
+
+    found: dict = {}
+    if source != "none":
+        folder = model_path if source == "auto" else Path(source).expanduser()
+        path = folder / GENERATION_CONFIG_FILE
+        if path.is_file():
+            found = json.loads(path.read_text())
+        elif source != "auto":
+            raise ValueError(f"--generation-config {source}: no {GENERATION_CONFIG_FILE} in that "
+                             "folder; give 'auto' (the model's), 'none', or a folder holding one.")
+    unknown = sorted(set(overrides or {}) - set(GENERATION_DEFAULT_FIELDS))
+    if unknown:
+        raise ValueError(f"--override-generation-config: {', '.join(unknown)} is not a sampling "
+                         f"default; it takes {', '.join(GENERATION_DEFAULT_FIELDS)}.")
+    merged = {**found, **(overrides or {})}
+    defaults = {GENERATION_DEFAULT_FIELDS[name]: value for name, value in merged.items()
+                if name in GENERATION_DEFAULT_FIELDS and value is not None}
+    try:
+        SamplingParams(**defaults)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"The sampling defaults of --generation-config {source} ({defaults}) "
+                         f"are not valid: {exc} Fix them with --override-generation-config, or "
+                         "turn them off with --generation-config none.") from None
+    return defaults
 
 
 # Quantization files of older exports, read when config.json has no quantization_config:

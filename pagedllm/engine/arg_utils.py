@@ -103,6 +103,10 @@ class EngineArgs:
     enforce_eager: bool = False
     # config.json fields to override (a dict, or its JSON from --hf-overrides).
     hf_overrides: dict | str | None = None
+    # Requests' sampling defaults: "auto" (the model's generation_config.json), "none", or
+    # a folder holding one; and fields set over them (a dict, or JSON).
+    generation_config: str = "auto"
+    override_generation_config: dict | str | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     # None: on with CUDA (the host prepares a step while the GPU runs the previous one),
@@ -149,6 +153,10 @@ class EngineArgs:
             load_format=self.load_format, seed=self.seed, max_model_len=self.max_model_len,
             skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager,
             quantization=self.quantization, hf_overrides=self._hf_overrides(),
+            generation_config=self.generation_config,
+            override_generation_config=_json_object(
+                self.override_generation_config, "--override-generation-config",
+                '\'{"temperature": 0.7}\''),
         )
         cache_config = CacheConfig(
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
@@ -237,6 +245,16 @@ class EngineArgs:
                            help="JSON object of config.json fields to override, merged into "
                                 "nested objects (e.g. '{\"rope_scaling\": {\"factor\": 4.0}}'); "
                                 "a key of null removes the field.")
+        group.add_argument("--generation-config", default="auto",
+                           help="Where requests' sampling defaults (temperature, top_p, top_k, "
+                                "min_p, repetition_penalty, max_new_tokens as max_tokens) come "
+                                "from when a request does not set them: 'auto' (the model's "
+                                "generation_config.json), 'none' (temperature 1, no top-p or "
+                                "top-k, ...), or a folder holding a generation_config.json.")
+        group.add_argument("--override-generation-config", default=None,
+                           help="JSON object of sampling defaults set over --generation-config's, "
+                                "in generation_config.json's names (e.g. "
+                                "'{\"temperature\": 0.7, \"max_new_tokens\": 512}').")
         group.add_argument("--seed", type=int, default=0,
                            help="Seed of unseeded sampling and of dummy weights.")
         group.add_argument("--max-model-len", type=int, default=None,

@@ -128,12 +128,18 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # -- helpers ------------------------------------------------------------------------
-    @staticmethod
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no SamplingParams: the defaults of
+        ``SamplingParams`` with the model's generation_config.json fields set over them
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as
+        max_tokens; see ``generation_config``)."""
+        return SamplingParams(**self.llm_engine.config.model_config.sampling_defaults)
+
     def _params_per_prompt(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
     ) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * num_prompts
+            return [self.get_default_sampling_params()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         params = list(sampling_params)

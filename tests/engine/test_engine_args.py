@@ -63,3 +63,46 @@ def test_hf_overrides_change_the_config_before_anything_reads_it(tiny_model_dir)
         EngineArgs(model=str(tiny_model_dir), hf_overrides="{max: 1}").create_engine_config()
     with pytest.raises(ValueError, match="must be a JSON object"):
         EngineArgs(model=str(tiny_model_dir), hf_overrides="[1]").create_engine_config()
+
+
+def test_generation_config_gives_the_sampling_defaults(tiny_model_dir, tmp_path):
+    """vLLM's --generation-config: the sampling fields of the model's generation_config.json
+    are what ``generate`` samples with when given no SamplingParams (HF's other fields and
+    ``do_sample`` aside); 'none' turns them off; a folder's file, and overrides, replace them;
+    what they cannot be is refused, naming the flag."""
+    import json
+    import shutil
+
+    from pagedllm import SamplingParams
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**generation, "do_sample": True, "temperature": 0.9, "top_k": 1, "max_new_tokens": 5}))
+    llm = LLM(str(model), device="cpu")
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.9, 1, 5)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    sampled = llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids
+    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert sampled == greedy  # top_k 1 is greedy, whatever the temperature
+
+    def defaults_of(**kw):
+        return EngineArgs(model=str(model), **kw).create_engine_config().model_config.sampling_defaults
+
+    assert defaults_of(generation_config="none") == {}
+    folder = tmp_path / "generation"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text('{"top_p": 0.5, "top_k": 3}')
+    assert defaults_of(generation_config=str(folder),
+                       override_generation_config='{"top_k": 7, "min_p": 0.1}') == {
+        "top_p": 0.5, "top_k": 7, "min_p": 0.1}
+    with pytest.raises(ValueError, match="--generation-config .*: no generation_config.json"):
+        defaults_of(generation_config=str(tmp_path))
+    with pytest.raises(ValueError, match="do_sample is not a sampling default"):
+        defaults_of(override_generation_config={"do_sample": False})
+    with pytest.raises(ValueError, match="temperature must be non-negative"):
+        defaults_of(override_generation_config={"temperature": -1})

@@ -413,6 +413,12 @@ async def serve(args: argparse.Namespace) -> int:
         "; API key required" if args.api_key else "",
         f"; {count} API server processes" if count > 1 else "",
     )
+    defaults = config.model_config.sampling_defaults
+    if defaults:
+        logger.info("Requests that do not set them sample with %s (--generation-config %s, "
+                    "--override-generation-config; --generation-config none turns them off)",
+                    ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())),
+                    config.model_config.generation_config)
     if not args.disable_web_ui:
         logger.info("Playground: open %s in a browser", url)
     context = multiprocessing.get_context("spawn")

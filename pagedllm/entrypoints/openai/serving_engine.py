@@ -108,6 +108,8 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.priority_scheduling = engine.config.scheduler_config.policy == "priority"
+        # What a request that does not set them samples with (--generation-config).
+        self.defaults = engine.config.model_config.sampling_defaults
 
     # -- request checks -----------------------------------------------------------------
     def require_tokenizer(self, what: str, param: str | None) -> Tokenizer:
@@ -195,16 +197,21 @@ class OpenAIServing:
         request's own ``prompt_logprobs``."""
         asked = [k for k in (prompt_logprobs, request.prompt_logprobs) if k is not None]
         prompt_logprobs = max(asked) if asked else None
+
+        def given_or_default(name: str, engine_default: float) -> float:
+            value = getattr(request, name)
+            return self.defaults.get(name, engine_default) if value is None else value
+
         try:
             return SamplingParams(
                 n=request.n,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=0 if request.top_k is None else request.top_k,
-                min_p=0.0 if request.min_p is None else request.min_p,
+                temperature=given_or_default("temperature", 1.0),
+                top_p=given_or_default("top_p", 1.0),
+                top_k=given_or_default("top_k", 0),
+                min_p=given_or_default("min_p", 0.0),
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                repetition_penalty=given_or_default("repetition_penalty", 1.0),
                 seed=request.seed,
                 stop=request.stop,
                 stop_token_ids=request.stop_token_ids,
@@ -226,7 +233,8 @@ class OpenAIServing:
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
                       max_tokens_param: str) -> int:
-        """The output budget: ``max_tokens``, or all the room left when it is None.
+        """The output budget: ``max_tokens``, or when it is None the room left (at most the
+        model's default, generation_config.json's ``max_new_tokens``).
 
         Raises a 400 when the prompt leaves no room or prompt + max_tokens exceeds the
         context (the server refuses rather than silently cap, as OpenAI does).
@@ -240,7 +248,7 @@ class OpenAIServing:
                 param=prompt_param, code="context_length_exceeded",
             )
         if max_tokens is None:
-            return room
+            return min(room, self.defaults.get("max_tokens", room))
         if max_tokens > room:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "

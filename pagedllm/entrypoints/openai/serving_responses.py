@@ -145,7 +145,7 @@ class OpenAIServingResponses:
         except OpenAIError as exc:
             exc.param = _responses_param(exc.param)
             raise
-        call = _Call(request, response_id, int(time.time()), started, turn)
+        call = _Call(request, response_id, int(time.time()), started, turn, self.chat.defaults)
         if request.stream:
             return self._stream(call)
         try:
@@ -215,8 +215,10 @@ class _Call:
     """One Responses request under way: what it asked, and what its output has been."""
 
     def __init__(self, request: ResponsesRequest, response_id: str, created_at: int,
-                 started: ChatStart, turn: list[dict]) -> None:
+                 started: ChatStart, turn: list[dict], defaults: dict) -> None:
+        """``defaults``: the sampling defaults of a request that does not set them."""
         self.request = request
+        self.defaults = defaults
         self.response_id = response_id
         self.created_at = created_at
         self.started = started
@@ -277,11 +279,12 @@ class _Call:
             "previous_response_id": request.previous_response_id,
             "reasoning": {"effort": (request.reasoning or {}).get("effort"), "summary": None},
             "store": request.store,
-            "temperature": 1.0 if request.temperature is None else request.temperature,
+            "temperature": (self.defaults.get("temperature", 1.0) if request.temperature is None
+                            else request.temperature),
             "text": request.text or {"format": {"type": "text"}},
             "tool_choice": request.tool_choice or ("auto" if request.tools else "none"),
             "tools": request.tools or [],
-            "top_p": 1.0 if request.top_p is None else request.top_p,
+            "top_p": self.defaults.get("top_p", 1.0) if request.top_p is None else request.top_p,
             "truncation": "disabled",
             "usage": None if not done else {
                 "input_tokens": prompt_tokens,
