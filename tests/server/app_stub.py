@@ -16,7 +16,8 @@ class StubEngine:
     def __init__(self) -> None:
         self.tokenizer = None
         self.max_model_len = 64
-        self.config = SimpleNamespace(scheduler_config=SimpleNamespace(policy="fcfs"))
+        self.config = SimpleNamespace(scheduler_config=SimpleNamespace(policy="fcfs"),
+                                      model_config=SimpleNamespace(sampling_defaults={}))
         self.dead_error: EngineDeadError | None = None
 
     @property
