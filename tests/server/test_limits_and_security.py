@@ -49,6 +49,35 @@ def test_with_an_api_key_only_health_metrics_version_and_the_playground_are_open
         assert client.get("/no/such/path").status_code == 401  # unknown paths reveal nothing
 
 
+def test_pages_of_the_allowed_origins_may_call_the_api_from_a_browser():
+    """CORS (--allowed-origins and friends): a preflight from an allowed origin is answered
+    before the key is asked for (browsers send none with it), the answers name that origin,
+    and another origin gets no permission."""
+    cors = {"allow_origins": ["https://app.example"], "allow_methods": ["*"],
+            "allow_headers": ["*"], "allow_credentials": False}
+    app, _ = stub_app(api_key=KEY, cors=cors)
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with TestClient(app) as client:
+        allowed = client.options("/v1/chat/completions", headers=preflight)
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+        other = client.options("/v1/chat/completions",
+                               headers={**preflight, "Origin": "https://elsewhere.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        answer = client.get("/v1/models", headers={"Origin": "https://app.example",
+                                                   "Authorization": f"Bearer {KEY}"})
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "https://app.example"
+
+
+def test_a_server_lets_pages_of_any_origin_call_it_by_default(http):
+    preflight = http.options("/v1/responses", headers={
+        "Origin": "https://any.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+
+
 def test_the_api_key_is_compared_in_constant_time():
     source = inspect.getsource(api_server.APIKeyMiddleware)
     assert "hmac.compare_digest" in source and hmac.compare_digest is not None

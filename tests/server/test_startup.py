@@ -50,6 +50,7 @@ def test_unimplemented_flag_exits_nonzero_naming_it(server_model_dir):
     (["--api-key", " "], "--api-key is empty"),
     (["a-model", "--model", "another"], "The model is given twice"),
     (["--api-server-count", "0"], "--api-server-count must be >= 1"),
+    (["--allowed-origins", "https://a.example"], "--allowed-origins takes a JSON list"),
     (["--api-server-count", "3", "--max-num-waiting", "2"],
      "split between the 3 API server processes: give at least 3"),
 ])

@@ -47,6 +47,7 @@ import time
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -237,10 +238,12 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerMetrics | None = None,
               chat_template: str | None = None, api_key: str | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-              web_ui: bool = True, limits: RequestLimits | None = None) -> FastAPI:
+              web_ui: bool = True, limits: RequestLimits | None = None,
+              cors: dict | None = None) -> FastAPI:
     """``tool_call_parser`` (set with --enable-auto-tool-choice) and ``reasoning_parser``
     are registry names (tool_parsers/, reasoning/); ``web_ui`` serves the playground at ``/``;
-    ``limits`` caps what one request may ask for (default: ``RequestLimits()``)."""
+    ``limits`` caps what one request may ask for (default: ``RequestLimits()``); ``cors``:
+    Starlette's ``CORSMiddleware`` settings (the --allowed-* flags), None for no CORS headers."""
     limits = limits or RequestLimits()
     from pagedllm.entrypoints.openai.reasoning import get_reasoning_parser
     from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
@@ -261,6 +264,8 @@ def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerM
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if cors is not None:  # outermost: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, **cors)
     if web_ui:
         add_web_ui(app, {"version": pagedllm.__version__, "api_key_required": bool(api_key),
                          "tool_call_parser": tool_call_parser,
@@ -464,7 +469,11 @@ async def _serve_app(args: argparse.Namespace, config, engine: AsyncEngine,
                     web_ui=not args.disable_web_ui,
                     limits=RequestLimits(max_request_body_bytes=args.max_request_body_bytes,
                                          max_n=args.max_n,
-                                         max_stop_sequences=args.max_stop_sequences))
+                                         max_stop_sequences=args.max_stop_sequences),
+                    cors={"allow_origins": args.allowed_origins,
+                          "allow_methods": args.allowed_methods,
+                          "allow_headers": args.allowed_headers,
+                          "allow_credentials": args.allow_credentials})
     gc_tuning.tune_for_serving()
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,

@@ -7,6 +7,7 @@ be refused with a message that says so (never silently ignored).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from pagedllm.engine.arg_utils import EngineArgs
@@ -39,6 +40,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                        help="Require 'Authorization: Bearer KEY' on every path but /health, "
                             f"/metrics, /version and / (default: ${API_KEY_ENV}; unset = no key).")
+    group.add_argument("--allowed-origins",
+                       default='["*"]',
+                       help="Origins whose web pages may call the API from a browser (CORS), "
+                            "as a JSON list, e.g. '[\"https://app.example\"]' (default: any, "
+                            "[\"*\"]; --api-key still guards the API).")
+    group.add_argument("--allowed-methods",
+                       default='["*"]', help="HTTP methods those pages may use (CORS), a JSON list "
+                                           "(default: any).")
+    group.add_argument("--allowed-headers",
+                       default='["*"]', help="Request headers those pages may send (CORS), a JSON "
+                                           "list (default: any).")
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="Let those pages send cookies and HTTP authentication (CORS).")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="Names clients use in the 'model' field (default: the model argument).")
     group.add_argument("--chat-template", default=None,
@@ -115,12 +129,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ssl-certfile", default=None, help=argparse.SUPPRESS)
 
 
+def _json_strings(text: str, flag: str) -> list[str]:
+    """``text`` as a JSON list of strings; a ValueError naming ``flag`` otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{flag} takes a JSON list of strings, e.g. '[\"*\"]', got {text!r}.")
+    return value
+
+
 def validate_serve_args(args: argparse.Namespace) -> None:
     """Resolve the positional model and refuse what is not implemented (ValueError)."""
     for dest, reason in _REFUSED_SERVER_FLAGS.items():
         if getattr(args, dest, None):
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag} is not supported: {reason}. Remove {flag}.")
+    for dest in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        value = getattr(args, dest)
+        if isinstance(value, str):
+            setattr(args, dest, _json_strings(value, "--" + dest.replace("_", "-")))
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (the model's "
                          "tool-call format): add it.")
