@@ -195,6 +195,23 @@ def test_previous_response_id_continues_the_stored_conversation(client):
     assert info.value.body["param"] == "previous_response_id"
 
 
+def test_input_items_lists_a_stored_request_s_input_in_pages(client):
+    items = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+             {"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": "More"}]}]
+    response = create(client, input=items, max_output_tokens=4)
+    newest_first = client.responses.input_items.list(response.id)
+    assert [(item.role, item.content[0].text) for item in newest_first.data] == [
+        ("user", "More"), ("assistant", "Hello"), ("user", "Hi")]
+    assert newest_first.data[1].content[0].type == "output_text"
+    page = client.responses.input_items.list(response.id, order="asc", limit=2)
+    assert [item.content[0].text for item in page.data] == ["Hi", "Hello"] and page.has_more
+    rest = client.responses.input_items.list(response.id, order="asc", after=page.data[-1].id)
+    assert [item.content[0].text for item in rest.data] == ["More"] and not rest.has_more
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(response.id, limit=0)
+
+
 def test_store_false_keeps_nothing(client):
     response = create(client, input="Hello", store=False, max_output_tokens=4)
     assert response.store is False

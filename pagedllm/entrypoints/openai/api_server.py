@@ -5,8 +5,8 @@
 
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``POST /v1/responses`` (with ``GET`` and ``DELETE
-/v1/responses/{id}``), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
-``GET /version``, ``GET /metrics`` (Prometheus), and the playground page at ``GET /``
+/v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``), ``POST /tokenize``,
+``POST /detokenize``, ``GET /health``, ``GET /version``, ``GET /metrics`` (Prometheus), and the playground page at ``GET /``
 (``web_ui.py``; ``--disable-web-ui`` removes it).
 
 Lifecycle: the listening socket is bound first (a taken port fails in a second, not after
@@ -45,7 +45,7 @@ import tempfile
 import time
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -357,6 +357,11 @@ def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerM
             raise OpenAIError("A stored response is sent whole: retrieve it without stream.",
                               param="stream")
         return _respond(responses.retrieve(response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, after: str | None = None, limit: int = 20,
+                               order: str = "desc", include: list[str] | None = Query(None)):
+        return _respond(responses.input_items(response_id, after, limit, order, include))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):

@@ -108,6 +108,28 @@ def input_messages(value: str | list[dict[str, Any]] | None) -> list[dict]:
     return messages
 
 
+def listed_items(value: str | list[dict[str, Any]] | None) -> list[dict]:
+    """A request's ``input`` as ``GET /v1/responses/{id}/input_items`` lists it: each item
+    with its ``type`` and an ``id`` (its own, or a new one), a message's content as parts
+    (``input_text``; an assistant's ``output_text``). Checked by ``input_messages`` first."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    listed = []
+    for item in value:
+        item = {"type": "message", **item}
+        if item["type"] == "message":
+            if isinstance(item.get("content"), str):
+                kind = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": kind, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}.get(item["type"], "fco")
+        item.setdefault("id", item_id(prefix))
+        listed.append(item)
+    return listed
+
+
 def name_tool_results(messages: list[dict]) -> list[dict]:
     """Each tool result given the ``name`` of the call it answers (chat templates print it;
     the Responses item carries only the call's id)."""

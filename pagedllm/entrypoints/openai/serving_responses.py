@@ -30,7 +30,8 @@ Streaming sends OpenAI's events, each ``event: <type>`` and its ``data``, number
 the status line is an ``error`` event.
 
 With ``store`` (the default) the response is kept in this API server process's memory, the
-last ``STORE_CAPACITY`` of them: ``GET`` and ``DELETE /v1/responses/{id}``, and
+last ``STORE_CAPACITY`` of them: ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
+/v1/responses/{id}/input_items``, and
 ``previous_response_id`` (whose turns, not its instructions, begin the next request's
 conversation, as OpenAI's do). Refused with a 400: ``background``, ``conversation``,
 ``prompt``, ``max_tool_calls``, ``include``, ``truncation: "auto"``, ``top_logprobs``,
@@ -49,7 +50,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, OpenAIError, ResponsesRequest, SamplingFields,
 )
 from pagedllm.entrypoints.openai.responses_items import (
-    OutputItems, assistant_message, input_messages, item_id, name_tool_results,
+    OutputItems, assistant_message, input_messages, item_id, listed_items, name_tool_results,
 )
 from pagedllm.entrypoints.openai.serving_chat import ChatStart, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_engine import stream_error_body
@@ -71,6 +72,7 @@ class _Stored:
     response: dict
     previous_id: str | None
     messages: list[dict]  # the turn's own: its input (no instructions) and its output
+    input_items: list[dict]  # the request's input, as input_items lists it
 
 
 class ResponseStore:
@@ -80,8 +82,9 @@ class ResponseStore:
         self.capacity = capacity
         self._entries: OrderedDict[str, _Stored] = OrderedDict()
 
-    def put(self, response: dict, previous_id: str | None, messages: list[dict]) -> None:
-        self._entries[response["id"]] = _Stored(response, previous_id, messages)
+    def put(self, response: dict, previous_id: str | None, messages: list[dict],
+            input_items: list[dict]) -> None:
+        self._entries[response["id"]] = _Stored(response, previous_id, messages, input_items)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
@@ -123,6 +126,30 @@ class OpenAIServingResponses:
     def delete(self, response_id: str) -> dict:
         self.store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    def input_items(self, response_id: str, after: str | None = None, limit: int = 20,
+                    order: str = "desc", include: list[str] | None = None) -> dict:
+        """A stored response's input items, a page of ``limit`` (1 to 100) after the item
+        ``after``, newest first unless ``order`` is "asc" (OpenAI's list form)."""
+        items = list(self.store.get(response_id).input_items)
+        if include:
+            raise OpenAIError("include is not supported: remove it.", param="include")
+        if order not in ("asc", "desc"):
+            raise OpenAIError(f"order must be 'asc' or 'desc', got {order!r}.", param="order")
+        if not 1 <= limit <= 100:
+            raise OpenAIError(f"limit must be in 1..100, got {limit}.", param="limit")
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise OpenAIError(f"after names no input item of {response_id}: {after!r}.",
+                                  param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "has_more": len(items) > limit,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None}
 
     async def create_response(self, request: ResponsesRequest, arrival_time: float
                               ) -> dict | AsyncIterator[str]:
@@ -207,7 +234,8 @@ class OpenAIServingResponses:
         response = call.response(call.status, items)
         if call.request.store:
             self.store.put(response, call.request.previous_response_id,
-                           call.turn + [assistant_message(items)])
+                           call.turn + [assistant_message(items)],
+                           listed_items(call.request.input))
         return response
 
 
