@@ -6,8 +6,8 @@
 Endpoints: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``POST /v1/responses`` (with ``GET`` and ``DELETE
 /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``), ``POST /tokenize``,
-``POST /detokenize``, ``GET /health``, ``GET /version``, ``GET /metrics`` (Prometheus), and the playground page at ``GET /``
-(``web_ui.py``; ``--disable-web-ui`` removes it).
+``POST /detokenize``, ``GET /health``, ``GET /version``, ``GET /metrics`` (Prometheus), and
+the playground page at ``GET /`` (``web_ui.py``; ``--disable-web-ui`` removes it).
 
 Lifecycle: the listening socket is bound first (a taken port fails in a second, not after
 the model loads), then the engine core process starts; its startup errors end the command

@@ -34,6 +34,8 @@ from pagedllm.entrypoints.openai.protocol import OpenAIError
 from pagedllm.entrypoints.openai.tool_parsers import DeltaMessage, DeltaToolCall
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# The id prefix of each item type (a function_call_output's otherwise).
+_ID_PREFIXES = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
 
 
 def item_id(prefix: str) -> str:
@@ -124,8 +126,7 @@ def listed_items(value: str | list[dict[str, Any]] | None) -> list[dict]:
                 kind = "output_text" if item.get("role") == "assistant" else "input_text"
                 item["content"] = [{"type": kind, "text": item["content"]}]
             item.setdefault("status", "completed")
-        prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}.get(item["type"], "fco")
-        item.setdefault("id", item_id(prefix))
+        item.setdefault("id", item_id(_ID_PREFIXES.get(item["type"], "fco")))
         listed.append(item)
     return listed
 
