@@ -87,6 +87,10 @@ def stream_error_body(exc: BaseException) -> dict:
     return error_body(INTERNAL_ERROR_MESSAGE, "server_error")
 
 
+# Request fields that take the model's sampling default (--generation-config) when unset.
+_DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What one request may ask for; each is a serve flag of the same name. Past a limit a
@@ -197,21 +201,15 @@ class OpenAIServing:
         request's own ``prompt_logprobs``."""
         asked = [k for k in (prompt_logprobs, request.prompt_logprobs) if k is not None]
         prompt_logprobs = max(asked) if asked else None
-
-        def given_or_default(name: str, engine_default: float) -> float:
-            value = getattr(request, name)
-            return self.defaults.get(name, engine_default) if value is None else value
-
+        # The request's value, else the model's default, else SamplingParams' own.
+        chosen = {name: self.defaults.get(name) if getattr(request, name) is None
+                  else getattr(request, name) for name in _DEFAULTED_FIELDS}
         try:
             return SamplingParams(
+                **{name: value for name, value in chosen.items() if value is not None},
                 n=request.n,
-                temperature=given_or_default("temperature", 1.0),
-                top_p=given_or_default("top_p", 1.0),
-                top_k=given_or_default("top_k", 0),
-                min_p=given_or_default("min_p", 0.0),
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=given_or_default("repetition_penalty", 1.0),
                 seed=request.seed,
                 stop=request.stop,
                 stop_token_ids=request.stop_token_ids,
