@@ -29,7 +29,8 @@ JSON.
 the prompts' way (``dequantize``: ``int_dequantize`` writes the weight in bf16, then
 cuBLAS), which any batch could take. ``--int8-gemm-rows`` times INT8 W8A8's larger batches
 (``torch._int_mm`` against ``int8_matmul``'s tiles), ``--fp8-gemm-rows`` FP8's (cuBLASLt at
-the batch's own rows and padded as the engine pads them, and ``fp8_matmul``'s split-K
+the batch's own rows and padded as the engine pads them, with one scale per tensor as
+static FP8 checkpoints scale them (``impl="per-tensor"``), and ``fp8_matmul``'s split-K
 tiles for the narrow outputs).
 """
 
@@ -55,6 +56,7 @@ from pagedllm.layers.int8_matmul import Int8Tile, int8_matmul, int8_matmul_tile 
 from pagedllm.layers.int_matmul import IntTile  # noqa: E402
 from pagedllm.layers.triton_ops import GemvTile, IntWeights  # noqa: E402
 from pagedllm.quantization.fp8 import (  # noqa: E402
+    FP8_MAX,
     SPLIT_GEMM_MAX_N,
     SPLIT_GEMM_MAX_ROWS,
     dequantize_rows,
@@ -288,6 +290,7 @@ def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
                 results.append(measure(row, lambda w: fp8.fp8_linear(x, w[0], w[1]), weights,
                                        want, n * k))
             fp8.PAD_ROWS, fp8.SPLIT_GEMM = configured
+            results.append(per_tensor_product(name, m, x, bf16, n * k))
             if m <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N:
                 def op(w, t):
                     rows, scales = triton_ops.quantize_rows_fp8(x)
@@ -300,6 +303,24 @@ def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
         del weights, bf16
         torch.cuda.empty_cache()
     return results
+
+
+def per_tensor_product(shape: str, m: int, x: torch.Tensor, bf16: list[torch.Tensor],
+                       weight_bytes: int) -> dict[str, Any]:
+    """cuBLASLt's FP8 product with one scale for each operand (``torch._scaled_mm``'s
+    tensor-wise scaling, as a static per-tensor checkpoint would run), the operands
+    quantized per tensor: the row of ``impl="per-tensor"``."""
+    def per_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = (t.abs().amax().float() / FP8_MAX).reshape(1)
+        return quantize_rows(t, scale)[0], scale.reshape(())
+
+    xq, x_scale = per_tensor(x)
+    weights = [per_tensor(w) for w in bf16]
+    want = (xq.float() * x_scale) @ (weights[0][0].float() * weights[0][1]).T
+    row = dict(kind="fp8-gemm", shape=shape, rows=m, impl="per-tensor")
+    return measure(row, lambda w: torch._scaled_mm(xq, w[0].t(), scale_a=x_scale, scale_b=w[1],
+                                                   out_dtype=DTYPE),
+                   (weights * 2)[:max(2, -(-L2_FLUSH_BYTES // weight_bytes))], want, weight_bytes)
 
 
 def int4_weights(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, IntWeights]:
@@ -414,6 +435,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
             print(f"{key[0]:5} {key[1]:10} {key[2]:4} {pick['bf16']:7.1f} bf16, "
                   f"{pick.get('unpadded', float('nan')):7.1f} unpadded, "
                   f"{pick.get('engine', float('nan')):7.1f} engine, "
+                  f"{pick.get('per-tensor', float('nan')):7.1f} per-tensor, "
                   f"{pick.get('configured', float('nan')):7.1f} split-K configured, "
                   f"{best.get('us', float('nan')):7.1f} best {best.get('tile', '')}")
             continue
@@ -445,8 +467,9 @@ def main() -> int:
     parser.add_argument("--int8-gemm-budget-s", type=float, default=120.0)
     parser.add_argument("--fp8-gemm-rows", default="",
                         help="also time FP8 W8A8 products of these batch sizes as the engine "
-                             "runs them (torch._scaled_mm, padded rows), unpadded, and on "
-                             "fp8_matmul's split-K tiles (with --fp8-gemm-budget-s)")
+                             "runs them (torch._scaled_mm, padded rows), unpadded, with one "
+                             "scale per tensor, and on fp8_matmul's split-K tiles (with "
+                             "--fp8-gemm-budget-s)")
     parser.add_argument("--fp8-gemm-budget-s", type=float, default=120.0)
     args = parser.parse_args()
     if not torch.cuda.is_available():
