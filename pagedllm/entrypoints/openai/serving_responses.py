@@ -31,9 +31,8 @@ the status line is an ``error`` event.
 
 With ``store`` (the default) the response is kept in this API server process's memory, the
 last ``STORE_CAPACITY`` of them: ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
-/v1/responses/{id}/input_items``, and
-``previous_response_id`` (whose turns, not its instructions, begin the next request's
-conversation, as OpenAI's do). Refused with a 400: ``background``, ``conversation``,
+/v1/responses/{id}/input_items``, and ``previous_response_id`` (whose turns, not its
+instructions, begin the next request's conversation, as OpenAI's do). Refused with a 400: ``background``, ``conversation``,
 ``prompt``, ``max_tool_calls``, ``include``, ``truncation: "auto"``, ``top_logprobs``,
 ``reasoning.summary``, ``text.verbosity``, ``n`` above 1, and tools other than functions.
 """
