@@ -14,6 +14,8 @@ special tokens.
 
 from __future__ import annotations
 
+import re
+
 from pagedllm.entrypoints.openai.tool_parsers.base import (
     HOLD, Segment, ToolParser, content_tail, read_json_calls,
 )
@@ -21,6 +23,9 @@ from pagedllm.entrypoints.openai.tool_parsers.partial import skip_space
 
 PYTHON_TAG = "<|python_tag|>"
 _CALL_OPTIONS = {"args_keys": ("parameters", "arguments"), "args_required": True}
+# Where an object with a key may start in prose (the text may end inside it): only there is
+# a call read, so code and prose full of other braces cost one regex scan, not a parse each.
+_OBJECT_START = re.compile(r'\{\s*(?:"|$)')
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -33,14 +38,13 @@ class Llama3JsonToolParser(ToolParser):
         tag = text.find(PYTHON_TAG)
         if tag >= 0:
             return [text[:tag], *_calls(text, tag, tag + len(PYTHON_TAG), final)]
-        brace = text.find("{")
-        while brace >= 0:
+        for opening in _OBJECT_START.finditer(text):
+            brace = opening.start()
             found = read_json_calls(text, brace, final, **_CALL_OPTIONS)
             if found is not None and (found[0] or found[1] is None):
                 # A call, or an object still open that may turn out to be one.
                 return [text[:brace], *(_calls(text, brace, brace, final) if found[0]
                                         else [HOLD])]
-            brace = text.find("{", brace + 1)
         return content_tail(text, (PYTHON_TAG, "{"), final)
 
 
