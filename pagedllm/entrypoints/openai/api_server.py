@@ -209,6 +209,13 @@ async def run_until_disconnected(awaitable, request: Request):
         watcher.cancel()
 
 
+async def _answer(handler, request, raw_request: Request):
+    """``handler(request, arrival time)`` raced against the client's going away, answered
+    (``_respond``); the arrival is taken as the body is parsed."""
+    arrival = time.monotonic()
+    return _respond(await run_until_disconnected(handler(request, arrival), raw_request))
+
+
 def _respond(result):
     if result is None:  # the client disconnected; nobody reads this
         return Response(status_code=499)
@@ -335,21 +342,15 @@ def build_app(engine: AsyncEngine, models: OpenAIServingModels, metrics: ServerM
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
-        arrival = time.monotonic()
-        return _respond(await run_until_disconnected(
-            completions.create_completion(request, arrival), raw_request))
+        return await _answer(completions.create_completion, request, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
-        arrival = time.monotonic()
-        return _respond(await run_until_disconnected(
-            chat.create_chat_completion(request, arrival), raw_request))
+        return await _answer(chat.create_chat_completion, request, raw_request)
 
     @app.post("/v1/responses")
     async def create_response(request: ResponsesRequest, raw_request: Request):
-        arrival = time.monotonic()
-        return _respond(await run_until_disconnected(
-            responses.create_response(request, arrival), raw_request))
+        return await _answer(responses.create_response, request, raw_request)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: bool = False):
