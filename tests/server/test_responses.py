@@ -309,6 +309,7 @@ def test_text_format_json_schema_parses_into_the_model(client):
      "input[0].content[0]"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),
     ({"tools": [], "tool_choice": "required"}, "tool_choice"),
+    ({"extra_body": {"return_token_ids": True}}, "return_token_ids"),
 ])
 def test_what_is_not_implemented_is_a_400_naming_the_field(client, kw, param):
     kw.setdefault("input", "Hello")

@@ -34,7 +34,9 @@ last ``STORE_CAPACITY`` of them: ``GET`` and ``DELETE /v1/responses/{id}``, ``GE
 /v1/responses/{id}/input_items``, and ``previous_response_id`` (whose turns, not its
 instructions, begin the next request's conversation, as OpenAI's do). Refused with a 400: ``background``, ``conversation``,
 ``prompt``, ``max_tool_calls``, ``include``, ``truncation: "auto"``, ``top_logprobs``,
-``reasoning.summary``, ``text.verbosity``, ``n`` above 1, and tools other than functions.
+``reasoning.summary``, ``text.verbosity``, ``n`` above 1, ``return_token_ids``,
+``prompt_logprobs``, and tools other than functions. ``stream_options`` has nothing to act
+on (no obfuscation padding is sent; the usage is in the final event).
 """
 
 from __future__ import annotations
@@ -70,7 +72,6 @@ _PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens
 class _Stored:
     response: dict
     previous_id: str | None
-    messages: list[dict]  # the turn's own: its input (no instructions) and its output
     input_items: list[dict]  # the request's input, as input_items lists it
 
 
@@ -81,9 +82,8 @@ class ResponseStore:
         self.capacity = capacity
         self._entries: OrderedDict[str, _Stored] = OrderedDict()
 
-    def put(self, response: dict, previous_id: str | None, messages: list[dict],
-            input_items: list[dict]) -> None:
-        self._entries[response["id"]] = _Stored(response, previous_id, messages, input_items)
+    def put(self, response: dict, previous_id: str | None, input_items: list[dict]) -> None:
+        self._entries[response["id"]] = _Stored(response, previous_id, input_items)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
@@ -102,18 +102,21 @@ class ResponseStore:
         del self._entries[response_id]
 
     def history(self, response_id: str) -> list[dict]:
-        """The messages of every turn up to and including ``response_id``'s, oldest first."""
+        """The chat messages of every turn up to and including ``response_id``'s, oldest
+        first: each turn's input (not its instructions) and its output."""
         turns = []
         next_id: str | None = response_id
         while next_id is not None:
             stored = self.get(next_id, param="previous_response_id")
-            turns.append(stored.messages)
+            turns.append(input_messages(stored.input_items)
+                         + [assistant_message(stored.response["output"])])
             next_id = stored.previous_id
         return [message for turn in reversed(turns) for message in turn]
 
 
 class OpenAIServingResponses:
-    """``POST /v1/responses``, and ``GET`` / ``DELETE /v1/responses/{id}``."""
+    """``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}`` and ``GET
+    /v1/responses/{id}/input_items``."""
 
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
         self.chat = chat
@@ -162,8 +165,7 @@ class OpenAIServingResponses:
                               "items), or a previous_response_id.", param="input")
         instructions = ([] if request.instructions is None
                         else [{"role": "system", "content": request.instructions}])
-        # Names the turn's own tool results too (kept with the turn when it is stored).
-        messages = name_tool_results(instructions + [dict(m) for m in history] + turn)
+        messages = name_tool_results(instructions + history + turn)
         response_id = item_id("resp")
         try:
             started = await self.chat.start(_chat_request(request, messages), arrival_time,
@@ -171,7 +173,7 @@ class OpenAIServingResponses:
         except OpenAIError as exc:
             exc.param = _responses_param(exc.param)
             raise
-        call = _Call(request, response_id, int(time.time()), started, turn, self.chat.defaults)
+        call = _Call(request, response_id, int(time.time()), started, self.chat.defaults)
         if request.stream:
             return self._stream(call)
         try:
@@ -233,7 +235,6 @@ class OpenAIServingResponses:
         response = call.response(call.status, items)
         if call.request.store:
             self.store.put(response, call.request.previous_response_id,
-                           call.turn + [assistant_message(items)],
                            listed_items(call.request.input))
         return response
 
@@ -242,14 +243,13 @@ class _Call:
     """One Responses request under way: what it asked, and what its output has been."""
 
     def __init__(self, request: ResponsesRequest, response_id: str, created_at: int,
-                 started: ChatStart, turn: list[dict], defaults: dict) -> None:
+                 started: ChatStart, defaults: dict) -> None:
         """``defaults``: the sampling defaults of a request that does not set them."""
         self.request = request
         self.defaults = defaults
         self.response_id = response_id
         self.created_at = created_at
         self.started = started
-        self.turn = turn
         self.text = ""
         self.token_ids: list[int] = []
         self.cached = 0
@@ -349,6 +349,10 @@ def _check_supported(request: ResponsesRequest) -> None:
         "text.verbosity": ((request.text or {}).get("verbosity"), "text.verbosity is not "
                            "supported: remove it"),
         "n": (request.n != 1, "a response has one output: remove n"),
+        "return_token_ids": (request.return_token_ids, "a response carries no token ids: use "
+                             "/v1/chat/completions for them"),
+        "prompt_logprobs": (request.prompt_logprobs is not None, "a response carries no "
+                            "logprobs: use /v1/chat/completions for them"),
     }
     for param, (value, reason) in refused.items():
         if value:
