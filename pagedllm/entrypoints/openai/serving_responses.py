@@ -41,7 +41,6 @@ on (no obfuscation padding is sent; the usage is in the final event).
 
 from __future__ import annotations
 
-import json
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -54,7 +53,7 @@ from pagedllm.entrypoints.openai.responses_items import (
     OutputItems, assistant_message, input_messages, item_id, listed_items, name_tool_results,
 )
 from pagedllm.entrypoints.openai.serving_chat import ChatStart, OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import stream_error_body
+from pagedllm.entrypoints.openai.serving_engine import sse, stream_error_body
 from pagedllm.entrypoints.openai.structured_outputs import requested_constraint
 from pagedllm.entrypoints.openai.tool_choice import join_deltas
 from pagedllm.entrypoints.openai.tool_parsers import DeltaMessage, DeltaToolCall
@@ -202,7 +201,7 @@ class OpenAIServingResponses:
             nonlocal sequence
             payload["sequence_number"] = sequence
             sequence += 1
-            return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+            return f"event: {payload['type']}\n" + sse(payload)
 
         started = call.started
         items = OutputItems()
