@@ -31,6 +31,6 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 __all__ = [
     "TOOL_PARSERS", "DeltaMessage", "DeltaToolCall", "ExtractedToolCalls", "FunctionCall",
     "HermesToolParser", "Llama3JsonToolParser", "Llama4PythonicToolParser", "MistralToolParser",
-    "Phi4MiniJsonToolParser",
-    "PythonicToolParser", "Qwen3CoderToolParser", "ToolCall", "ToolCallStream", "ToolParser", "get_tool_parser", "make_tool_call_id",
+    "Phi4MiniJsonToolParser", "PythonicToolParser", "Qwen3CoderToolParser", "ToolCall",
+    "ToolCallStream", "ToolParser", "get_tool_parser", "make_tool_call_id",
 ]
