@@ -52,6 +52,8 @@ def rms_norm_kernel(
     residual_out_ptr,
     scale_ptr,
     input_scale_ptr,
+    row_scale_ptr,
+    col_scale_ptr,
     stride_xt,
     stride_rt,
     eps,
@@ -60,17 +62,22 @@ def rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     FP8_OUT: tl.constexpr,
     STATIC_INPUT: tl.constexpr,
+    SCALED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One row per program. With ``FP8_OUT`` the normalised row (rounded to the input
     dtype, as without) is quantized as ``quantize_rows_kernel`` quantizes it: FP8
-    into ``out`` and the row's float32 scale into ``scale``."""
+    into ``out`` and the row's float32 scale into ``scale``. ``SCALED``: ``x`` holds an
+    FP8 product's sums before its scales (``scaled_sums``)."""
     follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
+    row_scale = 1.0
+    if SCALED:
+        row_scale = tl.load(row_scale_ptr + row)
     y = _rms_norm_row(
         x_ptr + row * stride_xt, residual_ptr + row * stride_rt,
         weight_ptr, out_ptr + row * N, residual_out_ptr + row * N, eps,
-        N, BLOCK, HAS_RESIDUAL, "", not FP8_OUT,
+        N, BLOCK, HAS_RESIDUAL, "", not FP8_OUT, row_scale, col_scale_ptr, SCALED,
     )
     if FP8_OUT:
         cols = tl.arange(0, BLOCK)
@@ -130,17 +137,23 @@ def _rms_norm_row(
     HAS_RESIDUAL: tl.constexpr,
     X_CACHE: tl.constexpr,
     STORE: tl.constexpr,
+    row_scale=1.0,
+    col_scale_ptr=None,
+    SCALED: tl.constexpr = False,
 ):
     """One row of ``N`` values: ``out = norm(x (+ residual))``, rounded as ``RMSNorm``
     rounds, and the sum into ``residual_out``. ``X_CACHE`` is the load cache modifier of
     ``x`` (``".cg"`` when other programs of the same launch wrote it). Returns the
     normalised row in float32 (its values in the input dtype; 0 past ``N``), stored into
-    ``out`` only with ``STORE``."""
+    ``out`` only with ``STORE``. ``SCALED``: ``x`` is first scaled by ``row_scale`` and
+    ``col_scale [N]`` (float32) and rounded to its dtype (``scaled_sums``)."""
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + cols, mask=mask, other=0.0, cache_modifier=X_CACHE)
     dtype = x.dtype
     x = x.to(tl.float32)
+    if SCALED:
+        x = scaled_sums(x, row_scale, col_scale_ptr, cols, mask, dtype)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + cols, mask=mask, other=0.0)
         s = (x + r.to(tl.float32)).to(dtype)
@@ -156,43 +169,70 @@ def _rms_norm_row(
 
 
 @triton.jit
-def _silu_and_mul_part(x_ptr, cols, mask, d):
+def scaled_sums(sums, row_scale, col_scale_ptr, cols, mask, dtype: tl.constexpr):
+    """An FP8 product's outputs from its sums (float32 of ``dtype`` values, columns
+    ``cols``): ``sums * row_scale * col_scale[cols]`` rounded to ``dtype``, as the product
+    with its scales applied rounds them (``pagedllm.quantization.fp8.Fp8Sums``)."""
+    col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+    return (sums * row_scale * col_scale).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_part(x_ptr, cols, mask, d, row_scale=1.0, col_scale_ptr=None,
+                       SCALED: tl.constexpr = False):
     """``silu(gate) * up`` of one row's columns ``cols``, rounded as ``GatedActivation``
-    rounds (SiLU to the input dtype, then the product): float32 of input-dtype values."""
+    rounds (SiLU to the input dtype, then the product): float32 of input-dtype values.
+    ``SCALED``: the row holds an FP8 product's sums before its scales (``scaled_sums``;
+    ``col_scale`` has ``2d`` values, the gate's then the up projection's)."""
     gate = tl.load(x_ptr + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + d + cols, mask=mask, other=0.0)
     dtype = gate.dtype
     g = gate.to(tl.float32)
+    u = up.to(tl.float32)
+    if SCALED:
+        g = scaled_sums(g, row_scale, col_scale_ptr, cols, mask, dtype)
+        u = scaled_sums(u, row_scale, col_scale_ptr + d, cols, mask, dtype)
     act = (g / (1.0 + tl.exp(-g))).to(dtype)
-    return (act.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
+    return (act.to(tl.float32) * u).to(dtype).to(tl.float32)
 
 
 @triton.jit
-def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
+def silu_and_mul_kernel(x_ptr, out_ptr, row_scale_ptr, col_scale_ptr, stride_x, stride_o, d,
+                        BLOCK: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
     follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    y = _silu_and_mul_part(x_ptr + row * stride_x, cols, mask, d)
+    row_scale = 1.0
+    if SCALED:
+        row_scale = tl.load(row_scale_ptr + row)
+    y = _silu_and_mul_part(x_ptr + row * stride_x, cols, mask, d, row_scale, col_scale_ptr,
+                           SCALED)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, stride_x, d,
+def silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, row_scale_ptr,
+                            col_scale_ptr, stride_x, d,
                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                            STATIC_INPUT: tl.constexpr, PDL: tl.constexpr):
+                            STATIC_INPUT: tl.constexpr, SCALED: tl.constexpr,
+                            PDL: tl.constexpr):
     """One row per program: ``silu_and_mul_kernel``'s values, quantized as
     ``quantize_rows_kernel`` quantizes them, into FP8 ``out`` (contiguous rows of
     ``d``) and the row's float32 scale into ``scale``. ``ONE_PASS`` (``d <= BLOCK``): the
     row is read once and kept in registers; wider rows take two passes, the second
-    computing each part again (its inputs from cache)."""
+    computing each part again (its inputs from cache). ``SCALED``: as in
+    ``_silu_and_mul_part``."""
     follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
+    row_scale = 1.0
+    if SCALED:
+        row_scale = tl.load(row_scale_ptr + row)
     if ONE_PASS:
         cols = tl.arange(0, BLOCK)
-        y = _silu_and_mul_part(x_row, cols, cols < d, d)
+        y = _silu_and_mul_part(x_row, cols, cols < d, d, row_scale, col_scale_ptr,
+                               SCALED)
         scale = fp8_row_scale(tl.max(tl.abs(y), 0), input_scale_ptr, STATIC_INPUT)
         tl.store(out_ptr + row * d + cols, to_fp8(y, scale), mask=cols < d)
     else:
@@ -200,11 +240,14 @@ def silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, stride_x
         if not STATIC_INPUT:
             for c0 in range(0, d, BLOCK):
                 cols = c0 + tl.arange(0, BLOCK)
-                amax = tl.maximum(amax, tl.abs(_silu_and_mul_part(x_row, cols, cols < d, d)))
+                part = _silu_and_mul_part(x_row, cols, cols < d, d, row_scale, col_scale_ptr,
+                                          SCALED)
+                amax = tl.maximum(amax, tl.abs(part))
         scale = fp8_row_scale(tl.max(amax, 0), input_scale_ptr, STATIC_INPUT)
         for c0 in range(0, d, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            y = _silu_and_mul_part(x_row, cols, cols < d, d)
+            y = _silu_and_mul_part(x_row, cols, cols < d, d, row_scale, col_scale_ptr,
+                                   SCALED)
             tl.store(out_ptr + row * d + cols, to_fp8(y, scale), mask=cols < d)
     tl.store(scale_ptr + row, scale)
 
@@ -880,3 +923,4 @@ def _round_clamped(v):
     """float32 ``v`` rounded to the nearest integer (halves to even), clamped to +-127."""
     v = tl.clamp(v, -128.0, 128.0)
     return tl.clamp((v + 12582912.0) - 12582912.0, -127.0, 127.0)
+

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.triton_ops import silu_and_mul, use_fused_ops
-from pagedllm.quantization.fp8 import Fp8Rows
+from pagedllm.quantization.fp8 import Fp8Rows, Fp8Sums
 
 if TYPE_CHECKING:
     from pagedllm.layers.linear import Linear
@@ -62,13 +62,25 @@ class GatedActivation(nn.Module):
     def is_silu(self) -> bool:
         return self._fn is F.silu
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor | Fp8Rows:
+    @property
+    def takes_sums(self) -> bool:
+        """Whether ``forward`` scales ``Fp8Sums`` as it reads them (the fused SiLU)."""
+        return self.is_silu
+
+    def forward(self, gate_up: torch.Tensor | Fp8Sums) -> torch.Tensor | Fp8Rows:
+        """``gate_up`` may be an FP8 product's ``Fp8Sums`` (``takes_sums``): SiLU-and-mul's
+        kernel scales them as it reads them."""
+        sums_scales = None
+        if isinstance(gate_up, Fp8Sums):
+            gate_up, sums_scales = gate_up.sums, gate_up.scales
+            if not (self.is_silu and use_fused_ops(gate_up)):
+                gate_up, sums_scales = Fp8Sums(gate_up, *sums_scales).scaled(), None
         if self.is_silu and gate_up.dim() == 2 and use_fused_ops(gate_up):
             if self._consumer and self._consumer[0].takes_fp8_rows(gate_up):
                 consumer = self._consumer[0]
-                return Fp8Rows(*silu_and_mul(gate_up, fp8=True,
-                                             input_scale=consumer.input_scale), gate_up.dtype)
-            return silu_and_mul(gate_up)
+                return Fp8Rows(*silu_and_mul(gate_up, fp8=True, input_scale=consumer.input_scale,
+                                             sums_scales=sums_scales), gate_up.dtype)
+            return silu_and_mul(gate_up, sums_scales=sums_scales)
         gate, up = gate_up.chunk(2, dim=-1)
         return self._fn(gate) * up
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedllm.layers.linear import Linear, small_batch_product
 from pagedllm.layers.triton_ops import head_rms_norm, rms_norm, use_fused_ops
-from pagedllm.quantization.fp8 import Fp8Rows
+from pagedllm.quantization.fp8 import Fp8Rows, Fp8Sums
 
 
 class RMSNorm(nn.Module):
@@ -55,13 +55,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | Fp8Sums, residual: torch.Tensor | None = None
     ) -> torch.Tensor | Fp8Rows | tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        """``x`` may be an FP8 product's ``Fp8Sums``: the fused kernel scales them as it
+        reads them, elsewhere they are scaled first."""
+        sums_scales = None
+        if isinstance(x, Fp8Sums):
+            x, sums_scales = (x.sums, x.scales) if self._runs_fused(x.sums) else (x.scaled(), None)
         if self._runs_fused(x):
             if not self._consumer or not self._consumer[0].takes_fp8_rows(x):
-                return rms_norm(x, self.weight, self.eps, residual)
+                return rms_norm(x, self.weight, self.eps, residual, sums_scales=sums_scales)
             out = rms_norm(x, self.weight, self.eps, residual, fp8=True,
-                           input_scale=self._consumer[0].input_scale)
+                           input_scale=self._consumer[0].input_scale, sums_scales=sums_scales)
             if residual is None:
                 return Fp8Rows(*out, x.dtype)
             return Fp8Rows(*out[0], x.dtype), out[1]
@@ -118,9 +123,10 @@ def linear_and_norm(
     """``norm(proj(x), residual)``: the normalised sum and the sum. For a decode step of a
     few sequences on CUDA the norm runs at the end of the projection's small-batch product
     (one launch for both; the same roundings as the two kernels); not for a row-parallel
-    projection, whose ranks' products are summed before the norm."""
+    projection, whose ranks' products are summed before the norm. A larger FP8 product
+    hands the norm its sums, which the norm's kernel scales (``Fp8Sums``)."""
     if not proj.reduces and norm.weight.dtype == x.dtype and not norm.weight_offset:
         fused = small_batch_product(proj, x, proj.bias, norm=(norm.weight, norm.eps, residual))
         if fused is not None:
             return fused
-    return norm(proj(x), residual)
+    return norm(proj(x, sums=True), residual)

@@ -62,6 +62,7 @@ from pagedllm.quantization.checkpoint import IntWeightScheme
 from pagedllm.quantization.fp8 import (
     FP8_DTYPE,
     Fp8Rows,
+    Fp8Sums,
     fp8_block_linear,
     fp8_linear,
     quantize_rows,
@@ -193,11 +194,17 @@ class Linear(nn.Module):
                 and self.fp8_block is None and x.dim() == 2
                 and use_fused_ops(x) and not use_small_batch_matmul(x, self.weight))
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows, sums: bool = False) -> torch.Tensor | Fp8Sums:
+        """``sums=True``: the caller's consumer scales an FP8 product's sums itself (it
+        takes ``Fp8Sums``, see ``fp8_linear``); an output summed over tensor-parallel ranks
+        or with a bias comes scaled."""
         bias = None if self.reduces else self.bias
+        sums = sums and self.bias is None and not (self.reduces and get_tp().size > 1)
         out = small_batch_product(self, x, bias)
         if out is None and isinstance(x, Fp8Rows):
-            out = fp8_linear(x, self.weight, self.weight_scale, bias)
+            out = fp8_linear(x, self.weight, self.weight_scale, bias, sums=sums)
+        elif out is None and sums and self.takes_fp8_rows(x):
+            out = fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale, sums=True)
         elif out is None and self.fp8_block is not None:
             out = fp8_block_linear(x, self.weight, self.weight_scale, self.fp8_block, bias)
         elif out is None and self.llm_int8_threshold is not None:

@@ -150,6 +150,7 @@ def rms_norm(
     *,
     fp8: bool = False,
     input_scale: torch.Tensor | None = None,
+    sums_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """``RMSNorm`` over the last dimension in one kernel; see ``layers/layernorm.py``.
 
@@ -162,8 +163,11 @@ def rms_norm(
     product, as ``quantize_rows_fp8`` would quantize them (per row, or with the static
     ``input_scale``): a pair (float8_e4m3fn ``[T, N]``, float32 scales ``[T, 1]``) in
     place of ``norm(...)``.
+
+    ``sums_scales=(row_scale, col_scale)`` (``[T, N]`` inputs): ``x`` holds an FP8
+    product's sums before its scales (``Fp8Sums``), scaled here first.
     """
-    if x.dim() == 3 and not fp8 and residual is None:
+    if x.dim() == 3 and not fp8 and residual is None and sums_scales is None:
         return head_rms_norm(x, weight, eps)
     if x.dim() != 2:
         raise ValueError(f"rms_norm takes [T, N]{'' if fp8 else ' or [T, H, N]'} inputs "
@@ -189,16 +193,32 @@ def rms_norm(
     if rows == 0:
         return (normed, residual_out) if residual is not None else normed
     block = k.next_power_of_2(n)
+    row_scale, col_scale = _sums_scale_args(sums_scales, rows, n, scale)
     k.rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, residual_out,
-        scale, input_scale if input_scale is not None else scale, x.stride(0),
-        residual.stride(0) if residual is not None else 0,
+        scale, input_scale if input_scale is not None else scale, row_scale, col_scale,
+        x.stride(0), residual.stride(0) if residual is not None else 0,
         eps,
         N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, FP8_OUT=fp8,
-        STATIC_INPUT=input_scale is not None,
+        STATIC_INPUT=input_scale is not None, SCALED=sums_scales is not None,
         num_warps=_norm_warps(block, fp8), **launch_options(x.device),
     )
     return (normed, residual_out) if residual is not None else normed
+
+
+def _sums_scale_args(sums_scales: tuple[torch.Tensor, torch.Tensor] | None, rows: int,
+                     columns: int, unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' ``row_scale`` and ``col_scale`` arguments for ``sums_scales`` (float32,
+    one per row and one per column, any shapes of those sizes), or ``unused`` twice."""
+    if sums_scales is None:
+        return unused, unused
+    row_scale, col_scale = (t.reshape(-1) for t in sums_scales)
+    if (row_scale.numel(), col_scale.numel()) != (rows, columns) or not (
+            row_scale.dtype == col_scale.dtype == torch.float32):
+        raise ValueError(f"sums_scales: {rows} row and {columns} column float32 scales, got "
+                         f"{row_scale.numel()} and {col_scale.numel()} "
+                         f"({row_scale.dtype}, {col_scale.dtype}).")
+    return row_scale.contiguous(), col_scale.contiguous()
 
 
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -237,12 +257,15 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
-                 input_scale: torch.Tensor | None = None):
+                 input_scale: torch.Tensor | None = None,
+                 sums_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``silu(gate_up[..., :d]) * gate_up[..., d:]`` for a 2-D ``[T, 2d]`` input -> ``[T, d]``.
 
     With ``fp8``: that product quantized for an FP8 product, as ``quantize_rows_fp8``
     would quantize it (per row, or with the static ``input_scale``): a pair
-    (float8_e4m3fn ``[T, d]``, float32 scales ``[T, 1]``)."""
+    (float8_e4m3fn ``[T, d]``, float32 scales ``[T, 1]``). ``sums_scales=(row_scale,
+    col_scale)``: ``gate_up`` holds an FP8 product's sums before its scales
+    (``Fp8Sums``), scaled here first."""
     k = _kernels()
     if gate_up.dim() != 2:
         raise ValueError(f"silu_and_mul takes [T, 2d], got shape {tuple(gate_up.shape)}.")
@@ -252,6 +275,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
     d = width // 2
     out = torch.empty((num_tokens, d), dtype=torch.float8_e4m3fn if fp8 else gate_up.dtype,
                       device=gate_up.device)
+    row_scale, col_scale = _sums_scale_args(sums_scales, num_tokens, width, out)
     if fp8:
         scale = torch.empty((num_tokens, 1), dtype=torch.float32, device=gate_up.device)
         if num_tokens:
@@ -259,8 +283,8 @@ def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
             block = min(16384, k.next_power_of_2(d))
             k.silu_and_mul_fp8_kernel[(num_tokens,)](
                 gate_up, out, scale, input_scale if input_scale is not None else scale,
-                gate_up.stride(0), d, BLOCK=block, ONE_PASS=d <= block,
-                STATIC_INPUT=input_scale is not None,
+                row_scale, col_scale, gate_up.stride(0), d, BLOCK=block, ONE_PASS=d <= block,
+                STATIC_INPUT=input_scale is not None, SCALED=sums_scales is not None,
                 num_warps=_norm_warps(block), **launch_options(gate_up.device),
             )
         return out, scale
@@ -268,7 +292,8 @@ def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
         return out
     block = 1024
     k.silu_and_mul_kernel[(num_tokens, k.cdiv(d, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), d, BLOCK=block, num_warps=4,
+        gate_up, out, row_scale, col_scale, gate_up.stride(0), out.stride(0), d, BLOCK=block,
+        SCALED=sums_scales is not None, num_warps=4,
         **launch_options(gate_up.device),
     )
     return out

@@ -255,7 +255,7 @@ class LlamaMLP(nn.Module):
                                         silu_gated=True)
             if fused is not None:
                 return fused
-        return self.act(self.gate_up_proj(x))
+        return self.act(self.gate_up_proj(x, sums=self.act.takes_sums))
 
 
 class SharedExpertMoE(MoEBlock):

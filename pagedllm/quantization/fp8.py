@@ -27,7 +27,11 @@ weight, and each input row is quantized per group of ``columns`` inputs::
 
 The op that produces a projection's input can hand it over already quantized
 (``Fp8Rows``: the norm before qkv and gate/up, SiLU-and-mul before down, on CUDA), the
-same values ``quantize_rows`` gives, so the product skips its own quantization pass.
+same values ``quantize_rows`` gives, so the product skips its own quantization pass. And
+on Hopper the product can hand its sums to the op that reads them before the scales are
+applied (``Fp8Sums``: gate/up's to SiLU-and-mul, o_proj's and down's to the norm after
+them), so that cuBLASLt multiplies with one unit scale per operand, its faster kernels
+(``PAGEDLLM_FP8_DEFERRED_SCALES=1``).
 """
 
 from __future__ import annotations
@@ -60,6 +64,31 @@ class Fp8Rows(NamedTuple):
     @property
     def shape(self) -> torch.Size:
         return self.values.shape
+
+
+class Fp8Sums(NamedTuple):
+    """An FP8 product handed to the op that consumes it before its scales are applied:
+    ``sums [T, N]`` (``sum_k xq[t, k] * wq[n, k]`` rounded to the activation dtype),
+    ``row_scale [T, 1]`` and ``col_scale [N, 1]`` (float32). The product is
+    ``round(sums * row_scale * col_scale)``, which the consumer computes as it reads the
+    sums (``triton_ops.silu_and_mul``, ``rms_norm``: ``sums_scales``); cuBLASLt's products
+    with one scale per tensor run faster on Hopper than its row-wise ones."""
+
+    sums: torch.Tensor
+    row_scale: torch.Tensor
+    col_scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.sums.shape
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.row_scale, self.col_scale
+
+    def scaled(self) -> torch.Tensor:
+        """The product with its scales applied (for a consumer that takes no sums)."""
+        return (self.sums.float() * self.row_scale * self.col_scale.t()).to(self.sums.dtype)
 
 
 def divide_exactly(values: torch.Tensor, divisor: float) -> torch.Tensor:
@@ -118,6 +147,8 @@ _HOPPER_PADDED_ROWS = (129, 224, 256)
 _PADDED_MIN_N = 16384
 PAD_ROWS_ENV = "PAGEDLLM_FP8_PAD_ROWS"
 PAD_ROWS = switch(PAD_ROWS_ENV, True)
+DEFERRED_SCALES_ENV = "PAGEDLLM_FP8_DEFERRED_SCALES"
+DEFERRED_SCALES = switch(DEFERRED_SCALES_ENV, False)
 
 
 def cublas_rows(rows: int, n: int, device: torch.device) -> int:
@@ -130,18 +161,38 @@ def cublas_rows(rows: int, n: int, device: torch.device) -> int:
     return rows
 
 
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on ``device``: cuBLASLt's one scale for a whole operand. Kept from the
+    first call outside a CUDA graph's capture (inside one, a new tensor is filled by the
+    graph itself)."""
+    scale = _UNIT_SCALES.get(device)
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _UNIT_SCALES[device] = scale
+    return scale
+
+
 @functools.cache
 def _hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None
-               ) -> torch.Tensor:
+               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+               *, sums: bool = False) -> torch.Tensor | Fp8Sums:
     """``x @ dequant(weight).T + bias`` with ``x`` quantized per token, or with the static
     ``input_scale`` when given; ``x [T, K]`` in the model's dtype (or ``Fp8Rows``, already
     quantized for this product), ``weight [N, K]`` float8_e4m3fn, ``weight_scale [N, 1]``
-    float32. Returns ``[T, N]`` in ``x``'s dtype."""
+    float32. Returns ``[T, N]`` in ``x``'s dtype.
+
+    ``sums=True`` (the caller's consumer scales sums, see ``Fp8Sums``): where cuBLASLt
+    multiplies a 2-D ``x`` on Hopper without a bias, the product comes back as
+    ``Fp8Sums``, its scales not applied, where ``PAGEDLLM_FP8_DEFERRED_SCALES=1`` (off by
+    default until the engine gains from it: docs/benchmarks.md)."""
     if isinstance(x, Fp8Rows):
         if input_scale is not None:
             raise ValueError("fp8_linear: Fp8Rows are quantized already (with the static "
@@ -154,6 +205,16 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
         quantize = quantize_rows_fp8 if use_fused_ops(x2) else quantize_rows
         xq, x_scale = quantize(x2, input_scale)
     tensor_cores = _fp8_matmul_supported(xq.device) and dtype in (torch.bfloat16, torch.float16)
+    if (sums and DEFERRED_SCALES and tensor_cores and bias is None and len(shape) == 2
+            and _hopper(xq.device)
+            and not split_k_product(xq.shape[0], weight.shape[0], xq.device)):
+        rows = xq.shape[0]
+        padding = cublas_rows(rows, weight.shape[0], xq.device) - rows
+        if padding:  # zero rows, as below
+            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, padding)).view(FP8_DTYPE)
+        unit = _unit_scale(xq.device)
+        sums = torch._scaled_mm(xq, weight.t(), scale_a=unit, scale_b=unit, out_dtype=dtype)
+        return Fp8Sums(sums[:rows], x_scale.expand(rows, 1), weight_scale.reshape(-1, 1))
     if tensor_cores and split_k_product(xq.shape[0], weight.shape[0], xq.device):
         from pagedllm.layers.fp8_matmul import fp8_matmul  # kernels load on first use
 

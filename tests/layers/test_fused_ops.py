@@ -244,13 +244,8 @@ def test_linear_layers_send_small_batches_to_the_matmul_kernel(monkeypatch) -> N
 
 def test_llama_mlp_of_a_small_batch_runs_on_the_matmul_kernel_with_the_norm_after_it(monkeypatch) -> None:
     from pagedllm.layers.layernorm import linear_and_norm
-    from pagedllm.models.llama import LlamaArchConfig, LlamaMLP
 
-    hf = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-              num_attention_heads=4, hidden_act="silu")
-    mlp = LlamaMLP(LlamaArchConfig.from_hf(hf, "llama")).to(DEVICE, DOT_DTYPE)
-    mlp.gate_up_proj.weight.data = _rand(192, 64, dtype=DOT_DTYPE, seed=18) * 0.1
-    mlp.down_proj.weight.data = _rand(64, 96, dtype=DOT_DTYPE, seed=19) * 0.1
+    mlp = _tiny_llama_mlp(DOT_DTYPE, seed=18)
     norm = RMSNorm(64, eps=1e-5).to(DEVICE, DOT_DTYPE)
     norm.weight.data = _rand(64, dtype=DOT_DTYPE, seed=21)
     x = _rand(3, 64, dtype=DOT_DTYPE, seed=20)
@@ -471,6 +466,99 @@ def test_silu_and_mul_quantizes_for_fp8_as_silu_and_mul_then_quantize(d, static)
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+def _tiny_llama_mlp(dtype: torch.dtype, seed: int):
+    """A Llama MLP of 64 -> 96 -> 64 with random weights of ``dtype`` (seeds ``seed`` and
+    ``seed + 1``)."""
+    from pagedllm.models.llama import LlamaArchConfig, LlamaMLP
+
+    hf = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+              num_attention_heads=4, hidden_act="silu")
+    mlp = LlamaMLP(LlamaArchConfig.from_hf(hf, "llama")).to(DEVICE, dtype)
+    mlp.gate_up_proj.weight.data = _rand(192, 64, dtype=dtype, seed=seed) * 0.1
+    mlp.down_proj.weight.data = _rand(64, 96, dtype=dtype, seed=seed + 1) * 0.1
+    return mlp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_norm_and_activation_scale_an_fp8_products_sums_as_scaling_first(dtype, fp8) -> None:
+    """``sums_scales``: the norm (with its residual) and SiLU-and-mul read an FP8 product's
+    sums and scale them (``Fp8Sums``); the outputs are theirs over the scaled product (in
+    float32 to the bit under the interpreter, within a rounding of the last bit on a GPU,
+    whose compiler may fuse the scale's multiply with the residual's add; bfloat16 within
+    the interpreter's casts, which truncate)."""
+    from pagedllm.quantization.fp8 import Fp8Sums
+
+    rows, width = 5, 2 * 1100  # SiLU-and-mul's d spans two programs of 1024 columns
+    sums = _rand(rows, width, dtype=dtype, seed=61) * 50
+    row_scale = _rand(rows, 1, seed=62).abs() * 1e-3 + 1e-4
+    col_scale = _rand(width, 1, seed=63).abs() * 1e-2 + 1e-3
+    product = Fp8Sums(sums, row_scale, col_scale)
+    exact = dict(rtol=0, atol=0) if DEVICE == "cpu" else dict(rtol=2e-7, atol=1e-7)
+    tol = exact if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    got = triton_ops.silu_and_mul(sums, fp8=fp8, sums_scales=product.scales)
+    want = triton_ops.silu_and_mul(product.scaled(), fp8=fp8)
+    if fp8:
+        torch.testing.assert_close(got[1], want[1], **tol)
+        got, want = got[0].float() * got[1], want[0].float() * want[1]
+    torch.testing.assert_close(got, want, **tol)
+
+    sums, col_scale = sums[:, :300], col_scale[:300]
+    product = Fp8Sums(sums, row_scale, col_scale)
+    weight, residual = _rand(300, dtype=dtype, seed=64), _rand(rows, 300, dtype=dtype, seed=65)
+    got = triton_ops.rms_norm(sums, weight, 1e-6, residual, fp8=fp8, sums_scales=product.scales)
+    want = triton_ops.rms_norm(product.scaled(), weight, 1e-6, residual, fp8=fp8)
+    torch.testing.assert_close(got[1], want[1], **tol)  # the residual stream
+    if fp8:
+        torch.testing.assert_close(got[0][1], want[0][1], **tol)
+        got, want = (got[0][0].float() * got[0][1],), (want[0][0].float() * want[0][1],)
+    torch.testing.assert_close(got[0], want[0], **tol)
+    with pytest.raises(ValueError, match="300 column float32 scales"):
+        triton_ops.rms_norm(sums, weight, 1e-6, residual, sums_scales=(row_scale, col_scale[:7]))
+
+
+def test_fp8_products_hand_their_sums_to_the_norm_and_the_activation(monkeypatch) -> None:
+    """On Hopper a batch too large for the small-batch kernel multiplies FP8 weights with
+    one unit scale per operand and hands the sums to the SiLU-and-mul and the norm that
+    read them (``Fp8Sums``): the MLP's outputs are those of cuBLASLt's row-wise scales
+    (``PAGEDLLM_FP8_DEFERRED_SCALES=0``) within a rounding of each product, which may move
+    an input of the next product by one FP8 step."""
+    from pagedllm.layers import activation, layernorm, linear
+    from pagedllm.layers.layernorm import linear_and_norm
+    from pagedllm.quantization import fp8
+
+    for module in (triton_ops, layernorm, activation, linear, fp8):
+        monkeypatch.setattr(module, "use_fused_ops", lambda t: True)  # as on a GPU
+    monkeypatch.setattr(triton_ops, "fp8_dot_supported", lambda device: True)
+    monkeypatch.setattr(fp8, "_fp8_matmul_supported", lambda device: True)
+    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    monkeypatch.setattr(fp8, "split_k_product", lambda rows, n, device: False)
+    monkeypatch.setattr(fp8, "DEFERRED_SCALES", True)
+    products = []
+    real_linear = fp8.fp8_linear
+    monkeypatch.setattr(linear, "fp8_linear", lambda *a, **k: products.append(
+        type(out := real_linear(*a, **k)).__name__) or out)
+    dtype = torch.bfloat16
+    mlp = _tiny_llama_mlp(dtype, seed=66)
+    for proj in (mlp.gate_up_proj, mlp.down_proj):
+        proj.quantize_fp8()
+    next_norm = RMSNorm(64, eps=1e-5).to(DEVICE, dtype)
+    next_norm.weight.data = _rand(64, dtype=dtype, seed=68)
+    x, residual = _rand(40, 64, dtype=dtype, seed=69), _rand(40, 64, dtype=dtype, seed=70)
+
+    def run():
+        return linear_and_norm(mlp(x), mlp.down_proj, next_norm, residual=residual)
+
+    deferred = run()
+    assert products == ["Fp8Sums", "Fp8Sums"]
+    monkeypatch.setattr(fp8, "DEFERRED_SCALES", False)
+    products.clear()
+    row_wise = run()
+    assert products == ["Tensor", "Tensor"]
+    for got, want in zip(deferred, row_wise):  # the SiLU output's FP8 steps may round apart
+        assert (got.float() - want.float()).norm() < 0.03 * want.float().norm()
+
+
 def test_fp8_mlp_takes_its_inputs_quantized_by_the_norm_and_the_activation(monkeypatch) -> None:
     """A batch too large for the small-batch kernel, FP8 weights, on a GPU: the norm
     before gate/up and SiLU-and-mul before down hand their outputs over quantized, and
@@ -478,7 +566,6 @@ def test_fp8_mlp_takes_its_inputs_quantized_by_the_norm_and_the_activation(monke
     weights, or a batch the small-batch kernel takes, nothing is handed over quantized."""
     from pagedllm.layers import activation, layernorm, linear
     from pagedllm.layers.layernorm import linear_and_norm
-    from pagedllm.models.llama import LlamaArchConfig, LlamaMLP
     from pagedllm.quantization import fp8
 
     for module in (triton_ops, layernorm, activation, linear, fp8):
@@ -488,11 +575,7 @@ def test_fp8_mlp_takes_its_inputs_quantized_by_the_norm_and_the_activation(monke
     monkeypatch.setattr(fp8, "quantize_rows_fp8", lambda x, scale=None: passes.append(x.shape)
                         or triton_ops.quantize_rows_fp8(x, scale))
     dtype = torch.bfloat16
-    hf = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-              num_attention_heads=4, hidden_act="silu")
-    mlp = LlamaMLP(LlamaArchConfig.from_hf(hf, "llama")).to(DEVICE, dtype)
-    mlp.gate_up_proj.weight.data = _rand(192, 64, dtype=dtype, seed=55) * 0.1
-    mlp.down_proj.weight.data = _rand(64, 96, dtype=dtype, seed=56) * 0.1
+    mlp = _tiny_llama_mlp(dtype, seed=55)
     norm, next_norm = (RMSNorm(64, eps=1e-5).to(DEVICE, dtype) for _ in range(2))
     norm.weight.data = _rand(64, dtype=dtype, seed=57)
     next_norm.weight.data = _rand(64, dtype=dtype, seed=58)
