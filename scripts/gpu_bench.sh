@@ -83,7 +83,8 @@
 #            "PAGEDLLM_DECODE_LONGEST_FIRST=0 PAGEDLLM_MIXED_GRAPHS=1"), L1 and W1 on llama-3.1-8b
 #            (or each model of $GPU_BENCH_AB_MODELS, e.g. "qwen3-0.6b llama-3.1-8b") with
 #            the setting, beside the same commands without it, into $OUT/ab.txt
-#            (only when GPU_BENCH_AB is set); and for each revision in $GPU_BENCH_AB_REVS
+#            (only when GPU_BENCH_AB is set; $GPU_BENCH_AB_ARGS, e.g. "--quantization fp8",
+#            goes to every command of the step); and for each revision in $GPU_BENCH_AB_REVS
 #            (extracted by scripts/ab_prepare.sh into .ab/<rev>, carried to the machine),
 #            L1 and W1 on that revision and on the working tree, in $GPU_BENCH_AB_ROUNDS
 #            (default 2) interleaved rounds; with no revisions and GPU_BENCH_AB_ROUNDS
@@ -297,16 +298,17 @@ done
 # each model of $GPU_BENCH_AB_MODELS (default: $BIG), under the ab time limit each, one
 # line each into ab.txt.
 read -r -a AB_MODELS <<<"${GPU_BENCH_AB_MODELS:-$BIG}"
+read -r -a AB_ARGS <<<"${GPU_BENCH_AB_ARGS:-}"
 ab_run() {
     local label=$1 dir=$2 model
     shift 2
     for model in "${AB_MODELS[@]}"; do
         echo "--- $label ($model)" | tee -a "$OUT/ab.txt"
         (cd "$dir" && PYTHONPATH=. timeout -k 10 "$LIMIT_AB" env "$@" $PY -m pagedllm.benchmarks.latency \
-            --model "$model" --load-format dummy --workload L1 "${LAT_ARGS[@]}" 2>&1) \
+            --model "$model" --load-format dummy --workload L1 "${LAT_ARGS[@]}" "${AB_ARGS[@]}" 2>&1) \
             | tee -a "$LOG" | grep -A1 "ms/token" | tail -1 | tee -a "$OUT/ab.txt"
         (cd "$dir" && PYTHONPATH=. timeout -k 10 "$LIMIT_AB" env "$@" $PY -m pagedllm.benchmarks.throughput \
-            --model "$model" --load-format dummy "${W1_ARGS[@]}" 2>&1) \
+            --model "$model" --load-format dummy "${W1_ARGS[@]}" "${AB_ARGS[@]}" 2>&1) \
             | tee -a "$LOG" | grep -E "^ *pagedllm " | tee -a "$OUT/ab.txt"
     done
 }
