@@ -32,11 +32,12 @@ the status line is an ``error`` event.
 With ``store`` (the default) the response is kept in this API server process's memory, the
 last ``STORE_CAPACITY`` of them: ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
 /v1/responses/{id}/input_items``, and ``previous_response_id`` (whose turns, not its
-instructions, begin the next request's conversation, as OpenAI's do). Refused with a 400: ``background``, ``conversation``,
-``prompt``, ``max_tool_calls``, ``include``, ``truncation: "auto"``, ``top_logprobs``,
-``reasoning.summary``, ``text.verbosity``, ``n`` above 1, ``return_token_ids``,
-``prompt_logprobs``, and tools other than functions. ``stream_options`` has nothing to act
-on (no obfuscation padding is sent; the usage is in the final event).
+instructions, begin the next request's conversation, as OpenAI's do). Refused with a 400:
+``background``, ``conversation``, ``prompt``, ``max_tool_calls``, ``include``,
+``truncation: "auto"``, ``top_logprobs``, ``reasoning.summary``, ``text.verbosity``, ``n``
+above 1, ``return_token_ids``, ``prompt_logprobs``, and tools other than functions.
+``stream_options`` has nothing to act on (no obfuscation padding is sent; the usage is in
+the final event).
 """
 
 from __future__ import annotations
