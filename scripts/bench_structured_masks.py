@@ -11,7 +11,7 @@ order of the vocabulary, and its token the first one the row's mask allows (the 
 distribution). The ways alternate step by step, so a busy machine slows them alike.
 
 Usage: python scripts/bench_structured_masks.py --tokenizer DIR [--rows 128] [--steps 40]
-    [--candidates 8]
+    [--candidates 8] [--forms N]
 (DIR from ``python -m pagedllm.benchmarks.bench_tokenizer``).
 """
 
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedllm.benchmarks.structured_workload import constraint_for  # noqa: E402
 from pagedllm.engine.tokenizer import Tokenizer  # noqa: E402
+from pagedllm.structured.backend import constraint_forms, fill_threads  # noqa: E402
 from pagedllm.structured.llguidance_backend import LLGuidanceBackend  # noqa: E402
 from pagedllm.structured.manager import StructuredOutputManager  # noqa: E402
 
@@ -42,7 +43,7 @@ def attached(manager: StructuredOutputManager, rows: int) -> list:
                 for i in range(rows)]
     for request in requests:
         manager.attach(request)
-    while not all(request.grammar.ready for request in requests):
+    while not all([request.grammar.ready for request in requests]):  # each begins its form
         time.sleep(0.01)
     return [request.grammar for request in requests]
 
@@ -56,10 +57,14 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=8,
                         help="tokens of each draw's ranking a refused row may take")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--forms", type=int, default=None,
+                        help="times each schema is compiled at most (default: the engine's "
+                             "rule, PAGEDLLM_GRAMMAR_FORMS or one per row)")
     args = parser.parse_args()
     tokenizer = Tokenizer.from_pretrained(args.tokenizer)
     backend = LLGuidanceBackend(tokenizer, len(tokenizer))
-    manager = StructuredOutputManager(lambda: backend)
+    manager = StructuredOutputManager(
+        lambda: backend, forms_per_constraint=args.forms or constraint_forms(args.rows))
     masking, checking, ranking = (attached(manager, args.rows) for _ in range(3))
     vocab, width = backend.vocab_size, manager.bitmask_width
     rng = np.random.default_rng(args.seed)
@@ -97,7 +102,8 @@ def main() -> None:
             for grammar, token in zip(grammars, tokens):
                 grammar.accept_token(token)
                 assert grammar.error is None, grammar.error
-    print(f"{args.rows} rows, {args.steps} steps, vocabulary {vocab}: "
+    print(f"{args.rows} rows, {args.steps} steps, vocabulary {vocab}, "
+          f"{manager.num_forms} forms, {fill_threads()} fill threads: "
           f"{100 * refused_rows / (args.rows * args.steps):.1f}% of sampled tokens refused, "
           f"{100 * still_refused / (args.rows * args.steps):.1f}% refused all of the first "
           f"{args.candidates} of their ranking")

@@ -51,6 +51,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.executor import make_model_runner
 from pagedllm.spec_decode.ngram import NgramProposer
+from pagedllm.structured.backend import constraint_forms
 from pagedllm.structured.manager import (
     StepGrammars, StructuredOutputManager, masks_ahead_wanted, prefetch_masks_wanted,
 )
@@ -98,7 +99,8 @@ class EngineCore:
         self._pipeline: deque[tuple[SchedulerOutput, AsyncStepOutput]] = deque()
         self._in_flight: tuple[SchedulerOutput, AsyncStepOutput] | None = None
         self.structured = StructuredOutputManager(
-            self._make_grammar_backend, prefetch_masks=prefetch_masks_wanted(config.device))
+            self._make_grammar_backend, prefetch_masks=prefetch_masks_wanted(config.device),
+            forms_per_constraint=constraint_forms(config.scheduler_config.max_num_seqs))
         # Constrained rows sampled under masks filled ahead, no check (see StepGrammars).
         self._defers_masks = masks_ahead_wanted(config)
         logger.info(

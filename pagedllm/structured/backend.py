@@ -5,8 +5,8 @@ request gets its own ``Grammar`` (a matcher's state) from it. The engine only ev
 
 - ``validate(params)`` at submission (no tokenizer needed; raises ``ValueError`` with the
   compiler's message),
-- ``compile(params)`` in a worker thread, a few times per distinct constraint
-  (``params.key``; see ``fill_threads``),
+- ``compile(params)`` in a worker thread, up to once per request that may run at the same
+  time, per distinct constraint (``params.key``; see ``constraint_forms``),
 - ``new_grammar(compiled)`` per request,
 - ``Grammar.is_allowed(token)`` for a token sampled without a mask (check-then-mask: most
   samples are allowed, and checking one token costs microseconds where a mask costs the
@@ -35,6 +35,8 @@ from pagedllm.switches import integer
 
 # Threads filling token masks (``PAGEDLLM_GRAMMAR_FILL_THREADS``).
 FILL_THREADS_ENV = "PAGEDLLM_GRAMMAR_FILL_THREADS"
+# Times one constraint is compiled at most (``PAGEDLLM_GRAMMAR_FORMS``).
+FORMS_ENV = "PAGEDLLM_GRAMMAR_FORMS"
 # The cgroup (v2) CPU quota of the process: "QUOTA PERIOD" or "max PERIOD".
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
@@ -54,16 +56,26 @@ def usable_cpus() -> int:
 
 def fill_threads() -> int:
     """Threads a step's masks are filled on: ``PAGEDLLM_GRAMMAR_FILL_THREADS``, else 80% of
-    the usable CPUs, 1 to 32 (llguidance's own default).
-
-    Grammars made from one compiled form may wait for each other (llguidance's copies of a
-    matcher share its lexer, behind one lock), so the engine compiles each constraint up to
-    this many times and hands the forms to its requests in turn: rows of one schema then
-    fill in parallel."""
+    the usable CPUs, 1 to 32 (llguidance's own default)."""
     threads = integer(FILL_THREADS_ENV, None, 1, 256)
     if threads is None:
         threads = min(32, max(1, usable_cpus() * 80 // 100))
     return threads
+
+
+def constraint_forms(max_num_seqs: int) -> int:
+    """Times the engine compiles one constraint at most, its requests taking the forms in
+    turn: ``PAGEDLLM_GRAMMAR_FORMS``, else ``max_num_seqs`` (the requests a step may hold),
+    so that the running requests of one schema hardly ever share a form (fewer where the
+    first compile is slow: ``manager._Forms``).
+
+    Grammars made from one compiled form wait for each other while their masks are filled
+    (llguidance's copies of a matcher share its lexer, behind one lock), so rows of one
+    schema fill in parallel only across forms; a compile costs about a millisecond of a
+    compile thread, a form a megabyte or less of host memory as its lexer's states grow,
+    and a fresh form's first masks more (its states are built as they are met; a later
+    request taking a form finds them built)."""
+    return integer(FORMS_ENV, None, 1, 1 << 16) or max_num_seqs
 
 
 class Grammar(ABC):

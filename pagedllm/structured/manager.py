@@ -3,7 +3,7 @@ per request, and a step's token bitmask.
 
 Lifecycle of a constrained request::
 
-    EngineCore.add_request ──> attach(): request.grammar = RequestGrammar(compile future)
+    EngineCore.add_request ──> attach(): request.grammar = RequestGrammar(its form to come)
     scheduler: WAITING_FOR_GRAMMAR until request.grammar.ready, then WAITING as usual
     each step, per constrained row (``StepGrammars``, the runner's questions):
       check-then-mask: the runner samples the row unmasked; check_tokens(rows, sampled)
@@ -32,9 +32,11 @@ text, llguidance's mask allows the first token of that text's canonical tokeniza
 
 Compilation runs in a thread pool (llguidance releases the GIL), so a slow constraint never
 stalls the step loop; compiled constraints are cached by ``StructuredOutputsParams.key``
-(least recently used first out, ``COMPILE_CACHE_SIZE`` forms in all), each in up to
-``fill_threads()`` forms compiled independently and handed to its requests in turn:
-grammars made from one form may wait for each other while masks are filled (``_Forms``).
+(least recently used first out, ``COMPILE_CACHE_SIZE`` forms in all, at least two
+constraints' worth), each in up to ``forms_per_constraint`` forms compiled independently
+and handed to its requests in turn, fewer where compiling is dear: grammars made from one
+form wait for each other while masks are filled (``_Forms``; the engine's count:
+``constraint_forms``).
 Masks for a step's rows are filled by the backend's own threads. The backend itself is
 built on the first constrained request, so an engine that never sees one pays nothing.
 
@@ -49,11 +51,12 @@ import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Callable
 
 import numpy as np
 
-from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
+from pagedllm.structured.backend import Grammar, GrammarBackend
 from pagedllm.structured.params import StructuredOutputsParams
 from pagedllm.switches import switch
 
@@ -61,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 # Compiled forms of constraints kept for reuse (a constraint may hold several: ``_Forms``).
 COMPILE_CACHE_SIZE = 512
+# Compile-thread seconds a constraint's forms may take in all, by the first one's (``_Forms``).
+COMPILE_BUDGET_S = 0.5
 # Bitmask fill calls whose timing is kept (for benchmarks; a bounded window).
 FILL_CALLS_KEPT = 1 << 16
 
@@ -84,15 +89,17 @@ class RequestGrammar:
     waits for a fill in flight.
     """
 
-    __slots__ = ("_future", "_backend", "grammar", "error", "_gate", "_recent", "_num_taken",
+    __slots__ = ("_form", "_backend", "grammar", "error", "_gate", "_recent", "_num_taken",
                  "version", "_settle", "_stopped", "checked_token", "_early")
 
-    def __init__(self, future: Future, backend: Callable[[], GrammarBackend],
+    def __init__(self, form: Callable[[], Future | None], backend: Callable[[], GrammarBackend],
                  reasoning_end_token_ids: list[int] | None,
                  settle: Callable[[RequestGrammar], None] = lambda grammar: None) -> None:
-        """``settle(self)`` runs before every use of the matcher: it waits for a fill
-        another thread may be running on it (``MaskPrefetch.settle_for``)."""
-        self._future = future
+        """``form()`` is the compile of the request's form, or None while the constraint's
+        forms are not handed out yet (``_Forms.form``). ``settle(self)`` runs before every
+        use of the matcher: it waits for a fill another thread may be running on it
+        (``MaskPrefetch.settle_for``)."""
+        self._form = form
         self._backend = backend
         self.grammar: Grammar | None = None
         self.error: str | None = None
@@ -109,14 +116,27 @@ class RequestGrammar:
     def ready(self) -> bool:
         """Compiled (or failed: ``error`` says why); the request may be scheduled."""
         if self.grammar is None and self.error is None:
-            if not self._future.done():
+            future = self._form()
+            if future is None or not future.done():
                 return False
             try:
-                self.grammar = self._backend().new_grammar(self._future.result())
+                self.grammar = self._backend().new_grammar(future.result())
                 self._stopped = self.grammar.is_terminated()
             except Exception as exc:  # noqa: BLE001 - a failed compile finishes the request
                 self.error = str(exc)
         return True
+
+    def wait(self, timeout_s: float = 60.0) -> None:
+        """Block until ``ready`` (for tools and tests; the engine polls ``ready``)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready:
+            future = self._form()
+            if future is not None:
+                future.exception(timeout=max(0.0, deadline - time.monotonic()))
+            elif time.monotonic() > deadline:
+                raise TimeoutError("the constraint was not compiled in time")
+            else:
+                time.sleep(0.001)
 
     @property
     def active(self) -> bool:
@@ -390,36 +410,79 @@ class MaskPrefetch:
 
 
 class _Forms:
-    """One constraint's compiled forms: up to ``limit`` compiled independently, handed to
-    its requests in turn (request ``n`` takes form ``n % limit``), each compiled on first
-    need. The requests of one form share its state where the backend shares it (llguidance:
-    a matcher's copies lex under one lock), so a step's rows of one constraint fill their
-    masks in parallel only across forms."""
+    """One constraint's compiled forms, handed to its requests in turn (request ``n`` takes
+    form ``n % count``), each compiled on first need. The requests of one form share its
+    state where the backend shares it (llguidance: a matcher's copies lex under one lock),
+    so a step's rows of one constraint fill their masks in parallel only across forms.
 
-    __slots__ = ("_futures", "_limit", "_taken")
+    The first form is compiled as the first request comes; how long that took decides
+    ``count``: up to ``limit``, as many as ``COMPILE_BUDGET_S`` of compile time pays for (a
+    schema compiled in a millisecond gets hundreds, one of 100 ms five), so a burst of
+    requests never queues seconds of compiles. Requests learn their form once the first is
+    compiled (they wait for that anyway); until then ``form`` answers None."""
 
-    def __init__(self, limit: int) -> None:
-        self._futures: list[Future] = []
+    __slots__ = ("_compile", "_submit", "_futures", "_limit", "_count", "_taken",
+                 "_on_new_form")
+
+    def __init__(self, compile_form: Callable[[], Callable[[], object]],
+                 submit: Callable[[Callable[[], object]], Future], limit: int,
+                 on_new_form: Callable[[_Forms], None]) -> None:
+        """``compile_form()`` readies the backend and returns the call that compiles one
+        form (timed alone); ``submit`` runs a call on the compile threads;
+        ``on_new_form(self)`` counts each form begun (the cache's size)."""
+        self._compile = compile_form
+        self._submit = submit
         self._limit = limit
+        self._count: int | None = None  # set when the first form is compiled
         self._taken = 0
+        self._on_new_form = on_new_form
+        self._futures: dict[int, Future] = {}
 
     def __len__(self) -> int:
         """The forms compiled (or compiling)."""
         return len(self._futures)
 
+    def _begin(self, first: bool = False) -> Future:
+        def run() -> object:
+            compile_one = self._compile()
+            start = time.perf_counter()
+            compiled = compile_one()
+            if first:
+                seconds = time.perf_counter() - start
+                self._count = max(1, min(self._limit, int(COMPILE_BUDGET_S / max(seconds, 1e-6))))
+            return compiled
+
+        self._on_new_form(self)
+        return self._submit(run)
+
     @property
     def failed(self) -> bool:
         """The first compile ended in an error (a new request compiles again)."""
-        first = self._futures[0] if self._futures else None
+        first = self._futures.get(0)
         return first is not None and first.done() and first.exception() is not None
 
-    def take(self, start: Callable[[], Future]) -> Future:
-        """The compiled form of the next request; ``start()`` begins compiling a new one."""
-        index = self._taken % self._limit
+    def take(self) -> Callable[[], Future | None]:
+        """The next request's ticket: the call that gives its form's compile (``form``); the
+        first request begins the first form."""
+        if not self._futures:
+            self._futures[0] = self._begin(first=True)
+        ticket = self._taken
         self._taken += 1
-        if index == len(self._futures):
-            self._futures.append(start())
-        return self._futures[index]
+        return lambda: self.form(ticket)
+
+    def form(self, ticket: int) -> Future | None:
+        """The compile of form ``ticket % count``, begun now if it is new; the first form's
+        (done, or failed) while ``count`` is not known; None while the first compiles."""
+        first = self._futures[0]
+        if not first.done():
+            return None
+        if self._count is None:
+            return first
+        index = ticket % self._count
+        future = self._futures.get(index)
+        if future is None:
+            future = self._futures[index] = self._begin()
+        return future
 
 
 class StructuredOutputManager:
@@ -435,8 +498,7 @@ class StructuredOutputManager:
     instead (``check_tokens``), and ``num_mask_rows`` the bitmask rows filled on the step
     loop's thread;
     ``fill_calls`` the latest calls to the backend's bitmask fill, as (seconds, rows).
-    ``forms_per_constraint``: how many times a constraint is compiled at most (``_Forms``);
-    unset: ``fill_threads()``.
+    ``forms_per_constraint``: how many times a constraint is compiled at most (``_Forms``).
 
     With ``prefetch_masks`` on (the model computes on a device while the step loop goes
     on), ``take_checked()``, once the step after a check is launched, gives every row the
@@ -445,14 +507,15 @@ class StructuredOutputManager:
     """
 
     def __init__(self, make_backend: Callable[[], GrammarBackend], num_threads: int = 2,
-                 prefetch_masks: bool = False, forms_per_constraint: int | None = None) -> None:
+                 prefetch_masks: bool = False, forms_per_constraint: int = 1) -> None:
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=num_threads,
                                         thread_name_prefix="pagedllm-grammar")
         self._compiled: OrderedDict[tuple, _Forms] = OrderedDict()
-        self._forms_per_constraint = forms_per_constraint or fill_threads()
+        self._forms_per_constraint = forms_per_constraint
+        self._cache_size = max(COMPILE_CACHE_SIZE, 2 * forms_per_constraint)
         self._num_forms = 0  # in the cache
         self.mask_seconds = 0.0
         self.num_mask_steps = 0
@@ -484,15 +547,30 @@ class StructuredOutputManager:
             self._num_forms -= len(self._compiled.pop(key))
             forms = None
         if forms is None:
-            forms = self._compiled[key] = _Forms(self._forms_per_constraint)
+            forms = self._compiled[key] = _Forms(
+                lambda: partial(self.backend().compile, params), self._pool.submit,
+                self._forms_per_constraint, partial(self._count_form, key))
         self._compiled.move_to_end(key)
-        held = len(forms)
-        future = forms.take(lambda: self._pool.submit(lambda: self.backend().compile(params)))
-        self._num_forms += len(forms) - held
-        while self._num_forms > COMPILE_CACHE_SIZE and len(self._compiled) > 1:
-            self._num_forms -= len(self._compiled.popitem(last=False)[1])
-        request.grammar = RequestGrammar(future, self.backend, params.reasoning_end_token_ids,
+        form = forms.take()
+        self._evict()
+        request.grammar = RequestGrammar(form, self.backend, params.reasoning_end_token_ids,
                                          self.prefetch.settle_for)
+
+    def _count_form(self, key: tuple, forms: _Forms) -> None:
+        """A form of ``forms`` was begun: counted while the cache holds them."""
+        if self._compiled.get(key) is forms:
+            self._num_forms += 1
+
+    def _evict(self) -> None:
+        """Drop the least recently used constraints while the cache holds too many forms
+        (their requests keep their own)."""
+        while self._num_forms > self._cache_size and len(self._compiled) > 1:
+            self._num_forms -= len(self._compiled.popitem(last=False)[1])
+
+    @property
+    def num_forms(self) -> int:
+        """Compiled forms in the cache (a constraint may hold several: ``_Forms``)."""
+        return self._num_forms
 
     @property
     def bitmask_width(self) -> int:

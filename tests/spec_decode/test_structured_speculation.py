@@ -42,7 +42,7 @@ def compiled(llm: LLM, params: list[SamplingParams]) -> None:
         if p.structured_outputs is not None:
             request = SimpleNamespace(sampling_params=p)
             structured.attach(request)
-            request.grammar._future.result()
+            request.grammar.wait()
 
 
 @pytest.fixture

@@ -38,6 +38,6 @@ def grammar_of(manager, params: StructuredOutputsParams,
     """A request's grammar for ``params``, compiled and ready."""
     compiled = Future()
     compiled.set_result(manager.backend().compile(params))
-    request_grammar = RequestGrammar(compiled, manager.backend, reasoning_end)
+    request_grammar = RequestGrammar(lambda: compiled, manager.backend, reasoning_end)
     assert request_grammar.ready
     return request_grammar

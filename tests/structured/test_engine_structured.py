@@ -320,19 +320,34 @@ def test_prefix_cache_hit_leaves_the_constrained_output_unchanged(llm, greedy_ex
 
 
 # -- check-then-mask -------------------------------------------------------------------------
-def test_the_mask_fill_threads_come_from_the_environment(tiny_model_dir, monkeypatch):
-    """PAGEDLLM_GRAMMAR_FILL_THREADS sets the threads filling masks: outputs still validate
-    with one; a value outside 1-256 is refused by name."""
+def test_the_mask_fill_threads_and_forms_come_from_the_engine_and_the_environment(
+        tiny_model_dir, monkeypatch):
+    """A constraint is compiled once per request a step may hold (``max_num_seqs``), so
+    running requests of one schema do not wait for each other's masks; or as many times as
+    PAGEDLLM_GRAMMAR_FORMS says. PAGEDLLM_GRAMMAR_FILL_THREADS sets the threads filling
+    masks: outputs still validate with one; values out of range are refused by name."""
     from pagedllm.engine.tokenizer import Tokenizer
 
-    monkeypatch.setenv("PAGEDLLM_GRAMMAR_FILL_THREADS", "1")
+    compiled = []
+    compile_one = LLGuidanceBackend.compile
+    monkeypatch.setattr(LLGuidanceBackend, "compile", lambda self, params:
+                        compiled.append(params.key) or compile_one(self, params))
     schema = SCHEMAS["person"]
-    for completion in sample(make_llm(tiny_model_dir), StructuredOutputsParams(json=schema), num=4):
-        assert completion.finish_reason == "stop", completion.text
-        jsonschema.validate(json.loads(completion.text), schema)
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_FILL_THREADS", "1")
+    for forms, max_num_seqs, compiles in ((None, 3, 3), ("2", 8, 2)):
+        compiled.clear()
+        monkeypatch.setenv("PAGEDLLM_GRAMMAR_FORMS", forms or "")
+        llm = make_llm(tiny_model_dir, max_num_seqs=max_num_seqs)
+        for completion in sample(llm, StructuredOutputsParams(json=schema), num=5):
+            assert completion.finish_reason == "stop", completion.text
+            jsonschema.validate(json.loads(completion.text), schema)
+        assert len(compiled) == compiles
     monkeypatch.setenv("PAGEDLLM_GRAMMAR_FILL_THREADS", "0")
     with pytest.raises(ValueError, match="PAGEDLLM_GRAMMAR_FILL_THREADS='0': give an integer"):
         LLGuidanceBackend(Tokenizer.from_pretrained(tiny_model_dir), VOCAB_SIZE)
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_FORMS", "0")
+    with pytest.raises(ValueError, match="PAGEDLLM_GRAMMAR_FORMS='0': give an integer"):
+        make_llm(tiny_model_dir)
 
 
 def mask_counters(llm) -> tuple[int, int]:
@@ -571,7 +586,7 @@ def prefetching_grammars(model_dir, regex: str, num: int):
         request = SimpleNamespace(sampling_params=SamplingParams(
             structured_outputs=StructuredOutputsParams(regex=regex)))
         manager.attach(request)
-        request.grammar._future.result()
+        request.grammar.wait()
         assert request.grammar.ready
         grammars.append(request.grammar)
     letters = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "abcx")
@@ -584,38 +599,42 @@ def prefetching_grammar(model_dir, regex: str):
     return manager, grammar, *letters
 
 
+@pytest.mark.parametrize("budget_s, forms", [(60.0, 2), (0.0, 1)], ids=["cheap", "dear"])
 def test_requests_of_one_constraint_take_its_independently_compiled_forms_in_turn(
-        tiny_model_dir, monkeypatch):
+        tiny_model_dir, monkeypatch, budget_s, forms):
     """A constraint is compiled at most ``forms_per_constraint`` times, on first need, and
     its requests take the forms in turn (grammars made from one llguidance matcher lex
     under one lock, so rows of one schema fill their masks in parallel only across forms);
-    each request's grammar is its own state."""
+    a constraint whose compile outlasts the budget gets fewer forms; each request's grammar
+    is its own state."""
     from pagedllm.engine.tokenizer import Tokenizer
-    from pagedllm.structured.manager import StructuredOutputManager
+    from pagedllm.structured import manager as manager_module
 
+    monkeypatch.setattr(manager_module, "COMPILE_BUDGET_S", budget_s)
     tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
     compiled = []
     compile_one = LLGuidanceBackend.compile
     monkeypatch.setattr(LLGuidanceBackend, "compile", lambda self, params:
                         compiled.append(params.regex) or compile_one(self, params))
-    manager = StructuredOutputManager(lambda: LLGuidanceBackend(tokenizer, VOCAB_SIZE),
-                                      forms_per_constraint=2)
+    manager = manager_module.StructuredOutputManager(
+        lambda: LLGuidanceBackend(tokenizer, VOCAB_SIZE), forms_per_constraint=2)
     requests = [SimpleNamespace(sampling_params=SamplingParams(
         structured_outputs=StructuredOutputsParams(regex=regex)))
         for regex in ("[ab]+c", "[ab]+c", "x+", "[ab]+c", "[ab]+c")]
     for request in requests:
         manager.attach(request)
-    futures = [request.grammar._future for request in requests]
-    assert futures[0] is futures[3] and futures[1] is futures[4] and futures[0] is not futures[1]
-    for future in futures:
-        future.result()
-    assert sorted(compiled) == ["[ab]+c", "[ab]+c", "x+"]
+    for request in requests:
+        request.grammar.wait()
+    taken = [request.grammar._form() for request in requests]
+    assert taken[0] is taken[3] and taken[1] is taken[4]
+    assert (taken[0] is not taken[1]) == (forms == 2)
+    assert sorted(compiled) == ["[ab]+c"] * forms + ["x+"]
+    assert manager.num_forms == forms + 1
     a, b, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "abc")
-    first, _, _, same_form, _ = (request.grammar for request in requests)
-    assert first.ready and same_form.ready
+    first, other, _, same_form, _ = (request.grammar for request in requests)
     first.accept_token(a)
     first.accept_token(c)
-    assert first.is_terminated() and not same_form.is_terminated()
+    assert first.is_terminated() and not same_form.is_terminated() and not other.is_terminated()
     assert same_form.allows(b) and not same_form.allows(c)
     manager.shutdown()
 
@@ -643,8 +662,8 @@ def test_mask_fill_threads_keep_within_the_containers_cpu_limit(tmp_path, monkey
 
 
 def test_the_compile_cache_holds_a_bounded_number_of_forms(tiny_model_dir, monkeypatch):
-    """The cache keeps ``COMPILE_CACHE_SIZE`` compiled forms in all, however many each
-    constraint holds: the least recently used constraints go first, and come back
+    """The cache keeps ``COMPILE_CACHE_SIZE`` compiled forms in all, or two constraints'
+    forms if that is more: the least recently used constraints go first, and come back
     compiled anew."""
     from pagedllm.engine.tokenizer import Tokenizer
     from pagedllm.structured import manager as manager_module
@@ -662,13 +681,16 @@ def test_the_compile_cache_holds_a_bounded_number_of_forms(tiny_model_dir, monke
         request = SimpleNamespace(sampling_params=SamplingParams(
             structured_outputs=StructuredOutputsParams(regex=regex)))
         manager.attach(request)
-        request.grammar._future.result()
+        request.grammar.wait()
 
-    for regex in ("a+", "a+", "b+", "a+", "b+"):  # a+'s two forms, b+'s two: a+ goes
+    for regex in ("a+", "a+", "b+", "b+", "a+"):  # two constraints' forms are kept
         attach(regex)
     assert compiled == ["a+", "a+", "b+", "b+"]
+    attach("c+")  # five forms: b+, the least recently used, goes
     attach("a+")
-    assert compiled[-1] == "a+" and len(compiled) == 5
+    assert compiled == ["a+", "a+", "b+", "b+", "c+"]
+    attach("b+")
+    assert compiled[-1] == "b+" and len(compiled) == 6
     manager.shutdown()
 
 
