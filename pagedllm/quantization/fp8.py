@@ -31,7 +31,7 @@ same values ``quantize_rows`` gives, so the product skips its own quantization p
 on Hopper the product can hand its sums to the op that reads them before the scales are
 applied (``Fp8Sums``: gate/up's to SiLU-and-mul, o_proj's and down's to the norm after
 them), so that cuBLASLt multiplies with one unit scale per operand, its faster kernels
-(``PAGEDLLM_FP8_DEFERRED_SCALES=1``).
+(bfloat16 models; ``PAGEDLLM_FP8_DEFERRED_SCALES=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ _PADDED_MIN_N = 16384
 PAD_ROWS_ENV = "PAGEDLLM_FP8_PAD_ROWS"
 PAD_ROWS = switch(PAD_ROWS_ENV, True)
 DEFERRED_SCALES_ENV = "PAGEDLLM_FP8_DEFERRED_SCALES"
-DEFERRED_SCALES = switch(DEFERRED_SCALES_ENV, False)
+DEFERRED_SCALES = switch(DEFERRED_SCALES_ENV, True)
 
 
 def cublas_rows(rows: int, n: int, device: torch.device) -> int:
@@ -190,9 +190,9 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
     float32. Returns ``[T, N]`` in ``x``'s dtype.
 
     ``sums=True`` (the caller's consumer scales sums, see ``Fp8Sums``): where cuBLASLt
-    multiplies a 2-D ``x`` on Hopper without a bias, the product comes back as
-    ``Fp8Sums``, its scales not applied, where ``PAGEDLLM_FP8_DEFERRED_SCALES=1`` (off by
-    default until the engine gains from it: docs/benchmarks.md)."""
+    multiplies a 2-D bfloat16 ``x`` on Hopper without a bias, the product comes back as
+    ``Fp8Sums``, its scales not applied, unless ``PAGEDLLM_FP8_DEFERRED_SCALES=0``. Only
+    bfloat16 holds the unscaled sums (up to 448 x 448 x K; float16 ends at 65,504)."""
     if isinstance(x, Fp8Rows):
         if input_scale is not None:
             raise ValueError("fp8_linear: Fp8Rows are quantized already (with the static "
@@ -205,8 +205,8 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
         quantize = quantize_rows_fp8 if use_fused_ops(x2) else quantize_rows
         xq, x_scale = quantize(x2, input_scale)
     tensor_cores = _fp8_matmul_supported(xq.device) and dtype in (torch.bfloat16, torch.float16)
-    if (sums and DEFERRED_SCALES and tensor_cores and bias is None and len(shape) == 2
-            and _hopper(xq.device)
+    if (sums and DEFERRED_SCALES and tensor_cores and dtype == torch.bfloat16 and bias is None
+            and len(shape) == 2 and _hopper(xq.device)
             and not split_k_product(xq.shape[0], weight.shape[0], xq.device)):
         rows = xq.shape[0]
         padding = cublas_rows(rows, weight.shape[0], xq.device) - rows

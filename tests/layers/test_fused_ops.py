@@ -522,7 +522,7 @@ def test_fp8_products_hand_their_sums_to_the_norm_and_the_activation(monkeypatch
     one unit scale per operand and hands the sums to the SiLU-and-mul and the norm that
     read them (``Fp8Sums``): the MLP's outputs are those of cuBLASLt's row-wise scales
     (``PAGEDLLM_FP8_DEFERRED_SCALES=0``) within a rounding of each product, which may move
-    an input of the next product by one FP8 step."""
+    an input of the next product by one FP8 step. float16 models keep the row-wise scales."""
     from pagedllm.layers import activation, layernorm, linear
     from pagedllm.layers.layernorm import linear_and_norm
     from pagedllm.quantization import fp8
@@ -557,6 +557,14 @@ def test_fp8_products_hand_their_sums_to_the_norm_and_the_activation(monkeypatch
     assert products == ["Tensor", "Tensor"]
     for got, want in zip(deferred, row_wise):  # the SiLU output's FP8 steps may round apart
         assert (got.float() - want.float()).norm() < 0.03 * want.float().norm()
+    # float16 cannot hold the unscaled sums: its products keep cuBLASLt's row-wise scales.
+    monkeypatch.setattr(fp8, "DEFERRED_SCALES", True)
+    products.clear()
+    mlp, next_norm = _tiny_llama_mlp(torch.float16, seed=66), next_norm.to(torch.float16)
+    for proj in (mlp.gate_up_proj, mlp.down_proj):
+        proj.quantize_fp8()
+    out, _ = linear_and_norm(mlp(x.half()), mlp.down_proj, next_norm, residual=residual.half())
+    assert products == ["Tensor", "Tensor"] and out.isfinite().all()
 
 
 def test_fp8_mlp_takes_its_inputs_quantized_by_the_norm_and_the_activation(monkeypatch) -> None:
