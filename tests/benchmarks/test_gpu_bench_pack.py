@@ -28,18 +28,14 @@ def test_a_packed_run_leaves_the_log_and_one_archive_of_the_rest(tmp_path) -> No
     assert "steps.txt" in names and any(n.endswith("-dry.json") for n in names)  # the report
 
 
-def test_a_dry_run_keeps_its_files_loose(tmp_path) -> None:
-    _run(tmp_path)
-    names = {p.name for p in tmp_path.iterdir()}
-    assert "results.tgz" not in names and {"log.txt", "steps.txt"} <= names
-
-
 def test_the_ab_step_runs_both_sides_with_the_engine_arguments_given(tmp_path) -> None:
     """``GPU_BENCH_AB_ARGS`` reaches L1 and W1 on both sides of a setting's A/B (here FP8
-    weights, as an FP8 switch's A/B needs)."""
-    _run(tmp_path, GPU_BENCH_STEPS="ab", GPU_BENCH_AB="PAGEDLLM_FP8_DEFERRED_SCALES=1",
+    weights, as an FP8 switch's A/B needs); a run that is not packed keeps its files loose."""
+    _run(tmp_path, GPU_BENCH_STEPS="ab", GPU_BENCH_AB="PAGEDLLM_FP8_DEFERRED_SCALES=0",
          GPU_BENCH_AB_ARGS="--quantization fp8")
+    names = {p.name for p in tmp_path.iterdir()}
+    assert "results.tgz" not in names and {"log.txt", "steps.txt", "ab.txt"} <= names
     ab = (tmp_path / "ab.txt").read_text()
-    assert "DEFERRED_SCALES=1: without" in ab and "DEFERRED_SCALES=1: with " in ab
+    assert "DEFERRED_SCALES=0: without" in ab and "DEFERRED_SCALES=0: with " in ab
     assert ab.count(" L1 ") == 2 and ab.count(" pagedllm ") == 2
     assert (tmp_path / "log.txt").read_text().count("fp8 projections") == 4
