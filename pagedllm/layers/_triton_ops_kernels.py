@@ -923,4 +923,3 @@ def _round_clamped(v):
     """float32 ``v`` rounded to the nearest integer (halves to even), clamped to +-127."""
     v = tl.clamp(v, -128.0, 128.0)
     return tl.clamp((v + 12582912.0) - 12582912.0, -127.0, 127.0)
-

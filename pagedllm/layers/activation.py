@@ -72,9 +72,9 @@ class GatedActivation(nn.Module):
         kernel scales them as it reads them."""
         sums_scales = None
         if isinstance(gate_up, Fp8Sums):
-            gate_up, sums_scales = gate_up.sums, gate_up.scales
-            if not (self.is_silu and use_fused_ops(gate_up)):
-                gate_up, sums_scales = Fp8Sums(gate_up, *sums_scales).scaled(), None
+            fused = self.is_silu and use_fused_ops(gate_up.sums)
+            gate_up, sums_scales = ((gate_up.sums, gate_up.scales) if fused
+                                    else (gate_up.scaled(), None))
         if self.is_silu and gate_up.dim() == 2 and use_fused_ops(gate_up):
             if self._consumer and self._consumer[0].takes_fp8_rows(gate_up):
                 consumer = self._consumer[0]

@@ -161,6 +161,15 @@ def cublas_rows(rows: int, n: int, device: torch.device) -> int:
     return rows
 
 
+def _padded_rows(xq: torch.Tensor, n: int) -> torch.Tensor:
+    """``xq`` (FP8 rows into ``n`` outputs) with zero rows appended up to ``cublas_rows``
+    (bytes 0 are e4m3 zeros, so their sums are 0)."""
+    padding = cublas_rows(xq.shape[0], n, xq.device) - xq.shape[0]
+    if not padding:
+        return xq
+    return F.pad(xq.view(torch.uint8), (0, 0, 0, padding)).view(FP8_DTYPE)
+
+
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -209,23 +218,20 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
             and len(shape) == 2 and _hopper(xq.device)
             and not split_k_product(xq.shape[0], weight.shape[0], xq.device)):
         rows = xq.shape[0]
-        padding = cublas_rows(rows, weight.shape[0], xq.device) - rows
-        if padding:  # zero rows, as below
-            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, padding)).view(FP8_DTYPE)
         unit = _unit_scale(xq.device)
-        sums = torch._scaled_mm(xq, weight.t(), scale_a=unit, scale_b=unit, out_dtype=dtype)
-        return Fp8Sums(sums[:rows], x_scale.expand(rows, 1), weight_scale.reshape(-1, 1))
+        products = torch._scaled_mm(_padded_rows(xq, weight.shape[0]), weight.t(),
+                                    scale_a=unit, scale_b=unit, out_dtype=dtype)
+        return Fp8Sums(products[:rows], x_scale.expand(rows, 1), weight_scale.reshape(-1, 1))
     if tensor_cores and split_k_product(xq.shape[0], weight.shape[0], xq.device):
         from pagedllm.layers.fp8_matmul import fp8_matmul  # kernels load on first use
 
         out = fp8_matmul(xq, x_scale, weight, weight_scale, bias, dtype)
     elif tensor_cores:
         rows = xq.shape[0]
-        padding = cublas_rows(rows, weight.shape[0], xq.device) - rows
+        xq = _padded_rows(xq, weight.shape[0])
         x_scale = x_scale.contiguous()
-        if padding:  # zero rows (bytes 0 are e4m3 zeros), scaled by 1: their sums are 0
-            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, padding)).view(FP8_DTYPE)
-            x_scale = F.pad(x_scale, (0, 0, 0, padding), value=1.0)
+        if xq.shape[0] > rows:  # the padding rows' sums are 0: any scale will do
+            x_scale = F.pad(x_scale, (0, 0, 0, xq.shape[0] - rows), value=1.0)
         # Row-wise scales need a bfloat16 result.
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale,
                                scale_b=weight_scale.t(),

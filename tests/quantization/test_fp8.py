@@ -63,6 +63,31 @@ def test_hopper_pads_wide_cublas_products_of_129_to_224_rows(monkeypatch):
     assert fp8.cublas_rows(200, 28672, device) == 200
 
 
+@pytest.mark.parametrize("sums", [False, True], ids=["row-wise", "deferred-scales"])
+def test_padded_cublas_products_equal_unpadded_ones(monkeypatch, sums):
+    """The zero rows a padded product adds change none of its real rows, with row-wise
+    scales or with the sums handed over (``Fp8Sums``)."""
+    from pagedllm.quantization import fp8
+
+    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    monkeypatch.setattr(fp8, "_fp8_matmul_supported", lambda device: True)
+    monkeypatch.setattr(fp8, "split_k_product", lambda rows, n, device: False)
+    monkeypatch.setattr(fp8, "use_fused_ops", lambda t: False)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(150, 32, generator=gen).to(torch.bfloat16)
+    wq, w_scale = quantize_rows(torch.randn(16384, 32, generator=gen))
+    assert fp8.cublas_rows(150, 16384, x.device) == 256
+
+    def product():
+        out = fp8_linear(x, wq, w_scale, sums=sums)
+        assert isinstance(out, fp8.Fp8Sums) == sums
+        return out.scaled() if sums else out
+
+    padded = product()
+    monkeypatch.setattr(fp8, "PAD_ROWS", False)
+    assert torch.equal(padded, product())
+
+
 def test_hopper_sends_narrow_decode_products_to_the_split_k_gemm(monkeypatch):
     """On Hopper, FP8 products of up to 192 rows into outputs up to 4,096 wide (o_proj and
     down of a decode batch) take the split-K GEMM, unless PAGEDLLM_FP8_SPLIT_GEMM=0; wider
