@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The helpers of ``scripts/gpu_bench_trtllm.sh``: TensorRT-LLM's published H200 FP8 table
-for Llama-3.1-8B, the shapes of a run, and its report.
+"""The helpers of ``scripts/gpu_bench_trtllm.sh``: TensorRT-LLM's published FP8 tables for
+Llama-3.1-8B on one H200 and one H100, the shapes of a run, and its report.
 
     gpu_bench_trtllm.py plan --dtype fp8|bf16 [--scale S] [--shapes "128/128 2048/128"]
                              [--dry 1]
@@ -10,10 +10,12 @@ for Llama-3.1-8B, the shapes of a run, and its report.
         run (the CPU, the demo model) divides the lengths by 32 and sends 2 requests.
     gpu_bench_trtllm.py report --dir OUT --date DATE [--scale S] [--dry 1]
                                [--dtypes "fp8 bf16"] [--engine-flags "..."]
+                               [--reference auto|h200|h100]
         Reads ``trtllm-<dtype>.json`` (one record per shape), writes one record per shape
         to ``trtllm-<in>-<out>.json`` (ours per dtype, TRT-LLM's, the ratios) and all of
-        them to ``<date>-h200-trtllm.json`` (``<date>-dry-trtllm.json`` for a dry run), and
-        prints the table.
+        them to ``<date>-<reference>-trtllm.json`` (``<date>-dry-trtllm.json`` for a dry
+        run), and prints the table. The reference is TRT-LLM's table for the GPU the run
+        measured (``auto``: an H100 by its device name, else the H200's, issue 26's target).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench_report import _commit, _gpu, dispatch, print_steps  # noqa: E402 - one place
 
-# TensorRT-LLM's performance overview, PyTorch backend, Llama-3.1-8B FP8 on one H200,
-# max throughput: shape (prompt/output tokens) -> (requests, output tokens per second).
+# TensorRT-LLM's performance overview, PyTorch backend, Llama-3.1-8B FP8 at TP1, max
+# throughput: shape (prompt/output tokens) -> (requests, output tokens per second) on one
+# H200 SXM; the same shapes and request counts on one H100 SXM.
 TRTLLM = {
     "128/128": (30_000, 27_911),
     "2048/128": (3_000, 3_538),
@@ -35,6 +38,18 @@ TRTLLM = {
     "500/2000": (3_000, 20_770),
     "2048/2048": (1_500, 12_194),
 }
+TRTLLM_H100 = {"128/128": 28_312, "2048/128": 3_450, "1000/1000": 15_220, "500/2000": 17_660,
+               "2048/2048": 9_305}
+
+
+def reference_table(reference: str, gpu: str) -> tuple[str, dict[str, int]]:
+    """TRT-LLM's output tok/s per shape for ``reference`` ("h200", "h100", or "auto": the
+    H100's table when ``gpu`` names an H100, else the H200's), and the table's name."""
+    if reference == "auto":
+        reference = "h100" if "H100" in gpu.upper() else "h200"
+    if reference == "h100":
+        return reference, TRTLLM_H100
+    return reference, {shape: tok_s for shape, (_, tok_s) in TRTLLM.items()}
 # Our H200 figures (docs/benchmarks.md, 2026-12-01) that predict a run's length: prompt
 # tokens per second (P1) and output tokens per second at large batches (T1 for FP8 with
 # the FP8 cache; bf16 scaled by W1's bf16/FP8 ratio, 10,427 / 11,782).
@@ -89,8 +104,10 @@ def plan(argv: list[str]) -> int:
     return 0
 
 
-def collect(directory: Path, dtypes: list[str], scale: float, dry: bool, meta: dict) -> list[dict]:
-    """One record per shape run: ours per dtype beside TRT-LLM's, and FP8 over bf16."""
+def collect(directory: Path, dtypes: list[str], scale: float, dry: bool, meta: dict,
+            reference: dict[str, int]) -> list[dict]:
+    """One record per shape run: ours per dtype beside TRT-LLM's (``reference``: output
+    tok/s per shape), and FP8 over bf16."""
     runs: dict[str, dict[str, dict]] = {}
     for dtype in dtypes:
         path = directory / f"trtllm-{dtype}.json"
@@ -101,7 +118,8 @@ def collect(directory: Path, dtypes: list[str], scale: float, dry: bool, meta: d
             if "shape" in row and "output_tok_s" in row:
                 runs.setdefault(row["shape"], {})[dtype] = row
     records = []
-    for shape, (trt_requests, trt_tok_s) in TRTLLM.items():
+    for shape, (trt_requests, _) in TRTLLM.items():
+        trt_tok_s = reference[shape]
         # A dry run's shapes are the table's, shortened.
         ours = runs.get(_dry_shape(shape) if dry else shape)
         if not ours:
@@ -137,21 +155,25 @@ def report(argv: list[str]) -> int:
     parser.add_argument("--dry", default="0")
     parser.add_argument("--dtypes", default="fp8 bf16")
     parser.add_argument("--engine-flags", default="")
+    parser.add_argument("--reference", choices=("auto", "h200", "h100"), default="auto")
     args = parser.parse_args(argv)
     dry = args.dry == "1"
     dtypes = args.dtypes.split()
-    meta = {"model": "pagedllm-demo" if dry else "llama-3.1-8b",
-            "gpu": "cpu (dry run)" if dry else _gpu(), "commit": _commit(), "date": args.date,
-            "engine_flags": args.engine_flags}
-    records = collect(args.dir, dtypes, args.scale, dry, meta)
+    gpu = "cpu (dry run)" if dry else _gpu()
+    reference, trt_tok_s = reference_table(args.reference, gpu)
+    meta = {"model": "pagedllm-demo" if dry else "llama-3.1-8b", "gpu": gpu,
+            "commit": _commit(), "date": args.date, "engine_flags": args.engine_flags,
+            "trtllm_gpu": reference.upper()}
+    records = collect(args.dir, dtypes, args.scale, dry, meta, trt_tok_s)
     for record in records:
         name = "trtllm-" + record["shape"].replace("/", "-") + ".json"
         (args.dir / name).write_text(json.dumps(record, indent=2) + "\n")
-    summary = args.dir / f"{args.date}-{'dry' if dry else 'h200'}-trtllm.json"
+    summary = args.dir / f"{args.date}-{'dry' if dry else reference}-trtllm.json"
     summary.write_text(json.dumps(records, indent=2) + "\n")
     print(f"\nwrote {summary}  (gpu: {meta['gpu']}, commit: {meta['commit']}, scale "
           f"{args.scale}: each shape's requests x {args.scale}; engine flags: "
           f"{args.engine_flags or 'none (the defaults)'})")
+    print(f"TRT-LLM's figures: its {reference.upper()} table")
     header = f"{'shape':>10} {'requests':>9} {'scale':>6} {'TRT-LLM':>8}"
     for dtype in dtypes:
         header += f" {dtype + ' tok/s':>11} {dtype + '/TRT':>9}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# TensorRT-LLM's published H200 FP8 table for Llama-3.1-8B, shape by shape, beside ours:
+# TensorRT-LLM's published FP8 table for Llama-3.1-8B, shape by shape, beside ours:
 # llama-3.1-8b (dummy weights) with FP8 weights and FP8 KV cache, and bf16 in the same run.
 #
 #   PYTHONPATH=. bash scripts/gpu_bench_trtllm.sh                  # H200; results under $OUT
@@ -18,13 +18,15 @@
 #   fp8      every shape with --quantization fp8 --kv-cache-dtype fp8
 #   bf16     every shape with bf16 weights and cache
 #   report   trtllm-<in>-<out>.json per shape (ours per dtype, TRT-LLM's, the ratios, the
-#            scale) and <date>-h200-trtllm.json, and the table printed last
+#            scale) and <date>-<h200|h100>-trtllm.json, and the table printed last
 # Settings:
 #   TRTLLM_SCALE   fraction of each shape's request count to send (default 1.0; full runs
 #                  take about 28 minutes of H200 time for FP8 and 34 for bf16); recorded
 #   TRTLLM_SHAPES  the shapes to run, e.g. "128/128 1000/1000" (default: all five)
 #   TRTLLM_DTYPES  the columns, "fp8 bf16" (default), "fp8" or "bf16"
 #   TRTLLM_ARGS    engine flags for every run, e.g. "--max-num-seqs 1024" (printed in the table)
+#   TRTLLM_REFERENCE  TRT-LLM's table to compare with: auto (default: its H100 table on an
+#                  H100, else its H200 one, issue 26's target), h200 or h100
 # Files under $OUT: log.txt (everything printed), steps.txt, trtllm-<dtype>.json (the bench
 # records), one JSON per shape, the report; on the GPU machine all but log.txt packed into
 # results.tgz (gpu_bench_common.sh).
@@ -58,4 +60,5 @@ for dtype in $DTYPES; do
 done
 
 $PY "$HELPER" report --dir "$OUT" --date "$DATE" --scale "$SCALE" --dry "$DRY" \
-    --dtypes "$DTYPES" --engine-flags "${TRTLLM_ARGS:-}" 2>&1 | tee -a "$LOG"
+    --dtypes "$DTYPES" --engine-flags "${TRTLLM_ARGS:-}" \
+    --reference "${TRTLLM_REFERENCE:-auto}" 2>&1 | tee -a "$LOG"

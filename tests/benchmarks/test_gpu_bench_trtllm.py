@@ -65,3 +65,25 @@ def test_report_sets_fp8_beside_bf16_and_trtllm(tmp_path) -> None:
     assert (record["fp8_vs_bf16"], record["scale"]) == (2.0, 0.1)
     assert json.loads((tmp_path / "2026-01-02-h200-trtllm.json").read_text()) == [record]
     assert "1000/1000       300    0.1    17744     17744.0      1.0x      8872.0      0.5x" in stdout
+
+
+def test_an_h100_run_is_set_beside_trtllms_h100_table(tmp_path) -> None:
+    (tmp_path / "trtllm-fp8.json").write_text(json.dumps([
+        {"shape": "500/2000", "num_prompts": 1500, "output_tok_s": 17660.0, "elapsed_s": 10.0,
+         "command": "pagedllm fp8"}]))
+    stdout = _helper("report", "--dir", str(tmp_path), "--date", "2026-01-02", "--scale", "0.5",
+                     "--dtypes", "fp8", "--reference", "h100")
+    record = json.loads((tmp_path / "trtllm-500-2000.json").read_text())
+    assert (record["trtllm_gpu"], record["trtllm_output_tok_s"]) == ("H100", 17660)
+    assert record["fp8"]["ratio_vs_trtllm"] == 1.0
+    assert json.loads((tmp_path / "2026-01-02-h100-trtllm.json").read_text()) == [record]
+    assert "its H100 table" in stdout
+
+
+def test_the_reference_follows_the_gpu_measured() -> None:
+    sys.path.insert(0, str(HELPER.parent))
+    from gpu_bench_trtllm import reference_table
+
+    assert reference_table("auto", "NVIDIA H100 80GB HBM3")[0] == "h100"
+    assert reference_table("auto", "NVIDIA H200")[1]["128/128"] == 27911
+    assert reference_table("h200", "NVIDIA H100 80GB HBM3")[1]["1000/1000"] == 17744
