@@ -16,8 +16,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# The suite in TEST_WORKERS processes (pytest-xdist), each test file in one of them.
+TEST_WORKERS ?= 2
+
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 generate: venv
 	$(VENV)/bin/pagedllm generate "def fibonacci(n):"

@@ -213,43 +213,47 @@ def silu_and_mul_kernel(x_ptr, out_ptr, row_scale_ptr, col_scale_ptr, stride_x, 
 
 @triton.jit
 def silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, row_scale_ptr,
-                            col_scale_ptr, stride_x, d,
+                            col_scale_ptr, stride_x, d, num_rows,
                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
                             STATIC_INPUT: tl.constexpr, SCALED: tl.constexpr,
-                            PDL: tl.constexpr):
-    """One row per program: ``silu_and_mul_kernel``'s values, quantized as
-    ``quantize_rows_kernel`` quantizes them, into FP8 ``out`` (contiguous rows of
-    ``d``) and the row's float32 scale into ``scale``. ``ONE_PASS`` (``d <= BLOCK``): the
-    row is read once and kept in registers; wider rows take two passes, the second
+                            STAGES: tl.constexpr, PDL: tl.constexpr):
+    """Rows ``program_id, program_id + num_programs, ...`` of ``num_rows``:
+    ``silu_and_mul_kernel``'s values, quantized as ``quantize_rows_kernel`` quantizes them,
+    into FP8 ``out`` (contiguous rows of ``d``) and each row's float32 scale into ``scale``.
+    A program walks its rows in one loop; with ``STAGES > 1`` the next rows' loads are
+    copied into shared memory while this one is computed and stored. ``ONE_PASS`` (``d <= BLOCK``):
+    a row is read once and kept in registers; wider rows take two passes, the second
     computing each part again (its inputs from cache). ``SCALED``: as in
     ``_silu_and_mul_part``."""
     follow_previous_kernel(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    row_scale = 1.0
-    if SCALED:
-        row_scale = tl.load(row_scale_ptr + row)
-    if ONE_PASS:
-        cols = tl.arange(0, BLOCK)
-        y = _silu_and_mul_part(x_row, cols, cols < d, d, row_scale, col_scale_ptr,
-                               SCALED)
-        scale = fp8_row_scale(tl.max(tl.abs(y), 0), input_scale_ptr, STATIC_INPUT)
-        tl.store(out_ptr + row * d + cols, to_fp8(y, scale), mask=cols < d)
-    else:
-        amax = tl.zeros([BLOCK], tl.float32)
-        if not STATIC_INPUT:
-            for c0 in range(0, d, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                part = _silu_and_mul_part(x_row, cols, cols < d, d, row_scale, col_scale_ptr,
-                                          SCALED)
-                amax = tl.maximum(amax, tl.abs(part))
-        scale = fp8_row_scale(tl.max(amax, 0), input_scale_ptr, STATIC_INPUT)
-        for c0 in range(0, d, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
+    for row in tl.range(tl.program_id(0), num_rows, tl.num_programs(0), num_stages=STAGES):
+        offset = row + tl.zeros([], tl.int64)  # 64-bit row offsets
+        x_row = x_ptr + offset * stride_x
+        out_row = out_ptr + offset * d
+        row_scale = 1.0
+        if SCALED:
+            row_scale = tl.load(row_scale_ptr + row)
+        if ONE_PASS:
+            cols = tl.arange(0, BLOCK)
             y = _silu_and_mul_part(x_row, cols, cols < d, d, row_scale, col_scale_ptr,
                                    SCALED)
-            tl.store(out_ptr + row * d + cols, to_fp8(y, scale), mask=cols < d)
-    tl.store(scale_ptr + row, scale)
+            scale = fp8_row_scale(tl.max(tl.abs(y), 0), input_scale_ptr, STATIC_INPUT)
+            tl.store(out_row + cols, to_fp8(y, scale), mask=cols < d)
+        else:
+            amax = tl.zeros([BLOCK], tl.float32)
+            if not STATIC_INPUT:
+                for c0 in range(0, d, BLOCK):
+                    cols = c0 + tl.arange(0, BLOCK)
+                    part = _silu_and_mul_part(x_row, cols, cols < d, d, row_scale,
+                                              col_scale_ptr, SCALED)
+                    amax = tl.maximum(amax, tl.abs(part))
+            scale = fp8_row_scale(tl.max(amax, 0), input_scale_ptr, STATIC_INPUT)
+            for c0 in range(0, d, BLOCK):
+                cols = c0 + tl.arange(0, BLOCK)
+                y = _silu_and_mul_part(x_row, cols, cols < d, d, row_scale, col_scale_ptr,
+                                       SCALED)
+                tl.store(out_row + cols, to_fp8(y, scale), mask=cols < d)
+        tl.store(scale_ptr + row, scale)
 
 
 @triton.jit

@@ -256,16 +256,59 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return (out, later_out) if split else out
 
 
+class SiluFp8Launch(NamedTuple):
+    """Launch of ``silu_and_mul_fp8_kernel``: ``block`` columns a pass, warps, the stages
+    of its loads' pipeline across a program's rows (1: none), and ``programs_per_sm`` (0:
+    one program a row; else at most that many programs a multiprocessor, each walking its
+    share of the rows)."""
+
+    block: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int
+
+
+SILU_FP8_LAUNCH_ENV = "PAGEDLLM_SILU_FP8_LAUNCH"
+
+
+@functools.cache
+def silu_fp8_launch(d: int) -> SiluFp8Launch:
+    """SiLU-and-mul with FP8 output over rows of ``d``: a whole row in registers up to 16k
+    columns (wider: two passes). Rows of more than 8k columns (an 8B model's MLP) take 32
+    warps and one program a multiprocessor, which walks its rows (a row's registers leave
+    room for no second program; docs/benchmarks.md); narrower rows one program each. Or
+    ``PAGEDLLM_SILU_FP8_LAUNCH="BLOCK,warps,stages,programs_per_sm"``."""
+    value = os.environ.get(SILU_FP8_LAUNCH_ENV, "").strip()
+    if value:
+        try:
+            launch = SiluFp8Launch(*(int(v) for v in value.split(",")))
+        except (TypeError, ValueError):
+            launch = None
+        if launch is None or launch.block < 16 or launch.block & (launch.block - 1) or min(
+                launch.num_warps, launch.num_stages) < 1 or launch.programs_per_sm < 0:
+            raise ValueError(f"{SILU_FP8_LAUNCH_ENV}={value!r}: give BLOCK,warps,stages,"
+                             "programs_per_sm (BLOCK a power of two >= 16, warps and stages "
+                             ">= 1, programs_per_sm >= 0: 0 = one program a row), e.g. "
+                             "16384,16,1,1.")
+        return launch
+    if 8192 < d <= 16384:
+        return SiluFp8Launch(16384, 32, 1, 1)
+    block = min(16384, 1 << max(d - 1, 0).bit_length())
+    return SiluFp8Launch(block, _norm_warps(block), 1, 0)
+
+
 def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
                  input_scale: torch.Tensor | None = None,
-                 sums_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 sums_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 launch: SiluFp8Launch | None = None):
     """``silu(gate_up[..., :d]) * gate_up[..., d:]`` for a 2-D ``[T, 2d]`` input -> ``[T, d]``.
 
     With ``fp8``: that product quantized for an FP8 product, as ``quantize_rows_fp8``
     would quantize it (per row, or with the static ``input_scale``): a pair
     (float8_e4m3fn ``[T, d]``, float32 scales ``[T, 1]``). ``sums_scales=(row_scale,
     col_scale)``: ``gate_up`` holds an FP8 product's sums before its scales
-    (``Fp8Sums``), scaled here first."""
+    (``Fp8Sums``), scaled here first. ``launch``: the FP8 kernel's launch instead of
+    ``silu_fp8_launch``'s (to measure others)."""
     k = _kernels()
     if gate_up.dim() != 2:
         raise ValueError(f"silu_and_mul takes [T, 2d], got shape {tuple(gate_up.shape)}.")
@@ -279,13 +322,16 @@ def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
     if fp8:
         scale = torch.empty((num_tokens, 1), dtype=torch.float32, device=gate_up.device)
         if num_tokens:
-            # A whole row in registers up to 16k columns; wider, two passes.
-            block = min(16384, k.next_power_of_2(d))
-            k.silu_and_mul_fp8_kernel[(num_tokens,)](
+            launch = launch or silu_fp8_launch(d)
+            programs = num_tokens
+            if launch.programs_per_sm:
+                programs = min(num_tokens, launch.programs_per_sm * _sm_count(gate_up.device))
+            k.silu_and_mul_fp8_kernel[(programs,)](
                 gate_up, out, scale, input_scale if input_scale is not None else scale,
-                row_scale, col_scale, gate_up.stride(0), d, BLOCK=block, ONE_PASS=d <= block,
-                STATIC_INPUT=input_scale is not None, SCALED=sums_scales is not None,
-                num_warps=_norm_warps(block), **launch_options(gate_up.device),
+                row_scale, col_scale, gate_up.stride(0), d, num_tokens, BLOCK=launch.block,
+                ONE_PASS=d <= launch.block, STATIC_INPUT=input_scale is not None,
+                SCALED=sums_scales is not None, STAGES=launch.num_stages,
+                num_warps=launch.num_warps, **launch_options(gate_up.device),
             )
         return out, scale
     if num_tokens == 0:

@@ -453,7 +453,7 @@ def test_rms_norm_quantizes_for_fp8_as_norm_then_quantize(static, with_residual)
         triton_ops.rms_norm(x.view(6, 3, 100), weight[:100], 1e-6, fp8=True)
 
 
-@pytest.mark.parametrize("d, static", [(1100, False), (1100, True), (16500, False)])
+@pytest.mark.parametrize("d, static", [(1100, False), (1100, True), (9000, False), (16500, False)])
 def test_silu_and_mul_quantizes_for_fp8_as_silu_and_mul_then_quantize(d, static) -> None:
     """One pass per row, or two for rows wider than 16k (the second from cache): the
     bytes and scales of ``quantize_rows_fp8`` applied to ``silu_and_mul``'s output."""
@@ -464,6 +464,34 @@ def test_silu_and_mul_quantizes_for_fp8_as_silu_and_mul_then_quantize(d, static)
                                                       input_scale)
     assert torch.equal(got_scale, want_scale)
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("block, stages", [(2048, 1), (512, 1), (2048, 2)])
+def test_silu_and_mul_programs_walking_several_rows_quantize_each_as_one_program_a_row(
+        block, stages, monkeypatch) -> None:
+    """Fewer programs than rows (each walking every ``programs``-th row, one pass or two,
+    loads pipelined across rows or not), over an FP8 product's sums: every row's bytes and
+    scale as the default launch of one program a row gives them; the launch can also come
+    from ``PAGEDLLM_SILU_FP8_LAUNCH``, and a malformed one is refused by name."""
+    rows, d = 11, 1100
+    sums = _rand(rows, 2 * d, dtype=torch.bfloat16, seed=55) * 50
+    scales = (_rand(rows, 1, seed=56).abs() * 1e-3 + 1e-4,
+              _rand(2 * d, 1, seed=57).abs() * 1e-2 + 1e-3)
+    want_q, want_scale = triton_ops.silu_and_mul(sums, fp8=True, sums_scales=scales)
+    launch = triton_ops.SiluFp8Launch(block, 4, stages, 1)  # a few programs: rows > programs
+    got_q, got_scale = triton_ops.silu_and_mul(sums, fp8=True, sums_scales=scales, launch=launch)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    triton_ops.silu_fp8_launch.cache_clear()
+    monkeypatch.setenv("PAGEDLLM_SILU_FP8_LAUNCH", f"{block},4,{stages},1")
+    try:
+        assert triton_ops.silu_fp8_launch(d) == launch
+        monkeypatch.setenv("PAGEDLLM_SILU_FP8_LAUNCH", "1000,4,1,1")
+        triton_ops.silu_fp8_launch.cache_clear()
+        with pytest.raises(ValueError, match="PAGEDLLM_SILU_FP8_LAUNCH='1000,4,1,1'"):
+            triton_ops.silu_fp8_launch(d)
+    finally:
+        triton_ops.silu_fp8_launch.cache_clear()
 
 
 def _tiny_llama_mlp(dtype: torch.dtype, seed: int):

@@ -66,7 +66,7 @@ def test_hopper_pads_wide_cublas_products_of_129_to_224_rows(monkeypatch):
 @pytest.mark.parametrize("sums", [False, True], ids=["row-wise", "deferred-scales"])
 def test_padded_cublas_products_equal_unpadded_ones(monkeypatch, sums):
     """The zero rows a padded product adds change none of its real rows, with row-wise
-    scales or with the sums handed over (``Fp8Sums``)."""
+    scales or with the sums handed over (``Fp8Sums``); cuBLASLt's on a GPU."""
     from pagedllm.quantization import fp8
 
     monkeypatch.setattr(fp8, "_hopper", lambda device: True)
@@ -74,8 +74,8 @@ def test_padded_cublas_products_equal_unpadded_ones(monkeypatch, sums):
     monkeypatch.setattr(fp8, "split_k_product", lambda rows, n, device: False)
     monkeypatch.setattr(fp8, "use_fused_ops", lambda t: False)
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(150, 32, generator=gen).to(torch.bfloat16)
-    wq, w_scale = quantize_rows(torch.randn(16384, 32, generator=gen))
+    x = torch.randn(150, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    wq, w_scale = quantize_rows(torch.randn(16384, 32, generator=gen).to(DEVICE))
     assert fp8.cublas_rows(150, 16384, x.device) == 256
 
     def product():
