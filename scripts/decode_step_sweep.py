@@ -21,6 +21,8 @@ what the products leave (docs/benchmarks.md, "Short contexts over an FP8 cache")
   sums before their scales, at 64, 256, 512 and 8,192 rows of 2 x 14,336, per launch
   (``triton_ops.SiluFp8Launch``: ``BLOCK``, a row in one pass up to 16k, else two; warps;
   the stages of the loads' pipeline across a program's rows; programs a multiprocessor).
+- ``argmax``: the sampler's pass over 64, 256 and 512 rows of 128,256 bf16 logits (greedy
+  and the Gumbel draw) per ``triton_ops.ARGMAX_PROGRAMS_PER_SM``.
 - ``norm``: RMSNorm with the residual added, bf16 and FP8 output, at the same rows of
   4,096, per warps.
 
@@ -224,6 +226,42 @@ def silu_rows() -> list[dict[str, Any]]:
     return rows
 
 
+ARGMAX_PROGRAMS = (2, 4, 8, 16, 32)
+VOCAB = 128_256
+
+
+def argmax_rows() -> list[dict[str, Any]]:
+    """The sampler's pass over a step's logits (``triton_ops.greedy_argmax`` and the Gumbel
+    draw, bf16 logits of Llama-3's vocabulary) per ``ARGMAX_PROGRAMS_PER_SM``, the rows split
+    into parts to reach it; each checked equal to the engine's setting."""
+    rows: list[dict[str, Any]] = []
+    gen = torch.Generator(device=DEVICE).manual_seed(62)
+    configured = triton_ops.ARGMAX_PROGRAMS_PER_SM
+    for m in ROWS[:3]:
+        logits = [torch.randn(m, VOCAB, generator=gen, device=DEVICE).to(DTYPE)
+                  for _ in range(min(copies_for(m * VOCAB * 2), 16))]
+        temperature = torch.full((m,), 0.8, device=DEVICE)
+        seeds = torch.arange(m, device=DEVICE, dtype=torch.int64)
+        draws = {"greedy": triton_ops.greedy_argmax,
+                 "gumbel": lambda x: triton_ops.gumbel_sample(x, temperature, seeds)}
+        for kind, draw in draws.items():
+            want = draw(logits[0])
+            for programs in ARGMAX_PROGRAMS:
+                triton_ops.ARGMAX_PROGRAMS_PER_SM = programs
+                try:
+                    equal = torch.equal(draw(logits[0]), want)
+                    us = graph_us_per_launch(draw, logits)
+                finally:
+                    triton_ops.ARGMAX_PROGRAMS_PER_SM = configured
+                rows.append(dict(part="argmax", rows=m, fp8=kind, programs_per_sm=programs,
+                                 us=us, tb_s=m * VOCAB * 2 / us / 1e6, equal=equal))
+                print(f"argmax {kind:6} rows {m:4} programs/SM {programs:2}: {us:7.1f} us "
+                      f"{rows[-1]['tb_s']:5.2f} TB/s{'' if equal else '  DIFFERS'}", flush=True)
+        del logits
+        torch.cuda.empty_cache()
+    return rows
+
+
 def norm_rows() -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     gen = torch.Generator(device=DEVICE).manual_seed(61)
@@ -280,6 +318,7 @@ def best_table(rows: list[dict[str, Any]]) -> str:
         best = min((r for r in group if r.get("equal", True) or r["part"] == "decode"),
                    key=lambda r: r["us"])
         setting = {k: best[k] for k in ("tile", "max_registers", "block", "warps", "launch",
+                                          "programs_per_sm",
                                           "rope_and_write") if k in best}
         lines.append(f"{' '.join(str(k) for k in key if k is not None):32} best {best['us']:7.1f} us "
                      f"{setting}")
@@ -295,7 +334,7 @@ def main() -> int:
         print("decode_step_sweep.py needs a CUDA GPU.")
         return 2
     parts = {"decode": decode_rows, "gap": gap_rows, "silu": silu_rows, "norm": norm_rows,
-             "registers": register_rows}
+             "registers": register_rows, "argmax": argmax_rows}
     rows: list[dict[str, Any]] = []
     for name in args.parts.split(","):
         rows += parts[name]()

@@ -221,10 +221,10 @@ def silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, row_scal
     ``silu_and_mul_kernel``'s values, quantized as ``quantize_rows_kernel`` quantizes them,
     into FP8 ``out`` (contiguous rows of ``d``) and each row's float32 scale into ``scale``.
     A program walks its rows in one loop; with ``STAGES > 1`` the next rows' loads are
-    copied into shared memory while this one is computed and stored. ``ONE_PASS`` (``d <= BLOCK``):
-    a row is read once and kept in registers; wider rows take two passes, the second
-    computing each part again (its inputs from cache). ``SCALED``: as in
-    ``_silu_and_mul_part``."""
+    copied into shared memory while this one is computed and stored. ``ONE_PASS``
+    (``d <= BLOCK``): a row is read once and kept in registers; wider rows take two
+    passes, the second computing each part again (its inputs from cache). ``SCALED``: as
+    in ``_silu_and_mul_part``."""
     follow_previous_kernel(PDL)
     for row in tl.range(tl.program_id(0), num_rows, tl.num_programs(0), num_stages=STAGES):
         offset = row + tl.zeros([], tl.int64)  # 64-bit row offsets
