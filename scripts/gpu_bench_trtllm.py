@@ -132,7 +132,8 @@ def collect(directory: Path, dtypes: list[str], scale: float, dry: bool, meta: d
                 "ratio_vs_trtllm": round(row["output_tok_s"] / trt_tok_s, 3),
                 "elapsed_s": row["elapsed_s"], "kv_cache_dtype": row.get("kv_cache_dtype"),
                 "kv_cache_tokens": row.get("kv_cache_tokens"), "command": row.get("command"),
-                "step_timing": row.get("step_timing"),
+                "step_timing": row.get("step_timing"), "preemptions": row.get("preemptions"),
+                "preempted_tokens": row.get("preempted_tokens"),
             }
             if dry:
                 record[dtype]["shape_run"] = row["shape"]

@@ -442,6 +442,9 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         "truncated": False,
         "kv_cache_dtype": core.kv_cache_dtype,
         "kv_cache_tokens": core.num_kv_tokens,
+        # Preemptions drop computed tokens, which are computed again when the request resumes.
+        "preemptions": stats_after.num_preemptions - stats_before.num_preemptions,
+        "preempted_tokens": stats_after.num_preempted_tokens - stats_before.num_preempted_tokens,
         **extra,
     }
 
@@ -561,6 +564,9 @@ def _row(r: dict) -> str:
     note = "stopped at the time limit" if r.get("truncated") else ""
     if "shape" in r:
         note = f"shape {r['shape']} (prompt/output tokens)"
+    if r.get("preemptions"):
+        note += (f"{'; ' if note else ''}{r['preemptions']} preemptions, "
+                 f"{r['preempted_tokens']} computed tokens dropped (computed again)")
     if "prefix_cache_hit_rate" in r:
         note = (f"prompt tokens computed {r['prompt_tokens_computed']} of "
                 f"{r['prompt_tokens']} sent; prefix-cache hit rate "

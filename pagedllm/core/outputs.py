@@ -152,4 +152,5 @@ class SchedulerStats:
     prefix_cache_hits: int  # of those, tokens found, total
     num_preemptions: int  # total
     num_waiting_for_grammar: int = 0  # of num_waiting: output constraints still compiling
+    num_preempted_tokens: int = 0  # computed tokens preemptions dropped (computed again), total
     spec_decoding: SpecDecodingStats | None = None  # totals; None without speculation

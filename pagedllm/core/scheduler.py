@@ -162,6 +162,8 @@ class Scheduler:
         self._unstepped_outputs: list[EngineCoreOutput] = []
         self._finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        # Computed tokens whose KV the preemptions dropped (to be computed again), total.
+        self.num_preempted_tokens_total = 0
         spec = speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
@@ -434,6 +436,7 @@ class Scheduler:
         request.spec_token_ids = []
         plan.spec_token_ids.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
+        self.num_preempted_tokens_total += request.num_computed_tokens
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1

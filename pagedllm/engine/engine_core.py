@@ -160,6 +160,7 @@ class EngineCore:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=scheduler.num_preemptions_total,
+            num_preempted_tokens=scheduler.num_preempted_tokens_total,
             num_waiting_for_grammar=scheduler.num_waiting_for_grammar,
             spec_decoding=(None if scheduler.spec_decoding_stats is None
                            else scheduler.spec_decoding_stats.copy()),

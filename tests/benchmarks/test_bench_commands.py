@@ -102,6 +102,23 @@ def test_shapes_run_fixed_length_workloads_on_one_engine_one_record_each(
         throughput.parse_shapes("128x30000")
 
 
+def test_a_shape_that_outgrows_the_cache_reports_its_preemptions_and_dropped_tokens(
+    checkpoint, tmp_path, capsys
+) -> None:
+    """Requests that grow together past the cache are preempted and computed again: the
+    record counts the preemptions and the computed tokens they dropped, and says so."""
+    out = tmp_path / "tight.json"
+    throughput.run(_args(throughput, ["--model", str(checkpoint), "--load-format", "dummy",
+                                      "--shapes", "8/20x6", "--max-model-len", "32",
+                                      "--num-kv-blocks", "8", "--block-size", "8",
+                                      "--output-json", str(out)]))
+    record = json.loads(out.read_text())  # one shape: one record
+    assert record["output_tokens"] == 6 * 20
+    assert record["preemptions"] > 0 and record["preempted_tokens"] >= 8 * record["preemptions"]
+    assert (f"{record['preemptions']} preemptions, {record['preempted_tokens']} computed tokens "
+            "dropped") in capsys.readouterr().out
+
+
 def test_unknown_backend_is_refused_naming_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="pagedllm, hf, hf-cb"):
         throughput.parse_backends("hf,vllm")

@@ -109,6 +109,7 @@ def test_preemption_takes_the_most_recently_admitted_request():
     c = requests[2]
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
     assert c.num_preemptions == 1 and s.num_preemptions_total == 1
+    assert s.num_preempted_tokens_total == 16  # its prompt, computed in the first step
     assert list(s.waiting) == [c, requests[3]]  # back at the front, ahead of D
     rest = run_to_completion(s, runner)
     for r in requests:
