@@ -30,7 +30,8 @@ the prompts' way (``dequantize``: ``int_dequantize`` writes the weight in bf16, 
 cuBLAS), which any batch could take. ``--int8-gemm-rows`` times INT8 W8A8's larger batches
 (``torch._int_mm`` against ``int8_matmul``'s tiles), ``--fp8-gemm-rows`` FP8's (cuBLASLt at
 the batch's own rows and padded as the engine pads them, with one scale per tensor as
-static FP8 checkpoints scale them (``impl="per-tensor"``), and ``fp8_matmul``'s split-K
+static FP8 checkpoints scale them (``impl="per-tensor"``; ``"per-tensor-fast-accum"`` with
+cuBLASLt's fast accumulation), and ``fp8_matmul``'s split-K
 tiles for the narrow outputs).
 """
 
@@ -291,6 +292,7 @@ def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
                                        want, n * k))
             fp8.PAD_ROWS, fp8.SPLIT_GEMM = configured
             results.append(per_tensor_product(name, m, x, bf16, n * k))
+            results.append(per_tensor_product(name, m, x, bf16, n * k, fast_accum=True))
             if m <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N:
                 def op(w, t):
                     rows, scales = triton_ops.quantize_rows_fp8(x)
@@ -306,10 +308,12 @@ def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
 
 
 def per_tensor_product(shape: str, m: int, x: torch.Tensor, bf16: list[torch.Tensor],
-                       weight_bytes: int) -> dict[str, Any]:
+                       weight_bytes: int, fast_accum: bool = False) -> dict[str, Any]:
     """cuBLASLt's FP8 product with one scale for each operand (``torch._scaled_mm``'s
-    tensor-wise scaling, as a static per-tensor checkpoint would run), the operands
-    quantized per tensor: the row of ``impl="per-tensor"``."""
+    tensor-wise scaling, as a static per-tensor checkpoint would run, and as the engine's
+    products with unit scales run), the operands quantized per tensor: the row of
+    ``impl="per-tensor"``, or with ``fast_accum`` (cuBLASLt's FP8 fast accumulation,
+    ``PAGEDLLM_FP8_FAST_ACCUM``) of ``impl="per-tensor-fast-accum"``."""
     def per_tensor(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = (t.abs().amax().float() / FP8_MAX).reshape(1)
         return quantize_rows(t, scale)[0], scale.reshape(())
@@ -317,9 +321,10 @@ def per_tensor_product(shape: str, m: int, x: torch.Tensor, bf16: list[torch.Ten
     xq, x_scale = per_tensor(x)
     weights = [per_tensor(w) for w in bf16]
     want = (xq.float() * x_scale) @ (weights[0][0].float() * weights[0][1]).T
-    row = dict(kind="fp8-gemm", shape=shape, rows=m, impl="per-tensor")
+    row = dict(kind="fp8-gemm", shape=shape, rows=m,
+               impl="per-tensor-fast-accum" if fast_accum else "per-tensor")
     return measure(row, lambda w: torch._scaled_mm(xq, w[0].t(), scale_a=x_scale, scale_b=w[1],
-                                                   out_dtype=DTYPE),
+                                                   out_dtype=DTYPE, use_fast_accum=fast_accum),
                    (weights * 2)[:max(2, -(-L2_FLUSH_BYTES // weight_bytes))], want, weight_bytes)
 
 

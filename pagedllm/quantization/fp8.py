@@ -149,6 +149,11 @@ PAD_ROWS_ENV = "PAGEDLLM_FP8_PAD_ROWS"
 PAD_ROWS = switch(PAD_ROWS_ENV, True)
 DEFERRED_SCALES_ENV = "PAGEDLLM_FP8_DEFERRED_SCALES"
 DEFERRED_SCALES = switch(DEFERRED_SCALES_ENV, True)
+# cuBLASLt's FP8 fast accumulation for the products with unit scales (``Fp8Sums``): the
+# tensor cores' own accumulator over the whole of K, without promoting partial sums to
+# float32 every few steps.
+FAST_ACCUM_ENV = "PAGEDLLM_FP8_FAST_ACCUM"
+FAST_ACCUM = switch(FAST_ACCUM_ENV, False)
 
 
 def cublas_rows(rows: int, n: int, device: torch.device) -> int:
@@ -220,7 +225,8 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
         rows = xq.shape[0]
         unit = _unit_scale(xq.device)
         products = torch._scaled_mm(_padded_rows(xq, weight.shape[0]), weight.t(),
-                                    scale_a=unit, scale_b=unit, out_dtype=dtype)
+                                    scale_a=unit, scale_b=unit, out_dtype=dtype,
+                                    use_fast_accum=FAST_ACCUM)
         return Fp8Sums(products[:rows], x_scale.expand(rows, 1), weight_scale.reshape(-1, 1))
     if tensor_cores and split_k_product(xq.shape[0], weight.shape[0], xq.device):
         from pagedllm.layers.fp8_matmul import fp8_matmul  # kernels load on first use

@@ -88,6 +88,35 @@ def test_padded_cublas_products_equal_unpadded_ones(monkeypatch, sums):
     assert torch.equal(padded, product())
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_fast_accumulation_switch_reaches_the_unit_scale_products(monkeypatch, fast):
+    """``PAGEDLLM_FP8_FAST_ACCUM=1`` asks cuBLASLt for FP8 fast accumulation on the
+    products with unit scales (their sums handed over), and only there; off by default."""
+    from pagedllm.quantization import fp8
+
+    assert fp8.FAST_ACCUM is False
+    monkeypatch.setattr(fp8, "FAST_ACCUM", fast)
+    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    monkeypatch.setattr(fp8, "_fp8_matmul_supported", lambda device: True)
+    monkeypatch.setattr(fp8, "split_k_product", lambda rows, n, device: False)
+    monkeypatch.setattr(fp8, "use_fused_ops", lambda t: False)
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("use_fast_accum", False))
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(20, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    wq, w_scale = quantize_rows(torch.randn(64, 32, generator=gen).to(DEVICE))
+    sums = fp8_linear(x, wq, w_scale, sums=True)
+    row_wise = fp8_linear(x, wq, w_scale)
+    assert calls == [fast, False]  # the row-wise product never takes it
+    torch.testing.assert_close(sums.scaled(), row_wise, rtol=2e-2, atol=2e-2)
+
+
 def test_hopper_sends_narrow_decode_products_to_the_split_k_gemm(monkeypatch):
     """On Hopper, FP8 products of up to 192 rows into outputs up to 4,096 wide (o_proj and
     down of a decode batch) take the split-K GEMM, unless PAGEDLLM_FP8_SPLIT_GEMM=0; wider
