@@ -31,7 +31,9 @@ same values ``quantize_rows`` gives, so the product skips its own quantization p
 on Hopper the product can hand its sums to the op that reads them before the scales are
 applied (``Fp8Sums``: gate/up's to SiLU-and-mul, o_proj's and down's to the norm after
 them), so that cuBLASLt multiplies with one unit scale per operand, its faster kernels
-(bfloat16 models; ``PAGEDLLM_FP8_DEFERRED_SCALES=0`` turns it off).
+(bfloat16 models; ``PAGEDLLM_FP8_DEFERRED_SCALES=0`` turns it off). Those products take
+cuBLASLt's FP8 fast accumulation with ``PAGEDLLM_FP8_FAST_ACCUM=1`` (off by default: a
+larger error, docs/benchmarks.md).
 """
 
 from __future__ import annotations
