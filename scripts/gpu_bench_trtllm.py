@@ -190,6 +190,10 @@ def report(argv: list[str]) -> int:
         if {"fp8", "bf16"} <= set(dtypes):
             line += f" {str(record.get('fp8_vs_bf16', '-')) + 'x':>8}"
         print(line)
+    dropped = [f"{r['shape']} {d} {r[d]['preempted_tokens']:,}" for r in records for d in dtypes
+               if r.get(d, {}).get("preempted_tokens")]
+    if dropped:
+        print("computed tokens that preemptions dropped (computed again): " + "; ".join(dropped))
     missing = [s for s in TRTLLM if s not in {r["shape"] for r in records}]
     if missing:
         print(f"not run or not finished: {' '.join(missing)}")

@@ -55,7 +55,8 @@ def test_report_sets_fp8_beside_bf16_and_trtllm(tmp_path) -> None:
     def write(dtype: str, tok_s: float) -> None:
         (tmp_path / f"trtllm-{dtype}.json").write_text(json.dumps([
             {"shape": "1000/1000", "num_prompts": 300, "output_tok_s": tok_s, "elapsed_s": 10.0,
-             "command": f"pagedllm {dtype}"}]))
+             "command": f"pagedllm {dtype}", "preemptions": 3 if dtype == "bf16" else 0,
+             "preempted_tokens": 4500 if dtype == "bf16" else 0}]))
 
     write("fp8", 17744.0)
     write("bf16", 8872.0)
@@ -65,6 +66,8 @@ def test_report_sets_fp8_beside_bf16_and_trtllm(tmp_path) -> None:
     assert (record["fp8_vs_bf16"], record["scale"]) == (2.0, 0.1)
     assert json.loads((tmp_path / "2026-01-02-h200-trtllm.json").read_text()) == [record]
     assert "1000/1000       300    0.1    17744     17744.0      1.0x      8872.0      0.5x" in stdout
+    assert record["bf16"]["preempted_tokens"] == 4500
+    assert "preemptions dropped (computed again): 1000/1000 bf16 4,500" in stdout
 
 
 def test_an_h100_run_is_set_beside_trtllms_h100_table(tmp_path) -> None:
