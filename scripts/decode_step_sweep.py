@@ -20,7 +20,7 @@ what the products leave (docs/benchmarks.md, "Short contexts over an FP8 cache")
 - ``silu``: SiLU-and-mul with FP8 output (``silu_and_mul_fp8_kernel``) over gate/up's
   sums before their scales, at 64, 256, 512 and 8,192 rows of 2 x 14,336, per launch
   (``triton_ops.SiluFp8Launch``: ``BLOCK``, a row in one pass up to 16k, else two; warps;
-  the stages of the loads' pipeline across a program's rows; programs a multiprocessor).
+  programs a multiprocessor).
 - ``argmax``: the sampler's pass over 64, 256 and 512 rows of 128,256 bf16 logits (greedy
   and the Gumbel draw) per ``triton_ops.ARGMAX_PROGRAMS_PER_SM``.
 - ``norm``: RMSNorm with the residual added, bf16 and FP8 output, at the same rows of
@@ -64,10 +64,9 @@ DECODE_CASES = (("512 x 129..256", 512, 129, 256), ("512 x 257..384", 512, 257, 
                 ("512 x 385..512", 512, 385, 512), ("256 x 129..256", 256, 129, 256))
 DECODE_TILES = ((16, 2, 2), (32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3),
                 (128, 4, 2))
-# SiLU-and-mul launches (triton_ops.SiluFp8Launch: block, warps, stages, programs a
-# multiprocessor, 0 = one program a row).
-SILU_SETTINGS = ((16384, 16, 1, 0), (16384, 16, 1, 1), (16384, 32, 1, 1), (16384, 8, 1, 1),
-                 (16384, 16, 2, 1), (8192, 8, 2, 2))
+# SiLU-and-mul launches (triton_ops.SiluFp8Launch: block, warps, programs a multiprocessor,
+# 0 = one program a row).
+SILU_SETTINGS = ((16384, 16, 0), (16384, 16, 1), (16384, 32, 1), (16384, 8, 1), (8192, 8, 2))
 NORM_WARPS = (2, 4, 8, 16)
 
 

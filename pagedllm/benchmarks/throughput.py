@@ -564,9 +564,6 @@ def _row(r: dict) -> str:
     note = "stopped at the time limit" if r.get("truncated") else ""
     if "shape" in r:
         note = f"shape {r['shape']} (prompt/output tokens)"
-    if r.get("preemptions"):
-        note += (f"{'; ' if note else ''}{r['preemptions']} preemptions, "
-                 f"{r['preempted_tokens']} computed tokens dropped (computed again)")
     if "prefix_cache_hit_rate" in r:
         note = (f"prompt tokens computed {r['prompt_tokens_computed']} of "
                 f"{r['prompt_tokens']} sent; prefix-cache hit rate "
@@ -590,6 +587,9 @@ def _row(r: dict) -> str:
                 f"{spec['mean_accepted_length']:.2f}, {spec['tokens_per_step']:.2f} tokens per "
                 f"decode step; proposal {spec['proposal_ms']} ms, verification "
                 f"{spec['verification_ms']} ms per decode step")
+    if r.get("preemptions"):
+        note += (f"{'; ' if note else ''}{r['preemptions']} preemptions, "
+                 f"{r['preempted_tokens']} computed tokens dropped (computed again)")
     return (f"{r['backend']:>9} {r['num_prompts']:>9} {r['output_tokens']:>11} "
             f"{r['elapsed_s']:>10} {r['output_tok_s']:>13}  {note}")
 

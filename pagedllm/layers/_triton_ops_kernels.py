@@ -216,17 +216,17 @@ def silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, row_scal
                             col_scale_ptr, stride_x, d, num_rows,
                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
                             STATIC_INPUT: tl.constexpr, SCALED: tl.constexpr,
-                            STAGES: tl.constexpr, PDL: tl.constexpr):
+                            PDL: tl.constexpr):
     """Rows ``program_id, program_id + num_programs, ...`` of ``num_rows``:
     ``silu_and_mul_kernel``'s values, quantized as ``quantize_rows_kernel`` quantizes them,
     into FP8 ``out`` (contiguous rows of ``d``) and each row's float32 scale into ``scale``.
-    A program walks its rows in one loop; with ``STAGES > 1`` the next rows' loads are
-    copied into shared memory while this one is computed and stored. ``ONE_PASS``
+    A program walks its rows in one loop (one program a multiprocessor keeps each row in
+    registers and takes the next once it is stored). ``ONE_PASS``
     (``d <= BLOCK``): a row is read once and kept in registers; wider rows take two
     passes, the second computing each part again (its inputs from cache). ``SCALED``: as
     in ``_silu_and_mul_part``."""
     follow_previous_kernel(PDL)
-    for row in tl.range(tl.program_id(0), num_rows, tl.num_programs(0), num_stages=STAGES):
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
         offset = row + tl.zeros([], tl.int64)  # 64-bit row offsets
         x_row = x_ptr + offset * stride_x
         out_row = out_ptr + offset * d

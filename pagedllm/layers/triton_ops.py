@@ -257,14 +257,12 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 class SiluFp8Launch(NamedTuple):
-    """Launch of ``silu_and_mul_fp8_kernel``: ``block`` columns a pass, warps, the stages
-    of its loads' pipeline across a program's rows (1: none), and ``programs_per_sm`` (0:
-    one program a row; else at most that many programs a multiprocessor, each walking its
-    share of the rows)."""
+    """Launch of ``silu_and_mul_fp8_kernel``: ``block`` columns a pass, warps, and
+    ``programs_per_sm`` (0: one program a row; else at most that many programs a
+    multiprocessor, each walking its share of the rows)."""
 
     block: int
     num_warps: int
-    num_stages: int
     programs_per_sm: int
 
 
@@ -277,24 +275,24 @@ def silu_fp8_launch(d: int) -> SiluFp8Launch:
     columns (wider: two passes). Rows of more than 8k columns (an 8B model's MLP) take 32
     warps and one program a multiprocessor, which walks its rows (a row's registers leave
     room for no second program; docs/benchmarks.md); narrower rows one program each. Or
-    ``PAGEDLLM_SILU_FP8_LAUNCH="BLOCK,warps,stages,programs_per_sm"``."""
+    ``PAGEDLLM_SILU_FP8_LAUNCH="BLOCK,warps,programs_per_sm"``."""
     value = os.environ.get(SILU_FP8_LAUNCH_ENV, "").strip()
     if value:
         try:
             launch = SiluFp8Launch(*(int(v) for v in value.split(",")))
         except (TypeError, ValueError):
             launch = None
-        if launch is None or launch.block < 16 or launch.block & (launch.block - 1) or min(
-                launch.num_warps, launch.num_stages) < 1 or launch.programs_per_sm < 0:
-            raise ValueError(f"{SILU_FP8_LAUNCH_ENV}={value!r}: give BLOCK,warps,stages,"
-                             "programs_per_sm (BLOCK a power of two >= 16, warps and stages "
-                             ">= 1, programs_per_sm >= 0: 0 = one program a row), e.g. "
-                             "16384,16,1,1.")
+        if launch is None or launch.block < 16 or launch.block & (launch.block - 1) or (
+                launch.num_warps not in (1, 2, 4, 8, 16, 32)) or launch.programs_per_sm < 0:
+            raise ValueError(f"{SILU_FP8_LAUNCH_ENV}={value!r}: give BLOCK,warps,"
+                             "programs_per_sm (BLOCK a power of two >= 16, warps a power of "
+                             "two up to 32, programs_per_sm >= 0: 0 = one program a row), "
+                             "e.g. 16384,32,1.")
         return launch
     if 8192 < d <= 16384:
-        return SiluFp8Launch(16384, 32, 1, 1)
+        return SiluFp8Launch(16384, 32, 1)
     block = min(16384, 1 << max(d - 1, 0).bit_length())
-    return SiluFp8Launch(block, _norm_warps(block), 1, 0)
+    return SiluFp8Launch(block, _norm_warps(block), 0)
 
 
 def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
@@ -312,6 +310,8 @@ def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
     k = _kernels()
     if gate_up.dim() != 2:
         raise ValueError(f"silu_and_mul takes [T, 2d], got shape {tuple(gate_up.shape)}.")
+    if launch is not None and not fp8:
+        raise ValueError("silu_and_mul: launch= sets the FP8 kernel's launch; pass fp8=True.")
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
     num_tokens, width = gate_up.shape
@@ -330,8 +330,8 @@ def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
                 gate_up, out, scale, input_scale if input_scale is not None else scale,
                 row_scale, col_scale, gate_up.stride(0), d, num_tokens, BLOCK=launch.block,
                 ONE_PASS=d <= launch.block, STATIC_INPUT=input_scale is not None,
-                SCALED=sums_scales is not None, STAGES=launch.num_stages,
-                num_warps=launch.num_warps, **launch_options(gate_up.device),
+                SCALED=sums_scales is not None, num_warps=launch.num_warps,
+                **launch_options(gate_up.device),
             )
         return out, scale
     if num_tokens == 0:
