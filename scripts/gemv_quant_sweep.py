@@ -29,7 +29,8 @@ JSON.
 the prompts' way (``dequantize``: ``int_dequantize`` writes the weight in bf16, then
 cuBLAS), which any batch could take. ``--int8-gemm-rows`` times INT8 W8A8's larger batches
 (``torch._int_mm`` against ``int8_matmul``'s tiles), ``--fp8-gemm-rows`` FP8's (cuBLASLt at
-the batch's own rows and padded as the engine pads them, with one scale per tensor as
+the batch's own rows and padded as the engine pads them, with and without fast
+accumulation, with one scale per tensor as
 static FP8 checkpoints scale them (``impl="per-tensor"``; ``"per-tensor-fast-accum"`` with
 cuBLASLt's fast accumulation), and ``fp8_matmul``'s split-K
 tiles for the narrow outputs).
@@ -264,7 +265,10 @@ def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
     """Larger batches on FP8 W8A8 weights through the engine's ``fp8_linear`` (the rows
     quantized, then ``torch._scaled_mm``, the split-K GEMM set aside): at the batch's own
     rows (``impl="unpadded"``, ``PAGEDLLM_FP8_PAD_ROWS=0``) and padded as the engine pads
-    them (``"engine"``: to the rows of ``cublas_rows``), beside cuBLAS on the bf16 weights;
+    them (to the rows of ``cublas_rows``), with partial sums promoted to float32
+    (``"promoted"``, ``PAGEDLLM_FP8_FAST_ACCUM=0``) and with cuBLASLt's fast accumulation
+    (``"engine"``), beside cuBLAS on the bf16 weights (whose row holds the FP8 product's
+    error against them, ``fp8_rounding_err``: what rounding the operands costs);
     and for the narrow outputs (``split_k_product``'s), ``fp8_matmul``'s configured tile and
     a grid of split-K tiles (``"configured"``, ``"tile"``; the rows quantized by the same
     kernel) until the shape's share of ``budget_s`` runs out."""
@@ -279,18 +283,22 @@ def fp8_gemm_sweep(row_counts: list[int], budget_s: float,
             x = torch.randn(m, k, generator=gen, device=DEVICE).to(DTYPE)
             xq, x_scale = quantize_rows(x)
             want = dequantize_rows(xq, x_scale) @ dequantize_rows(*weights[0]).T
+            exact = x.float() @ bf16[0].float().T
             results.append(dict(kind="fp8-gemm", shape=name, rows=m, impl="bf16",
+                                fp8_rounding_err=((want - exact).abs().max()
+                                                  / exact.abs().max()).item(),
                                 us=graph_us_per_launch(lambda w: torch.nn.functional.linear(x, w),
                                                        bf16)))
-            configured = fp8.PAD_ROWS, fp8.SPLIT_GEMM
+            configured = fp8.PAD_ROWS, fp8.SPLIT_GEMM, fp8.FAST_ACCUM
             fp8.SPLIT_GEMM = False  # cuBLASLt for every shape; the split-K tiles below
-            for impl, pad in (("unpadded", False), ("engine", True)):
-                fp8.PAD_ROWS = pad
+            for impl, pad, fast in (("unpadded", False, False), ("promoted", True, False),
+                                    ("engine", True, True)):
+                fp8.PAD_ROWS, fp8.FAST_ACCUM = pad, fast
                 row = dict(kind="fp8-gemm", shape=name, rows=m, impl=impl,
                            cublas_rows=fp8.cublas_rows(m, n, DEVICE))
                 results.append(measure(row, lambda w: fp8.fp8_linear(x, w[0], w[1]), weights,
                                        want, n * k))
-            fp8.PAD_ROWS, fp8.SPLIT_GEMM = configured
+            fp8.PAD_ROWS, fp8.SPLIT_GEMM, fp8.FAST_ACCUM = configured
             results.append(per_tensor_product(name, m, x, bf16, n * k))
             results.append(per_tensor_product(name, m, x, bf16, n * k, fast_accum=True))
             if m <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N:
@@ -439,8 +447,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
             best = tiles[0] if tiles else {}
             print(f"{key[0]:5} {key[1]:10} {key[2]:4} {pick['bf16']:7.1f} bf16, "
                   f"{pick.get('unpadded', float('nan')):7.1f} unpadded, "
+                  f"{pick.get('promoted', float('nan')):7.1f} promoted, "
                   f"{pick.get('engine', float('nan')):7.1f} engine, "
                   f"{pick.get('per-tensor', float('nan')):7.1f} per-tensor, "
+                  f"{pick.get('per-tensor-fast-accum', float('nan')):7.1f} fast, "
                   f"{pick.get('configured', float('nan')):7.1f} split-K configured, "
                   f"{best.get('us', float('nan')):7.1f} best {best.get('tile', '')}")
             continue

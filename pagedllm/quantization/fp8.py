@@ -11,7 +11,7 @@ norms stay in the model's dtype). The product is::
     x_scale[t] = max_k |x[t, k]| / 448  (dynamic)  or  input_scale  (static)
 
 On CUDA devices of compute capability 8.9 or higher the product runs on the FP8 tensor
-cores (``torch._scaled_mm`` with row-wise scales, accumulation in float32; on Hopper a
+cores (``torch._scaled_mm`` with row-wise scales, float32 results; on Hopper a
 wide product of 129-224 rows is padded with zero rows to 256, ``cublas_rows``, and decode
 batches' narrow products take ``layers.fp8_matmul``'s split-K GEMM instead,
 ``split_k_product``). Elsewhere the same quantized operands are dequantized and multiplied
@@ -31,9 +31,12 @@ same values ``quantize_rows`` gives, so the product skips its own quantization p
 on Hopper the product can hand its sums to the op that reads them before the scales are
 applied (``Fp8Sums``: gate/up's to SiLU-and-mul, o_proj's and down's to the norm after
 them), so that cuBLASLt multiplies with one unit scale per operand, its faster kernels
-(bfloat16 models; ``PAGEDLLM_FP8_DEFERRED_SCALES=0`` turns it off). Those products take
-cuBLASLt's FP8 fast accumulation with ``PAGEDLLM_FP8_FAST_ACCUM=1`` (off by default: a
-larger error, docs/benchmarks.md).
+(bfloat16 models; ``PAGEDLLM_FP8_DEFERRED_SCALES=0`` turns it off).
+
+cuBLASLt's products take its FP8 fast accumulation (the tensor cores' own accumulator over
+the whole of K, as vLLM's CUTLASS FP8 kernels on Hopper accumulate): faster, and its error
+is a small part of what rounding the operands to FP8 already costs (docs/benchmarks.md).
+``PAGEDLLM_FP8_FAST_ACCUM=0`` promotes the partial sums to float32 every few steps instead.
 """
 
 from __future__ import annotations
@@ -151,11 +154,11 @@ PAD_ROWS_ENV = "PAGEDLLM_FP8_PAD_ROWS"
 PAD_ROWS = switch(PAD_ROWS_ENV, True)
 DEFERRED_SCALES_ENV = "PAGEDLLM_FP8_DEFERRED_SCALES"
 DEFERRED_SCALES = switch(DEFERRED_SCALES_ENV, True)
-# cuBLASLt's FP8 fast accumulation for the products with unit scales (``Fp8Sums``): the
-# tensor cores' own accumulator over the whole of K, without promoting partial sums to
-# float32 every few steps.
+# cuBLASLt's FP8 fast accumulation for its products (unit or row-wise scales): the tensor
+# cores' own accumulator over the whole of K, without promoting partial sums to float32
+# every few steps.
 FAST_ACCUM_ENV = "PAGEDLLM_FP8_FAST_ACCUM"
-FAST_ACCUM = switch(FAST_ACCUM_ENV, False)
+FAST_ACCUM = switch(FAST_ACCUM_ENV, True)
 
 
 def cublas_rows(rows: int, n: int, device: torch.device) -> int:
@@ -244,7 +247,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale,
                                scale_b=weight_scale.t(),
                                bias=None if bias is None else bias.to(torch.bfloat16),
-                               out_dtype=torch.bfloat16)[:rows].to(dtype)
+                               out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)[:rows].to(dtype)
     else:
         out = dequantize_rows(xq, x_scale) @ dequantize_rows(weight, weight_scale).t()
         if bias is not None:

@@ -89,12 +89,13 @@ def test_padded_cublas_products_equal_unpadded_ones(monkeypatch, sums):
 
 
 @pytest.mark.parametrize("fast", [False, True])
-def test_fast_accumulation_switch_reaches_the_unit_scale_products(monkeypatch, fast):
-    """``PAGEDLLM_FP8_FAST_ACCUM=1`` asks cuBLASLt for FP8 fast accumulation on the
-    products with unit scales (their sums handed over), and only there; off by default."""
+def test_fast_accumulation_switch_reaches_every_cublas_product(monkeypatch, fast):
+    """cuBLASLt's FP8 products take its fast accumulation by default, those with unit
+    scales (their sums handed over) and those with row-wise scales alike;
+    ``PAGEDLLM_FP8_FAST_ACCUM=0`` turns it off for both."""
     from pagedllm.quantization import fp8
 
-    assert fp8.FAST_ACCUM is False
+    assert fp8.FAST_ACCUM is True
     monkeypatch.setattr(fp8, "FAST_ACCUM", fast)
     monkeypatch.setattr(fp8, "_hopper", lambda device: True)
     monkeypatch.setattr(fp8, "_fp8_matmul_supported", lambda device: True)
@@ -113,7 +114,7 @@ def test_fast_accumulation_switch_reaches_the_unit_scale_products(monkeypatch, f
     wq, w_scale = quantize_rows(torch.randn(64, 32, generator=gen).to(DEVICE))
     sums = fp8_linear(x, wq, w_scale, sums=True)
     row_wise = fp8_linear(x, wq, w_scale)
-    assert calls == [fast, False]  # the row-wise product never takes it
+    assert calls == [fast, fast]
     torch.testing.assert_close(sums.scaled(), row_wise, rtol=2e-2, atol=2e-2)
 
 
