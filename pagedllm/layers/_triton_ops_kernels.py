@@ -590,6 +590,7 @@ def small_batch_matmul_kernel(
     if W8A8 == "fp8":
         x_scale = tl.zeros([BLOCK_M], tl.float32) + fp8_row_scale(amax, input_scale_ptr,
                                                                    STATIC_INPUT)
+        x_inverse = fp8_inverse_scale(x_scale)
     elif W8A8 == "int8":
         x_scale = tl.load(input_scale_ptr + m, mask=m_valid, other=1.0)
     else:
@@ -654,7 +655,7 @@ def small_batch_matmul_kernel(
             else:
                 x = tl.load(x_rows + columns[None, :], mask=x_mask, other=0.0)
             if W8A8 == "fp8":
-                x = tl.clamp(x.to(tl.float32) / x_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+                x = tl.clamp(x.to(tl.float32) * x_inverse[:, None], -448.0, 448.0).to(tl.float8e4nv)
             if USE_DOT and W8A8 == "int8":  # exact int32 sums a tile
                 acc += tl.dot(x, tl.trans(w), out_dtype=tl.int32).to(tl.float32)
                 if SILU_GATED:
@@ -794,10 +795,17 @@ def fp8_row_scale(amax, input_scale_ptr, STATIC_INPUT: tl.constexpr):
 
 
 @triton.jit
+def fp8_inverse_scale(scale):
+    """``1 / scale`` in float32 with IEEE rounding: what FP8 quantization multiplies by."""
+    return tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+
+
+@triton.jit
 def to_fp8(x, scale):
-    """float32 ``x`` divided by ``scale`` with IEEE rounding, clamped to +-448, rounded to
-    float8_e4m3fn: ``quantization.fp8.quantize_rows``' values."""
-    return tl.clamp(tl.math.div_rn(x, tl.zeros_like(x) + scale), -448.0, 448.0).to(tl.float8e4nv)
+    """float32 ``x`` times ``scale``'s IEEE reciprocal (``fp8_inverse_scale``), clamped to
+    +-448, rounded to float8_e4m3fn: ``quantization.fp8.quantize_rows``' values. One
+    division a scale, not one an element."""
+    return tl.clamp(x * fp8_inverse_scale(scale), -448.0, 448.0).to(tl.float8e4nv)
 
 
 @triton.jit

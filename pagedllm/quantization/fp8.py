@@ -7,8 +7,12 @@ inside the decoder layers, qkv, o, gate/up and down; the embedding, the LM head 
 norms stay in the model's dtype). The product is::
 
     y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n]  (+ bias[n])
-    xq = round_e4m3(clamp(x / x_scale, -448, 448))
+    xq = round_e4m3(clamp(x * (1 / x_scale), -448, 448))
     x_scale[t] = max_k |x[t, k]| / 448  (dynamic)  or  input_scale  (static)
+
+(``1 / x_scale`` rounded to float32 once a row, then one product an element, as vLLM's
+quantization kernels scale: a division an element cost the fused kernels a quarter of
+their instructions.)
 
 On CUDA devices of compute capability 8.9 or higher the product runs on the FP8 tensor
 cores (``torch._scaled_mm`` with row-wise scales, float32 results; on Hopper a
@@ -112,7 +116,7 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None
         scale = scale.clamp_(min=_MIN_SCALE)
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
-    quantized = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    quantized = (x.float() * scale.reciprocal()).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized, scale
 
 
@@ -264,7 +268,7 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     groups = -(-columns // group)
     padded = F.pad(x.float(), (0, groups * group - columns)).view(rows, groups, group)
     scale = divide_exactly(padded.abs().amax(dim=-1), FP8_MAX).clamp_(min=_MIN_SCALE)
-    quantized = (padded / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    quantized = (padded * scale[..., None].reciprocal()).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized.view(rows, groups * group)[:, :columns].contiguous(), scale
 
 
