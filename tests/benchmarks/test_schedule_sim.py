@@ -38,3 +38,21 @@ def test_the_command_prints_a_row_per_shape_and_policy_and_refuses_a_bad_shape()
     refused = subprocess.run([sys.executable, str(SCRIPTS / "schedule_sim.py"), "--shapes",
                               "16x4"], capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "IN/OUTxREQUESTS" in refused.stderr
+
+
+def test_swap_moves_the_preempted_tokens_instead_of_computing_them_again():
+    """The ``swap`` policy preempts as the engine does, but the tokens a preemption drops
+    come back as copies: the prompt tokens computed are the prompts alone, and the copies
+    cost their bytes each way at the copy rate."""
+    shape = dict(prompt_len=32, output_len=64, num_requests=12, kv_tokens=640,
+                 max_num_seqs=8, max_num_batched_tokens=256)
+    engine = schedule_sim.simulate(**shape)
+    swap = schedule_sim.simulate(**shape, policy="swap", kv_bytes_per_token=1_000_000,
+                                 swap_gb_s=1.0)
+    assert swap["preemptions"] == engine["preemptions"] > 0
+    # Each resumed request computes at most the one token it had sampled last.
+    assert 12 * 32 <= swap["prompt_tokens_computed"] <= 12 * 32 + swap["preemptions"]
+    moved = engine["prompt_tokens_computed"] - swap["prompt_tokens_computed"]
+    assert moved > 0
+    # 1 ms a token each way: out when preempted (every computed token), back when resumed.
+    assert swap["swap_s"] >= round(2 * moved * 1e-3, 1) - 0.05
