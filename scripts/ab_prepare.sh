@@ -19,5 +19,6 @@ for rev in "$@"; do
     mkdir -p "$dir"
     git archive "$rev" -- pagedllm ':(exclude)pagedllm/model_files' | tar -x -C "$dir"
     ln -s ../../../pagedllm/model_files "$dir/pagedllm/model_files"  # today's demo files
+    git rev-parse --short "$rev" >"$dir/REVISION"  # the commit its records name
     echo "$dir: pagedllm at $(git rev-parse --short "$rev")"
 done

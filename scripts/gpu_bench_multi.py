@@ -37,7 +37,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench_report import _commit, _gpu  # noqa: E402 - the report's helpers, one place
+from gpu_bench_report import _gpu  # noqa: E402 - the report's helpers, one place
+
+from pagedllm.benchmarks.common import git_commit  # noqa: E402
 
 NAME = re.compile(r"^(?P<kind>greedy|correct|w1|lat)-(?P<model>.+)-(?P<variant>[a-z0-9]+)"
                   r"-tp(?P<tp>\d+)-pp(?P<pp>\d+)\.json$")
@@ -234,7 +236,7 @@ def report(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     dry = args.dry == "1"
     meta = {"gpu": _gpu() + (" (dry run)" if dry else ""), "gpus_on_machine": args.gpus,
-            "commit": _commit(), "date": args.date}
+            "commit": git_commit(), "date": args.date}
     records = collect(args.dir, args.big, dry, meta)
     name = f"{args.date}-{'dry' if dry else 'h200'}x{args.gpus}.json"
     (args.dir / name).write_text(json.dumps(records, indent=2) + "\n")

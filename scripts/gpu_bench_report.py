@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedllm.benchmarks.common import git_commit  # noqa: E402
 
 # Targets on the H200 (BENCHMARKS.md): (field, direction, value).
 TARGETS = {
@@ -40,14 +42,6 @@ def _load(path: Path) -> list[dict] | None:
     return data if isinstance(data, list) else [data]
 
 
-def _commit() -> str | None:
-    if os.environ.get("PAGEDLLM_COMMIT"):
-        return os.environ["PAGEDLLM_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _gpu() -> str:
@@ -243,7 +237,7 @@ def main() -> int:
     parser.add_argument("--hf-prompts", type=int, default=None)
     args = parser.parse_args()
     dry = args.dry == "1"
-    meta = {"gpu": _gpu() + (" (dry run)" if dry else ""), "commit": _commit(), "date": args.date}
+    meta = {"gpu": _gpu() + (" (dry run)" if dry else ""), "commit": git_commit(), "date": args.date}
 
     records = [_throughput(_load(args.dir / f"w1-{args.big}.json"), "W1", args.big, meta,
                            args.hf_prompts)]

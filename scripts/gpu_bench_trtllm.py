@@ -26,7 +26,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench_report import _commit, _gpu, dispatch, print_steps  # noqa: E402 - one place
+from gpu_bench_report import _gpu, dispatch, print_steps  # noqa: E402 - one place
+
+from pagedllm.benchmarks.common import git_commit  # noqa: E402
 
 # TensorRT-LLM's performance overview, PyTorch backend, Llama-3.1-8B FP8 at TP1, max
 # throughput: shape (prompt/output tokens) -> (requests, output tokens per second) on one
@@ -163,7 +165,7 @@ def report(argv: list[str]) -> int:
     gpu = "cpu (dry run)" if dry else _gpu()
     reference, trt_tok_s = reference_table(args.reference, gpu)
     meta = {"model": "pagedllm-demo" if dry else "llama-3.1-8b", "gpu": gpu,
-            "commit": _commit(), "date": args.date, "engine_flags": args.engine_flags,
+            "commit": git_commit(), "date": args.date, "engine_flags": args.engine_flags,
             "trtllm_gpu": reference.upper()}
     records = collect(args.dir, dtypes, args.scale, dry, meta, trt_tok_s)
     for record in records:

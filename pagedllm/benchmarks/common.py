@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import random
 import subprocess
 import sys
@@ -76,14 +77,35 @@ def reported_seconds(seconds: float) -> float:
     return float(f"{seconds:.6g}")
 
 
+COMMIT_ENV = "PAGEDLLM_COMMIT"
+# Beside an extracted package (scripts/ab_prepare.sh): the revision it was extracted from.
+REVISION_FILE = "REVISION"
+
+
 def git_commit() -> str | None:
+    """The commit a record names: ``PAGEDLLM_COMMIT`` when set; the revision a package
+    extracted by ``scripts/ab_prepare.sh`` came from; else the checkout's short ``HEAD``,
+    with ``-dirty`` when tracked files differ from it (the record then ran code no commit
+    holds). None outside a checkout, and for a package in an ignored folder without its
+    revision file."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+    package = Path(__file__).resolve().parents[1]
+    revision = package.parent / REVISION_FILE
+    if revision.is_file():
+        return revision.read_text().strip() or None
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=package)
+
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-            cwd=Path(__file__).parent, check=True,
-        ).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode or not head.stdout.strip() or git("check-ignore", "-q", ".").returncode == 0:
+            return None
+        dirty = git("diff", "--quiet", "HEAD", "--").returncode == 1
+    except OSError:
         return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def result_record(**fields) -> dict:
