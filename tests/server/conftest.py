@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -56,10 +57,13 @@ class RemoteServer:
     """A server subprocess; its combined output goes to ``log_path``."""
 
     def __init__(self, model_dir: Path | None, log_path: Path, *extra_args: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         """``model_dir`` None: ``pagedllm serve`` as ``make serve`` runs it (the bundled
-        demo model, its own name and limits), on this server's port."""
+        demo model, its own name and limits), on this server's port. ``tls``: the server
+        speaks HTTPS (its flags among ``extra_args``), reached with this client context."""
         self.port = free_port()
+        self.tls = tls
         self.log_path = log_path
         self._log = open(log_path, "wb")
         command = serve_command(model_dir, self.port, *extra_args) if model_dir is not None else [
@@ -73,7 +77,7 @@ class RemoteServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def api_url(self) -> str:
@@ -88,7 +92,8 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"The server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0,
+                             verify=self.tls or True).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -140,10 +145,12 @@ def server_model_dir(tmp_path_factory) -> Path:
 
 
 @contextlib.contextmanager
-def started_server(model_dir: Path, tmp_path_factory, name: str, *flags: str):
+def started_server(model_dir: Path, tmp_path_factory, name: str, *flags: str,
+                   tls: ssl.SSLContext | None = None):
     """A ``RemoteServer`` with extra ``flags``, its log in a fresh ``name`` folder; stopped
     on exit."""
-    remote = RemoteServer(model_dir, tmp_path_factory.mktemp(name) / "server.log", *flags)
+    remote = RemoteServer(model_dir, tmp_path_factory.mktemp(name) / "server.log", *flags,
+                          tls=tls)
     try:
         yield remote
     finally:

@@ -414,7 +414,7 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"error: the engine could not start: {exc}", file=sys.stderr)
         return 1
     info = engine.info
-    url = display_url(args.host, args.port)
+    url = display_url(args.host, args.port, https=bool(args.ssl_certfile))
     logger.info(
         "pagedllm %s serving %s at %sv1 (model %s, %s on %s); KV cache (%s): %d blocks x %d "
         "tokens = %d tokens; max concurrency at max_model_len=%d: %.2fx%s%s",
@@ -484,6 +484,8 @@ async def _serve_app(args: argparse.Namespace, config, engine: AsyncEngine,
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
     ))
 
     exit_code = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 
 from pagedllm.engine.arg_utils import EngineArgs
 
@@ -17,8 +18,6 @@ API_KEY_ENV = "PAGEDLLM_API_KEY"
 # dest -> why it is refused.
 _REFUSED_SERVER_FLAGS = {
     "lora_modules": "LoRA adapters are not implemented yet",
-    "ssl_keyfile": "TLS is not built in: terminate TLS in a reverse proxy or ingress",
-    "ssl_certfile": "TLS is not built in: terminate TLS in a reverse proxy or ingress",
 }
 
 
@@ -123,10 +122,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--guided-decoding-backend", default=None,
                        help="The structured-output backend: llguidance (also 'auto', "
                             "'guidance'; default: llguidance).")
+    group.add_argument("--ssl-keyfile", default=None,
+                       help="Serve HTTPS: the private key file (PEM); with --ssl-certfile.")
+    group.add_argument("--ssl-certfile", default=None,
+                       help="Serve HTTPS: the certificate chain file (PEM); with --ssl-keyfile.")
+    group.add_argument("--ssl-ca-certs", default=None,
+                       help="The CA certificates (PEM) that client certificates are checked "
+                            "against (with --ssl-cert-reqs 1 or 2).")
+    group.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                       help="Client certificates: 0 not asked for (default), 1 checked when "
+                            "sent, 2 required (mutual TLS), as Python's ssl.CERT_* values.")
     # Accepted so the refusal message is clear rather than argparse's "unrecognized".
     group.add_argument("--lora-modules", nargs="+", default=None, help=argparse.SUPPRESS)
-    group.add_argument("--ssl-keyfile", default=None, help=argparse.SUPPRESS)
-    group.add_argument("--ssl-certfile", default=None, help=argparse.SUPPRESS)
 
 
 def _json_strings(text: str, flag: str) -> list[str]:
@@ -140,12 +147,51 @@ def _json_strings(text: str, flag: str) -> list[str]:
     return value
 
 
+def _check_tls_args(args: argparse.Namespace) -> None:
+    """HTTPS needs a key and its certificate; client certificates need the CAs to check
+    them against; every file must be readable now, not at the first connection."""
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        given, missing = (("--ssl-keyfile", "--ssl-certfile") if args.ssl_keyfile
+                          else ("--ssl-certfile", "--ssl-keyfile"))
+        raise ValueError(f"{given} needs {missing} too: HTTPS takes a private key and its "
+                         f"certificate.")
+    if args.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+        raise ValueError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 (required), got "
+                         f"{args.ssl_cert_reqs}.")
+    if not args.ssl_certfile and (args.ssl_ca_certs or args.ssl_cert_reqs != ssl.CERT_NONE):
+        raise ValueError("--ssl-ca-certs and --ssl-cert-reqs take effect with HTTPS: add "
+                         "--ssl-keyfile and --ssl-certfile.")
+    if args.ssl_cert_reqs != ssl.CERT_NONE and not args.ssl_ca_certs:
+        raise ValueError("--ssl-cert-reqs 1 or 2 checks client certificates against "
+                         "--ssl-ca-certs: add it.")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path and not os.access(path, os.R_OK):
+            raise ValueError(f"{flag} {path}: no such readable file.")
+    if args.ssl_certfile:  # as the server will load them, before the model loads
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=_no_password)
+            if args.ssl_ca_certs:
+                context.load_verify_locations(args.ssl_ca_certs)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"--ssl-keyfile / --ssl-certfile / --ssl-ca-certs: the files do "
+                             f"not load as a PEM key, its certificate and CA certificates "
+                             f"({exc}).") from None
+
+
+def _no_password() -> str:
+    """An encrypted key would make OpenSSL prompt on the terminal: refuse it instead."""
+    raise ValueError("--ssl-keyfile is encrypted: give a key file without a passphrase.")
+
+
 def validate_serve_args(args: argparse.Namespace) -> None:
     """Resolve the positional model and refuse what is not implemented (ValueError)."""
     for dest, reason in _REFUSED_SERVER_FLAGS.items():
         if getattr(args, dest, None):
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag} is not supported: {reason}. Remove {flag}.")
+    _check_tls_args(args)
     for dest in ("allowed_origins", "allowed_methods", "allowed_headers"):
         value = getattr(args, dest)
         if isinstance(value, str):

@@ -26,13 +26,13 @@ PAGE = "static/playground.html"
 _CONFIG_PLACEHOLDER = "/*SERVER_CONFIG*/{}"
 
 
-def display_url(host: str, port: int) -> str:
+def display_url(host: str, port: int, https: bool = False) -> str:
     """The URL a browser on this machine opens: a wildcard host reads as localhost."""
     if host in ("", "0.0.0.0", "::"):
         host = "localhost"
     elif ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}/"
+    return f"{'https' if https else 'http'}://{host}:{port}/"
 
 
 def render_page(settings: dict) -> bytes:
