@@ -24,9 +24,13 @@ from pagedllm.config import (
 
 # Options users of vLLM-class engines pass that this engine does not implement yet:
 # name -> the value that means "off" (accepted), anything else is refused.
+# vLLM's engine arguments pagedllm refuses unless they are off: name -> (off value, what to
+# do instead, or "").
 _NOT_YET_SUPPORTED = {
-    "enable_lora": False,
-    "cpu_offload_gb": 0,
+    "enable_lora": (False, ""),
+    "cpu_offload_gb": (0, ""),
+    "swap_space": (0, "a preempted request is computed again from its tokens, never swapped"),
+    "download_dir": (None, "set HF_HUB_CACHE=DIR to keep downloaded models in DIR"),
 }
 # Speculative-decoding fields of EngineArgs -> their keys in --speculative-config.
 _SPECULATIVE_FLAGS = {
@@ -125,11 +129,14 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     ray_address: str | None = None
+    # vLLM's permission to run a model repository's own Python code. pagedllm runs none:
+    # every architecture it serves is its own code, so the permission changes nothing.
+    trust_remote_code: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
         known = {f.name for f in fields(cls)}
-        for name, off in _NOT_YET_SUPPORTED.items():
+        for name, (off, instead) in _NOT_YET_SUPPORTED.items():
             if name in kwargs:
                 value = kwargs.pop(name)
                 if value != off:
@@ -137,7 +144,8 @@ class EngineArgs:
                     given = flag if isinstance(value, bool) else f"{flag} {value}"
                     raise ValueError(
                         f"{given} ({name}={value!r}) is not supported by pagedllm yet: drop "
-                        f"{flag} (the {name} keyword in Python)."
+                        f"{flag} (the {name} keyword in Python)"
+                        + (f"; {instead}." if instead else ".")
                     )
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -328,8 +336,15 @@ class EngineArgs:
         parallel.add_argument("--ray-address", default=None,
                               help="The Ray cluster's address (default: $RAY_ADDRESS, else the "
                                    "cluster running on this machine, else a new local one).")
+        group.add_argument("--trust-remote-code", action="store_true", default=False,
+                           help="Accepted as vLLM takes it: pagedllm runs no code from a model "
+                                "repository (every architecture it serves is its own), so it "
+                                "changes nothing.")
+        # Accepted so the refusal message is clear rather than argparse's "unrecognized".
         group.add_argument("--enable-lora", action="store_true", default=False, help=argparse.SUPPRESS)
         group.add_argument("--cpu-offload-gb", type=float, default=0, help=argparse.SUPPRESS)
+        group.add_argument("--swap-space", type=float, default=0, help=argparse.SUPPRESS)
+        group.add_argument("--download-dir", default=None, help=argparse.SUPPRESS)
 
         spec = parser.add_argument_group("speculative decoding")
         spec.add_argument("--speculative-model", default=None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 
 
 def test_cuda_with_a_cpu_only_torch_is_refused_before_loading(monkeypatch):
@@ -37,6 +37,31 @@ def test_unsupported_option_names_the_flag_to_drop_and_the_keyword():
         "bitsandbytes, or drop --quantization (the quantization keyword in Python).")
     with pytest.raises(ValueError, match=r"^--enable-lora \(enable_lora=True\) is not supported"):
         LLM(enable_lora=True)
+
+
+@pytest.mark.parametrize("keyword, value, instead", [
+    ("swap_space", 4, "computed again from its tokens, never swapped"),
+    ("download_dir", "/models", "set HF_HUB_CACHE=DIR"),
+])
+def test_vllm_arguments_without_an_effect_here_are_refused_with_what_to_do(keyword, value,
+                                                                           instead):
+    """vLLM's --swap-space and --download-dir, as command lines copied from it pass them:
+    refused with the flag, the keyword and the way pagedllm does it, unless off."""
+    with pytest.raises(ValueError) as info:
+        LLM(**{keyword: value})
+    flag = "--" + keyword.replace("_", "-")
+    assert str(info.value).startswith(f"{flag} {value} ({keyword}={value!r}) is not supported")
+    assert instead in str(info.value)
+
+
+def test_trust_remote_code_is_accepted_and_changes_nothing(tiny_model_dir):
+    """vLLM's permission to run a repository's own code: pagedllm runs none, so the same
+    model gives the same tokens with it."""
+    prompt = {"prompt_token_ids": [1, 2, 3]}
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    outputs = [LLM(str(tiny_model_dir), device="cpu", trust_remote_code=trust).generate(
+        prompt, params, use_tqdm=False)[0].outputs[0].token_ids for trust in (False, True)]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 6
 
 
 def test_hf_overrides_change_the_config_before_anything_reads_it(tiny_model_dir):

@@ -61,6 +61,14 @@ def test_serve_flags_are_checked_with_clear_messages(flags, expected):
         validate_serve_args(parse(*flags))
 
 
+def test_vllm_flags_that_change_nothing_here_are_accepted():
+    """Command lines copied from vLLM: --trust-remote-code (pagedllm runs no repository
+    code) and --disable-log-requests (no request is logged) start the same server."""
+    args = parse("--trust-remote-code", "--disable-log-requests")
+    validate_serve_args(args)
+    assert args.trust_remote_code and args.disable_log_requests
+
+
 def test_positional_model_and_api_key_from_environment(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_API_KEY", "from-env")
     args = parse("some/model")

@@ -122,6 +122,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--guided-decoding-backend", default=None,
                        help="The structured-output backend: llguidance (also 'auto', "
                             "'guidance'; default: llguidance).")
+    group.add_argument("--disable-log-requests", action="store_true", default=False,
+                       help="Accepted as vLLM takes it: the server logs no request's "
+                            "prompt or parameters in any case.")
     group.add_argument("--ssl-keyfile", default=None,
                        help="Serve HTTPS: the private key file (PEM); with --ssl-certfile.")
     group.add_argument("--ssl-certfile", default=None,
