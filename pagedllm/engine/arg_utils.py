@@ -22,10 +22,8 @@ from pagedllm.config import (
     SpeculativeConfig,
 )
 
-# Options users of vLLM-class engines pass that this engine does not implement yet:
-# name -> the value that means "off" (accepted), anything else is refused.
-# vLLM's engine arguments pagedllm refuses unless they are off: name -> (off value, what to
-# do instead, or "").
+# vLLM's engine arguments this engine does not implement: name -> (the value that means
+# "off", accepted; what to do instead, or ""). Any other value is refused.
 _NOT_YET_SUPPORTED = {
     "enable_lora": (False, ""),
     "cpu_offload_gb": (0, ""),

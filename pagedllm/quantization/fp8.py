@@ -15,7 +15,7 @@ quantization kernels scale: a division an element cost the fused kernels a quart
 their instructions.)
 
 On CUDA devices of compute capability 8.9 or higher the product runs on the FP8 tensor
-cores (``torch._scaled_mm`` with row-wise scales, float32 results; on Hopper a
+cores (``torch._scaled_mm`` with row-wise scales; on Hopper a
 wide product of 129-224 rows is padded with zero rows to 256, ``cublas_rows``, and decode
 batches' narrow products take ``layers.fp8_matmul``'s split-K GEMM instead,
 ``split_k_product``). Elsewhere the same quantized operands are dequantized and multiplied
