@@ -331,6 +331,9 @@ class CacheConfig:
     # "auto": K/V in the model's dtype; "fp8": float8_e4m3fn, each layer's K and V divided
     # by its k_scale / v_scale on write and multiplied back on read (layers/attention).
     cache_dtype: str = "auto"
+    # GiB of host memory a preempted request's KV is swapped out to (per GPU); 0: a
+    # preempted request is computed again.
+    swap_space_gb: float = 0.0
 
     def __post_init__(self) -> None:
         self.cache_dtype = normalize_kv_cache_dtype(self.cache_dtype)
@@ -344,6 +347,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}.")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space_gb}.")
 
 
 @dataclass

@@ -18,9 +18,11 @@ Names follow vLLM's, with a ``model_name`` label on all of them::
                                                       until the engine is ready
     pagedllm:prefix_cache_queries_total      counter  prompt tokens looked up in the prefix cache
     pagedllm:prefix_cache_hits_total         counter  of those, tokens found
-    pagedllm:num_preemptions_total           counter  preemptions (recompute)
+    pagedllm:num_preemptions_total           counter  preemptions (recompute or swap)
     pagedllm:num_preempted_tokens_total      counter  computed tokens those preemptions dropped
                                                       (computed again when the requests resume)
+    pagedllm:num_swapped_tokens_total        counter  computed tokens they swapped out to host
+                                                      memory instead (--swap-space)
     pagedllm:num_requests_rejected_total     counter  requests refused with a 503 because the
                                                       waiting queue was full (--max-num-waiting)
     pagedllm:api_server_requests             gauge    user requests the API processes hold any
@@ -155,11 +157,15 @@ class _SchedulerCollector:
                       stats.prefix_cache_queries if stats else 0)
         yield counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       stats.prefix_cache_hits if stats else 0)
-        yield counter("pagedllm:num_preemptions", "Requests preempted (to be recomputed).",
+        yield counter("pagedllm:num_preemptions",
+                      "Requests preempted (recomputed, or swapped out to host memory).",
                       stats.num_preemptions if stats else 0)
         yield counter("pagedllm:num_preempted_tokens",
                       "Computed tokens preemptions dropped (computed again on resuming).",
                       stats.num_preempted_tokens if stats else 0)
+        yield counter("pagedllm:num_swapped_tokens",
+                      "Computed tokens preemptions swapped out to host memory (copied back "
+                      "on resuming).", stats.num_swapped_tokens if stats else 0)
         spec = stats.spec_decoding if stats else None
         if spec is not None:
             yield counter("pagedllm:spec_decode_num_drafts",

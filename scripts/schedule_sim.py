@@ -24,12 +24,12 @@ measured; docs/benchmarks.md). Policies:
 - ``full``: the same with the ratio held at 1: every request's whole ``max_tokens`` is
   reserved, so nothing is ever preempted (TensorRT-LLM's default, "guaranteed no evict").
 - ``swap``: the engine's admission and preemption, but a preempted request's cache goes
-  to host memory and comes back instead of being computed again (vLLM v0's swap mode,
-  not built): the tokens it had computed are charged ``--kv-bytes-per-token`` each way at
-  ``--swap-gb-s``, when it is preempted and when they are scheduled again, in place of
-  ``PROMPT_US`` a token; copies are not overlapped with the steps, and host memory is not
-  bounded. A first-order estimate: the re-admitted tokens still pass through the
-  scheduler's token budget as a recomputation would.
+  to host memory and comes back instead of being computed again (the engine's
+  ``--swap-space``, modelled here without its bound on host memory): the tokens it had
+  computed are charged ``--kv-bytes-per-token`` each way at ``--swap-gb-s``, when it is
+  preempted and when they are scheduled again, in place of ``PROMPT_US`` a token; copies
+  are not overlapped with the steps. A first-order estimate: the re-admitted tokens still
+  pass through the scheduler's token budget as a recomputation would.
 
 Prints, per shape and policy: simulated seconds, output tok/s, steps, prompt tokens
 computed (recomputation included), preemptions, and the median time to first token.

@@ -442,9 +442,11 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         "truncated": False,
         "kv_cache_dtype": core.kv_cache_dtype,
         "kv_cache_tokens": core.num_kv_tokens,
-        # Preemptions drop computed tokens, which are computed again when the request resumes.
+        # Preemptions drop computed tokens, which are computed again when the request
+        # resumes, or with --swap-space swap them out and back in.
         "preemptions": stats_after.num_preemptions - stats_before.num_preemptions,
         "preempted_tokens": stats_after.num_preempted_tokens - stats_before.num_preempted_tokens,
+        "swapped_tokens": stats_after.num_swapped_tokens - stats_before.num_swapped_tokens,
         **extra,
     }
 
@@ -590,6 +592,8 @@ def _row(r: dict) -> str:
     if r.get("preemptions"):
         note += (f"{'; ' if note else ''}{r['preemptions']} preemptions, "
                  f"{r['preempted_tokens']} computed tokens dropped (computed again)")
+        if r.get("swapped_tokens"):
+            note += f", {r['swapped_tokens']} swapped out and back"
     return (f"{r['backend']:>9} {r['num_prompts']:>9} {r['output_tokens']:>11} "
             f"{r['elapsed_s']:>10} {r['output_tok_s']:>13}  {note}")
 

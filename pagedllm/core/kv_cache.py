@@ -35,6 +35,7 @@ All counts are in blocks unless a name says tokens.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import pickle
 import sys
@@ -288,6 +289,46 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class HostBlockPool:
+    """Blocks of host memory that hold the KV of swapped-out requests, handed out as
+    contiguous runs so that one copy per layer moves a request's blocks either way.
+
+    Free runs are kept sorted by start and merged with their neighbours when freed."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}.")
+        self.num_blocks = num_blocks
+        self._free: list[tuple[int, int]] = [(0, num_blocks)]  # (start, length)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(length for _, length in self._free)
+
+    def allocate(self, count: int) -> int | None:
+        """The first block of ``count`` contiguous free blocks (the first run that fits),
+        now taken; None when no run is that long."""
+        for i, (start, length) in enumerate(self._free):
+            if length >= count:
+                if length == count:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + count, length - count)
+                return start
+        return None
+
+    def free(self, start: int, count: int) -> None:
+        """Give back the ``count`` blocks from ``start`` (taken by ``allocate``)."""
+        i = bisect.bisect(self._free, (start, count))
+        if i < len(self._free) and self._free[i][0] == start + count:  # joins the next run
+            count += self._free.pop(i)[1]
+        if i and sum(self._free[i - 1]) == start:  # joins the previous run
+            start, previous = self._free[i - 1]
+            self._free[i - 1] = (start, previous + count)
+        else:
+            self._free.insert(i, (start, count))
+
+
 class KVCacheManager:
     """Which blocks each running request holds, and the prefix cache over them.
 
@@ -298,6 +339,12 @@ class KVCacheManager:
     ``watermark`` (a fraction of the pool, default 0) is kept free when admitting a request
     that holds no blocks yet, so running requests have room to grow before preemption; it
     is waived when the pool is entirely free, so a lone request always gets in.
+
+    ``num_host_blocks`` (default 0: none) blocks of host memory take the KV of requests
+    swapped out at preemption (``swap_out``) until they are swapped back in (``swap_in``):
+    the manager names which blocks move where; the model runner copies them before the
+    step's forward pass, in order on the device, so a swapped-out request's GPU blocks may
+    be handed to others in the same step.
     """
 
     def __init__(
@@ -307,6 +354,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         max_model_len: int | None = None,
         watermark: float = 0.0,
+        num_host_blocks: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
@@ -325,6 +373,9 @@ class KVCacheManager:
         # request id -> how many of its leading blocks were handed to the prefix cache
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self.host_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
+        # swapped-out request id -> (first host block, blocks) holding its computed tokens
+        self._swapped: dict[str, tuple[int, int]] = {}
 
     # -- counts -------------------------------------------------------------------------
     @property
@@ -427,11 +478,59 @@ class KVCacheManager:
         return new_block_ids
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, last block first (evicted before its prefix)."""
+        """Release the request's blocks, last block first (evicted before its prefix), and
+        the host blocks it was swapped out to, if any."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+        swapped = self._swapped.pop(request.request_id, None)
+        if swapped is not None:
+            self.host_pool.free(*swapped)
+
+    # -- swapping -----------------------------------------------------------------------
+    def is_swapped_out(self, request: Request) -> bool:
+        return request.request_id in self._swapped
+
+    def swap_out(self, request: Request) -> tuple[int, list[int]] | None:
+        """Move the KV of the request's computed tokens to host blocks: returns ``(first
+        host block, GPU block ids)``, GPU block ``i`` going to host block ``first + i``, and
+        frees the GPU blocks; None, changing nothing, when the host has no free run that
+        long (or the request has nothing computed)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        count = cdiv(request.num_computed_tokens, self.block_size)
+        if self.host_pool is None or not blocks or count == 0:
+            return None
+        start = self.host_pool.allocate(count)
+        if start is None:
+            return None
+        block_ids = [block.block_id for block in blocks[:count]]
+        self.free(request)
+        self._swapped[request.request_id] = (start, count)
+        return start, block_ids
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> tuple[int, list[int]] | None:
+        """GPU blocks again for a swapped-out request's ``num_computed_tokens`` plus
+        ``num_new_tokens``: returns ``(first host block, GPU block ids)``, host block
+        ``first + i`` going to GPU block ``i`` (the request holds these and any blocks for
+        the new tokens after them), or None, changing nothing, when the GPU blocks do not
+        suffice. The host blocks stay taken until ``release_host``: the copy reads them when
+        the step runs."""
+        start, count = self._swapped[request.request_id]
+        computed = request.num_computed_tokens
+        request.num_computed_tokens = 0  # allocated as an admission of every token
+        try:
+            block_ids = self.allocate_slots(request, computed + num_new_tokens)
+        finally:
+            request.num_computed_tokens = computed
+        if block_ids is None:
+            return None
+        del self._swapped[request.request_id]
+        return start, block_ids[:count]
+
+    def release_host(self, start: int, count: int) -> None:
+        """Free host blocks a swap-in has read (its step has run)."""
+        self.host_pool.free(start, count)
 
     def _can_allocate(
         self, num_new_blocks: int, new_computed_blocks: Sequence[KVCacheBlock], admitting: bool

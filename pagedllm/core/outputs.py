@@ -23,7 +23,8 @@ LogprobsEntry = tuple[list[int], list[float], int]
 
 @dataclass
 class NewRequestData:
-    """A request the runner has not seen, or one resumed after preemption (recompute)."""
+    """A request the runner has not seen, or one resumed after preemption (recomputed, or
+    swapped back in: then its computed tokens' KV arrives by the step's copies)."""
 
     request_id: str
     token_ids: list[int]  # prompt + outputs so far
@@ -63,6 +64,12 @@ class SchedulerOutput:
     # Whether the step speculates (its requests may verify proposals and get new ones):
     # such a step is resolved before the next one is planned or launched.
     speculative: bool = False
+    # Swapping at preemption: (first host block, GPU block ids), GPU block i copied to
+    # host block first + i (out) or host block first + i to GPU block i (in). The runner
+    # copies them before the forward pass, out first: a block swapped out may be reused by
+    # this step.
+    blocks_to_swap_out: list[tuple[int, list[int]]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -153,4 +160,5 @@ class SchedulerStats:
     num_preemptions: int  # total
     num_waiting_for_grammar: int = 0  # of num_waiting: output constraints still compiling
     num_preempted_tokens: int = 0  # computed tokens preemptions dropped (computed again), total
+    num_swapped_tokens: int = 0  # computed tokens preemptions swapped out instead, total
     spec_decoding: SpecDecodingStats | None = None  # totals; None without speculation

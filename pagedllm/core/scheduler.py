@@ -10,7 +10,9 @@ step hands out a single budget of ``max_num_batched_tokens`` tokens::
        decodes are never starved by long prompts, which come later in the order. If the
        KV blocks run out, the most recently admitted running request is preempted
        (blocks freed, status PREEMPTED, back to the front of the waiting queue, recomputed
-       later) until the allocation fits, or the request was itself that victim.
+       later; or with host blocks, ``num_host_blocks``, its KV swapped out and copied back
+       when it is re-admitted, its computed tokens kept) until the allocation fits, or the
+       request was itself that victim.
     2. waiting requests, in policy order, unless step 1 preempted someone (memory is
        short), while ``max_num_seqs`` allows: prefix-cache lookup, then as many tokens as
        the budget allows. A request that does not fit (the budget without chunked prefill,
@@ -60,7 +62,9 @@ For the model runner: ``finished_req_ids`` holds the requests finished or aborte
 the last step, ``preempted_req_ids`` those preempted in this step. The runner forgets
 both; a preempted request comes back later as a ``NewRequestData`` with all its tokens
 (prompt + outputs), while per-request state that must survive (a seeded generator) is
-dropped only for finished ones.
+dropped only for finished ones. A swapped one comes back with its ``num_computed_tokens``
+as a prefix-cache hit would, the step's ``blocks_to_swap_in`` bringing their KV; the host
+blocks are freed once that step's output is back.
 """
 
 from __future__ import annotations
@@ -89,7 +93,8 @@ class _StepPlan:
     """What one ``schedule()`` call has decided so far."""
 
     __slots__ = ("token_budget", "num_scheduled_tokens", "new_reqs", "cached_reqs",
-                 "preempted_req_ids", "speculate", "num_lookahead", "spec_token_ids")
+                 "preempted_req_ids", "speculate", "num_lookahead", "spec_token_ids",
+                 "swap_out", "swap_in")
 
     def __init__(self, token_budget: int, speculate: bool = False, num_lookahead: int = 0) -> None:
         self.token_budget = token_budget
@@ -102,6 +107,9 @@ class _StepPlan:
         self.speculate = speculate
         self.num_lookahead = num_lookahead
         self.spec_token_ids: dict[str, list[int]] = {}
+        # (first host block, GPU block ids) the step's copies move, out and back in.
+        self.swap_out: list[tuple[int, list[int]]] = []
+        self.swap_in: list[tuple[int, list[int]]] = []
 
     def add_new(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
         self.new_reqs.append(NewRequestData(
@@ -127,7 +135,8 @@ class Scheduler:
 
     ``num_kv_blocks`` is the size of the KV cache the model runner allocated (with a draft
     model, each block holds the draft's K/V too). ``speculative_config``: None, or how
-    requests speculate (see the module docstring).
+    requests speculate (see the module docstring). ``num_host_blocks``: host blocks a
+    preempted request's KV is swapped out to (0: preemption recomputes).
     """
 
     def __init__(
@@ -136,6 +145,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_kv_blocks: int,
         speculative_config: SpeculativeConfig | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -152,6 +162,7 @@ class Scheduler:
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             max_model_len=scheduler_config.max_model_len,
+            num_host_blocks=num_host_blocks,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(scheduler_config.policy)
@@ -164,6 +175,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         # Computed tokens whose KV the preemptions dropped (to be computed again), total.
         self.num_preempted_tokens_total = 0
+        # Computed tokens whose KV the preemptions moved to host memory instead, total.
+        self.num_swapped_tokens_total = 0
         spec = speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
@@ -335,6 +348,10 @@ class Scheduler:
             request = waiting.peek()
             if request.num_output_placeholders:
                 return  # preempted while a step samples for it: re-admit once that is back
+            if kv.is_swapped_out(request):
+                if not self._swap_in(request, plan):
+                    return
+                continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_tokens = self._num_tokens_to_schedule(
                 request.num_tokens - num_hit_tokens, plan.token_budget)
@@ -360,6 +377,24 @@ class Scheduler:
             waiting.pop()
             self._admit(request, num_hit_tokens)
             plan.add_new(request, num_tokens, kv.get_block_ids(request.request_id))
+
+    def _swap_in(self, request: Request, plan: _StepPlan) -> bool:
+        """Admit a swapped-out request with its computed tokens as they were (their KV
+        copied back before the step's forward pass), computing the rest; False when the
+        step's budget or the free blocks do not reach."""
+        kv = self.kv_cache_manager
+        num_tokens = self._num_tokens_to_schedule(
+            request.num_tokens - request.num_computed_tokens, plan.token_budget)
+        if num_tokens == 0:
+            return False
+        swapped = kv.swap_in(request, num_tokens)
+        if swapped is None:
+            return False
+        self.waiting.pop()
+        self._admit(request, request.num_computed_tokens)
+        plan.swap_in.append(swapped)
+        plan.add_new(request, num_tokens, kv.get_block_ids(request.request_id))
+        return True
 
     def _queue_compiled_requests(self) -> None:
         """Move requests whose constraint has compiled to the waiting queue; one whose
@@ -432,12 +467,21 @@ class Scheduler:
                 return new_block_ids
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
-        self.kv_cache_manager.free(request)
+        """Take the request's blocks: its KV swapped out to host blocks where there is room
+        (it keeps its computed tokens), else dropped (they are computed again). A request
+        with prompt logprobs always recomputes (as it skips prefix-cache hits)."""
+        swapped = (self.kv_cache_manager.swap_out(request)
+                   if request.use_prefix_cache else None)
+        if swapped is not None:
+            plan.swap_out.append(swapped)
+            self.num_swapped_tokens_total += request.num_computed_tokens
+        else:
+            self.kv_cache_manager.free(request)
+            self.num_preempted_tokens_total += request.num_computed_tokens
+            request.num_computed_tokens = 0
         request.spec_token_ids = []
         plan.spec_token_ids.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
-        self.num_preempted_tokens_total += request.num_computed_tokens
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.prepend(request)
@@ -465,6 +509,8 @@ class Scheduler:
             spec_token_ids=plan.spec_token_ids,
             num_lookahead_tokens=plan.num_lookahead,
             speculative=plan.speculate,
+            blocks_to_swap_out=plan.swap_out,
+            blocks_to_swap_in=plan.swap_in,
         )
 
     # -- after the forward pass ---------------------------------------------------------
@@ -480,6 +526,8 @@ class Scheduler:
         step may have been planned before the previous one's output stopped the request:
         its extra token is dropped). A request preempted since keeps its token.
         """
+        for start, block_ids in scheduler_output.blocks_to_swap_in:  # read: the step ran
+            self.kv_cache_manager.release_host(start, len(block_ids))
         runner = model_runner_output
         requests = self.requests
         all_logprobs = runner.logprobs

@@ -27,7 +27,6 @@ from pagedllm.config import (
 _NOT_YET_SUPPORTED = {
     "enable_lora": (False, ""),
     "cpu_offload_gb": (0, ""),
-    "swap_space": (0, "a preempted request is computed again from its tokens, never swapped"),
     "download_dir": (None, "set HF_HUB_CACHE=DIR to keep downloaded models in DIR"),
 }
 # Speculative-decoding fields of EngineArgs -> their keys in --speculative-config.
@@ -127,6 +126,9 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     ray_address: str | None = None
+    # GiB of host memory per GPU that preempted requests' KV is swapped out to (vLLM v0's
+    # --swap-space); 0: preemption recomputes.
+    swap_space: float = 0.0
     # vLLM's permission to run a model repository's own Python code. pagedllm runs none:
     # every architecture it serves is its own code, so the permission changes nothing.
     trust_remote_code: bool = False
@@ -168,10 +170,17 @@ class EngineArgs:
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_gb=self.kv_cache_memory_gb, num_kv_blocks=self.num_kv_blocks,
-            cache_dtype=self.kv_cache_dtype,
+            cache_dtype=self.kv_cache_dtype, swap_space_gb=self.swap_space,
         )
         device = self.device or EngineConfig.default_device()
         speculative_config = self._speculative_config()
+        if self.swap_space and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
+                                or (speculative_config is not None
+                                    and speculative_config.method == "draft_model")):
+            raise ValueError(
+                f"--swap-space {self.swap_space} works with one GPU and without a draft model "
+                "for now: drop --swap-space (preempted requests are then computed again), or "
+                "the parallelism or the draft model.")
         max_num_seqs = self.max_num_seqs
         if max_num_seqs is None:
             max_num_seqs = CUDA_MAX_NUM_SEQS if device == "cuda" else SchedulerConfig.max_num_seqs
@@ -334,6 +343,10 @@ class EngineArgs:
         parallel.add_argument("--ray-address", default=None,
                               help="The Ray cluster's address (default: $RAY_ADDRESS, else the "
                                    "cluster running on this machine, else a new local one).")
+        group.add_argument("--swap-space", type=float, default=0.0,
+                           help="GiB of host memory (per GPU) that preempted requests' KV is "
+                                "swapped out to and copied back from, instead of being "
+                                "computed again; pinned at start-up. 0: recompute.")
         group.add_argument("--trust-remote-code", action="store_true", default=False,
                            help="Accepted as vLLM takes it: pagedllm runs no code from a model "
                                 "repository (every architecture it serves is its own), so it "
@@ -341,7 +354,6 @@ class EngineArgs:
         # Accepted so the refusal message is clear rather than argparse's "unrecognized".
         group.add_argument("--enable-lora", action="store_true", default=False, help=argparse.SUPPRESS)
         group.add_argument("--cpu-offload-gb", type=float, default=0, help=argparse.SUPPRESS)
-        group.add_argument("--swap-space", type=float, default=0, help=argparse.SUPPRESS)
         group.add_argument("--download-dir", default=None, help=argparse.SUPPRESS)
 
         spec = parser.add_argument_group("speculative decoding")

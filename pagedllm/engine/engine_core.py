@@ -73,8 +73,11 @@ class EngineCore:
             self._finalizer = weakref.finalize(self, self.model_runner.shutdown)
         self.num_kv_blocks = self.model_runner.initialize_kv_cache()
         spec = config.speculative_config
+        # Swapping runs on one GPU (EngineArgs refuses it with parallel ranks).
+        num_host_blocks = (self.model_runner.num_host_blocks
+                           if config.cache_config.swap_space_gb else 0)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks,
-                                   spec)
+                                   spec, num_host_blocks=num_host_blocks)
         self.ngram: NgramProposer | None = None
         if spec is not None and spec.method == "ngram":
             self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
@@ -161,6 +164,7 @@ class EngineCore:
             prefix_cache_hits=prefix.hits,
             num_preemptions=scheduler.num_preemptions_total,
             num_preempted_tokens=scheduler.num_preempted_tokens_total,
+            num_swapped_tokens=scheduler.num_swapped_tokens_total,
             num_waiting_for_grammar=scheduler.num_waiting_for_grammar,
             spec_decoding=(None if scheduler.spec_decoding_stats is None
                            else scheduler.spec_decoding_stats.copy()),

@@ -268,6 +268,25 @@ def determine_num_blocks(
     return num_blocks
 
 
+def host_blocks(swap_space_gb: float, per_block: int) -> int:
+    """Blocks of ``per_block`` bytes that ``swap_space_gb`` GiB of host memory hold."""
+    return int(swap_space_gb * _GIB) // per_block
+
+
+def allocate_host_kv_caches(kv_caches: list[torch.Tensor], num_blocks: int,
+                            pin: bool) -> list[torch.Tensor]:
+    """Host memory for ``num_blocks`` swapped-out blocks of every layer: one
+    ``[num_blocks, 2, block_size, num_kv_heads, head_dim * element_size]`` uint8 tensor a
+    layer, a block's key and value bytes side by side (``kv_caches``' layout, the block
+    first), so that a request's run of host blocks is one contiguous copy a layer; pinned
+    (``pin``) for copies that do not wait for the device."""
+    import torch
+
+    return [torch.empty((num_blocks, *layer.shape[:1], *layer.shape[2:-1],
+                         layer.shape[-1] * layer.element_size()), dtype=torch.uint8,
+                        pin_memory=pin) for layer in kv_caches]
+
+
 def allocate_kv_caches(
     config: EngineConfig, num_blocks: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:

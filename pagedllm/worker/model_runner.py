@@ -110,7 +110,13 @@ from pagedllm.worker.cuda_graphs import (
 from pagedllm.worker.device_inputs import DeviceInputBuffers
 from pagedllm.worker.draft_model import MAX_CATCH_UP_TOKENS, DraftModel
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
-from pagedllm.worker.kv_allocator import allocate_kv_caches, determine_num_blocks
+from pagedllm.worker.kv_allocator import (
+    allocate_host_kv_caches,
+    allocate_kv_caches,
+    bytes_per_block,
+    determine_num_blocks,
+    host_blocks,
+)
 from pagedllm.worker.verification import verify_proposals
 from pagedllm.worker.warmup import warm_up_kernels, warm_up_layouts
 
@@ -166,6 +172,9 @@ class ModelRunner:
             self.drafter = DraftModel(config, self.device, self.dtype)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        # Host blocks that preempted requests' KV is swapped out to (--swap-space).
+        self.num_host_blocks = 0
+        self.host_kv_caches: list[torch.Tensor] = []
         self.input_batch = InputBatch(
             config.scheduler_config.max_num_seqs, config.model_config.max_model_len, self.block_size
         )
@@ -258,6 +267,18 @@ class ModelRunner:
         # Tensor-parallel ranks hold the same block ids: the smallest rank's count for all.
         num_blocks = min_over_ranks(num_blocks, self.device)
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, self.kv_cache_dtype, self.device)
+        swap_space_gb = self.config.cache_config.swap_space_gb
+        if swap_space_gb:
+            self.num_host_blocks = host_blocks(
+                swap_space_gb, bytes_per_block(self.config, self.kv_cache_dtype))
+            if self.num_host_blocks < 1:
+                raise ValueError(f"--swap-space {swap_space_gb} GiB holds no KV block: give "
+                                 "more, or 0.")
+            self.host_kv_caches = allocate_host_kv_caches(
+                self.kv_caches, self.num_host_blocks, pin=self.device.type == "cuda")
+            logger.info("Swap space: %d blocks of KV (%d tokens) in %.1f GiB of host memory",
+                        self.num_host_blocks, self.num_host_blocks * self.block_size,
+                        swap_space_gb)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks, self.kv_caches[0].dtype)
         models = [(self.model, self.kv_caches)]
@@ -397,6 +418,26 @@ class ModelRunner:
         """Run one step and return its output (launch, then wait for the sampled ids)."""
         return self.execute_model_async(scheduler_output).get()
 
+    def _swap_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's swap copies, out then in, queued before its forward pass: in order on
+        the device, so a block swapped out holds what the steps before wrote, and one this
+        step reuses is read before it is written. On a GPU the copies to and from pinned
+        host memory do not wait for the device."""
+        non_blocking = self.device.type == "cuda"
+        layers = [layer.view(torch.uint8) for layer in self.kv_caches]
+        for start, block_ids in scheduler_output.blocks_to_swap_out:
+            ids = torch.tensor(block_ids, device=self.device)
+            end = start + len(block_ids)
+            for layer, host in zip(layers, self.host_kv_caches):
+                host[start:end].copy_(layer.index_select(1, ids).transpose(0, 1).contiguous(),
+                                      non_blocking=non_blocking)
+        for start, block_ids in scheduler_output.blocks_to_swap_in:
+            ids = torch.tensor(block_ids, device=self.device)
+            end = start + len(block_ids)
+            for layer, host in zip(layers, self.host_kv_caches):
+                blocks = host[start:end].to(self.device, non_blocking=non_blocking)
+                layer.index_copy_(1, ids, blocks.transpose(0, 1))
+
     @torch.inference_mode()
     def execute_model_async(
         self,
@@ -417,6 +458,8 @@ class ModelRunner:
         (``StepGrammars``), rows that allow it are checked after sampling instead
         (check-then-mask, see the module's docstring).
         """
+        if scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in:
+            self._swap_blocks(scheduler_output)
         self._update_states(scheduler_output)
         while len(self._unresolved) > 1:
             self._unresolved[0].get()

@@ -8,6 +8,10 @@ and its ``num_computed_tokens`` are all right. The next token is a fixed functio
 sequence so far: whatever the batching, chunking, caching or preemption, a request must end
 with the tokens ``reference_outputs`` computes alone.
 
+Swapping: the blocks a step swaps out are copied to a host store and those it swaps in
+copied back, before the step writes anything (out first), so a resumed request's context
+check reads what was copied.
+
 Speculative decoding: a request's proposed tokens (``SchedulerOutput.spec_token_ids``) are
 written and read like any others, then verified against ``next_token``: the step returns
 the matching run plus the model's own next token, and the rejected tokens' K/V are left
@@ -78,9 +82,11 @@ class FakeModelRunner:
         # Every token a request ever had, to check a resumed request comes back whole.
         self.history: dict[str, list[int]] = {}
         self.steps: list[SchedulerOutput] = []
+        self.host: dict[int, list[int | None]] = {}  # host block -> its slots' K/V
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(so)
+        self._swap(so)
         self._update_states(so)
         req_ids = list(so.num_scheduled_tokens)
         for req_id, spec in so.spec_token_ids.items():
@@ -146,6 +152,16 @@ class FakeModelRunner:
         for _ in range(min(num_lookahead, room)):
             proposal.append(draft_token(state.tokens + proposal))
         return proposal
+
+    def _swap(self, so: SchedulerOutput) -> None:
+        size = self.block_size
+        for start, block_ids in so.blocks_to_swap_out:
+            for i, block in enumerate(block_ids):
+                assert start + i not in self.host, "a swap-out overwrote a swapped-out block"
+                self.host[start + i] = self.slots[block * size:(block + 1) * size]
+        for start, block_ids in so.blocks_to_swap_in:
+            for i, block in enumerate(block_ids):
+                self.slots[block * size:(block + 1) * size] = self.host.pop(start + i)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         assert not so.preempted_req_ids & so.finished_req_ids

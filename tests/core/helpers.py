@@ -26,6 +26,7 @@ def make_scheduler(
     policy: str = "fcfs",
     block_size: int = BLOCK_SIZE,
     speculative_config: SpeculativeConfig | None = None,
+    num_host_blocks: int = 0,
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,
@@ -35,7 +36,8 @@ def make_scheduler(
         policy=policy,
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
-    return Scheduler(scheduler_config, cache_config, num_blocks, speculative_config)
+    return Scheduler(scheduler_config, cache_config, num_blocks, speculative_config,
+                     num_host_blocks=num_host_blocks)
 
 
 def make_request(

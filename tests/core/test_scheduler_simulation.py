@@ -30,6 +30,11 @@ CONFIGS = {
     "priority-cached-tight": dict(chunked=True, caching=True, num_blocks=12,
                                   max_num_batched_tokens=24, policy="priority"),
     "roomy": dict(chunked=True, caching=True, num_blocks=80, max_num_batched_tokens=2048),
+    # Preemption swaps out while 6 host blocks last, else recomputes.
+    "chunked-cached-swap-tight": dict(chunked=True, caching=True, num_blocks=12,
+                                      max_num_batched_tokens=16, num_host_blocks=6),
+    "whole-prompt-uncached-swap": dict(chunked=False, caching=False, num_blocks=12,
+                                       max_num_batched_tokens=64, num_host_blocks=6),
 }
 
 
@@ -99,5 +104,8 @@ def test_random_workload_produces_reference_tokens_and_leaves_the_pool_whole(
     assert kv.num_free_blocks == kv.num_blocks and kv.req_to_blocks == {}
     if config.endswith("tight"):
         assert s.num_preemptions_total > 0
+    if kv.host_pool is not None:
+        assert kv.host_pool.num_free_blocks == kv.host_pool.num_blocks and runner.host == {}
+        assert s.num_swapped_tokens_total > 0 or not config.endswith("tight")
     if CONFIGS[config]["caching"]:
         assert kv.prefix_cache_stats.hits > 0

@@ -67,6 +67,22 @@ def test_preemption_under_kv_pressure_keeps_tokens(
     assert scheduler_of(llm).num_preemptions_total > 0
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["uncached", "cached"])
+def test_preemption_by_swapping_keeps_tokens(
+    tiny_model_dir, prompts, expected, async_scheduling, prefix_caching
+):
+    # As above, with host memory for the preempted requests' KV (--swap-space): they come
+    # back with their computed tokens copied in, not computed again.
+    llm = LLM(str(tiny_model_dir), block_size=8, num_kv_blocks=8, max_model_len=64,
+              enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling,
+              swap_space=0.01)
+    assert greedy(llm, prompts) == expected
+    scheduler = scheduler_of(llm)
+    assert scheduler.num_swapped_tokens_total > 0 and scheduler.num_preempted_tokens_total == 0
+    host = scheduler.kv_cache_manager.host_pool
+    assert host.num_free_blocks == host.num_blocks
+
+
 def test_prefix_cache_hits_keep_tokens(tiny_model_dir, hf_model, async_scheduling):
     shared = random_prompts(1, 40, 40, seed=7)[0]
     tails = random_prompts(4, 1, 9, seed=8)

@@ -15,7 +15,7 @@ REQUIRED_METRICS = [
     "pagedllm:num_requests_waiting_for_grammar",
     "pagedllm:kv_cache_usage_perc", "pagedllm:prefix_cache_queries_total",
     "pagedllm:prefix_cache_hits_total", "pagedllm:num_preemptions_total",
-    "pagedllm:num_preempted_tokens_total",
+    "pagedllm:num_preempted_tokens_total", "pagedllm:num_swapped_tokens_total",
     "pagedllm:prompt_tokens_total", "pagedllm:generation_tokens_total",
     "pagedllm:request_success_total", "pagedllm:time_to_first_token_seconds_count",
     "pagedllm:time_per_output_token_seconds_count", "pagedllm:e2e_request_latency_seconds_count",
