@@ -83,6 +83,19 @@ def test_preemption_by_swapping_keeps_tokens(
     assert host.num_free_blocks == host.num_blocks
 
 
+def test_swapping_an_fp8_cache_keeps_its_tokens(tiny_model_dir, prompts, async_scheduling):
+    # An FP8 cache's blocks (values slot-major) copied out and back byte for byte: the
+    # tokens of a cache large enough never to preempt.
+    def run(**cache):
+        llm = LLM(str(tiny_model_dir), block_size=8, max_model_len=64, kv_cache_dtype="fp8",
+                  async_scheduling=async_scheduling, **cache)
+        return greedy(llm, prompts), scheduler_of(llm)
+
+    roomy, _ = run(num_kv_blocks=64)
+    swapped, scheduler = run(num_kv_blocks=8, swap_space=0.01)
+    assert swapped == roomy and scheduler.num_swapped_tokens_total > 0
+
+
 def test_prefix_cache_hits_keep_tokens(tiny_model_dir, hf_model, async_scheduling):
     shared = random_prompts(1, 40, 40, seed=7)[0]
     tails = random_prompts(4, 1, 9, seed=8)
