@@ -278,13 +278,21 @@ def allocate_host_kv_caches(kv_caches: list[torch.Tensor], num_blocks: int,
     """Host memory for ``num_blocks`` swapped-out blocks of every layer: one
     ``[num_blocks, 2, block_size, num_kv_heads, head_dim * element_size]`` uint8 tensor a
     layer, a block's key and value bytes side by side (``kv_caches``' layout, the block
-    first), so that a request's run of host blocks is one contiguous copy a layer; pinned
-    (``pin``) for copies that do not wait for the device."""
+    first), so that a request's run of host blocks is one contiguous copy a layer.
+
+    ``pin``: page-locked for copies that do not wait for the device, registered with CUDA
+    at their exact size (torch's pinned allocator rounds a request up to a power of two:
+    40 GiB of swap space would lock 64)."""
     import torch
 
-    return [torch.empty((num_blocks, *layer.shape[:1], *layer.shape[2:-1],
-                         layer.shape[-1] * layer.element_size()), dtype=torch.uint8,
-                        pin_memory=pin) for layer in kv_caches]
+    caches = [torch.empty((num_blocks, *layer.shape[:1], *layer.shape[2:-1],
+                           layer.shape[-1] * layer.element_size()), dtype=torch.uint8)
+              for layer in kv_caches]
+    if pin:
+        register = torch.cuda.cudart().cudaHostRegister
+        for cache in caches:
+            torch.cuda.check_error(register(cache.data_ptr(), cache.numel(), 0))
+    return caches
 
 
 def allocate_kv_caches(
