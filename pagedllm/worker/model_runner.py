@@ -276,7 +276,7 @@ class ModelRunner:
                                  "more, or 0.")
             self.host_kv_caches = allocate_host_kv_caches(
                 self.kv_caches, self.num_host_blocks, pin=self.device.type == "cuda")
-            logger.info("Swap space: %d blocks of KV (%d tokens) in %.1f GiB of host memory",
+            logger.info("Swap space: %d blocks of KV (%d tokens) in %g GiB of host memory",
                         self.num_host_blocks, self.num_host_blocks * self.block_size,
                         swap_space_gb)
         if self.drafter is not None:
