@@ -23,13 +23,11 @@ measured; docs/benchmarks.md). Policies:
   (SGLang's estimate of running requests' growth).
 - ``full``: the same with the ratio held at 1: every request's whole ``max_tokens`` is
   reserved, so nothing is ever preempted (TensorRT-LLM's default, "guaranteed no evict").
-- ``swap``: the engine's admission and preemption, but a preempted request's cache goes
-  to host memory and comes back instead of being computed again (the engine's
-  ``--swap-space``, modelled here without its bound on host memory): the tokens it had
-  computed are charged ``--kv-bytes-per-token`` each way at ``--swap-gb-s``, when it is
-  preempted and when they are scheduled again, in place of ``PROMPT_US`` a token; copies
-  are not overlapped with the steps. A first-order estimate: the re-admitted tokens still
-  pass through the scheduler's token budget as a recomputation would.
+- ``swap``: the engine with ``--swap-space --swap-gib`` (default 64): a preempted request's
+  cache goes to host blocks and comes back instead of being computed again (while a run of
+  host blocks is free; else it recomputes); the blocks a step's copies move
+  (``SchedulerOutput.blocks_to_swap_out/in``) are charged ``--kv-bytes-per-token`` a token
+  at ``--swap-gb-s``, on the step, not overlapped.
 
 Prints, per shape and policy: simulated seconds, output tok/s, steps, prompt tokens
 computed (recomputation included), preemptions, and the median time to first token.
@@ -104,37 +102,11 @@ class ReservingScheduler(Scheduler):
             del kv.allocate_slots
 
 
-class SwapCounter:
-    """Wraps ``scheduler._preempt`` to keep, per request, the computed tokens a swap would
-    move back (``pending``) and the tokens swapped out so far (``swapped_out``)."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.pending: dict[str, int] = {}
-        self.swapped_out = 0
-        preempt = scheduler._preempt
-
-        def counting(request, plan):
-            self.pending[request.request_id] = (self.pending.get(request.request_id, 0)
-                                                + request.num_computed_tokens)
-            self.swapped_out += request.num_computed_tokens
-            preempt(request, plan)
-
-        scheduler._preempt = counting
-
-    def swapped_in(self, req_id: str, num_tokens: int) -> int:
-        """Of ``num_tokens`` prompt tokens scheduled for ``req_id``, those a swap brings
-        back instead of computing."""
-        moved = min(num_tokens, self.pending.get(req_id, 0))
-        if moved:
-            self.pending[req_id] -= moved
-        return moved
-
-
 def simulate(prompt_len: int, output_len: int, num_requests: int, policy: str = "engine",
              kv_tokens: int = 971_856, max_num_seqs: int = 512,
              max_num_batched_tokens: int = 8192, block_size: int = 16,
              reserve_ratio: float = 0.7, kv_bytes_per_token: int = KV_BYTES_PER_TOKEN,
-             swap_gb_s: float = 25.0) -> dict:
+             swap_gb_s: float = 25.0, swap_gib: float = 64.0) -> dict:
     """One shape under one policy; the figures ``main`` prints."""
     max_model_len = prompt_len + output_len
     scheduler_config = SchedulerConfig(
@@ -143,11 +115,11 @@ def simulate(prompt_len: int, output_len: int, num_requests: int, policy: str = 
         enable_chunked_prefill=True)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     blocks = kv_tokens // block_size
-    swap = None
     if policy in ("engine", "swap"):
-        scheduler = Scheduler(scheduler_config, cache_config, blocks)
-        if policy == "swap":
-            swap = SwapCounter(scheduler)
+        host_blocks = (int(swap_gib * 2**30) // (kv_bytes_per_token * block_size)
+                       if policy == "swap" else 0)
+        scheduler = Scheduler(scheduler_config, cache_config, blocks,
+                              num_host_blocks=host_blocks)
     elif policy == "reserve":
         scheduler = ReservingScheduler(scheduler_config, cache_config, blocks,
                                        reserve_ratio=reserve_ratio)
@@ -156,7 +128,7 @@ def simulate(prompt_len: int, output_len: int, num_requests: int, policy: str = 
                                        reserve_ratio=1.0, floor=1.0)
     else:
         raise ValueError(f"unknown policy {policy!r}: engine, reserve, full or swap.")
-    swap_ms_per_token = kv_bytes_per_token / (swap_gb_s * 1e9) * 1e3
+    swap_ms_per_block = kv_bytes_per_token * block_size / (swap_gb_s * 1e9) * 1e3
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     for i in range(num_requests):  # distinct prompts: no prefix-cache hits between them
         prompt = [(i * 7919 + j * 31) % 100_000 + 5 for j in range(prompt_len)]
@@ -164,28 +136,26 @@ def simulate(prompt_len: int, output_len: int, num_requests: int, policy: str = 
     elapsed_ms, steps, prompt_tokens, swap_ms = 0.0, 0, 0, 0.0
     first_token_ms: dict[str, float] = {}
     while scheduler.has_unfinished_requests():
-        swapped_out = swap.swapped_out if swap else 0
         output = scheduler.schedule()
-        sampled, rows, context, prompt, moved = [], 0, 0, 0, 0
+        sampled, rows, context, prompt = [], 0, 0, 0
         for req_id, num_tokens in output.num_scheduled_tokens.items():
             request = scheduler.requests[req_id]
             context += request.num_computed_tokens  # after the step: its context
             if num_tokens > 1 or request.num_computed_tokens - num_tokens < request.num_prompt_tokens:
-                if swap:
-                    moved += swap.swapped_in(req_id, num_tokens)
                 prompt += num_tokens
             else:
                 rows += 1
             if request.num_output_placeholders:
                 sampled.append(req_id)
-        copies_ms = swap_ms_per_token * (moved + (swap.swapped_out - swapped_out if swap else 0))
+        moved = sum(len(ids) for _, ids in output.blocks_to_swap_out + output.blocks_to_swap_in)
+        copies_ms = swap_ms_per_block * moved
         swap_ms += copies_ms
         elapsed_ms += (STEP_MS + ROW_US * rows / 1e3 + CONTEXT_US * context / 1e6
-                       + PROMPT_US * (prompt - moved) / 1e3 + copies_ms)
+                       + PROMPT_US * prompt / 1e3 + copies_ms)
         for req_id in sampled:
             first_token_ms.setdefault(req_id, elapsed_ms)
         steps += 1
-        prompt_tokens += prompt - moved
+        prompt_tokens += prompt
         scheduler.update_from_output(output, ModelRunnerOutput(
             sampled, [[SAMPLED_TOKEN] for _ in sampled]))
     seconds = elapsed_ms / 1e3
@@ -195,6 +165,7 @@ def simulate(prompt_len: int, output_len: int, num_requests: int, policy: str = 
             "output_tok_s": round(num_requests * output_len / seconds),
             "steps": steps, "prompt_tokens_computed": prompt_tokens,
             "preemptions": scheduler.num_preemptions_total,
+            "swapped_tokens": scheduler.num_swapped_tokens_total,
             "swap_s": round(swap_ms / 1e3, 1),
             "ttft_median_s": round(firsts[len(firsts) // 2] / 1e3, 1)}
 
@@ -221,6 +192,8 @@ def main() -> int:
                         help="swap: the cache's bytes a token (default: Llama-3.1-8B, FP8)")
     parser.add_argument("--swap-gb-s", type=float, default=25.0,
                         help="swap: host <-> device copy rate, GB/s each way")
+    parser.add_argument("--swap-gib", type=float, default=64.0,
+                        help="swap: the engine's --swap-space, GiB of host memory")
     args = parser.parse_args()
     print(f"{'shape':>16} {'policy':>8} {'seconds':>8} {'out tok/s':>10} {'steps':>6} "
           f"{'prompt tokens':>13} {'preemptions':>11} {'swap s':>6} {'TTFT median s':>13}")
@@ -230,7 +203,8 @@ def main() -> int:
                          max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          reserve_ratio=args.reserve_ratio,
-                         kv_bytes_per_token=args.kv_bytes_per_token, swap_gb_s=args.swap_gb_s)
+                         kv_bytes_per_token=args.kv_bytes_per_token, swap_gb_s=args.swap_gb_s,
+                         swap_gib=args.swap_gib)
             print(f"{r['shape']:>16} {r['policy']:>8} {r['seconds']:>8} {r['output_tok_s']:>10} "
                   f"{r['steps']:>6} {r['prompt_tokens_computed']:>13} {r['preemptions']:>11} "
                   f"{r['swap_s']:>6} {r['ttft_median_s']:>13}", flush=True)
