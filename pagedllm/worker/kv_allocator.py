@@ -273,6 +273,27 @@ def host_blocks(swap_space_gb: float, per_block: int) -> int:
     return int(swap_space_gb * _GIB) // per_block
 
 
+def host_memory_available() -> int | None:
+    """Bytes of host memory the kernel reports available (``MemAvailable`` of
+    /proc/meminfo), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_swap_space(swap_space_gb: float, available: int | None) -> None:
+    """Refuse a swap space larger than the host memory available now: page-locking it
+    would fail at start-up, or take memory the processes of the host need."""
+    if available is not None and swap_space_gb * _GIB > available:
+        raise ValueError(f"--swap-space {swap_space_gb:g} GiB is more than the "
+                         f"{available / _GIB:.1f} GiB of host memory available: lower it.")
+
+
 def allocate_host_kv_caches(kv_caches: list[torch.Tensor], num_blocks: int,
                             pin: bool) -> list[torch.Tensor]:
     """Host memory for ``num_blocks`` swapped-out blocks of every layer: one

@@ -114,8 +114,10 @@ from pagedllm.worker.kv_allocator import (
     allocate_host_kv_caches,
     allocate_kv_caches,
     bytes_per_block,
+    check_swap_space,
     determine_num_blocks,
     host_blocks,
+    host_memory_available,
 )
 from pagedllm.worker.verification import verify_proposals
 from pagedllm.worker.warmup import warm_up_kernels, warm_up_layouts
@@ -269,6 +271,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, self.kv_cache_dtype, self.device)
         swap_space_gb = self.config.cache_config.swap_space_gb
         if swap_space_gb:
+            check_swap_space(swap_space_gb, host_memory_available())
             self.num_host_blocks = host_blocks(
                 swap_space_gb, bytes_per_block(self.config, self.kv_cache_dtype))
             if self.num_host_blocks < 1:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.worker import kv_allocator
 from pagedllm.worker.kv_allocator import (
     block_bytes, blocks_for_bytes, blocks_per_request, bytes_per_block, cpu_kv_bytes,
     determine_num_blocks, gpu_kv_bytes, kv_element_size, max_concurrency, weight_bytes,
@@ -95,3 +96,21 @@ def test_the_engine_with_an_fp8_cache_holds_twice_the_tokens_and_says_so(caplog)
     assert tokens == {"auto": 218 * 16, "fp8": 436 * 16}
     assert "KV cache (float8_e4m3fn) 436 blocks x 16 tokens = 6976 tokens" in caplog.text
     assert "KV cache (bfloat16) 218 blocks x 16 tokens = 3488 tokens" in caplog.text
+
+
+def test_swap_space_beyond_the_available_host_memory_is_refused_at_start(monkeypatch) -> None:
+    """--swap-space larger than MemAvailable would fail to page-lock, or starve the host:
+    the engine refuses it before allocating, naming both figures."""
+    from pagedllm import LLM
+    from pagedllm.worker import model_runner
+
+    assert kv_allocator.host_memory_available() is None or kv_allocator.host_memory_available() > 0
+    monkeypatch.setattr(model_runner, "host_memory_available", lambda: 2**30)
+    with pytest.raises(ValueError, match=r"--swap-space 2 GiB is more than the 1\.0 GiB of host "
+                                         "memory available: lower it"):
+        LLM(device="cpu", swap_space=2.0)
+    llm = LLM(device="cpu", swap_space=0.5, max_model_len=64)  # within it: allocated
+    runner = llm.llm_engine.engine_core.model_runner
+    assert runner.num_host_blocks == kv_allocator.host_blocks(
+        0.5, kv_allocator.bytes_per_block(runner.config, runner.kv_cache_dtype))
+    assert sum(cache.numel() for cache in runner.host_kv_caches) <= 0.5 * 2**30
