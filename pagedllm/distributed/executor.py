@@ -115,13 +115,15 @@ class MultiprocExecutor:
             raise
         self.dtype = info["dtype"]
         self.kv_cache_dtype = info["kv_cache_dtype"]
+        self.num_host_blocks = 0  # every rank holds as many (--swap-space), set with the cache
         logger.info("%d ranks ready (%s backend).", len(self.connections),
                     config.parallel_config.distributed_executor_backend)
 
     # -- the runner's interface -----------------------------------------------------------
     def initialize_kv_cache(self) -> int:
         self._send(("kv",))
-        return self._receive(self.reporter, "kv")[1]
+        _, num_blocks, self.num_host_blocks = self._receive(self.reporter, "kv")
+        return num_blocks
 
     def execute_model_async(self, scheduler_output: SchedulerOutput,
                             grammars: Callable | None = None) -> _RemoteStep:

@@ -12,8 +12,9 @@ every rank keeps the same request state. The first rank of the last stage report
 Messages, pickled, over one duplex connection per rank (``multiprocessing.connection``:
 a pipe for local processes, a socket for Ray actors). Engine -> rank:
 
-* ``("kv",)``: size (the minimum over the ranks) and allocate the KV cache; the
-  reporting rank answers ``("kv", num_blocks)``;
+* ``("kv",)``: size (the minimum over the ranks) and allocate the KV cache (and the
+  host blocks of ``--swap-space``); the reporting rank answers ``("kv", num_blocks,
+  num_host_blocks)``;
 * ``("step", SchedulerOutput)``: launch the step; the reporting rank answers each step
   that computed tokens with ``("output", ModelRunnerOutput)`` once its sampled ids are
   read, in launch order (a rank keeps as many steps in flight as the engine does:
@@ -194,7 +195,7 @@ def _serve(conn: Connection, rank: int, world_size: int, init_method: str,
         if tag == "kv":
             num_blocks = runner.initialize_kv_cache()
             if reports:
-                conn.send(("kv", num_blocks))
+                conn.send(("kv", num_blocks, runner.num_host_blocks))
         elif tag == "step":
             so: SchedulerOutput = message[1]
             launched = runner.execute_model_async(so, grammars)

@@ -174,13 +174,11 @@ class EngineArgs:
         )
         device = self.device or EngineConfig.default_device()
         speculative_config = self._speculative_config()
-        if self.swap_space and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
-                                or (speculative_config is not None
-                                    and speculative_config.method == "draft_model")):
+        if self.swap_space and self.pipeline_parallel_size > 1:
             raise ValueError(
-                f"--swap-space {self.swap_space} works with one GPU and without a draft model "
-                "for now: drop --swap-space (preempted requests are then computed again), or "
-                "the parallelism or the draft model.")
+                f"--swap-space {self.swap_space} does not work with pipeline stages yet: drop "
+                "--swap-space (preempted requests are then computed again), or "
+                "--pipeline-parallel-size.")
         max_num_seqs = self.max_num_seqs
         if max_num_seqs is None:
             max_num_seqs = CUDA_MAX_NUM_SEQS if device == "cuda" else SchedulerConfig.max_num_seqs

@@ -73,11 +73,8 @@ class EngineCore:
             self._finalizer = weakref.finalize(self, self.model_runner.shutdown)
         self.num_kv_blocks = self.model_runner.initialize_kv_cache()
         spec = config.speculative_config
-        # Swapping runs on one GPU (EngineArgs refuses it with parallel ranks).
-        num_host_blocks = (self.model_runner.num_host_blocks
-                           if config.cache_config.swap_space_gb else 0)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_kv_blocks,
-                                   spec, num_host_blocks=num_host_blocks)
+                                   spec, num_host_blocks=self.model_runner.num_host_blocks)
         self.ngram: NgramProposer | None = None
         if spec is not None and spec.method == "ngram":
             self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,

@@ -269,6 +269,8 @@ class ModelRunner:
         # Tensor-parallel ranks hold the same block ids: the smallest rank's count for all.
         num_blocks = min_over_ranks(num_blocks, self.device)
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, self.kv_cache_dtype, self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks, self.kv_caches[0].dtype)
         swap_space_gb = self.config.cache_config.swap_space_gb
         if swap_space_gb:
             check_swap_space(swap_space_gb, host_memory_available())
@@ -278,12 +280,10 @@ class ModelRunner:
                 raise ValueError(f"--swap-space {swap_space_gb} GiB holds no KV block: give "
                                  "more, or 0.")
             self.host_kv_caches = allocate_host_kv_caches(
-                self.kv_caches, self.num_host_blocks, pin=self.device.type == "cuda")
+                self._swapped_caches(), self.num_host_blocks, pin=self.device.type == "cuda")
             logger.info("Swap space: %d blocks of KV (%d tokens) in %g GiB of host memory",
                         self.num_host_blocks, self.num_host_blocks * self.block_size,
                         swap_space_gb)
-        if self.drafter is not None:
-            self.drafter.allocate_kv_cache(num_blocks, self.kv_caches[0].dtype)
         models = [(self.model, self.kv_caches)]
         if self.drafter is not None:
             models.append((self.drafter.model, self.drafter.kv_caches))
@@ -421,13 +421,18 @@ class ModelRunner:
         """Run one step and return its output (launch, then wait for the sampled ids)."""
         return self.execute_model_async(scheduler_output).get()
 
+    def _swapped_caches(self) -> list[torch.Tensor]:
+        """The caches a swapped block's KV lives in: every layer's, the draft model's too
+        (its KV shares the target's block ids)."""
+        return self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else [])
+
     def _swap_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """The step's swap copies, out then in, queued before its forward pass: in order on
         the device, so a block swapped out holds what the steps before wrote, and one this
         step reuses is read before it is written. On a GPU the copies to and from pinned
         host memory do not wait for the device."""
         non_blocking = self.device.type == "cuda"
-        layers = [layer.view(torch.uint8) for layer in self.kv_caches]
+        layers = [layer.view(torch.uint8) for layer in self._swapped_caches()]
         for start, block_ids in scheduler_output.blocks_to_swap_out:
             ids = torch.tensor(block_ids, device=self.device)
             end = start + len(block_ids)

@@ -80,6 +80,29 @@ def test_tensor_parallel_greedy_tokens_equal_hf(case, tmp_path) -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
+def test_tensor_parallel_ranks_swap_their_kv_parts_at_preemption(tmp_path) -> None:
+    """--swap-space at TP=2: each rank copies its heads' part of a preempted request's
+    blocks to its host memory and back; the tokens are HF's."""
+    from transformers import AutoModelForCausalLM
+
+    path = _checkpoint(tmp_path, "llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts(6, 17, 30, seed=300)
+    want = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    llm = LLM(str(path), tensor_parallel_size=2, block_size=8, num_kv_blocks=8,
+              max_model_len=48, swap_space=0.01)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        core = llm.llm_engine.engine_core
+        assert core.scheduler.num_swapped_tokens_total > 0
+        assert core.scheduler.num_preempted_tokens_total == 0
+        assert core.scheduler.kv_cache_manager.host_pool.num_blocks == core.model_runner.num_host_blocks
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def test_a_killed_rank_fails_the_engine_within_seconds(tmp_path) -> None:
     path = _checkpoint(tmp_path, "llama")
     llm = LLM(str(path), tensor_parallel_size=2, max_model_len=256)

@@ -49,16 +49,12 @@ def test_vllm_download_dir_is_refused_with_what_to_do_instead():
     assert "set HF_HUB_CACHE=DIR" in str(info.value)
 
 
-@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
-                                      dict(pipeline_parallel_size=2),
-                                      dict(speculative_model="pagedllm-demo-draft",
-                                           num_speculative_tokens=2)])
-def test_swap_space_is_refused_beside_what_it_does_not_handle_yet(parallel):
+def test_swap_space_is_refused_with_pipeline_stages_and_below_zero():
     from pagedllm.engine.arg_utils import EngineArgs
 
-    with pytest.raises(ValueError, match="--swap-space 1.0 works with one GPU and without a "
-                                         "draft model"):
-        EngineArgs(device="cpu", swap_space=1.0, **parallel).create_engine_config()
+    with pytest.raises(ValueError, match="--swap-space 1.0 does not work with pipeline stages"):
+        EngineArgs(device="cpu", swap_space=1.0,
+                   pipeline_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match="swap_space must be >= 0"):
         EngineArgs(device="cpu", swap_space=-1.0).create_engine_config()
 

@@ -56,18 +56,22 @@ def test_speculative_greedy_matches_hf(target_dir, draft_dir, prompts, expected,
     assert_pool_whole(llm)
 
 
+@pytest.mark.parametrize("swap_space", [0.0, 0.01], ids=["recompute", "swap"])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_chunked_prefill_preemption_and_prefix_hits_keep_tokens(
-    target_dir, draft_dir, hf_model, prompts, expected, method
+    target_dir, draft_dir, hf_model, prompts, expected, method, swap_space
 ):
     shared = random_prompts(1, 24, 24, seed=7)[0]
     cached = [shared + p for p in prompts[:3]]
     want = [hf_greedy(hf_model, p, MAX_NEW) for p in cached]
     # A budget of 7 tokens chunks every prompt; 10 blocks of 8 tokens force preemption.
+    # With swap_space, preempted requests' KV (the draft's with the target's) goes to host
+    # memory and back.
     llm = LLM(str(target_dir), block_size=8, max_model_len=80, num_kv_blocks=10, max_num_seqs=8,
-              max_num_batched_tokens=7, **proposer(method, draft_dir, 4))
+              max_num_batched_tokens=7, swap_space=swap_space, **proposer(method, draft_dir, 4))
     assert greedy(llm, prompts[:4]) == expected[:4]
     assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+    assert (llm.llm_engine.engine_core.scheduler.num_swapped_tokens_total > 0) == bool(swap_space)
     assert greedy(llm, cached[:1]) == want[:1]  # the shared prefix enters the cache
     assert greedy(llm, cached[1:]) == want[1:]
     assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.prefix_cache_stats.hits >= 2 * 24
