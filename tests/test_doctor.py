@@ -55,7 +55,7 @@ def test_the_demo_model_on_the_cpu_passes_with_one_warning_for_the_missing_gpu()
     statuses = {c.name: c.status for c in checks}
     assert statuses == {"flags": "PASS", "gpu": "WARN", "model": "PASS", "tokenizer": "PASS",
                         "chat template": "PASS", "shm": statuses["shm"], "nccl": "SKIP",
-                        "port": "PASS", "kv cache": "PASS"}
+                        "port": "PASS", "swap space": "SKIP", "kv cache": "PASS"}
     assert doctor.exit_code(checks) == 0
     assert doctor.exit_code(checks, strict=True) == 1
 
@@ -292,3 +292,13 @@ def test_the_command_exits_1_on_a_failure_and_prints_the_fix(capsys):
     out = capsys.readouterr().out
     assert "FAIL  port" in out and "fix: pass another --port" in out
     assert main(["doctor", "--device", "cpu", "--host", "127.0.0.1", "--port", _free_port()]) == 0
+
+
+def test_swap_space_is_checked_against_the_host_memory_of_every_rank():
+    assert doctor.check_swap_space(_args()).status == "SKIP"
+    two = _args("--swap-space", "4", "--tensor-parallel-size", "2")
+    failed = doctor.check_swap_space(two, available=6 << 30)
+    assert failed.status == "FAIL" and "= 8.0 GiB" in failed.detail and "6.0 GiB" in failed.detail
+    assert doctor.check_swap_space(two, available=10 << 30).status == "WARN"
+    assert doctor.check_swap_space(two, available=64 << 30).status == "PASS"
+    assert doctor.check_swap_space(two, available=None).status == "WARN"

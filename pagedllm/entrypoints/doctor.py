@@ -16,6 +16,8 @@ SKIP (not applicable), with the fix under every WARN and FAIL:
   ``--tensor-parallel-size`` above 1 on GPUs); nccl: enough GPUs for
   ``--tensor-parallel-size`` and peer-to-peer access between them;
 - port: a bind test on ``--host``/``--port``;
+- swap space: ``--swap-space`` (per GPU, so times ``--tensor-parallel-size``) within the
+  host memory available now (FAIL beyond it: serve refuses it; WARN above 70% of it);
 - kv cache: whether ``--max-num-seqs`` requests of ``--max-model-len`` tokens fit the KV
   budget, with the largest concurrency and ``--max-model-len`` that fit, from the engine's
   own sizing functions (``worker/kv_allocator.py``), in the cache's element size (one
@@ -316,6 +318,33 @@ def check_shm(args: argparse.Namespace, path: str = SHM_PATH) -> Check:
     return Check("shm", PASS, detail)
 
 
+def check_swap_space(args: argparse.Namespace, available: int | None = -1) -> Check:
+    """``--swap-space`` on every rank against the host memory available (``available``:
+    bytes, None when the host does not say; -1 reads it)."""
+    from pagedllm.worker.kv_allocator import host_memory_available
+
+    swap_gb = getattr(args, "swap_space", 0) or 0
+    if not swap_gb:
+        return Check("swap space", SKIP, "--swap-space 0: a preempted request is computed "
+                     "again")
+    if available == -1:
+        available = host_memory_available()
+    ranks = getattr(args, "tensor_parallel_size", 1) or 1
+    wanted = swap_gb * _GIB * ranks
+    detail = (f"--swap-space {swap_gb:g} GiB x {ranks} rank(s) = {wanted / _GIB:.1f} GiB of "
+              "page-locked host memory")
+    if available is None:
+        return Check("swap space", WARN, detail + "; the host does not say how much is free",
+                     "check the free memory (free -g) before serving")
+    detail += f", of {available / _GIB:.1f} GiB available"
+    if wanted > available:
+        return Check("swap space", FAIL, detail, "lower --swap-space, or free host memory")
+    if wanted > 0.7 * available:
+        return Check("swap space", WARN, detail + ": little is left for the rest of the host",
+                     "lower --swap-space unless the host serves nothing else")
+    return Check("swap space", PASS, detail)
+
+
 def check_nccl(args: argparse.Namespace, cuda) -> Check:
     """GPUs enough for --tensor-parallel-size on this host, and peer-to-peer access between
     them (``cuda`` is ``torch.cuda``, a stand-in in tests)."""
@@ -450,6 +479,7 @@ def run_checks(args: argparse.Namespace, cuda=None, shm_path: str = SHM_PATH) ->
     checks.append(check_shm(args, shm_path))
     checks.append(check_nccl(args, cuda))
     checks.append(check_port(args))
+    checks.append(check_swap_space(args))
     checks.append(check_kv_cache(args, model_dir, cuda))
     return checks
 
