@@ -295,10 +295,12 @@ def test_the_command_exits_1_on_a_failure_and_prints_the_fix(capsys):
 
 
 def test_swap_space_is_checked_against_the_host_memory_of_every_rank():
-    assert doctor.check_swap_space(_args()).status == "SKIP"
+    assert doctor.check_swap_space(_args(), available=64 << 30).status == "SKIP"
     two = _args("--swap-space", "4", "--tensor-parallel-size", "2")
     failed = doctor.check_swap_space(two, available=6 << 30)
-    assert failed.status == "FAIL" and "= 8.0 GiB" in failed.detail and "6.0 GiB" in failed.detail
+    assert failed.status == "FAIL" and failed.detail == (
+        "--swap-space 4 x 2 ranks = 8.0 GiB is more than the 6.0 GiB of host memory "
+        "available: lower it.")
     assert doctor.check_swap_space(two, available=10 << 30).status == "WARN"
     assert doctor.check_swap_space(two, available=64 << 30).status == "PASS"
     assert doctor.check_swap_space(two, available=None).status == "WARN"

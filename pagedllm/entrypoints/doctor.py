@@ -44,6 +44,7 @@ from pagedllm.config import FP8_MIN_CAPABILITY, normalize_kv_cache_dtype
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 from pagedllm.distributed.checks import MIN_SHM_BYTES as SHM_MIN_BYTES
 from pagedllm.distributed.checks import SHM_PATH, shm_problem, shm_size
+from pagedllm.worker.kv_allocator import host_memory_available, swap_space_problem
 BF16_MIN_CAPABILITY = (8, 0)
 _GIB = 1 << 30
 
@@ -318,17 +319,13 @@ def check_shm(args: argparse.Namespace, path: str = SHM_PATH) -> Check:
     return Check("shm", PASS, detail)
 
 
-def check_swap_space(args: argparse.Namespace, available: int | None = -1) -> Check:
-    """``--swap-space`` on every rank against the host memory available (``available``:
-    bytes, None when the host does not say; -1 reads it)."""
-    from pagedllm.worker.kv_allocator import host_memory_available
-
+def check_swap_space(args: argparse.Namespace, available: int | None) -> Check:
+    """``--swap-space`` on every rank against the ``available`` bytes of host memory (None
+    when the host does not say)."""
     swap_gb = getattr(args, "swap_space", 0) or 0
     if not swap_gb:
         return Check("swap space", SKIP, "--swap-space 0: a preempted request is computed "
                      "again")
-    if available == -1:
-        available = host_memory_available()
     ranks = getattr(args, "tensor_parallel_size", 1) or 1
     wanted = swap_gb * _GIB * ranks
     detail = (f"--swap-space {swap_gb:g} GiB x {ranks} rank(s) = {wanted / _GIB:.1f} GiB of "
@@ -336,9 +333,10 @@ def check_swap_space(args: argparse.Namespace, available: int | None = -1) -> Ch
     if available is None:
         return Check("swap space", WARN, detail + "; the host does not say how much is free",
                      "check the free memory (free -g) before serving")
+    problem = swap_space_problem(swap_gb, available, ranks)
+    if problem is not None:
+        return Check("swap space", FAIL, problem, "lower --swap-space, or free host memory")
     detail += f", of {available / _GIB:.1f} GiB available"
-    if wanted > available:
-        return Check("swap space", FAIL, detail, "lower --swap-space, or free host memory")
     if wanted > 0.7 * available:
         return Check("swap space", WARN, detail + ": little is left for the rest of the host",
                      "lower --swap-space unless the host serves nothing else")
@@ -479,7 +477,7 @@ def run_checks(args: argparse.Namespace, cuda=None, shm_path: str = SHM_PATH) ->
     checks.append(check_shm(args, shm_path))
     checks.append(check_nccl(args, cuda))
     checks.append(check_port(args))
-    checks.append(check_swap_space(args))
+    checks.append(check_swap_space(args, host_memory_available()))
     checks.append(check_kv_cache(args, model_dir, cuda))
     return checks
 

@@ -286,12 +286,16 @@ def host_memory_available() -> int | None:
     return None
 
 
-def check_swap_space(swap_space_gb: float, available: int | None) -> None:
-    """Refuse a swap space larger than the host memory available now: page-locking it
-    would fail at start-up, or take memory the processes of the host need."""
-    if available is not None and swap_space_gb * _GIB > available:
-        raise ValueError(f"--swap-space {swap_space_gb:g} GiB is more than the "
-                         f"{available / _GIB:.1f} GiB of host memory available: lower it.")
+def swap_space_problem(swap_space_gb: float, available: int | None, ranks: int = 1) -> str | None:
+    """Why ``swap_space_gb`` GiB on each of ``ranks`` processes does not fit the
+    ``available`` bytes of host memory (None: it fits, or the host does not say):
+    page-locking it would fail at start-up, or take memory the host's processes need."""
+    wanted = swap_space_gb * _GIB * ranks
+    if available is None or wanted <= available:
+        return None
+    per_rank = f" x {ranks} ranks = {wanted / _GIB:.1f} GiB" if ranks > 1 else " GiB"
+    return (f"--swap-space {swap_space_gb:g}{per_rank} is more than the "
+            f"{available / _GIB:.1f} GiB of host memory available: lower it.")
 
 
 def allocate_host_kv_caches(kv_caches: list[torch.Tensor], num_blocks: int,

@@ -114,10 +114,10 @@ from pagedllm.worker.kv_allocator import (
     allocate_host_kv_caches,
     allocate_kv_caches,
     bytes_per_block,
-    check_swap_space,
     determine_num_blocks,
     host_blocks,
     host_memory_available,
+    swap_space_problem,
 )
 from pagedllm.worker.verification import verify_proposals
 from pagedllm.worker.warmup import warm_up_kernels, warm_up_layouts
@@ -273,7 +273,9 @@ class ModelRunner:
             self.drafter.allocate_kv_cache(num_blocks, self.kv_caches[0].dtype)
         swap_space_gb = self.config.cache_config.swap_space_gb
         if swap_space_gb:
-            check_swap_space(swap_space_gb, host_memory_available())
+            problem = swap_space_problem(swap_space_gb, host_memory_available())
+            if problem is not None:
+                raise ValueError(problem)
             self.num_host_blocks = host_blocks(
                 swap_space_gb, bytes_per_block(self.config, self.kv_cache_dtype))
             if self.num_host_blocks < 1:

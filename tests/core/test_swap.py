@@ -6,12 +6,8 @@ from __future__ import annotations
 
 from pagedllm.core.kv_cache import HostBlockPool
 from pagedllm.core.request import RequestStatus
-from tests.core.fake_runner import reference_outputs
 from tests.core.helpers import Run, make_request, make_scheduler, run_to_completion, runner_for, step
-
-
-def expected(request, max_model_len: int = 128) -> list[int]:
-    return reference_outputs(request.prompt_token_ids, request.sampling_params, max_model_len)
+from tests.core.test_scheduler import expected
 
 
 def test_host_blocks_are_handed_out_as_contiguous_runs_and_merge_when_freed():
