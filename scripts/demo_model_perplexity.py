@@ -17,16 +17,23 @@ the defaults) runs the same windows; the report gives each one's change of perpl
 relative to the first. The default runs: the model's dtype, ``kv_cache_dtype=fp8``,
 ``quantization=fp8`` (W8A8) and both. Runs on the CPU in float32 unless ``--device`` says
 otherwise; the figures depend on the standard library the running Python ships.
+
+Prompt logprobs come from prompt steps, whose attention is the prefill kernel's. To score
+the decode kernel instead, cut each window into one-token chunks:
+``--config kv_cache_dtype=fp8,max_num_batched_tokens=1,max_num_seqs=1`` (a step of one
+query row goes to the decode kernel; one forward pass a token, so use ``--max-windows``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -76,12 +83,20 @@ DEFAULT_CONFIGS = ["", "kv_cache_dtype=fp8", "quantization=fp8",
                    "quantization=fp8,kv_cache_dtype=fp8"]
 
 
-def parse_config(text: str) -> dict[str, str]:
-    """``"quantization=fp8,kv_cache_dtype=fp8"`` -> engine keywords (values as strings)."""
+def parse_config(text: str) -> dict[str, Any]:
+    """``"quantization=fp8,max_num_batched_tokens=1"`` -> engine keywords (Python literals,
+    such as numbers and ``True``, as such; anything else as a string)."""
     pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
     if any(len(pair) != 2 for pair in pairs):
         raise SystemExit(f"--config {text!r}: give KEY=VALUE pairs separated by commas.")
-    return {key.strip(): value.strip() for key, value in pairs}
+    return {key.strip(): _literal(value.strip()) for key, value in pairs}
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -9,9 +9,12 @@ test also checks rounding itself, on arbitrary values.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from pagedllm.layers.attention import triton_decode
 from pagedllm.layers.attention.kv_quant import paged_kv_views
 from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
 from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
@@ -20,7 +23,7 @@ from pagedllm.layers.attention.triton_kv_write import rotate_and_write_kv, write
 from pagedllm.layers.attention.triton_prefill import paged_prefill_attention
 from pagedllm.quantization.fp8 import FP8_DTYPE
 from tests.kernels.paged_batch import (
-    DEVICE, TOLERANCE, batch_args, make_fp8_step, make_step, reference_attention,
+    DEVICE, TOLERANCE, batch_args, make_fp8_step, make_step, on_fp8_grid, reference_attention,
 )
 
 K_SCALE, V_SCALE = 0.5, 2.0  # powers of two: scaling moves no value off the grid
@@ -117,6 +120,30 @@ def test_decode_over_an_fp8_cache_matches_the_reference(num_splits, window) -> N
                            num_splits=num_splits, **SCALES)
     torch.testing.assert_close(out, want, **TOLERANCE[torch.float32])
 
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-3"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_with_fp8_query_key_products_matches_the_reference(monkeypatch, num_splits,
+                                                                   window) -> None:
+    """``q k^T`` on FP8 tensor cores (keys as the rows of the transposed product, each query
+    head rounded to e4m3 by its own scale): with queries that round to themselves (on the
+    e4m3 grid, each head's largest magnitude 448, so its scale is 1) the output is the
+    reference's, every sequence, window and split, to float16's rounding (``p v`` runs in
+    float16 in this mode)."""
+    monkeypatch.setattr(triton_decode, "DECODE_FP8_PRODUCTS", 1)
+    step = make_fp8_step(DECODES, num_heads=8, num_kv_heads=2, seed=4, **SCALES)
+    query = on_fp8_grid(step.query * 40.0, 1.0).clamp(-400.0, 400.0)
+    query[:, :, 7] = 448.0
+    step = replace(step, query=query)
+    scale = 2.0**-9  # keeps 448-sized queries' logits to a few units
+    want, _ = reference_attention(step, scale, window, **SCALES)
+    md = step.metadata
+    write_kv_cache(step.key, step.value, *paged_kv_views(step.kv_cache), md.slot_mapping, **SCALES)
+    out = torch.zeros_like(step.query)
+    paged_decode_attention(step.query, *paged_kv_views(step.kv_cache), *batch_args(step), out,
+                           max_seq_len=md.max_seq_len, scale=scale, sliding_window=window,
+                           num_splits=num_splits, **SCALES)
+    torch.testing.assert_close(out, want, **TOLERANCE[torch.float16])
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_prefill_over_an_fp8_cache_matches_the_reference(window) -> None:
