@@ -43,7 +43,7 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -51,14 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from check_kernels_gpu import (  # noqa: E402
-    BLOCK_SIZE, HEAD_DIM, decode_only, decode_tile, fp8_kv_step, graph_us_per_launch, kv_bytes,
-    make_step, uniform_lengths,
+    BLOCK_SIZE, HEAD_DIM, SCALE, decode_only, decode_tile, fp8_kv_step, graph_us_per_launch,
+    kv_bytes, make_step, uniform_lengths,
 )
 
 from pagedllm.layers import triton_ops  # noqa: E402
 from pagedllm.layers.attention import triton_decode  # noqa: E402
 from pagedllm.layers.attention.kv_quant import paged_kv_views  # noqa: E402
-from pagedllm.layers.pdl import launch_options  # noqa: E402
 
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
