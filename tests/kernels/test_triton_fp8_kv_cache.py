@@ -121,17 +121,22 @@ def test_decode_over_an_fp8_cache_matches_the_reference(num_splits, window) -> N
     torch.testing.assert_close(out, want, **TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("heads", [(8, 2, 16), (4, 4, 24), (16, 1, 32)],
+                         ids=["gqa", "mha-head-dim-24", "mqa"])
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-3"])
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_with_fp8_query_key_products_matches_the_reference(monkeypatch, num_splits,
-                                                                   window) -> None:
+                                                                   window, heads) -> None:
     """``q k^T`` on FP8 tensor cores (keys as the rows of the transposed product, each query
     head rounded to e4m3 by its own scale): with queries that round to themselves (on the
     e4m3 grid, each head's largest magnitude 448, so its scale is 1) the output is the
-    reference's, every sequence, window and split, to float16's rounding (``p v`` runs in
-    float16 in this mode)."""
+    reference's, every sequence, window and split, grouped, multi- and multi-query heads and
+    a head size that is not a power of two, to float16's rounding (``p v`` runs in float16
+    in this mode)."""
     monkeypatch.setattr(triton_decode, "DECODE_FP8_PRODUCTS", 1)
-    step = make_fp8_step(DECODES, num_heads=8, num_kv_heads=2, seed=4, **SCALES)
+    num_heads, num_kv_heads, head_dim = heads
+    step = make_fp8_step(DECODES, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, seed=4, **SCALES)
     query = on_fp8_grid(step.query * 40.0, 1.0).clamp(-400.0, 400.0)
     query[:, :, 7] = 448.0
     step = replace(step, query=query)
@@ -144,6 +149,7 @@ def test_decode_with_fp8_query_key_products_matches_the_reference(monkeypatch, n
                            max_seq_len=md.max_seq_len, scale=scale, sliding_window=window,
                            num_splits=num_splits, **SCALES)
     torch.testing.assert_close(out, want, **TOLERANCE[torch.float16])
+
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_prefill_over_an_fp8_cache_matches_the_reference(window) -> None:
