@@ -247,7 +247,8 @@ def _emulated_fp8_products(step, scale: float, pv_fp8: bool) -> torch.Tensor:
         s = torch.einsum("hd,nhd->hn", q, k) * scale
         p = torch.exp(s - s.amax(-1, keepdim=True))
         rounded = (p * 256.0).to(FP8_DTYPE).float() / 256.0 if pv_fp8 else p.half().float()
-        out[int(md.query_start_loc[b])] = torch.einsum("hn,nhd->hd", rounded, v) / p.sum(-1)[:, None]
+        row = int(md.query_start_loc[b])
+        out[row] = torch.einsum("hn,nhd->hd", rounded, v) / p.sum(-1)[:, None]
     return out
 
 
