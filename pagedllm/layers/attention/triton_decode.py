@@ -542,8 +542,9 @@ def decode_tile_config(head_dim: int, device: torch.device, split: bool,
     on CUDA with head_dim up to 128, 64 keys, 4 warps, 2 stages for one pass over a bf16 or
     fp16 cache; 64 keys, 2 warps, 2 stages for one pass over an FP8 cache whose contexts
     are all within ``SHORT_DECODE_CONTEXT``, and on an H100 for any one pass over an FP8
-    cache; 128 keys, 4 warps, 2 stages for split partitions and for longer passes over an
-    FP8 cache elsewhere; 32 keys for wider heads. The choices come from whole workloads on
+    cache (4 warps, the warpgroup ``wgmma`` needs, with ``DECODE_FP8_PRODUCTS``); 128 keys,
+    4 warps, 2 stages for split partitions and for longer passes over an FP8 cache
+    elsewhere; 32 keys for wider heads. The choices come from whole workloads on
     an H200 and an H100, not from one shape alone (the tiles, the sweeps and the workloads
     that decided them: docs/benchmarks.md, "Decode tiles by cache dtype", "short contexts",
     "short decodes on two warps" and "an H100's FP8 decode tile").
@@ -561,7 +562,7 @@ def decode_tile_config(head_dim: int, device: torch.device, split: bool,
     long_fp8 = fp8_cache and (max_seq_len is None or max_seq_len > SHORT_DECODE_CONTEXT)
     if split or (long_fp8 and not _h100(device)):
         return 128, 4, 2
-    return (64, 2, 2) if fp8_cache else (64, 4, 2)
+    return (64, 4 if DECODE_FP8_PRODUCTS else 2, 2) if fp8_cache else (64, 4, 2)
 
 
 @functools.cache
