@@ -431,18 +431,25 @@ class ModelRunner:
     def _swap_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """The step's swap copies, out then in, queued before its forward pass: in order on
         the device, so a block swapped out holds what the steps before wrote, and one this
-        step reuses is read before it is written. On a GPU the copies to and from pinned
-        host memory do not wait for the device."""
+        step reuses is read before it is written. On a GPU nothing here waits for the
+        device: the block ids and the blocks move from and to page-locked memory."""
         non_blocking = self.device.type == "cuda"
         layers = [layer.view(torch.uint8) for layer in self._swapped_caches()]
+
+        def device_ids(block_ids: list[int]) -> torch.Tensor:
+            # From page-locked memory: a copy from pageable memory would wait for the
+            # steps still running on the device.
+            ids = torch.tensor(block_ids, dtype=torch.int64, pin_memory=non_blocking)
+            return ids.to(self.device, non_blocking=non_blocking)
+
         for start, block_ids in scheduler_output.blocks_to_swap_out:
-            ids = torch.tensor(block_ids, device=self.device)
+            ids = device_ids(block_ids)
             end = start + len(block_ids)
             for layer, host in zip(layers, self.host_kv_caches):
                 host[start:end].copy_(layer.index_select(1, ids).transpose(0, 1).contiguous(),
                                       non_blocking=non_blocking)
         for start, block_ids in scheduler_output.blocks_to_swap_in:
-            ids = torch.tensor(block_ids, device=self.device)
+            ids = device_ids(block_ids)
             end = start + len(block_ids)
             for layer, host in zip(layers, self.host_kv_caches):
                 blocks = host[start:end].to(self.device, non_blocking=non_blocking)
