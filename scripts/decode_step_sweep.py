@@ -17,11 +17,6 @@ what the products leave (docs/benchmarks.md, "Short contexts over an FP8 cache")
   ``triton_decode.MAX_REGISTERS``), W1's mix (256 sequences of 100..2,048 tokens)
   and TensorRT-LLM's decode batches (512 of 1,000..2,000 and 129..256), bf16 and FP8
   caches: fewer registers a thread, more programs a multiprocessor.
-- ``fp8products``: decode attention over an FP8 cache with its products in FP8
-  (``triton_decode.DECODE_FP8_PRODUCTS``: off, ``q k^T``, both) per tile, at W1's and
-  TensorRT-LLM's decode batches and four 32,000-token contexts; each output's error
-  against float32 attention over the same cache (the first 16 sequences: largest
-  difference over largest value, ``err``), beside the widened products' own.
 - ``silu``: SiLU-and-mul with FP8 output (``silu_and_mul_fp8_kernel``) over gate/up's
   sums before their scales, at 64, 256, 512 and 8,192 rows of 2 x 14,336, per launch
   (``triton_ops.SiluFp8Launch``: ``BLOCK``, a row in one pass up to 16k, else two; warps;
@@ -51,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from check_kernels_gpu import (  # noqa: E402
-    BLOCK_SIZE, HEAD_DIM, SCALE, decode_only, decode_tile, fp8_kv_step, graph_us_per_launch,
-    kv_bytes, make_step, uniform_lengths,
+    BLOCK_SIZE, HEAD_DIM, decode_only, decode_tile, fp8_kv_step, graph_us_per_launch, kv_bytes,
+    make_step, uniform_lengths,
 )
 
 from pagedllm.layers import triton_ops  # noqa: E402
@@ -144,67 +139,6 @@ def register_rows() -> list[dict[str, Any]]:
                           f"{rows[-1]['tb_s']:5.2f} TB/s{'' if equal else '  DIFFERS'}",
                           flush=True)
         del bf16, steps, step
-        torch.cuda.empty_cache()
-    return rows
-
-
-FP8_PRODUCT_CASES = REGISTER_CASES + (("4 x 32,000", 4, 32000, 32000),)
-FP8_PRODUCT_TILES = ((64, 4, 2), (128, 4, 2))
-
-
-@contextlib.contextmanager
-def fp8_products(mode: int) -> Iterator[None]:
-    """Every decode launch inside runs with ``DECODE_FP8_PRODUCTS = mode``."""
-    configured = triton_decode.DECODE_FP8_PRODUCTS
-    triton_decode.DECODE_FP8_PRODUCTS = mode
-    try:
-        yield
-    finally:
-        triton_decode.DECODE_FP8_PRODUCTS = configured
-
-
-def float32_attention(step, count: int) -> torch.Tensor:
-    """Float32 attention of the first ``count`` sequences' queries over the step's cache
-    (values as stored, scales 1), ``[count, heads, head_dim]``."""
-    key_cache, value_cache = paged_kv_views(step.kv_cache)
-    md = step.metadata
-    outs = []
-    for b in range(count):
-        n = int(md.seq_lens[b])
-        blocks = md.block_tables[b, : -(-n // BLOCK_SIZE)].long()
-        k = key_cache[blocks].float().reshape(-1, *key_cache.shape[2:])[:n]
-        v = value_cache[blocks].float().reshape(-1, *value_cache.shape[2:])[:n]
-        q = step.query[int(md.query_start_loc[b])].float()  # [heads, D]
-        group = q.shape[0] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, heads, D]
-        weights = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * SCALE, -1)
-        outs.append(torch.einsum("hn,nhd->hd", weights, v))
-    return torch.stack(outs)
-
-
-def fp8_product_rows() -> list[dict[str, Any]]:
-    """``fp8products``: FP8 decode attention, its products widened or in FP8, per tile."""
-    rows: list[dict[str, Any]] = []
-    for label, seqs, lo, hi in FP8_PRODUCT_CASES:
-        step = fp8_kv_step(make_step([(n - 1, 1) for n in uniform_lengths(seqs, lo, hi, seed=9)],
-                                     seed=55))
-        order = triton_decode.longest_first(step.metadata.seq_lens)
-        count = min(16, seqs)
-        exact = None
-        for tile in FP8_PRODUCT_TILES:
-            for mode, name in ((0, "off"), (1, "qk"), (2, "all")):
-                with decode_tile(tile), fp8_products(mode):
-                    launch = decode_only(step, max_seq_len=hi, order=order)
-                    out = launch()[:count].float()
-                    if exact is None:
-                        exact = float32_attention(step, count)
-                    err = float((out - exact).abs().max() / exact.abs().max())
-                    us = graph_us_per_launch(lambda _: launch(), [None] * 8)
-                rows.append(dict(part="fp8products", case=label, cache="fp8", tile=list(tile),
-                                 products=name, us=us, tb_s=kv_bytes(step) / us / 1e6, err=err))
-                print(f"fp8products {label:22} tile {tile} {name:3}: {us:7.1f} us "
-                      f"{rows[-1]['tb_s']:5.2f} TB/s err {err:.2e}", flush=True)
-        del step
         torch.cuda.empty_cache()
     return rows
 
@@ -375,8 +309,7 @@ def best_table(rows: list[dict[str, Any]]) -> str:
     lines = []
     keyed: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
-        key = (row["part"], row.get("case"), row.get("cache"), row.get("rows"), row.get("fp8"),
-               row.get("products"))
+        key = (row["part"], row.get("case"), row.get("cache"), row.get("rows"), row.get("fp8"))
         keyed.setdefault(key, []).append(row)
     for key, group in keyed.items():
         # A decode tile sums in another order (outputs differ in the last bits).
@@ -385,9 +318,8 @@ def best_table(rows: list[dict[str, Any]]) -> str:
         setting = {k: best[k] for k in ("tile", "max_registers", "block", "warps", "launch",
                                           "programs_per_sm",
                                           "rope_and_write") if k in best}
-        error = f" err {best['err']:.2e}" if "err" in best else ""
         lines.append(f"{' '.join(str(k) for k in key if k is not None):32} best {best['us']:7.1f} us "
-                     f"{setting}{error}")
+                     f"{setting}")
     return "\n".join(lines)
 
 
@@ -400,8 +332,7 @@ def main() -> int:
         print("decode_step_sweep.py needs a CUDA GPU.")
         return 2
     parts = {"decode": decode_rows, "gap": gap_rows, "silu": silu_rows, "norm": norm_rows,
-             "registers": register_rows, "argmax": argmax_rows,
-             "fp8products": fp8_product_rows}
+             "registers": register_rows, "argmax": argmax_rows}
     rows: list[dict[str, Any]] = []
     for name in args.parts.split(","):
         rows += parts[name]()

@@ -91,12 +91,11 @@ def compile_kernel(tile, int_bits: int, group: int, w8a8: str, pdl: bool = False
 
 
 def compile_attention(kind: str, tile: list[int], kv: str, pdl: bool = False,
-                      new_kv: str = "pages", fp8_products: int = 0):
+                      new_kv: str = "pages"):
     """The decode (``tile`` = BLOCK_N, warps, stages; one pass) or prefill (``tile`` =
     BLOCK_M, BLOCK_N, warps, stages) attention kernel for sm_90 (see the module docstring);
     ``new_kv``: where the prefill kernel reads a step's new keys, "pages", "rows", or
-    "context-rows" (the cached contexts from rows too); ``fp8_products``: the decode
-    kernel's ``FP8_PRODUCTS`` (``triton_decode.DECODE_FP8_PRODUCTS``)."""
+    "context-rows" (the cached contexts from rows too)."""
     kernel = triton_decode._decode_kernel if kind == "decode" else triton_prefill._prefill_kernel
     names = list(kernel.arg_names)
     pointers = dict(k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", part_acc_ptr="*fp32",
@@ -114,8 +113,7 @@ def compile_attention(kind: str, tile: list[int], kv: str, pdl: bool = False,
     if kind == "decode":
         block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_G=16, BLOCK_N=block_n, SPLIT=False, MERGE_H=4,
-                         MERGE_S=16, HAS_ORDER=True, ROPE_AND_CACHE=True, HALF=64, PDL=pdl,
-                         FP8_PRODUCTS=fp8_products)
+                         MERGE_S=16, HAS_ORDER=True, ROPE_AND_CACHE=True, HALF=64, PDL=pdl)
     else:
         block_m, block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_M=block_m, BLOCK_Q=block_m // 4, BLOCK_N=block_n,
@@ -180,9 +178,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-kv", choices=("pages", "rows", "context-rows"), default="pages",
                         help="the prefill kernel: where a step's new keys (and with "
                              "context-rows its cached contexts) are read")
-    parser.add_argument("--fp8-products", choices=("off", "qk", "all"), default="off",
-                        help="the decode kernel over an FP8 cache: which products run in FP8 "
-                             "(PAGEDLLM_DECODE_FP8_PRODUCTS)")
     parser.add_argument("--int-bits", type=int, choices=(0, 4, 8), default=0)
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--fp8", action="store_true")
@@ -199,8 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
         tile = [int(v) for v in attention.split(",")]
         kv = "fp8e4nv" if args.kv == "fp8" else "bf16"
         kind = "decode" if args.decode else "prefill"
-        compiled = compile_attention(kind, tile, kv, args.pdl, args.new_kv,
-                                     {"off": 0, "qk": 1, "all": 2}[args.fp8_products])
+        compiled = compile_attention(kind, tile, kv, args.pdl, args.new_kv)
         code = sass(compiled)
         block_n, num_warps = tile[-3], tile[-2]
         unit, per_thread = "KV byte", block_n * 128 * 2 * (1 if args.kv == "fp8" else 2) / (32 * num_warps)

@@ -293,9 +293,6 @@ def test_an_fp8_cache_takes_the_short_tile_only_where_every_context_is_short(mon
     assert tile(False, fp8_cache=True) == (64, 2, 2)
     assert tile(True, fp8_cache=True)[0] == 128 and tile(False)[0] == 64
     assert triton_decode.short_decode_context(128, cuda, fp8_cache=True) is None
-    # FP8 products run on wgmma, which takes a warpgroup: four warps.
-    monkeypatch.setattr(triton_decode, "DECODE_FP8_PRODUCTS", 2)
-    assert tile(False, fp8_cache=True) == (64, 4, 2)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 5, 64, 200])

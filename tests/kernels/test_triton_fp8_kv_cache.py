@@ -9,12 +9,9 @@ test also checks rounding itself, on arbitrary values.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
-from pagedllm.layers.attention import triton_decode
 from pagedllm.layers.attention.kv_quant import paged_kv_views
 from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
 from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
@@ -23,7 +20,7 @@ from pagedllm.layers.attention.triton_kv_write import rotate_and_write_kv, write
 from pagedllm.layers.attention.triton_prefill import paged_prefill_attention
 from pagedllm.quantization.fp8 import FP8_DTYPE
 from tests.kernels.paged_batch import (
-    DEVICE, TOLERANCE, batch_args, make_fp8_step, make_step, on_fp8_grid, reference_attention,
+    DEVICE, TOLERANCE, batch_args, make_fp8_step, make_step, reference_attention,
 )
 
 K_SCALE, V_SCALE = 0.5, 2.0  # powers of two: scaling moves no value off the grid
@@ -121,36 +118,6 @@ def test_decode_over_an_fp8_cache_matches_the_reference(num_splits, window) -> N
     torch.testing.assert_close(out, want, **TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize("heads", [(8, 2, 16), (4, 4, 24), (16, 1, 32)],
-                         ids=["gqa", "mha-head-dim-24", "mqa"])
-@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-3"])
-@pytest.mark.parametrize("window", [None, 5])
-def test_decode_with_fp8_query_key_products_matches_the_reference(monkeypatch, num_splits,
-                                                                   window, heads) -> None:
-    """``q k^T`` on FP8 tensor cores (keys as the rows of the transposed product, each query
-    head rounded to e4m3 by its own scale): with queries that round to themselves (on the
-    e4m3 grid, each head's largest magnitude 448, so its scale is 1) the output is the
-    reference's, every sequence, window and split, grouped, multi- and multi-query heads and
-    a head size that is not a power of two, to float16's rounding (``p v`` runs in float16
-    in this mode)."""
-    monkeypatch.setattr(triton_decode, "DECODE_FP8_PRODUCTS", 1)
-    num_heads, num_kv_heads, head_dim = heads
-    step = make_fp8_step(DECODES, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, seed=4, **SCALES)
-    query = on_fp8_grid(step.query * 40.0, 1.0).clamp(-400.0, 400.0)
-    query[:, :, 7] = 448.0
-    step = replace(step, query=query)
-    scale = 2.0**-9  # keeps 448-sized queries' logits to a few units
-    want, _ = reference_attention(step, scale, window, **SCALES)
-    md = step.metadata
-    write_kv_cache(step.key, step.value, *paged_kv_views(step.kv_cache), md.slot_mapping, **SCALES)
-    out = torch.zeros_like(step.query)
-    paged_decode_attention(step.query, *paged_kv_views(step.kv_cache), *batch_args(step), out,
-                           max_seq_len=md.max_seq_len, scale=scale, sliding_window=window,
-                           num_splits=num_splits, **SCALES)
-    torch.testing.assert_close(out, want, **TOLERANCE[torch.float16])
-
-
 @pytest.mark.parametrize("window", [None, 6])
 def test_prefill_over_an_fp8_cache_matches_the_reference(window) -> None:
     step = make_fp8_step(MIXED, seed=2, **SCALES)
@@ -223,54 +190,3 @@ def test_gpu_write_rounds_arbitrary_values_as_torch_does(dtype) -> None:
                    step.metadata.slot_mapping,
                    k_scale, v_scale)
     assert _same_bytes(cache, want)
-
-
-def _emulated_fp8_products(step, scale: float, pv_fp8: bool) -> torch.Tensor:
-    """Decode attention of ``step`` (every sequence one query) over its FP8 cache, in
-    float32 but for the roundings of ``triton_decode.DECODE_FP8_PRODUCTS``: each query head
-    to e4m3 by its own scale, and ``p`` to e4m3 after scaling by 256 (``pv_fp8``) or to
-    float16; ``p`` relative to the row's largest score (the kernel's running max may be a
-    tile's, which rounds other values alike)."""
-    md = step.metadata
-    keys, values = paged_kv_views(step.kv_cache)
-    page = keys.shape[1]
-    out = torch.zeros(step.query.shape, dtype=torch.float32, device=DEVICE)
-    for b, n in enumerate(md.seq_lens.tolist()):
-        blocks = md.block_tables[b, : -(-n // page)].long()
-        k = keys[blocks].float().flatten(0, 1)[:n] * K_SCALE
-        v = values[blocks].float().flatten(0, 1)[:n] * V_SCALE
-        q = step.query[int(md.query_start_loc[b])].float()
-        unit = q.abs().amax(1, keepdim=True).clamp_min(1e-30) / 448.0
-        q = (q / unit).to(FP8_DTYPE).float() * unit
-        group = q.shape[0] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        s = torch.einsum("hd,nhd->hn", q, k) * scale
-        p = torch.exp(s - s.amax(-1, keepdim=True))
-        rounded = (p * 256.0).to(FP8_DTYPE).float() / 256.0 if pv_fp8 else p.half().float()
-        row = int(md.query_start_loc[b])
-        out[row] = torch.einsum("hn,nhd->hd", rounded, v) / p.sum(-1)[:, None]
-    return out
-
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter rounds to float8 wrongly")
-@pytest.mark.parametrize("mode", [1, 2], ids=["qk", "all"])
-def test_gpu_fp8_decode_products_err_as_their_roundings_do(monkeypatch, mode) -> None:
-    """With arbitrary bf16 queries at Llama's head size, the FP8 products' output is off the
-    exact attention by no more than twice what rounding the queries (and ``p``) to their
-    formats costs by itself, at contexts of one to several tiles, in one pass and split."""
-    monkeypatch.setattr(triton_decode, "DECODE_FP8_PRODUCTS", mode)
-    seqs = ((0, 1), (40, 1), (200, 1), (513, 1), (1500, 1))
-    step = make_fp8_step(seqs, num_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
-                         seed=7, dtype=torch.bfloat16, **SCALES)
-    scale = 128**-0.5
-    exact, _ = reference_attention(step, scale, None, **SCALES)
-    md = step.metadata
-    write_kv_cache(step.key, step.value, *paged_kv_views(step.kv_cache), md.slot_mapping, **SCALES)
-    emulated = _emulated_fp8_products(step, scale, pv_fp8=mode == 2)
-    allowed = 2 * float((emulated - exact).abs().max()) + 2e-3 * float(exact.abs().max())
-    for num_splits in (1, 4):
-        out = torch.zeros_like(step.query)
-        paged_decode_attention(step.query, *paged_kv_views(step.kv_cache), *batch_args(step), out,
-                               max_seq_len=md.max_seq_len, scale=scale, num_splits=num_splits,
-                               **SCALES)
-        assert float((out.float() - exact).abs().max()) <= allowed

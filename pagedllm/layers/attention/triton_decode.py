@@ -80,7 +80,7 @@ from pagedllm.layers._triton_ops_kernels import follow_previous_kernel, rotate_h
 from pagedllm.layers.launch_math import cdiv, next_power_of_2
 from pagedllm.layers.pdl import launch_options
 from pagedllm.layers.triton_ops import arrival_counters
-from pagedllm.switches import choice, integer, switch
+from pagedllm.switches import integer, switch
 
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 64
@@ -88,12 +88,6 @@ MAX_SPLITS = 64
 
 # Programs per multiprocessor a split-K decode plans for (``PAGEDLLM_DECODE_PROGRAMS_PER_SM``).
 DECODE_PROGRAMS_PER_SM = integer("PAGEDLLM_DECODE_PROGRAMS_PER_SM", 2, 1, 64)
-
-# Decode over an FP8 cache with its products in FP8 (``_fp8_products_loop``): 0 widens the
-# keys and values to float16 for the tensor cores (the default); 1 takes ``q k^T`` in FP8
-# (the queries rounded to e4m3); 2 ``p v`` too (``PAGEDLLM_DECODE_FP8_PRODUCTS=off|qk|all``).
-DECODE_FP8_PRODUCTS = {"off": 0, "qk": 1, "all": 2}[
-    choice("PAGEDLLM_DECODE_FP8_PRODUCTS", ("off", "qk", "all"), "off")]
 
 
 @triton.jit(do_not_specialize=["num_actual_tokens"])
@@ -153,7 +147,6 @@ def _decode_kernel(
     FP16_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     V_SLOT_MAJOR: tl.constexpr,
-    FP8_PRODUCTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     follow_previous_kernel(PDL)
@@ -223,54 +216,47 @@ def _decode_kernel(
     loop_start = kv_start
     if V_SLOT_MAJOR:  # tiles of whole pages: a window's first tile starts on its page
         loop_start = kv_start // PAGE_SIZE * PAGE_SIZE
-    if FP8_PRODUCTS > 0:
-        acc, m_i, l_i = _fp8_products_loop(
-            q, k_head, v_head, table, loop_start, kv_start, kv_end, qk_scale, stride_kb,
-            stride_ks, stride_vb, d, d_valid, BLOCK_G, BLOCK_N, BLOCK_D, PAGE_SIZE, USE_WINDOW,
-            SOFTCAP, FP8_PRODUCTS == 2,
+    # Every tile holds at least one key (start < kv_end), so m stays finite inside the loop.
+    for start in range(loop_start, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_valid = n < kv_end
+        if V_SLOT_MAJOR and USE_WINDOW:
+            n_valid &= n >= kv_start
+        page = n.to(tl.uint32)  # n >= 0: unsigned division and remainder are shifts and masks
+        block = tl.load(table + page // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_rows = block * stride_kb + (page % PAGE_SIZE).to(tl.int64) * stride_ks
+        k = tl.load(
+            k_head + kv_rows[None, :] + d[:, None],
+            mask=n_valid[None, :] & d_valid[:, None],
+            other=0.0,
         )
-    else:
-        # Every tile holds at least one key (start < kv_end), so m stays finite inside the loop.
-        for start in range(loop_start, kv_end, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            n_valid = n < kv_end
-            if V_SLOT_MAJOR and USE_WINDOW:
-                n_valid &= n >= kv_start
-            page = n.to(tl.uint32)  # n >= 0: unsigned division and remainder are shifts and masks
-            block = tl.load(table + page // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
-            kv_rows = block * stride_kb + (page % PAGE_SIZE).to(tl.int64) * stride_ks
-            k = tl.load(
-                k_head + kv_rows[None, :] + d[:, None],
-                mask=n_valid[None, :] & d_valid[:, None],
+        if IEEE_DOT:
+            s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
+        else:
+            s = tl.dot(q, k.to(q.dtype))
+        s = s * qk_scale
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP)
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_SLOT_MAJOR:
+            v = slot_major_values(v_head, table, start, kv_end, stride_vb, d, d_valid,
+                                   BLOCK_N, BLOCK_D, PAGE_SIZE)
+        else:
+            v = tl.load(  # the caches share strides (check_paged_inputs)
+                v_head + kv_rows[:, None] + d[None, :],
+                mask=n_valid[:, None] & d_valid[None, :],
                 other=0.0,
             )
-            if IEEE_DOT:
-                s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
-            else:
-                s = tl.dot(q, k.to(q.dtype))
-            s = s * qk_scale
-            if SOFTCAP > 0:
-                s = soft_cap(s, SOFTCAP)
-            s = tl.where(n_valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if V_SLOT_MAJOR:
-                v = slot_major_values(v_head, table, start, kv_end, stride_vb, d, d_valid,
-                                       BLOCK_N, BLOCK_D, PAGE_SIZE)
-            else:
-                v = tl.load(  # the caches share strides (check_paged_inputs)
-                    v_head + kv_rows[:, None] + d[None, :],
-                    mask=n_valid[:, None] & d_valid[None, :],
-                    other=0.0,
-                )
-            if IEEE_DOT:
-                pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        if IEEE_DOT:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     acc = acc * v_scale  # values are read as stored; the partials carry the scale
 
     mask = g_valid[:, None] & d_valid[None, :]
@@ -301,83 +287,6 @@ def _decode_kernel(
                 first_part, first_part + num_parts,
                 QUERIES_PER_KV, MERGE_H, HEAD_DIM, BLOCK_D, MERGE_S,
             )
-
-
-# ``p`` is scaled by this before it is rounded to e4m3 for ``p v`` in FP8 (and the sums by
-# its inverse after the loop): probabilities down to 2^-17 keep e4m3's subnormal steps, not
-# 2^-9's, while the largest, 1, stays below e4m3's 448.
-P_FP8_SCALE = tl.constexpr(256.0)
-
-
-@triton.jit
-def _fp8_products_loop(q, k_head, v_head, table, loop_start, kv_start, kv_end, qk_scale,
-                       stride_kb, stride_ks, stride_vb, d, d_valid,
-                       BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       PAGE_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
-                       SOFTCAP: tl.constexpr, PV_FP8: tl.constexpr):
-    """The decode loop over an FP8 cache (values slot-major) with its products on FP8
-    tensor cores: ``(acc, m, l)`` as the kernel's own loop leaves them.
-
-    Keys are the rows of ``q k^T``, transposed (``k q^T``: ``[BLOCK_N, BLOCK_G]``), so a
-    tile's keys are a ``wgmma``'s 64-row operand read from shared memory as stored (e4m3,
-    ``head_dim`` contiguous) and the few query heads its narrow other operand; the queries
-    are rounded to e4m3 once, each head by its own scale (its largest magnitude to 448).
-    ``p v`` is ``v^T p^T`` (``[BLOCK_D, BLOCK_G]``), the values read along their slots
-    (contiguous in a slot-major page): with ``PV_FP8`` both operands in e4m3 (``p`` scaled
-    by ``P_FP8_SCALE``), else both widened to float16. The running max and sum stay float32,
-    from the unrounded ``p``.
-    """
-    fp8 = k_head.dtype.element_ty
-    q_unit = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30) / 448.0
-    q_t = tl.trans((q.to(tl.float32) / q_unit[:, None]).to(fp8))  # [BLOCK_D, BLOCK_G]
-    row_scale = q_unit * qk_scale
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc_t = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)
-    slot = tl.arange(0, PAGE_SIZE)
-    # Every tile holds at least one key (start < kv_end), so m stays finite inside the loop.
-    for start in range(loop_start, kv_end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_valid = n < kv_end
-        if USE_WINDOW:
-            n_valid &= n >= kv_start
-        page = n.to(tl.uint32)  # n >= 0: unsigned division and remainder are shifts and masks
-        block = tl.load(table + page // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
-        k = tl.load(
-            k_head + (block * stride_kb + (page % PAGE_SIZE).to(tl.int64) * stride_ks)[:, None]
-            + d[None, :],
-            mask=n_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )
-        s_t = tl.dot(k, q_t) * row_scale[None, :]
-        if SOFTCAP > 0:
-            s_t = soft_cap(s_t, SOFTCAP)
-        s_t = tl.where(n_valid[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p_t = tl.exp2(s_t - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p_t, 0)
-        # The tile's values, [BLOCK_D, BLOCK_N]: whole pages, those past kv_end read as zeros
-        # (slots past kv_end in its last page as stored, finite, weighted zero).
-        pg = start // PAGE_SIZE + tl.arange(0, BLOCK_N // PAGE_SIZE)
-        held = pg * PAGE_SIZE < kv_end
-        blk = tl.load(table + pg, mask=held, other=0).to(tl.int64)
-        v_t = tl.load(
-            v_head + (blk * stride_vb)[None, :, None] + slot[None, None, :]
-            + (d * PAGE_SIZE)[:, None, None],
-            mask=held[None, :, None] & d_valid[:, None, None],
-            other=0.0,
-        )
-        v_t = tl.reshape(v_t, [BLOCK_D, BLOCK_N])
-        if PV_FP8:
-            pv_t = tl.dot(v_t, (p_t * P_FP8_SCALE).to(fp8))
-        else:
-            pv_t = tl.dot(v_t.to(tl.float16), p_t.to(tl.float16))
-        acc_t = acc_t * alpha[None, :] + pv_t
-        m_i = m_new
-    if PV_FP8:
-        acc_t = acc_t * (1.0 / P_FP8_SCALE)
-    return tl.trans(acc_t), m_i, l_i
 
 
 @triton.jit
@@ -542,9 +451,8 @@ def decode_tile_config(head_dim: int, device: torch.device, split: bool,
     on CUDA with head_dim up to 128, 64 keys, 4 warps, 2 stages for one pass over a bf16 or
     fp16 cache; 64 keys, 2 warps, 2 stages for one pass over an FP8 cache whose contexts
     are all within ``SHORT_DECODE_CONTEXT``, and on an H100 for any one pass over an FP8
-    cache (4 warps, the warpgroup ``wgmma`` needs, with ``DECODE_FP8_PRODUCTS``); 128 keys,
-    4 warps, 2 stages for split partitions and for longer passes over an FP8 cache
-    elsewhere; 32 keys for wider heads. The choices come from whole workloads on
+    cache; 128 keys, 4 warps, 2 stages for split partitions and for longer passes over an
+    FP8 cache elsewhere; 32 keys for wider heads. The choices come from whole workloads on
     an H200 and an H100, not from one shape alone (the tiles, the sweeps and the workloads
     that decided them: docs/benchmarks.md, "Decode tiles by cache dtype", "short contexts",
     "short decodes on two warps" and "an H100's FP8 decode tile").
@@ -562,7 +470,7 @@ def decode_tile_config(head_dim: int, device: torch.device, split: bool,
     long_fp8 = fp8_cache and (max_seq_len is None or max_seq_len > SHORT_DECODE_CONTEXT)
     if split or (long_fp8 and not _h100(device)):
         return 128, 4, 2
-    return (64, 4 if DECODE_FP8_PRODUCTS else 2, 2) if fp8_cache else (64, 4, 2)
+    return (64, 2, 2) if fp8_cache else (64, 4, 2)
 
 
 @functools.cache
@@ -767,7 +675,6 @@ def paged_decode_attention(
         FP16_DOT=uses_fp16_dot(query.dtype, key_cache.dtype),
         SOFTCAP=soft_cap_constexpr(logits_soft_cap),
         V_SLOT_MAJOR=slot_major,
-        FP8_PRODUCTS=DECODE_FP8_PRODUCTS if slot_major and key_cache.element_size() == 1 else 0,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options(query.device),
