@@ -6,10 +6,11 @@ to its grammar text as follows:
 
 - ``json`` / ``json_object``: ``grammar_from_json_schema``; ``x-guidance`` keys in the
   schema override the defaults (``whitespace_pattern``, else ``whitespace_flexible`` from
-  ``disable_any_whitespace``);
-  keywords llguidance does not implement (``not``, ``if``/``then``, ``uniqueItems``,
-  ``contains``, ``propertyNames``) are refused at validation with its message, and so is
-  a ``$ref`` outside the schema (nothing is ever fetched); a ``format`` it does not know is
+  ``disable_any_whitespace``); a ``oneOf`` is made exact where it can be
+  (``_one_of_exact``), else taken as ``anyOf`` (``coerce_one_of``); keywords llguidance
+  does not implement (``not``, ``if``/``then``, ``uniqueItems``, ``contains``,
+  ``propertyNames``) are refused at validation with its message, and so is a ``$ref``
+  outside the schema (nothing is ever fetched); a ``format`` it does not know is
   an annotation and left out (the standard's default); dependencies between properties
   are rewritten as ``anyOf`` (``_dependencies_as_any_of``); an object schema that lists
   its ``properties`` and says nothing of other names allows none (``_close_object``);
@@ -46,16 +47,21 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             raise ValueError("structured_outputs.json must be a JSON schema object.")
         nodes = list(subschemas(schema))
         own_ids = {resource_id(node) for node in nodes} - {None}
-        parts = _composed_parts(schema, nodes)
+        resources = _resources(schema, nodes)
+        for node in nodes:
+            _one_of_exact(node, resources)
+        parts = _composed_parts(nodes, resources)
         for node in nodes:
             _check_local_ref(node, own_ids)
             _drop_unknown_format(node)
             if id(node) not in parts:
                 _close_object(node)
             _dependencies_as_any_of(node)
-        options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+        options: dict[str, Any] = {"coerce_one_of": True}
         if params.whitespace_pattern is not None:
-            options = {"whitespace_pattern": params.whitespace_pattern}
+            options["whitespace_pattern"] = params.whitespace_pattern
+        else:
+            options["whitespace_flexible"] = not params.disable_any_whitespace
         return LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(params.regex)
@@ -137,13 +143,19 @@ def _close_object(node: dict) -> None:
     node["additionalProperties"] = False
 
 
-def _composed_parts(root: Any, nodes: list[dict]) -> set[int]:
+def _resources(root: Any, nodes: list[dict]) -> dict[str, Any]:
+    """The schema's resources by URI: ``""`` for the root, and each schema object that names
+    itself (``$id``)."""
+    resources = {resource_id(node): node for node in nodes} | {"": root}
+    resources.pop(None, None)
+    return resources
+
+
+def _composed_parts(nodes: list[dict], resources: dict[str, Any]) -> set[int]:
     """The ids of the schemas that are parts of another's composition: ``allOf`` members,
     dependent schemas, ``if`` / ``then`` / ``else`` / ``not``, the ``anyOf`` / ``oneOf``
     branches of a schema that names properties itself (a branch adds to them), and, from a
     part, its own branches and members and the schemas its ``$ref`` may name."""
-    resources = {resource_id(node): node for node in nodes} | {"": root}
-    resources.pop(None, None)
     pending: list = []
     for node in nodes:
         keys = ["allOf"]
@@ -196,6 +208,75 @@ def _dependencies_as_any_of(node: dict) -> None:
             present["allOf"] = [dependency]
         node.setdefault("allOf", []).append(
             {"anyOf": [present, {"properties": {name: False}}]})
+
+
+# Keywords that say nothing of which values a schema accepts.
+_ANNOTATIONS = {"title", "description", "$comment", "default", "examples", "deprecated",
+                "readOnly", "writeOnly"}
+# Keywords that constrain objects alone: a schema of them and annotations accepts every
+# value that is not an object.
+_OBJECT_KEYWORDS = {"properties", "required", "additionalProperties", "patternProperties",
+                    "minProperties", "maxProperties", "propertyNames", "dependencies",
+                    "dependentRequired", "dependentSchemas", "unevaluatedProperties"}
+_MAX_PRESENCE_ALTERNATIVES = 64
+
+
+def _one_of_exact(node: dict, resources: dict[str, Any]) -> None:
+    """What of a ``oneOf`` can be said exactly in terms the backend implements; where its
+    branches may overlap beyond that, the backend takes it for ``anyOf`` (``coerce_one_of``,
+    as vLLM's default backend does).
+
+    - Two or more branches that constrain objects alone (through ``$ref`` too) both accept
+      any other value, so no value but an object holds exactly one: the node's ``type``
+      becomes ``object``.
+    - Branches that each only require names ("exactly one of ``radius``, or ``base`` and
+      ``height``"): ``_one_of_presence_as_any_of``."""
+    branches = node.get("oneOf")
+    if not isinstance(branches, list) or not branches:
+        return
+    if sum(_objects_alone(branch, resources) for branch in branches) >= 2:
+        kind = node.get("type")
+        if kind is None or (isinstance(kind, list) and "object" in kind):
+            node["type"] = "object"
+    _one_of_presence_as_any_of(node, branches)
+
+
+def _objects_alone(schema: Any, resources: dict[str, Any], depth: int = 0) -> bool:
+    """Whether ``schema`` constrains objects alone, following local ``$ref`` s."""
+    if not isinstance(schema, dict) or depth > 8:
+        return False
+    extra = set(schema) - _ANNOTATIONS - _OBJECT_KEYWORDS - {"$ref"}
+    if extra:
+        return False
+    targets = _ref_targets(resources, schema.get("$ref")) if "$ref" in schema else []
+    return all(_objects_alone(t, resources, depth + 1) for t in targets)
+
+
+def _one_of_presence_as_any_of(node: dict, branches: list) -> None:
+    """A ``oneOf`` whose branches each only require names: branch ``i`` holds and every
+    other branch ``j`` does not, which is ``i``'s names present and, for each ``j``, one of
+    ``j``'s names that ``i`` does not require absent (``{"properties": {p: false}}``). The
+    ``oneOf`` becomes an ``anyOf`` of those choices in the node's ``allOf`` (none if every
+    branch requires all of another's names). Left as is where the choices of one branch
+    would pass ``_MAX_PRESENCE_ALTERNATIVES``."""
+    if not all(isinstance(b, dict) and isinstance(b.get("required"), list)
+               and set(b) <= _ANNOTATIONS | {"required"} for b in branches):
+        return
+    names = [set(b["required"]) for b in branches]
+    alternatives: list[dict] = []
+    for i, present in enumerate(names):
+        absences = [frozenset()]
+        for j, other in enumerate(names):
+            if j != i:
+                absences = list({a | {p} for a in absences for p in other - present})
+            if len(absences) > _MAX_PRESENCE_ALTERNATIVES:
+                return
+        for absent in sorted(absences, key=sorted):
+            if not any(a < absent for a in absences):  # a smaller one already allows it
+                alternatives.append({"required": sorted(present),
+                                     "properties": {p: False for p in sorted(absent)}})
+    del node["oneOf"]
+    node.setdefault("allOf", []).append({"anyOf": alternatives or [False]})
 
 
 @functools.lru_cache(maxsize=256)

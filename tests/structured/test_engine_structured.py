@@ -150,6 +150,58 @@ def test_dependencies_between_properties_hold(llm, draft):
     assert any("a" in v for v in seen) and any("c" in v for v in seen)
 
 
+def sampled_values(llm, schema, num, max_tokens):
+    """The parsed outputs of ``num`` seeds, every one complete and valid under ``schema``."""
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    values = []
+    for completion in sample(llm, StructuredOutputsParams(json=schema), num=num,
+                             max_tokens=max_tokens):
+        assert completion.finish_reason == "stop", completion.text
+        value = json.loads(completion.text)
+        validator.validate(value)
+        values.append(value)
+    return values
+
+
+def test_one_of_branches_that_require_names_hold_exactly_one(llm):
+    """"Give the radius, or the side, or the base and the height": a
+    ``oneOf`` of ``required`` lists, as function-calling schemas write it, holds exactly, so
+    no output gives two shapes' names at once."""
+    shape = {name: {"type": "integer", "minimum": 1, "maximum": 99}
+             for name in ("radius", "side", "base", "height")}
+    schema = {"type": "object", "properties": shape, "additionalProperties": False,
+              "oneOf": [{"required": ["radius"]}, {"required": ["side"]},
+                        {"required": ["base", "height"], "description": "a triangle"}]}
+    values = sampled_values(llm, schema, num=32, max_tokens=60)
+    assert len({frozenset(v) & {"radius", "side", "base"} for v in values}) > 1
+
+
+def test_one_of_object_branches_hold_objects_alone(llm):
+    """Branches that only constrain objects (here through ``$ref``) each accept every other
+    value, so a number or a string would hold under two of them: only objects are generated,
+    each holding exactly one branch."""
+    schema = {"$defs": {"Circle": {"properties": {"r": {"type": "integer", "maximum": 9}},
+                                   "required": ["r"], "additionalProperties": False},
+                        "Square": {"properties": {"side": {"type": "integer", "maximum": 9}},
+                                   "required": ["side"], "additionalProperties": False}},
+              "oneOf": [{"$ref": "#/$defs/Circle"}, {"$ref": "#/$defs/Square"}]}
+    values = sampled_values(llm, schema, num=24, max_tokens=40)
+    assert all(isinstance(v, dict) for v in values)
+    assert {"r", "side"} == {key for v in values for key in v}
+
+
+def test_one_of_whose_branches_may_overlap_is_taken_as_any_of(llm):
+    """A ``oneOf`` the backend cannot make exact is accepted, as vLLM's default backend does,
+    and each output holds at least one branch (it may hold more)."""
+    branches = [{"type": "string", "maxLength": 6}, {"type": "string", "pattern": "^a", "maxLength": 9}]
+    for completion in sample(llm, StructuredOutputsParams(json={"oneOf": branches}), num=16,
+                             max_tokens=40):
+        assert completion.finish_reason == "stop", completion.text
+        value = json.loads(completion.text)
+        assert any(jsonschema.validators.Draft202012Validator(b).is_valid(value)
+                   for b in branches), value
+
+
 def test_listed_properties_are_the_only_keys_unless_the_schema_allows_others(llm):
     """Pydantic's schemas (what langchain and instructor send) list ``properties`` and say
     nothing of other keys: no other key is generated (as vLLM's default backend does), where
@@ -827,6 +879,12 @@ def test_a_constraint_failing_mid_output_aborts_its_request_alone(llm, monkeypat
     (dict(json={"type": "object", "properties": {"a": {"type": "wat"}}}), "wat"),
     (dict(json={"type": "string", "not": {"const": "x"}}), "not"),
     (dict(json={"$ref": "#/$defs/missing"}), "missing"),
+    # Both names required, and exactly one of them present: nothing holds.
+    (dict(json={"type": "object", "required": ["a", "b"],
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}), "nsatisfiable"),
+    (dict(json={"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}],
+                "x-guidance": {"coerce_one_of": False}}), "oneOf"),
     (dict(regex="(unclosed"), "unclosed"),
     (dict(grammar="start: ("), "grammar"),
 ])
