@@ -7,13 +7,15 @@ to its grammar text as follows:
 - ``json`` / ``json_object``: ``grammar_from_json_schema``; ``x-guidance`` keys in the
   schema override the defaults (``whitespace_pattern``, else ``whitespace_flexible`` from
   ``disable_any_whitespace``); a ``oneOf`` is made exact where it can be
-  (``_one_of_exact``), else taken as ``anyOf`` (``coerce_one_of``); keywords llguidance
-  does not implement (``not``, ``if``/``then``, ``uniqueItems``, ``contains``,
-  ``propertyNames``) are refused at validation with its message, and so is a ``$ref``
-  outside the schema (nothing is ever fetched); a ``format`` it does not know is
-  an annotation and left out (the standard's default); dependencies between properties
-  are rewritten as ``anyOf`` (``_dependencies_as_any_of``); an object schema that lists
-  its ``properties`` and says nothing of other names allows none (``_close_object``);
+  (``_one_of_exact``), else taken as ``anyOf`` (``coerce_one_of``); a ``not`` whose
+  negation is known in positive terms becomes it (``_not_in_positive_terms``); keywords
+  llguidance does not implement (any other ``not``, ``if``/``then``, ``uniqueItems``,
+  ``contains``, ``propertyNames``) are refused at validation with its message, and so is
+  a ``$ref`` outside the schema (nothing is ever fetched); a ``format`` it does not know
+  is an annotation and left out (the standard's default); dependencies between
+  properties are rewritten as ``anyOf`` (``_dependencies_as_any_of``); an object schema
+  that lists its ``properties`` and says nothing of other names allows none
+  (``_close_object``);
 - ``regex``: ``grammar_from_regex`` (the whole output matches);
 - ``choice``: a Lark rule with one string literal per choice;
 - ``grammar``: Lark as is, GBNF / EBNF (``::=``) converted to Lark first;
@@ -57,6 +59,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             if id(node) not in parts:
                 _close_object(node)
             _dependencies_as_any_of(node)
+            _not_in_positive_terms(node)
         options: dict[str, Any] = {"coerce_one_of": True}
         if params.whitespace_pattern is not None:
             options["whitespace_pattern"] = params.whitespace_pattern
@@ -277,6 +280,64 @@ def _one_of_presence_as_any_of(node: dict, branches: list) -> None:
                                      "properties": {p: False for p in sorted(absent)}})
     del node["oneOf"]
     node.setdefault("allOf", []).append({"anyOf": alternatives or [False]})
+
+
+# JSON's types, ``integer`` within ``number``.
+_TYPES = ("null", "boolean", "object", "array", "string", "number")
+
+
+def _not_in_positive_terms(node: dict) -> None:
+    """A ``not`` whose negation ``_negation`` knows becomes that negation in the node's
+    ``allOf``; any other is left for the backend to refuse, naming ``not``. Runs after
+    ``_close_object``: a negation never names a property to allow."""
+    if "not" in node:
+        positive = _negation(node["not"])
+        if positive is not None:
+            del node["not"]
+            node.setdefault("allOf", []).append(positive)
+
+
+def _negation(schema: Any, depth: int = 0) -> Any:
+    """A schema that holds exactly where ``schema`` does not, or None where none is known:
+
+    - ``{}`` / ``true`` and ``false`` swap;
+    - ``{"type": T}``: the other types (None for ``integer`` without ``number``: "a number
+      that is not an integer" has no type);
+    - ``{"required": names}`` (``properties`` that say nothing of their values aside):
+      objects lacking one of the names, ``{"type": "object", "anyOf": [{"properties":
+      {name: false}}, ...]}``; every other value passes ``required``, so fails its ``not``
+      (unless the schema also says ``type: object``);
+    - ``anyOf`` and ``allOf`` of negatable schemas: ``allOf`` and ``anyOf`` of their
+      negations."""
+    if schema is False:
+        return True
+    if schema is True or (isinstance(schema, dict) and set(schema) <= _ANNOTATIONS):
+        return False
+    if not isinstance(schema, dict) or depth > 8:
+        return None
+    keys = set(schema) - _ANNOTATIONS
+    if keys == {"type"}:
+        named = {schema["type"]} if isinstance(schema["type"], str) else set(schema["type"])
+        if "integer" in named and "number" not in named:
+            return None
+        others = [t for t in _TYPES if t not in named]
+        return {"type": others} if others else False
+    if "required" in keys and keys <= {"required", "properties", "type"} \
+            and schema.get("type", "object") == "object" \
+            and all(_negation(v) is False for v in schema.get("properties", {}).values()):
+        lacking = [{"properties": {name: False}} for name in sorted(set(schema["required"]))]
+        objects_lacking = {"type": "object", "anyOf": lacking} if lacking else False
+        if "type" not in schema:
+            return objects_lacking
+        return {"anyOf": [{"type": [t for t in _TYPES if t != "object"]}, objects_lacking]}
+    if len(keys) == 1 and keys <= {"anyOf", "allOf"}:
+        key = keys.pop()
+        parts = [_negation(part, depth + 1) for part in schema[key]] \
+            if isinstance(schema[key], list) else [None]
+        if any(part is None for part in parts):
+            return None
+        return {"allOf" if key == "anyOf" else "anyOf": parts}
+    return None
 
 
 @functools.lru_cache(maxsize=256)

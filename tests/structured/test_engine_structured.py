@@ -202,6 +202,23 @@ def test_one_of_whose_branches_may_overlap_is_taken_as_any_of(llm):
                    for b in branches), value
 
 
+def test_not_of_types_names_and_nothing_holds(llm):
+    """``not`` as real-world schemas write it: "not both ``a`` and ``b``", "never
+    ``legacy``" (``{"not": {}}``), "neither ``c`` nor ``d``", "any value but a string or
+    null"."""
+    small = {"type": "integer", "minimum": 0, "maximum": 9}
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"a": small, "b": small, "c": small, "d": small,
+                             "legacy": {"not": {}},
+                             "v": {"not": {"type": ["string", "null", "object", "array"]}}},
+              "not": {"required": ["a", "b"]},
+              "allOf": [{"not": {"anyOf": [{"required": ["c"]}, {"required": ["d"]}]}}]}
+    values = sampled_values(llm, schema, num=32, max_tokens=60)
+    assert all("legacy" not in v and not {"c", "d"} & set(v) for v in values)
+    assert any("a" in v for v in values) and any("b" in v for v in values)
+    assert any(isinstance(v.get("v"), (bool, int, float)) for v in values)
+
+
 def test_listed_properties_are_the_only_keys_unless_the_schema_allows_others(llm):
     """Pydantic's schemas (what langchain and instructor send) list ``properties`` and say
     nothing of other keys: no other key is generated (as vLLM's default backend does), where
