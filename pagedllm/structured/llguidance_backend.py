@@ -262,10 +262,10 @@ def _one_of_presence_as_any_of(node: dict, branches: list) -> None:
     ``oneOf`` becomes an ``anyOf`` of those choices in the node's ``allOf`` (none if every
     branch requires all of another's names). Left as is where the choices of one branch
     would pass ``_MAX_PRESENCE_ALTERNATIVES``."""
-    if not all(isinstance(b, dict) and isinstance(b.get("required"), list)
-               and set(b) <= _ANNOTATIONS | {"required"} for b in branches):
+    if not all(isinstance(b, dict) and set(b) <= _ANNOTATIONS | {"required"}
+               and _names(b.get("required")) is not None for b in branches):
         return
-    names = [set(b["required"]) for b in branches]
+    names = [_names(b["required"]) for b in branches]
     alternatives: list[dict] = []
     for i, present in enumerate(names):
         absences = [frozenset()]
@@ -280,6 +280,13 @@ def _one_of_presence_as_any_of(node: dict, branches: list) -> None:
                                      "properties": {p: False for p in sorted(absent)}})
     del node["oneOf"]
     node.setdefault("allOf", []).append({"anyOf": alternatives or [False]})
+
+
+def _names(value: Any) -> set[str] | None:
+    """The strings of a list of strings (``required``, ``type``); None for anything else."""
+    if isinstance(value, list) and all(isinstance(name, str) for name in value):
+        return set(value)
+    return None
 
 
 # JSON's types, ``integer`` within ``number``.
@@ -317,15 +324,17 @@ def _negation(schema: Any, depth: int = 0) -> Any:
         return None
     keys = set(schema) - _ANNOTATIONS
     if keys == {"type"}:
-        named = {schema["type"]} if isinstance(schema["type"], str) else set(schema["type"])
-        if "integer" in named and "number" not in named:
+        named = _names([schema["type"]] if isinstance(schema["type"], str) else schema["type"])
+        if named is None or ("integer" in named and "number" not in named):
             return None
         others = [t for t in _TYPES if t not in named]
         return {"type": others} if others else False
+    properties = schema.get("properties", {})
     if "required" in keys and keys <= {"required", "properties", "type"} \
+            and _names(schema["required"]) is not None and isinstance(properties, dict) \
             and schema.get("type", "object") == "object" \
-            and all(_negation(v) is False for v in schema.get("properties", {}).values()):
-        lacking = [{"properties": {name: False}} for name in sorted(set(schema["required"]))]
+            and all(_negation(v) is False for v in properties.values()):
+        lacking = [{"properties": {name: False}} for name in sorted(_names(schema["required"]))]
         objects_lacking = {"type": "object", "anyOf": lacking} if lacking else False
         if "type" not in schema:
             return objects_lacking
