@@ -6,7 +6,8 @@ layout of JSONSchemaBench's ``data/``; a file ``{"schema": ..., "tests": ...}`` 
 schema under ``schema``). Takes ``--per-dataset`` files from each folder (a seeded sample),
 asks the engine's validation for each, then generates one output per accepted schema with
 the bundled demo model at temperature 1 and validates those that finished with ``stop``
-(``jsonschema``, the draft named by ``$schema``, formats not asserted).
+(``jsonschema``, the draft named by ``$schema``, formats not asserted); an output the
+backend's constraint failed in (``abort``) is listed with its reason.
 
 ``--tools``: the schemas are tools' parameters instead. Each request offers one to three
 of them as tools with ``tool_choice: "required"`` (the server's constraint, from
@@ -136,9 +137,12 @@ def main() -> None:
     seconds = time.perf_counter() - start
     finish = collections.Counter()
     failures = {}
+    aborted = {}
     for (name, schema), output in zip(accepted, outputs):
         completion = output.outputs[0]
         finish[completion.finish_reason] += 1
+        if completion.finish_reason == "abort":
+            aborted[name] = str(completion.stop_reason)
         if completion.finish_reason == "stop" and (
                 reason := invalid_reason(schema, completion.text, tools.get(name))):
             failures[name] = reason
@@ -147,7 +151,7 @@ def main() -> None:
         "schemas": len(sample), "accepted": len(accepted), "refused": len(refused),
         "finish_reasons": dict(finish), "complete_outputs_invalid": len(failures),
         "generate_s": round(seconds, 1), "refusal_reasons": dict(reasons.most_common()),
-        "refused_files": refused, "invalid_files": failures,
+        "refused_files": refused, "invalid_files": failures, "aborted_files": aborted,
         "settings": {"per_dataset": args.per_dataset, "seed": args.seed,
                      "max_tokens": args.max_tokens, "tools": args.tools},
     }
@@ -157,6 +161,8 @@ def main() -> None:
         print(f"  {count:4d}  {reason}")
     for name, reason in list(failures.items())[:20]:
         print(f"  INVALID {name}: {reason}")
+    for name, reason in list(aborted.items())[:20]:
+        print(f"  ABORTED {name}: {reason[:200]}")
     if args.out:
         args.out.write_text(json.dumps(record, indent=1))
 

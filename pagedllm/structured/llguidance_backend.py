@@ -50,14 +50,18 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         nodes = list(subschemas(schema))
         own_ids = {resource_id(node) for node in nodes} - {None}
         resources = _resources(schema, nodes)
-        for node in nodes:
-            _one_of_exact(node, resources)
         parts = _composed_parts(nodes, resources)
+        # Each pass reads the schema objects as the one before left them all: closed
+        # objects decide whether a oneOf can hold the empty object, and the oneOf pass
+        # reads its branches before the last pass rewrites them.
         for node in nodes:
             _check_local_ref(node, own_ids)
             _drop_unknown_format(node)
             if id(node) not in parts:
                 _close_object(node)
+        for node in nodes:
+            _one_of_exact(node, resources)
+        for node in nodes:
             _dependencies_as_any_of(node)
             _not_in_positive_terms(node)
         options: dict[str, Any] = {"coerce_one_of": True}
@@ -222,6 +226,7 @@ _OBJECT_KEYWORDS = {"properties", "required", "additionalProperties", "patternPr
                     "minProperties", "maxProperties", "propertyNames", "dependencies",
                     "dependentRequired", "dependentSchemas", "unevaluatedProperties"}
 _MAX_PRESENCE_ALTERNATIVES = 64
+_MAX_EMPTY_OBJECT_NAMES = 8
 
 
 def _one_of_exact(node: dict, resources: dict[str, Any]) -> None:
@@ -232,6 +237,10 @@ def _one_of_exact(node: dict, resources: dict[str, Any]) -> None:
     - Two or more branches that constrain objects alone (through ``$ref`` too) both accept
       any other value, so no value but an object holds exactly one: the node's ``type``
       becomes ``object``.
+    - Two or more branches that hold the empty object, where every branch that holds
+      objects allows only the names it lists (``additionalProperties: false``): ``{}``
+      holds two, and every other object names one of those names, so the node requires
+      one of them (an ``anyOf`` of ``required``, which every other value passes).
     - Branches that each only require names ("exactly one of ``radius``, or ``base`` and
       ``height``"): ``_one_of_presence_as_any_of``."""
     branches = node.get("oneOf")
@@ -241,7 +250,52 @@ def _one_of_exact(node: dict, resources: dict[str, Any]) -> None:
         kind = node.get("type")
         if kind is None or (isinstance(kind, list) and "object" in kind):
             node["type"] = "object"
+    _one_of_without_empty_object(node, [_referenced(b, resources) for b in branches])
     _one_of_presence_as_any_of(node, branches)
+
+
+def _referenced(schema: Any, resources: dict[str, Any], depth: int = 0) -> Any:
+    """The schema a lone ``$ref`` (annotations beside it) names, followed to the end;
+    ``schema`` itself if it is no such reference; None where the target is not one."""
+    if not isinstance(schema, dict) or "$ref" not in schema \
+            or set(schema) - _ANNOTATIONS != {"$ref"}:
+        return schema
+    targets = [t for t in _ref_targets(resources, schema["$ref"]) if t is not None]
+    return _referenced(targets[0], resources, depth + 1) \
+        if len(targets) == 1 and depth < 8 else None
+
+
+def _one_of_without_empty_object(node: dict, branches: list) -> None:
+    """The empty-object rule of ``_one_of_exact`` over ``branches``, references followed
+    (not where the node bounds its number of names itself: llguidance then takes no
+    ``required`` beside it)."""
+    if "minProperties" in node or "maxProperties" in node:
+        return
+    holds_objects = [b for b in branches if _may_be_object(b)]
+    if not all(isinstance(b, dict) and b.get("additionalProperties") is False
+               and "patternProperties" not in b and isinstance(b.get("properties", {}), dict)
+               for b in holds_objects):
+        return
+    if sum(_holds_empty_object(b) for b in holds_objects) < 2:
+        return
+    names = sorted({name for b in holds_objects for name in b.get("properties", {})})
+    if len(names) > _MAX_EMPTY_OBJECT_NAMES:
+        return  # llguidance expands each name's alternative: grammars past its limit
+    node.setdefault("allOf", []).append({"anyOf": [{"required": [n]} for n in names] or [False]})
+
+
+def _may_be_object(schema: Any) -> bool:
+    """Whether ``schema`` may hold an object (False only where its ``type`` says not)."""
+    if schema is False:
+        return False
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return kind is None or kind == "object" or (isinstance(kind, list) and "object" in kind)
+
+
+def _holds_empty_object(schema: dict) -> bool:
+    """Whether ``schema`` (one that allows only its listed names) surely holds ``{}``: it
+    says nothing but its type, its properties and annotations."""
+    return set(schema) - _ANNOTATIONS <= {"type", "properties", "additionalProperties"}
 
 
 def _objects_alone(schema: Any, resources: dict[str, Any], depth: int = 0) -> bool:

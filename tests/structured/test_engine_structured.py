@@ -190,6 +190,17 @@ def test_one_of_object_branches_hold_objects_alone(llm):
     assert {"r", "side"} == {key for v in values for key in v}
 
 
+def test_one_of_closed_branches_that_both_hold_the_empty_object_never_give_it(llm):
+    """A cursor is ``{"next": ...}`` or ``{"previous": ...}``, each branch closed and
+    requiring nothing: ``{}`` holds both, so it is never generated."""
+    cursor = {"type": "string", "maxLength": 8}
+    schema = {"type": "object",
+              "oneOf": [{"additionalProperties": False, "properties": {"next": cursor}},
+                        {"additionalProperties": False, "properties": {"previous": cursor}}]}
+    values = sampled_values(llm, schema, num=32, max_tokens=40)
+    assert {"next", "previous"} == {key for v in values for key in v}
+
+
 def test_one_of_whose_branches_may_overlap_is_taken_as_any_of(llm):
     """A ``oneOf`` the backend cannot make exact is accepted, as vLLM's default backend does,
     and each output holds at least one branch (it may hold more)."""
