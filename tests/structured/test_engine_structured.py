@@ -204,7 +204,8 @@ def test_one_of_closed_branches_that_both_hold_the_empty_object_never_give_it(ll
 def test_one_of_whose_branches_may_overlap_is_taken_as_any_of(llm):
     """A ``oneOf`` the backend cannot make exact is accepted, as vLLM's default backend does,
     and each output holds at least one branch (it may hold more)."""
-    branches = [{"type": "string", "maxLength": 6}, {"type": "string", "pattern": "^a", "maxLength": 9}]
+    branches = [{"type": "string", "maxLength": 6},
+                {"type": "string", "pattern": "^a", "maxLength": 9}]
     for completion in sample(llm, StructuredOutputsParams(json={"oneOf": branches}), num=16,
                              max_tokens=40):
         assert completion.finish_reason == "stop", completion.text
