@@ -65,7 +65,8 @@ DECODE_TILES = ((16, 2, 2), (32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64,
                 (128, 4, 2))
 # SiLU-and-mul launches (triton_ops.SiluFp8Launch: block, warps, programs a multiprocessor,
 # 0 = one program a row).
-SILU_SETTINGS = ((16384, 16, 0), (16384, 16, 1), (16384, 32, 1), (16384, 8, 1), (8192, 8, 2))
+SILU_SETTINGS = ((16384, 16, 0), (16384, 32, 1), (16384, 32, 1, 1), (16384, 16, 1, 1),
+                 (16384, 16, 1))
 NORM_WARPS = (2, 4, 8, 16)
 
 

@@ -186,6 +186,12 @@ def _silu_and_mul_part(x_ptr, cols, mask, d, row_scale=1.0, col_scale_ptr=None,
     ``col_scale`` has ``2d`` values, the gate's then the up projection's)."""
     gate = tl.load(x_ptr + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + d + cols, mask=mask, other=0.0)
+    return _silu_and_mul_of(gate, up, cols, mask, d, row_scale, col_scale_ptr, SCALED)
+
+
+@triton.jit
+def _silu_and_mul_of(gate, up, cols, mask, d, row_scale, col_scale_ptr, SCALED: tl.constexpr):
+    """``_silu_and_mul_part`` of the loaded ``gate`` and ``up`` columns ``cols``."""
     dtype = gate.dtype
     g = gate.to(tl.float32)
     u = up.to(tl.float32)
@@ -216,7 +222,7 @@ def silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, row_scal
                             col_scale_ptr, stride_x, d, num_rows,
                             BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
                             STATIC_INPUT: tl.constexpr, SCALED: tl.constexpr,
-                            PDL: tl.constexpr):
+                            PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Rows ``program_id, program_id + num_programs, ...`` of ``num_rows``:
     ``silu_and_mul_kernel``'s values, quantized as ``quantize_rows_kernel`` quantizes them,
     into FP8 ``out`` (contiguous rows of ``d``) and each row's float32 scale into ``scale``.
@@ -224,8 +230,15 @@ def silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, row_scal
     registers and takes the next once it is stored). ``ONE_PASS``
     (``d <= BLOCK``): a row is read once and kept in registers; wider rows take two
     passes, the second computing each part again (its inputs from cache). ``SCALED``: as
-    in ``_silu_and_mul_part``."""
+    in ``_silu_and_mul_part``. ``PREFETCH`` (one pass): each iteration loads the program's
+    next row before it computes, reduces and stores the row loaded the iteration before,
+    so a program's loads overlap its own arithmetic; the same bytes and scales."""
     follow_previous_kernel(PDL)
+    if PREFETCH:
+        _silu_and_mul_fp8_rows_ahead(x_ptr, out_ptr, scale_ptr, input_scale_ptr, row_scale_ptr,
+                                     col_scale_ptr, stride_x, d, num_rows, BLOCK, STATIC_INPUT,
+                                     SCALED)
+        return
     for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
         offset = row + tl.zeros([], tl.int64)  # 64-bit row offsets
         x_row = x_ptr + offset * stride_x
@@ -254,6 +267,38 @@ def silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, row_scal
                                        SCALED)
                 tl.store(out_row + cols, to_fp8(y, scale), mask=cols < d)
         tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def _silu_and_mul_fp8_rows_ahead(x_ptr, out_ptr, scale_ptr, input_scale_ptr, row_scale_ptr,
+                                 col_scale_ptr, stride_x, d, num_rows, BLOCK: tl.constexpr,
+                                 STATIC_INPUT: tl.constexpr, SCALED: tl.constexpr):
+    """``silu_and_mul_fp8_kernel`` with ``ONE_PASS`` and ``PREFETCH``: the row loop with
+    the next row's gate, up and row scale carried from one iteration to the next."""
+    cols = tl.arange(0, BLOCK)
+    mask = cols < d
+    step = tl.num_programs(0)
+    row = tl.program_id(0)
+    x_row = x_ptr + (row + tl.zeros([], tl.int64)) * stride_x
+    gate = tl.load(x_row + cols, mask=mask & (row < num_rows), other=0.0)
+    up = tl.load(x_row + d + cols, mask=mask & (row < num_rows), other=0.0)
+    row_scale = 1.0
+    if SCALED:
+        row_scale = tl.load(row_scale_ptr + row, mask=row < num_rows, other=1.0)
+    for row in range(tl.program_id(0), num_rows, step):
+        ahead = row + step
+        x_ahead = x_ptr + (ahead + tl.zeros([], tl.int64)) * stride_x
+        gate_ahead = tl.load(x_ahead + cols, mask=mask & (ahead < num_rows), other=0.0)
+        up_ahead = tl.load(x_ahead + d + cols, mask=mask & (ahead < num_rows), other=0.0)
+        row_scale_ahead = 1.0
+        if SCALED:
+            row_scale_ahead = tl.load(row_scale_ptr + ahead, mask=ahead < num_rows, other=1.0)
+        y = _silu_and_mul_of(gate, up, cols, mask, d, row_scale, col_scale_ptr, SCALED)
+        scale = fp8_row_scale(tl.max(tl.abs(y), 0), input_scale_ptr, STATIC_INPUT)
+        tl.store(out_ptr + (row + tl.zeros([], tl.int64)) * d + cols, to_fp8(y, scale),
+                 mask=mask)
+        tl.store(scale_ptr + row, scale)
+        gate, up, row_scale = gate_ahead, up_ahead, row_scale_ahead
 
 
 @triton.jit

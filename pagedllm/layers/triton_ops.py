@@ -257,13 +257,15 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 class SiluFp8Launch(NamedTuple):
-    """Launch of ``silu_and_mul_fp8_kernel``: ``block`` columns a pass, warps, and
+    """Launch of ``silu_and_mul_fp8_kernel``: ``block`` columns a pass, warps,
     ``programs_per_sm`` (0: one program a row; else at most that many programs a
-    multiprocessor, each walking its share of the rows)."""
+    multiprocessor, each walking its share of the rows), and ``prefetch`` (1: a program
+    loads its next row while it finishes the one before; rows of at most ``block``)."""
 
     block: int
     num_warps: int
     programs_per_sm: int
+    prefetch: int = 0
 
 
 SILU_FP8_LAUNCH_ENV = "PAGEDLLM_SILU_FP8_LAUNCH"
@@ -275,7 +277,7 @@ def silu_fp8_launch(d: int) -> SiluFp8Launch:
     columns (wider: two passes). Rows of more than 8k columns (an 8B model's MLP) take 32
     warps and one program a multiprocessor, which walks its rows (a row's registers leave
     room for no second program; docs/benchmarks.md); narrower rows one program each. Or
-    ``PAGEDLLM_SILU_FP8_LAUNCH="BLOCK,warps,programs_per_sm"``."""
+    ``PAGEDLLM_SILU_FP8_LAUNCH="BLOCK,warps,programs_per_sm[,prefetch]"``."""
     value = os.environ.get(SILU_FP8_LAUNCH_ENV, "").strip()
     if value:
         try:
@@ -283,11 +285,12 @@ def silu_fp8_launch(d: int) -> SiluFp8Launch:
         except (TypeError, ValueError):
             launch = None
         if launch is None or launch.block < 16 or launch.block & (launch.block - 1) or (
-                launch.num_warps not in (1, 2, 4, 8, 16, 32)) or launch.programs_per_sm < 0:
+                launch.num_warps not in (1, 2, 4, 8, 16, 32)) or launch.programs_per_sm < 0 \
+                or launch.prefetch not in (0, 1):
             raise ValueError(f"{SILU_FP8_LAUNCH_ENV}={value!r}: give BLOCK,warps,"
-                             "programs_per_sm (BLOCK a power of two >= 16, warps a power of "
-                             "two up to 32, programs_per_sm >= 0: 0 = one program a row), "
-                             "e.g. 16384,32,1.")
+                             "programs_per_sm[,prefetch] (BLOCK a power of two >= 16, warps a "
+                             "power of two up to 32, programs_per_sm >= 0: 0 = one program a "
+                             "row; prefetch 0 or 1), e.g. 16384,32,1.")
         return launch
     if 8192 < d <= 16384:
         return SiluFp8Launch(16384, 32, 1)
@@ -323,6 +326,9 @@ def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
         scale = torch.empty((num_tokens, 1), dtype=torch.float32, device=gate_up.device)
         if num_tokens:
             launch = launch or silu_fp8_launch(d)
+            if launch.prefetch and d > launch.block:
+                raise ValueError(f"silu_and_mul: a launch that loads rows ahead takes rows of "
+                                 f"at most its block ({launch.block}), got {d}.")
             programs = num_tokens
             if launch.programs_per_sm:
                 programs = min(num_tokens, launch.programs_per_sm * _sm_count(gate_up.device))
@@ -330,7 +336,8 @@ def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
                 gate_up, out, scale, input_scale if input_scale is not None else scale,
                 row_scale, col_scale, gate_up.stride(0), d, num_tokens, BLOCK=launch.block,
                 ONE_PASS=d <= launch.block, STATIC_INPUT=input_scale is not None,
-                SCALED=sums_scales is not None, num_warps=launch.num_warps,
+                SCALED=sums_scales is not None, PREFETCH=bool(launch.prefetch),
+                num_warps=launch.num_warps,
                 **launch_options(gate_up.device),
             )
         return out, scale

@@ -466,26 +466,29 @@ def test_silu_and_mul_quantizes_for_fp8_as_silu_and_mul_then_quantize(d, static)
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-@pytest.mark.parametrize("block", [2048, 512])
+@pytest.mark.parametrize("block, prefetch", [(2048, 0), (512, 0), (2048, 1)])
 def test_silu_and_mul_programs_walking_several_rows_quantize_each_as_one_program_a_row(
-        block, monkeypatch) -> None:
+        block, prefetch, monkeypatch) -> None:
     """Fewer programs than rows (each walking every ``programs``-th row, in one pass or
-    two), over an FP8 product's sums: every row's bytes and scale as the default launch of
-    one program a row gives them; the launch can also come from
-    ``PAGEDLLM_SILU_FP8_LAUNCH``, and a malformed one is refused by name."""
+    two, or loading each next row ahead), over an FP8 product's sums: every row's bytes
+    and scale as the default launch of one program a row gives them; the launch can also
+    come from ``PAGEDLLM_SILU_FP8_LAUNCH``, and a malformed one is refused by name."""
     rows, d = 11, 1100
     sums = _rand(rows, 2 * d, dtype=torch.bfloat16, seed=55) * 50
     scales = (_rand(rows, 1, seed=56).abs() * 1e-3 + 1e-4,
               _rand(2 * d, 1, seed=57).abs() * 1e-2 + 1e-3)
     want_q, want_scale = triton_ops.silu_and_mul(sums, fp8=True, sums_scales=scales)
-    launch = triton_ops.SiluFp8Launch(block, 4, 1)  # a few programs: rows > programs
+    launch = triton_ops.SiluFp8Launch(block, 4, 1, prefetch)  # a few programs: rows > programs
     got_q, got_scale = triton_ops.silu_and_mul(sums, fp8=True, sums_scales=scales, launch=launch)
     assert torch.equal(got_scale, want_scale)
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
     with pytest.raises(ValueError, match="pass fp8=True"):
         triton_ops.silu_and_mul(sums, launch=launch)
+    if prefetch:  # rows ahead are whole rows: wider ones are refused, not cut
+        with pytest.raises(ValueError, match="at most its block"):
+            triton_ops.silu_and_mul(sums, fp8=True, launch=triton_ops.SiluFp8Launch(512, 4, 1, 1))
     triton_ops.silu_fp8_launch.cache_clear()
-    monkeypatch.setenv("PAGEDLLM_SILU_FP8_LAUNCH", f"{block},4,1")
+    monkeypatch.setenv("PAGEDLLM_SILU_FP8_LAUNCH", ",".join(map(str, launch)))
     try:
         assert triton_ops.silu_fp8_launch(d) == launch
         monkeypatch.setenv("PAGEDLLM_SILU_FP8_LAUNCH", "1000,4,1")
