@@ -113,7 +113,8 @@ def compile_attention(kind: str, tile: list[int], kv: str, pdl: bool = False,
     if kind == "decode":
         block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_G=16, BLOCK_N=block_n, SPLIT=False, MERGE_H=4,
-                         MERGE_S=16, HAS_ORDER=True, ROPE_AND_CACHE=True, HALF=64, PDL=pdl)
+                         MERGE_S=16, HAS_ORDER=True, ROPE_AND_CACHE=True, SUMS=False, HALF=64,
+                         PDL=pdl)
     else:
         block_m, block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_M=block_m, BLOCK_Q=block_m // 4, BLOCK_N=block_n,

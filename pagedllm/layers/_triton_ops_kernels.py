@@ -343,14 +343,22 @@ def rotate_half(x_row, c, s, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def rotate_half_whole(x_row, d, c, s, mask, HALF: tl.constexpr):
+def rotate_half_whole(x_row, d, c, s, mask, HALF: tl.constexpr, row_scale=1.0,
+                      col_scale_row=None, SCALED: tl.constexpr = False):
     """``rotate_half`` as one tile over every column ``d`` of the heads at ``x_row``:
     ``x[d] * c - x[d + HALF] * s`` in the first half, ``x[d] * c + x[d - HALF] * s`` in the
     second (the same products as ``rotate_half``), in float32; ``c, s`` hold
-    ``cos, sin[d % HALF]``."""
+    ``cos, sin[d % HALF]``. ``SCALED``: the heads hold an FP8 product's sums, whose
+    values are ``scaled_sums`` of ``row_scale`` and the column scales at ``col_scale_row``
+    (laid out as the heads' columns)."""
     first = d < HALF
+    other = tl.where(first, d + HALF, d - HALF)
     x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
-    partner = tl.load(x_row + tl.where(first, d + HALF, d - HALF), mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(x_row + other, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        dtype = x_row.dtype.element_ty
+        x = scaled_sums(x, row_scale, col_scale_row, d, mask, dtype)
+        partner = scaled_sums(partner, row_scale, col_scale_row, other, mask, dtype)
     return tl.where(first, x * c - partner * s, x * c + partner * s)
 
 

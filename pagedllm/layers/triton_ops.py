@@ -259,8 +259,9 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 class SiluFp8Launch(NamedTuple):
     """Launch of ``silu_and_mul_fp8_kernel``: ``block`` columns a pass, warps,
     ``programs_per_sm`` (0: one program a row; else at most that many programs a
-    multiprocessor, each walking its share of the rows), and ``prefetch`` (1: a program
-    loads its next row while it finishes the one before; rows of at most ``block``)."""
+    multiprocessor, each walking its share of the rows), and ``prefetch`` (1: where each
+    program walks more than ``SILU_PREFETCH_MIN_ROWS`` rows, it loads its next row while
+    it finishes the one before; rows of at most ``block``)."""
 
     block: int
     num_warps: int
@@ -269,6 +270,9 @@ class SiluFp8Launch(NamedTuple):
 
 
 SILU_FP8_LAUNCH_ENV = "PAGEDLLM_SILU_FP8_LAUNCH"
+# Rows a program must walk for loading the next one ahead to pay (H100: 512 and 8,192 rows
+# of 14,336 columns 6% and 14% faster, 64 and 256 rows 5-15% slower; docs/benchmarks.md).
+SILU_PREFETCH_MIN_ROWS = 3
 
 
 @functools.cache
@@ -276,7 +280,8 @@ def silu_fp8_launch(d: int) -> SiluFp8Launch:
     """SiLU-and-mul with FP8 output over rows of ``d``: a whole row in registers up to 16k
     columns (wider: two passes). Rows of more than 8k columns (an 8B model's MLP) take 32
     warps and one program a multiprocessor, which walks its rows (a row's registers leave
-    room for no second program; docs/benchmarks.md); narrower rows one program each. Or
+    room for no second program) and load each next row ahead (docs/benchmarks.md);
+    narrower rows one program each. Or
     ``PAGEDLLM_SILU_FP8_LAUNCH="BLOCK,warps,programs_per_sm[,prefetch]"``."""
     value = os.environ.get(SILU_FP8_LAUNCH_ENV, "").strip()
     if value:
@@ -293,7 +298,7 @@ def silu_fp8_launch(d: int) -> SiluFp8Launch:
                              "row; prefetch 0 or 1), e.g. 16384,32,1.")
         return launch
     if 8192 < d <= 16384:
-        return SiluFp8Launch(16384, 32, 1)
+        return SiluFp8Launch(16384, 32, 1, 1)
     block = min(16384, 1 << max(d - 1, 0).bit_length())
     return SiluFp8Launch(block, _norm_warps(block), 0)
 
@@ -332,11 +337,12 @@ def silu_and_mul(gate_up: torch.Tensor, *, fp8: bool = False,
             programs = num_tokens
             if launch.programs_per_sm:
                 programs = min(num_tokens, launch.programs_per_sm * _sm_count(gate_up.device))
+            prefetch = launch.prefetch and num_tokens > SILU_PREFETCH_MIN_ROWS * programs
             k.silu_and_mul_fp8_kernel[(programs,)](
                 gate_up, out, scale, input_scale if input_scale is not None else scale,
                 row_scale, col_scale, gate_up.stride(0), d, num_tokens, BLOCK=launch.block,
                 ONE_PASS=d <= launch.block, STATIC_INPUT=input_scale is not None,
-                SCALED=sums_scales is not None, PREFETCH=bool(launch.prefetch),
+                SCALED=sums_scales is not None, PREFETCH=prefetch,
                 num_warps=launch.num_warps,
                 **launch_options(gate_up.device),
             )

@@ -72,6 +72,7 @@ from pagedllm.layers.rotary import (
     rotate_leading,
 )
 from pagedllm.models.moe_config import moe_fields
+from pagedllm.quantization.fp8 import Fp8Sums
 
 # (fused module, checkpoint module, shard) — a checkpoint name containing ".{checkpoint
 # module}." is loaded into that shard of the fused module.
@@ -220,7 +221,11 @@ class LlamaAttentionBlock(nn.Module):
         """The attention output before ``o_proj`` (the decoder layer applies ``o_proj``
         together with the norm after it); with ``outputs``, of those rows alone."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        qkv = self.qkv_proj(hidden, sums=not self.qk_norm and self.rotary_dim == self.head_dim
+                            and self.attn.takes_sums(outputs))
+        sums_scales = None
+        if isinstance(qkv, Fp8Sums):  # the attention scales them as it reads them
+            qkv, sums_scales = qkv.sums, qkv.scales
         v = qkv[:, self.q_size + self.kv_size :]
         if self.qk_norm:
             q, k = qk_norms(qkv[:, : self.q_size + self.kv_size], self.q_norm, self.k_norm,
@@ -233,7 +238,7 @@ class LlamaAttentionBlock(nn.Module):
                                    cos, sin).flatten(1) for t in (q, k))
             return self.attn(q, k, v, outputs=outputs)
         # The attention layer applies the rope (on CUDA in the kernel that caches k and v).
-        return self.attn(q, k, v, rotary=(cos, sin), outputs=outputs)
+        return self.attn(q, k, v, rotary=(cos, sin), outputs=outputs, sums_scales=sums_scales)
 
 
 class LlamaMLP(nn.Module):

@@ -8,7 +8,10 @@ import functools
 import pytest
 import torch
 
+from pagedllm.layers.attention import layer as attention_layer
 from pagedllm.layers.attention import triton_decode
+from pagedllm.layers.attention.backend import set_forward_context
+from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
 from pagedllm.layers.attention.triton_decode import (
     MAX_SPLITS,
@@ -18,9 +21,19 @@ from pagedllm.layers.attention.triton_decode import (
     plan_decode_splits,
 )
 from pagedllm.layers.attention.triton_kv_write import write_kv_cache
+from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.quantization.fp8 import Fp8Sums
 from tests.kernels.launch_keys import LaunchKeys
-from tests.kernels.paged_batch import DEVICE, HALF_DTYPES, TOLERANCE, batch_args, make_step, reference_attention
+from tests.kernels.paged_batch import (
+    DEVICE,
+    HALF_DTYPES,
+    TOLERANCE,
+    batch_args,
+    make_fp8_step,
+    make_step,
+    reference_attention,
+)
 
 # Decodes at contexts on both sides of block boundaries (block size 4), a first token,
 # and a long one that spans many partitions.
@@ -203,6 +216,57 @@ def test_decode_ropes_and_caches_the_new_tokens_itself(num_splits, window, dtype
     torch.testing.assert_close(out[:n].float(), want[:n], **tolerance)
     torch.testing.assert_close(step.kv_cache.float().nan_to_num(7.0), want_cache.nan_to_num(7.0),
                                **tolerance)
+
+
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_a_decode_step_takes_the_qkv_products_sums_and_scales_them_itself(fp8_cache,
+                                                                         monkeypatch) -> None:
+    """``PAGEDLLM_QKV_SUMS``: a decode step's q, k and v come as an FP8 product's sums with
+    their row and column scales, and the decode launch scales them as it reads them. Its
+    output and cache must be those of the scaled values, bit for bit (the same roundings:
+    ``Fp8Sums.scaled``), over a bf16 or an FP8 cache. A step with prompts, or the switch
+    off, takes no sums, and sums given there are refused."""
+    monkeypatch.setattr(attention_layer, "QKV_SUMS", True)
+    make = functools.partial(make_fp8_step, k_scale=0.5, v_scale=0.25) if fp8_cache else make_step
+    step = make(DECODES, num_heads=4, num_kv_heads=2, seed=11, dtype=torch.bfloat16)
+    md = step.metadata
+    tokens, heads, kv_heads, dim = step.query.shape[0], 4, 2, 16
+    width = (heads + 2 * kv_heads) * dim
+    # Integer sums and scales of distinct powers of two: a scale taken from another row or
+    # column shows, and the products need no rounding (Triton's interpreter rounds float32
+    # to bf16 by truncation, torch to nearest).
+    gen = torch.Generator().manual_seed(12)
+    sums = torch.randint(-64, 65, (tokens, width), generator=gen).to(torch.bfloat16).to(DEVICE)
+    row = (2.0 ** -(torch.arange(tokens) % 5 + 3)).reshape(-1, 1).to(DEVICE)
+    col = (2.0 ** -(torch.randperm(width, generator=gen) % 7 + 1)).reshape(-1, 1).to(DEVICE)
+    scaled = Fp8Sums(sums, row, col).scaled()
+    rope = RotaryEmbedding(dim, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    rotary = rope(md.seq_lens.long() - 1, torch.bfloat16)
+    attn = Attention(heads, dim, kv_heads, scale=0.25, layer_idx=0)
+    attn.backend = TritonAttentionBackend()
+    attn.k_scale, attn.v_scale = (0.5, 0.25) if fp8_cache else (1.0, 1.0)
+
+    def attend(qkv: torch.Tensor, cache: torch.Tensor, **kwargs) -> torch.Tensor:
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+        with set_forward_context(md, [cache]):
+            return attn(q, k, v, rotary=rotary, **kwargs)
+
+    want_cache, got_cache = step.kv_cache.clone(), step.kv_cache.clone()
+    want = attend(scaled, want_cache)
+    with set_forward_context(md, [got_cache]):
+        assert attn.takes_sums() and not attn.takes_sums(outputs=object())
+    got = attend(sums, got_cache, sums_scales=(row, col))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+
+    prompts = make_step(((3, 4), (9, 1)), seed=13).metadata
+    with set_forward_context(prompts, [got_cache]):
+        assert not attn.takes_sums()
+    monkeypatch.setattr(attention_layer, "QKV_SUMS", False)
+    with set_forward_context(md, [got_cache]):
+        assert not attn.takes_sums()
+    with pytest.raises(ValueError, match="takes_sums"):
+        attend(sums, got_cache, sums_scales=(row, col))
 
 
 def test_sequences_with_longer_queries_are_left_to_the_prefill_kernel() -> None:

@@ -473,7 +473,7 @@ def test_silu_and_mul_programs_walking_several_rows_quantize_each_as_one_program
     two, or loading each next row ahead), over an FP8 product's sums: every row's bytes
     and scale as the default launch of one program a row gives them; the launch can also
     come from ``PAGEDLLM_SILU_FP8_LAUNCH``, and a malformed one is refused by name."""
-    rows, d = 11, 1100
+    rows, d = 13, 1100  # more than 3 rows a program (4 programs off CUDA): rows ahead
     sums = _rand(rows, 2 * d, dtype=torch.bfloat16, seed=55) * 50
     scales = (_rand(rows, 1, seed=56).abs() * 1e-3 + 1e-4,
               _rand(2 * d, 1, seed=57).abs() * 1e-2 + 1e-3)

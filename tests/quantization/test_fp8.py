@@ -189,3 +189,36 @@ def test_an_unimplemented_quantization_is_refused_with_the_ones_that_are():
     with pytest.raises(ValueError, match="use fp8, compressed-tensors, gptq, awq, auto-round, "
                                          "modelopt or bitsandbytes, or drop --quantization"):
         LLM(quantization="hqq")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() < (8, 9), reason="FP8 tensor cores")
+def test_decode_attention_taking_the_qkv_products_sums_gives_the_same_tokens(tmp_path,
+                                                                             monkeypatch):
+    """``PAGEDLLM_QKV_SUMS``: decode steps of more rows than the split-K GEMM takes hand
+    the qkv product's sums to the decode launch, which scales them itself; greedy tokens
+    equal those of the scaled product, with CUDA graphs, over an FP8 cache."""
+    from pagedllm.layers.attention import layer, triton_backend
+
+    path = make_tiny_checkpoint(tmp_path, "llama", vocab_size=256, max_position_embeddings=128)
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 240 + 8 for j in range(5 + i % 9)]}
+               for i in range(256)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    launches = []
+    decode = triton_backend.paged_decode_attention
+
+    def spy(*args, new_kv=None, **kwargs):
+        launches.append(new_kv is not None and new_kv.sums is not None)
+        return decode(*args, new_kv=new_kv, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
+
+    def run(sums: bool) -> list[list[int]]:
+        monkeypatch.setattr(layer, "QKV_SUMS", sums)
+        llm = LLM(str(path), quantization="fp8", kv_cache_dtype="fp8", dtype="bfloat16",
+                  max_model_len=128, block_size=16, max_num_seqs=256, device="cuda")
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    scaled = run(False)
+    assert not any(launches)
+    assert run(True) == scaled and any(launches)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Iterator, NamedTuple, Protocol
 
 import torch
 
@@ -101,6 +101,25 @@ class OutputRows:
         ))
 
 
+class SumsScales(NamedTuple):
+    """The scales of a step's queries, keys and values that are an FP8 product's sums
+    (``quantization.fp8.Fp8Sums``): each value is ``round(sum * row[t] * col[c])`` to the
+    activation dtype, with ``row: [T]`` and the columns' scales ``q: [H * D]`` and ``k/v:
+    [Hkv * D]`` as the heads lay them out, all float32."""
+
+    row: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def applied(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The values of the sums ``query: [T, H, D]``, ``key/value: [T, Hkv, D]``."""
+        row = self.row.reshape(-1, 1, 1).float()
+        return tuple((x.float() * row * col.reshape(1, *x.shape[1:]).float()).to(x.dtype)
+                     for x, col in ((query, self.q), (key, self.k), (value, self.v)))
+
+
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
@@ -151,7 +170,14 @@ class AttentionBackend(Protocol):
     ``outputs`` (or None): every row's key and value are still cached, but only the rows
     ``outputs.indices`` attend, each as its sequence's query of length 1
     (``outputs.metadata``); the result then has one row per output row.
+    ``sums`` (or None): query, key and value are an FP8 product's sums, which the backend
+    scales as it reads them; given only with ``rotary``, without ``outputs``, in a step
+    for which ``takes_sums`` is true.
     """
+
+    def takes_sums(self, metadata: AttentionMetadata) -> bool:
+        """Whether ``forward`` takes this step's query, key and value as sums (``sums``)."""
+        ...
 
     def forward(
         self,
@@ -167,4 +193,5 @@ class AttentionBackend(Protocol):
         v_scale: float = 1.0,
         logits_soft_cap: float | None = None,
         outputs: OutputRows | None = None,
+        sums: SumsScales | None = None,
     ) -> torch.Tensor: ...

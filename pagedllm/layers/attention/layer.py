@@ -11,10 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.attention.backend import OutputRows, get_forward_context
+from pagedllm.layers.attention.backend import OutputRows, SumsScales, get_forward_context
 from pagedllm.layers.attention.selector import get_attention_backend
 from pagedllm.layers.attention.torch_ref import causal_attention_without_cache
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.switches import switch
+
+QKV_SUMS_ENV = "PAGEDLLM_QKV_SUMS"
+# Whether a step's attention may take the qkv product's FP8 sums (``Attention.takes_sums``).
+QKV_SUMS = switch(QKV_SUMS_ENV, False)
 
 
 class Attention(nn.Module):
@@ -63,6 +68,15 @@ class Attention(nn.Module):
         self.backend = get_attention_backend()
         self.logits_soft_cap = logits_soft_cap
 
+    def takes_sums(self, outputs: OutputRows | None = None) -> bool:
+        """Whether ``forward`` with ``rotary`` and these ``outputs`` takes q, k and v as an
+        FP8 product's sums this step (``sums_scales``): a backend that scales them as it
+        reads them (``AttentionBackend.takes_sums``), ``PAGEDLLM_QKV_SUMS`` on. cuBLASLt's
+        FP8 products with one scale per tensor run faster on Hopper than row-wise ones."""
+        metadata = get_forward_context().attn_metadata
+        return (QKV_SUMS and outputs is None and metadata is not None
+                and self.backend.takes_sums(metadata))
+
     def forward(
         self,
         q: torch.Tensor,
@@ -70,16 +84,26 @@ class Attention(nn.Module):
         v: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         outputs: OutputRows | None = None,
+        sums_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``rotary=(cos, sin)`` (``[T, head_dim // 2]`` each): q and k are rotated first
         (rotate-half rope), by the backend, which may fuse it with the KV-cache write.
         ``outputs``: every row is cached, only these rows attend; returns ``[S, ...]``
-        (``AttentionBackend.forward``)."""
+        (``AttentionBackend.forward``). ``sums_scales=(row_scale, col_scale)``: q, k and v
+        are column slices of one FP8 product's sums (``Fp8Sums``: float32 ``[T, 1]`` and
+        ``[N, 1]``, N the q, k and v columns in that order), given where ``takes_sums``."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
+        sums = None
+        if sums_scales is not None:
+            if rotary is None or not self.takes_sums(outputs):
+                raise ValueError("Attention takes sums with rotary, where takes_sums() is true.")
+            row_scale, col_scale = sums_scales
+            sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+            sums = SumsScales(row_scale, *col_scale.reshape(-1).split(sizes))
         if ctx.attn_metadata is None:
             if rotary is not None:
                 q, k = (RotaryEmbedding.apply(x, *rotary) for x in (q, k))
@@ -92,7 +116,7 @@ class Attention(nn.Module):
                 q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
                 self.scale, self.sliding_window, rotary=rotary,
                 k_scale=self.k_scale, v_scale=self.v_scale,
-                logits_soft_cap=self.logits_soft_cap, outputs=outputs,
+                logits_soft_cap=self.logits_soft_cap, outputs=outputs, sums=sums,
             )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.attention.backend import AttentionMetadata, OutputRows
+from pagedllm.layers.attention.backend import AttentionMetadata, OutputRows, SumsScales
 from pagedllm.layers.attention.kv_quant import (
     dequantize_kv, paged_kv_views, quantize_kv, values_slot_major,
 )
@@ -118,6 +118,10 @@ class TorchReferenceBackend:
         return self._plan
 
     @staticmethod
+    def takes_sums(metadata: AttentionMetadata) -> bool:
+        return False  # it would only scale them first
+
+    @staticmethod
     def write_kv(
         key: torch.Tensor,
         value: torch.Tensor,
@@ -155,11 +159,14 @@ class TorchReferenceBackend:
         v_scale: float = 1.0,
         logits_soft_cap: float | None = None,
         outputs: OutputRows | None = None,
+        sums: SumsScales | None = None,
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``. Rows past ``num_actual_tokens`` (padding) are
         neither written to the cache nor attended; their output is zero.
         ``logits_soft_cap``: scores become ``cap * tanh(scores / cap)`` before the mask
         and softmax (Gemma 2)."""
+        if sums is not None:
+            query, key, value = sums.applied(query, key, value)
         if rotary is not None:
             query, key = (RotaryEmbedding.apply(x, *rotary) for x in (query, key))
         n = metadata.num_actual_tokens

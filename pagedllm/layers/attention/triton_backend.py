@@ -25,7 +25,9 @@ With ``rotary`` the decode launch ropes and caches its own sequences' new tokens
 less where a small batch is bound by launch latency. In a step with prompts, the write
 kernel ropes and caches every row first (the decode rows too: the decode launch then
 stores their key and value again), so decodes run the same kernel variant in every step,
-the one the decode CUDA graphs compile.
+the one the decode CUDA graphs compile. In a step of decodes alone the queries, keys and
+values may come as an FP8 product's sums (``sums``, ``takes_sums``), which the decode
+launch scales as it reads them.
 
 A model's last layer may pass the step's ``OutputRows`` (the rows whose logits are
 sampled): every row is cached as above (rope included), then the output rows alone attend,
@@ -49,7 +51,7 @@ from typing import Callable, TypeVar
 import torch
 
 from pagedllm.layers.attention import dense_prefill
-from pagedllm.layers.attention.backend import AttentionMetadata, OutputRows
+from pagedllm.layers.attention.backend import AttentionMetadata, OutputRows, SumsScales
 from pagedllm.layers.attention.kv_quant import paged_kv_views
 from pagedllm.layers.attention.triton_decode import (
     NewKV,
@@ -145,6 +147,12 @@ class TritonAttentionBackend:
             "has decodes", metadata, tuple(qsl),
             lambda: any(qsl[b + 1] - qsl[b] == 1 for b in range(metadata.num_seqs)))
 
+    @staticmethod
+    def takes_sums(metadata: AttentionMetadata) -> bool:
+        """A step of decodes alone, with the fused ops on: the decode launch ropes and
+        caches the new tokens, and scales the sums as it reads them (``NewKV.sums``)."""
+        return metadata.max_query_len == 1 and fused_ops_enabled()
+
     def forward(
         self,
         query: torch.Tensor,
@@ -159,8 +167,13 @@ class TritonAttentionBackend:
         v_scale: float = 1.0,
         logits_soft_cap: float | None = None,
         outputs: OutputRows | None = None,
+        sums: SumsScales | None = None,
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``."""
+        if sums is not None and (rotary is None or outputs is not None
+                                 or not self.takes_sums(metadata)):
+            raise ValueError("Sums for attention come with rotary, without outputs, in a "
+                             "step of decodes alone (takes_sums).")
         num_tokens = query.shape[0]
         n = metadata.num_actual_tokens
         key_cache, value_cache = paged_kv_views(kv_cache)
@@ -190,7 +203,7 @@ class TritonAttentionBackend:
             write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping[:n],
                            k_scale, v_scale, fresh=new_rows)
         else:
-            new_kv = NewKV(key, value, metadata.slot_mapping, *rotary, n)
+            new_kv = NewKV(key, value, metadata.slot_mapping, *rotary, n, sums)
             if metadata.max_query_len > 1:
                 prefill_query = rotate_and_write_kv(
                     query, key, value, *rotary, key_cache, value_cache, metadata.slot_mapping, n,

@@ -63,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.attention.backend import SumsScales
 from pagedllm.layers.attention.kv_quant import cache_scales
 from pagedllm.layers.attention.triton_common import (
     LOG2_E,
@@ -76,7 +77,11 @@ from pagedllm.layers.attention.triton_common import (
     uses_ieee_dot,
     values_slot_major,
 )
-from pagedllm.layers._triton_ops_kernels import follow_previous_kernel, rotate_half_whole
+from pagedllm.layers._triton_ops_kernels import (
+    follow_previous_kernel,
+    rotate_half_whole,
+    scaled_sums,
+)
 from pagedllm.layers.launch_math import cdiv, next_power_of_2
 from pagedllm.layers.pdl import launch_options
 from pagedllm.layers.triton_ops import arrival_counters
@@ -109,6 +114,10 @@ def _decode_kernel(
     cos_ptr,
     sin_ptr,
     slot_mapping_ptr,
+    row_scale_ptr,
+    q_col_scale_ptr,
+    k_col_scale_ptr,
+    v_col_scale_ptr,
     num_actual_tokens,
     qk_scale,
     k_scale,
@@ -142,6 +151,7 @@ def _decode_kernel(
     MERGE_S: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     ROPE_AND_CACHE: tl.constexpr,
+    SUMS: tl.constexpr,
     HALF: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     FP16_DOT: tl.constexpr,
@@ -190,7 +200,12 @@ def _decode_kernel(
         rope = q_row.to(tl.int64) * stride_ct + d % HALF
         c = tl.load(cos_ptr + rope, mask=d_valid, other=0.0).to(tl.float32)
         sn = tl.load(sin_ptr + rope, mask=d_valid, other=0.0).to(tl.float32)
-        q = rotate_half_whole(q_heads, d[None, :], c, sn, q_mask, HALF).to(q_ptr.dtype.element_ty)
+        row_scale = 1.0
+        if SUMS:
+            row_scale = tl.load(row_scale_ptr + q_row)
+        q = rotate_half_whole(q_heads, d[None, :], c, sn, q_mask, HALF, row_scale,
+                              q_col_scale_ptr + head[:, None] * HEAD_DIM, SUMS)
+        q = q.to(q_ptr.dtype.element_ty)
         if holds_last_key & (q_row < num_actual_tokens):
             _cache_new_token(
                 new_key_ptr + q_row.to(tl.int64) * stride_nkt + kv_head * stride_nkh,
@@ -201,6 +216,8 @@ def _decode_kernel(
                 stride_kb, stride_ks, stride_vb, stride_vs,
                 d, d_valid, c, sn, k_scale, v_scale, HALF, PAGE_SIZE,
                 PAGE_SIZE if V_SLOT_MAJOR else 1,
+                row_scale, k_col_scale_ptr + kv_head * HEAD_DIM,
+                v_col_scale_ptr + kv_head * HEAD_DIM, SUMS,
             )
     else:
         q = tl.load(q_heads + d[None, :], mask=q_mask, other=0.0)
@@ -304,18 +321,28 @@ def _cache_new_token(
     HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     VALUE_D_STRIDE: tl.constexpr,
+    row_scale,
+    k_col_scale_ptr,
+    v_col_scale_ptr,
+    SUMS: tl.constexpr,
 ):
     """One KV head of a new token into ``slot`` (skipped when negative): its key rotated
     (rounded to the activation dtype, then stored as the cache's, ``to_cache``, as
-    ``rotate_and_write_kv``) and its value. The barrier after the stores makes them visible to the whole program,
-    whose last tile reads them back."""
+    ``rotate_and_write_kv``) and its value. The barrier after the stores makes them visible
+    to the whole program, whose last tile reads them back. ``SUMS``: the key and value are
+    an FP8 product's sums, scaled here first (``rotate_half_whole``, ``scaled_sums``)."""
     if slot >= 0:
         block = slot // PAGE_SIZE
         in_block = slot % PAGE_SIZE
-        k = rotate_half_whole(key_ptr, d, c, s, d_valid, HALF).to(key_ptr.dtype.element_ty)
+        dtype = key_ptr.dtype.element_ty
+        k = rotate_half_whole(key_ptr, d, c, s, d_valid, HALF, row_scale, k_col_scale_ptr,
+                              SUMS).to(dtype)
         tl.store(k_head_cache_ptr + block * stride_kb + in_block * stride_ks + d,
                  to_cache(k, k_head_cache_ptr, k_scale), mask=d_valid)
         v = tl.load(value_ptr + d, mask=d_valid)
+        if SUMS:
+            v = scaled_sums(v.to(tl.float32), row_scale, v_col_scale_ptr, d, d_valid,
+                            dtype).to(dtype)
         tl.store(v_head_cache_ptr + block * stride_vb + in_block * stride_vs + d * VALUE_D_STRIDE,
                  to_cache(v, v_head_cache_ptr, v_scale), mask=d_valid)
     tl.debug_barrier()
@@ -529,7 +556,8 @@ class NewKV(NamedTuple):
     ``key/value: [T, Hkv, D]`` (keys unrotated), ``slot_mapping: [T]`` (-1 = skip),
     ``cos/sin: [T, D // 2]`` (rotate-half rope, as ``RotaryEmbedding.apply``) and
     ``num_actual_tokens`` (rows from there on are padding: neither rotated into the cache
-    nor cached)."""
+    nor cached). ``sums``: the query, key and value hold an FP8 product's sums, which the
+    launch scales as it reads them (before the rope)."""
 
     key: torch.Tensor
     value: torch.Tensor
@@ -537,6 +565,7 @@ class NewKV(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
     num_actual_tokens: int
+    sums: SumsScales | None = None
 
 
 def paged_decode_attention(
@@ -612,11 +641,14 @@ def paged_decode_attention(
         if new_kv.slot_mapping.shape[0] < new_kv.num_actual_tokens:
             raise ValueError(f"slot_mapping holds {new_kv.slot_mapping.shape[0]} slots for "
                              f"{new_kv.num_actual_tokens} tokens.")
-        rope_args = (new_key, new_value, cos, sin, new_kv.slot_mapping, new_kv.num_actual_tokens)
+        sums = _sums_scale_args(new_kv.sums, query.shape[0], num_heads, num_kv_heads, head_dim)
+        rope_args = (new_key, new_value, cos, sin, new_kv.slot_mapping,
+                     *(sums or (query,) * 4), new_kv.num_actual_tokens)
         rope_strides = (new_key.stride(0), new_key.stride(1), new_value.stride(0),
                         new_value.stride(1), cos.stride(0))
     else:
-        rope_args = (query, query, query, query, seq_lens, 0)  # unused
+        sums = None
+        rope_args = (query, query, query, query, seq_lens, *(query,) * 4, 0)  # unused
         rope_strides = (0, 0, 0, 0, 0)
     if split:
         part_acc = torch.empty(
@@ -670,6 +702,7 @@ def paged_decode_attention(
         MERGE_S=_merge_chunk(queries_per_kv, block_d),
         HAS_ORDER=order is not None,
         ROPE_AND_CACHE=new_kv is not None,
+        SUMS=sums is not None,
         HALF=head_dim // 2,
         IEEE_DOT=uses_ieee_dot(query.dtype),
         FP16_DOT=uses_fp16_dot(query.dtype, key_cache.dtype),
@@ -680,6 +713,19 @@ def paged_decode_attention(
         **launch_options(query.device),
         **_register_cap(query.device),
     )
+
+
+def _sums_scale_args(sums: SumsScales | None, tokens: int, num_heads: int, num_kv_heads: int,
+                     head_dim: int) -> tuple[torch.Tensor, ...] | None:
+    """``sums``' four float32 tensors, contiguous and checked against the step's shapes."""
+    if sums is None:
+        return None
+    sizes = (tokens, num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+    args = tuple(t.reshape(-1) for t in sums)
+    if any(t.dtype != torch.float32 or t.numel() != size for t, size in zip(args, sizes)):
+        raise ValueError(f"sums scales: float32 of {sizes} values (row, q, k, v), got "
+                         f"{[(t.dtype, t.numel()) for t in args]}.")
+    return tuple(t.contiguous() for t in args)
 
 
 def _register_cap(device: torch.device) -> dict:
