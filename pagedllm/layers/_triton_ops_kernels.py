@@ -270,6 +270,20 @@ def silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, input_scale_ptr, row_scal
 
 
 @triton.jit
+def _gate_up_row(x_ptr, row_scale_ptr, row, num_rows, stride_x, d, cols, mask,
+                 SCALED: tl.constexpr):
+    """Row ``row``'s gate and up columns ``cols`` and its row scale (``SCALED``; else 1),
+    or zeros and 1 past ``num_rows``."""
+    x_row = x_ptr + (row + tl.zeros([], tl.int64)) * stride_x
+    gate = tl.load(x_row + cols, mask=mask & (row < num_rows), other=0.0)
+    up = tl.load(x_row + d + cols, mask=mask & (row < num_rows), other=0.0)
+    row_scale = 1.0
+    if SCALED:
+        row_scale = tl.load(row_scale_ptr + row, mask=row < num_rows, other=1.0)
+    return gate, up, row_scale
+
+
+@triton.jit
 def _silu_and_mul_fp8_rows_ahead(x_ptr, out_ptr, scale_ptr, input_scale_ptr, row_scale_ptr,
                                  col_scale_ptr, stride_x, d, num_rows, BLOCK: tl.constexpr,
                                  STATIC_INPUT: tl.constexpr, SCALED: tl.constexpr):
@@ -278,21 +292,11 @@ def _silu_and_mul_fp8_rows_ahead(x_ptr, out_ptr, scale_ptr, input_scale_ptr, row
     cols = tl.arange(0, BLOCK)
     mask = cols < d
     step = tl.num_programs(0)
-    row = tl.program_id(0)
-    x_row = x_ptr + (row + tl.zeros([], tl.int64)) * stride_x
-    gate = tl.load(x_row + cols, mask=mask & (row < num_rows), other=0.0)
-    up = tl.load(x_row + d + cols, mask=mask & (row < num_rows), other=0.0)
-    row_scale = 1.0
-    if SCALED:
-        row_scale = tl.load(row_scale_ptr + row, mask=row < num_rows, other=1.0)
+    gate, up, row_scale = _gate_up_row(x_ptr, row_scale_ptr, tl.program_id(0), num_rows,
+                                       stride_x, d, cols, mask, SCALED)
     for row in range(tl.program_id(0), num_rows, step):
-        ahead = row + step
-        x_ahead = x_ptr + (ahead + tl.zeros([], tl.int64)) * stride_x
-        gate_ahead = tl.load(x_ahead + cols, mask=mask & (ahead < num_rows), other=0.0)
-        up_ahead = tl.load(x_ahead + d + cols, mask=mask & (ahead < num_rows), other=0.0)
-        row_scale_ahead = 1.0
-        if SCALED:
-            row_scale_ahead = tl.load(row_scale_ptr + ahead, mask=ahead < num_rows, other=1.0)
+        gate_ahead, up_ahead, row_scale_ahead = _gate_up_row(
+            x_ptr, row_scale_ptr, row + step, num_rows, stride_x, d, cols, mask, SCALED)
         y = _silu_and_mul_of(gate, up, cols, mask, d, row_scale, col_scale_ptr, SCALED)
         scale = fp8_row_scale(tl.max(tl.abs(y), 0), input_scale_ptr, STATIC_INPUT)
         tl.store(out_ptr + (row + tl.zeros([], tl.int64)) * d + cols, to_fp8(y, scale),
