@@ -112,13 +112,6 @@ class SumsScales(NamedTuple):
     k: torch.Tensor
     v: torch.Tensor
 
-    def applied(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The values of the sums ``query: [T, H, D]``, ``key/value: [T, Hkv, D]``."""
-        row = self.row.reshape(-1, 1, 1).float()
-        return tuple((x.float() * row * col.reshape(1, *x.shape[1:]).float()).to(x.dtype)
-                     for x, col in ((query, self.q), (key, self.k), (value, self.v)))
-
 
 @dataclass
 class ForwardContext:

@@ -119,7 +119,7 @@ class TorchReferenceBackend:
 
     @staticmethod
     def takes_sums(metadata: AttentionMetadata) -> bool:
-        return False  # it would only scale them first
+        return False
 
     @staticmethod
     def write_kv(
@@ -166,7 +166,7 @@ class TorchReferenceBackend:
         ``logits_soft_cap``: scores become ``cap * tanh(scores / cap)`` before the mask
         and softmax (Gemma 2)."""
         if sums is not None:
-            query, key, value = sums.applied(query, key, value)
+            raise ValueError("The torch reference backend takes no sums (takes_sums).")
         if rotary is not None:
             query, key = (RotaryEmbedding.apply(x, *rotary) for x in (query, key))
         n = metadata.num_actual_tokens
