@@ -73,9 +73,10 @@ class Attention(nn.Module):
         FP8 product's sums this step (``sums_scales``): a backend that scales them as it
         reads them (``AttentionBackend.takes_sums``), ``PAGEDLLM_QKV_SUMS`` on. cuBLASLt's
         FP8 products with one scale per tensor run faster on Hopper than row-wise ones."""
+        if not QKV_SUMS or outputs is not None:
+            return False
         metadata = get_forward_context().attn_metadata
-        return (QKV_SUMS and outputs is None and metadata is not None
-                and self.backend.takes_sums(metadata))
+        return metadata is not None and self.backend.takes_sums(metadata)
 
     def forward(
         self,

@@ -641,7 +641,7 @@ def paged_decode_attention(
         if new_kv.slot_mapping.shape[0] < new_kv.num_actual_tokens:
             raise ValueError(f"slot_mapping holds {new_kv.slot_mapping.shape[0]} slots for "
                              f"{new_kv.num_actual_tokens} tokens.")
-        sums = _sums_scale_args(new_kv.sums, query.shape[0], num_heads, num_kv_heads, head_dim)
+        sums = _qkv_scale_args(new_kv.sums, query.shape[0], num_heads, num_kv_heads, head_dim)
         rope_args = (new_key, new_value, cos, sin, new_kv.slot_mapping,
                      *(sums or (query,) * 4), new_kv.num_actual_tokens)
         rope_strides = (new_key.stride(0), new_key.stride(1), new_value.stride(0),
@@ -715,7 +715,7 @@ def paged_decode_attention(
     )
 
 
-def _sums_scale_args(sums: SumsScales | None, tokens: int, num_heads: int, num_kv_heads: int,
+def _qkv_scale_args(sums: SumsScales | None, tokens: int, num_heads: int, num_kv_heads: int,
                      head_dim: int) -> tuple[torch.Tensor, ...] | None:
     """``sums``' four float32 tensors, contiguous and checked against the step's shapes."""
     if sums is None:
