@@ -57,6 +57,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         for node in nodes:
             _check_local_ref(node, own_ids)
             _drop_unknown_format(node)
+            _drop_unique_items_that_hold(node)
             if id(node) not in parts:
                 _close_object(node)
         for node in nodes:
@@ -122,6 +123,15 @@ def _drop_unknown_format(node: dict) -> None:
     name = node.get("format")
     if isinstance(name, str) and not _known_format(name):
         del node["format"]
+
+
+def _drop_unique_items_that_hold(node: dict) -> None:
+    """``uniqueItems`` is left out where every array holds it: ``false``, or at most one
+    item (``maxItems`` 0 or 1). Elsewhere llguidance cannot enforce it and refuses it."""
+    unique = node.get("uniqueItems")
+    if unique is False or (unique is True and isinstance(node.get("maxItems"), int)
+                           and node["maxItems"] <= 1):
+        del node["uniqueItems"]
 
 
 # Keywords that let an object have names beyond its ``properties``, or combine it with other
@@ -414,6 +424,12 @@ _COMPILE_ERRORS: dict[tuple, str] = {}
 _COMPILE_ERRORS_SIZE = 1024
 
 
+# llguidance's error for schema keywords it cannot enforce, and what a user can do about it.
+_UNIMPLEMENTED = "Unimplemented keys"
+_LENIENT_HINT = ('. To have the schema served without enforcing them, add "x-guidance": '
+                 '{"lenient": true} at its top level: outputs may then break those keywords.')
+
+
 def _compile_error(params: StructuredOutputsParams) -> str:
     """The compiler's error for ``params`` ('' when it compiles), computed once per key."""
     key = params.key
@@ -421,6 +437,8 @@ def _compile_error(params: StructuredOutputsParams) -> str:
     if error is None:
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar_text(params))
         error = messages[0] if is_error else ""
+        if error.startswith(_UNIMPLEMENTED):
+            error += _LENIENT_HINT
         if len(_COMPILE_ERRORS) >= _COMPILE_ERRORS_SIZE:
             _COMPILE_ERRORS.pop(next(iter(_COMPILE_ERRORS)))
         _COMPILE_ERRORS[key] = error

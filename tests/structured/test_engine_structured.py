@@ -231,6 +231,30 @@ def test_not_of_types_names_and_nothing_holds(llm):
     assert any(isinstance(v.get("v"), (bool, int, float)) for v in values)
 
 
+def test_unique_items_where_every_array_holds_it_and_the_way_past_a_refusal(llm):
+    """``uniqueItems`` that every array holds (``false``, or at most one item) is served
+    exactly; one the backend cannot enforce is a ValueError that names the key and the
+    schema's ``x-guidance`` setting that serves it unenforced, which then works."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["tags", "one"],
+              "properties": {
+                  "tags": {"type": "array", "uniqueItems": False, "maxItems": 3,
+                           "items": {"type": "integer", "minimum": 0, "maximum": 9}},
+                  "one": {"type": "array", "uniqueItems": True, "maxItems": 1,
+                          "items": {"enum": ["x", "y"]}}}}
+    values = sampled_values(llm, schema, num=16, max_tokens=60)
+    assert all(len(v["one"]) <= 1 for v in values)
+    assert any(v["tags"] for v in values)
+    unenforced = {"type": "array", "uniqueItems": True, "maxItems": 3,
+                  "items": {"type": "integer", "minimum": 0, "maximum": 9}}
+    with pytest.raises(ValueError, match=r'uniqueItems.*"x-guidance": \{"lenient": true\}'):
+        LLGuidanceBackend.validate(StructuredOutputsParams(json=unenforced))
+    lenient = {**unenforced, "x-guidance": {"lenient": True}}
+    for completion in sample(llm, StructuredOutputsParams(json=lenient), num=8, max_tokens=40):
+        assert completion.finish_reason == "stop", completion.text
+        value = json.loads(completion.text)
+        assert isinstance(value, list) and len(value) <= 3
+
+
 def test_listed_properties_are_the_only_keys_unless_the_schema_allows_others(llm):
     """Pydantic's schemas (what langchain and instructor send) list ``properties`` and say
     nothing of other keys: no other key is generated (as vLLM's default backend does), where
