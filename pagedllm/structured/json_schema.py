@@ -51,15 +51,24 @@ def resource_id(node: dict) -> str | None:
 def resolve_pointer(root: Any, pointer: str) -> Any:
     """The value a JSON pointer (RFC 6901: ``""`` the whole, ``/$defs/Point``, ``~1`` for
     ``/`` and ``~0`` for ``~`` in a key) names in ``root``; None when it names none."""
+    walk = pointer_walk(root, pointer)
+    return None if walk is None else walk[1]
+
+
+def pointer_walk(root: Any, pointer: str) -> tuple[list[tuple[Any, str]], Any] | None:
+    """The steps a JSON pointer takes through ``root`` (each container and the key it
+    takes there) and the value it names; None when it names none."""
     if pointer and not pointer.startswith("/"):
         return None
+    steps = []
     target = root
     for key in pointer.split("/")[1:]:
         key = key.replace("~1", "/").replace("~0", "~")
-        if isinstance(target, dict):
-            target = target.get(key)
+        steps.append((target, key))
+        if isinstance(target, dict) and key in target:
+            target = target[key]
         elif isinstance(target, list) and key.isdigit() and int(key) < len(target):
             target = target[int(key)]
         else:
             return None
-    return target
+    return steps, target

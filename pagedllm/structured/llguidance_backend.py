@@ -8,9 +8,10 @@ to its grammar text as follows:
   schema override the defaults (``whitespace_pattern``, else ``whitespace_flexible`` from
   ``disable_any_whitespace``); a ``oneOf`` is made exact where it can be
   (``_one_of_exact``), else taken as ``anyOf`` (``coerce_one_of``); a ``not`` whose
-  negation is known in positive terms becomes it (``_not_in_positive_terms``); keywords
-  llguidance does not implement (any other ``not``, ``if``/``then``, ``uniqueItems``,
-  ``contains``, ``propertyNames``) are refused at validation with its message, and so is
+  negation is known in positive terms becomes it, and so does ``if`` / ``then`` /
+  ``else`` (``negation.py``); keywords llguidance does not implement (any other ``not`` or
+  ``if``, ``uniqueItems``, ``contains``, ``propertyNames``) are refused at validation
+  with its message (which names the schema's ``lenient`` setting), and so is
   a ``$ref`` outside the schema (nothing is ever fetched); a ``format`` it does not know
   is an annotation and left out (the standard's default); dependencies between
   properties are rewritten as ``anyOf`` (``_dependencies_as_any_of``); an object schema
@@ -36,7 +37,10 @@ from llguidance import LLMatcher
 
 from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
-from pagedllm.structured.json_schema import resolve_pointer, resource_id, subschemas
+from pagedllm.structured.json_schema import (pointer_walk, resolve_pointer, resource_id,
+                                             subschemas)
+from pagedllm.structured.negation import (ANNOTATIONS, conditionals_as_any_of, names,
+                                          not_in_positive_terms)
 from pagedllm.structured.params import StructuredOutputsParams
 
 
@@ -48,6 +52,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if not isinstance(schema, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema object.")
         nodes = list(subschemas(schema))
+        named, pinned = _named_by_refs(nodes, _resources(schema, nodes))
+        nodes += named
         own_ids = {resource_id(node) for node in nodes} - {None}
         resources = _resources(schema, nodes)
         parts = _composed_parts(nodes, resources)
@@ -64,7 +70,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             _one_of_exact(node, resources)
         for node in nodes:
             _dependencies_as_any_of(node)
-            _not_in_positive_terms(node)
+            conditionals_as_any_of(node, pinned)
+            not_in_positive_terms(node)
         options: dict[str, Any] = {"coerce_one_of": True}
         if params.whitespace_pattern is not None:
             options["whitespace_pattern"] = params.whitespace_pattern
@@ -195,6 +202,34 @@ def _composed_parts(nodes: list[dict], resources: dict[str, Any]) -> set[int]:
     return parts
 
 
+def _named_by_refs(nodes: list[dict], resources: dict[str, Any]
+                   ) -> tuple[list[dict], set[tuple[int, str]]]:
+    """The schema objects that references name beyond ``nodes`` (inside a map of
+    definitions that is not a schema itself, say), with their own subschemas; and the
+    steps every reference's pointer takes (the container's id and the key): a rewrite
+    must not move what a pointer passes through."""
+    seen = {id(node) for node in nodes}
+    named: list[dict] = []
+    steps: set[tuple[int, str]] = set()
+    pending = list(nodes)
+    while pending:
+        ref = pending.pop().get("$ref")
+        if not isinstance(ref, str):
+            continue
+        base, _, pointer = ref.partition("#")
+        for root in [resources.get(base)] if base else list(resources.values()):
+            walk = pointer_walk(root, pointer)
+            if walk is None:
+                continue
+            steps.update((id(container), key) for container, key in walk[0])
+            for node in subschemas(walk[1]):
+                if id(node) not in seen:
+                    seen.add(id(node))
+                    named.append(node)
+                    pending.append(node)
+    return named, steps
+
+
 def _ref_targets(resources: dict[str, Any], ref: Any) -> list:
     """The schemas a ``$ref`` may name: its pointer resolved in the resource its URI names,
     or, for a bare ``#...``, in every resource (the one enclosing the reference among them:
@@ -227,9 +262,6 @@ def _dependencies_as_any_of(node: dict) -> None:
             {"anyOf": [present, {"properties": {name: False}}]})
 
 
-# Keywords that say nothing of which values a schema accepts.
-_ANNOTATIONS = {"title", "description", "$comment", "default", "examples", "deprecated",
-                "readOnly", "writeOnly"}
 # Keywords that constrain objects alone: a schema of them and annotations accepts every
 # value that is not an object.
 _OBJECT_KEYWORDS = {"properties", "required", "additionalProperties", "patternProperties",
@@ -268,7 +300,7 @@ def _referenced(schema: Any, resources: dict[str, Any], depth: int = 0) -> Any:
     """The schema a lone ``$ref`` (annotations beside it) names, followed to the end;
     ``schema`` itself if it is no such reference; None where the target is not one."""
     if not isinstance(schema, dict) or "$ref" not in schema \
-            or set(schema) - _ANNOTATIONS != {"$ref"}:
+            or set(schema) - ANNOTATIONS != {"$ref"}:
         return schema
     targets = [t for t in _ref_targets(resources, schema["$ref"]) if t is not None]
     return _referenced(targets[0], resources, depth + 1) \
@@ -305,14 +337,14 @@ def _may_be_object(schema: Any) -> bool:
 def _holds_empty_object(schema: dict) -> bool:
     """Whether ``schema`` (one that allows only its listed names) surely holds ``{}``: it
     says nothing but its type, its properties and annotations."""
-    return set(schema) - _ANNOTATIONS <= {"type", "properties", "additionalProperties"}
+    return set(schema) - ANNOTATIONS <= {"type", "properties", "additionalProperties"}
 
 
 def _objects_alone(schema: Any, resources: dict[str, Any], depth: int = 0) -> bool:
     """Whether ``schema`` constrains objects alone, following local ``$ref`` s."""
     if not isinstance(schema, dict) or depth > 8:
         return False
-    extra = set(schema) - _ANNOTATIONS - _OBJECT_KEYWORDS - {"$ref"}
+    extra = set(schema) - ANNOTATIONS - _OBJECT_KEYWORDS - {"$ref"}
     if extra:
         return False
     targets = _ref_targets(resources, schema.get("$ref")) if "$ref" in schema else []
@@ -326,14 +358,14 @@ def _one_of_presence_as_any_of(node: dict, branches: list) -> None:
     ``oneOf`` becomes an ``anyOf`` of those choices in the node's ``allOf`` (none if every
     branch requires all of another's names). Left as is where the choices of one branch
     would pass ``_MAX_PRESENCE_ALTERNATIVES``."""
-    if not all(isinstance(b, dict) and set(b) <= _ANNOTATIONS | {"required"}
-               and _names(b.get("required")) is not None for b in branches):
+    if not all(isinstance(b, dict) and set(b) <= ANNOTATIONS | {"required"}
+               and names(b.get("required")) is not None for b in branches):
         return
-    names = [_names(b["required"]) for b in branches]
+    required = [names(b["required"]) for b in branches]
     alternatives: list[dict] = []
-    for i, present in enumerate(names):
+    for i, present in enumerate(required):
         absences = [frozenset()]
-        for j, other in enumerate(names):
+        for j, other in enumerate(required):
             if j != i:
                 absences = list({a | {p} for a in absences for p in other - present})
             if len(absences) > _MAX_PRESENCE_ALTERNATIVES:
@@ -344,73 +376,6 @@ def _one_of_presence_as_any_of(node: dict, branches: list) -> None:
                                      "properties": {p: False for p in sorted(absent)}})
     del node["oneOf"]
     node.setdefault("allOf", []).append({"anyOf": alternatives or [False]})
-
-
-def _names(value: Any) -> set[str] | None:
-    """The strings of a list of strings (``required``, ``type``); None for anything else."""
-    if isinstance(value, list) and all(isinstance(name, str) for name in value):
-        return set(value)
-    return None
-
-
-# JSON's types, ``integer`` within ``number``.
-_TYPES = ("null", "boolean", "object", "array", "string", "number")
-
-
-def _not_in_positive_terms(node: dict) -> None:
-    """A ``not`` whose negation ``_negation`` knows becomes that negation in the node's
-    ``allOf``; any other is left for the backend to refuse, naming ``not``. Runs after
-    ``_close_object``: a negation never names a property to allow."""
-    if "not" in node:
-        positive = _negation(node["not"])
-        if positive is not None:
-            del node["not"]
-            node.setdefault("allOf", []).append(positive)
-
-
-def _negation(schema: Any, depth: int = 0) -> Any:
-    """A schema that holds exactly where ``schema`` does not, or None where none is known:
-
-    - ``{}`` / ``true`` and ``false`` swap;
-    - ``{"type": T}``: the other types (None for ``integer`` without ``number``: "a number
-      that is not an integer" has no type);
-    - ``{"required": names}`` (``properties`` that say nothing of their values aside):
-      objects lacking one of the names, ``{"type": "object", "anyOf": [{"properties":
-      {name: false}}, ...]}``; every other value passes ``required``, so fails its ``not``
-      (unless the schema also says ``type: object``);
-    - ``anyOf`` and ``allOf`` of negatable schemas: ``allOf`` and ``anyOf`` of their
-      negations."""
-    if schema is False:
-        return True
-    if schema is True or (isinstance(schema, dict) and set(schema) <= _ANNOTATIONS):
-        return False
-    if not isinstance(schema, dict) or depth > 8:
-        return None
-    keys = set(schema) - _ANNOTATIONS
-    if keys == {"type"}:
-        named = _names([schema["type"]] if isinstance(schema["type"], str) else schema["type"])
-        if named is None or ("integer" in named and "number" not in named):
-            return None
-        others = [t for t in _TYPES if t not in named]
-        return {"type": others} if others else False
-    properties = schema.get("properties", {})
-    if "required" in keys and keys <= {"required", "properties", "type"} \
-            and _names(schema["required"]) is not None and isinstance(properties, dict) \
-            and schema.get("type", "object") == "object" \
-            and all(_negation(v) is False for v in properties.values()):
-        lacking = [{"properties": {name: False}} for name in sorted(_names(schema["required"]))]
-        objects_lacking = {"type": "object", "anyOf": lacking} if lacking else False
-        if "type" not in schema:
-            return objects_lacking
-        return {"anyOf": [{"type": [t for t in _TYPES if t != "object"]}, objects_lacking]}
-    if len(keys) == 1 and keys <= {"anyOf", "allOf"}:
-        key = keys.pop()
-        parts = [_negation(part, depth + 1) for part in schema[key]] \
-            if isinstance(schema[key], list) else [None]
-        if any(part is None for part in parts):
-            return None
-        return {"allOf" if key == "anyOf" else "anyOf": parts}
-    return None
 
 
 @functools.lru_cache(maxsize=256)

@@ -231,6 +231,24 @@ def test_not_of_types_names_and_nothing_holds(llm):
     assert any(isinstance(v.get("v"), (bool, int, float)) for v in values)
 
 
+def test_if_then_else_as_real_world_schemas_switch_on_a_kind(llm):
+    """``allOf`` of ``if`` / ``then`` on a discriminator (JSON Schema Store's configs switch
+    so), and a node's own ``if`` / ``then`` / ``else``: every output validates, and more
+    than one case is generated."""
+    small = {"type": "integer", "minimum": 0, "maximum": 9}
+    schema = {"type": "object", "additionalProperties": False, "required": ["kind"],
+              "properties": {"kind": {"enum": ["disk", "net", "cpu"]}, "size": small,
+                             "port": small, "cores": small},
+              "allOf": [{"if": {"properties": {"kind": {"const": "disk"}}},
+                         "then": {"required": ["size"]}},
+                        {"if": {"properties": {"kind": {"const": "net"}}},
+                         "then": {"required": ["port"], "properties": {"size": False}}}],
+              "if": {"properties": {"kind": {"const": "cpu"}}},
+              "then": {"required": ["cores"]}, "else": {"properties": {"cores": False}}}
+    values = sampled_values(llm, schema, num=32, max_tokens=60)
+    assert len({v["kind"] for v in values}) >= 2
+
+
 def test_unique_items_where_every_array_holds_it_and_the_way_past_a_refusal(llm):
     """``uniqueItems`` that every array holds (``false``, or at most one item) is served
     exactly; one the backend cannot enforce is a ValueError that names the key and the
@@ -930,7 +948,7 @@ def test_a_constraint_failing_mid_output_aborts_its_request_alone(llm, monkeypat
 # -- errors ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("constraint, message", [
     (dict(json={"type": "object", "properties": {"a": {"type": "wat"}}}), "wat"),
-    (dict(json={"type": "string", "not": {"const": "x"}}), "not"),
+    (dict(json={"type": "string", "not": {"pattern": "^x"}}), "not"),
     (dict(json={"$ref": "#/$defs/missing"}), "missing"),
     # Both names required, and exactly one of them present: nothing holds.
     (dict(json={"type": "object", "required": ["a", "b"],

@@ -1,0 +1,310 @@
+"""JSON-schema logic in the positive terms llguidance implements: ``not`` and
+``if`` / ``then`` / ``else`` rewritten as ``anyOf`` / ``allOf`` of schemas it compiles,
+in keywords every draft reads alike (``enum``, not draft 6's ``const``, which a draft 4
+schema ignores).
+
+Every rewrite accepts exactly the values the original does, but one: a switch of more
+than ``MAX_ABSENT_CASES`` cases on a property its object does not require generates
+no object that lacks the property (such an object must hold every case's ``then`` at
+once); what is generated still validates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Keywords that say nothing of which values a schema accepts.
+ANNOTATIONS = {"title", "description", "$comment", "default", "examples", "deprecated",
+               "readOnly", "writeOnly"}
+# JSON's types, ``integer`` within ``number``.
+TYPES = ("null", "boolean", "object", "array", "string", "number")
+MAX_ABSENT_CASES = 4
+# Conditionals of a schema rewritten one by one (each an ``anyOf`` of two branches that the
+# backend intersects with the others), beyond those merged into a switch.
+MAX_LONE_CONDITIONALS = 4
+
+
+def names(value: Any) -> set[str] | None:
+    """The strings of a list of strings (``required``, ``type``); None for anything else."""
+    if isinstance(value, list) and all(isinstance(name, str) for name in value):
+        return set(value)
+    return None
+
+
+def not_in_positive_terms(node: dict) -> None:
+    """A ``not`` whose negation ``negation`` knows becomes that negation in the node's
+    ``allOf``; any other is left for the backend to refuse, naming ``not``. Runs after
+    the objects are closed: a negation never names a property to allow."""
+    if "not" in node:
+        positive = negation(node["not"])
+        if positive is not None:
+            del node["not"]
+            node.setdefault("allOf", []).append(positive)
+
+
+def negation(schema: Any, depth: int = 0) -> Any:
+    """A schema that holds exactly where ``schema`` does not, or None where none is known:
+
+    - ``{}`` / ``true`` and ``false`` swap;
+    - ``{"type": T}``: the other types (None for ``integer`` without ``number``: "a number
+      that is not an integer" has no type);
+    - ``const`` / ``enum`` of strings, numbers, booleans and null (with or without a
+      ``type``): every other value (``_other_values``);
+    - ``properties`` whose schemas have negations, with ``required`` names among them or
+      not (``type: object`` or none): objects where a listed property is present and fails
+      its schema, or a required one is absent; every other value passes, so fails the
+      ``not`` (unless the schema says ``type: object``);
+    - ``anyOf`` and ``allOf`` of negatable schemas: ``allOf`` and ``anyOf`` of their
+      negations."""
+    if schema is False:
+        return True
+    if schema is True or (isinstance(schema, dict) and set(schema) <= ANNOTATIONS):
+        return False
+    if not isinstance(schema, dict) or depth > 8:
+        return None
+    keys = set(schema) - ANNOTATIONS
+    if keys == {"type"}:
+        named = names([schema["type"]] if isinstance(schema["type"], str) else schema["type"])
+        if named is None or ("integer" in named and "number" not in named):
+            return None
+        others = [t for t in TYPES if t not in named]
+        return {"type": others} if others else False
+    if keys & {"const", "enum"} and keys <= {"const", "enum", "type"}:
+        return _other_values(schema)
+    if keys & {"properties", "required"} and keys <= {"properties", "required", "type"}:
+        return _objects_failing(schema, depth)
+    if len(keys) == 1 and keys <= {"anyOf", "allOf"}:
+        key = keys.pop()
+        parts = [negation(part, depth + 1) for part in schema[key]] \
+            if isinstance(schema[key], list) else [None]
+        if any(part is None for part in parts):
+            return None
+        return {"allOf" if key == "anyOf" else "anyOf": parts}
+    return None
+
+
+def _objects_failing(schema: dict, depth: int) -> Any:
+    """The negation of ``properties`` / ``required`` (/ ``type: object``), or None."""
+    properties = schema.get("properties", {})
+    required = names(schema.get("required", []))
+    if not isinstance(properties, dict) or required is None \
+            or schema.get("type", "object") != "object":
+        return None
+    failing = []
+    for name, value in properties.items():
+        fails = negation(value, depth + 1)
+        if fails is None:
+            return None
+        if fails is not False:
+            failing.append({"required": [name], "properties": {name: fails}})
+    failing += [{"properties": {name: False}} for name in sorted(required)]
+    objects_failing = {"type": "object", "anyOf": failing} if failing else False
+    if "type" not in schema:
+        return objects_failing
+    return {"anyOf": [{"type": [t for t in TYPES if t != "object"]}, objects_failing]}
+
+
+def _scalar_values(schema: dict) -> list | None:
+    """The values a ``const`` / ``enum`` schema holds (those its ``type`` allows), or None
+    where one is an object or an array."""
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if not isinstance(values, list) or any(isinstance(v, (dict, list)) for v in values):
+        return None
+    declared = schema.get("type")
+    declared = names([declared] if isinstance(declared, str) else declared) \
+        if declared is not None else set(TYPES) | {"integer"}
+    if declared is None:
+        return None
+    return [v for v in values if _json_type(v) in declared
+            or (_json_type(v) == "integer" and "number" in declared)
+            or (_json_type(v) == "number" and float(v).is_integer() and "integer" in declared)]
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return "number" if isinstance(value, float) else "string"
+
+
+def _other_values(schema: dict) -> Any:
+    """Every JSON value but the scalars a ``const`` / ``enum`` schema holds, or None."""
+    values = _scalar_values(schema)
+    if values is None:
+        return None
+    strings = sorted({v for v in values if isinstance(v, str)})
+    numbers = sorted({float(v) for v in values if _json_type(v) in ("integer", "number")})
+    booleans = {v for v in values if isinstance(v, bool)}
+    branches: list[dict] = [{"type": ["object", "array"]}]
+    branches.append({"type": "string", "pattern": _other_strings_pattern(strings)}
+                    if strings else {"type": "string"})
+    if not numbers:
+        branches.append({"type": "number"})
+    else:
+        bounds = [None, *numbers, None]
+        for low, high in zip(bounds, bounds[1:]):
+            # Bounds said both ways, so that draft 4 (a boolean beside the bound) and later
+            # drafts (the bound itself) read the same interval.
+            interval: dict = {"type": "number"}
+            if low is not None:
+                interval.update(minimum=_plain(low), exclusiveMinimum=_plain(low))
+            if high is not None:
+                interval.update(maximum=_plain(high), exclusiveMaximum=_plain(high))
+            branches.append(interval)
+    branches += [{"enum": [b]} for b in (False, True) if b not in booleans]
+    if None not in values:
+        branches.append({"type": "null"})
+    return {"anyOf": branches}
+
+
+def _plain(number: float) -> int | float:
+    return int(number) if number.is_integer() else number
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def _escaped(char: str) -> str:
+    return "\\" + char if char in _REGEX_META else char
+
+
+def _other_strings_pattern(excluded: list[str]) -> str:
+    """An anchored regex of every string but those ``excluded``: at each node of their trie,
+    a character that leads to no excluded string and then anything, a character that does
+    and the rest of its branch, or the end where no excluded string ends."""
+    trie: dict = {}
+    for word in excluded:
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def other(node: dict) -> str:
+        kids = sorted(k for k in node if k)
+        leave = f"[^{''.join(_escaped(k) for k in kids)}][\\s\\S]*" if kids else "[\\s\\S]+"
+        body = "|".join([leave] + [_escaped(k) + other(node[k]) for k in kids])
+        return f"(?:{body})" if "" in node else f"(?:{body})?"
+
+    return f"^{other(trie)}$"
+
+
+def conditionals_as_any_of(node: dict, pinned: set[tuple[int, str]] = frozenset()) -> None:
+    """The node's ``if`` / ``then`` / ``else``, and its ``allOf`` members that are only
+    that, in terms of ``anyOf``. Those whose ``if`` tests one property against constants
+    (``{"properties": {"kind": {"const": "a"}}}``, the way real-world schemas switch on a
+    discriminator) merge into one ``anyOf`` with a branch per case, one for a value of no
+    case and one for the property absent, when the node is an object schema; the rest
+    become ``anyOf: [allOf [if, then], allOf [negation of if, else]]`` each, when the
+    ``if`` has a known ``negation`` and they are few. Anything else is left for the
+    backend to refuse, naming ``if``, and so are the conditionals of a node that a
+    reference's pointer passes through (``pinned``: container ids and keys) on its way to
+    what they hold."""
+    if any((id(node), key) in pinned for key in ("if", "then", "else", "allOf")):
+        return
+    conditionals = []
+    if "if" in node:
+        conditionals.append(node)
+    members = node.get("allOf")
+    if isinstance(members, list):
+        conditionals += [m for m in members if isinstance(m, dict) and "if" in m
+                         and set(m) - ANNOTATIONS <= {"if", "then", "else"}]
+    if not conditionals:
+        return
+    rewritten = []
+    switches: dict[str, list] = {}
+    lone = []
+    for conditional in conditionals:
+        case = _switch_case(conditional["if"]) if node.get("type") == "object" else None
+        if case is not None:
+            switches.setdefault(case[0], []).append((case, conditional))
+        else:
+            lone.append(conditional)
+    for name, cases in switches.items():
+        branches = _switch_branches(name, cases, name in (names(node.get("required")) or ()))
+        if branches is None:
+            lone += [conditional for _, conditional in cases]
+        else:
+            rewritten.append(({"anyOf": branches}, [c for _, c in cases]))
+    if len(lone) <= MAX_LONE_CONDITIONALS:
+        for conditional in lone:
+            otherwise = negation(conditional["if"])
+            if otherwise is not None:
+                rewritten.append(({"anyOf": [
+                    _all_of([conditional["if"], conditional.get("then", True)]),
+                    _all_of([otherwise, conditional.get("else", True)])]}, [conditional]))
+    for any_of, done in rewritten:
+        for conditional in done:
+            if conditional is node:
+                for key in ("if", "then", "else"):
+                    node.pop(key, None)
+            else:
+                node["allOf"] = [m for m in node["allOf"] if m is not conditional]
+        node.setdefault("allOf", []).append(any_of)
+    if node.get("allOf") == []:
+        del node["allOf"]
+
+
+def _switch_case(test: Any) -> tuple[str, list, bool] | None:
+    """``(name, values, required)`` for an ``if`` that tests one property against constant
+    scalars (and perhaps requires it); None for any other."""
+    if not isinstance(test, dict) or not set(test) - ANNOTATIONS <= {"properties", "required",
+                                                                        "type"}:
+        return None
+    properties = test.get("properties")
+    if not isinstance(properties, dict) or len(properties) != 1 \
+            or test.get("type", "object") != "object":
+        return None
+    (name, value), = properties.items()
+    required = names(test.get("required", []))
+    if required is None or not required <= {name} or not isinstance(value, dict) \
+            or not set(value) - ANNOTATIONS <= {"const", "enum", "type"}:
+        return None
+    values = _scalar_values(value)
+    return None if values is None else (name, values, bool(required))
+
+
+def _switch_branches(name: str, cases: list, name_required: bool) -> list | None:
+    """The ``anyOf`` branches of the conditionals ``cases`` (``((name, values, required),
+    conditional)``) that switch on property ``name``; None where two cases share a value
+    or "none of the values" has no known negation."""
+    seen: list = []
+    for (_, values, _), _ in cases:
+        if any(_same_value(v, s) for v in values for s in seen):
+            return None
+        seen += values
+    none_of = _other_values({"enum": seen})
+    if none_of is None:
+        return None
+    thens = [c.get("then", True) for _, c in cases]
+    elses = [c.get("else", True) for _, c in cases]
+    branches = []
+    for i, ((_, values, _), _) in enumerate(cases):
+        others = [e for j, e in enumerate(elses) if j != i]
+        branches.append(_all_of([{"required": [name], "properties": {name: {"enum": values}}},
+                                 thens[i], *others]))
+    branches.append(_all_of([{"required": [name], "properties": {name: none_of}}, *elses]))
+    if not name_required and len(cases) <= MAX_ABSENT_CASES:
+        holds = [thens[i] if not required else elses[i]
+                 for i, ((_, _, required), _) in enumerate(cases)]
+        branches.append(_all_of([{"properties": {name: False}}, *holds]))
+    return branches
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """JSON equality of scalars: ``1`` equals ``1.0``, ``true`` equals no number."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return a == b
+
+
+def _all_of(parts: list) -> Any:
+    """The conjunction of ``parts``, without the ones that always hold."""
+    parts = [p for p in parts if p is not True and p != {}]
+    if any(p is False for p in parts):
+        return False
+    if not parts:
+        return True
+    return parts[0] if len(parts) == 1 else {"allOf": parts}

@@ -1,0 +1,132 @@
+"""The positive forms of ``not`` and ``if`` / ``then`` / ``else`` accept exactly what the
+original schemas do, as ``jsonschema`` judges them over a corpus of values; the rewritten
+schemas use no keyword llguidance refuses, and they compile."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+
+import jsonschema
+import pytest
+
+from pagedllm.structured import StructuredOutputsParams
+from pagedllm.structured.llguidance_backend import LLGuidanceBackend, grammar_text
+from pagedllm.structured.negation import MAX_ABSENT_CASES, conditionals_as_any_of, negation
+
+STRINGS = ["", "a", "ab", "abc", "abd", "b", "ba", "x", "a\n", "ab\n", "-", "a-b", "a.b", "ä",
+           "$", "^", "[", "\\", "kind", "line\nbreak"]
+SCALARS = [*STRINGS, 0, 1, 2, 1.5, -3, 2.0, 1e9, True, False, None]
+VALUES = [*SCALARS, [], [1, "a"], {}, {"kind": "a"}, {"kind": "b", "n": 1}, {"kind": 3},
+          {"kind": None}, {"n": 2}, {"kind": "c", "n": "x"}, {"kind": "ab", "s": "x", "n": 0}]
+
+NEGATABLE = [
+    {"const": "a"},
+    {"enum": ["a", "ab", "abc", ""]},
+    {"enum": ["a-b", "a.b", "$", "^", "[", "\\", "ä", "line\nbreak"]},
+    {"type": "string", "enum": ["a", "ab", 1]},
+    {"enum": [1, 2.0, -3]},
+    {"type": "integer", "const": 2},
+    {"enum": [True, None]},
+    {"enum": [False, 0, "x"]},
+    {"properties": {"kind": {"const": "a"}}},
+    {"properties": {"kind": {"enum": ["a", "b"]}}, "required": ["kind"]},
+    {"type": "object", "properties": {"kind": {"const": "a"}, "n": {"type": "string"}}},
+    {"anyOf": [{"const": "a"}, {"type": "number"}]},
+    {"allOf": [{"properties": {"n": {"enum": [1, 2]}}}, {"required": ["n"]}]},
+]
+
+
+def valid(schema, value) -> bool:
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
+
+
+@pytest.mark.parametrize("schema", NEGATABLE, ids=lambda s: json.dumps(s)[:60])
+def test_a_negation_holds_exactly_where_its_schema_does_not(schema):
+    positive = negation(schema)
+    assert positive is not None and "\"not\"" not in json.dumps(positive)
+    for value in VALUES:
+        assert valid(positive, value) != valid(schema, value), value
+    LLGuidanceBackend.validate(StructuredOutputsParams(json={"not": schema}))
+
+
+def kinds(values):
+    return [{"kind": v} for v in values]
+
+
+SWITCH = {
+    "type": "object", "required": ["kind"],
+    "properties": {"kind": {"type": "string"}, "n": {"type": "integer"}, "s": {"type": "string"}},
+    "allOf": [
+        {"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["n"]}},
+        {"if": {"properties": {"kind": {"enum": ["b", "ab"]}}, "required": ["kind"]},
+         "then": {"required": ["s"]}, "else": {"properties": {"s": {"maxLength": 0}}}},
+        {"if": {"properties": {"kind": {"const": "c"}}},
+         "then": {"properties": {"n": {"type": "string"}}}},
+    ],
+}
+SWITCH_NOT_REQUIRED = {**copy.deepcopy(SWITCH), "required": []}
+NODE_CONDITIONAL = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["a", "b", 3]}, "n": {"type": "integer"}},
+    "if": {"properties": {"kind": {"const": 3}}, "required": ["kind"]},
+    "then": {"required": ["n"]}, "else": {"properties": {"n": {"maximum": 0}}},
+}
+LONE_CONDITIONALS = {
+    "allOf": [{"if": {"required": ["s"]}, "then": {"required": ["n"]}},
+              {"if": {"type": "string"}, "then": {"enum": ["a", "b", "ba"]},
+               "else": {"not": {"type": "boolean"}}}],
+}
+CONDITIONALS = [SWITCH, SWITCH_NOT_REQUIRED, NODE_CONDITIONAL, LONE_CONDITIONALS]
+
+
+def instances() -> list:
+    """Objects of every combination of the corpus' ``kind``, ``n`` and ``s`` (absent too),
+    and the scalars."""
+    options = {"kind": ["a", "b", "ab", "c", "x", 3, None], "n": [0, 5, "t"], "s": ["", "x"]}
+    objects = []
+    for chosen in itertools.product(*[[None, *range(len(v))] for v in options.values()]):
+        objects.append({name: options[name][i] for name, i in zip(options, chosen)
+                        if i is not None})
+    return [*objects, *SCALARS]
+
+
+@pytest.mark.parametrize("schema", CONDITIONALS, ids=["switch", "switch-not-required",
+                                                      "node", "lone"])
+def test_conditionals_in_positive_terms_accept_what_the_schema_accepts(schema):
+    rewritten = copy.deepcopy(schema)
+    nodes = [rewritten] + [m for m in rewritten.get("allOf", []) if isinstance(m, dict)]
+    for node in nodes:
+        conditionals_as_any_of(node)
+    text = json.dumps(rewritten)
+    assert '"if"' not in text and '"then"' not in text and '"else"' not in text
+    for value in instances():
+        assert valid(rewritten, value) == valid(schema, value), value
+    LLGuidanceBackend.validate(StructuredOutputsParams(json=schema))
+
+
+def test_a_long_switch_on_a_property_not_required_generates_no_object_without_it():
+    """Past ``MAX_ABSENT_CASES`` cases, an object without the switch's property would have
+    to hold every ``then`` at once: the rewrite leaves it out, so what it accepts is a
+    subset of what the schema accepts, which differs only there."""
+    cases = [{"if": {"properties": {"kind": {"const": f"k{i}"}}},
+              "then": {"properties": {"n": {"minimum": i}}}} for i in range(MAX_ABSENT_CASES + 1)]
+    schema = {"type": "object", "properties": {"kind": {"type": "string"},
+                                               "n": {"type": "integer"}}, "allOf": cases}
+    rewritten = copy.deepcopy(schema)
+    conditionals_as_any_of(rewritten)
+    for value in [{"kind": f"k{i}", "n": n} for i in range(6) for n in (0, 3, 9)] + [{"n": 9}]:
+        assert valid(rewritten, value) == (valid(schema, value) and "kind" in value), value
+
+
+def test_conditionals_that_a_reference_passes_through_are_left_as_they_are():
+    """A ``$ref`` into a ``then`` must still find it, so that schema is refused, naming
+    ``if``, rather than served with a pointer that names nothing."""
+    schema = {"type": "object", "properties": {"kind": {"type": "string"},
+                                               "copy": {"$ref": "#/allOf/0/then"}},
+              "allOf": [{"if": {"properties": {"kind": {"const": "a"}}},
+                         "then": {"required": ["copy"]}}]}
+    assert '"if"' in grammar_text(StructuredOutputsParams(json=schema))
+    with pytest.raises(ValueError, match='"if"'):
+        LLGuidanceBackend.validate(StructuredOutputsParams(json=schema))
