@@ -10,9 +10,10 @@ to its grammar text as follows:
   (``_one_of_exact``), else taken as ``anyOf`` (``coerce_one_of``); a ``not`` whose
   negation is known in positive terms becomes it, and so does ``if`` / ``then`` /
   ``else`` (``negation.py``); keywords llguidance does not implement (any other ``not`` or
-  ``if``, ``uniqueItems``, ``contains``, ``propertyNames``) are refused at validation
-  with its message (which names the schema's ``lenient`` setting), and so is
-  a ``$ref`` outside the schema (nothing is ever fetched); a ``format`` it does not know
+  ``if``, ``uniqueItems``, ``contains``, a ``propertyNames`` that ``property_names.py``
+  cannot say as properties) are refused at validation with its message (which names the
+  schema's ``lenient`` setting), and so is a ``$ref`` outside the schema (nothing is
+  ever fetched); a ``format`` it does not know
   is an annotation and left out (the standard's default); dependencies between
   properties are rewritten as ``anyOf`` (``_dependencies_as_any_of``); an object schema
   that lists its ``properties`` and says nothing of other names allows none
@@ -42,6 +43,7 @@ from pagedllm.structured.json_schema import (pointer_walk, resolve_pointer, reso
 from pagedllm.structured.negation import (ANNOTATIONS, conditionals_as_any_of, names,
                                           not_in_positive_terms)
 from pagedllm.structured.params import StructuredOutputsParams
+from pagedllm.structured.property_names import property_names_as_properties
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -71,6 +73,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         for node in nodes:
             _dependencies_as_any_of(node)
             conditionals_as_any_of(node, pinned)
+            property_names_as_properties(node, lambda s: _referenced(s, resources))
             not_in_positive_terms(node)
         options: dict[str, Any] = {"coerce_one_of": True}
         if params.whitespace_pattern is not None:

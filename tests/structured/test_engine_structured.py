@@ -249,6 +249,20 @@ def test_if_then_else_as_real_world_schemas_switch_on_a_kind(llm):
     assert len({v["kind"] for v in values}) >= 2
 
 
+def test_maps_keyed_by_property_names_use_only_the_names_allowed(llm):
+    """``propertyNames`` of a map (a pattern here, a list of names beside it) holds."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["env", "ports"],
+              "properties": {
+                  "env": {"type": "object", "propertyNames": {"pattern": "^[A-C]{1,2}$"},
+                          "additionalProperties": {"type": "integer", "minimum": 0,
+                                                   "maximum": 9}},
+                  "ports": {"type": "object", "propertyNames": {"enum": ["http", "ssh"]},
+                            "additionalProperties": {"type": "integer", "minimum": 1,
+                                                     "maximum": 99}}}}
+    values = sampled_values(llm, schema, num=16, max_tokens=80)
+    assert any(v["env"] for v in values) and any(v["ports"] for v in values)
+
+
 def test_unique_items_where_every_array_holds_it_and_the_way_past_a_refusal(llm):
     """``uniqueItems`` that every array holds (``false``, or at most one item) is served
     exactly; one the backend cannot enforce is a ValueError that names the key and the
