@@ -43,7 +43,8 @@ from pagedllm.structured.json_schema import (pointer_walk, resolve_pointer, reso
 from pagedllm.structured.negation import (ANNOTATIONS, conditionals_as_any_of, names,
                                           not_in_positive_terms)
 from pagedllm.structured.params import StructuredOutputsParams
-from pagedllm.structured.property_names import property_names_as_properties
+from pagedllm.structured.property_names import (property_counts_as_presence,
+                                                property_names_as_properties)
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -74,6 +75,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             _dependencies_as_any_of(node)
             conditionals_as_any_of(node, pinned)
             property_names_as_properties(node, lambda s: _referenced(s, resources))
+            property_counts_as_presence(node)
             not_in_positive_terms(node)
         options: dict[str, Any] = {"coerce_one_of": True}
         if params.whitespace_pattern is not None:

@@ -1,5 +1,8 @@
-"""``propertyNames`` in the terms llguidance implements: the names an object may use, said
-by ``properties`` and ``patternProperties`` that close the object.
+"""Which names an object may use and how many, in the terms llguidance implements.
+
+``propertyNames`` is said by ``properties`` and ``patternProperties`` that close the
+object; ``minProperties`` / ``maxProperties`` of a closed object by which of its names
+are present (``property_counts_as_presence``).
 
 A map schema (``{"type": "object", "propertyNames": P, "additionalProperties": V}``, the
 way configuration schemas key a map by a name format) becomes, exactly:
@@ -19,10 +22,15 @@ Names the schema lists itself in ``properties`` keep their schemas, and must be 
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from typing import Any, Callable
 
-from pagedllm.structured.negation import ANNOTATIONS
+from pagedllm.structured.negation import ANNOTATIONS, names
+
+# The most choices of names one bound of a property count becomes.
+MAX_COUNT_CHOICES = 64
 
 def property_names_as_properties(node: dict, follow: Callable[[Any], Any]) -> None:
     """Rewrite ``node``'s ``propertyNames`` where one of the forms above says it;
@@ -105,3 +113,39 @@ def _replace(node: dict, properties: dict, patterns: dict, rest: Any) -> None:
     if patterns:
         node["patternProperties"] = patterns
     node["additionalProperties"] = rest
+
+
+def property_counts_as_presence(node: dict) -> None:
+    """``minProperties`` / ``maxProperties`` of a closed object (``additionalProperties:
+    false``, no ``patternProperties``), which llguidance takes only where every listed
+    name is required: the object holds only its listed names, so "at least ``k``" is "at
+    least ``k`` minus the required of the optional names present", an ``anyOf`` of their
+    ``required`` choices, and "at most ``m``" is "at least as many of them absent as the
+    optional names exceed ``m`` minus the required", an ``anyOf`` of ``properties: {name:
+    false}`` choices; a bound every object holds is dropped. Left as is past
+    ``MAX_COUNT_CHOICES`` choices, or where a bound cannot hold."""
+    listed = node.get("properties")
+    required = names(node.get("required", []))
+    if not isinstance(listed, dict) or required is None or not required <= set(listed) \
+            or node.get("additionalProperties") is not False or "patternProperties" in node \
+            or set(listed) <= required:
+        return
+    optional = sorted(set(listed) - required)
+    low, high = node.get("minProperties", 0), node.get("maxProperties", len(listed))
+    if not isinstance(low, int) or not isinstance(high, int) or high < len(required):
+        return
+    present = max(0, low - len(required))  # optional names that must be present
+    absent = max(0, len(optional) - (high - len(required)))  # and that must be absent
+    if present > len(optional) or present + absent > len(optional) \
+            or math.comb(len(optional), present) > MAX_COUNT_CHOICES \
+            or math.comb(len(optional), absent) > MAX_COUNT_CHOICES:
+        return
+    node.pop("minProperties", None)
+    node.pop("maxProperties", None)
+    if present:
+        node.setdefault("allOf", []).append({"anyOf": [
+            {"required": list(c)} for c in itertools.combinations(optional, present)]})
+    if absent:
+        node.setdefault("allOf", []).append({"anyOf": [
+            {"properties": {n: False for n in c}}
+            for c in itertools.combinations(optional, absent)]})

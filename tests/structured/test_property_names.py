@@ -1,4 +1,5 @@
-"""``propertyNames`` said as properties accepts exactly what the original schema does, as
+"""``propertyNames``, and the property counts of a closed object, said by which names are
+present, accept exactly what the original schemas do, as
 ``jsonschema`` judges it over objects of many names; those left as they are stay refused,
 naming the keyword; the rewritten schemas compile."""
 
@@ -13,7 +14,8 @@ import pytest
 
 from pagedllm.structured import StructuredOutputsParams
 from pagedllm.structured.llguidance_backend import LLGuidanceBackend
-from pagedllm.structured.property_names import property_names_as_properties
+from pagedllm.structured.property_names import (property_counts_as_presence,
+                                                property_names_as_properties)
 
 NAMES = ["a", "b", "ab", "id", "x-1", "X", "", "long_name_here", "concurrent"]
 VALUES = [1, "s", None]
@@ -72,3 +74,27 @@ def test_other_property_names_are_refused_naming_the_keyword(names):
         LLGuidanceBackend.validate(StructuredOutputsParams(
             json={"type": "object", "propertyNames": names}))
 
+
+
+COUNTED = [
+    {"minProperties": 1},
+    {"minProperties": 2, "maxProperties": 3},
+    {"maxProperties": 2, "required": ["a"]},
+    {"minProperties": 4, "required": ["b"]},
+    {"maxProperties": 5},
+]
+
+
+@pytest.mark.parametrize("bounds", COUNTED, ids=lambda b: json.dumps(b))
+def test_property_counts_of_a_closed_object_as_names_present(bounds):
+    listed = {n: {"type": "integer"} for n in ("a", "b", "c", "d")}
+    schema = {"type": "object", "properties": listed, "additionalProperties": False, **bounds}
+    rewritten = copy.deepcopy(schema)
+    property_counts_as_presence(rewritten)
+    assert "minProperties" not in rewritten and "maxProperties" not in rewritten
+    for size in range(5):
+        for chosen in itertools.combinations([*listed, "e"], size):
+            value = dict.fromkeys(chosen, 1)
+            original = jsonschema.Draft202012Validator(schema).is_valid(value)
+            assert jsonschema.Draft202012Validator(rewritten).is_valid(value) == original, value
+    LLGuidanceBackend.validate(StructuredOutputsParams(json=schema))
