@@ -19,7 +19,7 @@ from pagedllm.switches import switch
 
 QKV_SUMS_ENV = "PAGEDLLM_QKV_SUMS"
 # Whether a step's attention may take the qkv product's FP8 sums (``Attention.takes_sums``).
-QKV_SUMS = switch(QKV_SUMS_ENV, False)
+QKV_SUMS = switch(QKV_SUMS_ENV, True)
 
 
 class Attention(nn.Module):
@@ -71,7 +71,7 @@ class Attention(nn.Module):
     def takes_sums(self, outputs: OutputRows | None = None) -> bool:
         """Whether ``forward`` with ``rotary`` and these ``outputs`` takes q, k and v as an
         FP8 product's sums this step (``sums_scales``): a backend that scales them as it
-        reads them (``AttentionBackend.takes_sums``), ``PAGEDLLM_QKV_SUMS`` on. cuBLASLt's
+        reads them (``AttentionBackend.takes_sums``), unless ``PAGEDLLM_QKV_SUMS=0``. cuBLASLt's
         FP8 products with one scale per tensor run faster on Hopper than row-wise ones."""
         if not QKV_SUMS or outputs is not None:
             return False
