@@ -227,6 +227,8 @@ def _named_by_refs(nodes: list[dict], resources: dict[str, Any]
             if walk is None:
                 continue
             steps.update((id(container), key) for container, key in walk[0])
+            if id(walk[1]) in seen:
+                continue  # walked already, and everything under it
             for node in subschemas(walk[1]):
                 if id(node) not in seen:
                     seen.add(id(node))

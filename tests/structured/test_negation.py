@@ -1,6 +1,7 @@
 """The positive forms of ``not`` and ``if`` / ``then`` / ``else`` accept exactly what the
 original schemas do, as ``jsonschema`` judges them over a corpus of values; the rewritten
-schemas use no keyword llguidance refuses, and they compile."""
+schemas use no keyword llguidance refuses, and they compile; the schemas references name
+are walked once."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from pagedllm.structured import StructuredOutputsParams
 from pagedllm.structured.llguidance_backend import LLGuidanceBackend, grammar_text
+from pagedllm.structured.json_schema import subschemas
 from pagedllm.structured.negation import MAX_ABSENT_CASES, conditionals_as_any_of, negation
 
 STRINGS = ["", "a", "ab", "abc", "abd", "b", "ba", "x", "a\n", "ab\n", "-", "a-b", "a.b", "ä",
@@ -130,3 +132,23 @@ def test_conditionals_that_a_reference_passes_through_are_left_as_they_are():
     assert '"if"' in grammar_text(StructuredOutputsParams(json=schema))
     with pytest.raises(ValueError, match='"if"'):
         LLGuidanceBackend.validate(StructuredOutputsParams(json=schema))
+
+
+def test_references_are_followed_once_however_many_name_a_schema(monkeypatch):
+    """Schemas named by many references (each of 300 definitions names the root) are
+    walked once, not once a reference: a schema's compile stays linear in its size."""
+    from pagedllm.structured import llguidance_backend
+
+    walked = []
+
+    def counting(schema):
+        for node in subschemas(schema):
+            walked.append(node)
+            yield node
+
+    monkeypatch.setattr(llguidance_backend, "subschemas", counting)
+    defs = {f"d{i}": {"type": "object", "properties": {
+        "next": {"$ref": f"#/$defs/d{(i + 1) % 300}"}, "up": {"$ref": "#"}}} for i in range(300)}
+    schema = {"$defs": defs, "type": "object", "properties": {"root": {"$ref": "#/$defs/d0"}}}
+    grammar_text(StructuredOutputsParams(json=schema))
+    assert len(walked) < 3 * len(list(subschemas(schema)))
