@@ -14,8 +14,11 @@ of them as tools with ``tool_choice: "required"`` (the server's constraint, from
 ``plan_tools``); every call of a complete output must validate against its own tool's
 parameters.
 
+``--compile-only``: the acceptance and the refusals' reasons alone (the whole corpus with
+``--per-dataset 100000``, a few minutes on a CPU), no model.
+
 Usage: python scripts/schema_sweep.py --dir DATA [--per-dataset 60] [--seed 1]
-       [--max-tokens 300] [--tools] [--out sweep.json]
+       [--max-tokens 300] [--tools] [--compile-only] [--out sweep.json]
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--tools", action="store_true",
                         help='the schemas as tools\' parameters, tool_choice "required"')
+    parser.add_argument("--compile-only", action="store_true",
+                        help="count what compiles and why the rest is refused; generate nothing")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -128,13 +133,16 @@ def main() -> None:
         sample = [(name, request["schema"]) for name, request in requests]
     refused = {name: reason for name, schema in sample if (reason := refusal(schema))}
     accepted = [(name, schema) for name, schema in sample if name not in refused]
-    llm = LLM(seed=args.seed)
-    params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i,
-                             structured_outputs=StructuredOutputsParams(json=schema))
-              for i, (_, schema) in enumerate(accepted)]
-    start = time.perf_counter()
-    outputs = llm.generate(["Write the JSON document: "] * len(accepted), params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    outputs, seconds = [], 0.0
+    if not args.compile_only:
+        llm = LLM(seed=args.seed)
+        params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+                  for i, (_, schema) in enumerate(accepted)]
+        start = time.perf_counter()
+        outputs = llm.generate(["Write the JSON document: "] * len(accepted), params,
+                               use_tqdm=False)
+        seconds = time.perf_counter() - start
     finish = collections.Counter()
     failures = {}
     aborted = {}
@@ -153,7 +161,8 @@ def main() -> None:
         "generate_s": round(seconds, 1), "refusal_reasons": dict(reasons.most_common()),
         "refused_files": refused, "invalid_files": failures, "aborted_files": aborted,
         "settings": {"per_dataset": args.per_dataset, "seed": args.seed,
-                     "max_tokens": args.max_tokens, "tools": args.tools},
+                     "max_tokens": args.max_tokens, "tools": args.tools,
+                     "compile_only": args.compile_only},
     }
     print(f"{len(sample)} {'requests' if args.tools else 'schemas'}: {len(accepted)} accepted, {len(refused)} refused; "
           f"outputs {dict(finish)}; complete outputs that do not validate: {len(failures)}")

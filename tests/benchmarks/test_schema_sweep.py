@@ -36,6 +36,18 @@ def test_the_sweep_counts_refusals_and_validates_complete_outputs(tmp_path):
     assert record["complete_outputs_invalid"] == 0
 
 
+def test_the_sweep_compile_only_counts_refusals_and_generates_nothing(tmp_path):
+    write_datasets(tmp_path)
+    out = tmp_path / "sweep.json"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "schema_sweep.py"), "--dir",
+                    str(tmp_path), "--per-dataset", "5", "--compile-only", "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    record = json.loads(out.read_text())
+    assert (record["schemas"], record["accepted"], record["refused"]) == (3, 2, 1)
+    assert list(record["refused_files"]) == ["plain/not.json"]
+    assert record["finish_reasons"] == {} and record["settings"]["compile_only"]
+
+
 def test_an_output_outside_its_schema_is_reported():
     sweep = load_script("schema_sweep")
     schema = {"type": "object", "required": ["a"]}
