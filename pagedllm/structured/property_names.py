@@ -32,6 +32,7 @@ from pagedllm.structured.negation import ANNOTATIONS, names
 # The most choices of names one bound of a property count becomes.
 MAX_COUNT_CHOICES = 64
 
+
 def property_names_as_properties(node: dict, follow: Callable[[Any], Any]) -> None:
     """Rewrite ``node``'s ``propertyNames`` where one of the forms above says it;
     ``follow`` resolves a lone ``$ref`` to its schema (None where it cannot)."""
@@ -48,9 +49,9 @@ def property_names_as_properties(node: dict, follow: Callable[[Any], Any]) -> No
     if not keys:
         del node["propertyNames"]
         return
-    names = _names_of(test, keys, follow)
-    if names is not None:
-        _replace(node, {n: listed.get(n, rest) for n in names}, {}, False)
+    allowed_names = _names_of(test, keys, follow)
+    if allowed_names is not None:
+        _replace(node, {n: listed.get(n, rest) for n in allowed_names}, {}, False)
         return
     if keys == {"not"}:
         avoided = _names_of(follow(test["not"]), None, follow)
