@@ -38,8 +38,7 @@ from llguidance import LLMatcher
 
 from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
-from pagedllm.structured.json_schema import (pointer_walk, resolve_pointer, resource_id,
-                                             subschemas)
+from pagedllm.structured.json_schema import pointer_walk, resource_id, subschemas
 from pagedllm.structured.negation import (ANNOTATIONS, conditionals_as_any_of, names,
                                           not_in_positive_terms)
 from pagedllm.structured.params import StructuredOutputsParams
@@ -218,12 +217,7 @@ def _named_by_refs(nodes: list[dict], resources: dict[str, Any]
     steps: set[tuple[int, str]] = set()
     pending = list(nodes)
     while pending:
-        ref = pending.pop().get("$ref")
-        if not isinstance(ref, str):
-            continue
-        base, _, pointer = ref.partition("#")
-        for root in [resources.get(base)] if base else list(resources.values()):
-            walk = pointer_walk(root, pointer)
+        for walk in _ref_walks(resources, pending.pop().get("$ref")):
             if walk is None:
                 continue
             steps.update((id(container), key) for container, key in walk[0])
@@ -238,14 +232,19 @@ def _named_by_refs(nodes: list[dict], resources: dict[str, Any]
 
 
 def _ref_targets(resources: dict[str, Any], ref: Any) -> list:
-    """The schemas a ``$ref`` may name: its pointer resolved in the resource its URI names,
-    or, for a bare ``#...``, in every resource (the one enclosing the reference among them:
-    naming more is harmless here). An anchor (``#name``) names none here."""
+    """The schemas a ``$ref`` may name (None for a pointer that names nothing)."""
+    return [None if walk is None else walk[1] for walk in _ref_walks(resources, ref)]
+
+
+def _ref_walks(resources: dict[str, Any], ref: Any) -> list:
+    """``pointer_walk`` of a ``$ref``'s pointer in the resource its URI names, or, for a
+    bare ``#...``, in every resource (the one enclosing the reference among them: naming
+    more is harmless here). An anchor (``#name``) names none here."""
     if not isinstance(ref, str):
         return []
     base, _, pointer = ref.partition("#")
     roots = [resources.get(base)] if base else list(resources.values())
-    return [resolve_pointer(root, pointer) for root in roots]
+    return [pointer_walk(root, pointer) for root in roots]
 
 
 def _dependencies_as_any_of(node: dict) -> None:
