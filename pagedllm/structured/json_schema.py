@@ -3,6 +3,7 @@ it: where its subschemas are, and the URI a schema object names itself by."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator
 
 # Where a schema holds subschemas: one schema, a list of them, or a map of names to them.
@@ -72,3 +73,15 @@ def pointer_walk(root: Any, pointer: str) -> tuple[list[tuple[Any, str]], Any] |
         else:
             return None
     return steps, target
+
+
+# Drafts 3-7 read a schema object with ``$ref`` as the reference alone: every keyword beside
+# it is ignored (2019-09 and later apply them too).
+_REF_ALONE_DRAFTS = re.compile(r"json-schema\.org/draft-0[3-7]/schema")
+
+
+def ref_siblings_ignored(root: Any) -> bool:
+    """Whether ``root`` names (``$schema``) a draft that ignores the keywords beside a
+    ``$ref``; a schema that names none is read as 2020-12, which applies them."""
+    return isinstance(root, dict) and isinstance(root.get("$schema"), str) \
+        and _REF_ALONE_DRAFTS.search(root["$schema"]) is not None

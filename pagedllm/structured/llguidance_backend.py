@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any
 
 import llguidance
@@ -38,7 +39,8 @@ from llguidance import LLMatcher
 
 from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
-from pagedllm.structured.json_schema import pointer_walk, resource_id, subschemas
+from pagedllm.structured.json_schema import (pointer_walk, ref_siblings_ignored, resource_id,
+                                             subschemas)
 from pagedllm.structured.negation import (ANNOTATIONS, conditionals_as_any_of, names,
                                           not_in_positive_terms)
 from pagedllm.structured.params import StructuredOutputsParams
@@ -54,6 +56,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if not isinstance(schema, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema object.")
         nodes = list(subschemas(schema))
+        if ref_siblings_ignored(schema):
+            _drop_ref_siblings(nodes, schema)
+            nodes = list(subschemas(schema))
         named, pinned = _named_by_refs(nodes, _resources(schema, nodes))
         nodes += named
         own_ids = {resource_id(node) for node in nodes} - {None}
@@ -64,6 +69,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         # reads its branches before the last pass rewrites them.
         for node in nodes:
             _check_local_ref(node, own_ids)
+            _drop_properties_their_patterns_repeat(node, pinned)
             _drop_unknown_format(node)
             _drop_unique_items_that_hold(node)
             if id(node) not in parts:
@@ -127,6 +133,24 @@ def _check_local_ref(node: dict, own_ids: set[str]) -> None:
                          "is fetched.")
 
 
+# What stays beside a ``$ref`` whose siblings the draft ignores: the places other
+# references may point into, the draft's name, and annotations.
+_KEPT_BESIDE_REF = {"$ref", "$schema", "definitions", "$defs"} | ANNOTATIONS
+
+
+def _drop_ref_siblings(nodes: list[dict], root: Any) -> None:
+    """Drafts 3-7 (``ref_siblings_ignored``): the keywords beside each ``$ref`` (``type``,
+    ``properties``, ``$id``, ...) are left out, as those drafts' validators ignore them
+    (llguidance would intersect them with the reference, and refuses that on a circular
+    one); but not those a reference's pointer passes through."""
+    named, pinned = _named_by_refs(nodes, _resources(root, nodes))
+    for node in nodes + named:
+        if isinstance(node.get("$ref"), str):
+            for key in [key for key in node if key not in _KEPT_BESIDE_REF
+                        and (id(node), key) not in pinned]:
+                del node[key]
+
+
 def _drop_unknown_format(node: dict) -> None:
     """A ``format`` llguidance does not check (``int32``, ``uri-reference``, ``color``, ...)
     is left out: JSON Schema makes ``format`` an annotation that validators need not know,
@@ -143,6 +167,35 @@ def _drop_unique_items_that_hold(node: dict) -> None:
     if unique is False or (unique is True and isinstance(node.get("maxItems"), int)
                            and node["maxItems"] <= 1):
         del node["uniqueItems"]
+
+
+def _drop_properties_their_patterns_repeat(node: dict, pinned: set[tuple[int, str]]) -> None:
+    """A property that also matches a ``patternProperties`` pattern must hold both schemas;
+    where its own says nothing beyond that pattern's (equal but for annotations), its own is
+    left with its annotations alone: llguidance intersects the two, and refuses that where
+    they reference themselves (Washington Post's ANS schemas: ``by`` beside
+    ``^[a-zA-Z0-9_]*``). Not a property a reference's pointer passes through, nor one the
+    pattern may not match (a pattern Python's ``re`` cannot compile is left alone)."""
+    properties, patterns = node.get("properties"), node.get("patternProperties")
+    if not isinstance(properties, dict) or not isinstance(patterns, dict):
+        return
+    compiled = []
+    for pattern, schema in patterns.items():
+        try:
+            compiled.append((re.compile(pattern), _without_annotations(schema)))
+        except re.error:
+            return
+    for name, schema in properties.items():
+        if not isinstance(schema, dict) or (id(properties), name) in pinned:
+            continue
+        own = _without_annotations(schema)
+        if own and any(regex.search(name) and own == theirs for regex, theirs in compiled):
+            properties[name] = {k: v for k, v in schema.items() if k in ANNOTATIONS}
+
+
+def _without_annotations(schema: Any) -> Any:
+    return {k: v for k, v in schema.items() if k not in ANNOTATIONS} \
+        if isinstance(schema, dict) else schema
 
 
 # Keywords that let an object have names beyond its ``properties``, or combine it with other

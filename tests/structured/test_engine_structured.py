@@ -263,6 +263,45 @@ def test_maps_keyed_by_property_names_use_only_the_names_allowed(llm):
     assert any(v["env"] for v in values) and any(v["ports"] for v in values)
 
 
+def test_draft_7_references_ignore_the_keywords_beside_them(llm):
+    """Drafts 4-7 read ``{"$ref": ..., "type": ...}`` as the reference alone, so a
+    self-referencing tree whose references carry other keywords is served, and a ``type``
+    beside a reference does not change what is generated; 2020-12 applies them, and that
+    circular intersection is refused."""
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    tree = {"type": "object", "additionalProperties": False, "required": ["v"],
+            "properties": {"v": {"$ref": "#/definitions/digit", "type": "string"},
+                           "kids": {"type": "array", "maxItems": 1,
+                                    "items": {"$ref": "#/definitions/node", "type": "object"}}}}
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/node",
+              "definitions": {"node": tree, "digit": digit}}
+    values = sampled_values(llm, schema, num=16, max_tokens=120)
+
+    def digits(node):
+        return [node["v"]] + [d for kid in node.get("kids", []) for d in digits(kid)]
+    assert all(isinstance(d, int) for v in values for d in digits(v))
+    assert any(v.get("kids") for v in values)
+    later = {key: value for key, value in schema.items() if key != "$schema"}
+    with pytest.raises(ValueError, match="circular"):
+        LLGuidanceBackend.validate(StructuredOutputsParams(json=later))
+
+
+def test_properties_their_patterns_repeat_are_served_when_self_referencing(llm):
+    """A property that also matches a ``patternProperties`` pattern with the same schema
+    (Washington Post's ANS credits: ``by`` beside ``^[a-zA-Z0-9_]*``; two keys here), in a
+    schema that references itself, is served, and every output validates."""
+    people = {"type": "array", "maxItems": 1, "items": {"$ref": "#/$defs/person"}}
+    credits = {"type": "object", "additionalProperties": False,
+               "properties": {"by": {**people, "title": "By"}},
+               "patternProperties": {"^(by|for)$": people}}
+    person = {"type": "object", "additionalProperties": False, "required": ["name"],
+              "properties": {"name": {"type": "string", "maxLength": 4},
+                             "credits": {"$ref": "#/$defs/credits"}}}
+    schema = {"$ref": "#/$defs/credits", "$defs": {"credits": credits, "person": person}}
+    values = sampled_values(llm, schema, num=16, max_tokens=120)
+    assert any(v.get("by") for v in values)
+
+
 def test_unique_items_where_every_array_holds_it_and_the_way_past_a_refusal(llm):
     """``uniqueItems`` that every array holds (``false``, or at most one item) is served
     exactly; one the backend cannot enforce is a ValueError that names the key and the
