@@ -56,9 +56,11 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if not isinstance(schema, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema object.")
         nodes = list(subschemas(schema))
-        if ref_siblings_ignored(schema):
-            _drop_ref_siblings(nodes, schema)
+        if _drop_ref_siblings(nodes, schema):
             nodes = list(subschemas(schema))
+        for node in nodes:
+            if node is not schema:
+                node.pop("$schema", None)  # beside an $id llguidance loses the pointers into it
         named, pinned = _named_by_refs(nodes, _resources(schema, nodes))
         nodes += named
         own_ids = {resource_id(node) for node in nodes} - {None}
@@ -134,21 +136,34 @@ def _check_local_ref(node: dict, own_ids: set[str]) -> None:
 
 
 # What stays beside a ``$ref`` whose siblings the draft ignores: the places other
-# references may point into, the draft's name, and annotations.
-_KEPT_BESIDE_REF = {"$ref", "$schema", "definitions", "$defs"} | ANNOTATIONS
+# references may point into, the resource's name and draft (a tool's parameters are a
+# resource of their own, whatever their draft), and annotations.
+_KEPT_BESIDE_REF = {"$ref", "$schema", "$id", "id", "definitions", "$defs"} | ANNOTATIONS
 
 
-def _drop_ref_siblings(nodes: list[dict], root: Any) -> None:
-    """Drafts 3-7 (``ref_siblings_ignored``): the keywords beside each ``$ref`` (``type``,
-    ``properties``, ``$id``, ...) are left out, as those drafts' validators ignore them
-    (llguidance would intersect them with the reference, and refuses that on a circular
-    one); but not those a reference's pointer passes through."""
-    named, pinned = _named_by_refs(nodes, _resources(root, nodes))
-    for node in nodes + named:
-        if isinstance(node.get("$ref"), str):
-            for key in [key for key in node if key not in _KEPT_BESIDE_REF
-                        and (id(node), key) not in pinned]:
-                del node[key]
+def _drop_ref_siblings(nodes: list[dict], root: Any) -> bool:
+    """In each resource (the root, or a schema object with ``$id``: a tool's parameters)
+    whose ``$schema`` names drafts 3-7 (``ref_siblings_ignored``), the keywords beside each
+    ``$ref`` (``type``, ``properties``, ...) are left out, as those drafts' validators ignore
+    them (llguidance would intersect them with the reference, and refuses
+    that on a circular one); but not those a reference's pointer passes through. Whether
+    any was left out."""
+    legacy = [node for node in nodes if (node is root or resource_id(node) is not None)
+              and ref_siblings_ignored(node)]
+    if not legacy:
+        return False
+    resources = _resources(root, nodes)
+    _, pinned = _named_by_refs(nodes, resources)
+    dropped = False
+    for resource in legacy:
+        inner = list(subschemas(resource))
+        for node in inner + _named_by_refs(inner, resources)[0]:
+            if isinstance(node.get("$ref"), str):
+                for key in [key for key in node if key not in _KEPT_BESIDE_REF
+                            and (id(node), key) not in pinned]:
+                    del node[key]
+                    dropped = True
+    return dropped
 
 
 def _drop_unknown_format(node: dict) -> None:
@@ -296,7 +311,8 @@ def _ref_walks(resources: dict[str, Any], ref: Any) -> list:
     if not isinstance(ref, str):
         return []
     base, _, pointer = ref.partition("#")
-    roots = [resources.get(base)] if base else list(resources.values())
+    # A resource may be named twice (the root by "" and by its own $id): walked once.
+    roots = [resources.get(base)] if base else list({id(r): r for r in resources.values()}.values())
     return [pointer_walk(root, pointer) for root in roots]
 
 

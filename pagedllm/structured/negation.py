@@ -11,6 +11,7 @@ once); what is generated still validates.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # Keywords that say nothing of which values a schema accepts.
@@ -54,6 +55,9 @@ def negation(schema: Any, depth: int = 0) -> Any:
       not (``type: object`` or none): objects where a listed property is present and fails
       its schema, or a required one is absent; every other value passes, so fails the
       ``not`` (unless the schema says ``type: object``);
+    - ``pattern`` of one character class repeated (``^\\s*$``, ``^[a-z]+$``, ``[^ -~]``,
+      ``\\$``): the strings it does not match (``pattern_complement``), and the other
+      types where the schema says ``type: string``;
     - ``anyOf`` and ``allOf`` of negatable schemas: ``allOf`` and ``anyOf`` of their
       negations."""
     if schema is False:
@@ -73,6 +77,9 @@ def negation(schema: Any, depth: int = 0) -> Any:
         return _other_values(schema)
     if keys & {"properties", "required"} and keys <= {"properties", "required", "type"}:
         return _objects_failing(schema, depth)
+    if "pattern" in keys and keys <= {"pattern", "type"} \
+            and schema.get("type", "string") == "string":
+        return _strings_failing(schema)
     if len(keys) == 1 and keys <= {"anyOf", "allOf"}:
         key = keys.pop()
         parts = [negation(part, depth + 1) for part in schema[key]] \
@@ -102,6 +109,90 @@ def _objects_failing(schema: dict, depth: int) -> Any:
     if "type" not in schema:
         return objects_failing
     return {"anyOf": [{"type": [t for t in TYPES if t != "object"]}, objects_failing]}
+
+
+def _strings_failing(schema: dict) -> Any:
+    """The negation of ``pattern`` (/ ``type: string``), or None."""
+    complement = pattern_complement(schema["pattern"]) \
+        if isinstance(schema["pattern"], str) else None
+    if complement is None:
+        return None
+    strings = {"type": "string", "pattern": complement} if complement is not False else False
+    if "type" not in schema:
+        return strings  # every other value holds ``pattern``
+    others = {"type": [t for t in TYPES if t != "string"]}
+    return others if strings is False else {"anyOf": [others, strings]}
+
+
+# A regex of one character class, repeated: ``^``? a group? the class (a bracket
+# expression, ``\s``-like, an escaped or a plain character, or ``.``), its repetition,
+# the group's end, ``$``?
+_CLASS = r"\[(?:\\.|[^\]\\])+\]|\\[sSdDwW]|\\[^a-zA-Z0-9]|[^\\\[\](){}|*+?^$.]|\."
+_REPEAT = r"[*+?]|\{\d+(?:,\d*)?\}"
+_ONE_CLASS = re.compile(rf"(?P<start>\^)?(?P<open>\((?:\?:)?)?(?P<cls>{_CLASS})"
+                        rf"(?P<inner>{_REPEAT})?\??(?P<close>\))?(?P<outer>{_REPEAT})?\??"
+                        r"(?P<end>\$)?")
+
+
+def pattern_complement(pattern: str) -> str | bool | None:
+    """An anchored regex of exactly the strings JSON Schema's ``pattern`` (a search: it
+    may match anywhere unless anchored) does not match, for a pattern of one character
+    class repeated ``{m,n}`` times (``_ONE_CLASS``); False where every string matches;
+    None for any other pattern. With ``C`` the class and ``D`` its complement:
+
+    - ``^C{m,n}$``: fewer than m or more than n characters, or one of D;
+    - ``^C{m,n}``: fewer than m characters of C before the first of D or the end;
+    - ``C{m,n}$``: fewer than m after the last of D;
+    - ``C{m,n}``: no run of m characters of C."""
+    found = _ONE_CLASS.fullmatch(pattern)
+    if found is None or bool(found["open"]) != bool(found["close"]) \
+            or (found["inner"] and found["outer"]):
+        return None
+    low, high = _repetition(found["inner"] or found["outer"])
+    if high is not None and high < low:
+        return None
+    cls, other = _class_and_complement(found["cls"])
+    anyway = r"[\s\S]*"
+    short = f"{cls}{{0,{low - 1}}}" if low > 0 else None
+    if found["start"] and found["end"]:
+        parts = [p for p in (short, f"{cls}{{{high + 1},}}" if high is not None else None)
+                 if p]
+        return f"^(?:{'|'.join(parts + [anyway + other + anyway])})$"
+    if low == 0:
+        return False
+    if found["start"]:
+        return f"^{short}(?:{other}{anyway})?$"
+    if found["end"]:
+        return f"^(?:{anyway}{other})?{short}$"
+    if low == 1:
+        return f"^{other}*$"
+    return f"^{other}*(?:{cls}{{1,{low - 1}}}{other}+)*{short}$"
+
+
+def _repetition(repeat: str | None) -> tuple[int, int | None]:
+    """(least, most or None) of a repetition's text."""
+    if repeat is None:
+        return 1, 1
+    if repeat in ("*", "+", "?"):
+        return {"*": (0, None), "+": (1, None), "?": (0, 1)}[repeat]
+    low, _, high = repeat[1:-1].partition(",")
+    if not _:
+        return int(low), int(low)
+    return int(low), int(high) if high else None
+
+
+def _class_and_complement(text: str) -> tuple[str, str]:
+    """A character class's text as a bracket expression or an escape, and its complement's."""
+    if text.startswith("["):
+        inner = text[1:-1]
+        if inner.startswith("^"):
+            return text, f"[{inner[1:]}]"
+        return text, f"[^{inner}]"
+    if text in ("\\s", "\\S", "\\d", "\\D", "\\w", "\\W"):
+        return text, text.swapcase()
+    if text == ".":
+        return ".", "\\n"
+    return text, f"[^{text}]"
 
 
 def _scalar_values(schema: dict) -> list | None:

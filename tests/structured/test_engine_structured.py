@@ -83,11 +83,11 @@ def test_formats_the_backend_does_not_know_are_annotations(llm):
 
 
 # Parameters as real tool sets write them: a draft-07 schema with its own $id and
-# definitions, a draft-04 one with "id", a definition name two tools define differently, a
-# recursive reference to the schema's root.
+# definitions (and a keyword beside a $ref, which draft 7 ignores), a draft-04 one with "id",
+# a definition name two tools define differently, a recursive reference to the schema's root.
 DRAFT7 = {"$schema": "http://json-schema.org/draft-07/schema#", "$id": "https://example.com/a.json",
           "type": "object", "required": ["zone"], "additionalProperties": False,
-          "properties": {"zone": {"$ref": "#/definitions/zone"}},
+          "properties": {"zone": {"$ref": "#/definitions/zone", "type": "integer"}},
           "definitions": {"zone": {"enum": ["UTC", "CET"]}}}
 DRAFT4 = {"$schema": "http://json-schema.org/draft-04/schema#", "id": "https://example.com/b.json",
           "type": "object", "required": ["size"], "additionalProperties": False,
@@ -123,6 +123,10 @@ def test_required_calls_keep_each_tools_references_apart(llm):
             jsonschema.validators.validator_for(schema)(schema).validate(call["arguments"])
             names.add(call["name"])
     assert len(names) > 1
+    for name, parameters in DRAFT_TOOLS.items():  # each compiles alone (none dropped)
+        alone = request.model_copy(update={"tools": [
+            {"type": "function", "function": {"name": name, "parameters": parameters}}]})
+        LLGuidanceBackend.validate(StructuredOutputsParams(**plan_tools(alone, None).constraint))
 
 
 @pytest.mark.parametrize("draft", ["draft-07", "2020-12"])
@@ -231,6 +235,19 @@ def test_not_of_types_names_and_nothing_holds(llm):
     assert any(isinstance(v.get("v"), (bool, int, float)) for v in values)
 
 
+def test_not_of_a_pattern_generates_only_strings_it_does_not_match(llm):
+    """"Not blank" and "no character outside a-z" as ``not`` of a pattern: every output
+    validates, so no name is blank and every tag is lowercase letters."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "tag"],
+              "properties": {"name": {"type": "string", "maxLength": 6,
+                                      "not": {"pattern": "^\\s*$"}},
+                             "tag": {"type": "string", "maxLength": 4,
+                                     "not": {"pattern": "[^a-z]"}}}}
+    values = sampled_values(llm, schema, num=16, max_tokens=60)
+    assert all(v["name"].strip() and re.fullmatch("[a-z]*", v["tag"]) for v in values)
+    assert any(v["tag"] for v in values)
+
+
 def test_if_then_else_as_real_world_schemas_switch_on_a_kind(llm):
     """``allOf`` of ``if`` / ``then`` on a discriminator (JSON Schema Store's configs switch
     so), and a node's own ``if`` / ``then`` / ``else``: every output validates, and more
@@ -265,16 +282,20 @@ def test_maps_keyed_by_property_names_use_only_the_names_allowed(llm):
 
 def test_draft_7_references_ignore_the_keywords_beside_them(llm):
     """Drafts 4-7 read ``{"$ref": ..., "type": ...}`` as the reference alone, so a
-    self-referencing tree whose references carry other keywords is served, and a ``type``
-    beside a reference does not change what is generated; 2020-12 applies them, and that
-    circular intersection is refused."""
+    self-referencing tree whose references carry other keywords is served (with an ``$id``
+    beside the root's reference, through which its references still resolve), and a
+    ``type`` beside a reference does not change what is generated; 2020-12 applies them,
+    and that circular intersection is refused."""
     digit = {"type": "integer", "minimum": 0, "maximum": 9}
     tree = {"type": "object", "additionalProperties": False, "required": ["v"],
             "properties": {"v": {"$ref": "#/definitions/digit", "type": "string"},
                            "kids": {"type": "array", "maxItems": 1,
                                     "items": {"$ref": "#/definitions/node", "type": "object"}}}}
     schema = {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/node",
-              "definitions": {"node": tree, "digit": digit}}
+              "$id": "https://example.com/tree.json",
+              "definitions": {"node": tree, "digit": digit, "key": {"enum": ["a", "b"]}}}
+    tree["properties"]["tags"] = {"type": "object", "propertyNames": {"$ref": "#/definitions/key"},
+                                  "additionalProperties": {"$ref": "#/definitions/digit"}}
     values = sampled_values(llm, schema, num=16, max_tokens=120)
 
     def digits(node):
@@ -1001,7 +1022,7 @@ def test_a_constraint_failing_mid_output_aborts_its_request_alone(llm, monkeypat
 # -- errors ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("constraint, message", [
     (dict(json={"type": "object", "properties": {"a": {"type": "wat"}}}), "wat"),
-    (dict(json={"type": "string", "not": {"pattern": "^x"}}), "not"),
+    (dict(json={"type": "string", "not": {"pattern": "^xy"}}), "not"),
     (dict(json={"$ref": "#/$defs/missing"}), "missing"),
     # Both names required, and exactly one of them present: nothing holds.
     (dict(json={"type": "object", "required": ["a", "b"],

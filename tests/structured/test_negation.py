@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import re
 
 import jsonschema
 import pytest
@@ -15,7 +16,8 @@ import pytest
 from pagedllm.structured import StructuredOutputsParams
 from pagedllm.structured.llguidance_backend import LLGuidanceBackend, grammar_text
 from pagedllm.structured.json_schema import subschemas
-from pagedllm.structured.negation import MAX_ABSENT_CASES, conditionals_as_any_of, negation
+from pagedllm.structured.negation import (MAX_ABSENT_CASES, conditionals_as_any_of, negation,
+                                          pattern_complement)
 
 STRINGS = ["", "a", "ab", "abc", "abd", "b", "ba", "x", "a\n", "ab\n", "-", "a-b", "a.b", "ä",
            "$", "^", "[", "\\", "kind", "line\nbreak"]
@@ -51,6 +53,44 @@ def test_a_negation_holds_exactly_where_its_schema_does_not(schema):
     for value in VALUES:
         assert valid(positive, value) != valid(schema, value), value
     LLGuidanceBackend.validate(StructuredOutputsParams(json={"not": schema}))
+
+
+ALPHABET = ["a", "z", "Q", "5", " ", "\t", "\n", "-", ".", "$", "\\", "ä", "_", "(", ","]
+PATTERN_STRINGS = ["".join(chars) for size in range(4)
+                   for chars in itertools.product(ALPHABET, repeat=size)]
+PATTERN_STRINGS += ["aaaa", "aaaaa", "  a  ", "5555", "a5a5a", "aa.aa", "zzz-zzz", "\n\n\n\n"]
+# Patterns of one character class repeated (complemented), and others (left to the backend).
+COMPLEMENTED = [r"^\s*$", r"^[a-z]+$", r"^[\.\,\*\\\-\s\{\}\(\)]+$", r"[^a-zA-Z0-9.,()@&' -]",
+                r"(\$)", r"^[a-z]{2,3}$", r"^\d{2}", r"a{2}$", r"[a-z]{3}", r"^.*$", r"^a?$",
+                r"\.", r"(?:[0-9])+", r"^[^\n]{0,2}$", r"x*", r"^(\S+)$", r"^\w{1,}?$", r"^-"]
+NOT_COMPLEMENTED = [r"ab", r"^a|b$", r"[a-z]+[0-9]", r"(a)(b)", r"^a{3,2}$", r"(a", r"\p{L}+"]
+
+
+def searches(pattern: str, string: str) -> bool:
+    """JSON Schema's (ECMA-262's) reading: a search, and ``$`` only at the very end (Python's
+    also matches before a final newline)."""
+    return re.search(re.sub(r"(?<!\\)\$$", r"\\Z", pattern), string) is not None
+
+
+@pytest.mark.parametrize("pattern", COMPLEMENTED)
+def test_a_pattern_complement_matches_exactly_the_strings_the_pattern_does_not(pattern):
+    complement = pattern_complement(pattern)
+    assert complement is not None
+    for string in PATTERN_STRINGS:
+        holds = complement is not False and re.fullmatch(complement, string) is not None
+        assert holds != searches(pattern, string), (string, complement)
+    if complement is not False:
+        not_pattern = {"type": "string", "not": {"pattern": pattern}}
+        LLGuidanceBackend.validate(StructuredOutputsParams(json=not_pattern))
+    for schema in ({"pattern": pattern}, {"type": "string", "pattern": pattern}):
+        positive = negation(schema)
+        for value in [*STRINGS[:6], 1, None, ["a"], {"a": 1}]:
+            assert valid(positive, value) != valid(schema, value), (schema, value)
+
+
+@pytest.mark.parametrize("pattern", NOT_COMPLEMENTED)
+def test_other_patterns_are_not_complemented(pattern):
+    assert pattern_complement(pattern) is None
 
 
 def kinds(values):

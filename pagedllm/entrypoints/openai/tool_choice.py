@@ -145,10 +145,9 @@ def _required_schema(functions: dict[str, dict], single: bool) -> dict:
 def _tool_resource(function: dict, name: str, taken: set[str]) -> dict:
     """The function's parameters as an embedded resource: ``$id`` their own (or their
     draft-4 ``id``), else ``urn:pagedllm:tool:<name>``, also for an id another tool took
-    first (``taken``); ``$schema`` left out, since only a root declares a dialect (the
-    schemas' keywords mean the same to the backend in every draft)."""
+    first (``taken``); their ``$schema`` kept, since drafts 3-7 read a ``$ref`` without the
+    keywords beside it (the backend reads each resource's draft)."""
     parameters = dict(_parameters(function))
-    parameters.pop("$schema", None)
     resource = resource_id(parameters)
     if resource is None or resource in taken:
         resource = f"urn:pagedllm:tool:{name}"
