@@ -78,12 +78,15 @@ def grammar_text(params: StructuredOutputsParams) -> str:
                 _close_object(node)
         for node in nodes:
             _one_of_exact(node, resources)
+        def resolve(schema: Any) -> Any:
+            return _referenced(schema, resources)
+
         for node in nodes:
             _dependencies_as_any_of(node)
-            conditionals_as_any_of(node, pinned)
-            property_names_as_properties(node, lambda s: _referenced(s, resources))
+            conditionals_as_any_of(node, pinned, resolve)
+            property_names_as_properties(node, resolve)
             property_counts_as_presence(node)
-            not_in_positive_terms(node)
+            not_in_positive_terms(node, resolve)
         options: dict[str, Any] = {"coerce_one_of": True}
         if params.whitespace_pattern is not None:
             options["whitespace_pattern"] = params.whitespace_pattern

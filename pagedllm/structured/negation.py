@@ -12,7 +12,7 @@ once); what is generated still validates.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 # Keywords that say nothing of which values a schema accepts.
 ANNOTATIONS = {"title", "description", "$comment", "default", "examples", "deprecated",
@@ -25,6 +25,18 @@ MAX_ABSENT_CASES = 4
 MAX_LONE_CONDITIONALS = 4
 
 
+# The schema a lone ``$ref`` names (the backend's resolver), the schema itself if it is no
+# reference, None where it names none.
+Resolve = Callable[[Any], Any]
+# Length bounds: the type they constrain, and the opposite bound.
+_LENGTH_BOUNDS = {"minLength": ("string", "maxLength"), "maxLength": ("string", "minLength"),
+                  "minItems": ("array", "maxItems"), "maxItems": ("array", "minItems")}
+
+
+def _itself(schema: Any) -> Any:
+    return schema
+
+
 def names(value: Any) -> set[str] | None:
     """The strings of a list of strings (``required``, ``type``); None for anything else."""
     if isinstance(value, list) and all(isinstance(name, str) for name in value):
@@ -32,18 +44,18 @@ def names(value: Any) -> set[str] | None:
     return None
 
 
-def not_in_positive_terms(node: dict) -> None:
+def not_in_positive_terms(node: dict, resolve: Resolve = _itself) -> None:
     """A ``not`` whose negation ``negation`` knows becomes that negation in the node's
     ``allOf``; any other is left for the backend to refuse, naming ``not``. Runs after
     the objects are closed: a negation never names a property to allow."""
     if "not" in node:
-        positive = negation(node["not"])
+        positive = negation(node["not"], resolve=resolve)
         if positive is not None:
             del node["not"]
             node.setdefault("allOf", []).append(positive)
 
 
-def negation(schema: Any, depth: int = 0) -> Any:
+def negation(schema: Any, depth: int = 0, resolve: Resolve = _itself) -> Any:
     """A schema that holds exactly where ``schema`` does not, or None where none is known:
 
     - ``{}`` / ``true`` and ``false`` swap;
@@ -58,8 +70,13 @@ def negation(schema: Any, depth: int = 0) -> Any:
     - ``pattern`` of one character class repeated (``^\\s*$``, ``^[a-z]+$``, ``[^ -~]``,
       ``\\$``): the strings it does not match (``pattern_complement``), and the other
       types where the schema says ``type: string``;
+    - ``minLength`` / ``maxLength`` / ``minItems`` / ``maxItems`` (with a ``type`` or
+      none): the strings or arrays out of the bound, and the other types where the schema
+      says one;
     - ``anyOf`` and ``allOf`` of negatable schemas: ``allOf`` and ``anyOf`` of their
-      negations."""
+      negations;
+    - a lone ``$ref``: its target's negation (``resolve``)."""
+    schema = resolve(schema)
     if schema is False:
         return True
     if schema is True or (isinstance(schema, dict) and set(schema) <= ANNOTATIONS):
@@ -76,13 +93,15 @@ def negation(schema: Any, depth: int = 0) -> Any:
     if keys & {"const", "enum"} and keys <= {"const", "enum", "type"}:
         return _other_values(schema)
     if keys & {"properties", "required"} and keys <= {"properties", "required", "type"}:
-        return _objects_failing(schema, depth)
+        return _objects_failing(schema, depth, resolve)
     if "pattern" in keys and keys <= {"pattern", "type"} \
             and schema.get("type", "string") == "string":
         return _strings_failing(schema)
+    if len(keys - {"type"}) == 1 and (keys - {"type"}) <= set(_LENGTH_BOUNDS):
+        return _out_of_bound(schema, (keys - {"type"}).pop())
     if len(keys) == 1 and keys <= {"anyOf", "allOf"}:
         key = keys.pop()
-        parts = [negation(part, depth + 1) for part in schema[key]] \
+        parts = [negation(part, depth + 1, resolve) for part in schema[key]] \
             if isinstance(schema[key], list) else [None]
         if any(part is None for part in parts):
             return None
@@ -90,7 +109,27 @@ def negation(schema: Any, depth: int = 0) -> Any:
     return None
 
 
-def _objects_failing(schema: dict, depth: int) -> Any:
+def _out_of_bound(schema: dict, bound: str) -> Any:
+    """The negation of one length bound (/ ``type``), or None."""
+    limit = schema[bound]
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        return None
+    kind, opposite = _LENGTH_BOUNDS[bound]
+    if bound.startswith("min"):
+        failing = {"type": kind, opposite: limit - 1} if limit > 0 else False
+    else:
+        failing = {"type": kind, opposite: limit + 1}
+    if "type" not in schema:
+        return failing  # every value of another type holds the bound
+    other_types = negation({"type": schema["type"]})
+    declared = names([schema["type"]] if isinstance(schema["type"], str) else schema["type"])
+    if other_types is None or declared is None or kind not in declared:
+        return other_types  # the bound does not apply to the type said
+    parts = [part for part in (other_types, failing) if part is not False]
+    return {"anyOf": parts} if len(parts) > 1 else (parts[0] if parts else False)
+
+
+def _objects_failing(schema: dict, depth: int, resolve: Resolve = _itself) -> Any:
     """The negation of ``properties`` / ``required`` (/ ``type: object``), or None."""
     properties = schema.get("properties", {})
     required = names(schema.get("required", []))
@@ -99,7 +138,7 @@ def _objects_failing(schema: dict, depth: int) -> Any:
         return None
     failing = []
     for name, value in properties.items():
-        fails = negation(value, depth + 1)
+        fails = negation(value, depth + 1, resolve)
         if fails is None:
             return None
         if fails is not False:
@@ -282,7 +321,8 @@ def _other_strings_pattern(excluded: list[str]) -> str:
     return f"^{other(trie)}$"
 
 
-def conditionals_as_any_of(node: dict, pinned: set[tuple[int, str]] = frozenset()) -> None:
+def conditionals_as_any_of(node: dict, pinned: set[tuple[int, str]] = frozenset(),
+                           resolve: Resolve = _itself) -> None:
     """The node's ``if`` / ``then`` / ``else``, and its ``allOf`` members that are only
     that, in terms of ``anyOf``. Those whose ``if`` tests one property against constants
     (``{"properties": {"kind": {"const": "a"}}}``, the way real-world schemas switch on a
@@ -321,7 +361,7 @@ def conditionals_as_any_of(node: dict, pinned: set[tuple[int, str]] = frozenset(
             rewritten.append(({"anyOf": branches}, [c for _, c in cases]))
     if len(lone) <= MAX_LONE_CONDITIONALS:
         for conditional in lone:
-            otherwise = negation(conditional["if"])
+            otherwise = negation(conditional["if"], resolve=resolve)
             if otherwise is not None:
                 rewritten.append(({"anyOf": [
                     _all_of([conditional["if"], conditional.get("then", True)]),

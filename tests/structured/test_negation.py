@@ -39,6 +39,12 @@ NEGATABLE = [
     {"type": "object", "properties": {"kind": {"const": "a"}, "n": {"type": "string"}}},
     {"anyOf": [{"const": "a"}, {"type": "number"}]},
     {"allOf": [{"properties": {"n": {"enum": [1, 2]}}}, {"required": ["n"]}]},
+    {"minLength": 2},
+    {"type": "string", "maxLength": 1},
+    {"maxItems": 0},
+    {"type": ["array", "null"], "minItems": 1},
+    {"type": "number", "minLength": 3},
+    {"properties": {"kind": {"maxLength": 1}}, "required": ["kind"]},
 ]
 
 
@@ -91,6 +97,26 @@ def test_a_pattern_complement_matches_exactly_the_strings_the_pattern_does_not(p
 @pytest.mark.parametrize("pattern", NOT_COMPLEMENTED)
 def test_other_patterns_are_not_complemented(pattern):
     assert pattern_complement(pattern) is None
+
+
+def test_a_lone_reference_negates_as_its_target():
+    """``{"not": {"$ref": ...}}`` (Avro's "not a primitive type") and references inside a
+    negated schema take their targets' negations."""
+    defs = {"primitive": {"type": "string", "enum": ["a", "ab", "kind"]},
+            "short": {"maxLength": 1, "description": "at most one"}}
+    for negated in ({"$ref": "#/$defs/primitive"},
+                    {"properties": {"kind": {"$ref": "#/$defs/short"}}}):
+        root = {"$defs": defs, **negated}
+
+        def resolve(schema):
+            if isinstance(schema, dict) and "$ref" in schema:
+                return defs[schema["$ref"].rsplit("/", 1)[1]]
+            return schema
+        positive = negation(negated, resolve=resolve)
+        assert positive is not None and "$ref" not in json.dumps(positive)
+        for value in VALUES:
+            assert valid(positive, value) != valid(root, value), (negated, value)
+        LLGuidanceBackend.validate(StructuredOutputsParams(json={"$defs": defs, "not": negated}))
 
 
 def kinds(values):
