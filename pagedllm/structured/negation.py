@@ -75,7 +75,8 @@ def negation(schema: Any, depth: int = 0, resolve: Resolve = _itself) -> Any:
       says one;
     - ``anyOf`` and ``allOf`` of negatable schemas: ``allOf`` and ``anyOf`` of their
       negations;
-    - a lone ``$ref``: its target's negation (``resolve``)."""
+    - a lone ``$ref``: its target's negation (``resolve``);
+    - a lone ``not``: the schema it negates."""
     schema = resolve(schema)
     if schema is False:
         return True
@@ -90,6 +91,8 @@ def negation(schema: Any, depth: int = 0, resolve: Resolve = _itself) -> Any:
             return None
         others = [t for t in TYPES if t not in named]
         return {"type": others} if others else False
+    if keys == {"not"}:
+        return schema["not"]
     if keys & {"const", "enum"} and keys <= {"const", "enum", "type"}:
         return _other_values(schema)
     if keys & {"properties", "required"} and keys <= {"properties", "required", "type"}:

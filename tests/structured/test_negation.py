@@ -44,6 +44,7 @@ NEGATABLE = [
     {"maxItems": 0},
     {"type": ["array", "null"], "minItems": 1},
     {"type": "number", "minLength": 3},
+    {"not": {"properties": {"kind": {"const": None}}}},
     {"properties": {"kind": {"maxLength": 1}}, "required": ["kind"]},
 ]
 
@@ -144,7 +145,10 @@ NODE_CONDITIONAL = {
 LONE_CONDITIONALS = {
     "allOf": [{"if": {"required": ["s"]}, "then": {"required": ["n"]}},
               {"if": {"type": "string"}, "then": {"enum": ["a", "b", "ba"]},
-               "else": {"not": {"type": "boolean"}}}],
+               "else": {"not": {"type": "boolean"}}},
+              # Prometheus' "if basic_auth is set (not null), bearer_token is not".
+              {"if": {"not": {"properties": {"kind": {"const": None}}}},
+               "then": {"properties": {"n": False}}}],
 }
 CONDITIONALS = [SWITCH, SWITCH_NOT_REQUIRED, NODE_CONDITIONAL, LONE_CONDITIONALS]
 
