@@ -16,8 +16,10 @@ way configuration schemas key a map by a name format) becomes, exactly:
   the rest.
 
 Names the schema lists itself in ``properties`` keep their schemas, and must be names
-``P`` allows (otherwise they must be absent). Any other ``P``, or a schema with its own
-``patternProperties``, is left for the backend to refuse, naming ``propertyNames``.
+``P`` allows (otherwise they must be absent). A map whose one ``patternProperties``
+pattern takes every name (``.*``, ``""``) and that lists no names reads it as ``V``. Any
+other ``P``, or a schema with other ``patternProperties``, is left for the backend to
+refuse, naming ``propertyNames``.
 """
 
 from __future__ import annotations
@@ -31,12 +33,20 @@ from pagedllm.structured.negation import ANNOTATIONS, names
 
 # The most choices of names one bound of a property count becomes.
 MAX_COUNT_CHOICES = 64
+# Patterns every name matches (a search that matches the empty string at the start).
+_EVERY_NAME = ("", ".*", "^.*")
 
 
 def property_names_as_properties(node: dict, follow: Callable[[Any], Any]) -> None:
     """Rewrite ``node``'s ``propertyNames`` where one of the forms above says it;
     ``follow`` resolves a lone ``$ref`` to its schema (None where it cannot)."""
     test = follow(node.get("propertyNames"))
+    patterns = node.get("patternProperties")
+    if isinstance(test, dict) and isinstance(patterns, dict) and len(patterns) == 1 \
+            and next(iter(patterns)) in _EVERY_NAME and "properties" not in node:
+        # A map whose one pattern takes every name: its schema is every value's.
+        node["additionalProperties"] = patterns.popitem()[1]
+        del node["patternProperties"]
     if not isinstance(test, dict) or "patternProperties" in node:
         return
     if test.get("type", "string") != "string":

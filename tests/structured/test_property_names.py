@@ -38,6 +38,10 @@ MAPS = [
      "properties": {"id": {"type": "integer"}, "X": {"type": "integer"}}},
     {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": False,
      "properties": {"id": {"type": "integer"}, "X": {"type": "integer"}}},
+    {"type": "object", "propertyNames": {"enum": ["a", "b", "id"]},
+     "patternProperties": {".*": {"type": "integer"}}, "additionalProperties": False},
+    {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
+     "patternProperties": {"": {"type": "string"}}},
 ]
 
 
