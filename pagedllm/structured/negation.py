@@ -335,9 +335,13 @@ def conditionals_as_any_of(node: dict, pinned: set[tuple[int, str]] = frozenset(
     ``if`` has a known ``negation`` and they are few. Anything else is left for the
     backend to refuse, naming ``if``, and so are the conditionals of a node that a
     reference's pointer passes through (``pinned``: container ids and keys) on its way to
-    what they hold."""
+    what they hold. A ``then`` or ``else`` without an ``if`` is left out (it has no
+    effect)."""
     if any((id(node), key) in pinned for key in ("if", "then", "else", "allOf")):
         return
+    if "if" not in node:  # a ``then`` or ``else`` without an ``if`` has no effect
+        node.pop("then", None)
+        node.pop("else", None)
     conditionals = []
     if "if" in node:
         conditionals.append(node)

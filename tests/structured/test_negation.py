@@ -150,7 +150,9 @@ LONE_CONDITIONALS = {
               {"if": {"not": {"properties": {"kind": {"const": None}}}},
                "then": {"properties": {"n": False}}}],
 }
-CONDITIONALS = [SWITCH, SWITCH_NOT_REQUIRED, NODE_CONDITIONAL, LONE_CONDITIONALS]
+# Ansible's galaxy schema: an ``else`` without an ``if`` beside its switch (no effect).
+ORPHAN_ELSE = {**copy.deepcopy(SWITCH), "else": {"required": ["s"]}}
+CONDITIONALS = [SWITCH, SWITCH_NOT_REQUIRED, NODE_CONDITIONAL, LONE_CONDITIONALS, ORPHAN_ELSE]
 
 
 def instances() -> list:
@@ -165,7 +167,7 @@ def instances() -> list:
 
 
 @pytest.mark.parametrize("schema", CONDITIONALS, ids=["switch", "switch-not-required",
-                                                      "node", "lone"])
+                                                      "node", "lone", "orphan-else"])
 def test_conditionals_in_positive_terms_accept_what_the_schema_accepts(schema):
     rewritten = copy.deepcopy(schema)
     nodes = [rewritten] + [m for m in rewritten.get("allOf", []) if isinstance(m, dict)]
