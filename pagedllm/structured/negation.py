@@ -74,7 +74,7 @@ def negation(schema: Any, depth: int = 0, resolve: Resolve = _itself) -> Any:
       none): the strings or arrays out of the bound, and the other types where the schema
       says one;
     - ``anyOf`` and ``allOf`` of negatable schemas: ``allOf`` and ``anyOf`` of their
-      negations;
+      negations, and a ``oneOf`` of one its branch's;
     - a lone ``$ref``: its target's negation (``resolve``);
     - a lone ``not``: the schema it negates."""
     schema = resolve(schema)
@@ -102,6 +102,8 @@ def negation(schema: Any, depth: int = 0, resolve: Resolve = _itself) -> Any:
         return _strings_failing(schema)
     if len(keys - {"type"}) == 1 and (keys - {"type"}) <= set(_LENGTH_BOUNDS):
         return _out_of_bound(schema, (keys - {"type"}).pop())
+    if keys == {"oneOf"} and isinstance(schema["oneOf"], list) and len(schema["oneOf"]) == 1:
+        return negation(schema["oneOf"][0], depth + 1, resolve)  # one branch: that branch
     if len(keys) == 1 and keys <= {"anyOf", "allOf"}:
         key = keys.pop()
         parts = [negation(part, depth + 1, resolve) for part in schema[key]] \
@@ -176,16 +178,26 @@ _ONE_CLASS = re.compile(rf"(?P<start>\^)?(?P<open>\((?:\?:)?)?(?P<cls>{_CLASS})"
                         r"(?P<end>\$)?")
 
 
+# A regex of literal strings, one or an alternation of them, anchored at both ends.
+_LITERAL = r"(?:[^\\\[\](){}|*+?^$.]|\\[^a-zA-Z0-9])+"
+_LITERALS = re.compile(rf"\^(?:\((?:\?:)?({_LITERAL}(?:\|{_LITERAL})*)\)|({_LITERAL}))\$")
+
+
 def pattern_complement(pattern: str) -> str | bool | None:
     """An anchored regex of exactly the strings JSON Schema's ``pattern`` (a search: it
     may match anywhere unless anchored) does not match, for a pattern of one character
-    class repeated ``{m,n}`` times (``_ONE_CLASS``); False where every string matches;
-    None for any other pattern. With ``C`` the class and ``D`` its complement:
+    class repeated ``{m,n}`` times (``_ONE_CLASS``), or of strings named literally
+    (``^tuple$``, ``^(get|post)$``: every other string); False where every string
+    matches; None for any other pattern. With ``C`` the class and ``D`` its complement:
 
     - ``^C{m,n}$``: fewer than m or more than n characters, or one of D;
     - ``^C{m,n}``: fewer than m characters of C before the first of D or the end;
     - ``C{m,n}$``: fewer than m after the last of D;
     - ``C{m,n}``: no run of m characters of C."""
+    literals = _LITERALS.fullmatch(pattern)
+    if literals is not None:
+        words = re.findall(_LITERAL, literals[1] or literals[2])
+        return _other_strings_pattern([re.sub(r"\\(.)", r"\1", word) for word in words])
     found = _ONE_CLASS.fullmatch(pattern)
     if found is None or bool(found["open"]) != bool(found["close"]) \
             or (found["inner"] and found["outer"]):

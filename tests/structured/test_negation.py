@@ -45,6 +45,7 @@ NEGATABLE = [
     {"type": ["array", "null"], "minItems": 1},
     {"type": "number", "minLength": 3},
     {"not": {"properties": {"kind": {"const": None}}}},
+    {"properties": {"kind": {"oneOf": [{"pattern": "^ab$"}]}}},
     {"properties": {"kind": {"maxLength": 1}}, "required": ["kind"]},
 ]
 
@@ -69,7 +70,8 @@ PATTERN_STRINGS += ["aaaa", "aaaaa", "  a  ", "5555", "a5a5a", "aa.aa", "zzz-zzz
 # Patterns of one character class repeated (complemented), and others (left to the backend).
 COMPLEMENTED = [r"^\s*$", r"^[a-z]+$", r"^[\.\,\*\\\-\s\{\}\(\)]+$", r"[^a-zA-Z0-9.,()@&' -]",
                 r"(\$)", r"^[a-z]{2,3}$", r"^\d{2}", r"a{2}$", r"[a-z]{3}", r"^.*$", r"^a?$",
-                r"\.", r"(?:[0-9])+", r"^[^\n]{0,2}$", r"x*", r"^(\S+)$", r"^\w{1,}?$", r"^-"]
+                r"\.", r"(?:[0-9])+", r"^[^\n]{0,2}$", r"x*", r"^(\S+)$", r"^\w{1,}?$", r"^-",
+                r"^a5a$", r"^(a|aa|\$\.|a\|z)$", r"^(?:Q|z\\)$"]
 NOT_COMPLEMENTED = [r"ab", r"^a|b$", r"[a-z]+[0-9]", r"(a)(b)", r"^a{3,2}$", r"(a", r"\p{L}+"]
 
 
