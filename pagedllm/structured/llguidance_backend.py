@@ -78,6 +78,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
                 _close_object(node)
         for node in nodes:
             _one_of_exact(node, resources)
+
         def resolve(schema: Any) -> Any:
             return _referenced(schema, resources)
 
@@ -147,10 +148,10 @@ _KEPT_BESIDE_REF = {"$ref", "$schema", "$id", "id", "definitions", "$defs"} | AN
 def _drop_ref_siblings(nodes: list[dict], root: Any) -> bool:
     """In each resource (the root, or a schema object with ``$id``: a tool's parameters)
     whose ``$schema`` names drafts 3-7 (``ref_siblings_ignored``), the keywords beside each
-    ``$ref`` (``type``, ``properties``, ...) are left out, as those drafts' validators ignore
-    them (llguidance would intersect them with the reference, and refuses
-    that on a circular one); but not those a reference's pointer passes through. Whether
-    any was left out."""
+    ``$ref`` (``type``, ``properties``, ...) are left out, as those drafts' validators
+    ignore them (llguidance would intersect them with the reference, and refuses that on a
+    circular one); but not those a reference's pointer passes through. Whether any was
+    left out."""
     legacy = [node for node in nodes if (node is root or resource_id(node) is not None)
               and ref_siblings_ignored(node)]
     if not legacy:
