@@ -106,11 +106,13 @@ def test_padding_sequences_write_no_kv_and_attend_to_nothing(num_splits) -> None
 
 @pytest.fixture
 def triton_llm_factory(monkeypatch, tmp_path):
-    """LLMs on the tiny checkpoint whose attention runs the Triton backend."""
-    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
+    """LLMs on the tiny checkpoint whose attention runs the Triton backend; with
+    ``reference=True`` the torch backend, whose eager greedy tokens are the references
+    (fast on the CPU; they equal the Triton backend's eager ones on these models)."""
     checkpoints = {}
 
-    def build(family: str = "qwen3", **overrides) -> LLM:
+    def build(family: str = "qwen3", reference: bool = False, **overrides) -> LLM:
+        monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "torch" if reference else "triton")
         if family not in checkpoints:
             extra = dict(sliding_window=12) if family == "mistral" else {}
             checkpoints[family] = make_tiny_checkpoint(
@@ -131,7 +133,7 @@ def test_padded_decode_forward_gives_the_eager_greedy_tokens(triton_llm_factory,
                for i in range(5)]
     params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True)
               for i in range(5)]  # decode batches of 5, 4, 3, 2, 1, the longest prompts first done
-    eager = triton_llm_factory()
+    eager = triton_llm_factory(reference=True)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 
     padded = triton_llm_factory()
@@ -176,7 +178,7 @@ def test_padded_prompt_forward_gives_the_eager_greedy_tokens(triton_llm_factory,
         return [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
                 for p in prompts]
 
-    want = run(triton_llm_factory(family, **overrides))
+    want = run(triton_llm_factory(family, reference=True, **overrides))
     padded = triton_llm_factory(family, **overrides)
     runner = padded.llm_engine.engine_core.model_runner
     budget = padded.llm_engine.config.scheduler_config.max_num_batched_tokens
@@ -220,7 +222,8 @@ def test_padded_mixed_forward_gives_the_eager_greedy_tokens(triton_llm_factory, 
               for i in range(len(prompts))]
     overrides = dict(max_num_batched_tokens=48)
     want = [o.outputs[0].token_ids
-            for o in triton_llm_factory(family, **overrides).generate(prompts, params, use_tqdm=False)]
+            for o in triton_llm_factory(family, reference=True, **overrides).generate(
+                prompts, params, use_tqdm=False)]
 
     padded = triton_llm_factory(family, **overrides)
     runner = padded.llm_engine.engine_core.model_runner
