@@ -78,10 +78,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
                 _close_object(node)
         for node in nodes:
             _one_of_exact(node, resources)
-
-        def resolve(schema: Any) -> Any:
-            return _referenced(schema, resources)
-
+        resolve = functools.partial(_referenced, resources=resources)
         for node in nodes:
             _dependencies_as_any_of(node)
             conditionals_as_any_of(node, pinned, resolve)
