@@ -14,7 +14,8 @@ to its grammar text as follows:
   cannot say as properties) are refused at validation with its message (which names the
   schema's ``lenient`` setting), and so is a ``$ref`` outside the schema (nothing is
   ever fetched); a ``format`` it does not know
-  is an annotation and left out (the standard's default); dependencies between
+  is an annotation and left out (the standard's default); a lookahead at a pattern's
+  start or end becomes patterns without one (``lookahead.py``); dependencies between
   properties are rewritten as ``anyOf`` (``_dependencies_as_any_of``); an object schema
   that lists its ``properties`` and says nothing of other names allows none
   (``_close_object``);
@@ -41,6 +42,7 @@ from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
 from pagedllm.structured.json_schema import (pointer_walk, ref_siblings_ignored, resource_id,
                                              subschemas)
+from pagedllm.structured.lookahead import lookaheads_as_patterns
 from pagedllm.structured.negation import (ANNOTATIONS, conditionals_as_any_of, names,
                                           not_in_positive_terms)
 from pagedllm.structured.params import StructuredOutputsParams
@@ -74,6 +76,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             _drop_properties_their_patterns_repeat(node, pinned)
             _drop_unknown_format(node)
             _drop_unique_items_that_hold(node)
+            lookaheads_as_patterns(node)
             if id(node) not in parts:
                 _close_object(node)
         for node in nodes:

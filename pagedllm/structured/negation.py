@@ -178,16 +178,22 @@ _ONE_CLASS = re.compile(rf"(?P<start>\^)?(?P<open>\((?:\?:)?)?(?P<cls>{_CLASS})"
                         r"(?P<end>\$)?")
 
 
-# A regex of literal strings, one or an alternation of them, anchored at both ends.
+# A regex of literal strings, one or an alternation of them, anchored at the start, and at
+# the end or not (then any string that starts with one matches).
 _LITERAL = r"(?:[^\\\[\](){}|*+?^$.]|\\[^a-zA-Z0-9])+"
-_LITERALS = re.compile(rf"\^(?:\((?:\?:)?({_LITERAL}(?:\|{_LITERAL})*)\)|({_LITERAL}))\$")
+_LITERALS = re.compile(
+    rf"\^(?:\((?:\?:)?({_LITERAL}(?:\|{_LITERAL})*)\)|({_LITERAL}))(?P<end>\$)?")
+# A regex of character classes in a row, anchored at the start only: their prefix.
+_CLASS_ROW = re.compile(rf"\^(?P<open>\((?:\?:)?)?(?P<row>(?:{_CLASS})+)(?P<close>\))?")
 
 
 def pattern_complement(pattern: str) -> str | bool | None:
     """An anchored regex of exactly the strings JSON Schema's ``pattern`` (a search: it
     may match anywhere unless anchored) does not match, for a pattern of one character
-    class repeated ``{m,n}`` times (``_ONE_CLASS``), or of strings named literally
-    (``^tuple$``, ``^(get|post)$``: every other string); False where every string
+    class repeated ``{m,n}`` times (``_ONE_CLASS``), of strings named literally
+    (``^tuple$``, ``^(get|post)$``: every other string; ``^(get|post)``: every string
+    that starts with neither), or of character classes in a row at the start
+    (``^[iI][oO]``: every string that does not start so); False where every string
     matches; None for any other pattern. With ``C`` the class and ``D`` its complement:
 
     - ``^C{m,n}$``: fewer than m or more than n characters, or one of D;
@@ -197,7 +203,12 @@ def pattern_complement(pattern: str) -> str | bool | None:
     literals = _LITERALS.fullmatch(pattern)
     if literals is not None:
         words = re.findall(_LITERAL, literals[1] or literals[2])
-        return _other_strings_pattern([re.sub(r"\\(.)", r"\1", word) for word in words])
+        return _other_strings_pattern([re.sub(r"\\(.)", r"\1", word) for word in words],
+                                      prefixes=not literals["end"])
+    row = _CLASS_ROW.fullmatch(pattern)
+    if row is not None and bool(row["open"]) == bool(row["close"]):
+        return _not_starting_with([_class_and_complement(c)
+                                   for c in re.findall(_CLASS, row["row"])])
     found = _ONE_CLASS.fullmatch(pattern)
     if found is None or bool(found["open"]) != bool(found["close"]) \
             or (found["inner"] and found["outer"]):
@@ -316,24 +327,40 @@ def _escaped(char: str) -> str:
     return "\\" + char if char in _REGEX_META else char
 
 
-def _other_strings_pattern(excluded: list[str]) -> str:
-    """An anchored regex of every string but those ``excluded``: at each node of their trie,
-    a character that leads to no excluded string and then anything, a character that does
-    and the rest of its branch, or the end where no excluded string ends."""
+def _other_strings_pattern(excluded: list[str], prefixes: bool = False) -> str | bool:
+    """An anchored regex of every string but those ``excluded`` (``prefixes``: but those
+    that start with one of them; False where that is every string): at each node of their
+    trie, a character that leads to no excluded string and then anything, a character that
+    does and the rest of its branch, or the end where no excluded string ends. With
+    ``prefixes``, a branch stops where an excluded string ends: no string goes on from
+    there."""
     trie: dict = {}
     for word in excluded:
         node = trie
         for char in word:
             node = node.setdefault(char, {})
         node[""] = {}
+    if prefixes and "" in trie:
+        return False
 
     def other(node: dict) -> str:
         kids = sorted(k for k in node if k)
         leave = f"[^{''.join(_escaped(k) for k in kids)}][\\s\\S]*" if kids else "[\\s\\S]+"
-        body = "|".join([leave] + [_escaped(k) + other(node[k]) for k in kids])
-        return f"(?:{body})" if "" in node else f"(?:{body})?"
+        onward = [_escaped(k) + other(node[k]) for k in kids if not (prefixes and "" in node[k])]
+        body = "|".join([leave] + onward)
+        return f"(?:{body})" if "" in node and not prefixes else f"(?:{body})?"
 
     return f"^{other(trie)}$"
+
+
+def _not_starting_with(classes: list[tuple[str, str]]) -> str:
+    """An anchored regex of the strings that do not start with a character of each class
+    in turn (``(class, complement)`` pairs): they end, or hold the complement's character,
+    before the row is through."""
+    tail = ""
+    for cls, other in reversed(classes):
+        tail = f"(?:{other}[\\s\\S]*|{cls}{tail})?" if tail else f"(?:{other}[\\s\\S]*)?"
+    return f"^{tail}$"
 
 
 def conditionals_as_any_of(node: dict, pinned: set[tuple[int, str]] = frozenset(),
