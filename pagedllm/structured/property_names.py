@@ -1,8 +1,9 @@
 """Which names an object may use and how many, in the terms llguidance implements.
 
 ``propertyNames`` is said by ``properties`` and ``patternProperties`` that close the
-object; ``minProperties`` / ``maxProperties`` of a closed object by which of its names
-are present (``property_counts_as_presence``).
+object; ``minProperties`` / ``maxProperties`` by which of its listed names are present
+(``property_counts_as_presence``), llguidance counting the others once every listed name
+is required or absent.
 
 A map schema (``{"type": "object", "propertyNames": P, "additionalProperties": V}``, the
 way configuration schemas key a map by a name format) becomes, exactly:
@@ -137,9 +138,13 @@ def property_counts_as_presence(node: dict) -> None:
     ``MAX_COUNT_CHOICES`` choices, or where a bound cannot hold."""
     listed = node.get("properties")
     required = names(node.get("required", []))
-    if not isinstance(listed, dict) or required is None or not required <= set(listed) \
-            or node.get("additionalProperties") is not False or "patternProperties" in node \
-            or set(listed) <= required:
+    if not isinstance(listed, dict) or required is None or set(listed) <= required \
+            or ("minProperties" not in node and "maxProperties" not in node):
+        return
+    if node.get("additionalProperties") is not False or "patternProperties" in node:
+        _open_object_counts(node, listed, required)
+        return
+    if not required <= set(listed):
         return
     optional = sorted(set(listed) - required)
     low, high = node.get("minProperties", 0), node.get("maxProperties", len(listed))
@@ -160,3 +165,41 @@ def property_counts_as_presence(node: dict) -> None:
         node.setdefault("allOf", []).append({"anyOf": [
             {"properties": {n: False for n in c}}
             for c in itertools.combinations(optional, absent)]})
+
+
+def _open_object_counts(node: dict, listed: dict, required: set[str]) -> None:
+    """``minProperties`` / ``maxProperties`` of an object that may hold names it does not
+    list, as an ``anyOf`` of which optional listed names are present: where that choice
+    alone meets the bounds, the names are required and nothing more is said; elsewhere
+    the choice is exact (the other optional names ``false``), so that every listed name
+    is required or absent and llguidance counts the rest under the bounds. Left as is
+    past ``MAX_COUNT_CHOICES`` choices, or where the bounds cannot hold."""
+    optional = sorted(n for n in set(listed) - required if listed[n] is not False)
+    low, high = node.get("minProperties", 0), node.get("maxProperties")
+    if not isinstance(low, int) or not (high is None or isinstance(high, int)) \
+            or (high is not None and high < max(low, len(required))):
+        return
+    need = max(0, low - len(required))  # names present beyond the required
+    most = len(optional) if high is None else min(len(optional), high - len(required))
+    exact = range(0, most + 1) if high is not None else range(0, min(need, len(optional) + 1))
+    sizes = [(size, True) for size in exact]
+    if high is None and need <= len(optional):
+        sizes.append((need, False))
+    if sum(math.comb(len(optional), size) for size, _ in sizes) > MAX_COUNT_CHOICES:
+        return
+    branches = []
+    for size, is_exact in sizes:
+        for present in itertools.combinations(optional, size):
+            branch: dict = {"required": list(present)} if present else {}
+            if is_exact:
+                absent = [n for n in optional if n not in present]
+                if absent:
+                    branch["properties"] = {n: False for n in absent}
+                if len(required) + size < low:
+                    branch["minProperties"] = low
+                if high is not None:
+                    branch["maxProperties"] = high
+            branches.append(branch)
+    node.pop("minProperties", None)
+    node.pop("maxProperties", None)
+    node.setdefault("allOf", []).append({"anyOf": branches})

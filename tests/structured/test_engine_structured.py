@@ -280,6 +280,24 @@ def test_if_then_else_as_real_world_schemas_switch_on_a_kind(llm):
     assert len({v["kind"] for v in values}) >= 2
 
 
+def test_property_counts_of_objects_open_to_other_names_hold(llm):
+    """CircleCI's "a step is one command, built in or your own" (one name, listed or
+    matching a pattern) and "at least one setting", listed or of one's own: every output
+    validates, so each step holds exactly one name and no map is empty."""
+    small = {"type": "integer", "minimum": 0, "maximum": 9}
+    step = {"type": "object", "minProperties": 1, "maxProperties": 1,
+            "properties": {"run": small, "save": small}, "patternProperties": {"^[a-z]{1,3}$": small},
+            "additionalProperties": False}
+    schema = {"type": "object", "additionalProperties": False, "required": ["steps", "env"],
+              "properties": {"steps": {"type": "array", "items": step, "minItems": 1, "maxItems": 3},
+                             "env": {"type": "object", "minProperties": 1,
+                                     "properties": {"home": small},
+                                     "patternProperties": {"^[A-Z]{1,3}$": small},
+                                     "additionalProperties": False}}}
+    values = sampled_values(llm, schema, num=16, max_tokens=120)
+    assert all(len(s) == 1 for v in values for s in v["steps"])
+
+
 def test_maps_keyed_by_property_names_use_only_the_names_allowed(llm):
     """``propertyNames`` of a map (a pattern here, a list of names beside it) holds."""
     schema = {"type": "object", "additionalProperties": False, "required": ["env", "ports"],

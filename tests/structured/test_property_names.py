@@ -102,3 +102,30 @@ def test_property_counts_of_a_closed_object_as_names_present(bounds):
             original = jsonschema.Draft202012Validator(schema).is_valid(value)
             assert jsonschema.Draft202012Validator(rewritten).is_valid(value) == original, value
     LLGuidanceBackend.validate(StructuredOutputsParams(json=schema))
+
+
+OPEN = [
+    {"additionalProperties": {"type": "integer"}},
+    {"patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False},
+    {"patternProperties": {"^x": {"type": "integer"}}},
+]
+
+
+@pytest.mark.parametrize("bounds", [*COUNTED, {"minProperties": 1, "maxProperties": 1},
+                                    {"minProperties": 6}, {"maxProperties": 1, "required": ["a"]}],
+                         ids=lambda b: json.dumps(b))
+@pytest.mark.parametrize("others", OPEN, ids=lambda o: json.dumps(o)[:40])
+def test_property_counts_of_an_object_open_to_other_names_as_names_present(bounds, others):
+    """Configuration schemas bound the names of objects that also take other names ("at
+    least one of these settings, or one of your own", "exactly one step")."""
+    listed = {n: {"type": "integer"} for n in ("a", "b", "c")}
+    schema = {"type": "object", "properties": listed, **others, **bounds}
+    rewritten = copy.deepcopy(schema)
+    property_counts_as_presence(rewritten)
+    assert "minProperties" not in rewritten and "maxProperties" not in rewritten
+    for size in range(6):
+        for chosen in itertools.combinations([*listed, "e", "x1", "x2"], size):
+            for value in (dict.fromkeys(chosen, 1), dict.fromkeys(chosen, "s")):
+                original = jsonschema.Draft202012Validator(schema).is_valid(value)
+                assert jsonschema.Draft202012Validator(rewritten).is_valid(value) == original, value
+    LLGuidanceBackend.validate(StructuredOutputsParams(json=schema))
