@@ -15,7 +15,9 @@ to its grammar text as follows:
   schema's ``lenient`` setting), and so is a ``$ref`` outside the schema (nothing is
   ever fetched); a ``format`` it does not know
   is an annotation and left out (the standard's default); a lookahead at a pattern's
-  start or end becomes patterns without one (``lookahead.py``); dependencies between
+  start or end becomes patterns without one (``lookahead.py``); patterns of literal names
+  and patterns every name matches are told apart from the others
+  (``pattern_properties.py``); dependencies between
   properties are rewritten as ``anyOf`` (``_dependencies_as_any_of``); an object schema
   that lists its ``properties`` and says nothing of other names allows none
   (``_close_object``);
@@ -46,6 +48,7 @@ from pagedllm.structured.lookahead import lookaheads_as_patterns
 from pagedllm.structured.negation import (ANNOTATIONS, conditionals_as_any_of, names,
                                           not_in_positive_terms)
 from pagedllm.structured.params import StructuredOutputsParams
+from pagedllm.structured.pattern_properties import overlapping_patterns_apart
 from pagedllm.structured.property_names import (property_counts_as_presence,
                                                 property_names_as_properties)
 
@@ -85,6 +88,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         for node in nodes:
             _dependencies_as_any_of(node)
             conditionals_as_any_of(node, pinned, resolve)
+            overlapping_patterns_apart(node, pinned)
             property_names_as_properties(node, resolve)
             property_counts_as_presence(node)
             not_in_positive_terms(node, resolve)

@@ -187,6 +187,17 @@ _LITERALS = re.compile(
 _CLASS_ROW = re.compile(rf"\^(?P<open>\((?:\?:)?)?(?P<row>(?:{_CLASS})+)(?P<close>\))?")
 
 
+def pattern_literals(pattern: str) -> tuple[list[str], bool] | None:
+    """The strings a pattern of literal strings names (``^(get|post)$``, ``^a\\.b``), and
+    whether it is anchored at the end too (then it matches them alone, else every string
+    that starts with one); None for any other pattern."""
+    literals = _LITERALS.fullmatch(pattern)
+    if literals is None:
+        return None
+    words = re.findall(_LITERAL, literals[1] or literals[2])
+    return [re.sub(r"\\(.)", r"\1", word) for word in words], bool(literals["end"])
+
+
 def pattern_complement(pattern: str) -> str | bool | None:
     """An anchored regex of exactly the strings JSON Schema's ``pattern`` (a search: it
     may match anywhere unless anchored) does not match, for a pattern of one character
@@ -200,11 +211,10 @@ def pattern_complement(pattern: str) -> str | bool | None:
     - ``^C{m,n}``: fewer than m characters of C before the first of D or the end;
     - ``C{m,n}$``: fewer than m after the last of D;
     - ``C{m,n}``: no run of m characters of C."""
-    literals = _LITERALS.fullmatch(pattern)
+    literals = pattern_literals(pattern)
     if literals is not None:
-        words = re.findall(_LITERAL, literals[1] or literals[2])
-        return _other_strings_pattern([re.sub(r"\\(.)", r"\1", word) for word in words],
-                                      prefixes=not literals["end"])
+        words, whole = literals
+        return _other_strings_pattern(words, prefixes=not whole)
     row = _CLASS_ROW.fullmatch(pattern)
     if row is not None and bool(row["open"]) == bool(row["close"]):
         return _not_starting_with([_class_and_complement(c)

@@ -31,11 +31,10 @@ import re
 from typing import Any, Callable
 
 from pagedllm.structured.negation import ANNOTATIONS, names
+from pagedllm.structured.pattern_properties import EVERY_NAME
 
 # The most choices of names one bound of a property count becomes.
 MAX_COUNT_CHOICES = 64
-# Patterns every name matches (a search that matches the empty string at the start).
-_EVERY_NAME = ("", ".*", "^.*")
 
 
 def property_names_as_properties(node: dict, follow: Callable[[Any], Any]) -> None:
@@ -44,7 +43,7 @@ def property_names_as_properties(node: dict, follow: Callable[[Any], Any]) -> No
     test = follow(node.get("propertyNames"))
     patterns = node.get("patternProperties")
     if isinstance(test, dict) and isinstance(patterns, dict) and len(patterns) == 1 \
-            and next(iter(patterns)) in _EVERY_NAME and "properties" not in node:
+            and next(iter(patterns)) in EVERY_NAME and "properties" not in node:
         # A map whose one pattern takes every name: its schema is every value's.
         node["additionalProperties"] = patterns.popitem()[1]
         del node["patternProperties"]

@@ -298,6 +298,18 @@ def test_property_counts_of_objects_open_to_other_names_hold(llm):
     assert all(len(s) == 1 for v in values for s in v["steps"])
 
 
+def test_a_name_that_two_patterns_match_holds_both(llm):
+    """JSON:API's "member names, and ``links`` / ``relationships`` among them" (a pattern
+    of names beside a pattern they match): every output validates, so ``ab`` and ``run``
+    hold both patterns' schemas."""
+    schema = {"type": "object", "minProperties": 1, "additionalProperties": False,
+              "patternProperties": {"^[a-z]{1,3}$": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9},
+                                    "^(ab|run)$": {"maximum": 2}}}
+    values = sampled_values(llm, schema, num=16, max_tokens=60)
+    assert all(v.get(name, 0) <= 2 for v in values for name in ("ab", "run"))
+
+
 def test_maps_keyed_by_property_names_use_only_the_names_allowed(llm):
     """``propertyNames`` of a map (a pattern here, a list of names beside it) holds."""
     schema = {"type": "object", "additionalProperties": False, "required": ["env", "ports"],
