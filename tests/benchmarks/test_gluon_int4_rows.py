@@ -6,6 +6,7 @@ engine's Triton kernel (4.23 at 128 x 128)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +29,12 @@ print(json.dumps(dict(
 """
 
 
-def test_the_gluon_loop_exchanges_nothing_between_lanes():
+def test_the_gluon_loop_exchanges_nothing_between_lanes(tmp_path):
+    # A cache of its own: no other process compiles into it meanwhile.
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", PROBE, str(SCRIPTS)], capture_output=True,
-                          text=True, check=True, timeout=300)
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
     probe = json.loads(done.stdout.splitlines()[-1])
     counts = probe["counts"]
     assert (counts["barriers"], counts["shuffles"], counts["shared"], counts["spills"]) == (
