@@ -27,13 +27,16 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 from pathlib import Path
 
-import torch
-import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
