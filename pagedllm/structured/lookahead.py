@@ -4,11 +4,11 @@ ECMA-262 patterns may assert what follows without consuming it; llguidance's reg
 cannot. Two places of a lookahead say the same in patterns without one, since
 ``pattern`` is a search (it may match anywhere unless anchored):
 
-- right after the leading ``^``: ``^(?=A)R`` holds where ``^R`` and ``^(?:A)`` both do,
-  and ``^(?!B)R`` where ``^R`` does and ``^(?:B)`` does not. The asserted patterns join
-  the node's ``allOf`` (llguidance intersects them); a refused one takes the complement of
-  ``^(?:B)`` (``negation.pattern_complement``), so this serves only a ``B`` whose
-  complement is known;
+- right after the leading ``^`` of a pattern of one alternative: ``^(?=A)R`` holds where
+  ``^R`` and ``^(?:A)`` both do, and ``^(?!B)R`` where ``^R`` does and ``^(?:B)`` does
+  not. The asserted patterns join the node's ``allOf`` (llguidance intersects them); a
+  refused one takes the complement of ``^(?:B)`` (``negation.pattern_complement``), so
+  this serves only a ``B`` whose complement is known;
 - at the very end of the pattern: ``R(?=A)`` holds where ``R(?:A)`` does (the search may
   end anywhere).
 
@@ -50,11 +50,13 @@ def lookaheads_as_patterns(node: dict) -> None:
 
 def _leading_lookaheads(pattern: str) -> tuple[str, list[str], list[str]]:
     """``(pattern without them, bodies asserted, bodies refused)`` of the lookaheads right
-    after a leading ``^``."""
+    after a leading ``^`` of a pattern of one alternative."""
     holds: list[str] = []
     fails: list[str] = []
-    if not pattern.startswith("^"):
-        return pattern, holds, fails
+    items = _top_level(pattern)
+    if not pattern.startswith("^") or items is None \
+            or any(pattern[a:b] == "|" for a, b in items):
+        return pattern, holds, fails  # under "^x|y", a lookahead after ^ binds x alone
     at = 1
     while pattern.startswith(("(?=", "(?!"), at):
         end = _group_end(pattern, at)
