@@ -1,7 +1,7 @@
-"""``propertyNames``, and the property counts of a closed object, said by which names are
-present, accept exactly what the original schemas do, as
-``jsonschema`` judges it over objects of many names; those left as they are stay refused,
-naming the keyword; the rewritten schemas compile."""
+"""``propertyNames``, and the property counts of closed objects and of objects open to
+other names, said by which listed names are present, accept exactly what the original
+schemas do, as ``jsonschema`` judges it over objects of many names; those left as they are
+stay refused, naming the keyword; the rewritten schemas compile."""
 
 from __future__ import annotations
 
