@@ -38,8 +38,8 @@ def lookaheads_as_patterns(node: dict) -> None:
             return
         parts.append({"pattern": complement} if complement is not False
                      else {"type": [t for t in TYPES if t != "string"]})
-    if any(a in part.get("pattern", "") for part in [{"pattern": rest}, *parts]
-           for a in _LOOKAROUNDS):
+    patterns = [rest, *(part["pattern"] for part in parts if "pattern" in part)]
+    if any(a in p for p in patterns for a in _LOOKAROUNDS):
         return
     if rest in ("", "^"):
         del node["pattern"]

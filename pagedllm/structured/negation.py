@@ -74,7 +74,7 @@ def negation(schema: Any, depth: int = 0, resolve: Resolve = _itself) -> Any:
       none): the strings or arrays out of the bound, and the other types where the schema
       says one;
     - ``anyOf`` and ``allOf`` of negatable schemas: ``allOf`` and ``anyOf`` of their
-      negations, and a ``oneOf`` of one its branch's;
+      negations, and a ``oneOf`` of one branch that branch's;
     - a lone ``$ref``: its target's negation (``resolve``);
     - a lone ``not``: the schema it negates."""
     schema = resolve(schema)

@@ -179,6 +179,9 @@ def _open_object_counts(node: dict, listed: dict, required: set[str]) -> None:
             or (high is not None and high < max(low, len(required))):
         return
     need = max(0, low - len(required))  # names present beyond the required
+    if high is None and need == 0:
+        del node["minProperties"]  # the required names meet it
+        return
     most = len(optional) if high is None else min(len(optional), high - len(required))
     exact = range(0, most + 1) if high is not None else range(0, min(need, len(optional) + 1))
     sizes = [(size, True) for size in exact]

@@ -112,7 +112,8 @@ OPEN = [
 
 
 @pytest.mark.parametrize("bounds", [*COUNTED, {"minProperties": 1, "maxProperties": 1},
-                                    {"minProperties": 6}, {"maxProperties": 1, "required": ["a"]}],
+                                    {"minProperties": 6}, {"maxProperties": 1, "required": ["a"]},
+                                    {"minProperties": 1, "required": ["a"]}],
                          ids=lambda b: json.dumps(b))
 @pytest.mark.parametrize("others", OPEN, ids=lambda o: json.dumps(o)[:40])
 def test_property_counts_of_an_object_open_to_other_names_as_names_present(bounds, others):
