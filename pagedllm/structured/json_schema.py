@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from typing import Any, Iterator
+from urllib.parse import unquote
 
 # Where a schema holds subschemas: one schema, a list of them, or a map of names to them.
 # Every other keyword's value is data (``const``, ``enum``, ``default``, ``examples``, ...)
@@ -50,20 +51,22 @@ def resource_id(node: dict) -> str | None:
 
 
 def resolve_pointer(root: Any, pointer: str) -> Any:
-    """The value a JSON pointer (RFC 6901: ``""`` the whole, ``/$defs/Point``, ``~1`` for
-    ``/`` and ``~0`` for ``~`` in a key) names in ``root``; None when it names none."""
+    """The value a JSON pointer in a URI fragment (RFC 6901: ``""`` the whole,
+    ``/$defs/Point``, ``~1`` for ``/`` and ``~0`` for ``~`` in a key, percent-escapes as
+    in any fragment: ``%5B`` for ``[``) names in ``root``; None when it names none."""
     walk = pointer_walk(root, pointer)
     return None if walk is None else walk[1]
 
 
 def pointer_walk(root: Any, pointer: str) -> tuple[list[tuple[Any, str]], Any] | None:
-    """The steps a JSON pointer takes through ``root`` (each container and the key it
-    takes there) and the value it names; None when it names none."""
+    """The steps a URI fragment's JSON pointer (``resolve_pointer``) takes through ``root``
+    (each container and the key it takes there) and the value it names; None when it names
+    none."""
     if pointer and not pointer.startswith("/"):
         return None
     steps = []
     target = root
-    for key in pointer.split("/")[1:]:
+    for key in unquote(pointer).split("/")[1:]:
         key = key.replace("~1", "/").replace("~0", "~")
         steps.append((target, key))
         if isinstance(target, dict) and key in target:

@@ -17,7 +17,8 @@ to its grammar text as follows:
   is an annotation and left out (the standard's default); a lookahead at a pattern's
   start or end becomes patterns without one (``lookahead.py``); patterns of literal names
   and patterns every name matches are told apart from the others
-  (``pattern_properties.py``); dependencies between
+  (``pattern_properties.py``); a ``type`` beside a composition that implies it is left
+  out (``implied_types.py``); dependencies between
   properties are rewritten as ``anyOf`` (``_dependencies_as_any_of``); an object schema
   that lists its ``properties`` and says nothing of other names allows none
   (``_close_object``);
@@ -44,6 +45,7 @@ from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
 from pagedllm.structured.json_schema import (pointer_walk, ref_siblings_ignored, resource_id,
                                              subschemas)
+from pagedllm.structured.implied_types import drop_implied_type
 from pagedllm.structured.lookahead import lookaheads_as_patterns
 from pagedllm.structured.negation import (ANNOTATIONS, conditionals_as_any_of, names,
                                           not_in_positive_terms)
@@ -85,6 +87,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         for node in nodes:
             _one_of_exact(node, resources)
         resolve = functools.partial(_referenced, resources=resources)
+        follow = functools.partial(_ref_targets, resources)
         for node in nodes:
             _dependencies_as_any_of(node)
             conditionals_as_any_of(node, pinned, resolve)
@@ -92,6 +95,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             property_names_as_properties(node, resolve)
             property_counts_as_presence(node)
             not_in_positive_terms(node, resolve)
+            drop_implied_type(node, follow, pinned)
         options: dict[str, Any] = {"coerce_one_of": True}
         if params.whitespace_pattern is not None:
             options["whitespace_pattern"] = params.whitespace_pattern

@@ -281,19 +281,24 @@ def _scalar_values(schema: dict) -> list | None:
         if declared is not None else set(TYPES) | {"integer"}
     if declared is None:
         return None
-    return [v for v in values if _json_type(v) in declared
-            or (_json_type(v) == "integer" and "number" in declared)
-            or (_json_type(v) == "number" and float(v).is_integer() and "integer" in declared)]
+    return [v for v in values if json_type(v) in declared
+            or (json_type(v) == "integer" and "number" in declared)
+            or (json_type(v) == "number" and float(v).is_integer() and "integer" in declared)]
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """A JSON value's type: ``integer`` for an int, ``number`` for a float."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "boolean"
     if isinstance(value, int):
         return "integer"
-    return "number" if isinstance(value, float) else "string"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, dict):
+        return "object"
+    return "array" if isinstance(value, list) else "string"
 
 
 def _other_values(schema: dict) -> Any:
@@ -302,7 +307,7 @@ def _other_values(schema: dict) -> Any:
     if values is None:
         return None
     strings = sorted({v for v in values if isinstance(v, str)})
-    numbers = sorted({float(v) for v in values if _json_type(v) in ("integer", "number")})
+    numbers = sorted({float(v) for v in values if json_type(v) in ("integer", "number")})
     booleans = {v for v in values if isinstance(v, bool)}
     branches: list[dict] = [{"type": ["object", "array"]}]
     branches.append({"type": "string", "pattern": _other_strings_pattern(strings)}
