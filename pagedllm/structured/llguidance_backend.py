@@ -18,7 +18,8 @@ to its grammar text as follows:
   start or end becomes patterns without one (``lookahead.py``); patterns of literal names
   and patterns every name matches are told apart from the others
   (``pattern_properties.py``); a ``type`` beside a composition that implies it is left
-  out (``implied_types.py``); dependencies between
+  out (``implied_types.py``), and keywords beside a composition of schemas that reference
+  themselves are merged into them (``intersection.py``); dependencies between
   properties are rewritten as ``anyOf`` (``_dependencies_as_any_of``); an object schema
   that lists its ``properties`` and says nothing of other names allows none
   (``_close_object``);
@@ -46,6 +47,7 @@ from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
 from pagedllm.structured.json_schema import (pointer_walk, ref_siblings_ignored, resource_id,
                                              subschemas)
 from pagedllm.structured.implied_types import drop_implied_type
+from pagedllm.structured.intersection import compositions_merged, reaches_a_cycle
 from pagedllm.structured.lookahead import lookaheads_as_patterns
 from pagedllm.structured.negation import (ANNOTATIONS, conditionals_as_any_of, names,
                                           not_in_positive_terms)
@@ -88,6 +90,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             _one_of_exact(node, resources)
         resolve = functools.partial(_referenced, resources=resources)
         follow = functools.partial(_ref_targets, resources)
+        recursive = reaches_a_cycle(follow)
         for node in nodes:
             _dependencies_as_any_of(node)
             conditionals_as_any_of(node, pinned, resolve)
@@ -96,6 +99,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             property_counts_as_presence(node)
             not_in_positive_terms(node, resolve)
             drop_implied_type(node, follow, pinned)
+            compositions_merged(node, follow, recursive, pinned)
         options: dict[str, Any] = {"coerce_one_of": True}
         if params.whitespace_pattern is not None:
             options["whitespace_pattern"] = params.whitespace_pattern

@@ -351,6 +351,29 @@ def test_draft_7_references_ignore_the_keywords_beside_them(llm):
         LLGuidanceBackend.validate(StructuredOutputsParams(json=later))
 
 
+def test_shared_properties_beside_a_choice_of_self_referencing_variants_are_served(llm):
+    """GeoJSON's form (52north's Geometry schema): a ``type`` and a ``crs`` shared beside a
+    ``oneOf`` of geometries, one of them a collection of geometries again. llguidance
+    refuses to intersect the shared keywords with a variant that references itself; merged
+    into copies of the variants, the schema is served, and every output validates."""
+    point = {"type": "object", "required": ["type", "coordinates"], "additionalProperties": False,
+             "properties": {"type": {"enum": ["Point"]}, "crs": {},
+                            "coordinates": {"type": "array", "minItems": 2, "maxItems": 2,
+                                            "items": {"type": "integer", "minimum": 0,
+                                                      "maximum": 9}}}}
+    collection = {"type": "object", "required": ["type", "geometries"],
+                  "additionalProperties": False,
+                  "properties": {"type": {"enum": ["GeometryCollection"]}, "crs": {},
+                                 "geometries": {"type": "array", "maxItems": 1,
+                                                "items": {"$ref": "#"}}}}
+    schema = {"type": "object", "required": ["type"],
+              "properties": {"type": {"type": "string"}, "crs": {"enum": ["EPSG", "WGS"]}},
+              "oneOf": [{"$ref": "#/definitions/point"}, {"$ref": "#/definitions/collection"}],
+              "definitions": {"point": point, "collection": collection}}
+    values = sampled_values(llm, schema, num=16, max_tokens=160)
+    assert {v["type"] for v in values} == {"Point", "GeometryCollection"}
+
+
 def test_properties_their_patterns_repeat_are_served_when_self_referencing(llm):
     """A property that also matches a ``patternProperties`` pattern with the same schema
     (Washington Post's ANS credits: ``by`` beside ``^[a-zA-Z0-9_]*``; two keys here), in a

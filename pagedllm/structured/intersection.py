@@ -1,0 +1,222 @@
+"""Keywords beside ``allOf`` / ``anyOf`` / ``oneOf`` / ``$ref`` merged into the schemas they
+combine with, where those reference themselves.
+
+llguidance intersects a schema's own keywords with each schema it combines them with, and
+refuses that where one of those references itself ("circular references with sibling
+keys"): a base object extended with properties of its own (``{"properties": ...,
+"allOf": [{"$ref": "#/definitions/base"}]}``), shared properties beside a choice of
+variants (``{"properties": ..., "oneOf": [{"$ref": A}, {"$ref": B}]}``), where a variant or
+the base holds the schema again (trees, expressions, GeoJSON's geometry collections).
+
+Here the intersection is said as one schema, with copies of the plain schemas the
+references name: P and M1 and ... and (B1 or B2) is (P and M and B1) or (P and M and B2),
+each "and" of plain schemas (``intersect``) written keyword by keyword. Only where it is
+exact: plain schemas (no composition of their own, no pattern or tuple keywords), and
+keywords that two schemas both say only where one value holds both (bounds take the
+tighter, ``required`` the union, a property both schemas name holds both). Property
+schemas both sides give are left for llguidance as an ``allOf`` of the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pagedllm.structured.implied_types import Follow
+from pagedllm.structured.json_schema import subschemas
+from pagedllm.structured.negation import ANNOTATIONS
+
+# What stays at a node whose keywords are merged into what it combines them with.
+_KEPT = {"$schema", "$id", "id", "definitions", "$defs"} | ANNOTATIONS
+_COMPOSITIONS = ("allOf", "anyOf", "oneOf", "$ref")
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
+# Keywords each said by one schema alone, or by both alike.
+_SAID_ALIKE = ("enum", "const", "pattern", "format", "multipleOf", "uniqueItems",
+               "propertyNames")
+PLAIN = {"type", "required", "properties", "additionalProperties", "items"} \
+    | set(_LOWER_BOUNDS) | set(_UPPER_BOUNDS) | set(_SAID_ALIKE) | ANNOTATIONS
+MAX_BRANCHES = 64
+
+
+def compositions_merged(node: dict, follow: Follow, recursive: Callable[[Any], bool],
+                        pinned: set[tuple[int, str]] = frozenset()) -> None:
+    """Merge ``node``'s own keywords into what its ``allOf`` members and ``$ref`` name, and
+    those into each ``anyOf`` / ``oneOf`` branch, where one of them is ``recursive`` (a
+    schema its references lead back to). Left as is where a merge would not be exact, a
+    reference names none or several schemas, or a key that would move is one a reference's
+    pointer passes through."""
+    own = {k: v for k, v in node.items() if k not in _KEPT and k not in _COMPOSITIONS}
+    choices = [key for key in ("anyOf", "oneOf") if isinstance(node.get(key), list)]
+    members = list(node["allOf"]) if isinstance(node.get("allOf"), list) else []
+    if "$ref" in node:
+        members.append({"$ref": node["$ref"]})
+    parts = len(members) + bool(choices) + bool(own)
+    if len(choices) > 1 or parts < 2 or any((id(node), k) in pinned for k in node if k not in _KEPT):
+        return  # nothing to intersect
+    plain_members = [_plain(member, follow) for member in members]
+    branches = [_plain(branch, follow) for branch in node[choices[0]]] if choices else []
+    combined = members + (node[choices[0]] if choices else [])
+    if any(part is None for part in plain_members + branches) \
+            or not any(map(recursive, [own] + combined)) or len(branches) > MAX_BRANCHES \
+            or any(_holds(part, node) for part in plain_members + branches):
+        return
+    merged: Any = dict(own)
+    for member in plain_members:
+        merged = intersect(merged, member)
+        if merged is None:
+            return
+    if choices:
+        merged_branches = [intersect(merged, branch) for branch in branches]
+        if any(branch is None for branch in merged_branches):
+            return
+        result = {choices[0]: merged_branches}
+    elif merged is False:
+        return  # no value holds it: left for llguidance to say so
+    else:
+        result = {} if merged is True else merged
+    for key in [k for k in node if k not in _KEPT]:
+        del node[key]
+    node.update(result)
+
+
+def reaches_a_cycle(follow: Follow) -> Callable[[Any], bool]:
+    """A test of whether a schema's references lead (through the schemas they name, and
+    theirs) to a schema whose references lead back to it: what llguidance will not
+    intersect. Each named schema's references are read once."""
+    successors: dict[int, list[dict]] = {}
+
+    def named(schema: Any) -> list[dict]:
+        key = id(schema)
+        if key not in successors:
+            successors[key] = [target for inner in subschemas(schema)
+                               for target in follow(inner.get("$ref"))
+                               if isinstance(target, dict)]
+        return successors[key]
+
+    on_cycle: dict[int, bool] = {}
+
+    def cyclic(target: dict) -> bool:
+        if id(target) not in on_cycle:
+            seen, pending = set(), list(named(target))
+            while pending and id(target) not in seen:
+                schema = pending.pop()
+                if id(schema) not in seen:
+                    seen.add(id(schema))
+                    pending += named(schema)
+            on_cycle[id(target)] = id(target) in seen
+        return on_cycle[id(target)]
+
+    def reaches(schema: Any) -> bool:
+        seen, pending = set(), list(named(schema))
+        while pending:
+            target = pending.pop()
+            if id(target) in seen:
+                continue
+            if cyclic(target):
+                return True
+            seen.add(id(target))
+            pending += named(target)
+        return False
+
+    return reaches
+
+
+def _holds(schema: Any, node: dict) -> bool:
+    """Whether ``node`` is ``schema`` or inside it: merged into itself, it would hold itself."""
+    return any(inner is node for inner in subschemas(schema))
+
+
+def _plain(schema: Any, follow: Follow, depth: int = 0) -> Any:
+    """``schema``, or the one schema its lone ``$ref`` names (followed to the end), where
+    it is plain (``PLAIN`` keywords alone, or a boolean); None elsewhere."""
+    if isinstance(schema, bool):
+        return schema
+    if not isinstance(schema, dict) or depth > 8 or isinstance(schema.get("items"), list) \
+            or any(isinstance(schema.get(k), bool) for k in ("exclusiveMinimum", "exclusiveMaximum")) \
+            or not isinstance(schema.get("required", []), list):
+        return None
+    if "$ref" in schema:
+        if set(schema) - ANNOTATIONS != {"$ref"}:
+            return None
+        targets = follow(schema["$ref"])
+        return _plain(targets[0], follow, depth + 1) if len(targets) == 1 else None
+    return schema if set(schema) <= PLAIN else None
+
+
+def intersect(a: Any, b: Any) -> Any:
+    """One schema for "``a`` and ``b``", two plain schemas (``False`` where none holds
+    both); None where it cannot be said exactly here."""
+    if a is False or b is False:
+        return False
+    if a is True:
+        return b
+    if b is True:
+        return a
+    a = {k: v for k, v in a.items() if k not in ANNOTATIONS}
+    b = {k: v for k, v in b.items() if k not in ANNOTATIONS}
+    merged = {k: v for k, v in (a | b).items()
+              if k not in ("properties", "additionalProperties")}
+    for key in set(a) & set(b) - {"properties", "additionalProperties"}:
+        if key == "type":
+            kinds = _types(a["type"]) & _types(b["type"])
+            if not kinds:
+                return False
+            merged["type"] = sorted(kinds - {"integer"} if "number" in kinds else kinds)
+        elif key == "required":
+            merged["required"] = list(dict.fromkeys(a["required"] + b["required"]))
+        elif key == "items":
+            merged["items"] = both(a["items"], b["items"])
+        elif key in _LOWER_BOUNDS or key in _UPPER_BOUNDS:
+            pick = max if key in _LOWER_BOUNDS else min
+            if not all(isinstance(s[key], (int, float)) and not isinstance(s[key], bool)
+                       for s in (a, b)):
+                return None
+            merged[key] = pick(a[key], b[key])
+        elif a[key] != b[key]:
+            return None
+    if "type" in merged and isinstance(merged["type"], list) and len(merged["type"]) == 1:
+        merged["type"] = merged["type"][0]
+    if any(k in a or k in b for k in ("properties", "additionalProperties")):
+        properties = _merged_properties(a, b)
+        if properties is None:
+            return None
+        merged.update(properties)
+    return merged
+
+
+def _merged_properties(a: dict, b: dict) -> dict | None:
+    """``properties`` and ``additionalProperties`` of "``a`` and ``b``": a name either lists
+    holds what each side says of it (its property schema, else its
+    ``additionalProperties``), another name both sides' ``additionalProperties``."""
+    listed_a, listed_b = a.get("properties", {}), b.get("properties", {})
+    if not isinstance(listed_a, dict) or not isinstance(listed_b, dict):
+        return None
+    rest_a, rest_b = a.get("additionalProperties", True), b.get("additionalProperties", True)
+    properties = {name: both(listed_a.get(name, rest_a), listed_b.get(name, rest_b))
+                  for name in list(dict.fromkeys([*listed_a, *listed_b]))}
+    merged: dict = {"properties": properties} if properties else {}
+    rest = both(rest_a, rest_b)
+    if rest is not True:
+        merged["additionalProperties"] = rest
+    return merged
+
+
+def both(a: Any, b: Any) -> Any:
+    """A schema for "``a`` and ``b``", any two schemas: one of them where the other says
+    nothing (or they are equal), else an ``allOf`` of the two for llguidance."""
+    if a is False or b is False:
+        return False
+    if _says_nothing(a) or a == b:
+        return b
+    if _says_nothing(b):
+        return a
+    return {"allOf": [a, b]}
+
+
+def _says_nothing(schema: Any) -> bool:
+    return schema is True or isinstance(schema, dict) and not set(schema) - ANNOTATIONS
+
+
+def _types(kind: Any) -> set[str]:
+    kinds = {kind} if isinstance(kind, str) else set(kind)
+    return kinds | {"integer"} if "number" in kinds else kinds

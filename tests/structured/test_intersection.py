@@ -1,0 +1,149 @@
+"""Keywords beside a composition are merged into the schemas it combines them with where
+those reference themselves: each merge accepts exactly what "a and b" does (``jsonschema``
+over values of every type and objects of many names), the merged schemas compile where
+llguidance refused the originals, and a composition of schemas that lead to no cycle, or a
+lone reference, is left for llguidance as it was."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import json
+
+import jsonschema
+import pytest
+
+from pagedllm.structured import StructuredOutputsParams
+from pagedllm.structured.intersection import compositions_merged, intersect, reaches_a_cycle
+from pagedllm.structured.llguidance_backend import LLGuidanceBackend, _ref_targets
+from tests.structured.conftest import grammar_of
+
+NAMES = ["a", "b", "kind"]
+SCALARS = [None, True, 0, 2, 7, 2.5, "", "ab", "abcdef", [], [1], [1, 2, 3]]
+
+
+def values():
+    yield from SCALARS
+    for size in range(3):
+        for names in itertools.combinations(NAMES, size):
+            for items in itertools.product([1, "x", None], repeat=size):
+                yield dict(zip(names, items))
+
+
+PAIRS = [
+    ({"type": "integer"}, {"type": "number", "minimum": 1}),
+    ({"type": ["string", "null"], "maxLength": 4}, {"type": "string", "minLength": 1}),
+    ({"type": "string"}, {"type": "integer"}),
+    ({"minimum": 0, "maximum": 5}, {"exclusiveMaximum": 3, "minimum": 1}),
+    ({"type": "array", "items": {"type": "integer"}}, {"maxItems": 2, "items": {"minimum": 1}}),
+    ({"required": ["a"], "properties": {"a": {"type": "integer"}}},
+     {"required": ["kind"], "properties": {"kind": {"enum": ["x"]}}, "additionalProperties": False}),
+    ({"properties": {"a": {"type": "string"}}, "additionalProperties": {"type": "integer"}},
+     {"properties": {"b": {"type": "integer"}}, "additionalProperties": False}),
+    ({"properties": {"a": {"title": "any"}}}, {"properties": {"a": {"type": "null"}}}),
+    ({"enum": [1, "x"]}, {"enum": [1, "x"], "type": "integer"}),
+    (True, {"type": "null"}),
+    ({"type": "object"}, False),
+]
+
+
+@pytest.mark.parametrize("a,b", PAIRS, ids=lambda s: json.dumps(s)[:40])
+def test_an_intersection_accepts_what_both_schemas_do(a, b):
+    merged = intersect(a, b)
+    assert merged is not None
+    for value in values():
+        both = jsonschema.Draft202012Validator(a).is_valid(value) \
+            and jsonschema.Draft202012Validator(b).is_valid(value)
+        assert jsonschema.Draft202012Validator(merged).is_valid(value) == both, (value, merged)
+
+
+def test_what_cannot_be_said_exactly_is_not_merged():
+    assert intersect({"enum": [1, 2]}, {"enum": [2, 3]}) is None
+    assert intersect({"pattern": "^a"}, {"pattern": "b$"}) is None
+    assert intersect({"properties": []}, {"properties": {}}) is None
+
+
+# GeoJSON in small (52north's Geometry schema): shared properties beside a choice of
+# geometries, one of which holds geometries again.
+POINT = {"type": "object", "required": ["type", "coordinates"],
+         "properties": {"type": {"enum": ["Point"]},
+                        "coordinates": {"type": "array", "items": {"type": "integer"},
+                                        "minItems": 2, "maxItems": 2}}}
+COLLECTION = {"type": "object", "required": ["type", "geometries"],
+              "properties": {"type": {"enum": ["GeometryCollection"]},
+                             "geometries": {"type": "array", "maxItems": 2,
+                                            "items": {"$ref": "#"}}}}
+GEOMETRY = {"type": "object", "required": ["type"],
+            "properties": {"type": {"type": "string"}, "crs": {"type": "string", "maxLength": 3}},
+            "oneOf": [{"$ref": "#/definitions/Point"}, {"$ref": "#/definitions/Collection"}],
+            "definitions": {"Point": POINT, "Collection": COLLECTION}}
+# A base extended with properties of its own (web-types' contributions, Hayson's grids),
+# the base holding the extended schema again.
+EXTENDED = {"$defs": {"base": {"type": "object", "properties": {
+                "name": {"type": "string", "maxLength": 3},
+                "kids": {"type": "array", "maxItems": 1, "items": {"$ref": "#/$defs/node"}}}},
+                      "node": {"required": ["name"], "properties": {"size": {"type": "integer"}},
+                               "allOf": [{"$ref": "#/$defs/base"}]}},
+            "$ref": "#/$defs/node"}
+GEOMETRY_VALUES = [{"type": "Point", "coordinates": [1, 2]},
+                   {"type": "Point", "coordinates": [1, 2], "crs": "abcd"},
+                   {"type": "GeometryCollection", "geometries": [{"type": "Point",
+                                                                   "coordinates": [0, 0]}]},
+                   {"type": "GeometryCollection", "geometries": [{"type": "Point"}]},
+                   {"type": "Line"}, {"coordinates": [1, 2]}, "Point", 3, None]
+EXTENDED_VALUES = [{"name": "a"}, {"name": "a", "size": 2, "kids": [{"name": "b"}]},
+                   {"name": "abcd"}, {"name": "a", "kids": [{"size": 1}]}, {"name": "a", "size": "2"},
+                   {"size": 1}, {}, "a", None]
+
+
+def _rewritten(schema: dict) -> dict:
+    root = copy.deepcopy(schema)
+    follow = functools.partial(_ref_targets, {"": root})
+    recursive = reaches_a_cycle(follow)
+    for node in [root, *root.get("$defs", {}).values()]:
+        compositions_merged(node, follow, recursive)
+    return root
+
+
+@pytest.mark.parametrize("schema,examples", [(GEOMETRY, GEOMETRY_VALUES),
+                                             (EXTENDED, EXTENDED_VALUES)], ids=["oneOf", "allOf"])
+def test_compositions_with_self_references_merge_exactly_and_compile(schema, examples):
+    rewritten = _rewritten(schema)
+    assert rewritten != schema
+    validator = jsonschema.validators.validator_for(schema)
+    for value in examples + list(values()):
+        assert validator(rewritten).is_valid(value) == validator(schema).is_valid(value), value
+    LLGuidanceBackend.validate(StructuredOutputsParams(json=schema))
+
+
+def test_a_geometry_collection_is_constrained_as_the_schema_says(manager, ids):
+    valid = '{"type":"GeometryCollection","geometries":[{"type":"Point","coordinates":[1,2]}]}'
+    jsonschema.validate(json.loads(valid), GEOMETRY)
+    assert grammar_of(manager, StructuredOutputsParams(json=GEOMETRY)).num_allowed(ids(valid)) \
+        == len(valid)
+    invalid = '{"type":"GeometryCollection","crs":"abcd"'
+    assert grammar_of(manager, StructuredOutputsParams(json=GEOMETRY)).num_allowed(ids(invalid)) \
+        == len('{"type":"GeometryCollection","crs":"abc')
+
+
+def test_compositions_that_lead_to_no_cycle_and_lone_references_stay():
+    plain = {"$defs": {"base": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+             "properties": {"b": {"type": "string"}}, "allOf": [{"$ref": "#/$defs/base"}],
+             "anyOf": [{"$ref": "#/$defs/base"}]}
+    assert _rewritten(plain) == plain
+    lone = {"$defs": {"node": {"properties": {"kids": {"items": {"$ref": "#/$defs/node"}}}}},
+            "$ref": "#/$defs/node"}
+    assert _rewritten(lone) == lone
+
+
+def test_a_schema_inside_what_it_references_is_not_merged_into_itself():
+    """``node`` extends the definition that holds it: copying that definition's properties
+    into ``node`` would make ``node`` hold itself."""
+    holder = {"type": "object", "properties": {"name": {"type": "string"}}}
+    node = {"required": ["name"], "allOf": [{"$ref": "#/$defs/holder"}]}
+    holder["properties"]["child"] = node
+    schema = {"$defs": {"holder": holder}, "$ref": "#/$defs/holder"}
+    follow = functools.partial(_ref_targets, {"": schema})
+    compositions_merged(node, follow, reaches_a_cycle(follow))
+    assert node["allOf"] == [{"$ref": "#/$defs/holder"}]
