@@ -36,26 +36,37 @@ _SAID_ALIKE = ("enum", "const", "pattern", "format", "multipleOf", "uniqueItems"
 PLAIN = {"type", "required", "properties", "additionalProperties", "items"} \
     | set(_LOWER_BOUNDS) | set(_UPPER_BOUNDS) | set(_SAID_ALIKE) | ANNOTATIONS
 MAX_BRANCHES = 64
+# Levels of property and item schemas whose intersections a merge goes on merging.
+MAX_DEPTH = 3
 
 
 def compositions_merged(node: dict, follow: Follow, recursive: Callable[[Any], bool],
-                        pinned: set[tuple[int, str]] = frozenset()) -> None:
+                        pinned: set[tuple[int, str]] = frozenset(), depth: int = 0) -> None:
     """Merge ``node``'s own keywords into what its ``allOf`` members and ``$ref`` name, and
-    those into each ``anyOf`` / ``oneOf`` branch, where one of them is ``recursive`` (a
-    schema its references lead back to). Left as is where a merge would not be exact, a
-    reference names none or several schemas, or a key that would move is one a reference's
-    pointer passes through."""
+    those into each ``anyOf`` / ``oneOf`` branch (its own, or a member that is a choice
+    alone), where one of them is ``recursive`` (a schema its references lead back to); then
+    the same in the ``allOf`` s the merge wrote for what two schemas both say, to ``depth``
+    ``MAX_DEPTH``. Left as is where a merge would not be exact, a reference names none or
+    several schemas, or a key that would move is one a reference's pointer passes through.
+    References are followed within one resource: the caller's (``follow``)."""
     own = {k: v for k, v in node.items() if k not in _KEPT and k not in _COMPOSITIONS}
-    choices = [key for key in ("anyOf", "oneOf") if isinstance(node.get(key), list)]
     members = list(node["allOf"]) if isinstance(node.get("allOf"), list) else []
     if "$ref" in node:
         members.append({"$ref": node["$ref"]})
-    parts = len(members) + bool(choices) + bool(own)
-    if len(choices) > 1 or parts < 2 or any((id(node), k) in pinned for k in node if k not in _KEPT):
-        return  # nothing to intersect
+    choices = [(key, node[key]) for key in ("anyOf", "oneOf") if isinstance(node.get(key), list)]
+    choices += [(key, m[key]) for m in members for key in ("anyOf", "oneOf")
+                if _choice_alone(m, key)]
+    members = [m for m in members if not any(_choice_alone(m, key) for key in ("anyOf", "oneOf"))]
+    parts = len(members) + len(choices) + bool(own)
+    if len(choices) > 1 or parts < 2 or depth > MAX_DEPTH \
+            or any((id(node), k) in pinned for k in node if k not in _KEPT):
+        return  # nothing to intersect, or more than one choice
+    if _plain(own, follow) is None:
+        return  # its own keywords say more than a merge reads
     plain_members = [_plain(member, follow) for member in members]
-    branches = [_plain(branch, follow) for branch in node[choices[0]]] if choices else []
-    combined = members + (node[choices[0]] if choices else [])
+    kind, choice = choices[0] if choices else ("anyOf", [])
+    branches = [_plain(branch, follow) for branch in choice]
+    combined = members + choice
     if any(part is None for part in plain_members + branches) \
             or not any(map(recursive, [own] + combined)) or len(branches) > MAX_BRANCHES \
             or any(_holds(part, node) for part in plain_members + branches):
@@ -69,7 +80,7 @@ def compositions_merged(node: dict, follow: Follow, recursive: Callable[[Any], b
         merged_branches = [intersect(merged, branch) for branch in branches]
         if any(branch is None for branch in merged_branches):
             return
-        result = {choices[0]: merged_branches}
+        result = {kind: merged_branches}
     elif merged is False:
         return  # no value holds it: left for llguidance to say so
     else:
@@ -77,21 +88,41 @@ def compositions_merged(node: dict, follow: Follow, recursive: Callable[[Any], b
     for key in [k for k in node if k not in _KEPT]:
         del node[key]
     node.update(result)
+    for written in _written_intersections(node):
+        compositions_merged(written, follow, recursive, pinned, depth + 1)
+
+
+def _choice_alone(schema: Any, key: str) -> bool:
+    """Whether ``schema`` is a ``key`` choice and nothing else (but annotations)."""
+    return isinstance(schema, dict) and isinstance(schema.get(key), list) \
+        and not set(schema) - ANNOTATIONS - {key}
+
+
+def _written_intersections(node: dict) -> list[dict]:
+    """The ``allOf`` s of two that ``both`` wrote in a merged ``node``: its (or its
+    branches') properties, ``additionalProperties`` and ``items``."""
+    schemas = [node] + [b for key in ("anyOf", "oneOf") for b in node.get(key, [])]
+    children = [child for schema in schemas if isinstance(schema, dict)
+                for child in [*schema.get("properties", {}).values(),
+                              schema.get("additionalProperties"), schema.get("items")]]
+    return [child for child in children if isinstance(child, dict)
+            and set(child) == {"allOf"} and len(child["allOf"]) == 2]
 
 
 def reaches_a_cycle(follow: Follow) -> Callable[[Any], bool]:
     """A test of whether a schema's references lead (through the schemas they name, and
     theirs) to a schema whose references lead back to it: what llguidance will not
     intersect. Each named schema's references are read once."""
-    successors: dict[int, list[dict]] = {}
+    successors: dict[int, list[dict]] = {}  # of the named schemas, which outlive the test
 
-    def named(schema: Any) -> list[dict]:
-        key = id(schema)
-        if key not in successors:
-            successors[key] = [target for inner in subschemas(schema)
-                               for target in follow(inner.get("$ref"))
-                               if isinstance(target, dict)]
-        return successors[key]
+    def referenced(schema: Any) -> list[dict]:
+        return [target for inner in subschemas(schema) for target in follow(inner.get("$ref"))
+                if isinstance(target, dict)]
+
+    def named(target: dict) -> list[dict]:
+        if id(target) not in successors:
+            successors[id(target)] = referenced(target)
+        return successors[id(target)]
 
     on_cycle: dict[int, bool] = {}
 
@@ -107,7 +138,7 @@ def reaches_a_cycle(follow: Follow) -> Callable[[Any], bool]:
         return on_cycle[id(target)]
 
     def reaches(schema: Any) -> bool:
-        seen, pending = set(), list(named(schema))
+        seen, pending = set(), referenced(schema)
         while pending:
             target = pending.pop()
             if id(target) in seen:
@@ -131,9 +162,11 @@ def _plain(schema: Any, follow: Follow, depth: int = 0) -> Any:
     it is plain (``PLAIN`` keywords alone, or a boolean); None elsewhere."""
     if isinstance(schema, bool):
         return schema
+    kinds = schema.get("type", []) if isinstance(schema, dict) else None
     if not isinstance(schema, dict) or depth > 8 or isinstance(schema.get("items"), list) \
             or any(isinstance(schema.get(k), bool) for k in ("exclusiveMinimum", "exclusiveMaximum")) \
-            or not isinstance(schema.get("required", []), list):
+            or not isinstance(schema.get("required", []), list) \
+            or not all(isinstance(k, str) for k in ([kinds] if isinstance(kinds, str) else kinds)):
         return None
     if "$ref" in schema:
         if set(schema) - ANNOTATIONS != {"$ref"}:

@@ -99,7 +99,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             property_counts_as_presence(node)
             not_in_positive_terms(node, resolve)
             drop_implied_type(node, follow, pinned)
-            compositions_merged(node, follow, recursive, pinned)
+        if len({id(resource) for resource in resources.values()}) == 1:
+            walked = {id(node) for node in nodes}  # and the schemas the passes wrote
+            for node in nodes + [n for n in subschemas(schema) if id(n) not in walked]:
+                compositions_merged(node, follow, recursive, pinned)
         options: dict[str, Any] = {"coerce_one_of": True}
         if params.whitespace_pattern is not None:
             options["whitespace_pattern"] = params.whitespace_pattern

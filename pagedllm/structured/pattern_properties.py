@@ -10,13 +10,17 @@ exactly:
   names' ``properties`` (their own schema, if listed, and the pattern's, together);
 - a pattern that every name matches (``.*``, ``""``, ``^.*``) becomes
   ``additionalProperties`` and joins every other pattern's schema and listed
-  property's; the old ``additionalProperties`` held for no name, so it goes.
+  property's; the old ``additionalProperties`` held for no name, so it goes. So it does
+  where it is the only pattern beside listed properties: each listed property's ``allOf``
+  with it is then one that ``intersection.py`` can merge where they reference themselves
+  (Washington Post's ANS: ``redirect`` beside ``.*`` in related content).
 """
 
 from __future__ import annotations
 
 import functools
 
+from pagedllm.structured.intersection import both
 from pagedllm.structured.negation import pattern_literals
 
 # Patterns every name matches (a search that matches the empty string at the start).
@@ -28,7 +32,8 @@ def overlapping_patterns_apart(node: dict, pinned: set[tuple[int, str]]) -> None
     docstring says; a node that a reference's pointer passes through (``pinned``) is left
     as it is."""
     patterns, listed = node.get("patternProperties"), node.get("properties", {})
-    if not isinstance(patterns, dict) or len(patterns) < 2 or not isinstance(listed, dict):
+    if not isinstance(patterns, dict) or not isinstance(listed, dict) \
+            or len(patterns) < 2 and not (listed and patterns.keys() & set(EVERY_NAME)):
         return
     steps = [(id(node), key) for key in ("patternProperties", "properties",
                                          "additionalProperties")]
@@ -41,14 +46,14 @@ def overlapping_patterns_apart(node: dict, pinned: set[tuple[int, str]]) -> None
         if literals is not None and literals[1]:
             del patterns[pattern]
             for name in literals[0]:
-                listed[name] = _both(listed[name], schema) if name in listed else schema
+                listed[name] = both(listed[name], schema) if name in listed else schema
     every = [patterns.pop(pattern) for pattern in list(patterns) if pattern in EVERY_NAME]
     if every:
-        schema = functools.reduce(_both, every)
+        schema = functools.reduce(both, every)
         for key in patterns:
-            patterns[key] = _both(patterns[key], schema)
+            patterns[key] = both(patterns[key], schema)
         for name in listed:
-            listed[name] = _both(listed[name], schema)
+            listed[name] = both(listed[name], schema)
         node["additionalProperties"] = schema
     if listed:
         node["properties"] = listed
@@ -56,11 +61,3 @@ def overlapping_patterns_apart(node: dict, pinned: set[tuple[int, str]]) -> None
         del node["patternProperties"]
         node.setdefault("additionalProperties", True)
 
-
-def _both(first, second):
-    """A schema that holds where both do."""
-    if first is True or first == {}:
-        return second
-    if second is True or second == {}:
-        return first
-    return {"allOf": [first, second]}

@@ -147,3 +147,47 @@ def test_a_schema_inside_what_it_references_is_not_merged_into_itself():
     follow = functools.partial(_ref_targets, {"": schema})
     compositions_merged(node, follow, reaches_a_cycle(follow))
     assert node["allOf"] == [{"$ref": "#/$defs/holder"}]
+
+
+# Washington Post's ANS related content in small: a catch-all pattern of lists of content
+# or references beside a listed ``redirect``, and content that holds related content again.
+CONTENT = {"type": "object", "additionalProperties": False, "required": ["type"],
+           "properties": {"type": {"enum": ["story", "redirect"]},
+                          "related": {"$ref": "#/definitions/related"}}}
+REFERENCE = {"type": "object", "additionalProperties": False, "required": ["type", "id"],
+             "properties": {"type": {"enum": ["reference"]}, "id": {"type": "string"}}}
+REDIRECT = {"type": "object", "required": ["type"],
+            "properties": {"type": {"enum": ["redirect"]}, "url": {"type": "string"}}}
+RELATED = {"type": "object",
+           "patternProperties": {".*": {"type": "array", "items": {"anyOf": [
+               {"$ref": "#/definitions/content"}, {"$ref": "#/definitions/reference"}]}}},
+           "properties": {"redirect": {"type": "array", "maxItems": 1,
+                                       "items": {"$ref": "#/definitions/redirect"}}}}
+ANS = {"$ref": "#/definitions/content",
+       "definitions": {"content": CONTENT, "reference": REFERENCE, "redirect": REDIRECT,
+                       "related": RELATED}}
+ANS_VALUES = [{"type": "story"},
+              {"type": "story", "related": {"redirect": [{"type": "redirect"}]}},
+              {"type": "story", "related": {"redirect": [{"type": "redirect", "url": "x"}]}},
+              {"type": "story", "related": {"redirect": [{"type": "reference", "id": "1"}]}},
+              {"type": "story", "related": {"basic": [{"type": "reference", "id": "1"},
+                                                      {"type": "story"}]}},
+              {"type": "story", "related": {"basic": [{"type": "redirect", "url": "x"}]}},
+              {"type": "story", "related": {"redirect": [{"type": "story"}]}}]
+
+
+def test_a_listed_property_beside_a_catch_all_pattern_of_self_references_compiles_exactly(
+        monkeypatch):
+    from llguidance import LLMatcher
+    sent = []
+    compile_schema = LLMatcher.grammar_from_json_schema
+    monkeypatch.setattr(LLMatcher, "grammar_from_json_schema", staticmethod(
+        lambda schema, defaults=None: sent.append(copy.deepcopy(schema))
+        or compile_schema(schema, defaults=defaults)))
+    LLGuidanceBackend.validate(StructuredOutputsParams(json=ANS))
+    validator = jsonschema.Draft202012Validator
+    for value in ANS_VALUES:
+        assert validator(sent[0]).is_valid(value) == validator(ANS).is_valid(value), value
+    # A redirect must be content or a reference too: one without a URL, typed "redirect".
+    assert [validator(ANS).is_valid(v) for v in ANS_VALUES] \
+        == [True, True, False, False, True, False, False]

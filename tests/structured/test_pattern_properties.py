@@ -33,6 +33,8 @@ OVERLAPPING = [
      "additionalProperties": False},
     {"patternProperties": {"^MD5$": STRING, "^(MD5|a)$": {"minLength": 1}, "^x": INTEGER},
      "properties": {"a": {"maxLength": 1}}, "required": ["a"]},
+    {"patternProperties": {".*": POSITIVE}, "properties": {"run": INTEGER, "a": True},
+     "additionalProperties": STRING},
 ]
 
 
