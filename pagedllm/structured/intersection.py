@@ -41,14 +41,18 @@ MAX_DEPTH = 3
 
 
 def compositions_merged(node: dict, follow: Follow, recursive: Callable[[Any], bool],
-                        pinned: set[tuple[int, str]] = frozenset(), depth: int = 0) -> None:
+                        pinned: set[tuple[int, str]] = frozenset(),
+                        define: Callable[[dict], str] | None = None, depth: int = 0) -> None:
     """Merge ``node``'s own keywords into what its ``allOf`` members and ``$ref`` name, and
     those into each ``anyOf`` / ``oneOf`` branch (its own, or a member that is a choice
     alone), where one of them is ``recursive`` (a schema its references lead back to); then
     the same in the ``allOf`` s the merge wrote for what two schemas both say, to ``depth``
     ``MAX_DEPTH``. Left as is where a merge would not be exact, a reference names none or
     several schemas, or a key that would move is one a reference's pointer passes through.
-    References are followed within one resource: the caller's (``follow``)."""
+    References are followed within one resource: the caller's (``follow``). Where what is
+    merged holds ``node`` itself (a definition whose property is ``node``), the merge
+    becomes a new definition (``define`` adds it and returns its reference) that ``node``
+    references: a recursion through a reference, where the copy would have held itself."""
     own = {k: v for k, v in node.items() if k not in _KEPT and k not in _COMPOSITIONS}
     members = list(node["allOf"]) if isinstance(node.get("allOf"), list) else []
     if "$ref" in node:
@@ -67,9 +71,10 @@ def compositions_merged(node: dict, follow: Follow, recursive: Callable[[Any], b
     kind, choice = choices[0] if choices else ("anyOf", [])
     branches = [_plain(branch, follow) for branch in choice]
     combined = members + choice
+    holds_node = any(_holds(part, node) for part in plain_members + branches)
     if any(part is None for part in plain_members + branches) \
             or not any(map(recursive, [own] + combined)) or len(branches) > MAX_BRANCHES \
-            or any(_holds(part, node) for part in plain_members + branches):
+            or holds_node and define is None:
         return
     merged: Any = dict(own)
     for member in plain_members:
@@ -87,9 +92,9 @@ def compositions_merged(node: dict, follow: Follow, recursive: Callable[[Any], b
         result = {} if merged is True else merged
     for key in [k for k in node if k not in _KEPT]:
         del node[key]
-    node.update(result)
-    for written in _written_intersections(node):
-        compositions_merged(written, follow, recursive, pinned, depth + 1)
+    node.update({"$ref": define(result)} if holds_node else result)
+    for written in _written_intersections(result):
+        compositions_merged(written, follow, recursive, pinned, define, depth + 1)
 
 
 def _choice_alone(schema: Any, key: str) -> bool:

@@ -100,9 +100,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             not_in_positive_terms(node, resolve)
             drop_implied_type(node, follow, pinned)
         if len({id(resource) for resource in resources.values()}) == 1:
+            define = functools.partial(_define, schema)
             walked = {id(node) for node in nodes}  # and the schemas the passes wrote
             for node in nodes + [n for n in subschemas(schema) if id(n) not in walked]:
-                compositions_merged(node, follow, recursive, pinned)
+                compositions_merged(node, follow, recursive, pinned, define)
         options: dict[str, Any] = {"coerce_one_of": True}
         if params.whitespace_pattern is not None:
             options["whitespace_pattern"] = params.whitespace_pattern
@@ -116,6 +117,20 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if kind == "structural_tag":
         return _structural_tag_grammar(params.structural_tag)
     return llguidance.grammar_from("grammar", params.grammar)
+
+
+def _define(root: Any, schema: dict) -> str:
+    """Add ``schema`` to ``root``'s definitions (``$defs``, or ``definitions`` where the root
+    keeps those) under a name no other takes; the reference to it."""
+    if not isinstance(root, dict):
+        raise ValueError("a definition needs a schema object at the root")
+    key = "definitions" if "definitions" in root and "$defs" not in root else "$defs"
+    definitions = root.setdefault(key, {})
+    name = f"merged-{len(definitions)}"
+    while name in definitions:
+        name += "-"
+    definitions[name] = schema
+    return f"#/{key}/{name}"
 
 
 def _structural_tag_grammar(spec: dict[str, Any]) -> str:

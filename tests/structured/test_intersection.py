@@ -16,7 +16,7 @@ import pytest
 
 from pagedllm.structured import StructuredOutputsParams
 from pagedllm.structured.intersection import compositions_merged, intersect, reaches_a_cycle
-from pagedllm.structured.llguidance_backend import LLGuidanceBackend, _ref_targets
+from pagedllm.structured.llguidance_backend import LLGuidanceBackend, _define, _ref_targets
 from tests.structured.conftest import grammar_of
 
 NAMES = ["a", "b", "kind"]
@@ -137,16 +137,36 @@ def test_compositions_that_lead_to_no_cycle_and_lone_references_stay():
     assert _rewritten(lone) == lone
 
 
-def test_a_schema_inside_what_it_references_is_not_merged_into_itself():
-    """``node`` extends the definition that holds it: copying that definition's properties
-    into ``node`` would make ``node`` hold itself."""
-    holder = {"type": "object", "properties": {"name": {"type": "string"}}}
+def test_a_schema_inside_what_it_merges_becomes_a_reference_to_the_merge():
+    """``node`` extends the definition that holds it: a copy of that definition's
+    properties in ``node`` would hold ``node`` itself, so the merge becomes a definition of
+    its own that ``node`` references (without a way to add one, ``node`` stays)."""
     node = {"required": ["name"], "allOf": [{"$ref": "#/$defs/holder"}]}
-    holder["properties"]["child"] = node
+    holder = {"type": "object", "properties": {"name": {"type": "string"}, "child": node}}
     schema = {"$defs": {"holder": holder}, "$ref": "#/$defs/holder"}
+    original = copy.deepcopy(schema)
     follow = functools.partial(_ref_targets, {"": schema})
     compositions_merged(node, follow, reaches_a_cycle(follow))
-    assert node["allOf"] == [{"$ref": "#/$defs/holder"}]
+    assert node == {"required": ["name"], "allOf": [{"$ref": "#/$defs/holder"}]}
+    compositions_merged(node, follow, reaches_a_cycle(follow),
+                        define=functools.partial(_define, schema))
+    assert node == {"$ref": "#/$defs/merged-1"}
+    assert schema["$defs"]["merged-1"]["required"] == ["name"]
+    examples = [{"name": "a"}, {"name": "a", "child": {"name": "b"}}, {"name": "a", "child": {}},
+                {"child": {"name": "b"}}, {"name": 1}, "a"]
+    for value in examples:
+        assert jsonschema.Draft202012Validator(schema).is_valid(value) \
+            == jsonschema.Draft202012Validator(original).is_valid(value), value
+
+
+def test_a_choice_inside_the_definition_it_chooses_compiles():
+    """Windows' .resjson schema: a resource's values are strings or resources, each value
+    with at least one property, inside the resource definition itself."""
+    value = {"minProperties": 1, "anyOf": [{"type": "string"}, {"$ref": "#/definitions/resource"}]}
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+              "additionalProperties": value,
+              "definitions": {"resource": {"type": "object", "additionalProperties": value}}}
+    LLGuidanceBackend.validate(StructuredOutputsParams(json=schema))
 
 
 # Washington Post's ANS related content in small: a catch-all pattern of lists of content
