@@ -30,6 +30,7 @@ _KEPT = {"$schema", "$id", "id", "definitions", "$defs"} | ANNOTATIONS
 _COMPOSITIONS = ("allOf", "anyOf", "oneOf", "$ref")
 _LOWER_BOUNDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
 _UPPER_BOUNDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
+_EXCLUSIVE_BOUNDS = ("exclusiveMinimum", "exclusiveMaximum")
 # Keywords each said by one schema alone, or by both alike.
 _SAID_ALIKE = ("enum", "const", "pattern", "format", "multipleOf", "uniqueItems",
                "propertyNames")
@@ -167,12 +168,13 @@ def _plain(schema: Any, follow: Follow, depth: int = 0) -> Any:
     it is plain (``PLAIN`` keywords alone, or a boolean); None elsewhere."""
     if isinstance(schema, bool):
         return schema
-    kinds = schema.get("type", []) if isinstance(schema, dict) else None
-    if not isinstance(schema, dict) or depth > 8 or isinstance(schema.get("items"), list) \
-            or any(isinstance(schema.get(k), bool) for k in ("exclusiveMinimum", "exclusiveMaximum")) \
-            or not isinstance(schema.get("required", []), list) \
-            or not all(isinstance(k, str) for k in ([kinds] if isinstance(kinds, str) else kinds)):
+    if not isinstance(schema, dict) or depth > 8:
         return None
+    kinds = schema.get("type", [])
+    if isinstance(schema.get("items"), list) or not isinstance(schema.get("required", []), list) \
+            or any(isinstance(schema.get(k), bool) for k in _EXCLUSIVE_BOUNDS) \
+            or not all(isinstance(k, str) for k in ([kinds] if isinstance(kinds, str) else kinds)):
+        return None  # tuples, draft 4's exclusive flags, malformed lists
     if "$ref" in schema:
         if set(schema) - ANNOTATIONS != {"$ref"}:
             return None

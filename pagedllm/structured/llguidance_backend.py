@@ -44,10 +44,10 @@ from llguidance import LLMatcher
 
 from pagedllm.engine.tokenizer import Tokenizer
 from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
-from pagedllm.structured.json_schema import (pointer_walk, ref_siblings_ignored, resource_id,
-                                             subschemas)
 from pagedllm.structured.implied_types import drop_implied_type
 from pagedllm.structured.intersection import compositions_merged, reaches_a_cycle
+from pagedllm.structured.json_schema import (pointer_walk, ref_siblings_ignored, resource_id,
+                                             subschemas)
 from pagedllm.structured.lookahead import lookaheads_as_patterns
 from pagedllm.structured.negation import (ANNOTATIONS, conditionals_as_any_of, names,
                                           not_in_positive_terms)

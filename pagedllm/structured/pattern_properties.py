@@ -60,4 +60,3 @@ def overlapping_patterns_apart(node: dict, pinned: set[tuple[int, str]]) -> None
     if not patterns:
         del node["patternProperties"]
         node.setdefault("additionalProperties", True)
-

@@ -38,7 +38,8 @@ PAIRS = [
     ({"minimum": 0, "maximum": 5}, {"exclusiveMaximum": 3, "minimum": 1}),
     ({"type": "array", "items": {"type": "integer"}}, {"maxItems": 2, "items": {"minimum": 1}}),
     ({"required": ["a"], "properties": {"a": {"type": "integer"}}},
-     {"required": ["kind"], "properties": {"kind": {"enum": ["x"]}}, "additionalProperties": False}),
+     {"required": ["kind"], "properties": {"kind": {"enum": ["x"]}},
+      "additionalProperties": False}),
     ({"properties": {"a": {"type": "string"}}, "additionalProperties": {"type": "integer"}},
      {"properties": {"b": {"type": "integer"}}, "additionalProperties": False}),
     ({"properties": {"a": {"title": "any"}}}, {"properties": {"a": {"type": "null"}}}),
@@ -93,7 +94,8 @@ GEOMETRY_VALUES = [{"type": "Point", "coordinates": [1, 2]},
                    {"type": "GeometryCollection", "geometries": [{"type": "Point"}]},
                    {"type": "Line"}, {"coordinates": [1, 2]}, "Point", 3, None]
 EXTENDED_VALUES = [{"name": "a"}, {"name": "a", "size": 2, "kids": [{"name": "b"}]},
-                   {"name": "abcd"}, {"name": "a", "kids": [{"size": 1}]}, {"name": "a", "size": "2"},
+                   {"name": "abcd"}, {"name": "a", "kids": [{"size": 1}]},
+                   {"name": "a", "size": "2"},
                    {"size": 1}, {}, "a", None]
 
 
