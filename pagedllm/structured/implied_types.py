@@ -24,9 +24,10 @@ def drop_implied_type(node: dict, follow: Follow,
                       pinned: set[tuple[int, str]] = frozenset()) -> None:
     """Leave out ``node``'s ``type`` where its other keywords allow values of those types
     alone (``types_of``). Not a ``type`` a reference's pointer passes through."""
-    declared = _declared(node.get("type"))
-    if declared is None or (id(node), "type") in pinned \
-            or not any(key in node for key in ("anyOf", "oneOf", "allOf", "$ref")):
+    if "type" not in node or not any(key in node for key in ("anyOf", "oneOf", "allOf", "$ref")):
+        return
+    declared = _declared(node["type"])
+    if declared is None or (id(node), "type") in pinned:
         return
     others = types_of({key: value for key, value in node.items() if key != "type"}, follow)
     if others is not None and others <= declared:

@@ -54,6 +54,8 @@ def compositions_merged(node: dict, follow: Follow, recursive: Callable[[Any], b
     merged holds ``node`` itself (a definition whose property is ``node``), the merge
     becomes a new definition (``define`` adds it and returns its reference) that ``node``
     references: a recursion through a reference, where the copy would have held itself."""
+    if not any(key in node for key in _COMPOSITIONS):
+        return
     own = {k: v for k, v in node.items() if k not in _KEPT and k not in _COMPOSITIONS}
     members = list(node["allOf"]) if isinstance(node.get("allOf"), list) else []
     if "$ref" in node:
@@ -74,7 +76,7 @@ def compositions_merged(node: dict, follow: Follow, recursive: Callable[[Any], b
     combined = members + choice
     holds_node = any(_holds(part, node) for part in plain_members + branches)
     if any(part is None for part in plain_members + branches) \
-            or not any(map(recursive, [own] + combined)) or len(branches) > MAX_BRANCHES \
+            or not any(map(recursive, combined + [own])) or len(branches) > MAX_BRANCHES \
             or holds_node and define is None:
         return
     merged: Any = dict(own)
@@ -143,16 +145,19 @@ def reaches_a_cycle(follow: Follow) -> Callable[[Any], bool]:
             on_cycle[id(target)] = id(target) in seen
         return on_cycle[id(target)]
 
+    acyclic: set[int] = set()  # named schemas whose references reach no cycle
+
     def reaches(schema: Any) -> bool:
         seen, pending = set(), referenced(schema)
         while pending:
             target = pending.pop()
-            if id(target) in seen:
+            if id(target) in seen or id(target) in acyclic:
                 continue
             if cyclic(target):
                 return True
             seen.add(id(target))
             pending += named(target)
+        acyclic.update(seen)  # every schema they reach was walked, and none is on a cycle
         return False
 
     return reaches
