@@ -26,7 +26,7 @@ from pagedllm.structured.json_schema import subschemas
 from pagedllm.structured.negation import ANNOTATIONS
 
 # What stays at a node whose keywords are merged into what it combines them with.
-_KEPT = {"$schema", "$id", "id", "definitions", "$defs"} | ANNOTATIONS
+_KEPT = {"$schema", "$id", "id", "definitions", "$defs", "x-guidance"} | ANNOTATIONS
 _COMPOSITIONS = ("allOf", "anyOf", "oneOf", "$ref")
 _LOWER_BOUNDS = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
 _UPPER_BOUNDS = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
@@ -35,7 +35,14 @@ _EXCLUSIVE_BOUNDS = ("exclusiveMinimum", "exclusiveMaximum")
 _SAID_ALIKE = ("enum", "const", "pattern", "format", "multipleOf", "uniqueItems",
                "propertyNames")
 PLAIN = {"type", "required", "properties", "additionalProperties", "items"} \
-    | set(_LOWER_BOUNDS) | set(_UPPER_BOUNDS) | set(_SAID_ALIKE) | ANNOTATIONS
+    | set(_LOWER_BOUNDS) | set(_UPPER_BOUNDS) | set(_SAID_ALIKE)
+# The keywords that constrain values; any other key (``javaAbstract``, ``x-order``, ...) is
+# an annotation, as JSON Schema reads a keyword it does not know.
+CONSTRAINING = PLAIN | {"patternProperties", "prefixItems", "additionalItems", "contains",
+                        "minContains", "maxContains", "dependencies", "dependentRequired",
+                        "dependentSchemas", "allOf", "anyOf", "oneOf", "not", "if", "then",
+                        "else", "$ref", "$dynamicRef", "$recursiveRef", "unevaluatedItems",
+                        "unevaluatedProperties", "contentSchema"}
 MAX_BRANCHES = 64
 # Levels of property and item schemas whose intersections a merge goes on merging.
 MAX_DEPTH = 3
@@ -56,7 +63,7 @@ def compositions_merged(node: dict, follow: Follow, recursive: Callable[[Any], b
     references: a recursion through a reference, where the copy would have held itself."""
     if not any(key in node for key in _COMPOSITIONS):
         return
-    own = {k: v for k, v in node.items() if k not in _KEPT and k not in _COMPOSITIONS}
+    own = {k: v for k, v in node.items() if k in CONSTRAINING and k not in _COMPOSITIONS}
     members = list(node["allOf"]) if isinstance(node.get("allOf"), list) else []
     if "$ref" in node:
         members.append({"$ref": node["$ref"]})
@@ -103,7 +110,7 @@ def compositions_merged(node: dict, follow: Follow, recursive: Callable[[Any], b
 def _choice_alone(schema: Any, key: str) -> bool:
     """Whether ``schema`` is a ``key`` choice and nothing else (but annotations)."""
     return isinstance(schema, dict) and isinstance(schema.get(key), list) \
-        and not set(schema) - ANNOTATIONS - {key}
+        and not set(schema) & CONSTRAINING - {key}
 
 
 def _written_intersections(node: dict) -> list[dict]:
@@ -170,7 +177,8 @@ def _holds(schema: Any, node: dict) -> bool:
 
 def _plain(schema: Any, follow: Follow, depth: int = 0) -> Any:
     """``schema``, or the one schema its lone ``$ref`` names (followed to the end), where
-    it is plain (``PLAIN`` keywords alone, or a boolean); None elsewhere."""
+    it is plain (of the ``CONSTRAINING`` keywords, ``PLAIN`` ones alone; or a boolean);
+    None elsewhere."""
     if isinstance(schema, bool):
         return schema
     if not isinstance(schema, dict) or depth > 8:
@@ -181,11 +189,11 @@ def _plain(schema: Any, follow: Follow, depth: int = 0) -> Any:
             or not all(isinstance(k, str) for k in ([kinds] if isinstance(kinds, str) else kinds)):
         return None  # tuples, draft 4's exclusive flags, malformed lists
     if "$ref" in schema:
-        if set(schema) - ANNOTATIONS != {"$ref"}:
+        if set(schema) & CONSTRAINING != {"$ref"}:
             return None
         targets = follow(schema["$ref"])
         return _plain(targets[0], follow, depth + 1) if len(targets) == 1 else None
-    return schema if set(schema) <= PLAIN else None
+    return schema if set(schema) & CONSTRAINING <= PLAIN else None
 
 
 def intersect(a: Any, b: Any) -> Any:
@@ -197,8 +205,8 @@ def intersect(a: Any, b: Any) -> Any:
         return b
     if b is True:
         return a
-    a = {k: v for k, v in a.items() if k not in ANNOTATIONS}
-    b = {k: v for k, v in b.items() if k not in ANNOTATIONS}
+    a = {k: v for k, v in a.items() if k in PLAIN}
+    b = {k: v for k, v in b.items() if k in PLAIN}
     merged = {k: v for k, v in (a | b).items()
               if k not in ("properties", "additionalProperties")}
     for key in set(a) & set(b) - {"properties", "additionalProperties"}:
@@ -259,7 +267,7 @@ def both(a: Any, b: Any) -> Any:
 
 
 def _says_nothing(schema: Any) -> bool:
-    return schema is True or isinstance(schema, dict) and not set(schema) - ANNOTATIONS
+    return schema is True or isinstance(schema, dict) and not set(schema) & CONSTRAINING
 
 
 def _types(kind: Any) -> set[str]:

@@ -45,6 +45,8 @@ PAIRS = [
     ({"properties": {"a": {"title": "any"}}}, {"properties": {"a": {"type": "null"}}}),
     ({"enum": [1, "x"]}, {"enum": [1, "x"], "type": "integer"}),
     (True, {"type": "null"}),
+    ({"type": "object", "x-order": 1, "properties": {"a": {"javaAbstract": True}}},
+     {"properties": {"a": {"type": "integer"}}}),
     ({"type": "object"}, False),
 ]
 
@@ -66,7 +68,8 @@ def test_what_cannot_be_said_exactly_is_not_merged():
 
 
 # GeoJSON in small (52north's Geometry schema): shared properties beside a choice of
-# geometries, one of which holds geometries again.
+# geometries, one of which holds geometries again; a keyword JSON Schema does not know
+# (web-types' ``javaInterfaces``) is an annotation.
 POINT = {"type": "object", "required": ["type", "coordinates"],
          "properties": {"type": {"enum": ["Point"]},
                         "coordinates": {"type": "array", "items": {"type": "integer"},
@@ -75,7 +78,7 @@ COLLECTION = {"type": "object", "required": ["type", "geometries"],
               "properties": {"type": {"enum": ["GeometryCollection"]},
                              "geometries": {"type": "array", "maxItems": 2,
                                             "items": {"$ref": "#"}}}}
-GEOMETRY = {"type": "object", "required": ["type"],
+GEOMETRY = {"type": "object", "required": ["type"], "javaInterfaces": ["Geometry"],
             "properties": {"type": {"type": "string"}, "crs": {"type": "string", "maxLength": 3}},
             "oneOf": [{"$ref": "#/definitions/Point"}, {"$ref": "#/definitions/Collection"}],
             "definitions": {"Point": POINT, "Collection": COLLECTION}}
