@@ -26,7 +26,7 @@ def drop_implied_type(node: dict, follow: Follow,
     alone (``types_of``). Not a ``type`` a reference's pointer passes through."""
     if "type" not in node or not any(key in node for key in ("anyOf", "oneOf", "allOf", "$ref")):
         return
-    declared = _declared(node["type"])
+    declared = declared_types(node["type"])
     if declared is None or (id(node), "type") in pinned:
         return
     others = types_of({key: value for key, value in node.items() if key != "type"}, follow)
@@ -43,7 +43,7 @@ def types_of(schema: Any, follow: Follow, depth: int = 0) -> frozenset[str] | No
         return frozenset()
     if not isinstance(schema, dict) or depth > MAX_DEPTH:
         return None
-    bounds = [_declared(schema.get("type"))]
+    bounds = [declared_types(schema.get("type"))]
     values = [schema["const"]] if "const" in schema else schema.get("enum")
     if isinstance(values, list):
         bounds.append(_with_integers({json_type(value) for value in values}))
@@ -59,8 +59,9 @@ def types_of(schema: Any, follow: Follow, depth: int = 0) -> frozenset[str] | No
     return frozenset.intersection(*known) if known else None
 
 
-def _declared(kind: Any) -> frozenset[str] | None:
-    """A ``type`` keyword's types, or None where it has none (or a malformed one)."""
+def declared_types(kind: Any) -> frozenset[str] | None:
+    """A ``type`` keyword's types (``integer`` within ``number``), or None where it has none
+    (or a malformed one)."""
     kinds = [kind] if isinstance(kind, str) else kind
     if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) for k in kinds):
         return None

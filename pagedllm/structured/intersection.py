@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pagedllm.structured.implied_types import Follow
+from pagedllm.structured.implied_types import Follow, declared_types
 from pagedllm.structured.json_schema import subschemas
 from pagedllm.structured.negation import ANNOTATIONS
 
@@ -211,7 +211,10 @@ def intersect(a: Any, b: Any) -> Any:
               if k not in ("properties", "additionalProperties")}
     for key in set(a) & set(b) - {"properties", "additionalProperties"}:
         if key == "type":
-            kinds = _types(a["type"]) & _types(b["type"])
+            kinds_a, kinds_b = declared_types(a["type"]), declared_types(b["type"])
+            if kinds_a is None or kinds_b is None:
+                return None
+            kinds = kinds_a & kinds_b
             if not kinds:
                 return False
             merged["type"] = sorted(kinds - {"integer"} if "number" in kinds else kinds)
@@ -268,8 +271,3 @@ def both(a: Any, b: Any) -> Any:
 
 def _says_nothing(schema: Any) -> bool:
     return schema is True or isinstance(schema, dict) and not set(schema) & CONSTRAINING
-
-
-def _types(kind: Any) -> set[str]:
-    kinds = {kind} if isinstance(kind, str) else set(kind)
-    return kinds | {"integer"} if "number" in kinds else kinds

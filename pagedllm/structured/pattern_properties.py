@@ -28,9 +28,9 @@ EVERY_NAME = ("", ".*", "^.*")
 
 
 def overlapping_patterns_apart(node: dict, pinned: set[tuple[int, str]]) -> None:
-    """Rewrite ``node``'s ``patternProperties`` of two or more patterns as the module
-    docstring says; a node that a reference's pointer passes through (``pinned``) is left
-    as it is."""
+    """Rewrite ``node``'s ``patternProperties`` of two or more patterns, or a lone pattern
+    every name matches beside listed properties, as the module docstring says; a node that
+    a reference's pointer passes through (``pinned``) is left as it is."""
     patterns, listed = node.get("patternProperties"), node.get("properties", {})
     if not isinstance(patterns, dict) or not isinstance(listed, dict) \
             or len(patterns) < 2 and not (listed and patterns.keys() & set(EVERY_NAME)):

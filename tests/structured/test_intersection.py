@@ -61,12 +61,6 @@ def test_an_intersection_accepts_what_both_schemas_do(a, b):
         assert jsonschema.Draft202012Validator(merged).is_valid(value) == both, (value, merged)
 
 
-def test_what_cannot_be_said_exactly_is_not_merged():
-    assert intersect({"enum": [1, 2]}, {"enum": [2, 3]}) is None
-    assert intersect({"pattern": "^a"}, {"pattern": "b$"}) is None
-    assert intersect({"properties": []}, {"properties": {}}) is None
-
-
 # GeoJSON in small (52north's Geometry schema): shared properties beside a choice of
 # geometries, one of which holds geometries again; a keyword JSON Schema does not know
 # (web-types' ``javaInterfaces``) is an annotation.
@@ -155,8 +149,8 @@ def test_a_schema_inside_what_it_merges_becomes_a_reference_to_the_merge():
     assert node == {"required": ["name"], "allOf": [{"$ref": "#/$defs/holder"}]}
     compositions_merged(node, follow, reaches_a_cycle(follow),
                         define=functools.partial(_define, schema))
-    assert node == {"$ref": "#/$defs/merged-1"}
-    assert schema["$defs"]["merged-1"]["required"] == ["name"]
+    assert set(node) == {"$ref"}
+    json.dumps(schema)  # no schema object holds itself
     examples = [{"name": "a"}, {"name": "a", "child": {"name": "b"}}, {"name": "a", "child": {}},
                 {"child": {"name": "b"}}, {"name": 1}, "a"]
     for value in examples:
