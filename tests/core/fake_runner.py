@@ -83,6 +83,7 @@ class FakeModelRunner:
         self.history: dict[str, list[int]] = {}
         self.steps: list[SchedulerOutput] = []
         self.host: dict[int, list[int | None]] = {}  # host block -> its slots' K/V
+        self.host_owner: dict[str, range] = {}  # request -> the host blocks it was swapped to
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(so)
@@ -154,12 +155,27 @@ class FakeModelRunner:
         return proposal
 
     def _swap(self, so: SchedulerOutput) -> None:
+        """The step's copies. A request finished while swapped out (aborted) left its host
+        blocks to the scheduler, which may swap another request out to them in this very
+        step: their K/V is dropped first, so an overwrite of a block another request still
+        needs is caught."""
         size = self.block_size
+        for req_id in so.finished_req_ids & self.host_owner.keys():
+            for block in self.host_owner.pop(req_id):
+                del self.host[block]
         for start, block_ids in so.blocks_to_swap_out:
+            owner = [req_id for req_id in so.preempted_req_ids if req_id in self.states
+                     and self.states[req_id].block_ids[:len(block_ids)] == block_ids]
+            assert len(owner) == 1, "a swap-out of blocks no preempted request held"
+            self.host_owner[owner[0]] = range(start, start + len(block_ids))
             for i, block in enumerate(block_ids):
                 assert start + i not in self.host, "a swap-out overwrote a swapped-out block"
                 self.host[start + i] = self.slots[block * size:(block + 1) * size]
         for start, block_ids in so.blocks_to_swap_in:
+            owner = [req_id for req_id, blocks in self.host_owner.items() if blocks.start == start]
+            assert len(owner) == 1 and len(self.host_owner[owner[0]]) == len(block_ids), \
+                "a swap-in of host blocks no swapped-out request holds"
+            del self.host_owner[owner[0]]
             for i, block in enumerate(block_ids):
                 self.slots[block * size:(block + 1) * size] = self.host.pop(start + i)
 

@@ -7,6 +7,7 @@ for every context position at every step, and the pool must be whole at the end.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -17,6 +18,10 @@ from tests.core.fake_runner import reference_outputs
 from tests.core.helpers import AsyncStepper, Run, make_scheduler, runner_for, step
 
 MAX_MODEL_LEN = 64
+# Workloads per config; each of the first DEFAULT_SEEDS exercises its config's paths
+# (preemption, swapping, cache hits). ``PAGEDLLM_SIMULATION_SEEDS=600`` runs the long soak.
+DEFAULT_SEEDS = 8
+NUM_SEEDS = int(os.environ.get("PAGEDLLM_SIMULATION_SEEDS", DEFAULT_SEEDS))
 
 CONFIGS = {
     "chunked-cached-tight": dict(chunked=True, caching=True, num_blocks=12,
@@ -54,7 +59,7 @@ def make_workload(rng: random.Random, num_requests: int = 24) -> list[Request]:
     return requests
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", range(NUM_SEEDS))
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_random_workload_produces_reference_tokens_and_leaves_the_pool_whole(
@@ -102,10 +107,15 @@ def test_random_workload_produces_reference_tokens_and_leaves_the_pool_whole(
                 assert run.prompt_logprobs[req_id] == want, req_id
     kv = s.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks and kv.req_to_blocks == {}
-    if config.endswith("tight"):
-        assert s.num_preemptions_total > 0
     if kv.host_pool is not None:
-        assert kv.host_pool.num_free_blocks == kv.host_pool.num_blocks and runner.host == {}
-        assert s.num_swapped_tokens_total > 0 or not config.endswith("tight")
-    if CONFIGS[config]["caching"]:
-        assert kv.prefix_cache_stats.hits > 0
+        assert kv.host_pool.num_free_blocks == kv.host_pool.num_blocks
+        # The runner learns of an abort at the next step; one after the last step leaves its
+        # swapped-out K/V there, the host blocks free all the same.
+        assert set(runner.host) == {block for req_id in aborted
+                                    for block in runner.host_owner.get(req_id, ())}
+    if seed < DEFAULT_SEEDS:  # the paths the config is there for were taken
+        if config.endswith("tight"):
+            assert s.num_preemptions_total > 0
+            assert kv.host_pool is None or s.num_swapped_tokens_total > 0
+        if CONFIGS[config]["caching"]:
+            assert kv.prefix_cache_stats.hits > 0
