@@ -14,10 +14,13 @@ validators in an API process. ``tune_for_serving()``, called once startup is don
 
 Collections still run, so cyclic garbage is still reclaimed.
 
-The offline engine runs in the caller's process, whose heap must not stay frozen (that
-would keep every dropped ``LLM`` alive: its object graph has cycles). ``LLM.generate``
-tunes the collector the same way only while it runs (``offline_generate``), and pauses it
-while the requests are admitted.
+The offline engine runs in the caller's process, whose heap is the caller's: ``LLM.generate``
+freezes nothing. It pauses the collector while the requests are admitted, then, while the
+steps run, raises the youngest generation's threshold as above and runs no collection of
+the oldest generation (``offline_generate``): such a collection walks the whole heap (the
+model's modules, every KV block, the requests), a pause in which the device runs dry,
+and the young collections already reclaim the garbage the steps make. The thresholds
+return when ``generate`` does.
 
 ``PAGEDLLM_GC_TUNING=0`` leaves the collector as Python sets it, in both (for A/B runs).
 """
@@ -32,6 +35,9 @@ from pagedllm.switches import switch
 
 GC_ENV = "PAGEDLLM_GC_TUNING"
 YOUNG_THRESHOLD = 10_000
+# The oldest generation's threshold while ``generate`` runs: collections of the middle
+# generation it would take before a full one, more than any run makes.
+NO_FULL_COLLECTION = 2**30
 
 
 def tune_for_serving() -> None:
@@ -50,33 +56,24 @@ def offline_generate() -> Iterator[Callable[[], None]]:
     request is admitted.
 
     Until ``admitted()``, no collection runs: admission builds a few objects per request and
-    frees nearly none, so there is no garbage to find, while each collection of the oldest
-    generation would walk everything admitted so far. ``admitted()`` freezes the heap
-    alive then (the model, the admitted requests), raises the youngest generation's
-    threshold to ``YOUNG_THRESHOLD`` and lets the collector run again: it reclaims the
-    cyclic garbage the steps make without walking the frozen heap. On exit the frozen
-    objects return to the oldest generation and the thresholds are restored, so nothing
-    outlives its last reference for longer than one ``generate``. A collector the caller
-    disabled, or a heap the caller froze, is left as it is.
+    frees nearly none, so there is no garbage to find, while each collection would walk
+    everything admitted so far. ``admitted()`` raises the youngest generation's threshold to
+    ``YOUNG_THRESHOLD``, sets the oldest generation's out of reach (no full collection
+    while the steps run) and lets the collector run again. On exit the thresholds are
+    restored. A collector the caller disabled is left as it is; a frozen heap stays frozen.
     """
-    if not (gc.isenabled() and switch(GC_ENV, True)) or gc.get_freeze_count():
+    if not (gc.isenabled() and switch(GC_ENV, True)):
         yield lambda: None
         return
     thresholds = gc.get_threshold()
-    frozen = False
 
     def admitted() -> None:
-        nonlocal frozen
-        gc.freeze()
-        frozen = True
-        gc.set_threshold(YOUNG_THRESHOLD, *thresholds[1:])
+        gc.set_threshold(YOUNG_THRESHOLD, thresholds[1], NO_FULL_COLLECTION)
         gc.enable()
 
     gc.disable()
     try:
         yield admitted
     finally:
-        if frozen:
-            gc.unfreeze()
         gc.set_threshold(*thresholds)
         gc.enable()
