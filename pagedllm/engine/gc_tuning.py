@@ -61,8 +61,11 @@ def offline_generate() -> Iterator[Callable[[], None]]:
     ``YOUNG_THRESHOLD``, sets the oldest generation's out of reach (no full collection
     while the steps run) and lets the collector run again. On exit the thresholds are
     restored. A collector the caller disabled is left as it is; a frozen heap stays frozen.
+    A ``generate`` that starts while another one's tuning holds (another ``LLM`` in another
+    thread) leaves the collector to that one, so only the first restores the thresholds.
     """
-    if not (gc.isenabled() and switch(GC_ENV, True)):
+    if (not (gc.isenabled() and switch(GC_ENV, True))
+            or gc.get_threshold()[2] == NO_FULL_COLLECTION):
         yield lambda: None
         return
     thresholds = gc.get_threshold()

@@ -1,9 +1,10 @@
 """The server's processes tune the garbage collector once started, ``LLM.generate`` while it
-runs; ``PAGEDLLM_GC_TUNING=0`` leaves it as Python sets it. Run in a child process: the
-tuning is process-wide."""
+runs; ``PAGEDLLM_GC_TUNING=0`` leaves it as Python sets it. Run in a child process (the
+tuning is process-wide), or in this one where a test restores what it changes."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from pagedllm.engine.gc_tuning import GC_ENV, NO_FULL_COLLECTION, YOUNG_THRESHOLD
+from pagedllm.engine.gc_tuning import GC_ENV, NO_FULL_COLLECTION, YOUNG_THRESHOLD, offline_generate
 
 PROBE = ("import gc, json\n"
          "from pagedllm.engine.gc_tuning import tune_for_serving\n"
@@ -122,3 +123,19 @@ def test_generate_keeps_a_collector_the_caller_disabled():
     assert seen["after"] == seen["before"] and not seen["after"][0]
     assert all(not on and thresholds == seen["before"][2]
                for on, _, thresholds in seen["admitting"] + seen["stepping"])
+
+
+def test_a_generate_beside_another_leaves_the_collector_to_the_first(monkeypatch):
+    # Two LLMs generating in two threads, the first to start ending first: the second call
+    # finds the first's tuning and changes nothing, so the thresholds end as they began.
+    monkeypatch.delenv(GC_ENV, raising=False)
+    before = gc.get_threshold(), gc.isenabled()
+    first, second = offline_generate(), offline_generate()
+    first.__enter__()()
+    tuned = gc.get_threshold()
+    assert tuned[2] == NO_FULL_COLLECTION
+    second.__enter__()()
+    assert gc.get_threshold() == tuned and gc.isenabled()
+    first.__exit__(None, None, None)
+    second.__exit__(None, None, None)
+    assert (gc.get_threshold(), gc.isenabled()) == before
