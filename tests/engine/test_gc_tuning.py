@@ -108,7 +108,7 @@ def test_generate_quiets_the_collector_while_it_runs_and_restores_it():
 
 
 def test_generate_tunes_the_collector_beside_a_frozen_heap_and_keeps_it_frozen():
-    # Libraries freeze a few objects of their own (one of the GPU stack's did): the
+    # A heap may hold frozen objects before the call (a benchmark host's Python starts so): the
     # collector is tuned all the same, and the frozen heap is left as it was.
     seen = offline_probe("frozen")
     assert seen["before"][1] > 0
