@@ -44,6 +44,8 @@ CONSTRAINING = PLAIN | {"patternProperties", "prefixItems", "additionalItems", "
                         "else", "$ref", "$dynamicRef", "$recursiveRef", "unevaluatedItems",
                         "unevaluatedProperties", "contentSchema"}
 MAX_BRANCHES = 64
+# References a lone ``$ref`` is followed through to the schema it ends at.
+MAX_REFERENCE_HOPS = 8
 # Levels of property and item schemas whose intersections a merge goes on merging.
 MAX_DEPTH = 3
 
@@ -181,7 +183,7 @@ def _plain(schema: Any, follow: Follow, depth: int = 0) -> Any:
     None elsewhere."""
     if isinstance(schema, bool):
         return schema
-    if not isinstance(schema, dict) or depth > 8:
+    if not isinstance(schema, dict) or depth > MAX_REFERENCE_HOPS:
         return None
     kinds = schema.get("type", [])
     if isinstance(schema.get("items"), list) or not isinstance(schema.get("required", []), list) \
