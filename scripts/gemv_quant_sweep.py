@@ -139,6 +139,13 @@ def int_gemm_candidates(rows: int) -> list[IntTile]:
     return sorted(tiles, key=lambda t: t.block_m != 256)  # stable: those first when listed
 
 
+# int4_wgmma's candidates on Hopper: (block_m, block_n, block_k, stages, warps, paired).
+WGMMA_CANDIDATES = [int_matmul.WgmmaTile(*t) for t in (
+    (128, 64, 64, 4, 4, True), (256, 64, 64, 3, 4, True), (64, 64, 64, 4, 4, True),
+    (128, 128, 64, 4, 8, True), (256, 128, 64, 3, 8, True), (128, 64, 128, 3, 4, True),
+    (128, 64, 64, 4, 4, False))]
+
+
 def int_gemm_sweep(row_counts: list[int], budget_s: float,
                    save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Large decode batches on 4-bit weights: ``int_matmul``'s configured tile and the
@@ -167,6 +174,18 @@ def int_gemm_sweep(row_counts: list[int], budget_s: float,
                 return torch.nn.functional.linear(x, weight)
             results.append(measure(dict(kind="int4-gemm", shape=name, rows=m, impl="dequantize"),
                                    dequantized, weights, want, n * k * 0.5))
+            wgmma = int_matmul.wgmma_config(m, n, k, GROUP, 4, DEVICE)
+            for label, wtile in ([("wgmma-configured", wgmma)] if wgmma else []) + [
+                    ("wgmma", t) for t in WGMMA_CANDIDATES if t != wgmma]:
+                if label == "wgmma" and time.monotonic() > deadline:
+                    break
+
+                def op(w, t=wtile):
+                    return int_matmul.int4_wgmma(x, w[0], w[1].scales, w[1].zeros, t,
+                                                 group_size=GROUP)
+                results.append(measure(dict(kind="int4-gemm", shape=name, rows=m, impl=label,
+                                            tile=list(wtile.__dict__.values())),
+                                       op, weights, want, n * k * 0.5))
             configured = int_matmul.int_matmul_config(m, n, k, GROUP)
             for label, tile in [("configured", configured)] + [
                     ("tile", t) for t in int_gemm_candidates(m) if t != configured]:
@@ -453,6 +472,17 @@ def print_table(results: list[dict[str, Any]]) -> None:
                   f"{pick.get('per-tensor-fast-accum', float('nan')):7.1f} fast, "
                   f"{pick.get('configured', float('nan')):7.1f} split-K configured, "
                   f"{best.get('us', float('nan')):7.1f} best {best.get('tile', '')}")
+            continue
+        if key[0] == "int4-gemm":  # BLAS on bf16, dequantize + BLAS, the tiles, wgmma
+            ours = sorted((r for r in mine if "us" in r and r["impl"].startswith("wgmma")),
+                          key=lambda r: r["us"])
+            best = ours[0] if ours else {}
+            print(f"{key[0]:9} {key[1]:10} {key[2]:5} {pick['bf16']:7.1f} bf16, "
+                  f"{pick.get('dequantize', float('nan')):7.1f} dequantize, "
+                  f"{tiles[0]['us'] if tiles else float('nan'):7.1f} best tile, "
+                  f"{pick.get('wgmma-configured', float('nan')):7.1f} wgmma, "
+                  f"{best.get('us', float('nan')):7.1f} best wgmma "
+                  f"(err {best.get('max_rel_err', float('nan')):.1e}) {best.get('tile', '')}")
             continue
         if not tiles:
             continue

@@ -12,12 +12,16 @@ not tile). By the step's rows:
   else ``int_matmul`` with 16-row tiles and ``K`` split into ``SPLIT`` slices (split-K),
   so a narrow output still spreads over every SM; the float32 partial sums are added in
   a fixed order (the result does not depend on timing);
-* 17 to 64 rows, and 65 to ``DEQUANTIZE_ROWS`` rows of a wide output (``WIDE_OUTPUT``
-  columns or more: an MLP's gate/up): ``int_matmul`` with 64- or 128-row output tiles,
-  the weight dequantized in registers as it streams in, ``K`` split when the output tiles
-  alone would leave SMs idle;
-* more rows (the larger decode batches, prompts; ``dequantizes``): ``int_dequantize``
-  writes the weight in the activation dtype once, and BLAS multiplies.
+* on a Hopper GPU, 65 to ``WGMMA_MAX_ROWS`` rows of 4-bit weights with zero points (the
+  larger decode batches): ``int4_wgmma``, a Gluon kernel whose weight tiles, made in
+  registers, are ``wgmma``'s register operand while the previous tile's product runs
+  (``_int_wgmma_kernel``; ``wgmma_config``);
+* elsewhere, 17 to 64 rows, and 65 to ``DEQUANTIZE_ROWS`` rows of a wide output
+  (``WIDE_OUTPUT`` columns or more: an MLP's gate/up): ``int_matmul`` with 64- or 128-row
+  output tiles, the weight dequantized in registers as it streams in, ``K`` split when
+  the output tiles alone would leave SMs idle;
+* more rows (prompts, and elsewhere the larger decode batches; ``dequantizes``):
+  ``int_dequantize`` writes the weight in the activation dtype once, and BLAS multiplies.
 
 Codebook weights (bitsandbytes' NF4 and FP4: ``codebook[q] * scale``, no zero points) take
 the same kernels, with the codebook's 16 values read in place of ``q - zero``, except the
@@ -40,6 +44,7 @@ import torch
 
 from pagedllm.layers.triton_ops import _sm_count, sum_split_partials, use_fused_ops
 from pagedllm.quantization.int_weights import int_linear_reference
+from pagedllm.switches import switch
 
 INT_TILE_ENV = "PAGEDLLM_INT_TILE"
 # Batches of at most this many rows take the split-K tiles.
@@ -211,6 +216,86 @@ def int_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return out
 
 
+INT_WGMMA_ENV = "PAGEDLLM_INT_WGMMA"
+# Steps of more rows (prompts) dequantize once and multiply with BLAS: cuBLAS on the
+# dequantized weight beats the wgmma kernel there (docs/benchmarks.md).
+WGMMA_MAX_ROWS = 256
+# Narrow outputs over at least this many inputs (an MLP's down projection) keep 128-row tiles.
+LONG_K = 8192
+
+
+@dataclass(frozen=True)
+class WgmmaTile:
+    """Launch shape of ``int4_wgmma``: ``block_m x block_n`` output tiles, ``block_k``
+    inputs a step, ``stages`` activation tiles in flight; ``paired``: weights made two at a
+    time in half precision (else in float32; the same weights)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    block_k: int = 64
+    stages: int = 4
+    num_warps: int = 4
+    paired: bool = True
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def wgmma_config(rows: int, n: int, k: int, group_size: int, bits: int,
+                 device: torch.device) -> WgmmaTile | None:
+    """The ``int4_wgmma`` tile for a step of ``rows`` rows, or None where it does not serve:
+    a Hopper GPU, 4-bit weights with zero points, ``K`` and the group in whole steps of
+    ``block_k`` inputs, 65 to ``WGMMA_MAX_ROWS`` rows (``PAGEDLLM_INT_WGMMA=0`` turns it
+    off). The tiles are the fastest of ``scripts/gemv_quant_sweep.py --int-gemm-rows`` on
+    Llama-3.1-8B's projections (docs/benchmarks.md): up to 128 rows one tile of all of them
+    by 64 outputs over 128-input steps; beyond, 256-row tiles for wide outputs (an MLP's
+    gate/up), 64-row ones for narrow outputs over a short ``K``, so that their few
+    64-output tiles still spread over the SMs."""
+    group = k if group_size == -1 else group_size
+    if (bits != 4 or not 64 < rows <= WGMMA_MAX_ROWS or k % 64 or group % 64
+            or not _hopper(device) or not switch(INT_WGMMA_ENV, True)):
+        return None
+    if rows <= 128 or (n < WIDE_OUTPUT and k >= LONG_K):
+        tile = WgmmaTile(block_m=128, block_k=128, stages=3)
+    elif n >= WIDE_OUTPUT:
+        tile = WgmmaTile(block_m=256, stages=3)
+    else:
+        tile = WgmmaTile(block_m=64)
+    return tile if k % tile.block_k == 0 and group % tile.block_k == 0 else replace(
+        tile, block_k=64)
+
+
+def int4_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor, tile: WgmmaTile, *, group_size: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias) -> [M, N]`` in ``x``'s dtype, 4-bit ``W`` with zero points
+    in the stored layout, on the Hopper kernel of ``_int_wgmma_kernel``."""
+    from pagedllm.layers import _int_wgmma_kernel as kernels
+
+    rows, in_features = x.shape
+    out_features = qweight.shape[0]
+    group = in_features if group_size == -1 else group_size
+    if in_features % tile.block_k or group % tile.block_k:
+        raise ValueError(f"tile {tile} does not tile K={in_features} in groups of {group}.")
+    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()  # TMA reads 16-byte aligned rows
+    out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    grid = (-(-rows // tile.block_m), -(-out_features // tile.block_n))
+    kernels.int4_wgmma_kernel[grid](
+        kernels.activation_descriptor(x, tile.block_m, tile.block_k), qweight, scales, zeros,
+        bias if bias is not None else scales, out, rows, out_features, in_features,
+        qweight.stride(0), scales.stride(0), out.stride(0), GROUP=group,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
+        HAS_BIAS=bias is not None, PAIRED=tile.paired and scales.dtype == x.dtype,
+        num_warps=tile.num_warps,
+    )
+    return out
+
+
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor | None, *, bits: int, group_size: int, in_features: int,
                bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
@@ -223,6 +308,13 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         rows = x2.shape[0]
         bucket = SMALL_BATCH_ROWS if rows <= SMALL_BATCH_ROWS else min(
             128, 1 << (rows - 1).bit_length())
+        wgmma = (wgmma_config(rows, qweight.shape[0], in_features, group_size, bits, x.device)
+                 if zeros is not None and codebook is None else None)
+        if wgmma is not None:
+            x_in = x2 if perm is None else x2[:, perm.long()]
+            out = int4_wgmma(x_in, qweight, scales, zeros, wgmma, group_size=group_size,
+                             bias=bias)
+            return out.reshape(*shape[:-1], out.shape[-1])
         tile = int_matmul_config(bucket, qweight.shape[0], in_features, group_size,
                                  _sm_count(x.device))
         if tile is not None and dequantizes(rows, qweight.shape[0]):

@@ -9,7 +9,15 @@ import torch
 
 from pagedllm.layers import int_matmul, triton_ops
 from pagedllm.layers import linear as linear_module
-from pagedllm.layers.int_matmul import IntTile, int_dequantize, int_linear, int_matmul_config
+from pagedllm.layers.int_matmul import (
+    IntTile,
+    WgmmaTile,
+    int4_wgmma,
+    int_dequantize,
+    int_linear,
+    int_matmul_config,
+    wgmma_config,
+)
 from pagedllm.layers.triton_ops import GemvTile, IntWeights
 from pagedllm.quantization import bitsandbytes
 from pagedllm.quantization.int_weights import (
@@ -78,6 +86,82 @@ def test_int_matmul_equals_the_dequantized_product(rows, tile, bits, group_size,
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not HOPPER, reason="the wgmma kernel runs on Hopper GPUs")
+@pytest.mark.parametrize("rows", [65, 128, 300])
+@pytest.mark.parametrize("n, k, group_size", [(192, 512, 128), (320, 256, 64), (128, 448, -1),
+                                              (128, 384, -1)])
+@pytest.mark.parametrize("tile", [WgmmaTile(), WgmmaTile(block_m=64), WgmmaTile(block_k=128),
+                                  WgmmaTile(block_m=256, stages=3),
+                                  WgmmaTile(block_n=128, num_warps=8), WgmmaTile(paired=False)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hopper_kernel_gives_the_dequantized_product(rows, n, k, group_size, tile, dtype):
+    """Partial row and column tiles, groups of 64 and 128 and per channel, an odd number
+    of steps over K (7), a bias; the weights made in float32 or two at a time in half
+    precision."""
+    if k % tile.block_k or (group_size != -1 and group_size % tile.block_k):
+        pytest.skip("the tile's steps do not divide K and the groups")
+    qweight, scales, zeros, _ = packed_projection(n, k, 4, group_size, seed=rows + n,
+                                                  dtype=dtype)
+    gen = torch.Generator().manual_seed(200 + rows)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    got = int4_wgmma(x, qweight, scales, zeros, tile, group_size=group_size, bias=bias)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    want = _reference(x, qweight, scales, zeros, 4, group_size, bias)
+    tol = 2e-3 if dtype == torch.float16 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the wgmma kernel runs on Hopper GPUs")
+def test_hopper_decode_batches_take_the_wgmma_kernel(monkeypatch):
+    """Decode batches of 65 to WGMMA_MAX_ROWS rows run 4-bit weights on the wgmma kernel,
+    act-order weights through the gathered activation; prompts and 8-bit weights keep the
+    other kernels."""
+    launched = []
+    real = int_matmul.int4_wgmma
+    monkeypatch.setattr(int_matmul, "int4_wgmma",
+                        lambda *a, **kw: launched.append(a[0].shape) or real(*a, **kw))
+    qweight, scales, zeros, perm = packed_projection(256, 512, 4, 128, seed=8, act_order=True,
+                                                     dtype=torch.bfloat16)
+    for rows in (64, 65, 200, int_matmul.WGMMA_MAX_ROWS + 1):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(
+            DEVICE, torch.bfloat16)
+        got = int_linear(x, qweight, scales, zeros, bits=4, group_size=128, in_features=512,
+                         perm=perm)
+        want = _reference(x, qweight, scales, zeros, 4, 128, perm=perm)
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    assert launched == [(65, 512), (200, 512)]
+    qweight8, scales8, zeros8, _ = packed_projection(256, 512, 8, 128, seed=9)
+    x = torch.randn(100, 512, generator=torch.Generator().manual_seed(1)).to(DEVICE, DTYPE)
+    int_linear(x, qweight8, scales8, zeros8, bits=8, group_size=128, in_features=512)
+    assert len(launched) == 2
+
+
+def test_the_wgmma_kernel_serves_hopper_4bit_steps_past_64_rows(monkeypatch):
+    """Which steps ``wgmma_config`` sends to the Hopper kernel, and its tiles by the
+    output's width."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(int_matmul, "_hopper", lambda device: True)
+    assert wgmma_config(64, 4096, 4096, 128, 4, cuda) is None  # the row tiles' batches
+    assert wgmma_config(65, 28672, 4096, 128, 4, cuda) == WgmmaTile(128, 64, 128, 3)
+    assert wgmma_config(256, 28672, 4096, 128, 4, cuda).block_m == 256  # gate/up
+    assert wgmma_config(256, 4096, 14336, -1, 4, cuda).block_m == 128  # down, per channel
+    assert wgmma_config(256, 6144, 4096, 128, 4, cuda).block_m == 64  # qkv
+    assert wgmma_config(100, 4096, 4096, 64, 4, cuda).block_k == 64  # groups of 64 inputs
+    assert wgmma_config(int_matmul.WGMMA_MAX_ROWS + 1, 4096, 4096, 128, 4, cuda) is None
+    assert wgmma_config(256, 4096, 4096, 128, 8, cuda) is None  # 8-bit weights
+    assert wgmma_config(256, 4096, 4096, 32, 4, cuda) is None  # groups under 64 inputs
+    assert wgmma_config(256, 4096, 4000, -1, 4, cuda) is None  # K in no whole 64-input steps
+    monkeypatch.setenv(int_matmul.INT_WGMMA_ENV, "0")
+    assert wgmma_config(256, 4096, 4096, 128, 4, cuda) is None
+    monkeypatch.setattr(int_matmul, "_hopper", lambda device: False)
+    monkeypatch.delenv(int_matmul.INT_WGMMA_ENV)
+    assert wgmma_config(256, 4096, 4096, 128, 4, cuda) is None
+
+
 def test_split_k_rows_do_not_depend_on_the_batch():
     qweight, scales, zeros, _ = packed_projection(32, 128, 4, 32, seed=9)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(10)).to(DEVICE, DTYPE)
@@ -139,6 +223,7 @@ def test_prompt_sized_steps_dequantize_once_then_multiply(monkeypatch):
     """More than DEQUANTIZE_ROWS rows: one dequantizing launch, the act-order gather on the
     activation, and BLAS; the kernel's row tiles are not used."""
     monkeypatch.setattr(int_matmul, "use_fused_ops", lambda x: True)  # as on a GPU
+    monkeypatch.setenv(int_matmul.INT_WGMMA_ENV, "0")  # as off Hopper
     monkeypatch.setattr(int_matmul, "DEQUANTIZE_ROWS", 8)
     monkeypatch.setattr(int_matmul, "int_matmul", lambda *a, **k: pytest.fail("row tiles"))
     qweight, scales, zeros, perm = packed_projection(24, 64, 4, 32, seed=6, act_order=True)
@@ -154,6 +239,7 @@ def test_every_decode_batch_size_gives_the_dequantized_product(monkeypatch):
     shapes): every batch size, narrow or wide, act-order or not, gives the reference's
     product, and both ways are taken."""
     monkeypatch.setattr(int_matmul, "use_fused_ops", lambda x: True)  # as on a GPU
+    monkeypatch.setenv(int_matmul.INT_WGMMA_ENV, "0")  # as off Hopper
     monkeypatch.setattr(int_matmul, "WIDE_OUTPUT", 64)
     ways = set()
     for name in ("int_dequantize", "int_matmul"):
