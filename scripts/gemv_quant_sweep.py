@@ -25,9 +25,10 @@ quantizing the row once, where it is produced, would save). Prints a table last
 JSON.
 
 ``--int-gemm-rows`` times the larger decode batches of 4-bit weights the same way: the
-``int_matmul`` tiles (whole ``K``, tensor cores) against cuBLAS on the bf16 weights, and
-the prompts' way (``dequantize``: ``int_dequantize`` writes the weight in bf16, then
-cuBLAS), which any batch could take. ``--int8-gemm-rows`` times INT8 W8A8's larger batches
+``int_matmul`` tiles (whole ``K``, tensor cores) and, on Hopper, ``int4_wgmma``'s tiles
+(``wgmma-configured``: ``wgmma_config``'s) against cuBLAS on the bf16 weights, and the
+prompts' way (``dequantize``: ``int_dequantize`` writes the weight in bf16, then cuBLAS),
+which any batch could take. ``--int8-gemm-rows`` times INT8 W8A8's larger batches
 (``torch._int_mm`` against ``int8_matmul``'s tiles), ``--fp8-gemm-rows`` FP8's (cuBLASLt at
 the batch's own rows and padded as the engine pads them, with and without fast
 accumulation, with one scale per tensor as
@@ -176,7 +177,8 @@ def int_gemm_sweep(row_counts: list[int], budget_s: float,
                                    dequantized, weights, want, n * k * 0.5))
             wgmma = int_matmul.wgmma_config(m, n, k, GROUP, 4, DEVICE)
             for label, wtile in ([("wgmma-configured", wgmma)] if wgmma else []) + [
-                    ("wgmma", t) for t in WGMMA_CANDIDATES if t != wgmma]:
+                    ("wgmma", t) for t in WGMMA_CANDIDATES
+                    if t != wgmma and int_matmul.is_hopper(DEVICE)]:
                 if label == "wgmma" and time.monotonic() > deadline:
                     break
 

@@ -239,7 +239,8 @@ class WgmmaTile:
 
 
 @functools.cache
-def _hopper(device: torch.device) -> bool:
+def is_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is a Hopper GPU (compute capability 9.x: ``wgmma`` and TMA)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
@@ -255,7 +256,7 @@ def wgmma_config(rows: int, n: int, k: int, group_size: int, bits: int,
     64-output tiles still spread over the SMs."""
     group = k if group_size == -1 else group_size
     if (bits != 4 or not 64 < rows <= WGMMA_MAX_ROWS or k % 64 or group % 64
-            or not _hopper(device) or not switch(INT_WGMMA_ENV, True)):
+            or not is_hopper(device) or not switch(INT_WGMMA_ENV, True)):
         return None
     if rows <= 128 or (n < WIDE_OUTPUT and k >= LONG_K):
         tile = WgmmaTile(block_m=128, block_k=128, stages=3)

@@ -144,7 +144,7 @@ def test_the_wgmma_kernel_serves_hopper_4bit_steps_past_64_rows(monkeypatch):
     """Which steps ``wgmma_config`` sends to the Hopper kernel, and its tiles by the
     output's width."""
     cuda = torch.device("cuda")
-    monkeypatch.setattr(int_matmul, "_hopper", lambda device: True)
+    monkeypatch.setattr(int_matmul, "is_hopper", lambda device: True)
     assert wgmma_config(64, 4096, 4096, 128, 4, cuda) is None  # the row tiles' batches
     assert wgmma_config(65, 28672, 4096, 128, 4, cuda) == WgmmaTile(128, 64, 128, 3)
     assert wgmma_config(256, 28672, 4096, 128, 4, cuda).block_m == 256  # gate/up
@@ -157,7 +157,7 @@ def test_the_wgmma_kernel_serves_hopper_4bit_steps_past_64_rows(monkeypatch):
     assert wgmma_config(256, 4096, 4000, -1, 4, cuda) is None  # K in no whole 64-input steps
     monkeypatch.setenv(int_matmul.INT_WGMMA_ENV, "0")
     assert wgmma_config(256, 4096, 4096, 128, 4, cuda) is None
-    monkeypatch.setattr(int_matmul, "_hopper", lambda device: False)
+    monkeypatch.setattr(int_matmul, "is_hopper", lambda device: False)
     monkeypatch.delenv(int_matmul.INT_WGMMA_ENV)
     assert wgmma_config(256, 4096, 4096, 128, 4, cuda) is None
 
