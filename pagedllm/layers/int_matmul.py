@@ -250,10 +250,11 @@ def wgmma_config(rows: int, n: int, k: int, group_size: int, bits: int,
     a Hopper GPU, 4-bit weights with zero points, ``K`` and the group in whole steps of
     ``block_k`` inputs, 65 to ``WGMMA_MAX_ROWS`` rows (``PAGEDLLM_INT_WGMMA=0`` turns it
     off). The tiles are the fastest of ``scripts/gemv_quant_sweep.py --int-gemm-rows`` on
-    Llama-3.1-8B's projections (docs/benchmarks.md): up to 128 rows one tile of all of them
-    by 64 outputs over 128-input steps; beyond, 256-row tiles for wide outputs (an MLP's
-    gate/up), 64-row ones for narrow outputs over a short ``K``, so that their few
-    64-output tiles still spread over the SMs."""
+    Llama-3.1-8B's projections (docs/benchmarks.md): up to 128 rows, 128-row tiles by 64
+    outputs over 128-input steps; beyond, the same for narrow outputs over a long ``K``
+    (``LONG_K``: an MLP's down), 256-row tiles for wide outputs (its gate/up), and 64-row
+    ones for the other narrow outputs, so that their few 64-output tiles still spread over
+    the SMs. Steps of 64 inputs where 128 do not divide ``K`` or the group."""
     group = k if group_size == -1 else group_size
     if (bits != 4 or not 64 < rows <= WGMMA_MAX_ROWS or k % 64 or group % 64
             or not is_hopper(device) or not switch(INT_WGMMA_ENV, True)):
