@@ -107,6 +107,8 @@ def _step(i, q, scale, zero, acc, x_desc, x_smem, ready, w_tile, s_rows, z_rows,
     stage = i % STAGES
     mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
     acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
+    # The wait names the next words, not the accumulator or the operand: an instruction that
+    # defines those under a product in flight makes ptxas wait for every product.
     q_next = warpgroup_mma_wait(num_outstanding=1, deps=(q_next, ))
 
     ahead = i + STAGES - 1  # into the stage the product just waited for had read

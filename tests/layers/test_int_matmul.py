@@ -141,16 +141,17 @@ def test_hopper_decode_batches_take_the_wgmma_kernel(monkeypatch):
 
 
 def test_the_wgmma_kernel_serves_hopper_4bit_steps_past_64_rows(monkeypatch):
-    """Which steps ``wgmma_config`` sends to the Hopper kernel, and its tiles by the
-    output's width."""
+    """Which steps ``wgmma_config`` sends to the Hopper kernel; every tile it picks tiles
+    its shape (its steps divide ``K`` and the group)."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(int_matmul, "is_hopper", lambda device: True)
     assert wgmma_config(64, 4096, 4096, 128, 4, cuda) is None  # the row tiles' batches
-    assert wgmma_config(65, 28672, 4096, 128, 4, cuda) == WgmmaTile(128, 64, 128, 3)
-    assert wgmma_config(256, 28672, 4096, 128, 4, cuda).block_m == 256  # gate/up
-    assert wgmma_config(256, 4096, 14336, -1, 4, cuda).block_m == 128  # down, per channel
-    assert wgmma_config(256, 6144, 4096, 128, 4, cuda).block_m == 64  # qkv
-    assert wgmma_config(100, 4096, 4096, 64, 4, cuda).block_k == 64  # groups of 64 inputs
+    for rows in (65, 128, 129, int_matmul.WGMMA_MAX_ROWS):
+        for n, k, group in ((6144, 4096, 128), (28672, 4096, 64), (4096, 14336, -1),
+                            (4096, 4096, 64), (512, 448, -1)):
+            tile = wgmma_config(rows, n, k, group, 4, cuda)
+            assert tile is not None, (rows, n, k, group)
+            assert k % tile.block_k == 0 and (k if group == -1 else group) % tile.block_k == 0
     assert wgmma_config(int_matmul.WGMMA_MAX_ROWS + 1, 4096, 4096, 128, 4, cuda) is None
     assert wgmma_config(256, 4096, 4096, 128, 8, cuda) is None  # 8-bit weights
     assert wgmma_config(256, 4096, 4096, 32, 4, cuda) is None  # groups under 64 inputs
