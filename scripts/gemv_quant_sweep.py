@@ -140,11 +140,11 @@ def int_gemm_candidates(rows: int) -> list[IntTile]:
     return sorted(tiles, key=lambda t: t.block_m != 256)  # stable: those first when listed
 
 
-# int4_wgmma's candidates on Hopper: (block_m, block_n, block_k, stages, warps, paired).
-WGMMA_CANDIDATES = [int_matmul.WgmmaTile(*t) for t in (
-    (128, 64, 64, 4, 4, True), (256, 64, 64, 3, 4, True), (64, 64, 64, 4, 4, True),
-    (128, 128, 64, 4, 8, True), (256, 128, 64, 3, 8, True), (128, 64, 128, 3, 4, True),
-    (128, 64, 64, 4, 4, False))]
+# int4_wgmma's candidates on Hopper.
+WGMMA_CANDIDATES = [int_matmul.WgmmaTile(block_m=bm, block_k=bk, stages=st, word_stages=ws)
+                    for bm, bk, st in ((256, 64, 3), (128, 128, 3), (128, 64, 4), (64, 64, 4))
+                    for ws in (4, 8)] + [int_matmul.WgmmaTile(block_n=128, num_warps=8),
+                                         int_matmul.WgmmaTile(paired=False)]
 
 
 def int_gemm_sweep(row_counts: list[int], budget_s: float,

@@ -23,8 +23,11 @@ wait for the previous kernel (``memory_before_wait``, 0 by that module's contrac
 (Llama-3.1-8B's heads: 4 query heads a KV head, head_dim 128, pages of 16; the rope and
 cache write of the new token riding on it, as in the engine), ``--prefill
 BLOCK_M,BLOCK_N,num_warps,num_stages`` the prefill attention kernel (its longest loop), over
-a ``--kv bf16|fp8`` cache. Counts are per byte of keys and values a thread loads. It
-compiles whatever ``TRITON_INTERPRET`` says (the variable is dropped).
+a ``--kv bf16|fp8`` cache. Counts are per byte of keys and values a thread loads.
+``--wgmma BLOCK_M,BLOCK_N,BLOCK_K,STAGES[,num_warps]`` compiles the Hopper kernel for 4-bit
+decode batches (``int_matmul.int4_wgmma``; its loop takes two steps a turn) and also
+reports ptxas' C7515 warnings: each one a ``wgmma`` product the compiler made wait for the
+ones before it. It compiles whatever ``TRITON_INTERPRET`` says (the variable is dropped).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from pagedllm.layers import _triton_ops_kernels as kernels  # noqa: E402
 from pagedllm.layers.attention import triton_decode, triton_prefill  # noqa: E402
+from pagedllm.layers.int_matmul import WgmmaTile  # noqa: E402
 from pagedllm.layers.triton_ops import GEMV_TILE_ENV, _parse_tile  # noqa: E402
 
 # Arguments a real launch passes as 16-byte aligned pointers or multiples of 16.
@@ -128,6 +132,46 @@ def compile_attention(kind: str, tile: list[int], kv: str, pdl: bool = False,
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def compile_wgmma(tile: WgmmaTile, group: int):
+    """``_int_wgmma_kernel.int4_wgmma_kernel`` for sm_90 at ``tile``, bf16 activations."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from pagedllm.layers import _int_wgmma_kernel as wgmma
+
+    kernel = wgmma.int4_wgmma_kernel
+    layout = gl.NVMMASharedLayout.get_default_for([tile.block_m, tile.block_k], gl.bfloat16)
+    words = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    pointers = dict(s_ptr="*bf16", z_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
+                    x_desc=f"tensordesc<bf16[{tile.block_m}, {tile.block_k}],{layout!r}>",
+                    w_desc=f"tensordesc<i32[{tile.block_n}, {tile.block_k // 8}],{words!r}>")
+    constants = dict(GROUP=group, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                     BLOCK_K=tile.block_k, STAGES=tile.stages, WORD_STAGES=tile.word_stages,
+                     HAS_BIAS=False, PAIRED=tile.paired, num_warps=tile.num_warps)
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
+                 for name in kernel.arg_names}
+    aligned = [n for n in kernel.arg_names if n.endswith("_ptr") or n.startswith("stride")]
+    aligned += ["K"]
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=tile.num_warps, num_stages=1))
+
+
+def serialized_products(compiled) -> list[str]:
+    """ptxas' C7515 warnings on the kernel's PTX for sm_90a: ``wgmma`` products it made
+    wait for every product before them (an operand or accumulator register redefined under
+    a product in flight)."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        Path(ptx).write_text(compiled.asm["ptx"])
+        done = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", ptx, "-o",
+                               os.path.join(tmp, "kernel.o")], capture_output=True, text=True,
+                              check=True)
+    return [line for line in (done.stdout + done.stderr).splitlines() if "C7515" in line]
+
+
 def sass(compiled) -> list[tuple[int, str]]:
     """``(address, instruction)`` of the compiled kernel's machine code (cuobjdump)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -155,17 +199,25 @@ def memory_before_wait(code: list[tuple[int, str]]) -> int | None:
     return sum(1 for text in texts[:wait] if GLOBAL_MEMORY.match(text))
 
 
-def main_loop(code: list[tuple[int, str]]) -> list[str]:
-    """The instructions of the longest backward branch's body: the loop over ``K``."""
+def main_loop(code: list[tuple[int, str]], holding: str = "") -> list[str]:
+    """The instructions of the longest backward branch's body: the loop over ``K``. With
+    ``holding``, of the earliest starting one whose body holds that text and does not open
+    on a barrier's retry (ptxas places the retries of an mbarrier wait after the kernel's
+    end, so their branches back into the loop span more than it)."""
     spans = []
     for address, text in code:
         target = re.search(r"BRA\s+0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < address:
             spans.append((int(target.group(1), 16), address))
+    bodies = {span: [text for address, text in code if span[0] <= address <= span[1]]
+              for span in spans}
+    if holding:
+        spans = sorted(span for span, body in bodies.items() if any(
+            holding in text for text in body) and not any(
+            "SYNCS.PHASECHK" in text for text in body[:3]))[:1]
     if not spans:
         raise SystemExit("no loop found in the kernel's machine code")
-    lo, hi = max(spans, key=lambda span: span[1] - span[0])
-    return [text for address, text in code if lo <= address <= hi]
+    return bodies[max(spans, key=lambda span: span[1] - span[0])]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -174,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     what.add_argument("--tile", help="BLOCK_N,BLOCK_K,warps,stages,dot|fma[,SPLIT]")
     what.add_argument("--decode", help="BLOCK_N,warps,stages: the decode attention kernel")
     what.add_argument("--prefill", help="BLOCK_M,BLOCK_N,warps,stages: the prefill attention kernel")
+    what.add_argument("--wgmma", help="BLOCK_M,BLOCK_N,BLOCK_K,STAGES[,warps]: the Hopper kernel "
+                                      "for 4-bit decode batches")
     parser.add_argument("--kv", choices=("bf16", "fp8"), default="bf16",
                         help="the attention kernel's cache dtype")
     parser.add_argument("--new-kv", choices=("pages", "rows", "context-rows"), default="pages",
@@ -191,7 +245,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.fp8 + args.int8 + bool(args.int_bits) > 1:
         parser.error("--fp8, --int8 and --int-bits name weight formats: give one.")
     attention = args.decode or args.prefill
-    if attention:
+    serialized = None
+    if args.wgmma:
+        shape = [int(v) for v in args.wgmma.split(",")]
+        wtile = WgmmaTile(*shape[:4], **({"num_warps": shape[4]} if len(shape) > 4 else {}))
+        compiled = compile_wgmma(wtile, args.group)
+        code, serialized = sass(compiled), serialized_products(compiled)
+        unit = "weight"  # a turn of the loop takes two steps
+        per_thread = 2 * wtile.block_n * wtile.block_k / (32 * wtile.num_warps)
+    elif attention:
         tile = [int(v) for v in attention.split(",")]
         kv = "fp8e4nv" if args.kv == "fp8" else "bf16"
         kind = "decode" if args.decode else "prefill"
@@ -205,19 +267,23 @@ def main(argv: list[str] | None = None) -> dict:
                                   "fp8" if args.fp8 else "int8" if args.int8 else "", args.pdl)
         code = sass(compiled)
         unit, per_thread = "weight", tile.block_n * tile.block_k / (32 * tile.num_warps)
-    loop = main_loop(code)
+    loop = main_loop(code, holding="GMMA" if args.wgmma else "")
     opcodes = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for text in loop)
     per_unit = len(loop) / per_thread
     result = {"instructions": len(loop), f"per_{unit.replace(' ', '_').lower()}": per_unit,
               "shared_bytes": compiled.metadata.shared, "opcodes": dict(opcodes.most_common())}
     if args.pdl:
         result["memory_before_wait"] = memory_before_wait(code)
+    if serialized is not None:
+        result["serialized_products"] = len(serialized)
     print(f"loop: {len(loop)} instructions, {per_unit:.2f} per {unit} "
           f"({per_thread:.0f} {unit}s a thread an iteration); shared memory "
           f"{compiled.metadata.shared} bytes a program (multi-buffered loads show here)")
     print("  " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(12)))
     if args.pdl:
         print(f"  global-memory instructions before the wait: {result['memory_before_wait']}")
+    if serialized is not None:
+        print(f"  products ptxas serialized (C7515): {len(serialized)}")
     if args.print_loop:
         print("\n".join(loop))
     if args.json:

@@ -7,14 +7,16 @@ The product is computed transposed, ``W x^T``: a program owns ``BLOCK_N`` output
 ``wgmma`` rows, whose operand comes from registers) by ``BLOCK_M`` activation rows (its
 columns, read from shared memory), and walks ``K`` in ``BLOCK_K`` steps. Step ``i``:
 
-1. the packed words of tile ``i`` (loaded during step ``i - 1``) are unpacked and scaled,
-   ``(q - zero) * scale`` rounded once to the activation dtype (as
-   ``_int_matmul_kernels.int_weight_tile`` makes them: the same weights bit for bit), and
-   laid out as the register operand, while the words of tile ``i + 1`` load;
+1. once the packed words of tile ``i`` have arrived (TMA, ``WORD_STAGES`` tiles in flight:
+   they come from memory, and one step is shorter than a memory load), they are unpacked
+   and scaled, ``(q - zero) * scale`` rounded once to the activation dtype (as
+   ``_int_matmul_kernels.int_weight_tile`` makes them: the same weights bit for bit), each
+   pair of weights in the thread whose register operand holds it (``unpack_layout_of``);
 2. once the activation tile ``i`` has arrived (TMA, ``STAGES`` tiles in flight), ``wgmma``
    multiplies, asynchronously;
-3. the step waits until only that product is in flight: the one before it is done, so its
-   activation stage takes the copy of tile ``i + STAGES - 1``.
+3. the step waits until only that product is in flight: the one before it is done, so the
+   word and activation stages it read take the copies of tiles ``WORD_STAGES - 1`` and
+   ``STAGES - 1`` further on.
 
 Two choices keep the products asynchronous (checked in ptxas' report, C7515):
 
@@ -40,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import constexpr_function
 
 from pagedllm.layers._int_matmul_kernels import _PAIR_ASM_BF16, _PAIR_ASM_F16
 
@@ -52,19 +55,56 @@ def activation_descriptor(x: torch.Tensor, block_m: int, block_k: int) -> Tensor
     return TensorDescriptor.from_tensor(x, [block_m, block_k], layout)
 
 
+def word_descriptor(qweight: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    """The TMA descriptor of the packed words ``qweight [N, K / 8]`` (int32) in blocks of
+    ``block_n`` outputs by ``block_k`` inputs, stored unswizzled (a thread reads whole
+    rows); rows past ``N`` read as zeros."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor.from_tensor(qweight, [block_n, block_k // 8], layout)
+
+
+@constexpr_function
+def unpack_layout_of(block_n: int, words: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """Where the pairs of a ``[block_n, words, 4]`` tile of packed words (output, word, pair)
+    live: exactly where ``wgmma``'s register operand (16-output rows a warp, ``k_width`` 2)
+    wants the two weights a pair makes, so no value moves between threads. Lane ``l`` makes
+    pair ``l % 4`` of outputs ``l // 4`` and ``l // 4 + 8`` of its warp's 16, of every word
+    (the four lanes of a quad read the same words)."""
+    assert block_n == 16 * num_warps, (block_n, num_warps)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1 << b, 0] for b in range(words.bit_length() - 1)] + [[8, 0, 0]],
+        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16 << b, 0, 0] for b in range(num_warps.bit_length() - 1)],
+        block_bases=[], shape=[block_n, words, 4])
+
+
+@constexpr_function
+def store_layout_of(block_n: int, block_m: int, num_warps: int) -> gl.BlockedLayout:
+    """How the ``[block_n, block_m]`` result is stored: each thread holds a run of up to 8
+    outputs of one row of ``out`` (contiguous), the threads and warps spread over the rows
+    first (8 rows a warp at most)."""
+    lanes_m = min(8, block_m)
+    warps_m = max(1, min(num_warps, block_m // lanes_m))
+    run = max(1, min(8, block_n // ((32 // lanes_m) * (num_warps // warps_m))))
+    return gl.BlockedLayout([run, 1], [32 // lanes_m, lanes_m], [num_warps // warps_m, warps_m],
+                            [0, 1])
+
+
 @gluon.jit
 def _weight_tile(q, scale, zero, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                  PAIRED: gl.constexpr, unpack_layout: gl.constexpr, dtype: gl.constexpr):
     """``[BLOCK_N, BLOCK_K]`` weights ``(q - zero) * scale`` in ``dtype`` from the packed
-    words ``q [BLOCK_N, BLOCK_K / 8]`` (``scale``, ``zero``: ``[BLOCK_N]``), rounded once:
-    in float32 (the bits of ``2^23 + q`` less ``2^23 + zero``, exact), or two at a time in
-    half precision (``PAIRED``: a word shifted by ``4p`` holds values ``2p`` and ``2p + 1``
-    in bits 0-3 and 16-19; one lop3 makes ``B + q``, one paired subtraction of ``B + zero``
-    leaves ``q - zero`` exactly, one paired multiplication rounds): the same weights."""
+    words ``q [BLOCK_N, BLOCK_K / 8]`` (``scale``, ``zero``: ``[BLOCK_N]``), rounded once.
+    A word shifted right by ``4p`` holds its values ``2p`` and ``2p + 1`` in bits 0-3 and
+    16-19; a thread makes pair ``p`` of each of its words (``unpack_layout`` over words and
+    pairs): two at a time in half precision (``PAIRED``: one lop3 makes ``B + q``, one paired
+    subtraction of ``B + zero`` leaves ``q - zero`` exactly, one paired multiplication
+    rounds), or one at a time in float32 (the bits of ``2^23 + q`` less ``2^23 + zero``,
+    exact): the same weights."""
+    p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, unpack_layout)))
+    shifts = gl.expand_dims(gl.expand_dims((p * 4).to(gl.uint32), 0), 0)
+    pairs = gl.expand_dims(q, 2) >> shifts
     if PAIRED:
-        p = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, unpack_layout)))
-        shifts = gl.expand_dims(gl.expand_dims((p * 4).to(gl.uint32), 0), 0)
-        pairs = gl.expand_dims(q, 2) >> shifts
         BF16: gl.constexpr = dtype == gl.bfloat16
         BASE: gl.constexpr = 0x4300 if BF16 else 0x6400  # the bits of B
         base_zero = BASE | zero.to(gl.uint32)
@@ -74,74 +114,81 @@ def _weight_tile(q, scale, zero, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
         low, high = gl.inline_asm_elementwise(
             _PAIR_ASM_BF16 if BF16 else _PAIR_ASM_F16, "=h,=h,r,r,r",
             [pairs, base_zeros, scales], dtype=(dtype.value, dtype.value), is_pure=True, pack=1)
-        w = gl.join(low, high)
     else:
-        # Value c of a word sits at bits 4 * (c // 2 + 4 * (c % 2)) (stored_slots).
-        c = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, unpack_layout)))
-        shifts = gl.expand_dims(gl.expand_dims(((c // 2 + 4 * (c % 2)) * 4).to(gl.uint32), 0), 0)
-        values = (gl.expand_dims(q, 2) >> shifts) & 15
-        numbers = (values | 0x4B000000).to(gl.float32, bitcast=True) - gl.expand_dims(
-            gl.expand_dims(zero.to(gl.float32) + 8388608.0, 1), 2)
-        w = (numbers * gl.expand_dims(gl.expand_dims(scale.to(gl.float32), 1), 2)).to(dtype)
-    return gl.reshape(w, [BLOCK_N, BLOCK_K])
+        zeros = gl.expand_dims(gl.expand_dims(zero.to(gl.float32) + 8388608.0, 1), 2)
+        scales = gl.expand_dims(gl.expand_dims(scale.to(gl.float32), 1), 2)
+        low = (((pairs & 15) | 0x4B000000).to(gl.float32, bitcast=True) - zeros) * scales
+        high = ((((pairs >> 16) & 15) | 0x4B000000).to(gl.float32, bitcast=True) - zeros) * scales
+        low, high = low.to(dtype), high.to(dtype)
+    return gl.reshape(gl.join(low, high), [BLOCK_N, BLOCK_K])
 
 
 @gluon.jit
-def _step(i, q, scale, zero, acc, x_desc, x_smem, ready, w_tile, s_rows, z_rows, n, N, K,
-          off_m, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-          STAGES: gl.constexpr, PAIRED: gl.constexpr, unpack_layout: gl.constexpr,
-          a_layout: gl.constexpr, dtype: gl.constexpr):
+def _step(i, scale, zero, acc, x_desc, x_smem, ready, w_desc, w_smem, w_ready, s_rows, z_rows,
+          num_k, off_m, off_n, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+          BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORD_STAGES: gl.constexpr,
+          PAIRED: gl.constexpr, unpack_layout: gl.constexpr, a_layout: gl.constexpr,
+          dtype: gl.constexpr):
     """Step ``i`` of the loop over ``K`` (the module docstring): the weight tile made from
-    ``q``, ``scale``, ``zero``, its product issued, the activation stage the product before
-    it read refilled; returns tile ``i + 1``'s words, scales and zero points, and ``acc``."""
-    num_k = K // BLOCK_K
-    k_next = (i + 1) * BLOCK_K
-    q_next = gl.load(w_tile + (i + 1) * (BLOCK_K // 8),
-                     mask=gl.expand_dims(n < N, 1) & (k_next < K))
-    group_next = gl.minimum(k_next, K - 1) // GROUP
+    the words of stage ``i % WORD_STAGES`` and ``scale``, ``zero``, its product issued, the
+    word and activation stages the product before it read refilled; returns tile ``i + 1``'s
+    scales and zero points, and ``acc``."""
+    group_next = gl.minimum(i + 1, num_k - 1) * BLOCK_K // GROUP
     scale_next = gl.load(s_rows + group_next)
     zero_next = gl.load(z_rows + group_next)
 
-    w = _weight_tile(q, scale, zero, BLOCK_N, BLOCK_K, PAIRED, unpack_layout, dtype)
-    a = gl.convert_layout(w, a_layout)
+    word_stage = i % WORD_STAGES
+    mbarrier.wait(w_ready.index(word_stage), (i // WORD_STAGES) & 1)
+    q = w_smem.index(word_stage).load(gl.SliceLayout(2, unpack_layout))
+    w = _weight_tile(q.to(gl.uint32, bitcast=True), scale, zero, BLOCK_N, BLOCK_K, PAIRED,
+                     unpack_layout, dtype)
+    a = gl.convert_layout(w, a_layout)  # no data moves: the layouts place values alike
     stage = i % STAGES
     mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
     acc = warpgroup_mma(a, x_smem.index(stage).permute((1, 0)), acc, is_async=True)
-    # The wait names the next words, not the accumulator or the operand: an instruction that
-    # defines those under a product in flight makes ptxas wait for every product.
-    q_next = warpgroup_mma_wait(num_outstanding=1, deps=(q_next, ))
+    # The wait names the next scales, not the accumulator or the operand: an instruction
+    # that defines those under a product in flight makes ptxas wait for every product.
+    scale_next = warpgroup_mma_wait(num_outstanding=1, deps=(scale_next, ))
 
-    ahead = i + STAGES - 1  # into the stage the product just waited for had read
+    # The product before this one is done: the stages it read take tiles further on.
+    ahead = i + STAGES - 1
     mbarrier.expect(ready.index(ahead % STAGES), x_desc.block_type.nbytes, pred=ahead < num_k)
     tma.async_copy_global_to_shared(x_desc, [off_m, ahead * BLOCK_K], ready.index(ahead % STAGES),
                                     x_smem.index(ahead % STAGES), pred=ahead < num_k)
-    return q_next.to(gl.uint32, bitcast=True), scale_next, zero_next, acc
+    _load_words(w_desc, w_smem, w_ready, off_n, i + WORD_STAGES - 1, num_k, BLOCK_K,
+                WORD_STAGES)
+    return scale_next, zero_next, acc
 
 
 @gluon.jit
-def int4_wgmma_kernel(x_desc, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K,
-                      stride_wn, stride_sn, stride_om,
-                      GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      PAIRED: gl.constexpr, num_warps: gl.constexpr):
-    """``out[m, n] = sum_k x[m, k] (q[n, k] - zero) scale (+ bias[n])``, ``x`` through the
-    TMA descriptor ``x_desc`` (blocks of ``BLOCK_M x BLOCK_K``); ``BLOCK_K`` divides ``K``
-    and ``GROUP``. Program (i, j) owns activation rows ``i * BLOCK_M`` and outputs
-    ``j * BLOCK_N`` on (programs over rows first, so one weight tile's readers run together
-    and its second read hits L2)."""
+def _load_words(w_desc, w_smem, w_ready, off_n, step, num_k, BLOCK_K: gl.constexpr,
+                WORD_STAGES: gl.constexpr):
+    """Ask TMA for the packed words of step ``step`` (none past the last)."""
+    stage = step % WORD_STAGES
+    mbarrier.expect(w_ready.index(stage), w_desc.block_type.nbytes, pred=step < num_k)
+    tma.async_copy_global_to_shared(w_desc, [off_n, step * (BLOCK_K // 8)], w_ready.index(stage),
+                                    w_smem.index(stage), pred=step < num_k)
+
+
+@gluon.jit
+def int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_sn,
+                      stride_om, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                      WORD_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PAIRED: gl.constexpr,
+                      num_warps: gl.constexpr):
+    """``out[m, n] = sum_k x[m, k] (q[n, k] - zero) scale (+ bias[n])``, ``x`` and the words
+    ``q`` through the TMA descriptors ``x_desc`` (blocks of ``BLOCK_M x BLOCK_K``) and
+    ``w_desc`` (``BLOCK_N x BLOCK_K / 8``); ``BLOCK_K`` divides ``K`` and ``GROUP``. Program
+    (i, j) owns activation rows ``i * BLOCK_M`` and outputs ``j * BLOCK_N`` on (programs over
+    rows first, so one weight tile's readers run together and its second read hits L2)."""
     WORDS: gl.constexpr = BLOCK_K // 8
     dtype: gl.constexpr = x_desc.dtype
     off_m = gl.program_id(0) * BLOCK_M
     off_n = gl.program_id(1) * BLOCK_N
 
-    # A thread unpacks whole words: 8 values, or 4 pairs of them (PAIRED).
-    unpack_layout: gl.constexpr = gl.BlockedLayout(
-        [1, 1, 4 if PAIRED else 8], [32 // WORDS, WORDS, 1], [num_warps, 1, 1], [2, 1, 0])
-    word_layout: gl.constexpr = gl.SliceLayout(2, unpack_layout)
-    n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, word_layout))
+    unpack_layout: gl.constexpr = unpack_layout_of(BLOCK_N, WORDS, num_warps)
+    n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, unpack_layout)))
     n_rows = gl.minimum(n, N - 1)
-    words = gl.arange(0, WORDS, layout=gl.SliceLayout(0, word_layout))
-    w_tile = w_ptr + gl.expand_dims(n_rows.to(gl.int64) * stride_wn, 1) + gl.expand_dims(words, 0)
     s_rows = s_ptr + n_rows.to(gl.int64) * stride_sn
     z_rows = z_ptr + n_rows.to(gl.int64) * stride_sn
 
@@ -149,16 +196,21 @@ def int4_wgmma_kernel(x_desc, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K,
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [WORD_STAGES, BLOCK_N, WORDS], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_ready = gl.allocate_shared_memory(gl.int64, [WORD_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
+    for s in gl.static_range(WORD_STAGES):
+        mbarrier.init(w_ready.index(s), count=1)
 
     num_k = K // BLOCK_K
+    for t in gl.static_range(WORD_STAGES - 1):
+        _load_words(w_desc, w_smem, w_ready, off_n, t, num_k, BLOCK_K, WORD_STAGES)
     for t in gl.static_range(STAGES - 1):
         mbarrier.expect(ready.index(t), x_desc.block_type.nbytes, pred=t < num_k)
         tma.async_copy_global_to_shared(x_desc, [off_m, t * BLOCK_K], ready.index(t),
                                         x_smem.index(t), pred=t < num_k)
-    q = gl.load(w_tile).to(gl.uint32, bitcast=True)
     scale = gl.load(s_rows)
     zero = gl.load(z_rows)
 
@@ -167,22 +219,26 @@ def int4_wgmma_kernel(x_desc, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K,
     # step makes its own, so the two live in different registers (one operand redefined
     # under a product in flight makes ptxas wait for every product).
     for i in range(0, num_k - 1, 2):
-        q, scale, zero, acc = _step(i, q, scale, zero, acc, x_desc, x_smem, ready, w_tile,
-                                    s_rows, z_rows, n, N, K, off_m, GROUP, BLOCK_N, BLOCK_K,
-                                    STAGES, PAIRED, unpack_layout, a_layout, dtype)
-        q, scale, zero, acc = _step(i + 1, q, scale, zero, acc, x_desc, x_smem, ready, w_tile,
-                                    s_rows, z_rows, n, N, K, off_m, GROUP, BLOCK_N, BLOCK_K,
-                                    STAGES, PAIRED, unpack_layout, a_layout, dtype)
+        scale, zero, acc = _step(i, scale, zero, acc, x_desc, x_smem, ready, w_desc, w_smem,
+                                 w_ready, s_rows, z_rows, num_k, off_m, off_n, GROUP, BLOCK_N,
+                                 BLOCK_K, STAGES, WORD_STAGES, PAIRED, unpack_layout, a_layout,
+                                 dtype)
+        scale, zero, acc = _step(i + 1, scale, zero, acc, x_desc, x_smem, ready, w_desc, w_smem,
+                                 w_ready, s_rows, z_rows, num_k, off_m, off_n, GROUP, BLOCK_N,
+                                 BLOCK_K, STAGES, WORD_STAGES, PAIRED, unpack_layout, a_layout,
+                                 dtype)
     if num_k % 2:
-        q, scale, zero, acc = _step(num_k - 1, q, scale, zero, acc, x_desc, x_smem, ready,
-                                    w_tile, s_rows, z_rows, n, N, K, off_m, GROUP, BLOCK_N,
-                                    BLOCK_K, STAGES, PAIRED, unpack_layout, a_layout, dtype)
+        scale, zero, acc = _step(num_k - 1, scale, zero, acc, x_desc, x_smem, ready, w_desc,
+                                 w_smem, w_ready, s_rows, z_rows, num_k, off_m, off_n, GROUP,
+                                 BLOCK_N, BLOCK_K, STAGES, WORD_STAGES, PAIRED, unpack_layout,
+                                 a_layout, dtype)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
+    for s in gl.static_range(WORD_STAGES):
+        mbarrier.invalidate(w_ready.index(s))
 
-    # Stored through a layout whose threads hold runs of outputs: whole rows of ``out``.
-    store_layout: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, num_warps], [0, 1])
+    store_layout: gl.constexpr = store_layout_of(BLOCK_N, BLOCK_M, num_warps)
     result = gl.convert_layout(acc, store_layout)
     out_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, store_layout))
     out_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, store_layout))

@@ -220,15 +220,18 @@ INT_WGMMA_ENV = "PAGEDLLM_INT_WGMMA"
 # Steps of more rows (prompts) dequantize once and multiply with BLAS: cuBLAS on the
 # dequantized weight beats the wgmma kernel there (docs/benchmarks.md).
 WGMMA_MAX_ROWS = 256
-# Narrow outputs over at least this many inputs (an MLP's down projection) keep 128-row tiles.
-LONG_K = 8192
+# Outputs this wide or wider take 256-row tiles beyond 128 rows: their 64-output tiles
+# alone nearly fill an H100's SMs once.
+WGMMA_WIDE_OUTPUT = 6144
 
 
 @dataclass(frozen=True)
 class WgmmaTile:
-    """Launch shape of ``int4_wgmma``: ``block_m x block_n`` output tiles, ``block_k``
-    inputs a step, ``stages`` activation tiles in flight; ``paired``: weights made two at a
-    time in half precision (else in float32; the same weights)."""
+    """Launch shape of ``int4_wgmma``: ``block_m x block_n`` output tiles (``block_n`` is
+    16 outputs a warp: ``16 * num_warps``), ``block_k`` inputs a step, ``stages`` activation
+    tiles and ``word_stages`` tiles of packed words in flight (the words come from memory,
+    the activations mostly from L2); ``paired``: weights made two at a time in half
+    precision (else in float32; the same weights)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -236,6 +239,7 @@ class WgmmaTile:
     stages: int = 4
     num_warps: int = 4
     paired: bool = True
+    word_stages: int = 4
 
 
 @functools.cache
@@ -250,21 +254,18 @@ def wgmma_config(rows: int, n: int, k: int, group_size: int, bits: int,
     a Hopper GPU, 4-bit weights with zero points, ``K`` and the group in whole steps of
     ``block_k`` inputs, 65 to ``WGMMA_MAX_ROWS`` rows (``PAGEDLLM_INT_WGMMA=0`` turns it
     off). The tiles are the fastest of ``scripts/gemv_quant_sweep.py --int-gemm-rows`` on
-    Llama-3.1-8B's projections (docs/benchmarks.md): up to 128 rows, 128-row tiles by 64
-    outputs over 128-input steps; beyond, the same for narrow outputs over a long ``K``
-    (``LONG_K``: an MLP's down), 256-row tiles for wide outputs (its gate/up), and 64-row
-    ones for the other narrow outputs, so that their few 64-output tiles still spread over
-    the SMs. Steps of 64 inputs where 128 do not divide ``K`` or the group."""
+    Llama-3.1-8B's projections (docs/benchmarks.md): 128-row tiles by 64 outputs over
+    128-input steps, except beyond 128 rows into ``WGMMA_WIDE_OUTPUT`` or more outputs
+    (qkv, an MLP's gate/up): 256-row tiles over 64-input steps. Steps of 64 inputs where
+    128 do not divide ``K`` or the group."""
     group = k if group_size == -1 else group_size
     if (bits != 4 or not 64 < rows <= WGMMA_MAX_ROWS or k % 64 or group % 64
             or not is_hopper(device) or not switch(INT_WGMMA_ENV, True)):
         return None
-    if rows <= 128 or (n < WIDE_OUTPUT and k >= LONG_K):
-        tile = WgmmaTile(block_m=128, block_k=128, stages=3)
-    elif n >= WIDE_OUTPUT:
-        tile = WgmmaTile(block_m=256, stages=3)
+    if rows > 128 and n >= WGMMA_WIDE_OUTPUT:
+        tile = WgmmaTile(block_m=256, block_k=64, stages=3)
     else:
-        tile = WgmmaTile(block_m=64)
+        tile = WgmmaTile(block_m=128, block_k=128, stages=3)
     return tile if k % tile.block_k == 0 and group % tile.block_k == 0 else replace(
         tile, block_k=64)
 
@@ -281,6 +282,8 @@ def int4_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     group = in_features if group_size == -1 else group_size
     if in_features % tile.block_k or group % tile.block_k:
         raise ValueError(f"tile {tile} does not tile K={in_features} in groups of {group}.")
+    if tile.block_n != 16 * tile.num_warps:
+        raise ValueError(f"tile {tile}: block_n must be 16 outputs a warp.")
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()  # TMA reads 16-byte aligned rows
     out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
@@ -288,12 +291,13 @@ def int4_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return out
     grid = (-(-rows // tile.block_m), -(-out_features // tile.block_n))
     kernels.int4_wgmma_kernel[grid](
-        kernels.activation_descriptor(x, tile.block_m, tile.block_k), qweight, scales, zeros,
+        kernels.activation_descriptor(x, tile.block_m, tile.block_k),
+        kernels.word_descriptor(qweight, tile.block_n, tile.block_k), scales, zeros,
         bias if bias is not None else scales, out, rows, out_features, in_features,
-        qweight.stride(0), scales.stride(0), out.stride(0), GROUP=group,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
-        HAS_BIAS=bias is not None, PAIRED=tile.paired and scales.dtype == x.dtype,
-        num_warps=tile.num_warps,
+        scales.stride(0), out.stride(0), GROUP=group, BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
+        WORD_STAGES=tile.word_stages, HAS_BIAS=bias is not None,
+        PAIRED=tile.paired and scales.dtype == x.dtype, num_warps=tile.num_warps,
     )
     return out
 

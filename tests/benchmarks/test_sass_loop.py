@@ -48,6 +48,19 @@ def test_one_row_of_fp8_weights_exchanges_nothing_through_shared_memory():
     assert not [op for op in opcodes if op.startswith(("BAR", "STS", "LDS"))]
 
 
+@pytest.mark.parametrize("tile, steps_k", [("256,64,64,3", 64), ("128,64,128,3", 128)])
+def test_the_4bit_wgmma_loop_keeps_its_products_asynchronous(tile, steps_k):
+    """The Hopper kernel of 4-bit decode batches: ptxas makes no product wait for the ones
+    before it (C7515, which halved the kernel's pace), and each weight is made in the
+    thread whose register operand holds it: nothing is stored to shared memory in the loop
+    (a tile exchanged there costs barriers a step). A turn takes two steps of
+    ``BLOCK_K / 16`` products."""
+    result = sass_loop(["--wgmma", tile])
+    assert result["serialized_products"] == 0
+    assert not [op for op in result["opcodes"] if op.startswith("STS")]
+    assert sum(n for op, n in result["opcodes"].items() if "GMMA" in op) == 2 * steps_k // 16
+
+
 def test_a_decode_tile_pages_its_keys_and_values_with_one_offset():
     """Each key's page and slot are found once for its key and its value (the caches
     share strides), with unsigned shifts and masks: about 1.6 instructions a bf16 cache

@@ -90,17 +90,19 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 
 
 @pytest.mark.skipif(not HOPPER, reason="the wgmma kernel runs on Hopper GPUs")
-@pytest.mark.parametrize("rows", [65, 128, 300])
+@pytest.mark.parametrize("rows", [1, 5, 65, 128, 300])
 @pytest.mark.parametrize("n, k, group_size", [(192, 512, 128), (320, 256, 64), (128, 448, -1),
                                               (128, 384, -1)])
 @pytest.mark.parametrize("tile", [WgmmaTile(), WgmmaTile(block_m=64), WgmmaTile(block_k=128),
                                   WgmmaTile(block_m=256, stages=3),
-                                  WgmmaTile(block_n=128, num_warps=8), WgmmaTile(paired=False)])
+                                  WgmmaTile(block_n=128, num_warps=8), WgmmaTile(paired=False),
+                                  WgmmaTile(block_m=16, word_stages=8),
+                                  WgmmaTile(block_m=64, block_k=128, word_stages=2)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_hopper_kernel_gives_the_dequantized_product(rows, n, k, group_size, tile, dtype):
     """Partial row and column tiles, groups of 64 and 128 and per channel, an odd number
-    of steps over K (7), a bias; the weights made in float32 or two at a time in half
-    precision."""
+    of steps over K (7), fewer steps than word stages, a bias; the weights made in float32
+    or two at a time in half precision."""
     if k % tile.block_k or (group_size != -1 and group_size % tile.block_k):
         pytest.skip("the tile's steps do not divide K and the groups")
     qweight, scales, zeros, _ = packed_projection(n, k, 4, group_size, seed=rows + n,

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers import int_matmul
 from pagedllm.worker import kv_allocator
 from tests.engine.conftest import hf_greedy, random_prompts
 from tests.quantization.int_checkpoints import hf_on_dequantized, read_tensors, write_awq, write_gptq
+from tests.quantization.teacher_forced import assert_engine_picks, full_pass_logprobs
 from tests.quantization.test_fp8_checkpoints import (
     engine_greedy,
     runner_model,
@@ -337,3 +339,40 @@ def test_gptq_checkpoints_of_other_families_greedy_equal_hf(tmp_path, family, ov
     prompts = random_prompts(3, 3, 20, seed=14, vocab=256)
     want = [hf_greedy(reference, prompt, 10) for prompt in prompts]
     assert engine_tokens(tmp_path / "gptq", prompts) == want
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and int_matmul.is_hopper(torch.device("cuda"))),
+                    reason="the 4-bit wgmma kernel runs on Hopper GPUs")
+def test_hopper_4bit_steps_of_65_to_256_rows_pick_hfs_tokens(sources, tmp_path, monkeypatch):
+    """In bfloat16 on a Hopper GPU, a 4-bit act-order GPTQ checkpoint's prompt of 100 tokens
+    and its decode batches of 80 sequences run on the wgmma kernel, and every token the
+    engine picks is HF's most likely on the same dequantized weights in float32, or a near
+    tie of it (bfloat16's rounding)."""
+    quantized = write_gptq(sources["llama"], tmp_path / "gptq", bits=4, group_size=64,
+                           desc_act=True)
+    reference = hf_on_dequantized(sources["llama"], quantized)
+    rows = []
+    real = int_matmul.int4_wgmma
+    monkeypatch.setattr(int_matmul, "int4_wgmma",
+                        lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw))
+    llm = LLM(str(tmp_path / "gptq"), dtype="bfloat16", block_size=16, max_model_len=128,
+              max_num_seqs=96, device="cuda")
+    tie = 0.1  # nats: bfloat16 activations against float32 ones
+
+    prompt = random_prompts(1, 90, 91, seed=11, vocab=256)[0]
+    want = hf_greedy(reference, prompt, 10)
+    rows.clear()
+    assert_engine_picks(llm, prompt, want, full_pass_logprobs(reference, prompt, want), tie)
+    assert len(prompt) + len(want) in rows
+
+    prompts = random_prompts(80, 4, 12, seed=12, vocab=256)
+    rows.clear()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)
+    assert any(65 <= r <= 96 for r in rows), rows  # the decode batches, graphed or not
+    for prompt, output in zip(prompts, outputs):
+        tokens = list(output.outputs[0].token_ids)
+        logprobs = full_pass_logprobs(reference, prompt, tokens)
+        for step, token in enumerate(tokens):
+            assert logprobs[step].max() - logprobs[step, token] <= tie, (prompt, tokens, step)
