@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pagedllm.layers.triton_ops import _sm_count, sum_split_partials, use_fused_ops
+from pagedllm.layers.triton_ops import _sm_count, is_hopper, sum_split_partials, use_fused_ops
 from pagedllm.quantization.int_weights import int_linear_reference
 from pagedllm.switches import switch
 
@@ -217,8 +217,9 @@ def int_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 INT_WGMMA_ENV = "PAGEDLLM_INT_WGMMA"
-# Steps of more rows (prompts) dequantize once and multiply with BLAS: cuBLAS on the
-# dequantized weight beats the wgmma kernel there (docs/benchmarks.md).
+# Steps of more rows (prompts) dequantize once and multiply with BLAS: at 2,048 rows cuBLAS
+# on the dequantized weight beat the kernel before its words came by TMA; the kernel as it
+# is has not been timed beyond 256 rows (docs/benchmarks.md).
 WGMMA_MAX_ROWS = 256
 # Outputs this wide or wider take 256-row tiles beyond 128 rows: their 64-output tiles
 # alone nearly fill an H100's SMs once.
@@ -240,12 +241,6 @@ class WgmmaTile:
     num_warps: int = 4
     paired: bool = True
     word_stages: int = 4
-
-
-@functools.cache
-def is_hopper(device: torch.device) -> bool:
-    """Whether ``device`` is a Hopper GPU (compute capability 9.x: ``wgmma`` and TMA)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def wgmma_config(rows: int, n: int, k: int, group_size: int, bits: int,

@@ -545,6 +545,12 @@ def use_small_batch_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 @functools.cache
+def is_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is a Hopper GPU (compute capability 9.x: ``wgmma`` and TMA)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@functools.cache
 def fp8_dot_supported(device: torch.device) -> bool:
     """FP8 tensor-core products (compute capability 8.9 and higher); the interpreter too."""
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -51,7 +51,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.triton_ops import quantize_rows_fp8, use_fused_ops
+from pagedllm.layers.triton_ops import is_hopper, quantize_rows_fp8, use_fused_ops
 from pagedllm.switches import switch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -146,7 +146,7 @@ def split_k_product(rows: int, n: int, device: torch.device) -> bool:
     few output tiles leave cuBLASLt's kernels most of the SMs idle, unless
     ``PAGEDLLM_FP8_SPLIT_GEMM=0``."""
     return (SPLIT_GEMM and rows <= SPLIT_GEMM_MAX_ROWS and n <= SPLIT_GEMM_MAX_N
-            and _hopper(device))
+            and is_hopper(device))
 
 
 # cuBLASLt's FP8 products with row-wise scales into wide outputs (gate/up) of 129-224 rows
@@ -170,7 +170,7 @@ def cublas_rows(rows: int, n: int, device: torch.device) -> int:
     on Hopper (compute capability 9.x) 256 for 129-224 rows into at least 16,384 outputs,
     unless ``PAGEDLLM_FP8_PAD_ROWS=0``."""
     low, high, padded = _HOPPER_PADDED_ROWS
-    if PAD_ROWS and low <= rows <= high and n >= _PADDED_MIN_N and _hopper(device):
+    if PAD_ROWS and low <= rows <= high and n >= _PADDED_MIN_N and is_hopper(device):
         return padded
     return rows
 
@@ -199,11 +199,6 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
     return scale
 
 
-@functools.cache
-def _hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
                *, sums: bool = False) -> torch.Tensor | Fp8Sums:
@@ -229,7 +224,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
         xq, x_scale = quantize(x2, input_scale)
     tensor_cores = _fp8_matmul_supported(xq.device) and dtype in (torch.bfloat16, torch.float16)
     if (sums and DEFERRED_SCALES and tensor_cores and dtype == torch.bfloat16 and bias is None
-            and len(shape) == 2 and _hopper(xq.device)
+            and len(shape) == 2 and is_hopper(xq.device)
             and not split_k_product(xq.shape[0], weight.shape[0], xq.device)):
         rows = xq.shape[0]
         unit = _unit_scale(xq.device)

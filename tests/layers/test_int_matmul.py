@@ -86,7 +86,7 @@ def test_int_matmul_equals_the_dequantized_product(rows, tile, bits, group_size,
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+HOPPER = torch.cuda.is_available() and int_matmul.is_hopper(torch.device("cuda"))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the wgmma kernel runs on Hopper GPUs")

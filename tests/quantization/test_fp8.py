@@ -52,14 +52,14 @@ def test_hopper_pads_wide_cublas_products_of_129_to_224_rows(monkeypatch):
     from pagedllm.quantization import fp8
 
     device = torch.device("cuda")
-    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    monkeypatch.setattr(fp8, "is_hopper", lambda device: True)
     assert [fp8.cublas_rows(r, 28672, device) for r in (16, 128, 129, 200, 224, 225, 300)] == [
         16, 128, 256, 256, 256, 225, 300]
     assert fp8.cublas_rows(200, 4096, device) == 200
     monkeypatch.setattr(fp8, "PAD_ROWS", False)  # PAGEDLLM_FP8_PAD_ROWS=0
     assert fp8.cublas_rows(200, 28672, device) == 200
     monkeypatch.setattr(fp8, "PAD_ROWS", True)
-    monkeypatch.setattr(fp8, "_hopper", lambda device: False)
+    monkeypatch.setattr(fp8, "is_hopper", lambda device: False)
     assert fp8.cublas_rows(200, 28672, device) == 200
 
 
@@ -69,7 +69,7 @@ def test_padded_cublas_products_equal_unpadded_ones(monkeypatch, sums):
     scales or with the sums handed over (``Fp8Sums``); cuBLASLt's on a GPU."""
     from pagedllm.quantization import fp8
 
-    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    monkeypatch.setattr(fp8, "is_hopper", lambda device: True)
     monkeypatch.setattr(fp8, "_fp8_matmul_supported", lambda device: True)
     monkeypatch.setattr(fp8, "split_k_product", lambda rows, n, device: False)
     monkeypatch.setattr(fp8, "use_fused_ops", lambda t: False)
@@ -97,7 +97,7 @@ def test_fast_accumulation_switch_reaches_every_cublas_product(monkeypatch, fast
 
     assert fp8.FAST_ACCUM is True
     monkeypatch.setattr(fp8, "FAST_ACCUM", fast)
-    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    monkeypatch.setattr(fp8, "is_hopper", lambda device: True)
     monkeypatch.setattr(fp8, "_fp8_matmul_supported", lambda device: True)
     monkeypatch.setattr(fp8, "split_k_product", lambda rows, n, device: False)
     monkeypatch.setattr(fp8, "use_fused_ops", lambda t: False)
@@ -125,14 +125,14 @@ def test_hopper_sends_narrow_decode_products_to_the_split_k_gemm(monkeypatch):
     from pagedllm.quantization import fp8
 
     device = torch.device("cuda")
-    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    monkeypatch.setattr(fp8, "is_hopper", lambda device: True)
     assert [fp8.split_k_product(r, 4096, device) for r in (17, 128, 192, 193)] == [
         True, True, True, False]
     assert not fp8.split_k_product(128, 6144, device)
     monkeypatch.setattr(fp8, "SPLIT_GEMM", False)  # PAGEDLLM_FP8_SPLIT_GEMM=0
     assert not fp8.split_k_product(128, 4096, device)
     monkeypatch.setattr(fp8, "SPLIT_GEMM", True)
-    monkeypatch.setattr(fp8, "_hopper", lambda device: False)
+    monkeypatch.setattr(fp8, "is_hopper", lambda device: False)
     assert not fp8.split_k_product(128, 4096, device)
 
 
