@@ -564,7 +564,7 @@ def test_fp8_products_hand_their_sums_to_the_norm_and_the_activation(monkeypatch
         monkeypatch.setattr(module, "use_fused_ops", lambda t: True)  # as on a GPU
     monkeypatch.setattr(triton_ops, "fp8_dot_supported", lambda device: True)
     monkeypatch.setattr(fp8, "_fp8_matmul_supported", lambda device: True)
-    monkeypatch.setattr(fp8, "_hopper", lambda device: True)
+    monkeypatch.setattr(fp8, "is_hopper", lambda device: True)
     monkeypatch.setattr(fp8, "split_k_product", lambda rows, n, device: False)
     monkeypatch.setattr(fp8, "DEFERRED_SCALES", True)
     products = []
