@@ -147,7 +147,8 @@ def compile_wgmma(tile: WgmmaTile, group: int):
                     w_desc=f"tensordesc<i32[{tile.block_n}, {tile.block_k // 8}],{words!r}>")
     constants = dict(GROUP=group, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                      BLOCK_K=tile.block_k, STAGES=tile.stages, WORD_STAGES=tile.word_stages,
-                     HAS_BIAS=False, PAIRED=tile.paired, num_warps=tile.num_warps)
+                     SPLIT=tile.split, HAS_BIAS=False, PAIRED=tile.paired,
+                     num_warps=tile.num_warps)
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
                  for name in kernel.arg_names}
     aligned = [n for n in kernel.arg_names if n.endswith("_ptr") or n.startswith("stride")]

@@ -1,7 +1,8 @@
-"""A Hopper kernel for 4-bit weights in decode batches of 65 and more rows (imported only
-when it launches): ``x [M, K] @ W.T`` with ``W`` in the stored layout of
-``pagedllm.quantization.int_weights``, written in Gluon so that the weight tile made in
-registers is ``wgmma``'s register operand, made while the previous tile's product runs.
+"""A Hopper kernel for 4-bit weights in decode batches (of 65 and more rows; of 1 to 16 with
+``K`` split, ``int_matmul.INT_WGMMA_SMALL_ENV``), imported only when it launches:
+``x [M, K] @ W.T`` with ``W`` in the stored layout of ``pagedllm.quantization.int_weights``,
+written in Gluon so that the weight tile made in registers is ``wgmma``'s register operand,
+made while the previous tile's product runs.
 
 The product is computed transposed, ``W x^T``: a program owns ``BLOCK_N`` outputs (the
 ``wgmma`` rows, whose operand comes from registers) by ``BLOCK_M`` activation rows (its
@@ -125,15 +126,16 @@ def _weight_tile(q, scale, zero, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
 
 @gluon.jit
 def _step(i, scale, zero, acc, x_desc, x_smem, ready, w_desc, w_smem, w_ready, s_rows, z_rows,
-          num_k, off_m, off_n, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+          k0, num_k, off_m, off_n, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
           BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORD_STAGES: gl.constexpr,
           PAIRED: gl.constexpr, unpack_layout: gl.constexpr, a_layout: gl.constexpr,
           dtype: gl.constexpr):
-    """Step ``i`` of the loop over ``K`` (the module docstring): the weight tile made from
-    the words of stage ``i % WORD_STAGES`` and ``scale``, ``zero``, its product issued, the
-    word and activation stages the product before it read refilled; returns tile ``i + 1``'s
-    scales and zero points, and ``acc``."""
-    group_next = gl.minimum(i + 1, num_k - 1) * BLOCK_K // GROUP
+    """Step ``i`` of the program's ``num_k`` steps over ``K``, step ``k0 + i`` of the whole
+    (the module docstring): the weight tile made from the words of stage
+    ``i % WORD_STAGES`` and ``scale``, ``zero``, its product issued, the word and activation
+    stages the product before it read refilled; returns tile ``i + 1``'s scales and zero
+    points, and ``acc``."""
+    group_next = (k0 + gl.minimum(i + 1, num_k - 1)) * BLOCK_K // GROUP
     scale_next = gl.load(s_rows + group_next)
     zero_next = gl.load(z_rows + group_next)
 
@@ -153,34 +155,38 @@ def _step(i, scale, zero, acc, x_desc, x_smem, ready, w_desc, w_smem, w_ready, s
     # The product before this one is done: the stages it read take tiles further on.
     ahead = i + STAGES - 1
     mbarrier.expect(ready.index(ahead % STAGES), x_desc.block_type.nbytes, pred=ahead < num_k)
-    tma.async_copy_global_to_shared(x_desc, [off_m, ahead * BLOCK_K], ready.index(ahead % STAGES),
-                                    x_smem.index(ahead % STAGES), pred=ahead < num_k)
-    _load_words(w_desc, w_smem, w_ready, off_n, i + WORD_STAGES - 1, num_k, BLOCK_K,
+    tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + ahead) * BLOCK_K],
+                                    ready.index(ahead % STAGES), x_smem.index(ahead % STAGES),
+                                    pred=ahead < num_k)
+    _load_words(w_desc, w_smem, w_ready, off_n, k0, i + WORD_STAGES - 1, num_k, BLOCK_K,
                 WORD_STAGES)
     return scale_next, zero_next, acc
 
 
 @gluon.jit
-def _load_words(w_desc, w_smem, w_ready, off_n, step, num_k, BLOCK_K: gl.constexpr,
+def _load_words(w_desc, w_smem, w_ready, off_n, k0, step, num_k, BLOCK_K: gl.constexpr,
                 WORD_STAGES: gl.constexpr):
-    """Ask TMA for the packed words of step ``step`` (none past the last)."""
+    """Ask TMA for the packed words of the program's step ``step`` (none past its last)."""
     stage = step % WORD_STAGES
     mbarrier.expect(w_ready.index(stage), w_desc.block_type.nbytes, pred=step < num_k)
-    tma.async_copy_global_to_shared(w_desc, [off_n, step * (BLOCK_K // 8)], w_ready.index(stage),
-                                    w_smem.index(stage), pred=step < num_k)
+    tma.async_copy_global_to_shared(w_desc, [off_n, (k0 + step) * (BLOCK_K // 8)],
+                                    w_ready.index(stage), w_smem.index(stage), pred=step < num_k)
 
 
 @gluon.jit
 def int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_sn,
                       stride_om, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                      WORD_STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, PAIRED: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      WORD_STAGES: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      PAIRED: gl.constexpr, num_warps: gl.constexpr):
     """``out[m, n] = sum_k x[m, k] (q[n, k] - zero) scale (+ bias[n])``, ``x`` and the words
     ``q`` through the TMA descriptors ``x_desc`` (blocks of ``BLOCK_M x BLOCK_K``) and
     ``w_desc`` (``BLOCK_N x BLOCK_K / 8``); ``BLOCK_K`` divides ``K`` and ``GROUP``. Program
     (i, j) owns activation rows ``i * BLOCK_M`` and outputs ``j * BLOCK_N`` on (programs over
-    rows first, so one weight tile's readers run together and its second read hits L2)."""
+    rows first, so one weight tile's readers run together and its second read hits L2).
+    Program (i, j, s) sums slice ``s`` of ``K``'s ``SPLIT`` slices of steps into ``out[s]``
+    (``out``: ``[SPLIT, M, N]``), in ``out``'s dtype: float32 where the caller adds the
+    slices or finishes the sums."""
     WORDS: gl.constexpr = BLOCK_K // 8
     dtype: gl.constexpr = x_desc.dtype
     off_m = gl.program_id(0) * BLOCK_M
@@ -204,15 +210,16 @@ def int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, 
     for s in gl.static_range(WORD_STAGES):
         mbarrier.init(w_ready.index(s), count=1)
 
-    num_k = K // BLOCK_K
+    num_k = K // BLOCK_K // SPLIT
+    k0 = gl.program_id(2) * num_k if SPLIT > 1 else 0
     for t in gl.static_range(WORD_STAGES - 1):
-        _load_words(w_desc, w_smem, w_ready, off_n, t, num_k, BLOCK_K, WORD_STAGES)
+        _load_words(w_desc, w_smem, w_ready, off_n, k0, t, num_k, BLOCK_K, WORD_STAGES)
     for t in gl.static_range(STAGES - 1):
         mbarrier.expect(ready.index(t), x_desc.block_type.nbytes, pred=t < num_k)
-        tma.async_copy_global_to_shared(x_desc, [off_m, t * BLOCK_K], ready.index(t),
+        tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + t) * BLOCK_K], ready.index(t),
                                         x_smem.index(t), pred=t < num_k)
-    scale = gl.load(s_rows)
-    zero = gl.load(z_rows)
+    scale = gl.load(s_rows + k0 * BLOCK_K // GROUP)
+    zero = gl.load(z_rows + k0 * BLOCK_K // GROUP)
 
     acc = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout))
     # Two steps a turn: the register operand of one step's product is read while the next
@@ -220,16 +227,16 @@ def int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, 
     # under a product in flight makes ptxas wait for every product).
     for i in range(0, num_k - 1, 2):
         scale, zero, acc = _step(i, scale, zero, acc, x_desc, x_smem, ready, w_desc, w_smem,
-                                 w_ready, s_rows, z_rows, num_k, off_m, off_n, GROUP, BLOCK_N,
+                                 w_ready, s_rows, z_rows, k0, num_k, off_m, off_n, GROUP, BLOCK_N,
                                  BLOCK_K, STAGES, WORD_STAGES, PAIRED, unpack_layout, a_layout,
                                  dtype)
         scale, zero, acc = _step(i + 1, scale, zero, acc, x_desc, x_smem, ready, w_desc, w_smem,
-                                 w_ready, s_rows, z_rows, num_k, off_m, off_n, GROUP, BLOCK_N,
+                                 w_ready, s_rows, z_rows, k0, num_k, off_m, off_n, GROUP, BLOCK_N,
                                  BLOCK_K, STAGES, WORD_STAGES, PAIRED, unpack_layout, a_layout,
                                  dtype)
     if num_k % 2:
         scale, zero, acc = _step(num_k - 1, scale, zero, acc, x_desc, x_smem, ready, w_desc,
-                                 w_smem, w_ready, s_rows, z_rows, num_k, off_m, off_n, GROUP,
+                                 w_smem, w_ready, s_rows, z_rows, k0, num_k, off_m, off_n, GROUP,
                                  BLOCK_N, BLOCK_K, STAGES, WORD_STAGES, PAIRED, unpack_layout,
                                  a_layout, dtype)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -245,6 +252,7 @@ def int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, 
     if HAS_BIAS:
         bias = gl.load(bias_ptr + out_n, mask=out_n < N, other=0.0)
         result = result + gl.expand_dims(bias.to(gl.float32), 1)
-    out = out_ptr + gl.expand_dims(out_m.to(gl.int64), 0) * stride_om + gl.expand_dims(out_n, 1)
-    gl.store(out, result.to(dtype),
+    out = (out_ptr + gl.program_id(2) * M * stride_om
+           + gl.expand_dims(out_m.to(gl.int64), 0) * stride_om + gl.expand_dims(out_n, 1))
+    gl.store(out, result.to(out_ptr.dtype.element_ty),
              mask=gl.expand_dims(out_m < M, 0) & gl.expand_dims(out_n < N, 1))

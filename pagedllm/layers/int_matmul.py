@@ -217,6 +217,9 @@ def int_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 INT_WGMMA_ENV = "PAGEDLLM_INT_WGMMA"
+# Decode batches of 1 to SMALL_BATCH_ROWS rows on the same kernel, K split (off until timed
+# against the small-batch product on a GPU).
+INT_WGMMA_SMALL_ENV = "PAGEDLLM_INT_WGMMA_SMALL"
 # Steps of more rows (prompts) dequantize once and multiply with BLAS: at 2,048 rows cuBLAS
 # on the dequantized weight beat the kernel before its words came by TMA; the kernel as it
 # is has not been timed beyond 256 rows (docs/benchmarks.md).
@@ -232,7 +235,8 @@ class WgmmaTile:
     16 outputs a warp: ``16 * num_warps``), ``block_k`` inputs a step, ``stages`` activation
     tiles and ``word_stages`` tiles of packed words in flight (the words come from memory,
     the activations mostly from L2); ``paired``: weights made two at a time in half
-    precision (else in float32; the same weights)."""
+    precision (else in float32; the same weights); ``split``: slices of ``K`` summed apart
+    (split-K, 1: none), added after in a fixed order."""
 
     block_m: int = 128
     block_n: int = 64
@@ -241,6 +245,7 @@ class WgmmaTile:
     num_warps: int = 4
     paired: bool = True
     word_stages: int = 4
+    split: int = 1
 
 
 def wgmma_config(rows: int, n: int, k: int, group_size: int, bits: int,
@@ -248,15 +253,20 @@ def wgmma_config(rows: int, n: int, k: int, group_size: int, bits: int,
     """The ``int4_wgmma`` tile for a step of ``rows`` rows, or None where it does not serve:
     a Hopper GPU, 4-bit weights with zero points, ``K`` and the group in whole steps of
     ``block_k`` inputs, 65 to ``WGMMA_MAX_ROWS`` rows (``PAGEDLLM_INT_WGMMA=0`` turns it
-    off). The tiles are the fastest of ``scripts/gemv_quant_sweep.py --int-gemm-rows`` on
-    Llama-3.1-8B's projections (docs/benchmarks.md): 128-row tiles by 64 outputs over
-    128-input steps, except beyond 128 rows into ``WGMMA_WIDE_OUTPUT`` or more outputs
-    (qkv, an MLP's gate/up): 256-row tiles over 64-input steps. Steps of 64 inputs where
-    128 do not divide ``K`` or the group."""
+    off), and with ``PAGEDLLM_INT_WGMMA_SMALL=1`` also decode batches of 1 to
+    ``SMALL_BATCH_ROWS`` (``small_wgmma_tile``). The tiles are the fastest of
+    ``scripts/gemv_quant_sweep.py --int-gemm-rows`` on Llama-3.1-8B's projections
+    (docs/benchmarks.md): 128-row tiles by 64 outputs over 128-input steps, except beyond
+    128 rows into ``WGMMA_WIDE_OUTPUT`` or more outputs (qkv, an MLP's gate/up): 256-row
+    tiles over 64-input steps. Steps of 64 inputs where 128 do not divide ``K`` or the
+    group."""
     group = k if group_size == -1 else group_size
-    if (bits != 4 or not 64 < rows <= WGMMA_MAX_ROWS or k % 64 or group % 64
+    small = 0 < rows <= SMALL_BATCH_ROWS and switch(INT_WGMMA_SMALL_ENV, False)
+    if (bits != 4 or not (small or 64 < rows <= WGMMA_MAX_ROWS) or k % 64 or group % 64
             or not is_hopper(device) or not switch(INT_WGMMA_ENV, True)):
         return None
+    if small:
+        return small_wgmma_tile(rows, n, k, group, _sm_count(device))
     if rows > 128 and n >= WGMMA_WIDE_OUTPUT:
         tile = WgmmaTile(block_m=256, block_k=64, stages=3)
     else:
@@ -265,35 +275,56 @@ def wgmma_config(rows: int, n: int, k: int, group_size: int, bits: int,
         tile, block_k=64)
 
 
+def small_wgmma_tile(rows: int, n: int, k: int, group: int, sm_count: int) -> WgmmaTile:
+    """The ``int4_wgmma`` tile of a decode batch of 1 to ``SMALL_BATCH_ROWS`` rows (``K``
+    and ``group`` multiples of 64): 8- or 16-row tiles (``wgmma``'s narrowest) over
+    128-input steps where they divide ``K`` and the group, ``K`` split until the output
+    tiles times the slices reach about two programs per SM."""
+    block_k = 128 if k % 128 == 0 and group % 128 == 0 else 64
+    steps = k // block_k
+    wanted = -(-2 * sm_count // -(-n // 64))
+    split = max(s for s in range(1, min(wanted, steps) + 1) if steps % s == 0)
+    return WgmmaTile(block_m=8 if rows <= 8 else 16, block_k=block_k, stages=4, split=split)
+
+
 def int4_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, tile: WgmmaTile, *, group_size: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, silu_gated: bool = False,
+               norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K] @ W.T (+ bias) -> [M, N]`` in ``x``'s dtype, 4-bit ``W`` with zero points
-    in the stored layout, on the Hopper kernel of ``_int_wgmma_kernel``."""
+    in the stored layout, on the Hopper kernel of ``_int_wgmma_kernel``. ``silu_gated`` and
+    ``norm`` as ``triton_ops.small_batch_matmul`` takes them, applied where the float32
+    sums are added (``sum_split_partials``; those and a split tile write the sums first)."""
     from pagedllm.layers import _int_wgmma_kernel as kernels
 
     rows, in_features = x.shape
     out_features = qweight.shape[0]
     group = in_features if group_size == -1 else group_size
-    if in_features % tile.block_k or group % tile.block_k:
+    if in_features % (tile.block_k * tile.split) or group % tile.block_k:
         raise ValueError(f"tile {tile} does not tile K={in_features} in groups of {group}.")
     if tile.block_n != 16 * tile.num_warps:
         raise ValueError(f"tile {tile}: block_n must be 16 outputs a warp.")
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()  # TMA reads 16-byte aligned rows
-    out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+    partial = tile.split > 1 or silu_gated or norm is not None
+    out = torch.empty((tile.split, rows, out_features) if partial else (rows, out_features),
+                      dtype=torch.float32 if partial else x.dtype, device=x.device)
     if rows == 0:
-        return out
-    grid = (-(-rows // tile.block_m), -(-out_features // tile.block_n))
+        return sum_split_partials(out, bias, x.dtype, silu_gated=silu_gated,
+                                  norm=norm) if partial else out
+    grid = (-(-rows // tile.block_m), -(-out_features // tile.block_n), tile.split)
     kernels.int4_wgmma_kernel[grid](
         kernels.activation_descriptor(x, tile.block_m, tile.block_k),
         kernels.word_descriptor(qweight, tile.block_n, tile.block_k), scales, zeros,
         bias if bias is not None else scales, out, rows, out_features, in_features,
-        scales.stride(0), out.stride(0), GROUP=group, BLOCK_M=tile.block_m,
+        scales.stride(0), out.stride(-2), GROUP=group, BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
-        WORD_STAGES=tile.word_stages, HAS_BIAS=bias is not None,
+        WORD_STAGES=tile.word_stages, SPLIT=tile.split, HAS_BIAS=bias is not None and not partial,
         PAIRED=tile.paired and scales.dtype == x.dtype, num_warps=tile.num_warps,
     )
+    if partial:
+        return sum_split_partials(out, bias, x.dtype, silu_gated=silu_gated, norm=norm)
     return out
 
 

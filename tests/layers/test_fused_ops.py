@@ -729,3 +729,39 @@ def test_the_first_allowed_of_the_race_top_is_the_masked_winner(gumbel) -> None:
         for r, candidates in enumerate(ranked.tolist()):
             taken = next((t for t in candidates if t >= 0 and allowed[r, t]), None)
             assert taken is None or taken == want[r], (trial, r)
+
+
+@pytest.mark.parametrize("split, rows", [(1, 1), (3, 2), (4, 5)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_split_sums_are_added_in_slice_order_then_finished_as_the_product_would_be(split, rows,
+                                                                                    dtype) -> None:
+    """A split-K product's float32 slices in one launch: the plain result (bias added,
+    rounded once), the SiLU-gated one (``silu_and_mul`` of the rounded product) and the
+    normed one (``rms_norm`` of it with the residual), each the ops the model would run on
+    the summed product, to the bit; the slices added in order."""
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> None:
+        if dtype == torch.bfloat16 and INTERPRETED:  # the interpreter truncates to bf16
+            torch.testing.assert_close(got, want, rtol=4e-2, atol=4e-2)
+        else:
+            assert torch.equal(got, want)
+
+    partials = _rand(split, rows, 2 * 600, dtype=torch.float32, seed=40)
+    bias = _rand(2 * 600, dtype=dtype, seed=41)
+    product = partials[0].clone()
+    for part in partials[1:]:
+        product += part
+    product = (product + bias.float()).to(dtype)
+    same(triton_ops.sum_split_partials(partials, bias, dtype), product)
+    same(triton_ops.sum_split_partials(partials, bias, dtype, silu_gated=True),
+         triton_ops.silu_and_mul(product))
+    norm_weight = _rand(2 * 600, dtype=dtype, seed=42)
+    residual = _rand(rows, 2 * 600, dtype=dtype, seed=43)
+    normed = triton_ops.sum_split_partials(partials, bias, dtype,
+                                           norm=(norm_weight, 1e-6, residual))
+    want = triton_ops.rms_norm(product, norm_weight, 1e-6, residual)
+    same(normed[0], want[0])
+    same(normed[1], want[1])
+    with pytest.raises(ValueError, match="residual of its shape"):
+        triton_ops.sum_split_partials(partials, bias, dtype,
+                                      norm=(norm_weight, 1e-6, residual[:, :8]))

@@ -97,13 +97,15 @@ HOPPER = torch.cuda.is_available() and int_matmul.is_hopper(torch.device("cuda")
                                   WgmmaTile(block_m=256, stages=3),
                                   WgmmaTile(block_n=128, num_warps=8), WgmmaTile(paired=False),
                                   WgmmaTile(block_m=16, word_stages=8),
-                                  WgmmaTile(block_m=64, block_k=128, word_stages=2)])
+                                  WgmmaTile(block_m=64, block_k=128, word_stages=2),
+                                  WgmmaTile(block_m=8, split=2),
+                                  WgmmaTile(block_m=16, block_k=128, word_stages=2, split=2)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_hopper_kernel_gives_the_dequantized_product(rows, n, k, group_size, tile, dtype):
     """Partial row and column tiles, groups of 64 and 128 and per channel, an odd number
     of steps over K (7), fewer steps than word stages, a bias; the weights made in float32
-    or two at a time in half precision."""
-    if k % tile.block_k or (group_size != -1 and group_size % tile.block_k):
+    or two at a time in half precision; K split in two slices (of an odd number of steps)."""
+    if k % (tile.block_k * tile.split) or (group_size != -1 and group_size % tile.block_k):
         pytest.skip("the tile's steps do not divide K and the groups")
     qweight, scales, zeros, _ = packed_projection(n, k, 4, group_size, seed=rows + n,
                                                   dtype=dtype)
@@ -163,6 +165,30 @@ def test_the_wgmma_kernel_serves_hopper_4bit_steps_past_64_rows(monkeypatch):
     monkeypatch.setattr(int_matmul, "is_hopper", lambda device: False)
     monkeypatch.delenv(int_matmul.INT_WGMMA_ENV)
     assert wgmma_config(256, 4096, 4096, 128, 4, cuda) is None
+
+
+def test_decode_batches_of_a_few_rows_take_the_wgmma_kernel_when_switched_on(monkeypatch):
+    """``PAGEDLLM_INT_WGMMA_SMALL=1``: 1 to 16 rows of 4-bit weights on Hopper take 8- or
+    16-row tiles, ``K`` split until about two programs an SM, every slice whole steps of
+    ``K`` in whole groups; off by default."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(int_matmul, "is_hopper", lambda device: True)
+    monkeypatch.setattr(int_matmul, "_sm_count", lambda device: 132)
+    assert wgmma_config(1, 4096, 4096, 128, 4, cuda) is None
+    monkeypatch.setenv(int_matmul.INT_WGMMA_SMALL_ENV, "1")
+    llama = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+             "down": (4096, 14336)}
+    tiles = {name: wgmma_config(1, n, k, 128, 4, cuda) for name, (n, k) in llama.items()}
+    assert {name: tile.split for name, tile in tiles.items()} == {
+        "qkv": 2, "o_proj": 4, "gate_up": 1, "down": 4}
+    assert {tile.block_m for tile in tiles.values()} == {8}
+    assert wgmma_config(16, 4096, 4096, 128, 4, cuda).block_m == 16
+    for rows, n, k, group in [(3, 320, 448, 64), (16, 128, 384, -1), (9, 4096, 14336, 128)]:
+        tile = wgmma_config(rows, n, k, group, 4, cuda)
+        steps = k // tile.block_k
+        assert steps % tile.split == 0 and (k if group == -1 else group) % tile.block_k == 0
+    assert wgmma_config(17, 4096, 4096, 128, 4, cuda) is None  # the row tiles' batches
+    assert wgmma_config(1, 4096, 4096, 128, 8, cuda) is None  # 8-bit weights
 
 
 def test_split_k_rows_do_not_depend_on_the_batch():
