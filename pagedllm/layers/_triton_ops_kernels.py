@@ -154,16 +154,6 @@ def _rms_norm_row(
     x = x.to(tl.float32)
     if SCALED:
         x = scaled_sums(x, row_scale, col_scale_ptr, cols, mask, dtype)
-    return _rms_norm_values(x, cols, mask, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-                            eps, N, dtype, HAS_RESIDUAL, STORE)
-
-
-@triton.jit
-def _rms_norm_values(x, cols, mask, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
-                     N: tl.constexpr, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     STORE: tl.constexpr):
-    """``_rms_norm_row`` of a row already in registers: ``x`` (float32 of ``dtype`` values,
-    0 past ``N``) at columns ``cols``."""
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + cols, mask=mask, other=0.0)
         s = (x + r.to(tl.float32)).to(dtype)
@@ -823,40 +813,23 @@ def _small_batch_finish(
 
 
 @triton.jit
-def split_sums_kernel(part_ptr, bias_ptr, out_ptr, norm_weight_ptr, residual_ptr, normed_ptr,
-                      residual_out_ptr, N, stride_split, stride_pm, stride_om, stride_rm, eps,
+def split_sums_kernel(part_ptr, bias_ptr, out_ptr, N, stride_split, stride_pm, stride_om,
                       SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      SILU_GATED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    """Row ``program_id(0)`` of a split-K product from its ``SPLIT`` float32 slices
-    (``part[s, row]``), added in slice order, plus the bias, rounded once to ``out``'s dtype;
-    columns ``program_id(1) * BLOCK`` on (with ``NORM``: the whole row, ``BLOCK >= N``).
-    ``SILU_GATED``: the slices hold ``[gate; up]`` (``2N`` columns) and the row is
-    ``silu_and_mul`` of their sums; ``NORM``: the row goes on through ``_rms_norm_values``
-    with the residual, into ``normed`` and ``residual_out`` (``out`` is not written)."""
+                      PDL: tl.constexpr):
+    """Row ``program_id(0)``, columns ``program_id(1) * BLOCK`` on, of a split-K product
+    from its ``SPLIT`` float32 slices (``part[s, row]``): added in slice order, plus the
+    bias, rounded once to ``out``'s dtype."""
     follow_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    dtype: tl.constexpr = out_ptr.dtype.element_ty
     part = part_ptr + row * stride_pm + cols
     sums = tl.load(part, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT):
         sums += tl.load(part + s * stride_split, mask=mask, other=0.0)
     if HAS_BIAS:
         sums += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if SILU_GATED:
-        up = tl.load(part + N, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            up += tl.load(part + N + s * stride_split, mask=mask, other=0.0)
-        if HAS_BIAS:
-            up += tl.load(bias_ptr + N + cols, mask=mask, other=0.0).to(tl.float32)
-        sums = _silu_and_mul_of(sums.to(dtype), up.to(dtype), cols, mask, N, 1.0, None, False)
-    if NORM:
-        _rms_norm_values(sums.to(dtype).to(tl.float32), cols, mask, residual_ptr + row * stride_rm,
-                         norm_weight_ptr, normed_ptr + row * N, residual_out_ptr + row * N, eps,
-                         N, dtype, True, True)
-    else:
-        tl.store(out_ptr + row * stride_om + cols, sums.to(dtype), mask=mask)
+    tl.store(out_ptr + row * stride_om + cols, sums.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -289,13 +289,10 @@ def small_wgmma_tile(rows: int, n: int, k: int, group: int, sm_count: int) -> Wg
 
 def int4_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, tile: WgmmaTile, *, group_size: int,
-               bias: torch.Tensor | None = None, silu_gated: bool = False,
-               norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
-               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias) -> [M, N]`` in ``x``'s dtype, 4-bit ``W`` with zero points
-    in the stored layout, on the Hopper kernel of ``_int_wgmma_kernel``. ``silu_gated`` and
-    ``norm`` as ``triton_ops.small_batch_matmul`` takes them, applied where the float32
-    sums are added (``sum_split_partials``; those and a split tile write the sums first)."""
+    in the stored layout, on the Hopper kernel of ``_int_wgmma_kernel``; a split tile's
+    float32 slices added after (``sum_split_partials``)."""
     from pagedllm.layers import _int_wgmma_kernel as kernels
 
     rows, in_features = x.shape
@@ -307,12 +304,11 @@ def int4_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"tile {tile}: block_n must be 16 outputs a warp.")
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()  # TMA reads 16-byte aligned rows
-    partial = tile.split > 1 or silu_gated or norm is not None
+    partial = tile.split > 1
     out = torch.empty((tile.split, rows, out_features) if partial else (rows, out_features),
                       dtype=torch.float32 if partial else x.dtype, device=x.device)
     if rows == 0:
-        return sum_split_partials(out, bias, x.dtype, silu_gated=silu_gated,
-                                  norm=norm) if partial else out
+        return out[0].to(x.dtype) if partial else out
     grid = (-(-rows // tile.block_m), -(-out_features // tile.block_n), tile.split)
     kernels.int4_wgmma_kernel[grid](
         kernels.activation_descriptor(x, tile.block_m, tile.block_k),
@@ -323,9 +319,7 @@ def int4_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         WORD_STAGES=tile.word_stages, SPLIT=tile.split, HAS_BIAS=bias is not None and not partial,
         PAIRED=tile.paired and scales.dtype == x.dtype, num_warps=tile.num_warps,
     )
-    if partial:
-        return sum_split_partials(out, bias, x.dtype, silu_gated=silu_gated, norm=norm)
-    return out
+    return sum_split_partials(out, bias, x.dtype) if partial else out
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

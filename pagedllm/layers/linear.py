@@ -49,7 +49,6 @@ from pagedllm.distributed.parallel_state import (
     get_tp,
     max_over_ranks_,
 )
-from pagedllm.layers import int_matmul
 from pagedllm.layers.int_matmul import int_linear
 from pagedllm.layers.triton_ops import (
     IntWeights,
@@ -95,11 +94,10 @@ def small_batch_product(proj: Linear, x: torch.Tensor | Fp8Rows, bias: torch.Ten
                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """``x @ proj.weight.T + bias`` on the small-batch kernel (``small_batch_matmul``, with
     ``silu_gated`` or ``norm`` riding on it), for every weight format: bf16/fp16, FP8 and
-    packed integers (4-bit ones with zero points on Hopper's ``int_matmul.int4_wgmma``
-    where ``wgmma_config`` gives it the batch). None where that kernel does not take the
-    product (not CUDA, more rows than ``gemv_max_rows``, integer groups no tile fits, rows
-    already quantized for a larger FP8 product, block-wise FP8 weights, bitsandbytes'
-    LLM.int8): the caller multiplies."""
+    packed integers. None where that kernel does not take the product (not CUDA, more rows
+    than ``gemv_max_rows``, integer groups no tile fits, rows already quantized for a
+    larger FP8 product, block-wise FP8 weights, bitsandbytes' LLM.int8): the caller
+    multiplies."""
     if isinstance(x, Fp8Rows) or proj.fp8_block is not None or proj.llm_int8_threshold is not None:
         return None
     scheme = proj.int_scheme
@@ -112,14 +110,6 @@ def small_batch_product(proj: Linear, x: torch.Tensor | Fp8Rows, bias: torch.Ten
                                   weight_scale=proj.weight_scale, input_scale=proj.input_scale)
     if not use_small_batch_matmul(x, proj.qweight):
         return None
-    wgmma = None if proj.zeros is None else int_matmul.wgmma_config(
-        x.shape[0], proj.qweight.shape[0], proj.input_size, scheme.group_size, scheme.bits,
-        x.device)
-    if wgmma is not None:
-        x_in = x if proj.act_perm is None else x[:, proj.act_perm.long()]
-        return int_matmul.int4_wgmma(x_in, proj.qweight, proj.scales, proj.zeros, wgmma,
-                                     group_size=scheme.group_size, bias=bias,
-                                     silu_gated=silu_gated, norm=norm)
     ints = IntWeights(proj.scales, proj.zeros, scheme.bits, scheme.group_size, proj.act_perm)
     if int_small_batch_tile(x.shape[0], proj.qweight.shape[0], proj.input_size, ints) is None:
         return None

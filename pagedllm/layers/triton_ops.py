@@ -499,37 +499,22 @@ def _row_argmax(logits: torch.Tensor, temperature: torch.Tensor | None,
     return out
 
 
-def sum_split_partials(partials: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                       *, silu_gated: bool = False,
-                       norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
-                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def sum_split_partials(partials: torch.Tensor, bias: torch.Tensor | None,
+                       dtype: torch.dtype) -> torch.Tensor:
     """A split-K product's result from its float32 slices ``[SPLIT, M, N]``, in one launch:
     added in slice order (the result does not depend on timing), plus ``bias``, rounded once
-    to ``dtype``. ``silu_gated`` and ``norm`` as ``small_batch_matmul`` takes them: the
-    slices hold ``[gate; up]`` and the result is their ``silu_and_mul``, ``[M, N / 2]``; or
-    the pair ``rms_norm(result, norm_weight, eps, residual)``."""
+    to ``dtype``."""
     split, rows, width = partials.shape
-    out_features = width // 2 if silu_gated else width
     if partials.stride(-1) != 1:
         partials = partials.contiguous()
-    out = torch.empty((rows, out_features), dtype=dtype, device=partials.device)
-    normed = residual_out = residual = norm_weight = out
-    eps = 0.0
-    if norm is not None:
-        norm_weight, eps, residual = norm
-        if silu_gated or residual.shape != out.shape or residual.stride(-1) != 1:
-            raise ValueError(f"norm= needs a plain product and a contiguous residual of its "
-                             f"shape {tuple(out.shape)}, got {tuple(residual.shape)}.")
-        normed, residual_out = torch.empty_like(out), torch.empty_like(out)
-    block = (_kernels().next_power_of_2(out_features) if norm is not None
-             else min(1024, _kernels().next_power_of_2(out_features)))
+    out = torch.empty((rows, width), dtype=dtype, device=partials.device)
+    block = min(1024, _kernels().next_power_of_2(width))
     if rows:
-        _kernels().split_sums_kernel[(rows, _kernels().cdiv(out_features, block))](
-            partials, bias if bias is not None else out, out, norm_weight, residual, normed,
-            residual_out, out_features, partials.stride(0), partials.stride(1), out.stride(0),
-            residual.stride(0), eps, SPLIT=split, BLOCK=block, HAS_BIAS=bias is not None,
-            SILU_GATED=silu_gated, NORM=norm is not None, **launch_options(partials.device))
-    return out if norm is None else (normed, residual_out)
+        _kernels().split_sums_kernel[(rows, _kernels().cdiv(width, block))](
+            partials, bias if bias is not None else out, out, width, partials.stride(0),
+            partials.stride(1), out.stride(0), SPLIT=split, BLOCK=block,
+            HAS_BIAS=bias is not None, **launch_options(partials.device))
+    return out
 
 
 @functools.cache

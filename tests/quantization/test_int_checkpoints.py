@@ -343,34 +343,32 @@ def test_gptq_checkpoints_of_other_families_greedy_equal_hf(tmp_path, family, ov
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and int_matmul.is_hopper(torch.device("cuda"))),
                     reason="the 4-bit wgmma kernel runs on Hopper GPUs")
-def test_hopper_4bit_decode_of_a_few_sequences_on_the_wgmma_kernel_picks_hfs_tokens(
+def test_hopper_4bit_decode_of_9_to_16_sequences_on_the_wgmma_kernel_picks_hfs_tokens(
         sources, tmp_path, monkeypatch):
-    """With ``PAGEDLLM_INT_WGMMA_SMALL=1``, decode batches of 1 to 16 sequences of a 4-bit
-    act-order GPTQ checkpoint in bfloat16 take the wgmma kernel with K split, the SiLU and
-    the norms riding on the sums' addition, and every token the engine picks is HF's most
-    likely on the same dequantized weights in float32, or a near tie of it."""
+    """With ``PAGEDLLM_INT_WGMMA_SMALL=1``, decode batches of 9 to 16 sequences of a 4-bit
+    act-order GPTQ checkpoint in bfloat16 take the wgmma kernel with ``K`` split, and every
+    token the engine picks is HF's most likely on the same dequantized weights in float32,
+    or a near tie of it."""
     monkeypatch.setenv(int_matmul.INT_WGMMA_SMALL_ENV, "1")
     quantized = write_gptq(sources["llama"], tmp_path / "gptq", bits=4, group_size=64,
                            desc_act=True)
     reference = hf_on_dequantized(sources["llama"], quantized)
-    calls = []
+    rows = []
     real = int_matmul.int4_wgmma
-    monkeypatch.setattr(int_matmul, "int4_wgmma", lambda x, *a, **kw: calls.append(
-        (x.shape[0], kw.get("silu_gated"), kw.get("norm") is not None)) or real(x, *a, **kw))
+    monkeypatch.setattr(int_matmul, "int4_wgmma",
+                        lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw))
     llm = LLM(str(tmp_path / "gptq"), dtype="bfloat16", block_size=16, max_model_len=128,
               max_num_seqs=16, device="cuda")
-    for count in (1, 5, 16):
-        prompts = random_prompts(count, 4, 12, seed=20 + count, vocab=256)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                               SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                               use_tqdm=False)
-        # Decode batches (graphed, or not): gate/up with the SiLU, o_proj and down with a norm.
-        assert {(True, False), (False, True)} <= {call[1:] for call in calls if call[0] <= 16}
-        for prompt, output in zip(prompts, outputs):
-            tokens = list(output.outputs[0].token_ids)
-            logprobs = full_pass_logprobs(reference, prompt, tokens)
-            for step, token in enumerate(tokens):
-                assert logprobs[step].max() - logprobs[step, token] <= 0.1, (prompt, tokens, step)
+    prompts = random_prompts(12, 4, 12, seed=21, vocab=256)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)
+    assert any(9 <= r <= 16 for r in rows), rows  # the decode batches, graphed or not
+    for prompt, output in zip(prompts, outputs):
+        tokens = list(output.outputs[0].token_ids)
+        logprobs = full_pass_logprobs(reference, prompt, tokens)
+        for step, token in enumerate(tokens):
+            assert logprobs[step].max() - logprobs[step, token] <= 0.1, (prompt, tokens, step)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and int_matmul.is_hopper(torch.device("cuda"))),
