@@ -341,15 +341,14 @@ def test_gptq_checkpoints_of_other_families_greedy_equal_hf(tmp_path, family, ov
     assert engine_tokens(tmp_path / "gptq", prompts) == want
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and int_matmul.is_hopper(torch.device("cuda"))),
-                    reason="the 4-bit wgmma kernel runs on Hopper GPUs")
-def test_hopper_4bit_decode_of_9_to_16_sequences_on_the_wgmma_kernel_picks_hfs_tokens(
-        sources, tmp_path, monkeypatch):
-    """With ``PAGEDLLM_INT_WGMMA_SMALL=1``, decode batches of 9 to 16 sequences of a 4-bit
-    act-order GPTQ checkpoint in bfloat16 take the wgmma kernel with ``K`` split, and every
-    token the engine picks is HF's most likely on the same dequantized weights in float32,
-    or a near tie of it."""
-    monkeypatch.setenv(int_matmul.INT_WGMMA_SMALL_ENV, "1")
+HOPPER = torch.cuda.is_available() and int_matmul.is_hopper(torch.device("cuda"))
+# nats: bfloat16 activations against float32 ones
+BF16_TIE = 0.1
+
+
+def _wgmma_engine(sources, tmp_path, monkeypatch, max_num_seqs: int):
+    """A 4-bit act-order GPTQ checkpoint served in bfloat16 on the GPU, HF on its
+    dequantized weights, and the row counts of every ``int4_wgmma`` launch from then on."""
     quantized = write_gptq(sources["llama"], tmp_path / "gptq", bits=4, group_size=64,
                            desc_act=True)
     reference = hf_on_dequantized(sources["llama"], quantized)
@@ -358,51 +357,51 @@ def test_hopper_4bit_decode_of_9_to_16_sequences_on_the_wgmma_kernel_picks_hfs_t
     monkeypatch.setattr(int_matmul, "int4_wgmma",
                         lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw))
     llm = LLM(str(tmp_path / "gptq"), dtype="bfloat16", block_size=16, max_model_len=128,
-              max_num_seqs=16, device="cuda")
-    prompts = random_prompts(12, 4, 12, seed=21, vocab=256)
+              max_num_seqs=max_num_seqs, device="cuda")
+    return llm, reference, rows
+
+
+def _assert_decodes_pick_hfs_tokens(llm, reference, prompts) -> None:
+    """Six greedy tokens of every prompt at once: each HF's most likely on the dequantized
+    weights, or within ``BF16_TIE`` of it."""
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                            use_tqdm=False)
-    assert any(9 <= r <= 16 for r in rows), rows  # the decode batches, graphed or not
     for prompt, output in zip(prompts, outputs):
         tokens = list(output.outputs[0].token_ids)
         logprobs = full_pass_logprobs(reference, prompt, tokens)
         for step, token in enumerate(tokens):
-            assert logprobs[step].max() - logprobs[step, token] <= 0.1, (prompt, tokens, step)
+            assert logprobs[step].max() - logprobs[step, token] <= BF16_TIE, (prompt, tokens,
+                                                                               step)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and int_matmul.is_hopper(torch.device("cuda"))),
-                    reason="the 4-bit wgmma kernel runs on Hopper GPUs")
+@pytest.mark.skipif(not HOPPER, reason="the 4-bit wgmma kernel runs on Hopper GPUs")
+def test_hopper_4bit_decode_of_9_to_16_sequences_on_the_wgmma_kernel_picks_hfs_tokens(
+        sources, tmp_path, monkeypatch):
+    """With ``PAGEDLLM_INT_WGMMA_SMALL=1``, decode batches of 9 to 16 sequences take the
+    wgmma kernel with ``K`` split, and pick HF's tokens (``_assert_decodes_pick_hfs_tokens``)."""
+    monkeypatch.setenv(int_matmul.INT_WGMMA_SMALL_ENV, "1")
+    llm, reference, rows = _wgmma_engine(sources, tmp_path, monkeypatch, max_num_seqs=16)
+    _assert_decodes_pick_hfs_tokens(llm, reference, random_prompts(12, 4, 12, seed=21,
+                                                                   vocab=256))
+    assert any(9 <= r <= 16 for r in rows), rows  # the decode batches, graphed or not
+
+
+@pytest.mark.skipif(not HOPPER, reason="the 4-bit wgmma kernel runs on Hopper GPUs")
 def test_hopper_4bit_steps_of_65_to_256_rows_pick_hfs_tokens(sources, tmp_path, monkeypatch):
     """In bfloat16 on a Hopper GPU, a 4-bit act-order GPTQ checkpoint's prompt of 100 tokens
     and its decode batches of 80 sequences run on the wgmma kernel, and every token the
     engine picks is HF's most likely on the same dequantized weights in float32, or a near
     tie of it (bfloat16's rounding)."""
-    quantized = write_gptq(sources["llama"], tmp_path / "gptq", bits=4, group_size=64,
-                           desc_act=True)
-    reference = hf_on_dequantized(sources["llama"], quantized)
-    rows = []
-    real = int_matmul.int4_wgmma
-    monkeypatch.setattr(int_matmul, "int4_wgmma",
-                        lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw))
-    llm = LLM(str(tmp_path / "gptq"), dtype="bfloat16", block_size=16, max_model_len=128,
-              max_num_seqs=96, device="cuda")
-    tie = 0.1  # nats: bfloat16 activations against float32 ones
-
+    llm, reference, rows = _wgmma_engine(sources, tmp_path, monkeypatch, max_num_seqs=96)
     prompt = random_prompts(1, 90, 91, seed=11, vocab=256)[0]
     want = hf_greedy(reference, prompt, 10)
     rows.clear()
-    assert_engine_picks(llm, prompt, want, full_pass_logprobs(reference, prompt, want), tie)
+    assert_engine_picks(llm, prompt, want, full_pass_logprobs(reference, prompt, want),
+                        BF16_TIE)
     assert len(prompt) + len(want) in rows
 
-    prompts = random_prompts(80, 4, 12, seed=12, vocab=256)
     rows.clear()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                           use_tqdm=False)
+    _assert_decodes_pick_hfs_tokens(llm, reference, random_prompts(80, 4, 12, seed=12,
+                                                                   vocab=256))
     assert any(65 <= r <= 96 for r in rows), rows  # the decode batches, graphed or not
-    for prompt, output in zip(prompts, outputs):
-        tokens = list(output.outputs[0].token_ids)
-        logprobs = full_pass_logprobs(reference, prompt, tokens)
-        for step, token in enumerate(tokens):
-            assert logprobs[step].max() - logprobs[step, token] <= tie, (prompt, tokens, step)
