@@ -144,7 +144,8 @@ def int_gemm_candidates(rows: int) -> list[IntTile]:
 WGMMA_CANDIDATES = [int_matmul.WgmmaTile(block_m=bm, block_k=bk, stages=st, word_stages=ws)
                     for bm, bk, st in ((256, 64, 3), (128, 128, 3), (128, 64, 4), (64, 64, 4))
                     for ws in (4, 8)] + [int_matmul.WgmmaTile(block_n=128, num_warps=8),
-                                         int_matmul.WgmmaTile(paired=False)]
+                                         int_matmul.WgmmaTile(paired=False)] + [
+    int_matmul.WgmmaTile(block_m=16, block_k=128, split=split) for split in (1, 2, 4)]
 
 
 def int_gemm_sweep(row_counts: list[int], budget_s: float,

@@ -11,7 +11,8 @@ not tile). By the step's rows:
   ``gemv_max_rows`` rows (the layers call it, with the SiLU and the norm riding on it),
   else ``int_matmul`` with 16-row tiles and ``K`` split into ``SPLIT`` slices (split-K),
   so a narrow output still spreads over every SM; the float32 partial sums are added in
-  a fixed order (the result does not depend on timing);
+  a fixed order (the result does not depend on timing); with ``PAGEDLLM_INT_WGMMA_SMALL=1``
+  on a Hopper GPU, 4-bit weights with zero points take ``int4_wgmma`` there instead;
 * on a Hopper GPU, 65 to ``WGMMA_MAX_ROWS`` rows of 4-bit weights with zero points (the
   larger decode batches): ``int4_wgmma``, a Gluon kernel whose weight tiles, made in
   registers, are ``wgmma``'s register operand while the previous tile's product runs
@@ -218,7 +219,7 @@ def int_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 INT_WGMMA_ENV = "PAGEDLLM_INT_WGMMA"
 # Decode batches of 1 to SMALL_BATCH_ROWS rows on the same kernel, K split (off until timed
-# against the small-batch product on a GPU).
+# on a GPU against the split-K tiles of int_matmul that those batches take otherwise).
 INT_WGMMA_SMALL_ENV = "PAGEDLLM_INT_WGMMA_SMALL"
 # Steps of more rows (prompts) dequantize once and multiply with BLAS: at 2,048 rows cuBLAS
 # on the dequantized weight beat the kernel before its words came by TMA; the kernel as it
