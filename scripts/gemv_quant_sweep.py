@@ -279,7 +279,10 @@ def int8_gemm_sweep(row_counts: list[int], budget_s: float,
 
 FP8_SPLIT_TILES = [Fp8Tile(*t, s) for t, splits in (
     ((64, 128, 128, 4, 4), (1, 2, 4, 8)), ((128, 128, 128, 8, 4), (1, 2, 4)),
-    ((64, 64, 128, 4, 4), (2, 4, 8)), ((64, 128, 256, 4, 3), (2, 4))) for s in splits]
+    ((64, 64, 128, 4, 4), (2, 4, 8)), ((64, 128, 256, 4, 3), (2, 4))) for s in splits] + [
+    # A few rows: the weights on the tensor cores' wide side.
+    Fp8Tile(16, bn, bk, 4, st, s, swap=True) for bn, bk, st in ((64, 256, 4), (128, 128, 4))
+    for s in (1, 2, 4)]
 
 
 def fp8_gemm_sweep(row_counts: list[int], budget_s: float,

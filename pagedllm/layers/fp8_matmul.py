@@ -32,7 +32,9 @@ from pagedllm.layers.triton_ops import arrival_counters
 
 class Fp8Tile(NamedTuple):
     """Launch shape of ``fp8_matmul``: ``split`` slices of ``K``, each a whole number of
-    ``block_k`` steps."""
+    ``block_k`` steps; ``swap``: each step multiplies ``b``'s tile by ``a``'s (the
+    ``block_n`` weight rows the tensor cores' wide side, ``block_m`` input rows the
+    narrow one), for batches of a few rows."""
 
     block_m: int
     block_n: int
@@ -40,6 +42,7 @@ class Fp8Tile(NamedTuple):
     num_warps: int
     num_stages: int
     split: int = 1
+    swap: bool = False
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -52,6 +55,7 @@ def _fp8_matmul_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     """Program ``(p, s)`` sums slice ``s`` (``k_per_split`` inputs) of output tile ``p``: row
     tile ``p % cdiv(M, BLOCK_M)`` of column tile ``p // cdiv(M, BLOCK_M)`` (the row tiles of
@@ -66,14 +70,28 @@ def _fp8_matmul_kernel(
     m, n, m_valid, n_valid, a_rows, b_cols = gemm_output_tile(
         pid_m, pid_n, M, N, a_ptr, stride_am, b_ptr, stride_bn, BLOCK_M, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = split * k_per_split
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         kk = k0 + k
         k_valid = (kk < K) | EVEN_K  # EVEN_K: BLOCK_K divides K, no step is ragged
-        a = tl.load(a_rows + kk[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
-        b = tl.load(b_cols + kk[:, None], mask=k_valid[:, None] & n_valid[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        if SWAP:  # each tile loaded in the shape the product takes it (so it is pipelined)
+            b = tl.load(tl.trans(b_cols) + kk[None, :],
+                        mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+            a = tl.load(tl.trans(a_rows) + kk[:, None],
+                        mask=k_valid[:, None] & m_valid[None, :], other=0.0)
+            acc = tl.dot(b, a, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            a = tl.load(a_rows + kk[None, :], mask=m_valid[:, None] & k_valid[None, :],
+                        other=0.0)
+            b = tl.load(b_cols + kk[:, None], mask=k_valid[:, None] & n_valid[None, :],
+                        other=0.0)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+    if SWAP:
+        acc = tl.trans(acc)
     valid = m_valid[:, None] & n_valid[None, :]
     if SPLIT > 1:
         slot = partial_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
@@ -131,6 +149,6 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
         rows, n, k, a.stride(0), b.stride(0), out.stride(0), steps // tile.split * tile.block_k,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         HAS_BIAS=bias is not None, EVEN_K=k % tile.block_k == 0, SPLIT=tile.split,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        SWAP=tile.swap, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out

@@ -18,6 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     (40, 130, 256, Fp8Tile(16, 64, 64, 4, 2, 4)),   # K in four slices, row tiles share weights
     (150, 96, 384, Fp8Tile(64, 32, 32, 4, 2, 3)),   # three slices, a partial row tile
     (150, 96, 384, None),                           # the configured tile
+    (3, 70, 256, Fp8Tile(16, 32, 64, 4, 2, 2, swap=True)),  # weights on the wide side
 ])
 def test_fp8_matmul_is_the_dequantized_product(rows, n, k, tile):
     gen = torch.Generator().manual_seed(rows + (tile.split if tile else 0))
