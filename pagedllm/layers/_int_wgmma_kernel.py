@@ -1,5 +1,6 @@
-"""A Hopper kernel for 4-bit weights in decode batches (of 65 and more rows; of 1 to 16 with
-``K`` split, ``int_matmul.INT_WGMMA_SMALL_ENV``), imported only when it launches:
+"""A Hopper kernel for 4-bit weights in steps of up to ``int_matmul.WGMMA_MAX_ROWS`` rows
+(decode batches, ``K`` split for the smaller ones; short prompts), imported only when it
+launches:
 ``x [M, K] @ W.T`` with ``W`` in the stored layout of ``pagedllm.quantization.int_weights``,
 written in Gluon so that the weight tile made in registers is ``wgmma``'s register operand,
 made while the previous tile's product runs.

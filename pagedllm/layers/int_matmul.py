@@ -7,16 +7,16 @@ elsewhere.
 dequantizes the whole weight and multiplies (exact, and the fallback for shapes that do
 not tile). By the step's rows:
 
-* decode batches of 1 to 16 rows: the small-batch product of ``triton_ops`` up to
-  ``gemv_max_rows`` rows (the layers call it, with the SiLU and the norm riding on it),
-  else ``int_matmul`` with 16-row tiles and ``K`` split into ``SPLIT`` slices (split-K),
-  so a narrow output still spreads over every SM; the float32 partial sums are added in
-  a fixed order (the result does not depend on timing); with ``PAGEDLLM_INT_WGMMA_SMALL=1``
-  on a Hopper GPU, 4-bit weights with zero points take ``int4_wgmma`` there instead;
-* on a Hopper GPU, 65 to ``WGMMA_MAX_ROWS`` rows of 4-bit weights with zero points (the
-  larger decode batches): ``int4_wgmma``, a Gluon kernel whose weight tiles, made in
-  registers, are ``wgmma``'s register operand while the previous tile's product runs
-  (``_int_wgmma_kernel``; ``wgmma_config``);
+* decode batches of up to ``gemv_max_rows`` rows: the small-batch product of
+  ``triton_ops`` (the layers call it, with the SiLU and the norm riding on it);
+* on a Hopper GPU, 4-bit weights with zero points, every other step of up to
+  ``WGMMA_MAX_ROWS`` rows (decode batches, short prompts): ``int4_wgmma``, a Gluon kernel
+  whose weight tiles, made in registers, are ``wgmma``'s register operand while the
+  previous tile's product runs, ``K`` split for the smaller batches (``_int_wgmma_kernel``;
+  ``wgmma_config``);
+* elsewhere, up to 16 rows: ``int_matmul`` with 16-row tiles and ``K`` split into
+  ``SPLIT`` slices (split-K), so a narrow output still spreads over every SM; the float32
+  partial sums are added in a fixed order (the result does not depend on timing);
 * elsewhere, 17 to 64 rows, and 65 to ``DEQUANTIZE_ROWS`` rows of a wide output
   (``WIDE_OUTPUT`` columns or more: an MLP's gate/up): ``int_matmul`` with 64- or 128-row
   output tiles, the weight dequantized in registers as it streams in, ``K`` split when
@@ -218,16 +218,15 @@ def int_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 INT_WGMMA_ENV = "PAGEDLLM_INT_WGMMA"
-# Decode batches of 1 to SMALL_BATCH_ROWS rows on the same kernel, K split (off until timed
-# on a GPU against the split-K tiles of int_matmul that those batches take otherwise).
-INT_WGMMA_SMALL_ENV = "PAGEDLLM_INT_WGMMA_SMALL"
-# Steps of more rows (prompts) dequantize once and multiply with BLAS: at 2,048 rows cuBLAS
-# on the dequantized weight beat the kernel before its words came by TMA; the kernel as it
-# is has not been timed beyond 256 rows (docs/benchmarks.md).
-WGMMA_MAX_ROWS = 256
+# Steps of more rows (prompts) dequantize once and multiply with BLAS: at 2,048 rows that
+# beats the kernel on every Llama-3.1-8B projection, at 512 the kernel wins on every one
+# (1,024 untimed; docs/benchmarks.md).
+WGMMA_MAX_ROWS = 512
 # Outputs this wide or wider take 256-row tiles beyond 128 rows: their 64-output tiles
-# alone nearly fill an H100's SMs once.
+# alone nearly fill an H100's SMs once. Beyond 256 rows every output takes them.
 WGMMA_WIDE_OUTPUT = 6144
+# Steps of up to this many rows take tiles of 8 to 64 rows with K split (``small_wgmma_tile``).
+WGMMA_SPLIT_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -253,22 +252,20 @@ def wgmma_config(rows: int, n: int, k: int, group_size: int, bits: int,
                  device: torch.device) -> WgmmaTile | None:
     """The ``int4_wgmma`` tile for a step of ``rows`` rows, or None where it does not serve:
     a Hopper GPU, 4-bit weights with zero points, ``K`` and the group in whole steps of
-    ``block_k`` inputs, 65 to ``WGMMA_MAX_ROWS`` rows (``PAGEDLLM_INT_WGMMA=0`` turns it
-    off), and with ``PAGEDLLM_INT_WGMMA_SMALL=1`` also decode batches of 1 to
-    ``SMALL_BATCH_ROWS`` (``small_wgmma_tile``). The tiles are the fastest of
-    ``scripts/gemv_quant_sweep.py --int-gemm-rows`` on Llama-3.1-8B's projections
-    (docs/benchmarks.md): 128-row tiles by 64 outputs over 128-input steps, except beyond
-    128 rows into ``WGMMA_WIDE_OUTPUT`` or more outputs (qkv, an MLP's gate/up): 256-row
-    tiles over 64-input steps. Steps of 64 inputs where 128 do not divide ``K`` or the
-    group."""
+    ``block_k`` inputs, 1 to ``WGMMA_MAX_ROWS`` rows (``PAGEDLLM_INT_WGMMA=0`` turns it
+    off). The tiles are the fastest of ``scripts/gemv_quant_sweep.py --int-gemm-rows`` on
+    Llama-3.1-8B's projections (docs/benchmarks.md): up to ``WGMMA_SPLIT_ROWS`` rows,
+    ``small_wgmma_tile``'s; then 128-row tiles by 64 outputs over 128-input steps, except
+    beyond 128 rows into ``WGMMA_WIDE_OUTPUT`` or more outputs (qkv, an MLP's gate/up) and
+    beyond 256 rows into any: 256-row tiles over 64-input steps. Steps of 64 inputs where
+    128 do not divide ``K`` or the group."""
     group = k if group_size == -1 else group_size
-    small = 0 < rows <= SMALL_BATCH_ROWS and switch(INT_WGMMA_SMALL_ENV, False)
-    if (bits != 4 or not (small or 64 < rows <= WGMMA_MAX_ROWS) or k % 64 or group % 64
+    if (bits != 4 or not 0 < rows <= WGMMA_MAX_ROWS or k % 64 or group % 64
             or not is_hopper(device) or not switch(INT_WGMMA_ENV, True)):
         return None
-    if small:
+    if rows <= WGMMA_SPLIT_ROWS:
         return small_wgmma_tile(rows, n, k, group, _sm_count(device))
-    if rows > 128 and n >= WGMMA_WIDE_OUTPUT:
+    if rows > 256 or (rows > 128 and n >= WGMMA_WIDE_OUTPUT):
         tile = WgmmaTile(block_m=256, block_k=64, stages=3)
     else:
         tile = WgmmaTile(block_m=128, block_k=128, stages=3)
@@ -277,15 +274,16 @@ def wgmma_config(rows: int, n: int, k: int, group_size: int, bits: int,
 
 
 def small_wgmma_tile(rows: int, n: int, k: int, group: int, sm_count: int) -> WgmmaTile:
-    """The ``int4_wgmma`` tile of a decode batch of 1 to ``SMALL_BATCH_ROWS`` rows (``K``
-    and ``group`` multiples of 64): 8- or 16-row tiles (``wgmma``'s narrowest) over
-    128-input steps where they divide ``K`` and the group, ``K`` split until the output
-    tiles times the slices reach about two programs per SM."""
+    """The ``int4_wgmma`` tile of a decode batch of 1 to ``WGMMA_SPLIT_ROWS`` rows (``K``
+    and ``group`` multiples of 64): the batch in one tile of 8 to 64 rows (``wgmma``'s
+    ``N``: 8 is its narrowest) over 128-input steps where they divide ``K`` and the group,
+    ``K`` split until the output tiles times the slices reach about two programs per SM."""
     block_k = 128 if k % 128 == 0 and group % 128 == 0 else 64
     steps = k // block_k
     wanted = -(-2 * sm_count // -(-n // 64))
     split = max(s for s in range(1, min(wanted, steps) + 1) if steps % s == 0)
-    return WgmmaTile(block_m=8 if rows <= 8 else 16, block_k=block_k, stages=4, split=split)
+    return WgmmaTile(block_m=max(8, 1 << (rows - 1).bit_length()), block_k=block_k, stages=4,
+                     split=split)
 
 
 def int4_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

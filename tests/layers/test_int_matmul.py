@@ -121,8 +121,8 @@ def test_hopper_kernel_gives_the_dequantized_product(rows, n, k, group_size, til
 
 @pytest.mark.skipif(not HOPPER, reason="the wgmma kernel runs on Hopper GPUs")
 def test_hopper_decode_batches_take_the_wgmma_kernel(monkeypatch):
-    """Decode batches of 65 to WGMMA_MAX_ROWS rows run 4-bit weights on the wgmma kernel,
-    act-order weights through the gathered activation; prompts and 8-bit weights keep the
+    """Steps of up to WGMMA_MAX_ROWS rows run 4-bit weights on the wgmma kernel, act-order
+    weights through the gathered activation; longer prompts and 8-bit weights keep the
     other kernels."""
     launched = []
     real = int_matmul.int4_wgmma
@@ -130,27 +130,27 @@ def test_hopper_decode_batches_take_the_wgmma_kernel(monkeypatch):
                         lambda *a, **kw: launched.append(a[0].shape) or real(*a, **kw))
     qweight, scales, zeros, perm = packed_projection(256, 512, 4, 128, seed=8, act_order=True,
                                                      dtype=torch.bfloat16)
-    for rows in (64, 65, 200, int_matmul.WGMMA_MAX_ROWS + 1):
+    for rows in (5, 64, 200, int_matmul.WGMMA_MAX_ROWS + 1):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(
             DEVICE, torch.bfloat16)
         got = int_linear(x, qweight, scales, zeros, bits=4, group_size=128, in_features=512,
                          perm=perm)
         want = _reference(x, qweight, scales, zeros, 4, 128, perm=perm)
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-    assert launched == [(65, 512), (200, 512)]
+    assert launched == [(5, 512), (64, 512), (200, 512)]
     qweight8, scales8, zeros8, _ = packed_projection(256, 512, 8, 128, seed=9)
     x = torch.randn(100, 512, generator=torch.Generator().manual_seed(1)).to(DEVICE, DTYPE)
     int_linear(x, qweight8, scales8, zeros8, bits=8, group_size=128, in_features=512)
-    assert len(launched) == 2
+    assert len(launched) == 3
 
 
-def test_the_wgmma_kernel_serves_hopper_4bit_steps_past_64_rows(monkeypatch):
+def test_the_wgmma_kernel_serves_hopper_4bit_steps_up_to_its_row_limit(monkeypatch):
     """Which steps ``wgmma_config`` sends to the Hopper kernel; every tile it picks tiles
     its shape (its steps divide ``K`` and the group)."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(int_matmul, "is_hopper", lambda device: True)
-    assert wgmma_config(64, 4096, 4096, 128, 4, cuda) is None  # the row tiles' batches
-    for rows in (65, 128, 129, int_matmul.WGMMA_MAX_ROWS):
+    monkeypatch.setattr(int_matmul, "_sm_count", lambda device: 132)
+    for rows in (1, 9, 64, 65, 128, 129, 300, int_matmul.WGMMA_MAX_ROWS):
         for n, k, group in ((6144, 4096, 128), (28672, 4096, 64), (4096, 14336, -1),
                             (4096, 4096, 64), (512, 448, -1)):
             tile = wgmma_config(rows, n, k, group, 4, cuda)
@@ -167,28 +167,25 @@ def test_the_wgmma_kernel_serves_hopper_4bit_steps_past_64_rows(monkeypatch):
     assert wgmma_config(256, 4096, 4096, 128, 4, cuda) is None
 
 
-def test_decode_batches_of_a_few_rows_take_the_wgmma_kernel_when_switched_on(monkeypatch):
-    """``PAGEDLLM_INT_WGMMA_SMALL=1``: 1 to 16 rows of 4-bit weights on Hopper take 8- or
-    16-row tiles, ``K`` split until about two programs an SM, every slice whole steps of
-    ``K`` in whole groups; off by default."""
+def test_decode_batches_of_up_to_64_rows_split_k_over_one_tile_of_rows(monkeypatch):
+    """Up to ``WGMMA_SPLIT_ROWS`` rows of 4-bit weights on Hopper take one tile of 8 to 64
+    rows, ``K`` split until about two programs an SM, every slice whole steps of ``K`` in
+    whole groups."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(int_matmul, "is_hopper", lambda device: True)
     monkeypatch.setattr(int_matmul, "_sm_count", lambda device: 132)
-    assert wgmma_config(1, 4096, 4096, 128, 4, cuda) is None
-    monkeypatch.setenv(int_matmul.INT_WGMMA_SMALL_ENV, "1")
     llama = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
              "down": (4096, 14336)}
-    tiles = {name: wgmma_config(1, n, k, 128, 4, cuda) for name, (n, k) in llama.items()}
+    tiles = {name: wgmma_config(16, n, k, 128, 4, cuda) for name, (n, k) in llama.items()}
     assert {name: tile.split for name, tile in tiles.items()} == {
         "qkv": 2, "o_proj": 4, "gate_up": 1, "down": 4}
-    assert {tile.block_m for tile in tiles.values()} == {8}
-    assert wgmma_config(16, 4096, 4096, 128, 4, cuda).block_m == 16
-    for rows, n, k, group in [(3, 320, 448, 64), (16, 128, 384, -1), (9, 4096, 14336, 128)]:
+    assert [wgmma_config(rows, 4096, 4096, 128, 4, cuda).block_m
+            for rows in (1, 8, 9, 16, 17, 33, 64)] == [8, 8, 16, 16, 32, 64, 64]
+    assert wgmma_config(65, 4096, 4096, 128, 4, cuda).split == 1
+    for rows, n, k, group in [(3, 320, 448, 64), (16, 128, 384, -1), (40, 4096, 14336, 128)]:
         tile = wgmma_config(rows, n, k, group, 4, cuda)
         steps = k // tile.block_k
         assert steps % tile.split == 0 and (k if group == -1 else group) % tile.block_k == 0
-    assert wgmma_config(17, 4096, 4096, 128, 4, cuda) is None  # the row tiles' batches
-    assert wgmma_config(1, 4096, 4096, 128, 8, cuda) is None  # 8-bit weights
 
 
 def test_split_k_rows_do_not_depend_on_the_batch():

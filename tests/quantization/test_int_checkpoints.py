@@ -378,9 +378,8 @@ def _assert_decodes_pick_hfs_tokens(llm, reference, prompts) -> None:
 @pytest.mark.skipif(not HOPPER, reason="the 4-bit wgmma kernel runs on Hopper GPUs")
 def test_hopper_4bit_decode_of_9_to_16_sequences_on_the_wgmma_kernel_picks_hfs_tokens(
         sources, tmp_path, monkeypatch):
-    """With ``PAGEDLLM_INT_WGMMA_SMALL=1``, decode batches of 9 to 16 sequences take the
-    wgmma kernel with ``K`` split, and pick HF's tokens (``_assert_decodes_pick_hfs_tokens``)."""
-    monkeypatch.setenv(int_matmul.INT_WGMMA_SMALL_ENV, "1")
+    """Decode batches of 9 to 16 sequences take the wgmma kernel with ``K`` split, and pick
+    HF's tokens (``_assert_decodes_pick_hfs_tokens``)."""
     llm, reference, rows = _wgmma_engine(sources, tmp_path, monkeypatch, max_num_seqs=16)
     _assert_decodes_pick_hfs_tokens(llm, reference, random_prompts(12, 4, 12, seed=21,
                                                                    vocab=256))
