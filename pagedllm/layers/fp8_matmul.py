@@ -110,12 +110,23 @@ def _fp8_matmul_kernel(
                           out_ptr, stride_om, HAS_BIAS)
 
 
+# Batches of up to this many rows take the swapped tile.
+SWAP_ROWS = 16
+
+
 def fp8_matmul_tile(rows: int, n: int, k: int) -> Fp8Tile:
     """The tile for ``[rows, k] x [k, n]``: 64 x 64 output tiles of 128-deep steps, 4 warps,
     4 stages, ``K`` in four slices where that keeps the launch within two programs per SM of
     an H200 (132), else in two (each slice at least four steps, else whole). From
     ``scripts/gemv_quant_sweep.py --fp8-gemm-rows`` on an H200, Llama-3.1-8B's o_proj and
-    down at 64-176 rows (docs/benchmarks.md, "FP8 products of 129-224 rows")."""
+    down at 64-176 rows (docs/benchmarks.md, "FP8 products of 129-224 rows"). Up to
+    ``SWAP_ROWS`` rows the swapped tile, 64 weight rows by 16 input rows over 256-deep
+    steps, ``K`` in two where the tiles alone would not give each SM a program (an H100's
+    o_proj and down at 16 rows: 10.4 and 25.9 us against the 64-row tile's 11.3 and 27.5;
+    "4-bit steps of 9-64 and 257-512 rows")."""
+    if rows <= SWAP_ROWS and k % 256 == 0:
+        split = 2 if cdiv(n, 64) * 2 <= 132 and (k // 256) % 2 == 0 else 1
+        return Fp8Tile(16, 64, 256, 4, 4, split, swap=True)
     block_m, block_n, block_k = 64, 64, 128
     tiles = cdiv(rows, block_m) * cdiv(n, block_n)
     steps = cdiv(k, block_k)

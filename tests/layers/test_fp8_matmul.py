@@ -19,6 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     (150, 96, 384, Fp8Tile(64, 32, 32, 4, 2, 3)),   # three slices, a partial row tile
     (150, 96, 384, None),                           # the configured tile
     (3, 70, 256, Fp8Tile(16, 32, 64, 4, 2, 2, swap=True)),  # weights on the wide side
+    (12, 96, 512, None),                            # the configured tile of a few rows
 ])
 def test_fp8_matmul_is_the_dequantized_product(rows, n, k, tile):
     gen = torch.Generator().manual_seed(rows + (tile.split if tile else 0))
@@ -49,6 +50,10 @@ def test_configured_tiles_split_narrow_outputs_of_decode_batches():
     assert fp8_matmul_tile(128, 4096, 4096).split == 2      # 128 tiles
     assert fp8_matmul_tile(176, 4096, 14336).split == 2
     assert fp8_matmul_tile(128, 4096, 384).split == 1       # three steps of K
+    # Up to 16 rows the weights take the tensor cores' wide side, K in two for narrow outputs.
+    assert fp8_matmul_tile(16, 4096, 14336) == Fp8Tile(16, 64, 256, 4, 4, 2, swap=True)
+    assert fp8_matmul_tile(9, 6144, 4096).split == 1
+    assert not fp8_matmul_tile(17, 4096, 4096).swap
 
 
 def test_fp8_matmul_refuses_operands_it_does_not_take():
