@@ -401,10 +401,10 @@ def sweep(kinds: list[str], row_counts: list[int], budget_s: float,
 
                     before = None
                 else:
-                    quantize, dequantize = W8A8_FORMATS[kind]
+                    quantize, dequantize_w8a8 = W8A8_FORMATS[kind]
                     weights = [quantize(w) for w in bf16]
                     weights = (weights * (copies // len(weights) + 1))[:copies]
-                    ref_weight = dequantize(*weights[0])
+                    ref_weight = dequantize_w8a8(*weights[0])
 
                     def op(w, x):
                         return triton_ops.small_batch_matmul(x, w[0], weight_scale=w[1])

@@ -1,9 +1,8 @@
 """A Hopper kernel for 4-bit weights in steps of up to ``int_matmul.WGMMA_MAX_ROWS`` rows
 (decode batches, ``K`` split for the smaller ones; short prompts), imported only when it
-launches:
-``x [M, K] @ W.T`` with ``W`` in the stored layout of ``pagedllm.quantization.int_weights``,
-written in Gluon so that the weight tile made in registers is ``wgmma``'s register operand,
-made while the previous tile's product runs.
+launches: ``x [M, K] @ W.T`` with ``W`` in the stored layout of
+``pagedllm.quantization.int_weights``, written in Gluon so that the weight tile made in
+registers is ``wgmma``'s register operand, made while the previous tile's product runs.
 
 The product is computed transposed, ``W x^T``: a program owns ``BLOCK_N`` outputs (the
 ``wgmma`` rows, whose operand comes from registers) by ``BLOCK_M`` activation rows (its
@@ -187,7 +186,7 @@ def int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, 
     rows first, so one weight tile's readers run together and its second read hits L2).
     Program (i, j, s) sums slice ``s`` of ``K``'s ``SPLIT`` slices of steps into ``out[s]``
     (``out``: ``[SPLIT, M, N]``), in ``out``'s dtype: float32 where the caller adds the
-    slices or finishes the sums."""
+    slices (``SPLIT`` > 1)."""
     WORDS: gl.constexpr = BLOCK_K // 8
     dtype: gl.constexpr = x_desc.dtype
     off_m = gl.program_id(0) * BLOCK_M
