@@ -43,6 +43,8 @@ FAMILIES = (
     ("fp8_matmul", "products (Triton GEMM)"),
     ("int8_matmul", "products (Triton GEMM)"),
     ("int_matmul", "products (Triton GEMM)"),
+    ("int4_wgmma", "products (Triton GEMM)"),
+    ("split_sums", "products (Triton GEMM)"),
     ("dequantize", "weight dequantization"),
     ("quantize", "activation quantization"),
     ("llm_int8_rows", "activation quantization"),

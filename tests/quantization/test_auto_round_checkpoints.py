@@ -17,7 +17,7 @@ import torch
 
 from pagedllm import LLM
 from tests.engine.conftest import hf_greedy, random_prompts
-from tests.quantization.test_fp8_checkpoints import engine_greedy, runner_model
+from tests.quantization.checkpoint_runs import engine_greedy, runner_model
 from tests.utils import make_tiny_checkpoint
 
 pytest.importorskip("auto_round")
@@ -134,7 +134,7 @@ def test_auto_round_checkpoints_greedy_equal_hf_on_autorounds_dequantized_weight
 ])
 def test_an_auto_round_variant_pagedllm_does_not_read_is_refused_naming_it(
         checkpoints, tmp_path, edit, message):
-    from tests.quantization.test_fp8_checkpoints import with_quantization_config
+    from tests.quantization.checkpoint_runs import with_quantization_config
 
     model_dir = with_quantization_config(checkpoints["sym-auto_round"], tmp_path / "edited",
                                          edit)

@@ -18,11 +18,7 @@ from pagedllm import LLM
 from pagedllm.quantization import bitsandbytes as bnb_format
 from tests.engine.conftest import hf_greedy, random_prompts
 from tests.quantization.int_checkpoints import _write, hf_on_dequantized, read_tensors
-from tests.quantization.test_fp8_checkpoints import (
-    engine_greedy,
-    runner_model,
-    with_quantization_config,
-)
+from tests.quantization.checkpoint_runs import engine_greedy, runner_model, with_quantization_config
 from tests.utils import make_tiny_checkpoint
 
 bnb = pytest.importorskip("bitsandbytes")

@@ -19,7 +19,7 @@ from pagedllm import LLM, SamplingParams
 from tests.engine.conftest import hf_greedy, random_prompts
 from tests.quantization.int_checkpoints import read_tensors
 from tests.quantization.teacher_forced import assert_engine_picks, full_pass_logprobs
-from tests.quantization.test_fp8_checkpoints import runner_model, with_quantization_config
+from tests.quantization.checkpoint_runs import runner_model, with_quantization_config
 from tests.utils import make_tiny_checkpoint
 
 bnb = pytest.importorskip("bitsandbytes")

@@ -6,7 +6,6 @@ dequantized weights with the same quantization of every projection's input."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from pagedllm.quantization.fp8 import (
 )
 from tests.engine.conftest import hf_greedy, random_prompts
 from tests.quantization.int_checkpoints import read_tensors
+from tests.quantization.checkpoint_runs import engine_greedy, runner_model, with_quantization_config
 from tests.quantization.llm_compressor import make_checkpoints
 from tests.utils import make_tiny_checkpoint
 
@@ -87,16 +87,6 @@ def hf_fp8_reference(model_dir: Path, prompts, max_new_tokens: int) -> list[list
     return [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
 
 
-def engine_greedy(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def runner_model(llm: LLM):
-    return llm.llm_engine.engine_core.model_runner.model
-
-
 @pytest.mark.parametrize("name", ["llama-dynamic", "qwen3-dynamic", "llama-static", "llama-block"])
 def test_llm_compressor_fp8_checkpoint_greedy_equals_hf(checkpoints, name):
     model_dir = checkpoints[name]
@@ -152,14 +142,6 @@ def test_demo_model_fp8_checkpoint_runs_as_the_model_quantized_at_load(checkpoin
 def test_a_contradicting_flag_is_refused(checkpoints):
     with pytest.raises(ValueError, match="contradicts the checkpoint.*compressed-tensors"):
         LLM(str(checkpoints["llama-dynamic"]), quantization="fp8", device="cpu")
-
-
-def with_quantization_config(src: Path, dst: Path, edit) -> Path:
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    edit(config["quantization_config"])
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 @pytest.mark.parametrize("edit, message", [

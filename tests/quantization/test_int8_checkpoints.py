@@ -20,10 +20,7 @@ from pagedllm.quantization.int8 import int8_linear, quantize_rows_int8
 from tests.engine.conftest import hf_greedy, random_prompts
 from tests.quantization.int_checkpoints import hf_on_dequantized, read_tensors
 from tests.quantization.teacher_forced import assert_engine_picks, full_pass_logprobs
-from tests.quantization.test_fp8_checkpoints import (
-    engine_greedy,
-    runner_model,
-)
+from tests.quantization.checkpoint_runs import engine_greedy, runner_model
 
 from tests.utils import make_tiny_checkpoint
 
@@ -200,7 +197,7 @@ def test_an_int8_weight_of_another_dtype_is_named(checkpoints, tmp_path):
 ])
 def test_an_int8_scheme_pagedllm_does_not_read_is_refused_naming_it(checkpoints, tmp_path,
                                                                    edit, message):
-    from tests.quantization.test_fp8_checkpoints import with_quantization_config
+    from tests.quantization.checkpoint_runs import with_quantization_config
 
     model_dir = with_quantization_config(checkpoints["llama-dynamic"], tmp_path / "edited", edit)
     with pytest.raises(ValueError, match=message):

@@ -23,7 +23,7 @@ from tests.quantization.int_checkpoints import (
     write_compressed_tensors,
     write_gptq,
 )
-from tests.quantization.test_fp8_checkpoints import engine_greedy, runner_model
+from tests.quantization.checkpoint_runs import engine_greedy, runner_model
 from tests.utils import make_tiny_checkpoint
 
 TINY = dict(vocab_size=256, max_position_embeddings=128)

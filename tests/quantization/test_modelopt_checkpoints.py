@@ -16,12 +16,8 @@ import pytest
 from pagedllm import LLM
 from tests.engine.conftest import random_prompts
 from tests.quantization.int_checkpoints import read_tensors
-from tests.quantization.test_fp8_checkpoints import (
-    dequantized_hf_reference,
-    engine_greedy,
-    hf_moe_fp8_reference,
-    runner_model,
-)
+from tests.quantization.checkpoint_runs import engine_greedy, runner_model
+from tests.quantization.test_fp8_checkpoints import dequantized_hf_reference, hf_moe_fp8_reference
 from tests.utils import make_tiny_checkpoint
 
 pytest.importorskip("modelopt")
@@ -111,7 +107,7 @@ def test_the_older_hf_quant_config_json_alone_is_read(checkpoints, tmp_path):
 ])
 def test_a_modelopt_algorithm_pagedllm_does_not_read_is_refused_naming_it(
         checkpoints, tmp_path, edit, message):
-    from tests.quantization.test_fp8_checkpoints import with_quantization_config
+    from tests.quantization.checkpoint_runs import with_quantization_config
 
     model_dir = with_quantization_config(checkpoints["fp8-kv"], tmp_path / "edited", edit)
     with pytest.raises(ValueError, match=message):
