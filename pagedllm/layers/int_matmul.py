@@ -7,13 +7,13 @@ elsewhere.
 dequantizes the whole weight and multiplies (exact, and the fallback for shapes that do
 not tile). By the step's rows:
 
-* decode batches of up to ``gemv_max_rows`` rows: the small-batch product of
-  ``triton_ops`` (the layers call it, with the SiLU and the norm riding on it);
-* on a Hopper GPU, 4-bit weights with zero points, every other step of up to
+* on a Hopper GPU, 4-bit weights with zero points, every step of up to
   ``WGMMA_MAX_ROWS`` rows (decode batches, short prompts): ``int4_wgmma``, a Gluon kernel
   whose weight tiles, made in registers, are ``wgmma``'s register operand while the
   previous tile's product runs, ``K`` split for the smaller batches (``_int_wgmma_kernel``;
   ``wgmma_config``);
+* elsewhere, decode batches of up to ``gemv_max_rows`` rows: the small-batch product of
+  ``triton_ops`` (the layers call it, with the SiLU and the norm riding on it);
 * elsewhere, up to 16 rows: ``int_matmul`` with 16-row tiles and ``K`` split into
   ``SPLIT`` slices (split-K), so a narrow output still spreads over every SM; the float32
   partial sums are added in a fixed order (the result does not depend on timing);
@@ -227,6 +227,9 @@ WGMMA_MAX_ROWS = 512
 WGMMA_WIDE_OUTPUT = 6144
 # Steps of up to this many rows take tiles of 8 to 64 rows with K split (``small_wgmma_tile``).
 WGMMA_SPLIT_ROWS = 64
+# A step whose last tile of rows would hold this many rows past the batch or more is
+# copied into whole tiles first (``int4_wgmma``).
+WGMMA_PAD_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -291,7 +294,8 @@ def int4_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias) -> [M, N]`` in ``x``'s dtype, 4-bit ``W`` with zero points
     in the stored layout, on the Hopper kernel of ``_int_wgmma_kernel``; a split tile's
-    float32 slices added after (``sum_split_partials``)."""
+    float32 slices added after (``sum_split_partials``). A batch whose last tile of rows
+    would hold ``WGMMA_PAD_ROWS`` or more rows past it is copied into whole tiles first."""
     from pagedllm.layers import _int_wgmma_kernel as kernels
 
     rows, in_features = x.shape
@@ -301,7 +305,15 @@ def int4_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"tile {tile} does not tile K={in_features} in groups of {group}.")
     if tile.block_n != 16 * tile.num_warps:
         raise ValueError(f"tile {tile}: block_n must be 16 outputs a warp.")
-    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+    padded = -(-rows // tile.block_m) * tile.block_m
+    if padded - rows >= WGMMA_PAD_ROWS:
+        # Rows past the batch would reach TMA as out-of-bounds rows, which it fills far
+        # slower than it copies rows: the batch is copied into whole tiles of rows instead
+        # (those past it hold whatever the buffer held; their results are not stored).
+        staged = x.new_empty(padded, in_features)
+        staged[:rows] = x
+        x = staged
+    elif x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()  # TMA reads 16-byte aligned rows
     partial = tile.split > 1
     out = torch.empty((tile.split, rows, out_features) if partial else (rows, out_features),

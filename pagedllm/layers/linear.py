@@ -49,7 +49,7 @@ from pagedllm.distributed.parallel_state import (
     get_tp,
     max_over_ranks_,
 )
-from pagedllm.layers.int_matmul import int_linear
+from pagedllm.layers.int_matmul import int_linear, wgmma_config
 from pagedllm.layers.triton_ops import (
     IntWeights,
     int_small_batch_tile,
@@ -95,9 +95,9 @@ def small_batch_product(proj: Linear, x: torch.Tensor | Fp8Rows, bias: torch.Ten
     """``x @ proj.weight.T + bias`` on the small-batch kernel (``small_batch_matmul``, with
     ``silu_gated`` or ``norm`` riding on it), for every weight format: bf16/fp16, FP8 and
     packed integers. None where that kernel does not take the product (not CUDA, more rows
-    than ``gemv_max_rows``, integer groups no tile fits, rows already quantized for a
-    larger FP8 product, block-wise FP8 weights, bitsandbytes' LLM.int8): the caller
-    multiplies."""
+    than ``gemv_max_rows``, integer groups no tile fits, 4-bit steps the Hopper kernel
+    takes (``int_matmul.wgmma_config``), rows already quantized for a larger FP8 product,
+    block-wise FP8 weights, bitsandbytes' LLM.int8): the caller multiplies."""
     if isinstance(x, Fp8Rows) or proj.fp8_block is not None or proj.llm_int8_threshold is not None:
         return None
     scheme = proj.int_scheme
@@ -108,7 +108,10 @@ def small_batch_product(proj: Linear, x: torch.Tensor | Fp8Rows, bias: torch.Ten
             return None
         return small_batch_matmul(x, proj.weight, bias, silu_gated=silu_gated, norm=norm,
                                   weight_scale=proj.weight_scale, input_scale=proj.input_scale)
-    if not use_small_batch_matmul(x, proj.qweight):
+    if not use_small_batch_matmul(x, proj.qweight) or (
+            proj.zeros is not None and wgmma_config(x.shape[0], proj.qweight.shape[0],
+                                                    proj.input_size, scheme.group_size,
+                                                    scheme.bits, x.device) is not None):
         return None
     ints = IntWeights(proj.scales, proj.zeros, scheme.bits, scheme.group_size, proj.act_perm)
     if int_small_batch_tile(x.shape[0], proj.qweight.shape[0], proj.input_size, ints) is None:
