@@ -276,6 +276,7 @@ def wgmma_config(rows: int, n: int, k: int, group_size: int, bits: int,
         tile, block_k=64)
 
 
+@functools.cache
 def small_wgmma_tile(rows: int, n: int, k: int, group: int, sm_count: int) -> WgmmaTile:
     """The ``int4_wgmma`` tile of a decode batch of 1 to ``WGMMA_SPLIT_ROWS`` rows (``K``
     and ``group`` multiples of 64): the batch in one tile of 8 to 64 rows (``wgmma``'s
