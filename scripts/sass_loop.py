@@ -25,9 +25,10 @@ cache write of the new token riding on it, as in the engine), ``--prefill
 BLOCK_M,BLOCK_N,num_warps,num_stages`` the prefill attention kernel (its longest loop), over
 a ``--kv bf16|fp8`` cache. Counts are per byte of keys and values a thread loads.
 ``--wgmma BLOCK_M,BLOCK_N,BLOCK_K,STAGES[,num_warps]`` compiles the Hopper kernel for 4-bit
-decode batches (``int_matmul.int4_wgmma``; its loop takes two steps a turn) and also
-reports ptxas' C7515 warnings: each one a ``wgmma`` product the compiler made wait for the
-ones before it. It compiles whatever ``TRITON_INTERPRET`` says (the variable is dropped).
+decode batches (``int_matmul.int4_wgmma``; its loop takes two steps a turn; ``--split``
+slices of ``K``) and also reports ptxas' C7514 and C7515 warnings: each one a ``wgmma``
+product the compiler made wait for the ones before it. It compiles whatever
+``TRITON_INTERPRET`` says (the variable is dropped).
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ def compile_wgmma(tile: WgmmaTile, group: int):
     layout = gl.NVMMASharedLayout.get_default_for([tile.block_m, tile.block_k], gl.bfloat16)
     words = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     pointers = dict(s_ptr="*bf16", z_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16",
+                    partials_ptr="*fp32", locks_ptr="*i32",
                     x_desc=f"tensordesc<bf16[{tile.block_m}, {tile.block_k}],{layout!r}>",
                     w_desc=f"tensordesc<i32[{tile.block_n}, {tile.block_k // 8}],{words!r}>")
     constants = dict(GROUP=group, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
@@ -160,9 +162,9 @@ def compile_wgmma(tile: WgmmaTile, group: int):
 
 
 def serialized_products(compiled) -> list[str]:
-    """ptxas' C7515 warnings on the kernel's PTX for sm_90a: ``wgmma`` products it made
-    wait for every product before them (an operand or accumulator register redefined under
-    a product in flight)."""
+    """ptxas' warnings on the kernel's PTX for sm_90a that it made ``wgmma`` products wait
+    for every product before them (C7515: an operand or accumulator register redefined under
+    a product in flight; C7514: a product's sums read while one is in flight)."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
@@ -170,7 +172,8 @@ def serialized_products(compiled) -> list[str]:
         done = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", ptx, "-o",
                                os.path.join(tmp, "kernel.o")], capture_output=True, text=True,
                               check=True)
-    return [line for line in (done.stdout + done.stderr).splitlines() if "C7515" in line]
+    return [line for line in (done.stdout + done.stderr).splitlines()
+            if "wgmma.mma_async instructions are serialized" in line]
 
 
 def sass(compiled) -> list[tuple[int, str]]:
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "context-rows its cached contexts) are read")
     parser.add_argument("--int-bits", type=int, choices=(0, 4, 8), default=0)
     parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--split", type=int, default=1, help="--wgmma: slices of K")
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--int8", action="store_true")
     parser.add_argument("--pdl", action="store_true",
@@ -249,7 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
     serialized = None
     if args.wgmma:
         shape = [int(v) for v in args.wgmma.split(",")]
-        wtile = WgmmaTile(*shape[:4], **({"num_warps": shape[4]} if len(shape) > 4 else {}))
+        wtile = WgmmaTile(*shape[:4], **({"num_warps": shape[4]} if len(shape) > 4 else {}),
+                          split=args.split)
         compiled = compile_wgmma(wtile, args.group)
         code, serialized = sass(compiled), serialized_products(compiled)
         unit = "weight"  # a turn of the loop takes two steps
@@ -284,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.pdl:
         print(f"  global-memory instructions before the wait: {result['memory_before_wait']}")
     if serialized is not None:
-        print(f"  products ptxas serialized (C7515): {len(serialized)}")
+        print(f"  products ptxas serialized (C7514, C7515): {len(serialized)}")
     if args.print_loop:
         print("\n".join(loop))
     if args.json:

@@ -174,19 +174,21 @@ def _load_words(w_desc, w_smem, w_ready, off_n, k0, step, num_k, BLOCK_K: gl.con
 
 
 @gluon.jit
-def int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_sn,
-                      stride_om, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                      WORD_STAGES: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      PAIRED: gl.constexpr, num_warps: gl.constexpr):
+def int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, partials_ptr,
+                      locks_ptr, M, N, K, stride_sn, stride_om, GROUP: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      STAGES: gl.constexpr, WORD_STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, PAIRED: gl.constexpr,
+                      num_warps: gl.constexpr):
     """``out[m, n] = sum_k x[m, k] (q[n, k] - zero) scale (+ bias[n])``, ``x`` and the words
     ``q`` through the TMA descriptors ``x_desc`` (blocks of ``BLOCK_M x BLOCK_K``) and
     ``w_desc`` (``BLOCK_N x BLOCK_K / 8``); ``BLOCK_K`` divides ``K`` and ``GROUP``. Program
     (i, j) owns activation rows ``i * BLOCK_M`` and outputs ``j * BLOCK_N`` on (programs over
     rows first, so one weight tile's readers run together and its second read hits L2).
-    Program (i, j, s) sums slice ``s`` of ``K``'s ``SPLIT`` slices of steps into ``out[s]``
-    (``out``: ``[SPLIT, M, N]``), in ``out``'s dtype: float32 where the caller adds the
-    slices (``SPLIT`` > 1)."""
+    Program (i, j, s) sums slice ``s`` of ``K``'s ``SPLIT`` slices of steps into
+    ``partials[s]`` (float32, ``[SPLIT, M, N]``, rows ``stride_om`` apart like ``out``'s);
+    the last of a tile's slices to finish adds them (``locks``: one int32 counter a tile of
+    ``(i, j)``, 0 before the launch and after it)."""
     WORDS: gl.constexpr = BLOCK_K // 8
     dtype: gl.constexpr = x_desc.dtype
     off_m = gl.program_id(0) * BLOCK_M
@@ -249,10 +251,24 @@ def int4_wgmma_kernel(x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, 
     result = gl.convert_layout(acc, store_layout)
     out_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, store_layout))
     out_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, store_layout))
+    offsets = gl.expand_dims(out_m.to(gl.int64), 0) * stride_om + gl.expand_dims(out_n, 1)
+    inside = gl.expand_dims(out_m < M, 0) & gl.expand_dims(out_n < N, 1)
+    if SPLIT > 1:
+        # Each slice's sums go to the float32 ``partials``; the tile's last slice to finish
+        # (its counter in ``locks`` says which) adds them all in slice order and stores the
+        # result, so the sum does not depend on timing, and sets the counter back to 0.
+        gl.store(partials_ptr + gl.program_id(2) * M * stride_om + offsets, result, mask=inside)
+        gl.thread_barrier()
+        lock = locks_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+        last = gl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if last:
+            result = gl.load(partials_ptr + offsets, mask=inside, other=0.0, cache_modifier=".cg")
+            for s in gl.static_range(1, SPLIT):
+                result += gl.load(partials_ptr + s * M * stride_om + offsets, mask=inside,
+                                  other=0.0, cache_modifier=".cg")
+            gl.atomic_xchg(lock, 0)
+        inside = inside & last
     if HAS_BIAS:
         bias = gl.load(bias_ptr + out_n, mask=out_n < N, other=0.0)
         result = result + gl.expand_dims(bias.to(gl.float32), 1)
-    out = (out_ptr + gl.program_id(2) * M * stride_om
-           + gl.expand_dims(out_m.to(gl.int64), 0) * stride_om + gl.expand_dims(out_n, 1))
-    gl.store(out, result.to(out_ptr.dtype.element_ty),
-             mask=gl.expand_dims(out_m < M, 0) & gl.expand_dims(out_n < N, 1))
+    gl.store(out_ptr + offsets, result.to(out_ptr.dtype.element_ty), mask=inside)

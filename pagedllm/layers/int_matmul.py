@@ -239,7 +239,7 @@ class WgmmaTile:
     tiles and ``word_stages`` tiles of packed words in flight (the words come from memory,
     the activations mostly from L2); ``paired``: weights made two at a time in half
     precision (else in float32; the same weights); ``split``: slices of ``K`` summed apart
-    (split-K, 1: none), added after in a fixed order."""
+    (split-K, 1: none), added in a fixed order."""
 
     block_m: int = 128
     block_n: int = 64
@@ -280,23 +280,40 @@ def wgmma_config(rows: int, n: int, k: int, group_size: int, bits: int,
 def small_wgmma_tile(rows: int, n: int, k: int, group: int, sm_count: int) -> WgmmaTile:
     """The ``int4_wgmma`` tile of a decode batch of 1 to ``WGMMA_SPLIT_ROWS`` rows (``K``
     and ``group`` multiples of 64): the batch in one tile of 8 to 64 rows (``wgmma``'s
-    ``N``: 8 is its narrowest) over 128-input steps where they divide ``K`` and the group,
-    ``K`` split until the output tiles times the slices reach about two programs per SM."""
+    ``N``: 8 is its narrowest) over 128-input steps where they divide ``K`` and the group.
+    An output of fewer than two tiles an SM has ``K`` split until the output tiles times the
+    slices reach about four programs an SM, two steps a slice at least (the kernel adds the
+    slices; wider outputs run fastest whole)."""
     block_k = 128 if k % 128 == 0 and group % 128 == 0 else 64
     steps = k // block_k
-    wanted = -(-2 * sm_count // -(-n // 64))
-    split = max(s for s in range(1, min(wanted, steps) + 1) if steps % s == 0)
+    column_tiles = -(-n // 64)
+    wanted = 1 if column_tiles >= 2 * sm_count else -(-4 * sm_count // column_tiles)
+    split = max(s for s in range(1, max(1, min(wanted, steps // 2)) + 1) if steps % s == 0)
     return WgmmaTile(block_m=max(8, 1 << (rows - 1).bit_length()), block_k=block_k, stages=4,
                      split=split)
 
 
+SPLIT_LOCKS = 1 << 16  # counters for every (row tile, output tile) of a split launch
+
+
+@functools.cache
+def split_locks(device: torch.device) -> torch.Tensor:
+    """The counters of ``int4_wgmma``'s split tiles on ``device``: zeros between launches
+    (a tile's last slice sets its counter back), so one buffer serves every launch of a
+    stream, CUDA graphs included."""
+    return torch.zeros(SPLIT_LOCKS, dtype=torch.int32, device=device)
+
+
 def int4_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, tile: WgmmaTile, *, group_size: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None,
+               perm: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias) -> [M, N]`` in ``x``'s dtype, 4-bit ``W`` with zero points
     in the stored layout, on the Hopper kernel of ``_int_wgmma_kernel``; a split tile's
-    float32 slices added after (``sum_split_partials``). A batch whose last tile of rows
-    would hold ``WGMMA_PAD_ROWS`` or more rows past it is copied into whole tiles first."""
+    float32 slices added by the last of them to finish, in slice order. Act-order weights'
+    ``perm``: the stored column ``k`` multiplies input ``perm[k]`` (the inputs gathered in
+    one copy). A batch whose last tile of rows would hold ``WGMMA_PAD_ROWS`` or more rows
+    past it is copied (or gathered) into whole tiles first."""
     from pagedllm.layers import _int_wgmma_kernel as kernels
 
     rows, in_features = x.shape
@@ -312,26 +329,37 @@ def int4_wgmma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         # slower than it copies rows: the batch is copied into whole tiles of rows instead
         # (those past it hold whatever the buffer held; their results are not stored).
         staged = x.new_empty(padded, in_features)
-        staged[:rows] = x
+        if perm is None:
+            staged[:rows] = x
+        else:
+            torch.index_select(x, 1, perm, out=staged[:rows])
         x = staged
+    elif perm is not None:
+        x = torch.index_select(x, 1, perm)
     elif x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()  # TMA reads 16-byte aligned rows
-    partial = tile.split > 1
-    out = torch.empty((tile.split, rows, out_features) if partial else (rows, out_features),
-                      dtype=torch.float32 if partial else x.dtype, device=x.device)
+    out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows == 0:
-        return out[0].to(x.dtype) if partial else out
+        return out
     grid = (-(-rows // tile.block_m), -(-out_features // tile.block_n), tile.split)
+    partials, locks = out, out
+    if tile.split > 1:
+        partials = torch.empty((tile.split, rows, out_features), dtype=torch.float32,
+                               device=x.device)
+        locks = split_locks(x.device)
+        if grid[0] * grid[1] > locks.numel():
+            raise ValueError(f"tile {tile}: {grid[0] * grid[1]} tiles to split, over the "
+                             f"{locks.numel()} counters.")
     kernels.int4_wgmma_kernel[grid](
         kernels.activation_descriptor(x, tile.block_m, tile.block_k),
         kernels.word_descriptor(qweight, tile.block_n, tile.block_k), scales, zeros,
-        bias if bias is not None else scales, out, rows, out_features, in_features,
-        scales.stride(0), out.stride(-2), GROUP=group, BLOCK_M=tile.block_m,
+        bias if bias is not None else scales, out, partials, locks, rows, out_features,
+        in_features, scales.stride(0), out.stride(0), GROUP=group, BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.stages,
-        WORD_STAGES=tile.word_stages, SPLIT=tile.split, HAS_BIAS=bias is not None and not partial,
+        WORD_STAGES=tile.word_stages, SPLIT=tile.split, HAS_BIAS=bias is not None,
         PAIRED=tile.paired and scales.dtype == x.dtype, num_warps=tile.num_warps,
     )
-    return sum_split_partials(out, bias, x.dtype) if partial else out
+    return out
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -349,9 +377,8 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         wgmma = (wgmma_config(rows, qweight.shape[0], in_features, group_size, bits, x.device)
                  if zeros is not None and codebook is None else None)
         if wgmma is not None:
-            x_in = x2 if perm is None else x2[:, perm.long()]
-            out = int4_wgmma(x_in, qweight, scales, zeros, wgmma, group_size=group_size,
-                             bias=bias)
+            out = int4_wgmma(x2, qweight, scales, zeros, wgmma, group_size=group_size,
+                             bias=bias, perm=perm)
             return out.reshape(*shape[:-1], out.shape[-1])
         tile = int_matmul_config(bucket, qweight.shape[0], in_features, group_size,
                                  _sm_count(x.device))

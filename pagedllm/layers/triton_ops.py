@@ -536,17 +536,25 @@ def gemv_max_rows() -> int:
     return integer(GEMV_MAX_ROWS_ENV, DEFAULT_GEMV_MAX_ROWS, 0, 16)
 
 
+# FP8 weights take the small-batch product for one row only: from two rows the FP8
+# GEMMs (cuBLASLt, the split-K tiles) are faster (docs/benchmarks.md, "FP8 decode of 2-8
+# sequences on the FP8 GEMMs").
+FP8_GEMV_MAX_ROWS = 1
+
+
 def use_small_batch_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when ``x @ weight.T`` should run as ``small_batch_matmul``: a CUDA half-precision
     ``[M, K]`` input with ``1 <= M <= gemv_max_rows()`` and a row-major weight of its dtype,
-    an FP8 weight on a GPU with FP8 tensor cores, an INT8 W8A8 weight (int8) or packed
-    integer weights (int32)."""
+    an FP8 weight on a GPU with FP8 tensor cores (``M <= FP8_GEMV_MAX_ROWS``), an INT8 W8A8
+    weight (int8) or packed integer weights (int32)."""
+    fp8 = weight.dtype == torch.float8_e4m3fn
     return (
         x.dim() == 2
-        and 1 <= x.shape[0] <= gemv_max_rows()
+        and 1 <= x.shape[0] <= (min(FP8_GEMV_MAX_ROWS, gemv_max_rows()) if fp8
+                                else gemv_max_rows())
         and x.dtype in (torch.float16, torch.bfloat16)
         and (weight.dtype in (x.dtype, torch.int32, torch.int8)
-             or (weight.dtype == torch.float8_e4m3fn and fp8_dot_supported(x.device)))
+             or (fp8 and fp8_dot_supported(x.device)))
         and weight.stride(-1) == 1
         and use_fused_ops(x)
     )

@@ -48,14 +48,15 @@ def test_one_row_of_fp8_weights_exchanges_nothing_through_shared_memory():
     assert not [op for op in opcodes if op.startswith(("BAR", "STS", "LDS"))]
 
 
-@pytest.mark.parametrize("tile, steps_k", [("256,64,64,3", 64), ("128,64,128,3", 128)])
+@pytest.mark.parametrize("tile, steps_k", [("256,64,64,3", 64), ("128,64,128,3", 128),
+                                           ("8,64,128,4 --split 4", 128)])
 def test_the_4bit_wgmma_loop_keeps_its_products_asynchronous(tile, steps_k):
     """The Hopper kernel of 4-bit decode batches: ptxas makes no product wait for the ones
     before it (C7515, which halved the kernel's pace), and each weight is made in the
     thread whose register operand holds it: nothing is stored to shared memory in the loop
     (a tile exchanged there costs barriers a step). A turn takes two steps of
-    ``BLOCK_K / 16`` products."""
-    result = sass_loop(["--wgmma", tile])
+    ``BLOCK_K / 16`` products; a decode batch's tile with ``K`` split as well."""
+    result = sass_loop(["--wgmma", *tile.split()])
     assert result["serialized_products"] == 0
     assert not [op for op in result["opcodes"] if op.startswith("STS")]
     assert sum(n for op, n in result["opcodes"].items() if "GMMA" in op) == 2 * steps_k // 16

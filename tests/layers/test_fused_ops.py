@@ -242,6 +242,18 @@ def test_linear_layers_send_small_batches_to_the_matmul_kernel(monkeypatch) -> N
         triton_ops.gemv_max_rows.cache_clear()
 
 
+def test_fp8_weights_take_the_small_batch_product_for_one_row_only(monkeypatch) -> None:
+    """From two rows, FP8 weights multiply on the FP8 GEMMs, which are faster there; half
+    precision weights keep the small-batch product up to ``gemv_max_rows`` rows."""
+    monkeypatch.setattr(triton_ops, "use_fused_ops", lambda x: True)  # as on a GPU
+    monkeypatch.setattr(triton_ops, "fp8_dot_supported", lambda device: True)
+    fp8 = torch.zeros(32, 64).to(torch.float8_e4m3fn)
+    half = torch.zeros(32, 64, dtype=torch.bfloat16)
+    rows = {m: torch.zeros(m, 64, dtype=torch.bfloat16) for m in (1, 2, 8, 9)}
+    assert [m for m, x in rows.items() if triton_ops.use_small_batch_matmul(x, fp8)] == [1]
+    assert [m for m, x in rows.items() if triton_ops.use_small_batch_matmul(x, half)] == [1, 2, 8]
+
+
 def test_llama_mlp_of_a_small_batch_runs_on_the_matmul_kernel_with_the_norm_after_it(monkeypatch) -> None:
     from pagedllm.layers.layernorm import linear_and_norm
 

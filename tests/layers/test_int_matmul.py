@@ -99,12 +99,15 @@ HOPPER = torch.cuda.is_available() and int_matmul.is_hopper(torch.device("cuda")
                                   WgmmaTile(block_m=16, word_stages=8),
                                   WgmmaTile(block_m=64, block_k=128, word_stages=2),
                                   WgmmaTile(block_m=8, split=2),
-                                  WgmmaTile(block_m=16, block_k=128, word_stages=2, split=2)])
+                                  WgmmaTile(block_m=16, block_k=128, word_stages=2, split=2),
+                                  WgmmaTile(block_m=8, block_k=128, split=4),
+                                  WgmmaTile(block_m=8, split=8)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_hopper_kernel_gives_the_dequantized_product(rows, n, k, group_size, tile, dtype):
     """Partial row and column tiles, groups of 64 and 128 and per channel, an odd number
     of steps over K (7), fewer steps than word stages, a bias; the weights made in float32
-    or two at a time in half precision; K split in two slices (of an odd number of steps)."""
+    or two at a time in half precision; K split in two slices (of an odd number of steps)
+    or in four or eight."""
     if k % (tile.block_k * tile.split) or (group_size != -1 and group_size % tile.block_k):
         pytest.skip("the tile's steps do not divide K and the groups")
     qweight, scales, zeros, _ = packed_projection(n, k, 4, group_size, seed=rows + n,
@@ -117,6 +120,30 @@ def test_hopper_kernel_gives_the_dequantized_product(rows, n, k, group_size, til
     want = _reference(x, qweight, scales, zeros, 4, group_size, bias)
     tol = 2e-3 if dtype == torch.float16 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the wgmma kernel runs on Hopper GPUs")
+def test_hopper_split_tiles_replay_in_a_cuda_graph():
+    """A split tile's last slice adds the slices and sets its tile's counter back, so
+    launches captured in one CUDA graph and replayed give the product every time."""
+    tile = WgmmaTile(block_m=8, block_k=128, split=4)
+    qweight, scales, zeros, _ = packed_projection(512, 1024, 4, 128, seed=3,
+                                                  dtype=torch.bfloat16)
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4)).to(DEVICE,
+                                                                           torch.bfloat16)
+    want = _reference(x, qweight, scales, zeros, 4, 128)
+    first = int4_wgmma(x, qweight, scales, zeros, tile, group_size=128)
+    torch.testing.assert_close(first.float(), want, rtol=2e-2, atol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [int4_wgmma(x, qweight, scales, zeros, tile, group_size=128) for _ in range(3)]
+    for _ in range(5):
+        for out in outs:
+            out.zero_()
+        graph.replay()
+        for out in outs:  # the slices added in one order, whichever finished first
+            assert torch.equal(out, first)
+    assert not int_matmul.split_locks(x.device).any()
 
 
 @pytest.mark.skipif(not HOPPER, reason="the wgmma kernel runs on Hopper GPUs")
@@ -169,8 +196,8 @@ def test_the_wgmma_kernel_serves_hopper_4bit_steps_up_to_its_row_limit(monkeypat
 
 def test_decode_batches_of_up_to_64_rows_split_k_over_one_tile_of_rows(monkeypatch):
     """Up to ``WGMMA_SPLIT_ROWS`` rows of 4-bit weights on Hopper take one tile of 8 to 64
-    rows, ``K`` split until about two programs an SM, every slice whole steps of ``K`` in
-    whole groups."""
+    rows, ``K`` split until about four programs an SM where the output is narrow, every
+    slice whole steps of ``K`` in whole groups."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(int_matmul, "is_hopper", lambda device: True)
     monkeypatch.setattr(int_matmul, "_sm_count", lambda device: 132)
@@ -179,8 +206,9 @@ def test_decode_batches_of_up_to_64_rows_split_k_over_one_tile_of_rows(monkeypat
     for name, (n, k) in llama.items():
         tile = wgmma_config(16, n, k, 128, 4, cuda)
         column_tiles = -(-n // tile.block_n)
-        # Every SM gets a program; an output wide enough to fill them twice is not split.
-        assert column_tiles * tile.split >= 132, name
+        # Every SM gets two programs or more; an output wide enough to fill them twice is
+        # not split.
+        assert column_tiles * tile.split >= 2 * 132, name
         assert tile.split == 1 or column_tiles < 2 * 132, name
     for rows in (1, 8, 9, 16, 17, 33, 64):  # one tile of rows, at most twice the batch
         block_m = wgmma_config(rows, 4096, 4096, 128, 4, cuda).block_m
