@@ -88,7 +88,9 @@
 #            (extracted by scripts/ab_prepare.sh into .ab/<rev>, carried to the machine),
 #            L1 and W1 on that revision and on the working tree, in $GPU_BENCH_AB_ROUNDS
 #            (default 2) interleaved rounds; with no revisions and GPU_BENCH_AB_ROUNDS
-#            set, that many rounds of the working tree alone (its run-to-run spread)
+#            set, that many rounds of the working tree alone (its run-to-run spread);
+#            $GPU_BENCH_AB_BATCH_SIZES (e.g. "1 2 4 8"): L1 at each of these batch sizes
+#            (decode batches of a few sequences), $GPU_BENCH_AB_W1=0: no W1
 #   report   $OUT/<date>-h200.json: one record per workload, and a table printed last
 # GPU_BENCH_STEPS="w1 latency" runs a subset of the steps (default: all); GPU_BENCH_TESTS
 # the test paths of the tests step.
@@ -299,14 +301,19 @@ done
 # line each into ab.txt.
 read -r -a AB_MODELS <<<"${GPU_BENCH_AB_MODELS:-$BIG}"
 read -r -a AB_ARGS <<<"${GPU_BENCH_AB_ARGS:-}"
+read -r -a AB_BATCHES <<<"${GPU_BENCH_AB_BATCH_SIZES:-1}"
 ab_run() {
-    local label=$1 dir=$2 model
+    local label=$1 dir=$2 model batch
     shift 2
     for model in "${AB_MODELS[@]}"; do
         echo "--- $label ($model)" | tee -a "$OUT/ab.txt"
-        (cd "$dir" && PYTHONPATH=. timeout -k 10 "$LIMIT_AB" env "$@" $PY -m pagedllm.benchmarks.latency \
-            --model "$model" --load-format dummy --workload L1 "${LAT_ARGS[@]}" "${AB_ARGS[@]}" 2>&1) \
-            | tee -a "$LOG" | grep -A1 "ms/token" | tail -1 | tee -a "$OUT/ab.txt"
+        for batch in "${AB_BATCHES[@]}"; do
+            (cd "$dir" && PYTHONPATH=. timeout -k 10 "$LIMIT_AB" env "$@" $PY -m pagedllm.benchmarks.latency \
+                --model "$model" --load-format dummy --workload L1 --batch-size "$batch" \
+                "${LAT_ARGS[@]}" "${AB_ARGS[@]}" 2>&1) \
+                | tee -a "$LOG" | grep -A1 "ms/token" | tail -1 | tee -a "$OUT/ab.txt"
+        done
+        [ "${GPU_BENCH_AB_W1:-1}" = 0 ] && continue
         (cd "$dir" && PYTHONPATH=. timeout -k 10 "$LIMIT_AB" env "$@" $PY -m pagedllm.benchmarks.throughput \
             --model "$model" --load-format dummy "${W1_ARGS[@]}" "${AB_ARGS[@]}" 2>&1) \
             | tee -a "$LOG" | grep -E "^ *pagedllm " | tee -a "$OUT/ab.txt"

@@ -39,3 +39,14 @@ def test_the_ab_step_runs_both_sides_with_the_engine_arguments_given(tmp_path) -
     assert "DEFERRED_SCALES=0: without" in ab and "DEFERRED_SCALES=0: with " in ab
     assert ab.count(" L1 ") == 2 and ab.count(" pagedllm ") == 2
     assert (tmp_path / "log.txt").read_text().count("fp8 projections") == 4
+
+
+def test_the_ab_step_times_decode_batches_of_a_few_sequences(tmp_path) -> None:
+    """A decode-batch A/B (``GPU_BENCH_AB_BATCH_SIZES``) times L1 at each batch size, and no
+    W1 with ``GPU_BENCH_AB_W1=0``."""
+    _run(tmp_path, GPU_BENCH_STEPS="ab", GPU_BENCH_AB_ROUNDS="1", GPU_BENCH_AB_BATCH_SIZES="1 3",
+         GPU_BENCH_AB_W1="0")
+    rows = [line.split() for line in (tmp_path / "ab.txt").read_text().splitlines()
+            if line.split()[:1] == ["L1"]]
+    assert [row[1] for row in rows] == ["1", "3"]
+    assert " pagedllm " not in (tmp_path / "ab.txt").read_text()
