@@ -4,6 +4,14 @@ masking only the refused ones (check-then-mask); and the same where a refused ro
 tries the next tokens of its draw's ranking, masked only when it allows none of them (what
 the engine does, ``PAGEDLLM_CHECK_CANDIDATES``).
 
+A fourth set of grammars in the same states fills its masks one row at a time on this
+thread, timed row by row, which splits the first way's time into what the rows cost and
+how well the fill threads share them: per step the rows' sum, the dearest row (no number
+of threads fills the step faster), and the step's length were the rows dealt to the fill
+threads in order, each to the first thread free (``dealt``), or dearest first
+(``dearest first``). A fill slower than ``dealt`` loses time to the threads themselves
+(contention, memory), not to the rows.
+
 The rows follow the JSON schemas of ``bench throughput --structured-output json``
 (``structured_workload.py``, row ``i`` takes schema ``i % 4``), and the "model" samples
 uniformly over the vocabulary, as random weights nearly do: each row's ranking is a random
@@ -18,6 +26,7 @@ Usage: python scripts/bench_structured_masks.py --tokenizer DIR [--rows 128] [--
 from __future__ import annotations
 
 import argparse
+import heapq
 import statistics
 import sys
 import time
@@ -48,6 +57,15 @@ def attached(manager: StructuredOutputManager, rows: int) -> list:
     return [request.grammar for request in requests]
 
 
+def makespan(costs: list[float], threads: int) -> float:
+    """How long ``threads`` workers take over jobs of ``costs``, each job in the order given
+    going to the first worker free."""
+    free = [0.0] * threads
+    for cost in costs:
+        heapq.heapreplace(free, free[0] + cost)
+    return max(free)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,7 +83,7 @@ def main() -> None:
     backend = LLGuidanceBackend(tokenizer, len(tokenizer))
     manager = StructuredOutputManager(
         lambda: backend, forms_per_constraint=args.forms or constraint_forms(args.rows))
-    masking, checking, ranking = (attached(manager, args.rows) for _ in range(3))
+    masking, checking, ranking, alone = (attached(manager, args.rows) for _ in range(4))
     vocab, width = backend.vocab_size, manager.bitmask_width
     rng = np.random.default_rng(args.seed)
     masks = np.empty((args.rows, width), dtype=np.int32)
@@ -75,11 +93,24 @@ def main() -> None:
 
     times: dict[str, list[float]] = {"mask every row": [], "check, mask the refused": [],
                                       "check, candidates, mask the rest": []}
+    critical: dict[str, list[float]] = {"rows' sum": [], "dearest row": [], "dealt": [],
+                                        "dearest first": []}
+    threads = fill_threads()
     refused_rows = still_refused = 0
     for _ in range(args.steps):
         start = time.perf_counter()
         manager.fill_bitmask(masking, masks)
         times["mask every row"].append(1e3 * (time.perf_counter() - start))
+        costs = []
+        for row, grammar in enumerate(alone):
+            if grammar.active:
+                start = time.perf_counter()
+                backend.fill_bitmasks([(grammar.grammar, 0)], masks[row:row + 1])
+                costs.append(1e3 * (time.perf_counter() - start))
+        for name, ms in zip(critical, (sum(costs), max(costs, default=0.0),
+                                       makespan(costs, threads),
+                                       makespan(sorted(costs, reverse=True), threads))):
+            critical[name].append(ms)
         # A uniform model's ranking of a row: a random order of the vocabulary, of which
         # the first few; the row's token is the first one its mask allows.
         ranked = [[int(t) for t in rng.choice(vocab, args.candidates, replace=False)]
@@ -98,7 +129,7 @@ def main() -> None:
         times["check, candidates, mask the rest"].append(1e3 * (time.perf_counter() - start))
         refused_rows += len(refused)
         still_refused += len(remaining)
-        for grammars in (masking, checking, ranking):
+        for grammars in (masking, checking, ranking, alone):
             for grammar, token in zip(grammars, tokens):
                 grammar.accept_token(token)
                 assert grammar.error is None, grammar.error
@@ -111,6 +142,10 @@ def main() -> None:
         print(f"{name:>32}: median {statistics.median(ms):7.2f} ms/step, "
               f"mean {statistics.mean(ms):7.2f} ms/step, "
               f"{1e3 * statistics.mean(ms) / args.rows:6.1f} us/row")
+    print(f"each row alone, one thread; the step's fill on {threads} threads at best:")
+    for name, ms in critical.items():
+        print(f"{name:>32}: median {statistics.median(ms):7.2f} ms/step, "
+              f"mean {statistics.mean(ms):7.2f} ms/step")
     manager.shutdown()
 
 
