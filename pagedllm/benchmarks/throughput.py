@@ -389,7 +389,8 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         mask_start = (structured.mask_seconds, structured.num_mask_rows,
                       structured.num_mask_steps, structured.num_checked_rows,
                       structured.num_refused_rows, ahead.num_filled, ahead.num_used,
-                      ahead.seconds, structured.num_substituted_rows)
+                      ahead.seconds, structured.num_substituted_rows, ahead.start_delay,
+                      ahead.wait_seconds)
         structured.fill_calls.clear()
     timer = StepTimer(llm) if step_timing else None
     start = time.perf_counter()
@@ -427,6 +428,8 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
                      masks_filled_ahead=ahead.num_filled - mask_start[5],
                      masks_used_ahead=ahead.num_used - mask_start[6],
                      ahead_fill_s=round(ahead.seconds - mask_start[7], 4),
+                     ahead_start_delay_s=round(ahead.start_delay - mask_start[9], 4),
+                     ahead_wait_s=round(ahead.wait_seconds - mask_start[10], 4),
                      mask_ms_per_step=round(1e3 * mask_s / max(steps, 1), 4),
                      mask_us_per_token=round(1e6 * mask_s / max(output_tokens, 1), 2),
                      **fill_call_figures(structured.fill_calls))
@@ -579,7 +582,9 @@ def _row(r: dict) -> str:
                  f"median, {r['fill_ms_p99']} p99, {r['fill_us_per_row']} us/row")
         ahead = ("" if not r.get("masks_filled_ahead") else
                  f"; masks filled ahead {r['masks_filled_ahead']}, used "
-                 f"{r['masks_used_ahead']} ({r['ahead_fill_s']} s off the step loop)")
+                 f"{r['masks_used_ahead']} ({r['ahead_fill_s']} s off the step loop, begun "
+                 f"{r['ahead_start_delay_s']} s after they were asked for, "
+                 f"{r['ahead_wait_s']} s waited for)")
         note = (f"{r['constrained_ratio']}x unconstrained; constraints {r['mask_ms_per_step']} "
                 f"ms/step on the host, {r['mask_us_per_token']} us/token{refused}{fills}{ahead}")
     if "speculative" in r:

@@ -307,7 +307,10 @@ class MaskPrefetch:
     a time, so every use of one first waits for the fill in flight if that fill holds it
     (``settle_for``, which each ``RequestGrammar`` calls), and reading the rows filled waits
     for it (``settle``). Counters: ``num_filled`` rows filled ahead, ``num_used`` of them
-    taken as a refused row's mask, ``seconds`` the worker's fill time.
+    taken as a refused row's mask, ``seconds`` the worker's fill time, ``start_delay`` the
+    time from a fill's start to its worker taking it up (the worker needs the interpreter's
+    lock to begin), ``wait_seconds`` the time the step loop waited in ``settle`` for fills
+    still running.
     """
 
     def __init__(self) -> None:
@@ -318,16 +321,22 @@ class MaskPrefetch:
         self.num_filled = 0
         self.num_used = 0
         self.seconds = 0.0
+        self.start_delay = 0.0
+        self.wait_seconds = 0.0
 
     def settle(self) -> None:
         """Wait for the fill in flight, if any (a failed fill leaves no rows)."""
         future, self._future = self._future, None
         if future is not None:
+            begin = time.perf_counter()
             try:
-                self.seconds += future.result()
+                delay, seconds = future.result()
+                self.start_delay += delay
+                self.seconds += seconds
             except Exception:  # noqa: BLE001 - the check fills the rows itself
                 logger.exception("Filling masks ahead failed")
                 self._rows = {}
+            self.wait_seconds += time.perf_counter() - begin
 
     def settle_for(self, grammar: RequestGrammar) -> None:
         """Wait for the fill in flight if it holds ``grammar``'s matcher."""
@@ -350,10 +359,12 @@ class MaskPrefetch:
         buffer = self._buffer
         self.num_filled += len(rows)
 
-        def run() -> float:
+        submitted = time.perf_counter()
+
+        def run() -> tuple[float, float]:
             begin = time.perf_counter()
             fill(rows, buffer)
-            return time.perf_counter() - begin
+            return begin - submitted, time.perf_counter() - begin
 
         self._future = self._executor.submit(run)
 

@@ -373,6 +373,7 @@ def test_structured_output_run_beside_the_unconstrained_one(tmp_path, monkeypatc
     assert constrained["checked_rows"] == constrained["output_tokens"]
     assert 0 < constrained["mask_rows"] < constrained["checked_rows"]
     assert constrained["masks_filled_ahead"] == constrained["masks_used_ahead"] == 0
+    assert constrained["ahead_start_delay_s"] == constrained["ahead_wait_s"] == 0
     assert constrained["refused_fraction"] == round(
         (constrained["mask_rows"] + constrained["masks_used_ahead"])
         / constrained["checked_rows"], 4)

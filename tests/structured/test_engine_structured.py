@@ -1203,3 +1203,24 @@ def test_a_refused_row_takes_its_draws_first_allowed_candidate(tiny_model_dir):
         assert grammar.error is None
     assert [g.version for g in grammars] == versions
     manager.shutdown()
+
+
+def test_masks_filled_ahead_count_the_fill_its_start_and_the_wait_for_it():
+    """``MaskPrefetch``'s counters: a fill's own time, the time until its worker took it up,
+    and the time the step loop waited in ``settle`` for a fill still running (none for one
+    already done)."""
+    from pagedllm.structured.manager import MaskPrefetch
+
+    prefetch = MaskPrefetch()
+    grammar = SimpleNamespace(active=True, version=0, grammar=object())
+    prefetch.start([grammar], lambda rows, out: time.sleep(0.05), 4)
+    prefetch.settle()
+    assert prefetch.seconds >= 0.05 and prefetch.wait_seconds >= 0.04
+    assert 0 <= prefetch.start_delay < prefetch.wait_seconds
+    waited, filled = prefetch.wait_seconds, prefetch.seconds
+    prefetch.start([grammar], lambda rows, out: None, 4)
+    time.sleep(0.05)  # the fill ends before the step loop asks for its rows
+    prefetch.settle()
+    assert prefetch.wait_seconds - waited < 0.02 and prefetch.seconds - filled < 0.02
+    assert prefetch.num_filled == 2
+    prefetch.shutdown()
