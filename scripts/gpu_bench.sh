@@ -34,7 +34,10 @@
 #            again with $STRUCTURED_AB (VAR=value..., default PAGEDLLM_GRAMMAR_FILL_THREADS=8,
 #            set and empty for none) into structured-ab-w1-<model>.json; the
 #            config-only models get a tokenizer of their vocabulary size first
-#            (pagedllm.benchmarks.bench_tokenizer)
+#            (pagedllm.benchmarks.bench_tokenizer); for qwen3-0.6b also the host's masks
+#            alone (scripts/bench_structured_masks.py, $STRUCTURED_MASK_ROWS rows over
+#            $STRUCTURED_MASK_STEPS steps) on 1, 4 and the engine's fill threads, into
+#            structured-masks-<threads>.txt
 #   fp8      W1 and L1/P1 on llama-3.1-8b with --quantization fp8 (compare with w1 and
 #            latency, bf16, in the same run); W1 again with --kv-cache-dtype fp8 as well
 #            (the report gives both runs' KV capacity in tokens and their ratio); and
@@ -108,6 +111,7 @@ if [ "$DRY" = "1" ]; then
     LAT_ARGS=(--input-len 16 --output-len 8 --prefill-len 64 --num-iters 2 --num-iters-warmup 1)
     LIMIT_TESTS=300 LIMIT_KERNELS=10 LIMIT_W1=300 LIMIT_LAT=120 LIMIT_SMALL=120 LIMIT_SYNC=300
     LIMIT_AB=300 LIMIT_STRUCTURED=300 LIMIT_FP8_KERNELS=0 LIMIT_SERVE=300 LIMIT_SWEEP=0
+    STRUCTURED_MASK_ROWS=8 STRUCTURED_MASK_STEPS=3
     SERVE_ARGS=(--num-prompts 8 --input-len 16 --output-len 8 --api-server-counts 1,2)
     LONG_ARGS=(--input-len 200 --output-len 8 --prefill-batch 1 --prefill-len 300 --num-iters 1
                --num-iters-warmup 1) LONG_CHUNKS=${LONG_CHUNKS-128} LIMIT_LONG=120
@@ -139,6 +143,7 @@ W8A8_CONFIG="{\"quantization_config\": {\"quant_method\": \"compressed-tensors\"
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
 STRUCTURED_AB=${STRUCTURED_AB-PAGEDLLM_GRAMMAR_FILL_THREADS=8}  # set and empty: no second run
+STRUCTURED_MASK_ROWS=${STRUCTURED_MASK_ROWS:-128} STRUCTURED_MASK_STEPS=${STRUCTURED_MASK_STEPS:-30}
 STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency long w1-small sync fp8 w4a16 spec moe structured serve ab}
 read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
 
@@ -287,6 +292,19 @@ for model in "$BIG" "$SMALL"; do
         step structured "$LIMIT_STRUCTURED" env $STRUCTURED_AB $PY -m pagedllm.benchmarks.throughput \
             --model "$model" --load-format dummy "${W1_ARGS[@]}" "${tokenizer[@]}" \
             --structured-output json --step-timing --output-json "$OUT/structured-ab-w1-$model.json"
+    fi
+    # The host's masks alone, row by row beside the fill threads (the small model's step is
+    # the one its fill outlasts): 1 and 4 threads, then the engine's default.
+    if [ "$model" = "$SMALL" ]; then
+        masks_tokenizer=${tokenizer[1]:-pagedllm/model_files/pagedllm-demo}
+        for threads in 1 4 default; do
+            fill_threads=()
+            [ "$threads" = default ] || fill_threads=(PAGEDLLM_GRAMMAR_FILL_THREADS="$threads")
+            step structured "$LIMIT_STRUCTURED" env "${fill_threads[@]}" $PY \
+                scripts/bench_structured_masks.py --tokenizer "$masks_tokenizer" \
+                --rows "$STRUCTURED_MASK_ROWS" --steps "$STRUCTURED_MASK_STEPS" \
+                | tee "$OUT/structured-masks-$threads.txt"
+        done
     fi
 done
 
