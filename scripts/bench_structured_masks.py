@@ -7,7 +7,7 @@ the engine does, ``PAGEDLLM_CHECK_CANDIDATES``).
 A fourth set of grammars in the same states fills its masks one row at a time on this
 thread, timed row by row, which splits the first way's time into what the rows cost and
 how well the fill threads share them: per step the rows' sum, the dearest row (no number
-of threads fills the step faster), and the step's length were the rows dealt to the fill
+of threads fills the step faster), and the step's length if the rows were dealt to the fill
 threads in order, each to the first thread free (``dealt``), or dearest first
 (``dearest first``). A fill slower than ``dealt`` loses time to the threads themselves
 (contention, memory), not to the rows.
