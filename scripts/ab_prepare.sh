@@ -6,6 +6,10 @@
 #   # on the GPU machine, carrying .ab:
 #   GPU_BENCH_STEPS=ab GPU_BENCH_AB_REVS="9618f24 08430e5" PYTHONPATH=. bash scripts/gpu_bench.sh
 #
+# By hand, run a revision from its own directory: (cd .ab/<rev> && PYTHONPATH=. python -m
+# pagedllm.benchmarks.latency ...). From the working tree, `python -m` imports the tree's
+# package first, whatever PYTHONPATH says, and both sides of the A/B run the same code.
+#
 # Only pagedllm/ is extracted, its bundled demo files linked to the working tree's (the
 # benchmark shapes use built-in configs and dummy weights), so each revision adds well
 # under 1 MB to carry.
