@@ -293,19 +293,19 @@ for model in "$BIG" "$SMALL"; do
             --model "$model" --load-format dummy "${W1_ARGS[@]}" "${tokenizer[@]}" \
             --structured-output json --step-timing --output-json "$OUT/structured-ab-w1-$model.json"
     fi
-    # The host's masks alone, row by row beside the fill threads (the small model's step is
-    # the one its fill outlasts): 1 and 4 threads, then the engine's default.
-    if [ "$model" = "$SMALL" ]; then
-        masks_tokenizer=${tokenizer[1]:-pagedllm/model_files/pagedllm-demo}
-        for threads in 1 4 default; do
-            fill_threads=()
-            [ "$threads" = default ] || fill_threads=(PAGEDLLM_GRAMMAR_FILL_THREADS="$threads")
-            step structured "$LIMIT_STRUCTURED" env "${fill_threads[@]}" $PY \
-                scripts/bench_structured_masks.py --tokenizer "$masks_tokenizer" \
-                --rows "$STRUCTURED_MASK_ROWS" --steps "$STRUCTURED_MASK_STEPS" \
-                | tee "$OUT/structured-masks-$threads.txt"
-        done
-    fi
+done
+# The host's masks alone, row by row beside the fill threads, with the small model's
+# tokenizer (its step is the one the fill outlasts): 1 and 4 threads, the engine's default.
+masks_tokenizer=pagedllm/model_files/pagedllm-demo
+[ "$DRY" = "1" ] || masks_tokenizer="${TMPDIR:-/tmp}/pagedllm-tokenizer-$SMALL"
+for threads in 1 4 default; do
+    case " $STEPS " in *" structured "*) ;; *) break ;; esac
+    fill_threads=()
+    [ "$threads" = default ] || fill_threads=(PAGEDLLM_GRAMMAR_FILL_THREADS="$threads")
+    step structured "$LIMIT_STRUCTURED" env "${fill_threads[@]}" $PY \
+        scripts/bench_structured_masks.py --tokenizer "$masks_tokenizer" \
+        --rows "$STRUCTURED_MASK_ROWS" --steps "$STRUCTURED_MASK_STEPS" \
+        | tee "$OUT/structured-masks-$threads.txt"
 done
 
 for model in "$BIG" "$SMALL"; do

@@ -293,10 +293,6 @@ def masks_ahead_wanted(config) -> bool:
             and config.parallel_config.pipeline_parallel_size == 1)
 
 
-# How long ``MaskPrefetch.start`` waits at most for its worker to take a fill up.
-BEGIN_TIMEOUT_S = 1.0
-
-
 class MaskPrefetch:
     """Bitmask rows filled ahead of a check, by a worker thread, while the device computes.
 
@@ -312,9 +308,9 @@ class MaskPrefetch:
     (``settle_for``, which each ``RequestGrammar`` calls), and reading the rows filled waits
     for it (``settle``). Counters: ``num_filled`` rows filled ahead, ``num_used`` of them
     taken as a refused row's mask, ``seconds`` the worker's fill time, ``start_delay`` the
-    time from a fill's start to its worker taking it up (``start`` waits for that, at most
-    ``BEGIN_TIMEOUT_S``: the worker needs the interpreter's lock to begin), ``wait_seconds``
-    the time the step loop waited in ``settle`` for fills still running.
+    time from a fill's start to its worker taking it up (the worker needs the interpreter's
+    lock to begin), ``wait_seconds`` the time the step loop waited in ``settle`` for fills
+    still running.
     """
 
     def __init__(self) -> None:
@@ -364,20 +360,13 @@ class MaskPrefetch:
         self.num_filled += len(rows)
 
         submitted = time.perf_counter()
-        begun = threading.Event()
 
         def run() -> tuple[float, float]:
             begin = time.perf_counter()
-            begun.set()
             fill(rows, buffer)
             return begin - submitted, time.perf_counter() - begin
 
         self._future = self._executor.submit(run)
-        # The worker needs the interpreter's lock to begin (the fill itself runs without
-        # it), and the step loop goes on in Python: unless the loop waits here, the worker
-        # begins only when the loop next blocks, which may be the next ``settle``, or after
-        # the lock's switch interval (5 ms).
-        begun.wait(BEGIN_TIMEOUT_S)
 
     def holds(self, grammar: RequestGrammar) -> bool:
         """Whether the fill started last covers ``grammar`` (its matcher may be in use)."""

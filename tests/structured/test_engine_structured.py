@@ -1225,29 +1225,3 @@ def test_masks_filled_ahead_count_the_fill_its_start_and_the_wait_for_it():
     assert prefetch.num_filled == 2
     prefetch.shutdown()
 
-
-def test_a_fill_ahead_begins_at_once_while_the_step_loop_goes_on_in_python():
-    """The worker that fills masks ahead needs the interpreter's lock to begin. ``start``
-    returns once it has begun, so a step loop that goes on computing in Python does not
-    hold the fill back until it next blocks (here the lock's switch interval is longer than
-    the loop's work, as the loop's work can be longer than the default 5 ms)."""
-    import sys
-
-    from pagedllm.structured.manager import MaskPrefetch
-
-    prefetch = MaskPrefetch()
-    grammar = SimpleNamespace(active=True, version=0, grammar=object())
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.5)
-    try:
-        for _ in range(3):
-            prefetch.start([grammar], lambda rows, out: time.sleep(0.03), 4)
-            end = time.perf_counter() + 0.05
-            while time.perf_counter() < end:  # the step loop's Python work
-                pass
-            prefetch.settle()
-    finally:
-        sys.setswitchinterval(interval)
-        prefetch.shutdown()
-    assert prefetch.start_delay < 0.03  # three fills, each begun at once, not after 50 ms
-    assert prefetch.wait_seconds < 0.03  # each fill (30 ms) ran beside the loop's 50 ms
