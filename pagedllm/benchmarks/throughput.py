@@ -372,6 +372,20 @@ def fill_call_figures(calls) -> dict:
             "fill_us_per_row": round(1e3 * sum(ms) / rows, 2)}
 
 
+def _track_sampling(timer, core, constrained: bool) -> None:
+    """Time the sampler's launches (``sampler_s`` in the step timeline; a runner in this
+    process) and, constrained,
+    the step loop's grammar calls of a step sampled under masks filled ahead: taking the
+    sampled tokens and starting the next fill (``grammar_take_s``), the masks handed to
+    the sampler, with the wait for the fill (``grammar_masks_s``)."""
+    sampler = getattr(core.model_runner, "sampler", None)  # in this process
+    if sampler is not None:
+        timer.track(sampler, "forward", "sampler")
+    if constrained:
+        timer.track(core.structured, "take_sampled", "grammar_take")
+        timer.track(core.structured, "masks_ahead", "grammar_masks")
+
+
 def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespace,
                   step_timing: bool = False, constrained: bool = False) -> dict:
     """One timed run; ``constrained``: request ``i`` constrained to JSON schema ``i % 4``."""
@@ -398,6 +412,7 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
         outputs = llm.generate(prompts, params, use_tqdm=False)
     else:
         with timer:
+            _track_sampling(timer, core, constrained)
             outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = reported_seconds(time.perf_counter() - start)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)

@@ -126,8 +126,8 @@ class _GrammarProxy:
     def masks_ahead(self, request_ids: list[str], allocate):
         return self._copy(self._ask("masks_ahead", request_ids), allocate)
 
-    def sampled(self, request_ids: list[str], token_ids: list[int]) -> None:
-        self._ask("sampled", request_ids, token_ids)
+    def sampled(self, request_ids: list[str], token_ids: list[int], allocate=None) -> None:
+        self._ask("sampled", request_ids, token_ids)  # filled in the engine's own arrays
 
 
 def run_worker(conn: Connection, rank: int, world_size: int, init_method: str,

@@ -317,7 +317,8 @@ class MaskPrefetch:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-masks")
         self._future: Future | None = None
         self._rows: dict[int, tuple[int, int, RequestGrammar]] = {}  # id -> row, version, grammar
-        self._buffer = np.empty((0, 0), dtype=np.int32)
+        self._own = np.empty((0, 0), dtype=np.int32)  # rows filled when no array is given
+        self._buffer = self._own  # the rows of the fill started last
         self.num_filled = 0
         self.num_used = 0
         self.seconds = 0.0
@@ -344,15 +345,22 @@ class MaskPrefetch:
             self.settle()
 
     def start(self, grammars: list[RequestGrammar],
-              fill: Callable[[list[tuple], np.ndarray], None], width: int) -> None:
-        """Fill the masks of ``grammars`` (the active ones) in their present states."""
+              fill: Callable[[list[tuple], np.ndarray], None], width: int,
+              allocate: Callable[[int, int], np.ndarray] | None = None) -> None:
+        """Fill the masks of ``grammars`` (the active ones) in their present states, into
+        ``allocate(rows, width)`` (C-contiguous int32) when given, else an array of its own."""
         self.settle()
         self._rows = {}
         live = [g for g in grammars if g.active]
         if not live:
             return
-        if self._buffer.shape[0] < len(live) or self._buffer.shape[1] != width:
-            self._buffer = np.empty((max(len(live), 2 * self._buffer.shape[0]), width), np.int32)
+        if allocate is not None:
+            self._buffer = allocate(len(live), width)
+        else:
+            own = self._own
+            if own.shape[0] < len(live) or own.shape[1] != width:
+                own = self._own = np.empty((max(len(live), 2 * own.shape[0]), width), np.int32)
+            self._buffer = own
         for row, grammar in enumerate(live):
             self._rows[id(grammar)] = (row, grammar.version, grammar)
         rows = [(grammar.grammar, row) for row, grammar in enumerate(live)]
@@ -389,6 +397,19 @@ class MaskPrefetch:
         """Each grammar's row of the buffer (int64), -1 where none was filled for its present
         state. Call after ``settle``."""
         return np.fromiter((self._index(g) for g in grammars), np.int64, len(grammars))
+
+    def block(self, indices: np.ndarray) -> np.ndarray | None:
+        """The buffer's rows ``indices`` (as ``indices`` gave them) as a view of the
+        buffer, counted as used, when they are consecutive rows (a decode step of the same
+        requests as the step before); else None."""
+        n = len(indices)
+        if not n:
+            return None
+        first = int(indices[0])
+        if first < 0 or not np.array_equal(indices, np.arange(first, first + n)):
+            return None
+        self.num_used += n
+        return self._buffer[first:first + n]
 
     def copy_rows(self, indices: np.ndarray, out: np.ndarray, out_rows: np.ndarray) -> None:
         """``out[out_rows] = `` the buffer's rows ``indices`` (as ``indices`` gave them): one
@@ -715,35 +736,45 @@ class StructuredOutputManager:
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_steps += 1
 
-    def masks_ahead(self, grammars: list[RequestGrammar | None], out: np.ndarray) -> None:
-        """``fill_bitmask``, taking each row from the masks filled ahead where one was
+    def masks_ahead(self, grammars: list[RequestGrammar | None],
+                    allocate: Callable[[int, int], np.ndarray]) -> np.ndarray:
+        """``fill_bitmask``'s rows, each taken from the masks filled ahead where one was
         filled for its grammar's present state (waiting for the fill in flight); the other
-        active rows are filled here."""
+        active rows are filled here. When every row was filled ahead, in the fill's order
+        (a decode step of the same requests as the step before), the fill's own rows are
+        returned (``MaskPrefetch.block``); else a new ``allocate(len(grammars), width)``."""
         start = time.perf_counter()
         prefetch = self.prefetch
         prefetch.settle()
         live, free = [], []
         for i, grammar in enumerate(grammars):
             (live if grammar is not None and grammar.active else free).append(i)
-        out[free] = -1
         indices = prefetch.indices([grammars[i] for i in live])
-        ahead = indices >= 0
-        prefetch.copy_rows(indices[ahead], out, np.asarray(live, dtype=np.int64)[ahead])
-        self._fill_rows([(grammars[i].grammar, i) for i, filled in zip(live, ahead.tolist())
-                         if not filled], out)
+        out = None if free else prefetch.block(indices)
+        if out is None:
+            out = allocate(len(grammars), self.bitmask_width)
+            out[free] = -1
+            ahead = indices >= 0
+            prefetch.copy_rows(indices[ahead], out, np.asarray(live, dtype=np.int64)[ahead])
+            self._fill_rows([(grammars[i].grammar, i) for i, filled
+                             in zip(live, ahead.tolist()) if not filled], out)
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_steps += 1
+        return out
 
-    def take_sampled(self, grammars: list[RequestGrammar | None], token_ids: list[int]) -> None:
+    def take_sampled(self, grammars: list[RequestGrammar | None], token_ids: list[int],
+                     allocate: Callable[[int, int], np.ndarray] | None = None) -> None:
         """The tokens of a step whose rows were sampled under ``masks_ahead``: each active
-        grammar takes its own now, and their next masks start filling (``take_checked``)."""
+        grammar takes its own now, and their next masks start filling (``take_checked``),
+        into ``allocate(rows, width)`` when given (arrays ``masks_ahead`` may return as
+        they are: each must stay untouched until the step it is handed to has copied it)."""
         passed = []
         for grammar, token in zip(grammars, token_ids, strict=True):
             if grammar is not None and grammar.active:
                 grammar.checked_token = token
                 passed.append(grammar)
         self._passed, self._refused = passed, []
-        self.take_checked()
+        self.take_checked(allocate)
 
     def note_redrawn(self, token_ids: list[int]) -> None:
         """The tokens the last check's refused rows were drawn again to, in its order: each
@@ -752,21 +783,22 @@ class StructuredOutputManager:
             for grammar, token in zip(self._refused, token_ids, strict=True):
                 grammar.checked_token = token
 
-    def take_checked(self) -> None:
+    def take_checked(self, allocate: Callable[[int, int], np.ndarray] | None = None) -> None:
         """The last check's rows take their tokens (those the scheduler has not taken yet:
         ``RequestGrammar.take_early``, one backend call for all), then their next masks
         start filling off this thread (``MaskPrefetch``), so that the fill runs while the
-        device computes the step those tokens feed. A no-op
-        unless ``prefetch_masks``. Call once the step after the check is launched, or once
-        the checked step's tokens are taken, whichever comes first (the second call finds
-        nothing left)."""
+        device computes the step those tokens feed (into ``allocate``'s array, when given:
+        ``take_sampled``). A no-op unless ``prefetch_masks``. Call once the step after the
+        check is launched, or once the checked step's tokens are taken, whichever comes
+        first (the second call finds nothing left)."""
         passed, refused = self._passed, self._refused
         if passed or refused:
             self._passed, self._refused = [], []
             backend = self.backend()
             self.prefetch.settle()
             RequestGrammar.take_early(refused + passed, backend)
-            self.prefetch.start(refused + passed, backend.fill_bitmasks, self.bitmask_width)
+            self.prefetch.start(refused + passed, backend.fill_bitmasks, self.bitmask_width,
+                                allocate)
 
     def _fill(self, grammars: list[RequestGrammar | None], out: np.ndarray) -> None:
         rows = []
@@ -851,12 +883,11 @@ class StepGrammars:
 
     def masks_ahead(self, request_ids: list[str],
                     allocate: Callable[[int, int], np.ndarray]) -> np.ndarray:
-        out = allocate(len(request_ids), self._manager.bitmask_width)
-        self._manager.masks_ahead(self._grammars(request_ids), out)
-        return out
+        return self._manager.masks_ahead(self._grammars(request_ids), allocate)
 
-    def sampled(self, request_ids: list[str], token_ids: list[int]) -> None:
-        self._manager.take_sampled(self._grammars(request_ids), token_ids)
+    def sampled(self, request_ids: list[str], token_ids: list[int],
+                allocate: Callable[[int, int], np.ndarray] | None = None) -> None:
+        self._manager.take_sampled(self._grammars(request_ids), token_ids, allocate)
 
     def forward_launched(self) -> None:
         self._manager.take_checked()

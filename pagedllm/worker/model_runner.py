@@ -155,6 +155,29 @@ class RankedCandidates:
         return self._read()
 
 
+class HostBitmasks:
+    """Host arrays for a step's bitmask rows (int32 ``[rows, width]``), ``rows`` up to
+    ``max_rows``. On CUDA they are pinned (the copy to the device is a DMA, not a staging
+    copy) and two take turns: a step's copy is done before the step after next fills its
+    array, since the runner has read the step's sampled ids by then (and a check's copy
+    is waited for with the ids it redraws). Elsewhere each call gives a fresh array."""
+
+    def __init__(self, device: torch.device, max_rows: int) -> None:
+        self._device = device
+        self._max_rows = max_rows
+        self._buffers: list[torch.Tensor] | None = None
+        self._next = 0
+
+    def __call__(self, num_rows: int, width: int) -> np.ndarray:
+        if self._device.type != "cuda":
+            return np.empty((num_rows, width), dtype=np.int32)
+        if self._buffers is None or self._buffers[0].shape[1] != width:
+            self._buffers = [torch.empty((self._max_rows, width), dtype=torch.int32,
+                                         pin_memory=True) for _ in range(2)]
+        self._next ^= 1
+        return self._buffers[self._next][:num_rows].numpy()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -205,8 +228,10 @@ class ModelRunner:
         # Token counts of the penalised requests, by batch row (made on first need).
         self.token_counts: TokenCounts | None = None
         # Pinned host buffers of the constrained rows' bitmasks (CUDA; made on first need).
-        self._bitmask_buffers: list[torch.Tensor] | None = None
-        self._next_bitmask_buffer = 0
+        self._bitmasks = HostBitmasks(self.device, config.scheduler_config.max_num_seqs)
+        # The masks filled ahead of a step (``StepGrammars.sampled``) apart: ``masks_ahead``
+        # may hand them to the sampler as they are, the fill writing where the copy reads.
+        self._ahead_bitmasks = HostBitmasks(self.device, config.scheduler_config.max_num_seqs)
         # The last launched step, while its rows sampled without a mask await their check.
         self._unchecked: AsyncStepOutput | None = None
         # Told once the next forward pass is launched, after a check redrew rows.
@@ -591,7 +616,7 @@ class ModelRunner:
         def launch() -> None:
             if sampled:
                 return
-            bitmask = grammar.masks_ahead(request_ids, self._bitmask_buffer)
+            bitmask = grammar.masks_ahead(request_ids, self._bitmasks)
             metadata.grammar_rows = index
             metadata.grammar_bitmask = torch.from_numpy(bitmask).to(self.device,
                                                                     non_blocking=True)
@@ -609,7 +634,7 @@ class ModelRunner:
             return sampled[1]()
 
         def take(token_ids: list[int]) -> list[int]:
-            grammar.sampled(request_ids, [token_ids[j] for j in rows])
+            grammar.sampled(request_ids, [token_ids[j] for j in rows], self._ahead_bitmasks)
             return token_ids
 
         def finish(token_ids: list[int] | None) -> ModelRunnerOutput:
@@ -703,7 +728,7 @@ class ModelRunner:
             self._step_candidates = None
         refused, bitmask, substituted = grammar.check(
             [states[j].request_id for j in rows], [token_ids[j] for j in rows],
-            self._bitmask_buffer, candidates)
+            self._bitmasks, candidates)
         sampled = out.sampled_token_ids
         if substituted:
             taken = [rows[i] for i, _ in substituted]
@@ -873,7 +898,7 @@ class ModelRunner:
             return None
         if grammar is None:
             raise ValueError("A step with constrained rows needs grammar.")
-        bitmask = grammar([states[j].request_id for j in rows], self._bitmask_buffer)
+        bitmask = grammar([states[j].request_id for j in rows], self._bitmasks)
         # Asynchronous copies: a blocking one would wait for this step's forward pass.
         return (torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True),
                 torch.from_numpy(bitmask).to(self.device, non_blocking=True))
@@ -893,21 +918,6 @@ class ModelRunner:
         """A host array for a verification bitmask (up to ``(k + 1) x max_num_seqs`` rows:
         a fresh one; speculative steps read their ids before the next step's)."""
         return np.empty((num_rows, width), dtype=np.int32)
-
-    def _bitmask_buffer(self, num_rows: int, width: int) -> np.ndarray:
-        """A host array ``[num_rows, width]`` int32 to fill a step's bitmask into. On CUDA
-        it is pinned (the copy to the device is a DMA, not a staging copy) and two take
-        turns: a step's copy is done before the step after next fills its buffer, since the
-        runner has read the step's sampled ids by then (and a check's copy is waited for
-        with the ids it redraws)."""
-        if self.device.type != "cuda":
-            return np.empty((num_rows, width), dtype=np.int32)
-        rows = self.config.scheduler_config.max_num_seqs
-        if self._bitmask_buffers is None or self._bitmask_buffers[0].shape[1] != width:
-            self._bitmask_buffers = [torch.empty((rows, width), dtype=torch.int32, pin_memory=True)
-                                     for _ in range(2)]
-        self._next_bitmask_buffer ^= 1
-        return self._bitmask_buffers[self._next_bitmask_buffer][:num_rows].numpy()
 
     def _token_counts_for(self, states: list[CachedRequestState]) -> RowCounts | None:
         """The sampling rows in the penalties' token-count table (one row per batch row,

@@ -361,9 +361,14 @@ def test_structured_output_run_beside_the_unconstrained_one(tmp_path, monkeypatc
     argv[argv.index("--max-model-len") + 1] = "96"
     throughput.run(_args(throughput, [*argv, "--tokenizer", str(tmp_path / "tok"),
                                       "--structured-output", "json",
-                                      "--profile-decode-steps", "3"]))
+                                      "--profile-decode-steps", "3", "--step-timing"]))
     free, constrained = json.loads(out.read_text())
     assert "decode_profile" in constrained and profiled_checks[0] > 0
+    # The sampler's launches are timed in both runs; the calls of a step sampled under
+    # masks filled ahead in the constrained one (none here: they are off on a CPU).
+    assert free["step_timeline"]["sampler_s"] > 0 < constrained["step_timeline"]["sampler_s"]
+    assert constrained["step_timeline"]["grammar_take_s"] == 0
+    assert constrained["step_timeline"]["grammar_masks_s"] == 0
     assert (free["backend"], constrained["backend"]) == ("pagedllm", "pagedllm+json")
     assert constrained["output_tokens"] == free["output_tokens"]
     assert constrained["constrained_ratio"] == round(

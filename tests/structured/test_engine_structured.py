@@ -1205,6 +1205,39 @@ def test_a_refused_row_takes_its_draws_first_allowed_candidate(tiny_model_dir):
     manager.shutdown()
 
 
+def test_masks_ahead_hand_over_the_fills_own_rows_when_the_step_keeps_their_order(
+        tiny_model_dir):
+    """``masks_ahead`` of a step whose rows are the fill's, in its order, returns the
+    array the fill wrote (into ``take_sampled``'s ``allocate``), nothing allocated; rows in
+    another order, or a row the fill did not cover, get a new array. Either way each row
+    is its grammar's mask in its present state."""
+    manager, grammars, a, b, c, x = prefetching_grammars(tiny_model_dir, "[ab]+c", 3)
+    asked = []
+
+    def allocate(rows: int, words: int) -> np.ndarray:
+        asked.append(rows)
+        return zeros(rows, words)
+
+    def allowed(row: np.ndarray) -> set[int]:
+        return {t for t in (a, b, c, x) if (int(row[t >> 5]) >> (t & 31)) & 1}
+
+    manager.take_sampled(grammars, [a, b, a], allocate)
+    assert asked == [3]
+    filled = manager.prefetch._buffer
+    block = manager.masks_ahead(grammars, allocate)
+    assert np.shares_memory(block, filled) and asked == [3]
+    assert [allowed(row) for row in block] == [{a, b, c}] * 3
+    for grammar, token in zip(grammars, [a, b, a]):
+        grammar.accept_token(token)  # the scheduler's turn: taken already
+    manager.take_sampled(grammars, [c, a, b], allocate)
+    late = grammars[1:]  # the first took "c": complete, its row not filled
+    assert not grammars[0].active
+    copied = manager.masks_ahead(late[::-1], allocate)
+    assert asked == [3, 2, 2] and not np.shares_memory(copied, manager.prefetch._buffer)
+    assert [allowed(row) for row in copied] == [{a, b, c}] * 2
+    manager.shutdown()
+
+
 def test_masks_filled_ahead_count_the_fill_its_start_and_the_wait_for_it():
     """``MaskPrefetch``'s counters: a fill's own time, the time until its worker took it up,
     and the time the step loop waited in ``settle`` for a fill still running (none for one
