@@ -372,6 +372,21 @@ def fill_call_figures(calls) -> dict:
             "fill_us_per_row": round(1e3 * sum(ms) / rows, 2)}
 
 
+def ahead_fill_figures(fills) -> dict:
+    """The fills ahead of a run one by one (``(seconds, rows, seconds waited for)``, see
+    ``MaskPrefetch.fills``): how many, and the milliseconds of a fill and of the step
+    loop's wait for it at the median, p90 and most (a constrained step waits for its own
+    fill, so the slow fills, not the mean, set what the device waits)."""
+    figures = {"ahead_fills": len(fills)}
+    for name, values in (("fill", [s for s, _, _ in fills]), ("wait", [w for _, _, w in fills])):
+        ms = sorted(1e3 * v for v in values)
+        if ms:
+            figures.update({f"ahead_{name}_ms_p50": round(ms[len(ms) // 2], 4),
+                            f"ahead_{name}_ms_p90": round(ms[int(0.9 * (len(ms) - 1))], 4),
+                            f"ahead_{name}_ms_max": round(ms[-1], 4)})
+    return figures
+
+
 def _track_sampling(timer, core, constrained: bool) -> None:
     """Time the sampler's launches (``sampler_s`` in the step timeline; a runner in this
     process) and, constrained,
@@ -406,6 +421,7 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
                       ahead.seconds, structured.num_substituted_rows, ahead.start_delay,
                       ahead.wait_seconds)
         structured.fill_calls.clear()
+        ahead.fills.clear()
     timer = StepTimer(llm) if step_timing else None
     start = time.perf_counter()
     if timer is None:
@@ -447,7 +463,8 @@ def _run_pagedllm(llm, requests: list[SyntheticRequest], args: argparse.Namespac
                      ahead_wait_s=round(ahead.wait_seconds - mask_start[10], 4),
                      mask_ms_per_step=round(1e3 * mask_s / max(steps, 1), 4),
                      mask_us_per_token=round(1e6 * mask_s / max(output_tokens, 1), 2),
-                     **fill_call_figures(structured.fill_calls))
+                     **fill_call_figures(structured.fill_calls),
+                     **ahead_fill_figures(ahead.fills))
     return {
         "backend": "pagedllm+json" if constrained else "pagedllm",
         "num_prompts": len(requests),
@@ -599,7 +616,9 @@ def _row(r: dict) -> str:
                  f"; masks filled ahead {r['masks_filled_ahead']}, used "
                  f"{r['masks_used_ahead']} ({r['ahead_fill_s']} s off the step loop, begun "
                  f"{r['ahead_start_delay_s']} s after they were asked for, "
-                 f"{r['ahead_wait_s']} s waited for)")
+                 f"{r['ahead_wait_s']} s waited for; a fill {r['ahead_fill_ms_p50']} ms "
+                 f"median, {r['ahead_fill_ms_p90']} p90, its wait {r['ahead_wait_ms_p50']} / "
+                 f"{r['ahead_wait_ms_p90']})")
         note = (f"{r['constrained_ratio']}x unconstrained; constraints {r['mask_ms_per_step']} "
                 f"ms/step on the host, {r['mask_us_per_token']} us/token{refused}{fills}{ahead}")
     if "speculative" in r:

@@ -310,7 +310,8 @@ class MaskPrefetch:
     taken as a refused row's mask, ``seconds`` the worker's fill time, ``start_delay`` the
     time from a fill's start to its worker taking it up (the worker needs the interpreter's
     lock to begin), ``wait_seconds`` the time the step loop waited in ``settle`` for fills
-    still running.
+    still running; ``fills`` the latest fills one by one, as (seconds, rows, seconds
+    waited for), whose spread a mean hides: a step waits for its own fill only.
     """
 
     def __init__(self) -> None:
@@ -324,6 +325,9 @@ class MaskPrefetch:
         self.seconds = 0.0
         self.start_delay = 0.0
         self.wait_seconds = 0.0
+        # Each fill settled: (its seconds, its rows, the seconds the step loop waited for it).
+        self.fills: deque[tuple[float, int, float]] = deque(maxlen=FILL_CALLS_KEPT)
+        self._num_rows = 0  # rows of the fill in flight
 
     def settle(self) -> None:
         """Wait for the fill in flight, if any (a failed fill leaves no rows)."""
@@ -337,7 +341,10 @@ class MaskPrefetch:
             except Exception:  # noqa: BLE001 - the check fills the rows itself
                 logger.exception("Filling masks ahead failed")
                 self._rows = {}
-            self.wait_seconds += time.perf_counter() - begin
+                seconds = 0.0
+            waited = time.perf_counter() - begin
+            self.wait_seconds += waited
+            self.fills.append((seconds, self._num_rows, waited))
 
     def settle_for(self, grammar: RequestGrammar) -> None:
         """Wait for the fill in flight if it holds ``grammar``'s matcher."""
@@ -366,6 +373,7 @@ class MaskPrefetch:
         rows = [(grammar.grammar, row) for row, grammar in enumerate(live)]
         buffer = self._buffer
         self.num_filled += len(rows)
+        self._num_rows = len(rows)
 
         submitted = time.perf_counter()
 

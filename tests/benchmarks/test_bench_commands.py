@@ -379,6 +379,7 @@ def test_structured_output_run_beside_the_unconstrained_one(tmp_path, monkeypatc
     assert 0 < constrained["mask_rows"] < constrained["checked_rows"]
     assert constrained["masks_filled_ahead"] == constrained["masks_used_ahead"] == 0
     assert constrained["ahead_start_delay_s"] == constrained["ahead_wait_s"] == 0
+    assert constrained["ahead_fills"] == 0 and "ahead_fill_ms_p90" not in constrained
     assert constrained["refused_fraction"] == round(
         (constrained["mask_rows"] + constrained["masks_used_ahead"])
         / constrained["checked_rows"], 4)
@@ -390,6 +391,18 @@ def test_structured_output_run_beside_the_unconstrained_one(tmp_path, monkeypatc
     assert constrained["fill_rows_per_call"] * fills == pytest.approx(constrained["mask_rows"],
                                                                       abs=0.01 * fills)
     assert 0 < constrained["fill_ms_p50"] <= constrained["fill_ms_p99"] <= constrained["fill_ms_max"]
+
+
+def test_fills_ahead_are_summed_up_by_their_spread_not_only_their_mean() -> None:
+    """The fills ahead one by one: medians, p90 and the slowest, of the fill and of the
+    step loop's wait for it, in milliseconds."""
+    fills = [(0.002, 128, 0.0)] * 8 + [(0.009, 128, 0.005), (0.012, 128, 0.008)]
+    figures = throughput.ahead_fill_figures(fills)
+    assert figures == {"ahead_fills": 10,
+                       "ahead_fill_ms_p50": 2.0, "ahead_fill_ms_p90": 9.0,
+                       "ahead_fill_ms_max": 12.0,
+                       "ahead_wait_ms_p50": 0.0, "ahead_wait_ms_p90": 5.0,
+                       "ahead_wait_ms_max": 8.0}
 
 
 def test_throughput_with_a_shared_prefix_serves_it_from_the_prefix_cache(checkpoint, tmp_path) -> None:

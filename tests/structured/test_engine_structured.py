@@ -1256,5 +1256,8 @@ def test_masks_filled_ahead_count_the_fill_its_start_and_the_wait_for_it():
     prefetch.settle()
     assert prefetch.wait_seconds - waited < 0.02 and prefetch.seconds - filled < 0.02
     assert prefetch.num_filled == 2
+    (slow, rows, slow_wait), (quick, _, quick_wait) = prefetch.fills  # one by one
+    assert rows == 1 and slow >= 0.05 and slow_wait >= 0.04
+    assert quick < 0.02 and quick_wait < 0.02
     prefetch.shutdown()
 
