@@ -389,10 +389,10 @@ def ahead_fill_figures(fills) -> dict:
 
 def _track_sampling(timer, core, constrained: bool) -> None:
     """Time the sampler's launches (``sampler_s`` in the step timeline; a runner in this
-    process) and, constrained,
-    the step loop's grammar calls of a step sampled under masks filled ahead: taking the
-    sampled tokens and starting the next fill (``grammar_take_s``), the masks handed to
-    the sampler, with the wait for the fill (``grammar_masks_s``)."""
+    process) and, constrained, the step loop's grammar calls of a step sampled under masks
+    filled ahead: taking the sampled tokens and starting the next fill
+    (``grammar_take_s``), the masks handed to the sampler, with the wait for the fill
+    (``grammar_masks_s``)."""
     sampler = getattr(core.model_runner, "sampler", None)  # in this process
     if sampler is not None:
         timer.track(sampler, "forward", "sampler")

@@ -510,6 +510,25 @@ def row_argmax_reduce_kernel(best_ptr, index_ptr, out_ptr, parts, BLOCK_PARTS: t
 
 
 @triton.jit
+def refuse_masked_tokens_kernel(logits_ptr, stride_row, rows_ptr, bitmask_ptr, bitmask_stride,
+                                vocab_size, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program ``(r, part)``: -inf into columns ``[part * BLOCK, (part + 1) * BLOCK)`` of
+    logits row ``rows[r]`` that bit ``c % 32`` of word ``c // 32`` of ``bitmask`` row ``r``
+    refuses (int32 words). Allowed columns are neither read nor written."""
+    follow_previous_kernel(PDL)
+    r = tl.program_id(0)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = offsets < vocab_size
+    words = tl.load(bitmask_ptr + r.to(tl.int64) * bitmask_stride + offsets // 32,
+                    mask=valid, other=-1)
+    refused = ((words >> (offsets % 32)) & 1) == 0
+    row = tl.load(rows_ptr + r).to(tl.int64)
+    tl.store(logits_ptr + row * stride_row + offsets,
+             tl.full([BLOCK], float("-inf"), tl.float32).to(logits_ptr.dtype.element_ty),
+             mask=valid & refused)
+
+
+@triton.jit
 def _int_row_inputs(x_rows, perm_ptr, m_valid, k0, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr):
     """One row's inputs ``k0 .. k0 + BLOCK_K`` in float32 (``HAS_PERM``: the columns the
     permutation names there), ``[1, BLOCK_K]``."""

@@ -742,8 +742,12 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     """``logits`` (not modified) with the tokens ``bitmask`` disallows set to -inf in ``rows``.
 
     ``bitmask`` is int32 ``[len(rows), W]`` with ``32 * W >= V``: token ``t`` of row ``i``
-    is allowed when bit ``t % 32`` of ``bitmask[i, t // 32]`` is set.
+    is allowed when bit ``t % 32`` of ``bitmask[i, t // 32]`` is set. ``rows`` are distinct.
+    On a GPU: a copy of ``logits`` with the refused tokens written by one kernel
+    (``triton_ops.refuse_masked_tokens_``), not the rows rebuilt through a bool mask.
     """
+    if use_fused_ops(logits) and logits.stride(-1) == 1:
+        return triton_ops.refuse_masked_tokens_(logits.clone(), rows, bitmask)
     return logits.index_copy(0, rows, masked_rows(logits, rows, bitmask))
 
 

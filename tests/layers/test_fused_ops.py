@@ -661,6 +661,26 @@ def test_fp8_mlp_takes_its_inputs_quantized_by_the_norm_and_the_activation(monke
     assert passes == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_refused_tokens_are_written_in_place_as_masking_the_rows_would(dtype) -> None:
+    """The in-place mask kernel sets exactly the tokens a row's bitmask refuses to -inf, in
+    the picked rows only (over two blocks of columns and a partial last word), and leaves
+    every other logit as it was: the logits ``masked_rows`` builds."""
+    batch, vocab = 5, 2 * triton_ops.MASK_BLOCK + 70
+    logits = _rand(batch, vocab, dtype=dtype, seed=8)
+    rows = torch.tensor([3, 0, 4], device=DEVICE)
+    allowed = torch.rand(len(rows), vocab, generator=torch.Generator().manual_seed(9)) < 0.4
+    allowed[2] = False
+    allowed[2, vocab - 1] = True  # the last word's one token
+    bitmask = token_bitmask(allowed).to(DEVICE)
+    want = logits.clone()
+    want[rows] = masked_rows(logits, rows, bitmask)
+    got = triton_ops.refuse_masked_tokens_(logits.clone(), rows, bitmask)
+    assert torch.equal(got, want)
+    assert torch.isinf(got[4, : vocab - 1]).all() and got[4, vocab - 1] == logits[4, vocab - 1]
+    assert torch.equal(got[[1, 2]], logits[[1, 2]])
+
+
 @pytest.mark.parametrize("lanes", [False, True])
 def test_masked_row_argmax_is_the_draw_of_the_rows_masked_first(monkeypatch, lanes) -> None:
     """Rows picked out of the batch and raced under their bitmask in place, greedy or by
