@@ -746,8 +746,9 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     On a GPU: a copy of ``logits`` with the refused tokens written by one kernel
     (``triton_ops.refuse_masked_tokens_``), not the rows rebuilt through a bool mask.
     """
-    if use_fused_ops(logits) and logits.stride(-1) == 1:
-        return triton_ops.refuse_masked_tokens_(logits.clone(), rows, bitmask)
+    if use_fused_ops(logits):
+        copy = logits.clone(memory_format=torch.contiguous_format)
+        return triton_ops.refuse_masked_tokens_(copy, rows, bitmask)
     return logits.index_copy(0, rows, masked_rows(logits, rows, bitmask))
 
 

@@ -293,6 +293,15 @@ def masks_ahead_wanted(config) -> bool:
             and config.parallel_config.pipeline_parallel_size == 1)
 
 
+def _run_start(values: np.ndarray) -> int | None:
+    """The first of ``values`` when they are consecutive integers (``first, first + 1,
+    ...``), else None (also for none)."""
+    if not len(values):
+        return None
+    first = int(values[0])
+    return first if np.array_equal(values, np.arange(first, first + len(values))) else None
+
+
 class MaskPrefetch:
     """Bitmask rows filled ahead of a check, by a worker thread, while the device computes.
 
@@ -410,14 +419,11 @@ class MaskPrefetch:
         """The buffer's rows ``indices`` (as ``indices`` gave them) as a view of the
         buffer, counted as used, when they are consecutive rows (a decode step of the same
         requests as the step before); else None."""
-        n = len(indices)
-        if not n:
+        first = _run_start(indices)
+        if first is None or first < 0:
             return None
-        first = int(indices[0])
-        if first < 0 or not np.array_equal(indices, np.arange(first, first + n)):
-            return None
-        self.num_used += n
-        return self._buffer[first:first + n]
+        self.num_used += len(indices)
+        return self._buffer[first:first + len(indices)]
 
     def copy_rows(self, indices: np.ndarray, out: np.ndarray, out_rows: np.ndarray) -> None:
         """``out[out_rows] = `` the buffer's rows ``indices`` (as ``indices`` gave them): one
@@ -426,9 +432,8 @@ class MaskPrefetch:
         n = len(indices)
         if not n:
             return
-        first, start = int(indices[0]), int(out_rows[0])
-        if (np.array_equal(indices, np.arange(first, first + n))
-                and np.array_equal(out_rows, np.arange(start, start + n))):
+        first, start = _run_start(indices), _run_start(out_rows)
+        if first is not None and start is not None:
             out[start:start + n] = self._buffer[first:first + n]
         else:
             out[out_rows] = self._buffer[indices]
