@@ -17,6 +17,11 @@ what the products leave (docs/benchmarks.md, "Short contexts over an FP8 cache")
   ``triton_decode.MAX_REGISTERS``), W1's mix (256 sequences of 100..2,048 tokens)
   and TensorRT-LLM's decode batches (512 of 1,000..2,000 and 129..256), bf16 and FP8
   caches: fewer registers a thread, more programs a multiprocessor.
+- ``widen``: decode attention over an FP8 cache with its tiles widened to float16 at the
+  products' operand loads (the default) or before the products
+  (``PAGEDLLM_FP8_KV_WIDEN=staged``), per tile, at W1's mix, TensorRT-LLM's decode
+  batches and four 32,000-token contexts (split); each staged launch's largest difference
+  from the default's (``max_diff``: the products sum in another order).
 - ``silu``: SiLU-and-mul with FP8 output (``silu_and_mul_fp8_kernel``) over gate/up's
   sums before their scales, at 64, 256, 512 and 8,192 rows of 2 x 14,336, per launch
   (``triton_ops.SiluFp8Launch``: ``BLOCK``, a row in one pass up to 16k, else two; warps;
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -53,6 +59,7 @@ from check_kernels_gpu import (  # noqa: E402
 from pagedllm.layers import triton_ops  # noqa: E402
 from pagedllm.layers.attention import triton_decode  # noqa: E402
 from pagedllm.layers.attention.kv_quant import paged_kv_views  # noqa: E402
+from pagedllm.layers.attention.triton_common import FP8_KV_WIDEN_ENV  # noqa: E402
 
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
@@ -140,6 +147,51 @@ def register_rows() -> list[dict[str, Any]]:
                           f"{rows[-1]['tb_s']:5.2f} TB/s{'' if equal else '  DIFFERS'}",
                           flush=True)
         del bf16, steps, step
+        torch.cuda.empty_cache()
+    return rows
+
+
+WIDEN_CASES = REGISTER_CASES + (("4 x 32000 (split)", 4, 32000, 32000),)
+WIDEN_TILES = ((64, 2, 2), (64, 4, 2), (128, 4, 2), (128, 8, 2))
+
+
+@contextlib.contextmanager
+def fp8_widening(mode: str) -> Iterator[None]:
+    """Every decode launch inside widens an FP8 cache's tiles as ``mode`` says
+    (``PAGEDLLM_FP8_KV_WIDEN``, read at each launch)."""
+    configured = os.environ.get(FP8_KV_WIDEN_ENV)
+    os.environ[FP8_KV_WIDEN_ENV] = mode
+    try:
+        yield
+    finally:
+        if configured is None:
+            del os.environ[FP8_KV_WIDEN_ENV]
+        else:
+            os.environ[FP8_KV_WIDEN_ENV] = configured
+
+
+def widen_rows() -> list[dict[str, Any]]:
+    """``widen``: decode attention over an FP8 cache (bf16 queries, float16 products), its
+    tiles widened at the products' operand loads or before the products, per tile."""
+    rows: list[dict[str, Any]] = []
+    for label, seqs, lo, hi in WIDEN_CASES:
+        step = fp8_kv_step(make_step([(n - 1, 1) for n in uniform_lengths(seqs, lo, hi, seed=9)],
+                                     seed=55))
+        order = triton_decode.longest_first(step.metadata.seq_lens)
+        for tile in WIDEN_TILES:
+            with decode_tile(tile):
+                with fp8_widening("operand"):
+                    want = decode_only(step, max_seq_len=hi, order=order)().clone()
+                for mode in ("operand", "staged"):
+                    with fp8_widening(mode):
+                        launch = decode_only(step, max_seq_len=hi, order=order)
+                        diff = (launch().float() - want.float()).abs().max().item()
+                        us = graph_us_per_launch(lambda _: launch(), [None] * 8)
+                    rows.append(dict(part="widen", case=label, cache=mode, tile=list(tile),
+                                     us=us, tb_s=kv_bytes(step) / us / 1e6, max_diff=diff))
+                    print(f"widen {label:22} {mode:8} tile {tile}: {us:7.1f} us "
+                          f"{rows[-1]['tb_s']:5.2f} TB/s, max diff {diff:.2e}", flush=True)
+        del step
         torch.cuda.empty_cache()
     return rows
 
@@ -314,7 +366,7 @@ def best_table(rows: list[dict[str, Any]]) -> str:
         keyed.setdefault(key, []).append(row)
     for key, group in keyed.items():
         # A decode tile sums in another order (outputs differ in the last bits).
-        best = min((r for r in group if r.get("equal", True) or r["part"] == "decode"),
+        best = min((r for r in group if r.get("equal", True) or r["part"] in ("decode", "widen")),
                    key=lambda r: r["us"])
         setting = {k: best[k] for k in ("tile", "max_registers", "block", "warps", "launch",
                                           "programs_per_sm",
@@ -333,7 +385,7 @@ def main() -> int:
         print("decode_step_sweep.py needs a CUDA GPU.")
         return 2
     parts = {"decode": decode_rows, "gap": gap_rows, "silu": silu_rows, "norm": norm_rows,
-             "registers": register_rows, "argmax": argmax_rows}
+             "registers": register_rows, "argmax": argmax_rows, "widen": widen_rows}
     rows: list[dict[str, Any]] = []
     for name in args.parts.split(","):
         rows += parts[name]()

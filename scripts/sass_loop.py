@@ -96,11 +96,12 @@ def compile_kernel(tile, int_bits: int, group: int, w8a8: str, pdl: bool = False
 
 
 def compile_attention(kind: str, tile: list[int], kv: str, pdl: bool = False,
-                      new_kv: str = "pages"):
+                      new_kv: str = "pages", widen_staged: bool = False):
     """The decode (``tile`` = BLOCK_N, warps, stages; one pass) or prefill (``tile`` =
     BLOCK_M, BLOCK_N, warps, stages) attention kernel for sm_90 (see the module docstring);
     ``new_kv``: where the prefill kernel reads a step's new keys, "pages", "rows", or
-    "context-rows" (the cached contexts from rows too)."""
+    "context-rows" (the cached contexts from rows too); ``widen_staged``: the decode
+    kernel widens an FP8 cache's tiles before its products (``PAGEDLLM_FP8_KV_WIDEN``)."""
     kernel = triton_decode._decode_kernel if kind == "decode" else triton_prefill._prefill_kernel
     names = list(kernel.arg_names)
     pointers = dict(k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", part_acc_ptr="*fp32",
@@ -119,7 +120,7 @@ def compile_attention(kind: str, tile: list[int], kv: str, pdl: bool = False,
         block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_G=16, BLOCK_N=block_n, SPLIT=False, MERGE_H=4,
                          MERGE_S=16, HAS_ORDER=True, ROPE_AND_CACHE=True, SUMS=False, HALF=64,
-                         PDL=pdl)
+                         PDL=pdl, WIDEN_STAGED=widen_staged)
     else:
         block_m, block_n, num_warps, num_stages = tile
         constants = dict(shared, BLOCK_M=block_m, BLOCK_Q=block_m // 4, BLOCK_N=block_n,
@@ -234,6 +235,9 @@ def main(argv: list[str] | None = None) -> dict:
                                       "for 4-bit decode batches")
     parser.add_argument("--kv", choices=("bf16", "fp8"), default="bf16",
                         help="the attention kernel's cache dtype")
+    parser.add_argument("--fp8-widen", choices=("operand", "staged"), default="operand",
+                        help="--decode --kv fp8: where the cache's tiles widen to float16, "
+                             "as PAGEDLLM_FP8_KV_WIDEN sets it")
     parser.add_argument("--new-kv", choices=("pages", "rows", "context-rows"), default="pages",
                         help="the prefill kernel: where a step's new keys (and with "
                              "context-rows its cached contexts) are read")
@@ -263,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
         tile = [int(v) for v in attention.split(",")]
         kv = "fp8e4nv" if args.kv == "fp8" else "bf16"
         kind = "decode" if args.decode else "prefill"
-        compiled = compile_attention(kind, tile, kv, args.pdl, args.new_kv)
+        compiled = compile_attention(kind, tile, kv, args.pdl, args.new_kv,
+                                     args.fp8_widen == "staged" and kv == "fp8e4nv")
         code = sass(compiled)
         block_n, num_warps = tile[-3], tile[-2]
         unit, per_thread = "KV byte", block_n * 128 * 2 * (1 if args.kv == "fp8" else 2) / (32 * num_warps)

@@ -89,6 +89,22 @@ def test_a_choice_takes_its_names_only(monkeypatch):
         uses_fp16_dot(torch.bfloat16, fp8)
 
 
+def test_fp8_tiles_widen_before_the_products_only_where_asked_and_compiled(monkeypatch):
+    """``PAGEDLLM_FP8_KV_WIDEN=staged`` applies to float16 products over an FP8 cache,
+    compiled (the interpreter runs no inline assembly); other values are refused."""
+    from pagedllm.layers.attention.triton_common import widens_staged
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("PAGEDLLM_FP8_KV_WIDEN", raising=False)
+    assert not widens_staged(True)
+    monkeypatch.setenv("PAGEDLLM_FP8_KV_WIDEN", "Staged")
+    assert widens_staged(True) and not widens_staged(False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not widens_staged(True)
+    monkeypatch.setenv("PAGEDLLM_FP8_KV_WIDEN", "registers")
+    with pytest.raises(ValueError, match="PAGEDLLM_FP8_KV_WIDEN='registers': give one of"):
+        widens_staged(False)
+
 def test_programmatic_dependent_launch_is_a_switch_of_the_gpu_only(monkeypatch, caplog):
     """Kernels launch early (the ``PDL`` constexpr and Triton's ``launch_pdl`` together) on
     a GPU of compute capability 9.0+, unless ``PAGEDLLM_PDL=0``; never on the CPU, under

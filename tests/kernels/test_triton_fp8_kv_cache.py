@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedllm.layers.attention.kv_quant import paged_kv_views
+from pagedllm.layers.attention.triton_common import FP8_KV_WIDEN_ENV
 from pagedllm.layers.attention.torch_ref import TorchReferenceBackend
 from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
 from pagedllm.layers.attention.triton_decode import NewKV, paged_decode_attention
@@ -174,6 +175,27 @@ def test_scales_are_ignored_by_a_cache_in_the_model_dtype() -> None:
                                            step.metadata, 0.25, None, **SCALES)
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
     assert torch.equal(step.kv_cache.nan_to_num(7.0), want_cache.nan_to_num(7.0))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter runs no inline assembly")
+@pytest.mark.parametrize("widen", ["operand", "staged"])
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-3"])
+def test_gpu_decode_of_bf16_queries_over_an_fp8_cache_matches_the_reference(
+        widen, num_splits, monkeypatch) -> None:
+    """bf16 queries take float16 products over an FP8 cache, its tiles widened at the
+    products' operand loads or before them (``PAGEDLLM_FP8_KV_WIDEN``): both attend as the
+    reference does."""
+    monkeypatch.setenv(FP8_KV_WIDEN_ENV, widen)
+    step = make_fp8_step(DECODES, num_heads=8, num_kv_heads=2, seed=5, dtype=torch.bfloat16,
+                         **SCALES)
+    want, _ = reference_attention(step, 0.25, None, **SCALES)
+    md = step.metadata
+    write_kv_cache(step.key, step.value, *paged_kv_views(step.kv_cache), md.slot_mapping, **SCALES)
+    out = torch.zeros_like(step.query)
+    paged_decode_attention(step.query, *paged_kv_views(step.kv_cache), *batch_args(step), out,
+                           max_seq_len=md.max_seq_len, scale=0.25, num_splits=num_splits,
+                           **SCALES)
+    torch.testing.assert_close(out.float(), want.float(), **TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter rounds to float8 wrongly")

@@ -15,6 +15,7 @@ values up to the queries' dtype (exact) and apply the scales outside the product
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -149,6 +150,34 @@ def check_paged_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache
 
 
 FP8_KV_DOT_ENV = "PAGEDLLM_FP8_KV_DOT"
+FP8_KV_WIDEN_ENV = "PAGEDLLM_FP8_KV_WIDEN"
+
+
+def widens_staged(fp16_dot: bool) -> bool:
+    """Whether a decode launch whose products run in float16 over an FP8 cache
+    (``fp16_dot``) widens the keys and values before its products (``widen_e4m3_staged``)
+    rather than at their operand loads: ``PAGEDLLM_FP8_KV_WIDEN=staged`` (default
+    ``operand``, until timed on a GPU), never under Triton's interpreter, which runs no
+    inline assembly. A value the switch does not take is refused wherever it applies."""
+    staged = choice(FP8_KV_WIDEN_ENV, ("operand", "staged"), "operand") == "staged"
+    return staged and fp16_dot and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@triton.jit
+def widen_e4m3_staged(x):
+    """e4m3 ``x`` widened to float16 (exactly) by the conversion instruction, in an
+    operation the compiler may not move. Widened by ``x.to(tl.float16)``, an FP8 tile that
+    feeds ``tl.dot`` is widened where the product loads it from shared memory, and both of
+    the product's operands take a four-wide layout that ``ldmatrix`` cannot load: the
+    other operand (the loop-invariant queries, or the probabilities) then goes through
+    shared memory and register moves at every iteration. Widened here, the tile is float16
+    before the product, which stages it in shared memory and loads both operands with
+    ``ldmatrix`` (the decode loop's machine code: docs/benchmarks.md)."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+        is_pure=False, pack=4)
 
 
 def uses_fp16_dot(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:

@@ -76,6 +76,8 @@ from pagedllm.layers.attention.triton_common import (
     uses_fp16_dot,
     uses_ieee_dot,
     values_slot_major,
+    widen_e4m3_staged,
+    widens_staged,
 )
 from pagedllm.layers._triton_ops_kernels import (
     follow_previous_kernel,
@@ -155,6 +157,7 @@ def _decode_kernel(
     HALF: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     FP16_DOT: tl.constexpr,
+    WIDEN_STAGED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     V_SLOT_MAJOR: tl.constexpr,
     PDL: tl.constexpr,
@@ -247,6 +250,8 @@ def _decode_kernel(
             mask=n_valid[None, :] & d_valid[:, None],
             other=0.0,
         )
+        if WIDEN_STAGED:
+            k = widen_e4m3_staged(k)
         if IEEE_DOT:
             s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
         else:
@@ -268,6 +273,8 @@ def _decode_kernel(
                 mask=n_valid[:, None] & d_valid[None, :],
                 other=0.0,
             )
+        if WIDEN_STAGED:
+            v = widen_e4m3_staged(v)
         if IEEE_DOT:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         else:
@@ -627,6 +634,7 @@ def paged_decode_attention(
         block_n = max(block_n, key_cache.shape[1])
     block_d = max(16, next_power_of_2(head_dim))
     k_scale, v_scale = cache_scales(key_cache, k_scale, v_scale)
+    fp16_dot = uses_fp16_dot(query.dtype, key_cache.dtype)
     if new_kv is not None:
         new_key, new_value = unit_last_stride(new_kv.key), unit_last_stride(new_kv.value)
         cos, sin = new_kv.cos, new_kv.sin
@@ -705,7 +713,8 @@ def paged_decode_attention(
         SUMS=sums is not None,
         HALF=head_dim // 2,
         IEEE_DOT=uses_ieee_dot(query.dtype),
-        FP16_DOT=uses_fp16_dot(query.dtype, key_cache.dtype),
+        FP16_DOT=fp16_dot,
+        WIDEN_STAGED=widens_staged(fp16_dot),
         SOFTCAP=soft_cap_constexpr(logits_soft_cap),
         V_SLOT_MAJOR=slot_major,
         num_warps=num_warps,
