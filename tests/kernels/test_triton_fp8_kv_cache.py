@@ -110,13 +110,19 @@ def test_nan_keys_and_values_are_stored_as_zero(backend) -> None:
 def test_decode_over_an_fp8_cache_matches_the_reference(num_splits, window) -> None:
     step = make_fp8_step(DECODES, num_heads=8, num_kv_heads=2, seed=1, **SCALES)
     want, _ = reference_attention(step, 0.25, window, **SCALES)
+    torch.testing.assert_close(_decode(step, num_splits, window), want,
+                               **TOLERANCE[torch.float32])
+
+
+def _decode(step, num_splits: int, window: int | None = None) -> torch.Tensor:
+    """The step's new keys and values written to its FP8 cache, then decode attention."""
     md = step.metadata
     write_kv_cache(step.key, step.value, *paged_kv_views(step.kv_cache), md.slot_mapping, **SCALES)
     out = torch.zeros_like(step.query)
     paged_decode_attention(step.query, *paged_kv_views(step.kv_cache), *batch_args(step), out,
                            max_seq_len=md.max_seq_len, scale=0.25, sliding_window=window,
                            num_splits=num_splits, **SCALES)
-    torch.testing.assert_close(out, want, **TOLERANCE[torch.float32])
+    return out
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -189,13 +195,8 @@ def test_gpu_decode_of_bf16_queries_over_an_fp8_cache_matches_the_reference(
     step = make_fp8_step(DECODES, num_heads=8, num_kv_heads=2, seed=5, dtype=torch.bfloat16,
                          **SCALES)
     want, _ = reference_attention(step, 0.25, None, **SCALES)
-    md = step.metadata
-    write_kv_cache(step.key, step.value, *paged_kv_views(step.kv_cache), md.slot_mapping, **SCALES)
-    out = torch.zeros_like(step.query)
-    paged_decode_attention(step.query, *paged_kv_views(step.kv_cache), *batch_args(step), out,
-                           max_seq_len=md.max_seq_len, scale=0.25, num_splits=num_splits,
-                           **SCALES)
-    torch.testing.assert_close(out.float(), want.float(), **TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(_decode(step, num_splits).float(), want.float(),
+                               **TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter rounds to float8 wrongly")
