@@ -10,7 +10,9 @@ how well the fill threads share them: per step the rows' sum, the dearest row (n
 of threads fills the step faster), and the step's length if the rows were dealt to the fill
 threads in order, each to the first thread free (``dealt``), or dearest first
 (``dearest first``). A fill slower than ``dealt`` loses time to the threads themselves
-(contention, memory), not to the rows.
+(contention, memory, or how the rows are shared among them: ``PAGEDLLM_GRAMMAR_FILL=par``,
+llguidance's parallel call, or ``rows``, one queue; ``backend.fills_by_rows``), not to the
+rows.
 
 The rows follow the JSON schemas of ``bench throughput --structured-output json``
 (``structured_workload.py``, row ``i`` takes schema ``i % 4``), and the "model" samples
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedllm.benchmarks.structured_workload import constraint_for  # noqa: E402
 from pagedllm.engine.tokenizer import Tokenizer  # noqa: E402
-from pagedllm.structured.backend import constraint_forms, fill_threads  # noqa: E402
+from pagedllm.structured.backend import constraint_forms, fill_threads, fills_by_rows  # noqa: E402
 from pagedllm.structured.llguidance_backend import LLGuidanceBackend  # noqa: E402
 from pagedllm.structured.manager import StructuredOutputManager  # noqa: E402
 
@@ -134,7 +136,8 @@ def main() -> None:
                 grammar.accept_token(token)
                 assert grammar.error is None, grammar.error
     print(f"{args.rows} rows, {args.steps} steps, vocabulary {vocab}, "
-          f"{manager.num_forms} forms, {fill_threads()} fill threads: "
+          f"{manager.num_forms} forms, {fill_threads()} fill threads "
+          f"({'rows from one queue' if fills_by_rows() else 'parallel call'}): "
           f"{100 * refused_rows / (args.rows * args.steps):.1f}% of sampled tokens refused, "
           f"{100 * still_refused / (args.rows * args.steps):.1f}% refused all of the first "
           f"{args.candidates} of their ranking")

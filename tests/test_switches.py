@@ -87,6 +87,15 @@ def test_a_choice_takes_its_names_only(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_FP8_KV_DOT", "fp32")
     with pytest.raises(ValueError, match="PAGEDLLM_FP8_KV_DOT='fp32': give one of fp16, bf16"):
         uses_fp16_dot(torch.bfloat16, fp8)
+    from pagedllm.structured.backend import fills_by_rows
+
+    monkeypatch.delenv("PAGEDLLM_GRAMMAR_FILL", raising=False)
+    assert not fills_by_rows()
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_FILL", "ROWS")
+    assert fills_by_rows()
+    monkeypatch.setenv("PAGEDLLM_GRAMMAR_FILL", "threads")
+    with pytest.raises(ValueError, match="PAGEDLLM_GRAMMAR_FILL='threads': give one of par, rows"):
+        fills_by_rows()
 
 
 def test_fp8_tiles_widen_before_the_products_only_where_asked_and_compiled(monkeypatch):

@@ -31,10 +31,12 @@ from typing import Any
 import numpy as np
 
 from pagedllm.structured.params import StructuredOutputsParams
-from pagedllm.switches import integer
+from pagedllm.switches import choice, integer
 
 # Threads filling token masks (``PAGEDLLM_GRAMMAR_FILL_THREADS``).
 FILL_THREADS_ENV = "PAGEDLLM_GRAMMAR_FILL_THREADS"
+# How a step's masks are shared among those threads (``PAGEDLLM_GRAMMAR_FILL``).
+FILL_MODE_ENV = "PAGEDLLM_GRAMMAR_FILL"
 # Times one constraint is compiled at most (``PAGEDLLM_GRAMMAR_FORMS``).
 FORMS_ENV = "PAGEDLLM_GRAMMAR_FORMS"
 # The cgroup (v2) CPU quota of the process: "QUOTA PERIOD" or "max PERIOD".
@@ -61,6 +63,13 @@ def fill_threads() -> int:
     if threads is None:
         threads = min(32, max(1, usable_cpus() * 80 // 100))
     return threads
+
+
+def fills_by_rows() -> bool:
+    """Whether the fill threads take a step's rows one at a time from one queue, dearest at
+    their last fill first (``PAGEDLLM_GRAMMAR_FILL=rows``), rather than as the backend's
+    own parallel call deals them (``par``, the default, until timed on a many-CPU host)."""
+    return choice(FILL_MODE_ENV, ("par", "rows"), "par") == "rows"
 
 
 def constraint_forms(max_num_seqs: int) -> int:

@@ -33,8 +33,12 @@ to its grammar text as follows:
 from __future__ import annotations
 
 import functools
+import itertools
 import json
+import math
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import llguidance
@@ -43,7 +47,7 @@ import numpy as np
 from llguidance import LLMatcher
 
 from pagedllm.engine.tokenizer import Tokenizer
-from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads
+from pagedllm.structured.backend import Grammar, GrammarBackend, fill_threads, fills_by_rows
 from pagedllm.structured.implied_types import drop_implied_type
 from pagedllm.structured.intersection import compositions_merged, reaches_a_cycle
 from pagedllm.structured.json_schema import (pointer_walk, ref_siblings_ignored, resource_id,
@@ -520,10 +524,11 @@ def _compile_error(params: StructuredOutputsParams) -> str:
 
 
 class LLGuidanceGrammar(Grammar):
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "fill_seconds")
 
     def __init__(self, matcher: LLMatcher) -> None:
         self.matcher = matcher
+        self.fill_seconds = math.inf  # its last mask's time (``RowFill``); none yet
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         return self.matcher.consume_tokens(token_ids)
@@ -563,6 +568,7 @@ class LLGuidanceBackend(GrammarBackend):
         # The token-trie slices that speed up masks inside JSON strings, for JSON kinds.
         self.json_tokenizer = self.tokenizer.with_slices(llguidance.LLTokenizer.json_slices())
         self.executor = llguidance.LLExecutor(num_threads=fill_threads())
+        self.row_fill = RowFill(fill_threads()) if fills_by_rows() else None
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:
@@ -587,5 +593,53 @@ class LLGuidanceBackend(GrammarBackend):
         return self.executor.consume_token_par([(g.matcher, token) for g, token in grammars])
 
     def fill_bitmasks(self, grammars: list[tuple[Grammar, int]], bitmask: np.ndarray) -> None:
+        if self.row_fill is not None and len(grammars) > 1:
+            self.row_fill.fill(grammars, bitmask)
+            return
         llguidance.numpy.fill_next_token_bitmask_par(
             self.executor, [(g.matcher, row) for g, row in grammars], bitmask)
+
+
+class RowFill:
+    """A step's masks filled one row at a time by ``threads`` threads (the caller one of
+    them), each taking the next row of one queue, the rows dearest at their last fill
+    first (``PAGEDLLM_GRAMMAR_FILL=rows``).
+
+    A row's mask costs from microseconds to milliseconds (near a bounded string's end, the
+    dearest), and llguidance's parallel call hands its threads runs of rows that each fills
+    in order, so a run holding a dear row ends late while other threads idle. Here a
+    thread is never behind another's row: a step's fill lasts about its dearest row or the
+    rows' sum over the threads, whichever is longer. Each row's call releases the
+    interpreter's lock while it computes; taking a row and timing it hold the lock for a
+    few microseconds."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._pool = (ThreadPoolExecutor(threads - 1, thread_name_prefix="pagedllm-mask-rows")
+                      if threads > 1 else None)
+
+    def fill(self, grammars: list[tuple[LLGuidanceGrammar, int]], bitmask: np.ndarray) -> None:
+        """Row ``row`` of ``bitmask`` (C-contiguous int32, one row a mask) becomes the mask
+        of each ``(grammar, row)``, as ``fill_next_token_bitmask_par`` writes it."""
+        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or not bitmask.flags.c_contiguous:
+            raise ValueError("The bitmask must be a C-contiguous 2-D int32 array.")
+        if any(not 0 <= row < bitmask.shape[0] for _, row in grammars):
+            raise ValueError(f"A row is outside the bitmask's {bitmask.shape[0]} rows.")
+        base, row_bytes = bitmask.ctypes.data, bitmask.shape[1] * 4
+        queue = sorted(grammars, key=lambda item: -item[0].fill_seconds)
+        taken = itertools.count()  # one next() at a time: the interpreter's lock
+
+        def work() -> None:
+            while (i := next(taken)) < len(queue):
+                grammar, row = queue[i]
+                start = time.perf_counter()
+                grammar.matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+                grammar.fill_seconds = time.perf_counter() - start
+
+        helpers = min(self.threads, len(queue)) - 1
+        futures = [self._pool.submit(work) for _ in range(helpers)]
+        try:
+            work()
+        finally:
+            for future in futures:
+                future.result()
