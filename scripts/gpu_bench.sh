@@ -31,20 +31,23 @@
 #            work behind the GPU gains, measured in the same run
 #   structured W1 on both models, unconstrained and with every request constrained to a
 #            JSON schema (bench throughput --structured-output json), side by side, then
-#            again with $STRUCTURED_AB (VAR=value..., default PAGEDLLM_GRAMMAR_FILL_THREADS=8,
+#            again with $STRUCTURED_AB (VAR=value..., default PAGEDLLM_GRAMMAR_FILL=rows,
 #            set and empty for none) into structured-ab-w1-<model>.json; the
 #            config-only models get a tokenizer of their vocabulary size first
 #            (pagedllm.benchmarks.bench_tokenizer); for qwen3-0.6b also the host's masks
 #            alone (scripts/bench_structured_masks.py, $STRUCTURED_MASK_ROWS rows over
-#            $STRUCTURED_MASK_STEPS steps) on 1, 4 and the engine's fill threads, into
-#            structured-masks-<threads>.txt
+#            $STRUCTURED_MASK_STEPS steps) on 1, 4 and the engine's fill threads, and the
+#            engine's threads taking rows from one queue (PAGEDLLM_GRAMMAR_FILL=rows), into
+#            structured-masks-<1|4|default|rows>.txt
 #   fp8      W1 and L1/P1 on llama-3.1-8b with --quantization fp8 (compare with w1 and
 #            latency, bf16, in the same run); W1 again with --kv-cache-dtype fp8 as well
 #            (the report gives both runs' KV capacity in tokens and their ratio); and
 #            tests/quantization/test_fp8_kv_cache.py on the GPU (greedy tokens against HF
 #            with FP8 keys and values, held-out perplexity within 1%); and
 #            check_kernels_gpu.py --fp8-kv (the kernels over an FP8 cache at real sizes
-#            against the torch reference; decode over bf16 and FP8 caches by tile); and
+#            against the torch reference; decode over bf16 and FP8 caches by tile), and
+#            decode_step_sweep.py --parts widen (the FP8 cache's tiles widened at the
+#            products' operand loads or before them, PAGEDLLM_FP8_KV_WIDEN, by tile); and
 #            scripts/gemv_quant_sweep.py --kinds fp8 (the small-batch product's tiles);
 #            then W1 and L1/P1 with block-wise FP8 weights (Qwen3's and DeepSeek-V3's
 #            128 x 128 layout, given to the dummy weights by --hf-overrides) into
@@ -142,7 +145,7 @@ BNB8_CONFIG='{"quantization_config": {"quant_method": "bitsandbytes", "load_in_8
 W8A8_CONFIG="{\"quantization_config\": {\"quant_method\": \"compressed-tensors\", \"format\": \"int-quantized\", \"ignore\": [\"lm_head\"], \"config_groups\": {\"group_0\": {\"targets\": [\"Linear\"], \"weights\": $INT8_ARGS, \"strategy\": \"channel\"}, \"input_activations\": $INT8_ARGS, \"strategy\": \"token\", \"dynamic\": true}}}}}"
 
 HF_BACKENDS=${HF_BACKENDS-hf,hf-cb}  # set and empty: no peers
-STRUCTURED_AB=${STRUCTURED_AB-PAGEDLLM_GRAMMAR_FILL_THREADS=8}  # set and empty: no second run
+STRUCTURED_AB=${STRUCTURED_AB-PAGEDLLM_GRAMMAR_FILL=rows}  # set and empty: no second run
 STRUCTURED_MASK_ROWS=${STRUCTURED_MASK_ROWS:-128} STRUCTURED_MASK_STEPS=${STRUCTURED_MASK_STEPS:-30}
 STEPS=${GPU_BENCH_STEPS:-tests kernels w1 latency long w1-small sync fp8 w4a16 spec moe structured serve ab}
 read -r -a AB_SETTINGS <<<"${GPU_BENCH_AB:-}"
@@ -207,6 +210,8 @@ step fp8 "$LIMIT_TESTS" $PY -m pytest -q -x -p no:cacheprovider tests/quantizati
 if [ "$DRY" != "1" ]; then
     step fp8 "$LIMIT_FP8_KERNELS" $PY scripts/check_kernels_gpu.py --skip-checks --fp8-kv \
         --out "$OUT/kernels-fp8-kv.json"
+    step fp8 "$LIMIT_SWEEP" $PY scripts/decode_step_sweep.py --parts widen \
+        --out "$OUT/decode-fp8-widen.json"
 fi
 step fp8 "$LIMIT_LAT" $PY -m pagedllm.benchmarks.latency --model "$BIG" --load-format dummy \
     "${LAT_ARGS[@]}" --quantization fp8 --output-json "$OUT/fp8-latency-$BIG.json"
@@ -295,14 +300,18 @@ for model in "$BIG" "$SMALL"; do
     fi
 done
 # The host's masks alone, row by row beside the fill threads, with the small model's
-# tokenizer (its step is the one the fill outlasts): 1 and 4 threads, the engine's default.
+# tokenizer (its step is the one the fill outlasts): 1 and 4 threads, the engine's default,
+# and the default threads taking the rows from one queue.
 masks_tokenizer=pagedllm/model_files/pagedllm-demo
 [ "$DRY" = "1" ] || masks_tokenizer="${TMPDIR:-/tmp}/pagedllm-tokenizer-$SMALL"
-for threads in 1 4 default; do
+for threads in 1 4 default rows; do
     case " $STEPS " in *" structured "*) ;; *) break ;; esac
-    fill_threads=()
-    [ "$threads" = default ] || fill_threads=(PAGEDLLM_GRAMMAR_FILL_THREADS="$threads")
-    step structured "$LIMIT_STRUCTURED" env "${fill_threads[@]}" $PY \
+    case $threads in
+        default) fill_env=() ;;
+        rows) fill_env=(PAGEDLLM_GRAMMAR_FILL=rows) ;;
+        *) fill_env=(PAGEDLLM_GRAMMAR_FILL_THREADS="$threads") ;;
+    esac
+    step structured "$LIMIT_STRUCTURED" env "${fill_env[@]}" $PY \
         scripts/bench_structured_masks.py --tokenizer "$masks_tokenizer" \
         --rows "$STRUCTURED_MASK_ROWS" --steps "$STRUCTURED_MASK_STEPS" \
         | tee "$OUT/structured-masks-$threads.txt"

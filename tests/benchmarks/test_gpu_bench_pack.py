@@ -55,10 +55,13 @@ def test_the_ab_step_times_decode_batches_of_a_few_sequences(tmp_path) -> None:
 def test_the_structured_step_times_the_small_models_masks_on_one_four_and_the_default_threads(
         tmp_path) -> None:
     """After the constrained W1 runs, the small model's masks alone on the host
-    (``bench_structured_masks.py``), with 1 and 4 fill threads and the engine's default."""
+    (``bench_structured_masks.py``), with 1 and 4 fill threads and the engine's default,
+    and the default threads taking rows from one queue."""
     _run(tmp_path, GPU_BENCH_STEPS="structured", STRUCTURED_AB="")
-    for threads in ("1", "4", "default"):
+    for threads in ("1", "4", "default", "rows"):
         text = (tmp_path / f"structured-masks-{threads}.txt").read_text()
         assert "mask every row" in text and "dearest row" in text, text
     assert "1 fill threads" in (tmp_path / "structured-masks-1.txt").read_text()
     assert "4 fill threads" in (tmp_path / "structured-masks-4.txt").read_text()
+    assert "rows from one queue" in (tmp_path / "structured-masks-rows.txt").read_text()
+    assert "parallel call" in (tmp_path / "structured-masks-default.txt").read_text()
