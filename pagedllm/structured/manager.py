@@ -336,13 +336,12 @@ class MaskPrefetch:
         self.wait_seconds = 0.0
         # Each fill settled: (its seconds, its rows, the seconds the step loop waited for it).
         self.fills: deque[tuple[float, int, float]] = deque(maxlen=FILL_CALLS_KEPT)
-        self._num_rows = 0  # rows of the fill in flight
 
     def settle(self) -> None:
         """Wait for the fill in flight, if any (a failed fill leaves no rows)."""
         future, self._future = self._future, None
         if future is not None:
-            begin = time.perf_counter()
+            begin, rows = time.perf_counter(), len(self._rows)
             try:
                 delay, seconds = future.result()
                 self.start_delay += delay
@@ -353,7 +352,7 @@ class MaskPrefetch:
                 seconds = 0.0
             waited = time.perf_counter() - begin
             self.wait_seconds += waited
-            self.fills.append((seconds, self._num_rows, waited))
+            self.fills.append((seconds, rows, waited))
 
     def settle_for(self, grammar: RequestGrammar) -> None:
         """Wait for the fill in flight if it holds ``grammar``'s matcher."""
@@ -382,7 +381,6 @@ class MaskPrefetch:
         rows = [(grammar.grammar, row) for row, grammar in enumerate(live)]
         buffer = self._buffer
         self.num_filled += len(rows)
-        self._num_rows = len(rows)
 
         submitted = time.perf_counter()
 

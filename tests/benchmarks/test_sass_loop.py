@@ -83,15 +83,14 @@ def test_the_script_shows_which_decode_tiles_double_buffer_their_keys_and_values
 def test_decode_over_an_fp8_cache_widened_before_its_products_loads_them_by_ldmatrix(tile):
     """Widened at the products' operand loads, an FP8 cache's tile gives both operands a
     four-wide layout: the queries come back from shared memory every iteration by 64-bit
-    loads and are copied into the products' register quads (24-36 ``LDS.64``, 77-137
-    register moves). Widened before the products (``PAGEDLLM_FP8_KV_WIDEN=staged``), every
-    operand loads by ``ldmatrix``, few of those loads and moves remain, and the loop is
-    shorter."""
+    loads and are copied into the products' register quads. Widened before the products
+    (``PAGEDLLM_FP8_KV_WIDEN=staged``), every operand loads by ``ldmatrix``, few of those
+    loads and moves remain, the conversions are the same, and the loop is shorter."""
     args = ["--decode", tile, "--kv", "fp8", "--fp8-widen"]
     operand, staged = sass_loop(args + ["operand"]), sass_loop(args + ["staged"])
-    assert operand["opcodes"].get("LDS.64", 0) >= 16 and operand["opcodes"]["IMAD.MOV.U32"] >= 64
-    assert staged["opcodes"].get("LDS.64", 0) <= operand["opcodes"]["LDS.64"] / 4
-    assert staged["opcodes"].get("IMAD.MOV.U32", 0) < operand["opcodes"]["IMAD.MOV.U32"] / 8
+    moves = ("LDS.64", "IMAD.MOV.U32")  # the queries' reloads and register copies
+    assert sum(staged["opcodes"].get(op, 0) for op in moves) < sum(
+        operand["opcodes"].get(op, 0) for op in moves) / 8
     widen = "F2FP.F16.E4M3.UNPACK_B"  # the same conversions, one for two values
     assert staged["opcodes"][widen] == operand["opcodes"][widen]
     assert staged["instructions"] < 0.9 * operand["instructions"]
